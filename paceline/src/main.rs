@@ -1,0 +1,71 @@
+//! The `paceline` binary: a thin clap front. Each subcommand lives in
+//! `commands/<name>.rs` with its own `Args` and an async `run` that calls the
+//! library doing the work.
+
+mod commands;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "paceline",
+    version,
+    about = "A background job runner for long agentic LLM work runs, paced by one shared budget in Redis"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// All-in-one on one machine: the API and a worker pool in one process.
+    Up(commands::up::Args),
+    /// The HTTP API alone.
+    Api(commands::api::Args),
+    /// One worker process.
+    Worker(commands::worker::Args),
+    /// Submit a run spec (JSON file, or - for stdin) to the API; prints the run id.
+    Submit(commands::client::SubmitArgs),
+    /// Follow a run live from its event stream.
+    Watch(commands::client::WatchArgs),
+    /// A table of runs.
+    Runs(commands::client::RunsArgs),
+    /// One run.
+    Status(commands::client::StatusArgs),
+    /// The shared budget state(s), as the workers see them.
+    Pacer(commands::client::PacerArgs),
+    /// An OpenAI-compatible provider simulator (tests, demos, benchmarks).
+    MockProvider(commands::mock::Args),
+    /// The pacing benchmark.
+    Bench(commands::bench::Args),
+    /// A no-op turn consumer on the queue, for the queue's tests and benchmark.
+    #[command(hide = true)]
+    QueueProbe(commands::queue_probe::Args),
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Up(args) => commands::up::run(args).await,
+        Command::Api(args) => commands::api::run(args).await,
+        Command::Worker(args) => commands::worker::run(args).await,
+        Command::Submit(args) => commands::client::submit(args).await,
+        Command::Watch(args) => commands::client::watch(args).await,
+        Command::Runs(args) => commands::client::runs(args).await,
+        Command::Status(args) => commands::client::status(args).await,
+        Command::Pacer(args) => commands::client::pacer(args).await,
+        Command::MockProvider(args) => commands::mock::run(args).await,
+        Command::Bench(args) => commands::bench::run(args).await,
+        Command::QueueProbe(args) => commands::queue_probe::run(args).await,
+    };
+    match result {
+        Ok(code) => code,
+        Err(error) => {
+            eprintln!("paceline: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,15 @@
+//! The binary's command line: every subcommand of SPEC §1 is there.
+//! (Having an integration test here also makes `cargo test --workspace` build
+//! the `paceline` binary that the integration tests start as real processes.)
+
+use std::process::Command;
+
+#[test]
+fn help_lists_every_subcommand_of_the_spec() {
+    let out = Command::new(env!("CARGO_BIN_EXE_paceline")).arg("--help").output().unwrap();
+    assert!(out.status.success());
+    let help = String::from_utf8_lossy(&out.stdout);
+    for cmd in ["up", "api", "worker", "submit", "watch", "runs", "status", "pacer", "mock-provider", "bench"] {
+        assert!(help.contains(&format!("  {cmd} ")), "help lacks `{cmd}`:\n{help}");
+    }
+}

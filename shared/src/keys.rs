@@ -1,0 +1,63 @@
+//! Every Redis key paceline uses, in one place.
+//!
+//! Keys start with the configured prefix (`PACELINE_PREFIX`, default `paceline`)
+//! and carry a hash tag (`{...}`) wherever one script touches several keys, so
+//! they share a Redis Cluster slot. Names are constants, never derived from Rust
+//! type paths, so a rename cannot move a queue.
+
+/// The key namespace of one deployment (or of one test).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Keys {
+    prefix: String,
+}
+
+impl Keys {
+    /// Keys under `prefix`.
+    pub fn new(prefix: impl Into<String>) -> Self {
+        Self { prefix: prefix.into() }
+    }
+
+    /// The prefix itself.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The pacer's state hash for one budget and model. The hash tag is the
+    /// budget, so one budget's keys (state, reservations, fairness) share a slot.
+    pub fn pacer_state(&self, budget: &str, model: &str) -> String {
+        format!("{}:pacer:{{{}}}:state:{}", self.prefix, budget, model)
+    }
+
+    /// Outstanding reservations of one budget and model (sorted set: id → expiry ms).
+    pub fn pacer_reservations(&self, budget: &str, model: &str) -> String {
+        format!("{}:pacer:{{{}}}:resv:{}", self.prefix, budget, model)
+    }
+
+    /// The set of models known under one budget (for `GET /v1/pacer`).
+    pub fn pacer_models(&self, budget: &str) -> String {
+        format!("{}:pacer:{{{}}}:models", self.prefix, budget)
+    }
+
+    /// The set of budget names known to this deployment.
+    pub fn pacer_budgets(&self) -> String {
+        format!("{}:pacer:budgets", self.prefix)
+    }
+
+    /// The hash tag shared by every key of the turn queue.
+    pub fn queue_tag(&self) -> String {
+        format!("{}:q:{{turns}}", self.prefix)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_start_with_the_prefix_and_tag_the_budget() {
+        let k = Keys::new("pl");
+        assert_eq!(k.pacer_state("default", "gpt-4.1"), "pl:pacer:{default}:state:gpt-4.1");
+        assert_eq!(k.pacer_reservations("b", "m"), "pl:pacer:{b}:resv:m");
+        assert!(k.queue_tag().starts_with("pl:"));
+    }
+}

@@ -1,0 +1,1 @@
+//! The reactive ladder: how long to wait before the next attempt, and when to stop.

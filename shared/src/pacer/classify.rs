@@ -1,0 +1,1 @@
+//! Classifying a failed provider call: rate limit, quota, too large, transient, terminal.

@@ -1,0 +1,1 @@
+//! Parsing the durations and instants providers put in rate-limit headers.

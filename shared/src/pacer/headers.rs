@@ -1,0 +1,1 @@
+//! Reading a response's rate-limit headers into one snapshot.

@@ -1,0 +1,1 @@
+//! The turn queue (see issue: the turn queue). Not built yet.

@@ -1,0 +1,233 @@
+//! The integration-test harness: a private `redis-server` per test (Unix socket in a
+//! temp dir, killed on drop), a unique key prefix per test, bounded waits, and the
+//! path of the `paceline` binary for tests that need real processes.
+//!
+//! Every wait here is bounded; a test that waits for something that never comes
+//! fails with a message instead of hanging CI.
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Options for a private redis-server.
+#[derive(Debug, Clone, Default)]
+pub struct RedisOptions {
+    /// Turn on the append-only file (`appendfsync always`), so a restart keeps everything.
+    pub aof: bool,
+}
+
+/// A private `redis-server` listening on a Unix socket in its own temp dir.
+/// Killed when dropped.
+#[derive(Debug)]
+pub struct RedisServer {
+    dir: tempfile::TempDir,
+    child: Option<Child>,
+    opts: RedisOptions,
+}
+
+impl RedisServer {
+    /// Starts a server with persistence off (the usual case).
+    pub fn start() -> Self {
+        Self::start_with(RedisOptions::default())
+    }
+
+    /// Starts a server with the given options.
+    pub fn start_with(opts: RedisOptions) -> Self {
+        let dir = tempfile::Builder::new()
+            .prefix("paceline-redis-")
+            .tempdir()
+            .expect("create temp dir for redis-server");
+        let mut server = Self { dir, child: None, opts };
+        server.spawn();
+        server
+    }
+
+    /// Path of the Unix socket.
+    pub fn socket(&self) -> PathBuf {
+        self.dir.path().join("redis.sock")
+    }
+
+    /// `redis+unix://` URL for the redis crate and for child processes.
+    pub fn url(&self) -> String {
+        format!("redis+unix://{}", self.socket().display())
+    }
+
+    /// A fresh multiplexed client for test assertions.
+    pub fn client(&self) -> redis::Client {
+        redis::Client::open(self.url()).expect("redis url")
+    }
+
+    /// A multiplexed async connection.
+    pub async fn conn(&self) -> redis::aio::MultiplexedConnection {
+        self.client()
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connect to private redis-server")
+    }
+
+    /// Kills the server (SIGKILL) and leaves it down; `restart` brings it back.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_file(self.socket());
+    }
+
+    /// Brings the server back on the same socket (with the same data when AOF is on).
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    /// Starts the server process again on the same socket and dir.
+    pub fn spawn(&mut self) {
+        assert!(self.child.is_none(), "redis-server already running");
+        let dir = self.dir.path();
+        let log = dir.join("redis.log");
+        let mut cmd = Command::new("redis-server");
+        cmd.arg("--port").arg("0")
+            .arg("--unixsocket").arg(self.socket())
+            .arg("--unixsocketperm").arg("700")
+            .arg("--save").arg("")
+            .arg("--dir").arg(dir)
+            .arg("--logfile").arg(&log)
+            .arg("--appendonly").arg(if self.opts.aof { "yes" } else { "no" });
+        if self.opts.aof {
+            cmd.arg("--appendfsync").arg("always");
+        }
+        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
+        let child = match cmd.spawn() {
+            Ok(child) => child,
+            Err(err) => panic!(
+                "cannot start redis-server ({err}); install it (apt-get install redis-server)"
+            ),
+        };
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if ping(&self.socket()) {
+                return;
+            }
+            if let Some(child) = self.child.as_mut() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    panic!(
+                        "redis-server exited at start ({status}); its log:\n{}",
+                        std::fs::read_to_string(&log).unwrap_or_default()
+                    );
+                }
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "redis-server did not answer within 10 s; its log:\n{}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A blocking PING over the Unix socket, used only to learn that the server is up.
+fn ping(socket: &Path) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut stream) = std::os::unix::net::UnixStream::connect(socket) else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
+    if stream.write_all(b"PING\r\n").is_err() {
+        return false;
+    }
+    let mut buf = [0u8; 16];
+    matches!(stream.read(&mut buf), Ok(n) if buf[..n].starts_with(b"+PONG"))
+}
+
+/// A key prefix no other test uses.
+pub fn unique_prefix() -> String {
+    format!("t{:016x}", rand::random::<u64>())
+}
+
+/// Polls `check` until it returns `Some`, or fails the test after `timeout`.
+pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        if Instant::now() > deadline {
+            panic!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Runs a future with a bound; panics naming `what` when it is exceeded.
+pub async fn within<T>(what: &str, timeout: Duration, fut: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(timeout, fut).await {
+        Ok(value) => value,
+        Err(_) => panic!("timed out after {timeout:?}: {what}"),
+    }
+}
+
+/// Path of the `paceline` binary built by `cargo test --workspace`
+/// (the `paceline` package's own CLI test makes cargo build it).
+pub fn paceline_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    // target/debug/deps/integration-xxxx -> target/debug/paceline
+    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    let bin = dir.join("paceline");
+    assert!(
+        bin.exists(),
+        "{} is missing: run the tests with `cargo test --workspace` so the binary is built",
+        bin.display()
+    );
+    bin
+}
+
+/// A child process killed (SIGKILL) when dropped.
+#[derive(Debug)]
+pub struct ChildGuard(pub Child);
+
+impl ChildGuard {
+    /// Sends a signal by name (`TERM`, `KILL`, `STOP`, `CONT`) with the `kill` command.
+    pub fn signal(&self, name: &str) {
+        let status = Command::new("kill")
+            .arg(format!("-{name}"))
+            .arg(self.0.id().to_string())
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{name} failed");
+    }
+
+    /// Waits for the process to exit, at most `timeout`.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(Some(status)) = self.0.try_wait() {
+                return Some(status);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
