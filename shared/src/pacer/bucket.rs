@@ -1,1 +1,593 @@
 //! The proactive model of the provider's token bucket: owed time from a snapshot.
+//!
+//! OpenAI's buckets refill continuously: `x-ratelimit-reset-tokens` is the time
+//! until the bucket is *full* again, so the refill rate is
+//! `(limit - remaining) / reset`, and a call that needs `n` tokens waits only
+//! until `n` (plus the floor) have returned — not until the bucket is full, and
+//! never less.
+//!
+//! The model keeps, per bucket (tokens and requests), a *level*: what the
+//! provider's bucket holds minus what we have promised and not yet seen charged.
+//! Every acquire deducts its estimate at once — also when the answer is "owed":
+//! the owed turn has *booked* the budget that returns during its wait, so the
+//! next waiter is owed the time after it, and waiters leave in order instead of
+//! waking as one herd to find the same scarce budget. The level may go below zero
+//! while turns are booked; it rises with the refill rate and never above the limit.
+//!
+//! Header snapshots only ever *lower* the level (min of ours and theirs): headers
+//! lag the calls still in flight, so a snapshot that shows more than we think is
+//! stale, while one that shows less tells us of spending we did not see (another
+//! account user, a provider-side estimate).
+//!
+//! This file is the policy; `scripts.lua` is the same model as atomic Redis
+//! scripts for the shared pacer, and `local.rs` runs this one in-process. The
+//! differential test in `tests/integration/pacer.rs` drives both with the same
+//! operations and checks they agree.
+
+use crate::clock::Millis;
+use serde::{Deserialize, Serialize};
+
+/// Who is asking: a live listener (companion) draws the budget lower than
+/// background work, so a live turn finds room while work waits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Background work (the default).
+    Work,
+    /// A person is listening live.
+    Companion,
+}
+
+/// The pacing knobs (SPEC §4). All durations in milliseconds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PacingConfig {
+    /// Headroom work turns leave in the bucket, as a fraction of the limit.
+    pub floor_work: f64,
+    /// Headroom companion turns leave (smaller: a live turn draws lower).
+    pub floor_companion: f64,
+    /// A reset further out than this describes something else (a daily cap,
+    /// clock skew): we do not pace on it and let the reactive layer carry the call.
+    pub max_pace_ms: u64,
+    /// Positive jitter added to owed time, as a fraction of it …
+    pub jitter_frac: f64,
+    /// … and never more than this.
+    pub jitter_max_ms: u64,
+    /// A reservation not settled within this is dropped (its worker crashed).
+    pub reservation_ttl_ms: u64,
+    /// With no headers yet, one probe call goes first; the others wait this long
+    /// (or until the probe's headers arrive) before asking again.
+    pub probe_wait_ms: u64,
+    /// Configured limits for providers that send no headers (vLLM, Ollama).
+    pub configured_tpm: Option<u64>,
+    /// See `configured_tpm`.
+    pub configured_rpm: Option<u64>,
+}
+
+impl Default for PacingConfig {
+    fn default() -> Self {
+        Self {
+            floor_work: 0.10,
+            floor_companion: 0.02,
+            max_pace_ms: 90_000,
+            jitter_frac: 0.02,
+            jitter_max_ms: 100,
+            reservation_ttl_ms: 120_000,
+            probe_wait_ms: 200,
+            configured_tpm: None,
+            configured_rpm: None,
+        }
+    }
+}
+
+impl PacingConfig {
+    /// The floor for a mode, as a fraction of the limit.
+    pub fn floor(&self, mode: Mode) -> f64 {
+        match mode {
+            Mode::Work => self.floor_work,
+            Mode::Companion => self.floor_companion,
+        }
+    }
+}
+
+/// What a call is expected to cost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Estimate {
+    /// Input tokens (by a real tokenizer) plus `max_output_tokens`.
+    pub tokens: u64,
+    /// Requests: 1 per call.
+    pub requests: u64,
+}
+
+/// One bucket's view in a header snapshot: limit, remaining, time to full.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Observation {
+    /// `x-ratelimit-limit-*`.
+    pub limit: Option<u64>,
+    /// `x-ratelimit-remaining-*`.
+    pub remaining: Option<u64>,
+    /// `x-ratelimit-reset-*`, in ms from when the headers were sent.
+    pub reset_ms: Option<u64>,
+}
+
+/// One bucket of the model (tokens or requests).
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct Bucket {
+    /// Capacity; 0 means unknown (no pacing on this bucket).
+    pub limit: f64,
+    /// Refill, per millisecond.
+    pub rate: f64,
+    /// Level at `at_ms` (may be negative while turns are booked).
+    pub level: f64,
+    /// When `level` was computed (Redis server clock).
+    pub at_ms: Millis,
+    /// Booked by owed turns that have not yet come back.
+    pub booked: f64,
+    /// Reserved by calls in flight (cleared, not yet settled).
+    pub in_flight: f64,
+}
+
+impl Bucket {
+    /// A full bucket of `limit` per minute.
+    pub fn per_minute(limit: u64, now: Millis) -> Self {
+        Self {
+            limit: limit as f64,
+            rate: limit as f64 / 60_000.0,
+            level: limit as f64,
+            at_ms: now,
+            ..Self::default()
+        }
+    }
+
+    /// Whether we know this bucket's limit (and so pace on it).
+    pub fn known(&self) -> bool {
+        self.limit > 0.0 && self.rate > 0.0
+    }
+
+    /// The level at `now`: refilled since `at_ms`, never above the limit.
+    pub fn level_at(&self, now: Millis) -> f64 {
+        let elapsed = (now - self.at_ms).max(0) as f64;
+        (self.level + self.rate * elapsed).min(self.limit)
+    }
+
+    fn advance(&mut self, now: Millis) {
+        if now > self.at_ms {
+            self.level = self.level_at(now);
+            self.at_ms = now;
+        }
+    }
+
+    /// Milliseconds until the level reaches `need` (0 if it is there).
+    fn ms_until(&self, now: Millis, need: f64) -> f64 {
+        let short = need - self.level_at(now);
+        if short <= 0.0 {
+            0.0
+        } else {
+            short / self.rate
+        }
+    }
+
+    /// What a call of `cost` needs in the bucket before it may go: the cost plus
+    /// the floor, but never more than a full bucket (a call larger than the floor
+    /// allows waits for a full bucket; one larger than the limit is sent when the
+    /// bucket is full and the provider's "request too large" answers it).
+    fn need(&self, cost: f64, floor: f64) -> f64 {
+        (cost + floor * self.limit).min(self.limit)
+    }
+
+    /// Takes a header observation into the model. Only ever lowers the level.
+    fn observe(&mut self, obs: &Observation, now: Millis, headers_at: Millis, max_pace_ms: u64) {
+        let (Some(limit), Some(remaining)) = (obs.limit, obs.remaining) else {
+            return;
+        };
+        if limit == 0 {
+            return;
+        }
+        let reset_ms = obs.reset_ms.unwrap_or(0);
+        if reset_ms > max_pace_ms {
+            // A far-away reset is a daily cap or clock skew: not ours to pace on.
+            return;
+        }
+        let limit = limit as f64;
+        let remaining = (remaining as f64).min(limit);
+        let missing = limit - remaining;
+        // OpenAI's reset is the time until full: it gives the refill rate, when
+        // there is enough missing for the (millisecond) reset value to be precise.
+        if reset_ms >= 20 && missing >= limit * 0.005 {
+            self.rate = missing / reset_ms as f64;
+        } else if self.rate <= 0.0 || (self.limit - limit).abs() > f64::EPSILON {
+            self.rate = limit / 60_000.0;
+        }
+        if !self.known() || self.limit != limit {
+            if self.limit <= 0.0 {
+                self.level = limit;
+                self.at_ms = now;
+            }
+            self.limit = limit;
+        }
+        self.advance(now);
+        // What the provider holds now, less what is booked (surely not yet charged).
+        let elapsed = (now - headers_at).max(0) as f64;
+        let theirs = (remaining + self.rate * elapsed).min(limit) - self.booked;
+        if theirs < self.level {
+            self.level = theirs;
+        }
+    }
+}
+
+/// The whole pacer state for one budget and model.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct PacerState {
+    /// The token bucket.
+    pub tokens: Bucket,
+    /// The request bucket.
+    pub requests: Bucket,
+    /// A 429 closed the window until then: nothing is admitted before.
+    pub blocked_until_ms: Millis,
+    /// With nothing known yet, a probe call is out until then.
+    pub probe_until_ms: Millis,
+    /// When headers were last read.
+    pub observed_at_ms: Millis,
+}
+
+/// Why a turn is owed time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OwedReason {
+    /// Not enough budget (tokens or requests) yet.
+    Budget,
+    /// A 429 closed the window for every worker.
+    RateLimited,
+    /// Nothing is known yet and a probe call is out.
+    Probe,
+}
+
+/// The pacer's answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    /// Send now; the estimate is reserved.
+    Clear,
+    /// Come back after `ms`; the estimate is booked for then (unless `booked`
+    /// is false: then ask again from scratch).
+    Owed {
+        /// Milliseconds owed, jitter included.
+        ms: u64,
+        /// Why.
+        reason: OwedReason,
+        /// Whether budget was booked for the owed turn (present the booking when
+        /// coming back; it is then clear at once).
+        booked: bool,
+    },
+}
+
+/// Asks for `est` at `now`. `jitter_u` is a uniform number in [0, 1) from the
+/// caller (Redis scripts must be deterministic, so randomness comes from outside).
+pub fn acquire(
+    state: &mut PacerState,
+    cfg: &PacingConfig,
+    now: Millis,
+    est: Estimate,
+    mode: Mode,
+    jitter_u: f64,
+) -> Decision {
+    ensure_configured(state, cfg, now);
+    let floor = cfg.floor(mode);
+    if now < state.blocked_until_ms {
+        let ms = (state.blocked_until_ms - now) as f64;
+        return owed(ms, OwedReason::RateLimited, false, cfg, jitter_u);
+    }
+    if !state.tokens.known() && !state.requests.known() {
+        // Nothing known: let one probe call go and learn the headers from it.
+        if now < state.probe_until_ms {
+            let ms = (state.probe_until_ms - now).min(cfg.probe_wait_ms as i64) as f64;
+            return owed(ms, OwedReason::Probe, false, cfg, jitter_u);
+        }
+        state.probe_until_ms = now + cfg.probe_wait_ms as i64 * 10;
+        return Decision::Clear;
+    }
+    let tokens = est.tokens as f64;
+    let requests = est.requests as f64;
+    let mut wait: f64 = 0.0;
+    for (bucket, cost) in [(&mut state.tokens, tokens), (&mut state.requests, requests)] {
+        if bucket.known() {
+            bucket.advance(now);
+            wait = wait.max(bucket.ms_until(now, bucket.need(cost, floor)));
+        }
+    }
+    for (bucket, cost) in [(&mut state.tokens, tokens), (&mut state.requests, requests)] {
+        if bucket.known() {
+            bucket.level -= cost;
+            if wait > 0.0 {
+                bucket.booked += cost;
+            } else {
+                bucket.in_flight += cost;
+            }
+        }
+    }
+    if wait <= 0.0 {
+        Decision::Clear
+    } else {
+        owed(wait, OwedReason::Budget, true, cfg, jitter_u)
+    }
+}
+
+/// A booked turn came back (at or after its owed time): it is clear at once.
+/// Its budget moves from booked to in flight.
+pub fn claim(state: &mut PacerState, est: Estimate) {
+    for (bucket, cost) in [(&mut state.tokens, est.tokens), (&mut state.requests, est.requests)] {
+        if bucket.known() {
+            bucket.booked = (bucket.booked - cost as f64).max(0.0);
+            bucket.in_flight += cost as f64;
+        }
+    }
+}
+
+/// A booking expired without its turn coming back (cancelled, crashed): the
+/// budget it held returns to the level.
+pub fn release_booking(state: &mut PacerState, est: Estimate, now: Millis) {
+    for (bucket, cost) in [(&mut state.tokens, est.tokens), (&mut state.requests, est.requests)] {
+        if bucket.known() {
+            bucket.advance(now);
+            let cost = (cost as f64).min(bucket.booked);
+            bucket.booked -= cost;
+            bucket.level = (bucket.level + cost).min(bucket.limit);
+        }
+    }
+}
+
+/// A reservation in flight expired unsettled (its worker died): we cannot know
+/// whether the call was sent, so the tokens stay spent and return by refill.
+pub fn drop_in_flight(state: &mut PacerState, est: Estimate) {
+    for (bucket, cost) in [(&mut state.tokens, est.tokens), (&mut state.requests, est.requests)] {
+        bucket.in_flight = (bucket.in_flight - cost as f64).max(0.0);
+    }
+}
+
+/// What a finished call reports.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Outcome {
+    /// The reservation it held (zero when it held none, e.g. pacing was off).
+    pub reserved: Estimate,
+    /// Tokens the provider reported as used; `None` when unknown (the
+    /// reservation then stands as the charge).
+    pub used_tokens: Option<u64>,
+    /// The call was refused with a 429: nothing of it was charged, and the
+    /// window is closed for `rate_limited_ms`.
+    pub rate_limited_ms: Option<u64>,
+    /// Token bucket headers.
+    pub tokens: Observation,
+    /// Request bucket headers.
+    pub requests: Observation,
+    /// How long ago (ms) the headers were received.
+    pub headers_age_ms: u64,
+}
+
+/// Settles a finished call: refunds what it reserved beyond what it used, then
+/// lowers the model to the headers (never raises it), and on a 429 closes the
+/// window for every worker.
+pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, outcome: &Outcome) {
+    ensure_configured(state, cfg, now);
+    let refunded_tokens = match (outcome.rate_limited_ms, outcome.used_tokens) {
+        (Some(_), _) => outcome.reserved.tokens,
+        (None, Some(used)) => outcome.reserved.tokens.saturating_sub(used),
+        (None, None) => 0,
+    };
+    let refunded_requests = if outcome.rate_limited_ms.is_some() { outcome.reserved.requests } else { 0 };
+    for (bucket, reserved, refund) in [
+        (&mut state.tokens, outcome.reserved.tokens, refunded_tokens),
+        (&mut state.requests, outcome.reserved.requests, refunded_requests),
+    ] {
+        bucket.advance(now);
+        bucket.in_flight = (bucket.in_flight - reserved as f64).max(0.0);
+        bucket.level = (bucket.level + refund as f64).min(bucket.limit.max(bucket.level));
+    }
+    let headers_at = now - outcome.headers_age_ms as i64;
+    let had_headers = outcome.tokens.remaining.is_some() || outcome.requests.remaining.is_some();
+    state.tokens.observe(&outcome.tokens, now, headers_at, cfg.max_pace_ms);
+    state.requests.observe(&outcome.requests, now, headers_at, cfg.max_pace_ms);
+    if had_headers {
+        state.observed_at_ms = now;
+        state.probe_until_ms = 0;
+    }
+    if let Some(ms) = outcome.rate_limited_ms {
+        // The provider says the window is closed: remaining = 0 for everyone.
+        state.blocked_until_ms = state.blocked_until_ms.max(headers_at + ms as i64);
+        for bucket in [&mut state.tokens, &mut state.requests] {
+            if bucket.known() {
+                bucket.level = bucket.level.min(-bucket.booked);
+            }
+        }
+    }
+}
+
+fn ensure_configured(state: &mut PacerState, cfg: &PacingConfig, now: Millis) {
+    if !state.tokens.known() {
+        if let Some(tpm) = cfg.configured_tpm {
+            state.tokens = Bucket::per_minute(tpm, now);
+        }
+    }
+    if !state.requests.known() {
+        if let Some(rpm) = cfg.configured_rpm {
+            state.requests = Bucket::per_minute(rpm, now);
+        }
+    }
+}
+
+fn owed(ms: f64, reason: OwedReason, booked: bool, cfg: &PacingConfig, jitter_u: f64) -> Decision {
+    // Owed time is paid in full: round up, then add positive jitter so that
+    // waiting turns do not wake as one herd.
+    let base = ms.ceil().max(1.0);
+    let jitter = (base * cfg.jitter_frac).min(cfg.jitter_max_ms as f64) * jitter_u.clamp(0.0, 1.0);
+    Decision::Owed { ms: (base + jitter).ceil() as u64, reason, booked }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const T0: Millis = 1_000_000;
+
+    fn cfg() -> PacingConfig {
+        PacingConfig { jitter_frac: 0.0, ..PacingConfig::default() }
+    }
+
+    fn est(tokens: u64) -> Estimate {
+        Estimate { tokens, requests: 1 }
+    }
+
+    fn obs(limit: u64, remaining: u64, reset_ms: u64) -> Observation {
+        Observation { limit: Some(limit), remaining: Some(remaining), reset_ms: Some(reset_ms) }
+    }
+
+    /// A state that has seen one set of headers: 60 000 TPM, `remaining` left.
+    fn seen(remaining: u64) -> PacerState {
+        let mut s = PacerState::default();
+        let reset = ((60_000 - remaining) as f64 / 1.0).ceil() as u64; // 1 token/ms
+        settle(&mut s, &cfg(), T0, &Outcome { tokens: obs(60_000, remaining, reset), ..Outcome::default() });
+        s
+    }
+
+    #[test]
+    fn with_nothing_known_one_probe_goes_and_the_rest_wait_briefly() {
+        let mut s = PacerState::default();
+        assert_eq!(acquire(&mut s, &cfg(), T0, est(100), Mode::Work, 0.0), Decision::Clear);
+        match acquire(&mut s, &cfg(), T0 + 1, est(100), Mode::Work, 0.0) {
+            Decision::Owed { ms, reason: OwedReason::Probe, booked: false } => assert!(ms <= 200),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn configured_limits_pace_without_headers() {
+        let c = PacingConfig { configured_tpm: Some(6_000), ..cfg() };
+        let mut s = PacerState::default();
+        // 6 000 per minute = 0.1 token/ms; floor 10 % = 600.
+        assert_eq!(acquire(&mut s, &c, T0, est(5_000), Mode::Work, 0.0), Decision::Clear);
+        match acquire(&mut s, &c, T0, est(1_000), Mode::Work, 0.0) {
+            // level 1 000, needs 1 000 + 600: 600 short at 0.1/ms = 6 000 ms.
+            Decision::Owed { ms, reason: OwedReason::Budget, booked: true } => assert_eq!(ms, 6_000),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_rate_comes_from_the_reset_header_of_a_continuous_bucket() {
+        let s = seen(30_000); // 30 000 missing, full in 30 000 ms: 1 token/ms
+        assert!((s.tokens.rate - 1.0).abs() < 1e-9);
+        assert_eq!(s.tokens.level_at(T0), 30_000.0);
+        assert_eq!(s.tokens.level_at(T0 + 10_000), 40_000.0);
+        assert_eq!(s.tokens.level_at(T0 + 1_000_000), 60_000.0, "never above the limit");
+    }
+
+    #[test]
+    fn owed_is_until_enough_returns_not_until_full_and_never_earlier() {
+        let mut s = seen(10_000);
+        // needs 20 000 + 6 000 floor = 26 000; has 10 000; 1 token/ms -> 16 000 ms.
+        match acquire(&mut s, &cfg(), T0, est(20_000), Mode::Work, 0.0) {
+            Decision::Owed { ms, .. } => assert_eq!(ms, 16_000),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn companion_turns_draw_the_budget_lower_than_work_turns() {
+        let mut work = seen(7_000);
+        let mut live = work.clone();
+        // 7 000 left: work needs 1 000 + 6 000 floor (ok, exactly); then 6 000 left.
+        assert_eq!(acquire(&mut work, &cfg(), T0, est(1_000), Mode::Work, 0.0), Decision::Clear);
+        assert!(matches!(acquire(&mut work, &cfg(), T0, est(1_000), Mode::Work, 0.0), Decision::Owed { .. }));
+        assert_eq!(acquire(&mut live, &cfg(), T0, est(1_000), Mode::Work, 0.0), Decision::Clear);
+        // The companion floor is 2 % = 1 200: 6 000 left covers 1 000 + 1 200.
+        assert_eq!(acquire(&mut live, &cfg(), T0, est(1_000), Mode::Companion, 0.0), Decision::Clear);
+    }
+
+    #[test]
+    fn waiters_book_in_order_instead_of_waking_as_a_herd() {
+        let mut s = seen(6_000); // at the floor exactly
+        let mut dues = vec![];
+        for _ in 0..5 {
+            match acquire(&mut s, &cfg(), T0, est(1_000), Mode::Work, 0.0) {
+                Decision::Owed { ms, booked: true, .. } => dues.push(ms),
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(dues, vec![1_000, 2_000, 3_000, 4_000, 5_000]);
+        assert_eq!(s.tokens.booked, 5_000.0);
+    }
+
+    #[test]
+    fn a_far_reset_is_not_paced_on() {
+        let mut s = PacerState::default();
+        settle(&mut s, &cfg(), T0, &Outcome { tokens: obs(60_000, 0, 3_600_000), ..Outcome::default() });
+        assert!(!s.tokens.known(), "a daily cap must not become the pacing model");
+    }
+
+    #[test]
+    fn headers_lower_the_estimate_but_never_raise_it() {
+        let mut s = seen(30_000);
+        assert_eq!(acquire(&mut s, &cfg(), T0, est(10_000), Mode::Work, 0.0), Decision::Clear);
+        assert_eq!(s.tokens.level_at(T0), 20_000.0);
+        // A stale snapshot (taken before our call was charged) shows more: ignored.
+        settle(&mut s, &cfg(), T0, &Outcome { tokens: obs(60_000, 30_000, 30_000), ..Outcome::default() });
+        assert_eq!(s.tokens.level_at(T0), 20_000.0);
+        // One that shows less (someone else spent) lowers it.
+        settle(&mut s, &cfg(), T0, &Outcome { tokens: obs(60_000, 5_000, 55_000), ..Outcome::default() });
+        assert_eq!(s.tokens.level_at(T0), 5_000.0);
+    }
+
+    #[test]
+    fn a_settled_call_refunds_what_it_did_not_use() {
+        let mut s = seen(30_000);
+        assert_eq!(acquire(&mut s, &cfg(), T0, est(10_000), Mode::Work, 0.0), Decision::Clear);
+        assert_eq!(s.tokens.in_flight, 10_000.0);
+        settle(&mut s, &cfg(), T0, &Outcome { reserved: est(10_000), used_tokens: Some(4_000), ..Outcome::default() });
+        assert_eq!(s.tokens.level_at(T0), 26_000.0);
+        assert_eq!(s.tokens.in_flight, 0.0);
+    }
+
+    #[test]
+    fn a_429_closes_the_window_for_everyone_and_refunds_the_refused_call() {
+        let mut s = seen(30_000);
+        assert_eq!(acquire(&mut s, &cfg(), T0, est(1_000), Mode::Work, 0.0), Decision::Clear);
+        settle(
+            &mut s,
+            &cfg(),
+            T0,
+            &Outcome { reserved: est(1_000), rate_limited_ms: Some(3_000), ..Outcome::default() },
+        );
+        match acquire(&mut s, &cfg(), T0 + 10, est(1), Mode::Companion, 0.0) {
+            Decision::Owed { ms, reason: OwedReason::RateLimited, .. } => assert_eq!(ms, 2_990),
+            other => panic!("{other:?}"),
+        }
+        assert!(s.tokens.level_at(T0) <= 0.0, "remaining = 0 after a 429");
+    }
+
+    #[test]
+    fn a_call_larger_than_the_floor_allows_waits_for_a_full_bucket_not_forever() {
+        let mut s = seen(0);
+        match acquire(&mut s, &cfg(), T0, est(59_000), Mode::Work, 0.0) {
+            Decision::Owed { ms, .. } => assert_eq!(ms, 60_000),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn jitter_is_positive_and_bounded() {
+        let c = PacingConfig { jitter_frac: 0.02, jitter_max_ms: 100, ..PacingConfig::default() };
+        for u in [0.0, 0.3, 0.999] {
+            let mut s = seen(6_000);
+            match acquire(&mut s, &c, T0, est(1_000), Mode::Work, u) {
+                Decision::Owed { ms, .. } => assert!((1_000..=1_020).contains(&ms), "{ms}"),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_released_booking_returns_its_budget() {
+        let mut s = seen(6_000);
+        assert!(matches!(acquire(&mut s, &cfg(), T0, est(1_000), Mode::Work, 0.0), Decision::Owed { .. }));
+        release_booking(&mut s, est(1_000), T0);
+        assert_eq!(s.tokens.booked, 0.0);
+        assert_eq!(s.tokens.level_at(T0), 6_000.0);
+    }
+}
