@@ -33,6 +33,11 @@ impl Keys {
         format!("{}:pacer:{{{}}}:resv:{}", self.prefix, budget, model)
     }
 
+    /// Amounts of the reservations of one budget and model (hash: id → record).
+    pub fn pacer_reservation_data(&self, budget: &str, model: &str) -> String {
+        format!("{}:pacer:{{{}}}:resvdata:{}", self.prefix, budget, model)
+    }
+
     /// The set of models known under one budget (for `GET /v1/pacer`).
     pub fn pacer_models(&self, budget: &str) -> String {
         format!("{}:pacer:{{{}}}:models", self.prefix, budget)
@@ -46,6 +51,19 @@ impl Keys {
     /// The hash tag shared by every key of the turn queue.
     pub fn queue_tag(&self) -> String {
         format!("{}:q:{{turns}}", self.prefix)
+    }
+
+    /// The hash tag of everything that one turn-commit script touches: the
+    /// prefix itself (`{paceline}`). The queue's keys carry it, and the run
+    /// store's keys may too, so a script can commit a turn and enqueue the next
+    /// in one slot.
+    pub fn slot_tag(&self) -> String {
+        format!("{{{}}}", self.prefix)
+    }
+
+    /// One key of the turn queue: `prefix:{prefix}:q:name` (see `queue::keys`).
+    pub fn queue_key(&self, name: &str) -> String {
+        format!("{}:{}:q:{}", self.prefix, self.slot_tag(), name)
     }
 }
 
