@@ -1,0 +1,109 @@
+//! What `GET /_mock/stats` (and `MockServer::stats`) reports: counts, the
+//! buckets' state, a log of requests and the latest bodies. One type both
+//! ways, so tests read it in-process or over HTTP alike.
+
+use crate::bucket::BucketMode;
+use crate::wire::Api;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::collections::BTreeMap;
+
+/// The mock's counters and logs.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Stats {
+    /// API requests received (`/v1/…`; `/_mock/…` not counted).
+    pub requests: u64,
+    /// Answers with a 2xx status (a stream that broke mid-way still counts: its status was 200).
+    #[serde(rename = "2xx")]
+    pub ok: u64,
+    /// Answers by HTTP status.
+    pub by_status: BTreeMap<u16, u64>,
+    /// 429 answers, all codes.
+    pub rate_limited: u64,
+    /// 429 answers by `error.code` (`rate_limit_exceeded`, `insufficient_quota`).
+    pub rate_limited_by_code: BTreeMap<String, u64>,
+    /// Streams that ended in an error event.
+    pub midstream_errors: u64,
+    /// Streams that stalled.
+    pub stalls: u64,
+    /// Tokens charged at admission (input + output limit).
+    pub tokens_charged: u64,
+    /// Unused output tokens given back after the answer.
+    pub tokens_refunded: u64,
+    /// Charged minus refunded: what the admitted requests cost the bucket.
+    pub tokens_admitted: u64,
+    /// The largest overdraft either bucket ever reached, from its level; 0 unless admission is broken.
+    pub largest_overdraft: u64,
+    /// The buckets now.
+    pub buckets: Buckets,
+    /// The latest requests, oldest first (see `MockConfig::log_limit`).
+    #[serde(default)]
+    pub log: Vec<LogEntry>,
+    /// The latest request bodies, oldest first (see `MockConfig::keep_bodies`).
+    #[serde(default)]
+    pub bodies: Vec<KeptBody>,
+}
+
+/// Both buckets.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Buckets {
+    /// The token bucket.
+    pub tokens: BucketView,
+    /// The request bucket.
+    pub requests: BucketView,
+}
+
+/// One bucket as the headers would describe it now.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct BucketView {
+    /// Capacity per window.
+    pub limit: u64,
+    /// Whole units available now.
+    pub remaining: u64,
+    /// Milliseconds until full again.
+    pub reset_ms: u64,
+    /// Window length in microseconds (log times use the same epoch and unit).
+    pub window_us: u64,
+    /// Refill mode.
+    pub mode: BucketMode,
+}
+
+/// One API request.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LogEntry {
+    /// The mock's request number (1-based, never reused, not reset).
+    pub seq: u64,
+    /// Arrival (and admission) time, microseconds since the server started.
+    pub at_us: u64,
+    /// Arrival time in whole milliseconds since the server started.
+    pub at_ms: u64,
+    /// The endpoint, when the body parsed.
+    pub api: Option<Api>,
+    /// The model named.
+    pub model: Option<String>,
+    /// `stream: true`.
+    pub stream: bool,
+    /// The HTTP status answered.
+    pub status: u16,
+    /// `error.code` of an error answer, or `midstream_error` for a broken stream.
+    pub code: Option<String>,
+    /// Input tokens counted.
+    pub input_tokens: u64,
+    /// Tool outputs the conversation held.
+    pub tool_outputs: usize,
+    /// Tokens charged at admission (0 when not admitted).
+    pub charged: u64,
+    /// Tokens given back after the answer.
+    pub refunded: u64,
+    /// When they were given back (microseconds since start), once the answer is done.
+    pub refunded_at_us: Option<u64>,
+}
+
+/// A request body as received (JSON, or the raw text when it did not parse).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct KeptBody {
+    /// The request number, as in the log.
+    pub seq: u64,
+    /// The body.
+    pub body: Value,
+}
