@@ -7,7 +7,7 @@
 //! over the span" holds to the token, and tests can check it exactly from the log.
 
 /// How a bucket gets its budget back.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum BucketMode {
     /// Refills at `capacity / window` continuously, as OpenAI's limits do.

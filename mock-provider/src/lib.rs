@@ -2,6 +2,7 @@
 //! (Docs to come.)
 
 pub mod bucket;
+pub mod cli;
 pub mod config;
 pub mod duration;
 pub mod fault;
@@ -11,6 +12,7 @@ pub mod stats;
 pub mod wire;
 
 pub use bucket::BucketMode;
+pub use cli::MockArgs;
 pub use config::MockConfig;
 pub use fault::Fault;
 pub use server::MockServer;

@@ -1,0 +1,179 @@
+//! The command line of `paceline mock-provider`: every knob of [`MockConfig`]
+//! as a flag with a `MOCK_*` environment fallback (flag > env > default).
+//! It lives here, not in the binary, so the benchmark can start the same mock
+//! from the same flags.
+
+use crate::bucket::BucketMode;
+use crate::config::MockConfig;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Flags of the mock provider.
+#[derive(Debug, Clone, clap::Args)]
+pub struct MockArgs {
+    /// Address to listen on (port 0 picks a free port).
+    #[arg(long, env = "MOCK_LISTEN", default_value = "127.0.0.1:8089")]
+    pub listen: SocketAddr,
+    /// Token bucket capacity per window (tokens per minute with the default 60 s window).
+    #[arg(long, env = "MOCK_TPM", default_value_t = 40_000)]
+    pub tpm: u64,
+    /// Request bucket capacity per window (requests per minute with the default window).
+    #[arg(long, env = "MOCK_RPM", default_value_t = 600)]
+    pub rpm: u64,
+    /// Bucket window in seconds: 60 like OpenAI, shorter to scale a minute down for fast tests.
+    #[arg(long, env = "MOCK_WINDOW_S", default_value_t = 60.0)]
+    pub window_s: f64,
+    /// How the buckets refill: continuously at capacity/window, or fully at each window boundary.
+    #[arg(long, env = "MOCK_BUCKET", value_enum, default_value_t = BucketMode::Continuous)]
+    pub bucket: BucketMode,
+    /// Delay before the first byte of an admitted answer, in ms (429s answer at once).
+    #[arg(long, env = "MOCK_LATENCY_MS", default_value_t = 0)]
+    pub latency_ms: u64,
+    /// Tool outputs a conversation must hold before the model answers in text (when it offers tools).
+    #[arg(long, env = "MOCK_TOOL_ROUNDS", default_value_t = 2)]
+    pub tool_rounds: usize,
+    /// Function calls per tool round (parallel calls in one answer).
+    #[arg(long, env = "MOCK_CALLS_PER_ROUND", default_value_t = 1)]
+    pub calls_per_round: usize,
+    /// Length of the final text answer in tokens (one word = one token).
+    #[arg(long, env = "MOCK_OUTPUT_TOKENS", default_value_t = 200)]
+    pub output_tokens: u64,
+    /// Output tokens charged at admission when a request sets no limit [default: --output-tokens].
+    #[arg(long, env = "MOCK_DEFAULT_MAX_OUTPUT_TOKENS")]
+    pub default_max_output_tokens: Option<u64>,
+    /// Fraction (0..1) of requests that fail with 500, 503 or 529 before admission.
+    #[arg(long, env = "MOCK_FAIL_RATE", default_value_t = 0.0)]
+    pub fail_rate: f64,
+    /// Fraction (0..1) of streamed answers that break after some text with an error event.
+    #[arg(long, env = "MOCK_MIDSTREAM_ERROR_RATE", default_value_t = 0.0)]
+    pub midstream_error_rate: f64,
+    /// The code of a mid-stream error.
+    #[arg(long, env = "MOCK_MIDSTREAM_ERROR_CODE", default_value = "server_error",
+          value_parser = ["server_error", "rate_limit_exceeded"])]
+    pub midstream_error_code: String,
+    /// After N admitted requests, answer every request with 429 insufficient_quota.
+    #[arg(long, env = "MOCK_QUOTA_AFTER")]
+    pub quota_after: Option<u64>,
+    /// Make --tpm a daily cap: a fixed 24 h window, so resets and retry-afters are hours away.
+    #[arg(long, env = "MOCK_DAILY_CAP")]
+    pub daily_cap: bool,
+    /// Pause every streamed answer this many ms mid-way, after some text.
+    #[arg(long, env = "MOCK_STALL_MS", default_value_t = 0)]
+    pub stall_ms: u64,
+    /// Send no x-ratelimit-* headers, like vLLM or Ollama.
+    #[arg(long, env = "MOCK_NO_HEADERS")]
+    pub no_headers: bool,
+    /// Seed of the fault dice (--fail-rate, --midstream-error-rate), so a run is repeatable.
+    #[arg(long, env = "MOCK_SEED", default_value_t = 0)]
+    pub seed: u64,
+    /// How many of the latest request bodies GET /_mock/stats keeps.
+    #[arg(long, env = "MOCK_KEEP_BODIES", default_value_t = 32)]
+    pub keep_bodies: usize,
+    /// How many of the latest requests the GET /_mock/stats log keeps.
+    #[arg(long, env = "MOCK_LOG_LIMIT", default_value_t = 100_000)]
+    pub log_limit: usize,
+    /// The organization named in rate-limit messages.
+    #[arg(long, env = "MOCK_ORGANIZATION", default_value = "org-mock")]
+    pub organization: String,
+}
+
+impl MockArgs {
+    /// The configuration these flags describe, or what is wrong with them.
+    pub fn into_config(self) -> Result<MockConfig, String> {
+        if !(self.window_s.is_finite() && self.window_s > 0.0) {
+            return Err(format!("--window-s must be a positive number of seconds, not {}", self.window_s));
+        }
+        for (name, rate) in [("--fail-rate", self.fail_rate), ("--midstream-error-rate", self.midstream_error_rate)] {
+            if !(0.0..=1.0).contains(&rate) {
+                return Err(format!("{name} must be between 0 and 1, not {rate}"));
+            }
+        }
+        if self.tpm == 0 || self.rpm == 0 {
+            return Err("--tpm and --rpm must be at least 1".to_string());
+        }
+        Ok(MockConfig {
+            listen: self.listen,
+            tpm: self.tpm,
+            rpm: self.rpm,
+            window: Duration::from_secs_f64(self.window_s),
+            bucket: self.bucket,
+            latency: Duration::from_millis(self.latency_ms),
+            tool_rounds: self.tool_rounds,
+            calls_per_round: self.calls_per_round.max(1),
+            output_tokens: self.output_tokens,
+            default_max_output_tokens: self.default_max_output_tokens,
+            fail_rate: self.fail_rate,
+            midstream_error_rate: self.midstream_error_rate,
+            midstream_error_code: self.midstream_error_code,
+            quota_after: self.quota_after,
+            daily_cap: self.daily_cap,
+            stall: Duration::from_millis(self.stall_ms),
+            headers: !self.no_headers,
+            seed: self.seed,
+            keep_bodies: self.keep_bodies,
+            log_limit: self.log_limit,
+            organization: self.organization,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::{CommandFactory, Parser};
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        mock: MockArgs,
+    }
+
+    #[test]
+    fn every_flag_has_a_help_line() {
+        let cmd = Cli::command();
+        cmd.clone().debug_assert();
+        for arg in cmd.get_arguments() {
+            if arg.get_id() == "help" {
+                continue;
+            }
+            assert!(arg.get_help().is_some(), "--{} has no help", arg.get_id());
+        }
+    }
+
+    #[test]
+    fn flags_become_the_config() {
+        let cli = Cli::try_parse_from([
+            "mock", "--listen", "127.0.0.1:0", "--tpm", "1000", "--rpm", "10", "--window-s", "1.5",
+            "--bucket", "window", "--latency-ms", "5", "--tool-rounds", "3", "--output-tokens", "7",
+            "--fail-rate", "0.25", "--quota-after", "4", "--daily-cap", "--stall-ms", "9",
+            "--no-headers", "--seed", "11", "--midstream-error-rate", "0.5",
+            "--midstream-error-code", "rate_limit_exceeded",
+        ])
+        .unwrap();
+        let cfg = cli.mock.into_config().unwrap();
+        assert_eq!(cfg.tpm, 1000);
+        assert_eq!(cfg.rpm, 10);
+        assert_eq!(cfg.window, Duration::from_millis(1500));
+        assert_eq!(cfg.bucket, BucketMode::Window);
+        assert_eq!(cfg.latency, Duration::from_millis(5));
+        assert_eq!(cfg.tool_rounds, 3);
+        assert_eq!(cfg.output_tokens, 7);
+        assert_eq!(cfg.fail_rate, 0.25);
+        assert_eq!(cfg.quota_after, Some(4));
+        assert!(cfg.daily_cap);
+        assert_eq!(cfg.stall, Duration::from_millis(9));
+        assert!(!cfg.headers);
+        assert_eq!(cfg.seed, 11);
+        assert_eq!(cfg.midstream_error_code, "rate_limit_exceeded");
+        assert_eq!(cfg.default_max_output(), 7);
+    }
+
+    #[test]
+    fn nonsense_is_refused() {
+        for bad in [["--window-s", "0"], ["--fail-rate", "1.5"], ["--tpm", "0"]] {
+            let cli = Cli::try_parse_from(["mock", bad[0], bad[1]]).unwrap();
+            assert!(cli.mock.into_config().is_err(), "{bad:?}");
+        }
+        assert!(Cli::try_parse_from(["mock", "--bucket", "leaky"]).is_err());
+    }
+}
