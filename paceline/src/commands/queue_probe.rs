@@ -1,12 +1,324 @@
-//! `paceline queue-probe` (not built yet).
+//! `paceline queue-probe` (hidden): a no-op turn consumer on the queue, for the
+//! queue's process-level tests (SIGKILL, SIGTERM, Redis restarts) and its bench.
+//!
+//! `consume` runs one worker process on apalis's runtime over the turn queue.
+//! Its handler reads the payload: `{"sleep_ms": N}` sleeps (capped by
+//! `--max-sleep-ms`), `{"crash": true}` aborts the process (a poison turn),
+//! `{"fail": true}` returns an error. With `--record` it counts each completion
+//! per id and records start lateness in Redis, for tests and the lateness bench.
+//!
+//! `bench` measures the queue alone with one consumer process: no-op turns per
+//! second, Redis commands per turn (INFO commandstats deltas), and start
+//! lateness p50/p99 of 1 000 waiting turns. It starts a private redis-server
+//! unless `--external-redis` is given.
 
+use anyhow::Context as _;
+use shared::config::RedisArgs;
+use shared::queue::apalis_core::error::BoxDynError;
+use shared::queue::apalis_core::task::data::Data;
+use shared::queue::apalis_core::worker::builder::WorkerBuilder;
+use shared::queue::{Lease, QueueConfig, TurnQueue};
 use std::process::ExitCode;
+use std::time::{Duration, Instant};
 
 /// Arguments of this subcommand.
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    #[command(subcommand)]
+    mode: Mode,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum Mode {
+    /// Run one consumer (worker) process until SIGTERM/SIGINT.
+    Consume(ConsumeArgs),
+    /// Measure throughput, commands per turn and start lateness.
+    Bench(BenchArgs),
+}
+
+#[derive(Debug, Clone, clap::Args)]
+struct ConsumeArgs {
+    #[command(flatten)]
+    redis: RedisArgs,
+    #[command(flatten)]
+    queue: QueueConfig,
+    /// Worker slots.
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+    /// Cap on a payload's `sleep_ms`.
+    #[arg(long, default_value_t = u64::MAX)]
+    max_sleep_ms: u64,
+    /// Record completions (per id) and start lateness in Redis.
+    #[arg(long)]
+    record: bool,
+}
+
+#[derive(Debug, clap::Args)]
+struct BenchArgs {
+    /// Use `--redis-url` instead of a private redis-server.
+    #[arg(long)]
+    external_redis: bool,
+    #[command(flatten)]
+    redis: RedisArgs,
+    /// No-op turns for the throughput phase.
+    #[arg(long, default_value_t = 20_000)]
+    turns: usize,
+    /// Turns waiting (delayed) for the lateness phase.
+    #[arg(long, default_value_t = 1000)]
+    waiting: usize,
+    /// The waiting turns fall due evenly over this many ms.
+    #[arg(long, default_value_t = 3000)]
+    spread_ms: u64,
+    /// Consumer slots.
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+    /// Fetch batch of the consumer.
+    #[arg(long, default_value_t = 64)]
+    fetch_batch: usize,
+}
+
+/// Redis keys the probe records into (under the queue's hash tag).
+fn done_key(redis: &RedisArgs) -> String {
+    redis.keys().queue_key("probe:done")
+}
+
+fn lateness_key(redis: &RedisArgs) -> String {
+    redis.keys().queue_key("probe:lateness")
+}
 
 /// Runs the subcommand.
-pub async fn run(_args: Args) -> anyhow::Result<ExitCode> {
-    super::not_built("queue-probe")
+pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
+    match args.mode {
+        Mode::Consume(a) => consume(a).await,
+        Mode::Bench(a) => bench(a).await,
+    }
+}
+
+#[derive(Clone)]
+struct Probe {
+    conn: redis::aio::ConnectionManager,
+    record: bool,
+    max_sleep_ms: u64,
+    done_key: String,
+    lateness_key: String,
+}
+
+async fn probe_turn(payload: serde_json::Value, lease: Lease, probe: Data<Probe>) -> Result<(), BoxDynError> {
+    if payload.get("crash").and_then(|v| v.as_bool()) == Some(true) {
+        // A poison turn: it takes its worker process down with it.
+        std::process::abort();
+    }
+    if payload.get("fail").and_then(|v| v.as_bool()) == Some(true) {
+        return Err("probe: this turn asked to fail".into());
+    }
+    let sleep_ms = payload.get("sleep_ms").and_then(|v| v.as_u64()).unwrap_or(0).min(probe.max_sleep_ms);
+    if sleep_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(sleep_ms)).await;
+    }
+    if probe.record {
+        let mut conn = probe.conn.clone();
+        let _: () = redis::pipe()
+            .hincr(&probe.done_key, &lease.id, 1)
+            .ignore()
+            .rpush(&probe.lateness_key, lease.lateness_ms())
+            .ignore()
+            .query_async(&mut conn)
+            .await?;
+    }
+    Ok(())
+}
+
+async fn consume(args: ConsumeArgs) -> anyhow::Result<ExitCode> {
+    shared::telemetry::init("info");
+    let queue = TurnQueue::new(&args.redis, args.queue.clone())?;
+    let probe = Probe {
+        conn: shared::redis_util::lazy_manager(&args.redis.url, shared::redis_util::COMMAND_TIMEOUT)?,
+        record: args.record,
+        max_sleep_ms: args.max_sleep_ms,
+        done_key: done_key(&args.redis),
+        lateness_key: lateness_key(&args.redis),
+    };
+    let backend = queue.backend::<serde_json::Value>(args.concurrency);
+    let name = backend.identity().to_owned();
+    tracing::info!(message = "queue-probe consuming", worker.id = %name, concurrency = args.concurrency);
+    let worker = WorkerBuilder::new(name.as_str()).backend(backend).data(probe).build(probe_turn);
+    worker
+        .run_until(async {
+            super::shutdown_signal().await;
+            Ok::<(), std::io::Error>(())
+        })
+        .await
+        .context("worker")?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A private redis-server for the bench, killed on drop.
+struct PrivateRedis {
+    child: std::process::Child,
+    dir: std::path::PathBuf,
+}
+
+impl PrivateRedis {
+    fn start() -> anyhow::Result<Self> {
+        let dir = std::env::temp_dir().join(format!("paceline-queue-bench-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let child = std::process::Command::new("redis-server")
+            .args(["--port", "0", "--save", "", "--appendonly", "no"])
+            .arg("--unixsocket")
+            .arg(dir.join("redis.sock"))
+            .arg("--dir")
+            .arg(&dir)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .context("start redis-server (install it: apt-get install redis-server)")?;
+        Ok(Self { child, dir })
+    }
+
+    fn url(&self) -> String {
+        format!("redis+unix://{}", self.dir.join("redis.sock").display())
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+async fn commandstats(conn: &mut redis::aio::ConnectionManager) -> anyhow::Result<std::collections::BTreeMap<String, u64>> {
+    let info: String = redis::cmd("INFO").arg("commandstats").query_async(conn).await?;
+    let mut out = std::collections::BTreeMap::new();
+    for line in info.lines() {
+        let Some(rest) = line.strip_prefix("cmdstat_") else { continue };
+        let Some((name, fields)) = rest.split_once(':') else { continue };
+        if let Some(calls) = fields.split(',').find_map(|f| f.strip_prefix("calls=")) {
+            out.insert(name.to_owned(), calls.parse().unwrap_or(0));
+        }
+    }
+    Ok(out)
+}
+
+/// Enqueues `n` turns with 64 enqueues in flight; `delay(i)` gives each one's delay.
+async fn enqueue_many(queue: &TurnQueue, tag: &str, n: usize, delay: impl Fn(usize) -> u64) -> anyhow::Result<()> {
+    use futures::StreamExt;
+    let results: Vec<_> = futures::stream::iter(0..n)
+        .map(|i| {
+            let d = delay(i);
+            async move { queue.enqueue_raw(&format!("{tag}-{i}"), "{}", d).await }
+        })
+        .buffer_unordered(64)
+        .collect()
+        .await;
+    for r in results {
+        r?;
+    }
+    Ok(())
+}
+
+async fn wait_until_drained(queue: &TurnQueue, timeout: Duration) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let c = queue.counts().await?;
+        if c.ready + c.delayed + c.in_flight == 0 {
+            return Ok(());
+        }
+        anyhow::ensure!(Instant::now() < deadline, "queue not drained after {timeout:?}: {c:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn spawn_consumer(redis: &RedisArgs, concurrency: usize, fetch_batch: usize, record: bool) -> anyhow::Result<std::process::Child> {
+    let mut cmd = std::process::Command::new(std::env::current_exe()?);
+    cmd.args(["queue-probe", "consume", "--redis-url", &redis.url, "--prefix", &redis.prefix])
+        .args(["--concurrency", &concurrency.to_string(), "--queue-fetch-batch", &fetch_batch.to_string()])
+        .env("RUST_LOG", "warn");
+    if record {
+        cmd.arg("--record");
+    }
+    Ok(cmd.spawn()?)
+}
+
+fn percentile(sorted: &[i64], p: f64) -> i64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[idx.min(sorted.len() - 1)]
+}
+
+async fn bench(args: BenchArgs) -> anyhow::Result<ExitCode> {
+    shared::telemetry::init("warn");
+    let private = if args.external_redis { None } else { Some(PrivateRedis::start()?) };
+    let url = private.as_ref().map(PrivateRedis::url).unwrap_or_else(|| args.redis.url.clone());
+    let redis = RedisArgs::new(url, format!("bench{}", std::process::id()));
+    let queue = TurnQueue::new(&redis, QueueConfig::default())?;
+    // Wait for the private server to answer.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while queue.server_time_ms().await.is_err() {
+        anyhow::ensure!(Instant::now() < deadline, "redis did not answer within 10 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut admin = shared::redis_util::manager(&redis.url).await?;
+
+    // Phase 1: throughput and commands per turn, one consumer process.
+    let mut child = spawn_consumer(&redis, args.concurrency, args.fetch_batch, false)?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while queue.list_workers().await?.is_empty() {
+        anyhow::ensure!(Instant::now() < deadline, "consumer did not register within 10 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let before = commandstats(&mut admin).await?;
+    let t0 = Instant::now();
+    enqueue_many(&queue, "tp", args.turns, |_| 0).await?;
+    let enqueued = t0.elapsed();
+    wait_until_drained(&queue, Duration::from_secs(600)).await?;
+    let elapsed = t0.elapsed();
+    let after = commandstats(&mut admin).await?;
+    let mut deltas: Vec<(String, u64)> = after
+        .iter()
+        .map(|(k, v)| (k.clone(), v.saturating_sub(*before.get(k).unwrap_or(&0))))
+        .filter(|(k, v)| *v > 0 && k != "info")
+        .collect();
+    deltas.sort_by(|a, b| b.1.cmp(&a.1));
+    let total: u64 = deltas.iter().map(|(_, v)| v).sum();
+    println!("queue bench: one consumer process, concurrency {}, fetch batch {}", args.concurrency, args.fetch_batch);
+    println!(
+        "throughput: {} no-op turns in {:.3} s = {:.0} turns/s (enqueue took {:.3} s, overlapping)",
+        args.turns,
+        elapsed.as_secs_f64(),
+        args.turns as f64 / elapsed.as_secs_f64(),
+        enqueued.as_secs_f64()
+    );
+    println!(
+        "redis commands per turn: {:.2} (enqueue + fetch + ack + heartbeats + this bench's count polls, scripts' inner calls included)",
+        total as f64 / args.turns as f64
+    );
+    let breakdown: Vec<String> = deltas.iter().take(14).map(|(k, v)| format!("{k} {:.2}", *v as f64 / args.turns as f64)).collect();
+    println!("  per turn: {}", breakdown.join(", "));
+    let _ = child.kill();
+    let _ = child.wait();
+
+    // Phase 2: start lateness of turns waiting for their due time.
+    let mut child = spawn_consumer(&redis, args.concurrency, args.fetch_batch, true)?;
+    let spread = args.spread_ms.max(1);
+    let n = args.waiting.max(1);
+    // Due 1 s from now, then evenly over the spread: all of them wait first.
+    enqueue_many(&queue, "late", n, |i| 1000 + spread * i as u64 / n as u64).await?;
+    wait_until_drained(&queue, Duration::from_secs(120)).await?;
+    let mut late: Vec<i64> = redis::cmd("LRANGE").arg(lateness_key(&redis)).arg(0).arg(-1).query_async(&mut admin).await?;
+    late.sort_unstable();
+    println!(
+        "start lateness of {} waiting turns (due over {} ms): p50 {} ms, p99 {} ms, max {} ms, early starts: {}",
+        late.len(),
+        spread,
+        percentile(&late, 0.50),
+        percentile(&late, 0.99),
+        late.last().copied().unwrap_or(0),
+        late.iter().filter(|l| **l < 0).count()
+    );
+    let _ = child.kill();
+    let _ = child.wait();
+    Ok(ExitCode::SUCCESS)
 }

@@ -1,1 +1,704 @@
-//! The turn queue (see issue: the turn queue). Not built yet.
+//! The turn queue: our own Redis queue, and an apalis-core 1.0 `Backend` over it.
+//!
+//! Why our own: `apalis-redis` 1.0 starts scheduled tasks up to a second early,
+//! chokes on 8 000 due tasks, recovers orphans on worker clocks after 300 s and
+//! has no fencing (see the queue issue). Here every time is the Redis server's
+//! clock in ms, every state change is one Lua script, and every lease carries a
+//! fencing epoch.
+//!
+//! Shape (all keys under one hash tag, the prefix: `prefix:{prefix}:q:*`):
+//! - `due` ZSET id → due ms: queued turns, ready (due ≤ now) or delayed;
+//! - `lease` ZSET id → lease deadline ms: turns in flight;
+//! - `jobs` HASH id → `epoch|deliveries|flag|payload`, the one record of a turn;
+//! - `dead` ZSET + `reasons` HASH: turns that used up their deliveries;
+//! - `notify` LIST: wake-up tokens idle workers `BLPOP` (see `backend.rs`).
+//!
+//! A delivery hands the handler a [`Lease`] (id, epoch, worker, deliveries). The
+//! holder settles it with [`TurnQueue::complete`], [`TurnQueue::requeue`] or
+//! [`TurnQueue::dead`]; each is one script that first checks the epoch, so a
+//! stale holder gets [`QueueError::Fenced`] and changes nothing. Other modules
+//! build their own atomic scripts on [`LUA_LIB`] (see its doc).
+
+mod backend;
+
+pub use backend::{LeaseLayer, LeaseService, QueueBackend};
+/// Re-exported so workers build on the same apalis-core as the backend.
+pub use apalis_core;
+
+use crate::config::RedisArgs;
+use crate::redis_util;
+use apalis_core::task::from_request::FromRequest;
+use apalis_core::task::Task;
+use redis::aio::ConnectionManager;
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The queue's Lua library: local functions over the queue's keys, to prepend
+/// to a script that must change the queue atomically with other state (the
+/// worker's turn commit).
+///
+/// Conventions:
+/// - `KEYS[1..6]` are the queue's keys in the order of [`QueueKeys::script_keys`];
+///   the script's own keys start at `KEYS[Q_NKEYS + 1]` (`Q_NKEYS` = 6).
+/// - `ARGV` belongs to the script; the library reads none of it.
+/// - `q_now()` is the server clock in ms. `q_fence(id, epoch)` returns the turn's
+///   record when `epoch` is its live lease, else `nil, why` ('gone', 'not_leased',
+///   'stale'): call it first and write nothing on `nil`.
+/// - With the record `r` from `q_fence`: `q_schedule(id, r, due_ms)` queues the
+///   turn again (set `r.payload` for the next turn's payload and
+///   `r.deliveries = 0` for a requeue that made progress); `q_finish(id)` removes
+///   it; `q_bury(id, r, reason, now)` moves it to the dead set.
+///
+/// A commit script: `local r, why = q_fence(ARGV[1], ARGV[2]); if not r then
+/// return {'fenced', why} end; <run-store writes>; r.payload = ARGV[3];
+/// r.deliveries = 0; q_schedule(ARGV[1], r, q_now() + delay)` — then call
+/// [`Lease::mark_settled`] so the backend does not also complete it.
+pub const LUA_LIB: &str = include_str!("lib.lua");
+
+const ENQUEUE_LUA: &str = include_str!("enqueue.lua");
+const FETCH_LUA: &str = include_str!("fetch.lua");
+const SETTLE_LUA: &str = include_str!("settle.lua");
+const HEARTBEAT_LUA: &str = include_str!("heartbeat.lua");
+const READ_LUA: &str = include_str!("read.lua");
+const ADMIN_LUA: &str = include_str!("admin.lua");
+
+/// Most turns one fetch script leases; bounds each script's run time.
+pub const MAX_FETCH_BATCH: usize = 1000;
+
+/// How the queue behaves; clap arguments with env fallbacks (flag > env > default).
+#[derive(Debug, Clone, clap::Args)]
+pub struct QueueConfig {
+    /// Lease of a delivered turn, ms; renewed by the worker's heartbeat every third of it.
+    /// A killed worker's turns come back within about 4/3 of it.
+    #[arg(long = "queue-lease-ms", env = "PACELINE_LEASE_MS", default_value_t = 3000)]
+    pub lease_ms: u64,
+    /// Deliveries a turn may use without a verdict (lease expired, handler error) before it goes dead.
+    #[arg(long = "queue-max-deliveries", env = "PACELINE_MAX_DELIVERIES", default_value_t = 3)]
+    pub max_deliveries: u32,
+    /// Most turns one fetch leases (also bounded by free worker slots).
+    #[arg(long = "queue-fetch-batch", env = "PACELINE_FETCH_BATCH", default_value_t = 64)]
+    pub fetch_batch: usize,
+    /// Longest an idle worker blocks before it looks again (a safety net; wake-ups are pushed).
+    #[arg(long = "queue-idle-ms", env = "PACELINE_QUEUE_IDLE_MS", default_value_t = 2000)]
+    pub idle_ms: u64,
+    /// On shutdown, how long in-flight handlers may run before their turns are handed back.
+    #[arg(long = "queue-grace-ms", env = "PACELINE_SHUTDOWN_GRACE_MS", default_value_t = 10_000)]
+    pub grace_ms: u64,
+    /// First retry delay after a handler error, ms (doubles per delivery, capped at 30 s).
+    #[arg(long = "queue-retry-ms", env = "PACELINE_QUEUE_RETRY_MS", default_value_t = 1000)]
+    pub retry_base_ms: u64,
+}
+
+impl Default for QueueConfig {
+    fn default() -> Self {
+        Self { lease_ms: 3000, max_deliveries: 3, fetch_batch: 64, idle_ms: 2000, grace_ms: 10_000, retry_base_ms: 1000 }
+    }
+}
+
+impl QueueConfig {
+    /// How often a worker heartbeats (renews its leases, reclaims expired ones).
+    pub fn heartbeat_every(&self) -> Duration {
+        Duration::from_millis((self.lease_ms / 3).max(50))
+    }
+
+    /// A registration older than this is a dead worker.
+    pub fn worker_ttl_ms(&self) -> u64 {
+        self.lease_ms * 2
+    }
+
+    /// Retry delay after a failed delivery number `deliveries` (1-based).
+    pub fn retry_delay_ms(&self, deliveries: u32) -> u64 {
+        let exp = deliveries.saturating_sub(1).min(16);
+        (self.retry_base_ms.saturating_mul(1 << exp)).min(30_000)
+    }
+}
+
+/// What the queue's callers match on.
+#[derive(Debug, thiserror::Error)]
+pub enum QueueError {
+    /// The caller's lease is not the live one: the turn was redelivered, its lease
+    /// expired, or it is gone. Nothing was changed.
+    #[error("lease of {id} at epoch {epoch} is stale ({why}); nothing changed")]
+    Fenced {
+        /// The turn.
+        id: String,
+        /// The caller's epoch.
+        epoch: u64,
+        /// `gone`, `not_leased` or `stale`.
+        why: String,
+    },
+    /// Redis failed or is unreachable; the caller may retry.
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    /// A payload did not (de)serialize.
+    #[error("payload: {0}")]
+    Payload(#[from] serde_json::Error),
+    /// Redis answered something this code does not understand.
+    #[error("unexpected reply from a queue script: {0}")]
+    Protocol(String),
+}
+
+/// The names of the queue's keys.
+#[derive(Debug, Clone)]
+pub struct QueueKeys {
+    /// ZSET id → due ms.
+    pub due: String,
+    /// ZSET id → lease deadline ms.
+    pub lease: String,
+    /// HASH id → record.
+    pub jobs: String,
+    /// ZSET id → died at ms.
+    pub dead: String,
+    /// HASH id → reason it died.
+    pub reasons: String,
+    /// LIST of wake-up tokens.
+    pub notify: String,
+    /// Counter the epochs come from.
+    pub epoch_seq: String,
+    /// ZSET worker identity → last heartbeat ms.
+    pub workers: String,
+    /// HASH worker identity → JSON registration.
+    pub worker_info: String,
+}
+
+impl QueueKeys {
+    /// The keys under `keys`'s prefix.
+    pub fn new(keys: &crate::keys::Keys) -> Self {
+        Self {
+            due: keys.queue_key("due"),
+            lease: keys.queue_key("lease"),
+            jobs: keys.queue_key("jobs"),
+            dead: keys.queue_key("dead"),
+            reasons: keys.queue_key("reasons"),
+            notify: keys.queue_key("notify"),
+            epoch_seq: keys.queue_key("epoch"),
+            workers: keys.queue_key("workers"),
+            worker_info: keys.queue_key("worker_info"),
+        }
+    }
+
+    /// `KEYS[1..6]` of any script built on [`LUA_LIB`], in order.
+    pub fn script_keys(&self) -> [&str; 6] {
+        [&self.due, &self.lease, &self.jobs, &self.dead, &self.reasons, &self.notify]
+    }
+}
+
+/// One delivery of a turn to a worker: what the handler holds while it works.
+///
+/// Get it in a handler as an argument (`lease: Lease`; it implements apalis's
+/// `FromRequest`). Settle it with [`TurnQueue::complete`], [`TurnQueue::requeue`]
+/// or [`TurnQueue::dead`]; a handler that returns `Ok` without settling
+/// completes the turn, one that returns `Err` (or panics) retries it.
+#[derive(Debug, Clone)]
+pub struct Lease {
+    /// The turn's id (the run id).
+    pub id: String,
+    /// Fencing token: unique per delivery, larger for later deliveries.
+    pub epoch: u64,
+    /// Identity of the worker process holding it.
+    pub worker: String,
+    /// How many deliveries this turn used without a verdict, this one included.
+    pub deliveries: u32,
+    /// When it was due (server clock, ms).
+    pub due_ms: i64,
+    /// When it was leased (server clock, ms); `fetched_at_ms - due_ms` is its start lateness.
+    pub fetched_at_ms: i64,
+    settled: Arc<AtomicBool>,
+}
+
+impl Lease {
+    /// Records that the holder settled the turn itself (e.g. with its own commit
+    /// script built on [`LUA_LIB`]), so the backend will not complete or retry it.
+    pub fn mark_settled(&self) {
+        self.settled.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether the turn was settled (or found fenced) during this delivery.
+    pub fn is_settled(&self) -> bool {
+        self.settled.load(Ordering::SeqCst)
+    }
+
+    /// How late it was leased relative to its due time, ms.
+    pub fn lateness_ms(&self) -> i64 {
+        self.fetched_at_ms - self.due_ms
+    }
+}
+
+impl<Args: Sync> FromRequest<Task<Args>> for Lease {
+    type Error = apalis_core::task::data::MissingDataError;
+    async fn from_request(task: &Task<Args>) -> Result<Self, Self::Error> {
+        task.ctx().data().get_checked::<Lease>().cloned()
+    }
+}
+
+/// A leased turn as the fetch script returns it.
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    /// The lease.
+    pub lease: Lease,
+    /// The payload as stored (JSON).
+    pub payload: String,
+}
+
+/// One fetch's outcome.
+#[derive(Debug, Clone)]
+pub struct Fetched {
+    /// Server time of the fetch, ms.
+    pub now_ms: i64,
+    /// When nothing was due: ms until the next due turn, `None` when none is queued.
+    pub wait_ms: Option<i64>,
+    /// The turns leased.
+    pub deliveries: Vec<Delivery>,
+}
+
+/// Exact counts, read in one script (O(log n) at worst: ZCOUNT, ZCARD).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueueCounts {
+    /// Due now and waiting for a worker slot.
+    pub ready: u64,
+    /// Queued with a due time in the future (budget waits, retries).
+    pub delayed: u64,
+    /// Leased by a worker.
+    pub in_flight: u64,
+    /// In the dead set.
+    pub dead: u64,
+    /// Due time of the next delayed turn (server clock, ms).
+    pub next_due_ms: Option<i64>,
+    /// Server time the counts were read at, ms.
+    pub now_ms: i64,
+}
+
+/// A dead turn.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeadTurn {
+    /// The turn's id.
+    pub id: String,
+    /// When it died (server clock, ms).
+    pub died_at_ms: i64,
+    /// Why.
+    pub reason: String,
+    /// Its payload (JSON).
+    pub payload: String,
+}
+
+/// A worker process's registration (for `GET /v1/workers`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerInfo {
+    /// Unique per process start: `host-pid-ulid`.
+    pub identity: String,
+    /// Host name.
+    pub host: String,
+    /// Process id.
+    pub pid: u32,
+    /// Worker slots.
+    pub concurrency: usize,
+    /// Turns it holds (running or about to).
+    pub in_flight: usize,
+    /// When it started (server clock, ms).
+    pub started_at_ms: i64,
+    /// Last heartbeat (server clock, ms); filled in from the registry.
+    #[serde(default)]
+    pub last_heartbeat_ms: i64,
+}
+
+/// What a heartbeat found.
+#[derive(Debug, Clone, Default)]
+pub struct HeartbeatReport {
+    /// Expired leases (of any worker) it put back in the queue.
+    pub reclaimed: u64,
+    /// Expired leases that used their last delivery and went dead.
+    pub buried: u64,
+    /// Of the leases it renewed, those this worker no longer holds.
+    pub lost: Vec<String>,
+}
+
+/// The scripts, loaded once per process (EVALSHA, with a reload after NOSCRIPT,
+/// e.g. after a Redis restart).
+struct Scripts {
+    enqueue: redis::Script,
+    fetch: redis::Script,
+    settle: redis::Script,
+    heartbeat: redis::Script,
+    read: redis::Script,
+    admin: redis::Script,
+}
+
+impl Scripts {
+    fn new() -> Self {
+        let with_lib = |body: &str| redis::Script::new(&format!("{LUA_LIB}\n{body}"));
+        Self {
+            enqueue: with_lib(ENQUEUE_LUA),
+            fetch: with_lib(FETCH_LUA),
+            settle: with_lib(SETTLE_LUA),
+            heartbeat: with_lib(HEARTBEAT_LUA),
+            read: with_lib(READ_LUA),
+            admin: with_lib(ADMIN_LUA),
+        }
+    }
+}
+
+/// A handle on the turn queue; cheap to clone.
+#[derive(Clone)]
+pub struct TurnQueue {
+    conn: ConnectionManager,
+    url: String,
+    keys: Arc<QueueKeys>,
+    config: QueueConfig,
+    scripts: Arc<Scripts>,
+}
+
+impl std::fmt::Debug for TurnQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TurnQueue").field("keys", &self.keys.due).field("config", &self.config).finish()
+    }
+}
+
+/// How a holder settles its lease.
+enum Verdict<'a> {
+    Complete,
+    Requeue { delay_ms: u64, payload: Option<String> },
+    Retry { delay_ms: u64, reason: &'a str },
+    Release,
+    Dead { reason: &'a str },
+}
+
+/// What a settle did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settled {
+    /// As asked.
+    Done,
+    /// The turn went to the dead set (a retry that used its last delivery, or `dead`).
+    Dead,
+}
+
+impl TurnQueue {
+    /// A queue on `redis` (does not connect until the first command, so a
+    /// process can start while Redis is down).
+    pub fn new(redis: &RedisArgs, config: QueueConfig) -> Result<Self, QueueError> {
+        let conn = redis_util::lazy_manager(&redis.url, redis_util::COMMAND_TIMEOUT)?;
+        let mut config = config;
+        config.fetch_batch = config.fetch_batch.clamp(1, MAX_FETCH_BATCH);
+        config.lease_ms = config.lease_ms.max(300);
+        config.max_deliveries = config.max_deliveries.max(1);
+        Ok(Self {
+            conn,
+            url: redis.url.clone(),
+            keys: Arc::new(QueueKeys::new(&redis.keys())),
+            config,
+            scripts: Arc::new(Scripts::new()),
+        })
+    }
+
+    /// The queue's config.
+    pub fn config(&self) -> &QueueConfig {
+        &self.config
+    }
+
+    /// The queue's key names.
+    pub fn keys(&self) -> &QueueKeys {
+        &self.keys
+    }
+
+    /// The Redis URL (blocking reads open their own connection to it).
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// An apalis backend that delivers turns of payload `T` to one worker
+    /// process with `concurrency` slots (see [`QueueBackend`]).
+    pub fn backend<T>(&self, concurrency: usize) -> QueueBackend<T> {
+        QueueBackend::new(self.clone(), concurrency)
+    }
+
+    fn invocation<'a>(&'a self, script: &'a redis::Script) -> redis::ScriptInvocation<'a> {
+        let mut inv = script.prepare_invoke();
+        for k in self.keys.script_keys() {
+            inv.key(k);
+        }
+        inv
+    }
+
+    /// Enqueues turn `id` with `payload`, due `delay_ms` after now (server
+    /// clock). Idempotent by id: returns false, changing nothing, when `id` is
+    /// already queued, in flight or dead.
+    pub async fn enqueue<T: Serialize>(&self, id: &str, payload: &T, delay_ms: u64) -> Result<bool, QueueError> {
+        let payload = serde_json::to_string(payload)?;
+        self.enqueue_raw(id, &payload, delay_ms).await
+    }
+
+    /// [`Self::enqueue`] with a payload already encoded.
+    pub async fn enqueue_raw(&self, id: &str, payload: &str, delay_ms: u64) -> Result<bool, QueueError> {
+        let mut inv = self.invocation(&self.scripts.enqueue);
+        inv.arg(id).arg(payload).arg(delay_ms);
+        let added: i64 = inv.invoke_async(&mut self.conn.clone()).await?;
+        Ok(added == 1)
+    }
+
+    /// Leases up to `max` due turns to `worker` (one script). Workers use this
+    /// through [`QueueBackend`]; it is public for tests and tools.
+    pub async fn fetch(&self, worker: &str, max: usize) -> Result<Fetched, QueueError> {
+        let mut inv = self.invocation(&self.scripts.fetch);
+        inv.key(&self.keys.epoch_seq).arg(max.clamp(1, MAX_FETCH_BATCH)).arg(self.config.lease_ms);
+        let reply: Vec<String> = inv.invoke_async(&mut self.conn.clone()).await?;
+        parse_fetch(reply, worker)
+    }
+
+    async fn settle(&self, lease: &Lease, verdict: Verdict<'_>) -> Result<Settled, QueueError> {
+        let (op, delay, payload, reason) = match &verdict {
+            Verdict::Complete => ("complete", 0, None, ""),
+            Verdict::Requeue { delay_ms, payload } => ("requeue", *delay_ms, payload.as_deref(), ""),
+            Verdict::Retry { delay_ms, reason } => ("retry", *delay_ms, None, *reason),
+            Verdict::Release => ("release", 0, None, ""),
+            Verdict::Dead { reason } => ("dead", 0, None, *reason),
+        };
+        let mut inv = self.invocation(&self.scripts.settle);
+        inv.arg(op)
+            .arg(&lease.id)
+            .arg(lease.epoch)
+            .arg(delay)
+            .arg(payload.unwrap_or(""))
+            .arg(if payload.is_some() { "1" } else { "0" })
+            .arg(reason)
+            .arg(self.config.max_deliveries);
+        let reply: Vec<String> = inv.invoke_async(&mut self.conn.clone()).await?;
+        match reply.first().map(String::as_str) {
+            Some("ok") => {
+                lease.mark_settled();
+                Ok(Settled::Done)
+            }
+            Some("dead") => {
+                lease.mark_settled();
+                Ok(Settled::Dead)
+            }
+            Some("fenced") => {
+                // Not ours any more: the backend must not try to settle it either.
+                lease.mark_settled();
+                Err(QueueError::Fenced {
+                    id: lease.id.clone(),
+                    epoch: lease.epoch,
+                    why: reply.get(1).cloned().unwrap_or_default(),
+                })
+            }
+            _ => Err(QueueError::Protocol(format!("settle answered {reply:?}"))),
+        }
+    }
+
+    /// The turn is done: removes it. `Fenced` when `lease` is not the live one.
+    pub async fn complete(&self, lease: &Lease) -> Result<(), QueueError> {
+        self.settle(lease, Verdict::Complete).await.map(|_| ())
+    }
+
+    /// Queues the turn again, due `delay_ms` after now on the server's clock
+    /// (a budget wait, a retry, or the run's next turn), with `payload` when
+    /// given. Its delivery count starts over. `Fenced` when `lease` is not the live one.
+    pub async fn requeue<T: Serialize>(&self, lease: &Lease, delay_ms: u64, payload: Option<&T>) -> Result<(), QueueError> {
+        let payload = payload.map(serde_json::to_string).transpose()?;
+        self.settle(lease, Verdict::Requeue { delay_ms, payload }).await.map(|_| ())
+    }
+
+    /// Moves the turn to the dead set with `reason`. `Fenced` when `lease` is not the live one.
+    pub async fn dead(&self, lease: &Lease, reason: &str) -> Result<(), QueueError> {
+        self.settle(lease, Verdict::Dead { reason }).await.map(|_| ())
+    }
+
+    /// A failed delivery: queued again after `delay_ms`, or dead with `reason`
+    /// when it used its last delivery. What the backend does on a handler error.
+    pub async fn retry(&self, lease: &Lease, delay_ms: u64, reason: &str) -> Result<Settled, QueueError> {
+        self.settle(lease, Verdict::Retry { delay_ms, reason }).await
+    }
+
+    /// Hands the turn back unfinished (shutdown): due now, this delivery not counted.
+    pub async fn release(&self, lease: &Lease) -> Result<(), QueueError> {
+        self.settle(lease, Verdict::Release).await.map(|_| ())
+    }
+
+    /// Exact counts of ready, delayed, in-flight and dead turns, in one script.
+    pub async fn counts(&self) -> Result<QueueCounts, QueueError> {
+        let mut inv = self.invocation(&self.scripts.read);
+        inv.arg("counts");
+        let v: Vec<i64> = inv.invoke_async(&mut self.conn.clone()).await?;
+        if v.len() != 6 {
+            return Err(QueueError::Protocol(format!("counts answered {v:?}")));
+        }
+        Ok(QueueCounts {
+            now_ms: v[0],
+            ready: v[1] as u64,
+            delayed: v[2] as u64,
+            in_flight: v[3] as u64,
+            dead: v[4] as u64,
+            next_due_ms: (v[5] >= 0).then_some(v[5]),
+        })
+    }
+
+    /// The newest `limit` dead turns, newest first.
+    pub async fn list_dead(&self, limit: usize) -> Result<Vec<DeadTurn>, QueueError> {
+        let mut inv = self.invocation(&self.scripts.read);
+        inv.arg("dead").arg(limit.max(1));
+        let v: Vec<String> = inv.invoke_async(&mut self.conn.clone()).await?;
+        Ok(v.chunks_exact(4)
+            .map(|c| DeadTurn {
+                id: c[0].clone(),
+                died_at_ms: c[1].parse().unwrap_or_default(),
+                reason: c[2].clone(),
+                payload: c[3].clone(),
+            })
+            .collect())
+    }
+
+    /// Puts dead turn `id` back in the queue, due now, with fresh deliveries.
+    /// Returns false when `id` is not dead.
+    pub async fn retry_dead(&self, id: &str) -> Result<bool, QueueError> {
+        let mut inv = self.invocation(&self.scripts.admin);
+        inv.arg("retry_dead").arg(id);
+        let n: i64 = inv.invoke_async(&mut self.conn.clone()).await?;
+        Ok(n == 1)
+    }
+
+    /// The live worker processes (heartbeat within twice the lease).
+    pub async fn list_workers(&self) -> Result<Vec<WorkerInfo>, QueueError> {
+        let mut inv = self.invocation(&self.scripts.read);
+        inv.key(&self.keys.workers).key(&self.keys.worker_info).arg("workers").arg(self.config.worker_ttl_ms());
+        let v: Vec<String> = inv.invoke_async(&mut self.conn.clone()).await?;
+        let mut out = Vec::new();
+        for c in v.chunks_exact(3) {
+            match serde_json::from_str::<WorkerInfo>(&c[2]) {
+                Ok(mut info) => {
+                    info.last_heartbeat_ms = c[1].parse().unwrap_or_default();
+                    out.push(info);
+                }
+                Err(error) => tracing::warn!(message = "unreadable worker registration", %error, worker.id = %c[0]),
+            }
+        }
+        Ok(out)
+    }
+
+    /// One heartbeat of worker `info` holding `leases` (id, epoch): registers
+    /// it, renews those leases, reclaims expired leases of any worker. With
+    /// `info` `None` it only reclaims (tools, tests).
+    pub async fn heartbeat(&self, identity: &str, info: Option<&WorkerInfo>, leases: &[(String, u64)]) -> Result<HeartbeatReport, QueueError> {
+        let info = info.map(serde_json::to_string).transpose()?.unwrap_or_default();
+        let mut inv = self.invocation(&self.scripts.heartbeat);
+        inv.key(&self.keys.workers)
+            .key(&self.keys.worker_info)
+            .arg(self.config.lease_ms)
+            .arg(self.config.max_deliveries)
+            .arg(identity)
+            .arg(info)
+            .arg(self.config.worker_ttl_ms())
+            .arg(200);
+        for (id, epoch) in leases {
+            inv.arg(id).arg(*epoch);
+        }
+        let v: Vec<redis::Value> = inv.invoke_async(&mut self.conn.clone()).await?;
+        let mut report = HeartbeatReport::default();
+        for (i, item) in v.into_iter().enumerate() {
+            match i {
+                0 => report.reclaimed = redis::from_redis_value(item).unwrap_or_default(),
+                1 => report.buried = redis::from_redis_value(item).unwrap_or_default(),
+                _ => report.lost.push(redis::from_redis_value(item).unwrap_or_default()),
+            }
+        }
+        Ok(report)
+    }
+
+    /// Removes worker `identity` from the registry (a clean exit).
+    pub async fn deregister(&self, identity: &str) -> Result<(), QueueError> {
+        let mut inv = self.invocation(&self.scripts.admin);
+        inv.key(&self.keys.workers).key(&self.keys.worker_info).arg("deregister").arg(identity);
+        let _: i64 = inv.invoke_async(&mut self.conn.clone()).await?;
+        Ok(())
+    }
+
+    /// The payload of a queued, in-flight or dead turn, decoded (tests, tools).
+    pub async fn payload<T: DeserializeOwned>(&self, id: &str) -> Result<Option<T>, QueueError> {
+        let rec: Option<String> = redis::cmd("HGET").arg(&self.keys.jobs).arg(id).query_async(&mut self.conn.clone()).await?;
+        let Some(rec) = rec else { return Ok(None) };
+        let payload = rec.splitn(4, '|').nth(3).unwrap_or("");
+        Ok(Some(serde_json::from_str(payload)?))
+    }
+
+    /// The Redis server's clock, ms.
+    pub async fn server_time_ms(&self) -> Result<i64, QueueError> {
+        Ok(redis_util::server_time_ms(&mut self.conn.clone()).await?)
+    }
+
+    pub(crate) fn conn(&self) -> ConnectionManager {
+        self.conn.clone()
+    }
+}
+
+fn parse_fetch(reply: Vec<String>, worker: &str) -> Result<Fetched, QueueError> {
+    let bad = || QueueError::Protocol("fetch answered a malformed reply".into());
+    if reply.len() < 2 || (reply.len() - 2) % 5 != 0 {
+        return Err(bad());
+    }
+    let now_ms: i64 = reply[0].parse().map_err(|_| bad())?;
+    let wait: i64 = reply[1].parse().map_err(|_| bad())?;
+    let mut deliveries = Vec::with_capacity((reply.len() - 2) / 5);
+    let mut it = reply.into_iter().skip(2);
+    while let (Some(id), Some(epoch), Some(deliv), Some(due), Some(payload)) = (it.next(), it.next(), it.next(), it.next(), it.next()) {
+        deliveries.push(Delivery {
+            lease: Lease {
+                id,
+                epoch: epoch.parse().map_err(|_| bad())?,
+                worker: worker.to_owned(),
+                deliveries: deliv.parse().map_err(|_| bad())?,
+                due_ms: due.parse::<f64>().map_err(|_| bad())? as i64,
+                fetched_at_ms: now_ms,
+                settled: Arc::new(AtomicBool::new(false)),
+            },
+            payload,
+        });
+    }
+    let wait_ms = if deliveries.is_empty() && wait >= 0 { Some(wait) } else { None };
+    Ok(Fetched { now_ms, wait_ms, deliveries })
+}
+
+/// A worker process's identity: unique per start (`host-pid-ulid`).
+pub fn new_worker_identity() -> String {
+    format!("{}-{}-{}", host_name(), std::process::id(), ulid::Ulid::new())
+}
+
+/// This host's name, or `unknown`.
+pub fn host_name() -> String {
+    hostname::get().ok().and_then(|h| h.into_string().ok()).unwrap_or_else(|| "unknown".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_delays_double_and_cap() {
+        let c = QueueConfig::default();
+        assert_eq!(c.retry_delay_ms(1), 1000);
+        assert_eq!(c.retry_delay_ms(2), 2000);
+        assert_eq!(c.retry_delay_ms(3), 4000);
+        assert_eq!(c.retry_delay_ms(30), 30_000);
+    }
+
+    #[test]
+    fn queue_keys_share_the_prefix_hash_tag() {
+        let k = QueueKeys::new(&crate::keys::Keys::new("paceline"));
+        assert_eq!(k.due, "paceline:{paceline}:q:due");
+        for key in k.script_keys() {
+            assert!(key.starts_with("paceline:{paceline}:q:"), "{key}");
+        }
+    }
+
+    #[test]
+    fn a_fetch_reply_parses_into_leases() {
+        let reply = ["1000", "0", "run_1", "7", "2", "990", "{\"a\":1}"].map(String::from).to_vec();
+        let f = parse_fetch(reply, "w").unwrap();
+        assert_eq!(f.deliveries.len(), 1);
+        let l = &f.deliveries[0].lease;
+        assert_eq!((l.id.as_str(), l.epoch, l.deliveries, l.due_ms, l.lateness_ms()), ("run_1", 7, 2, 990, 10));
+        assert_eq!(f.deliveries[0].payload, "{\"a\":1}");
+        let idle = parse_fetch(["1000", "250"].map(String::from).to_vec(), "w").unwrap();
+        assert_eq!(idle.wait_ms, Some(250));
+        let empty = parse_fetch(["1000", "-1"].map(String::from).to_vec(), "w").unwrap();
+        assert_eq!(empty.wait_ms, None);
+    }
+}

@@ -1,0 +1,19 @@
+-- Operator actions. ARGV[1] selects one:
+--   retry_dead ARGV[2]=id: a dead turn back in the queue, due now, with fresh deliveries. Returns 1, or 0 if not dead.
+--   deregister ARGV[2]=identity, KEYS[Q_NKEYS+1..2] workers, info: a worker leaves. Returns 1.
+local op = ARGV[1]
+if op == 'retry_dead' then
+  local id = ARGV[2]
+  if redis.call('ZREM', Q_DEAD, id) == 0 then return 0 end
+  redis.call('HDEL', Q_REASONS, id)
+  local r = q_read(id)
+  if not r then return 0 end
+  r.deliveries = 0
+  q_schedule(id, r, q_now())
+  return 1
+elseif op == 'deregister' then
+  redis.call('ZREM', KEYS[Q_NKEYS + 1], ARGV[2])
+  redis.call('HDEL', KEYS[Q_NKEYS + 2], ARGV[2])
+  return 1
+end
+return redis.error_reply('unknown op ' .. op)

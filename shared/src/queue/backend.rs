@@ -1,0 +1,584 @@
+//! The apalis-core 1.0 `Backend` over the turn queue, and the layer that
+//! settles each delivery when its handler returns.
+//!
+//! Why `Backend` directly and not `custom::BackendBuilder`: a custom backend's
+//! middleware is `Identity` and its `poll_close` only closes the sink, but the
+//! queue needs a layer around the handler (complete on `Ok`, retry on `Err` or
+//! panic, hand back at the shutdown grace, cap the slots) and a close that hands
+//! back turns leased but never started.
+//!
+//! Waking without busy polling or lost wake-ups: a worker with a free slot runs
+//! the fetch script; when nothing is due it blocks on `BLPOP notify` (own
+//! connection, its own long response timeout) and, when a turn is delayed, a
+//! local timer set to the script's `wait_ms` (server clock arithmetic, so host
+//! clocks never matter). Redis's own blocking timeouts tick at `hz` (100 ms
+//! here), too coarse for the 50 ms bar, hence the local timer; when it fires the
+//! `BLPOP` is cancelled with `CLIENT UNBLOCK … TIMEOUT`, so it cannot swallow a
+//! token meant for another worker. Every enqueue pushes a token; a fetch that
+//! filled its batch pushes one more (so idle workers join in); a fetch that took
+//! everything clears them.
+
+use super::{Lease, QueueConfig, QueueError, Settled, TurnQueue, WorkerInfo};
+use apalis_core::backend::{finalize::Ephemeral, Backend, BackendConfig};
+use apalis_core::error::{AbortError, BoxDynError, RetryAfterError};
+use apalis_core::task::builder::TaskBuilder;
+use apalis_core::task::task_id::{RandomId, TaskId};
+use apalis_core::task::Task;
+use apalis_core::worker::context::WorkerContext;
+use futures::future::BoxFuture;
+use futures::stream::BoxStream;
+use futures::task::AtomicWaker;
+use futures::{FutureExt, StreamExt};
+use serde::de::DeserializeOwned;
+use std::collections::{HashMap, VecDeque};
+use std::marker::PhantomData;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+use tracing::{debug, info, warn};
+
+/// State one worker process's backend shares with its layer and heartbeat.
+struct Shared {
+    identity: String,
+    concurrency: usize,
+    /// Handlers running now (slots in use).
+    running: AtomicUsize,
+    /// Every lease this worker holds: fetched and not yet settled.
+    held: Mutex<HashMap<String, Lease>>,
+    slot_waker: AtomicWaker,
+    /// Turns true when the shutdown grace is over: running handlers are dropped
+    /// and their turns handed back.
+    grace: watch::Sender<bool>,
+}
+
+impl Shared {
+    fn hold(&self, lease: &Lease) {
+        self.held.lock().expect("held lock").insert(lease.id.clone(), lease.clone());
+    }
+
+    fn forget(&self, lease: &Lease) {
+        let mut held = self.held.lock().expect("held lock");
+        if held.get(&lease.id).is_some_and(|l| l.epoch == lease.epoch) {
+            held.remove(&lease.id);
+        }
+    }
+
+    fn leases(&self) -> Vec<(String, u64)> {
+        self.held.lock().expect("held lock").values().map(|l| (l.id.clone(), l.epoch)).collect()
+    }
+}
+
+/// The apalis backend of the turn queue for one worker process.
+///
+/// Build a worker with it:
+/// ```ignore
+/// let backend = queue.backend::<TurnMsg>(16);
+/// let name = backend.identity().to_owned();
+/// WorkerBuilder::new(name).backend(backend).data(queue.clone()).build(handle_turn)
+///     .run_until(shutdown).await?;
+/// async fn handle_turn(turn: TurnMsg, lease: Lease, queue: Data<TurnQueue>) -> Result<(), BoxDynError>
+/// ```
+/// It caps running handlers at `concurrency` itself (no `.concurrency()` layer
+/// needed) and fetches no more than the free slots. Each task carries its
+/// [`Lease`] (an extractor). When the handler returns `Ok` without settling, the
+/// turn is completed; `Err` or a panic retries it after
+/// [`QueueConfig::retry_delay_ms`] or buries it after `max_deliveries`;
+/// `AbortError` buries it at once; `RetryAfterError` retries after its delay.
+/// On shutdown it stops fetching, lets handlers run for `grace_ms`, then hands
+/// their turns back (due now), hands back fetched-but-unstarted turns, and
+/// leaves the worker registry. Redis errors never end the worker's `run()`:
+/// the backend logs them and retries with backoff.
+pub struct QueueBackend<T> {
+    queue: TurnQueue,
+    shared: Arc<Shared>,
+    fetcher: Option<BoxStream<'static, Task<T>>>,
+    heartbeat: Option<tokio::task::JoinHandle<()>>,
+    closing: Option<BoxFuture<'static, ()>>,
+    _args: PhantomData<fn() -> T>,
+}
+
+impl<T> std::fmt::Debug for QueueBackend<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QueueBackend").field("identity", &self.shared.identity).finish()
+    }
+}
+
+impl<T> Drop for QueueBackend<T> {
+    fn drop(&mut self) {
+        if let Some(h) = self.heartbeat.take() {
+            h.abort();
+        }
+    }
+}
+
+impl<T> QueueBackend<T> {
+    pub(super) fn new(queue: TurnQueue, concurrency: usize) -> Self {
+        let (grace, _) = watch::channel(false);
+        Self {
+            queue,
+            shared: Arc::new(Shared {
+                identity: super::new_worker_identity(),
+                concurrency: concurrency.max(1),
+                running: AtomicUsize::new(0),
+                held: Mutex::new(HashMap::new()),
+                slot_waker: AtomicWaker::new(),
+                grace,
+            }),
+            fetcher: None,
+            heartbeat: None,
+            closing: None,
+            _args: PhantomData,
+        }
+    }
+
+    /// This worker process's identity (unique per start); use it as the apalis worker name.
+    pub fn identity(&self) -> &str {
+        &self.shared.identity
+    }
+}
+
+impl<T: DeserializeOwned + Send + 'static> Backend for QueueBackend<T> {
+    type Task = Task<T>;
+    type Error = QueueError;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>, _worker: &WorkerContext) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_next(&mut self, cx: &mut Context<'_>, worker: &WorkerContext) -> Poll<Option<Result<Self::Task, Self::Error>>> {
+        if self.heartbeat.is_none() {
+            let hb = heartbeat_loop(self.queue.clone(), self.shared.clone(), worker.clone());
+            self.heartbeat = Some(tokio::spawn(hb));
+        }
+        let fetcher = self.fetcher.get_or_insert_with(|| {
+            let state = Fetcher::<T> {
+                queue: self.queue.clone(),
+                shared: self.shared.clone(),
+                buffer: VecDeque::new(),
+                blocking: None,
+                failures: 0,
+            };
+            futures::stream::unfold(state, |mut f| async move {
+                let task = f.next_task().await;
+                Some((task, f))
+            })
+            .boxed()
+        });
+        // The fetcher never ends and never yields an error: Redis trouble is
+        // retried inside, so the worker's `run()` survives a Redis restart.
+        fetcher.poll_next_unpin(cx).map(|t| t.map(Ok))
+    }
+
+    fn poll_close(&mut self, cx: &mut Context<'_>, _worker: &WorkerContext) -> Poll<Result<(), Self::Error>> {
+        if self.closing.is_none() {
+            // Handlers have all returned by now (apalis drains them first), so
+            // every lease still held was fetched and never started.
+            self.fetcher = None;
+            let unstarted: Vec<Lease> = self.shared.held.lock().expect("held lock").drain().map(|(_, l)| l).collect();
+            let queue = self.queue.clone();
+            let identity = self.shared.identity.clone();
+            let heartbeat = self.heartbeat.take();
+            self.closing = Some(
+                async move {
+                    for lease in &unstarted {
+                        settle_patiently(&queue, lease, Outcome::Release).await;
+                    }
+                    if let Some(h) = heartbeat {
+                        h.abort();
+                    }
+                    if let Err(error) = queue.deregister(&identity).await {
+                        warn!(message = "could not leave the worker registry", %error, worker.id = %identity);
+                    }
+                    info!(message = "worker left the queue", worker.id = %identity, handed_back = unstarted.len());
+                }
+                .boxed(),
+            );
+        }
+        self.closing.as_mut().expect("closing set").poll_unpin(cx).map(|()| Ok(()))
+    }
+}
+
+impl<T: DeserializeOwned + Send + 'static> BackendConfig for QueueBackend<T> {
+    type Args = T;
+    type Id = RandomId;
+    type Kind = Ephemeral;
+    type Config = QueueConfig;
+    type Layer = LeaseLayer;
+
+    fn config(&self) -> &Self::Config {
+        self.queue.config()
+    }
+
+    fn middleware(&mut self, _worker: &mut WorkerContext) -> Self::Layer {
+        LeaseLayer { queue: self.queue.clone(), shared: self.shared.clone() }
+    }
+}
+
+/// Fetches leases into a small buffer, sized to the free slots.
+struct Fetcher<T> {
+    queue: TurnQueue,
+    shared: Arc<Shared>,
+    buffer: VecDeque<Task<T>>,
+    /// The connection idle waits `BLPOP` on, and its client id (for `CLIENT UNBLOCK`).
+    blocking: Option<(redis::aio::MultiplexedConnection, i64)>,
+    failures: u32,
+}
+
+impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
+    async fn next_task(&mut self) -> Task<T> {
+        loop {
+            if let Some(task) = self.buffer.pop_front() {
+                return task;
+            }
+            let running = self.shared.running.load(Ordering::SeqCst);
+            let free = self.shared.concurrency.saturating_sub(running).max(1);
+            let want = free.min(self.queue.config().fetch_batch);
+            match self.queue.fetch(&self.shared.identity, want).await {
+                Ok(fetched) if fetched.deliveries.is_empty() => {
+                    self.failures = 0;
+                    self.idle(fetched.wait_ms).await;
+                }
+                Ok(fetched) => {
+                    self.failures = 0;
+                    for d in fetched.deliveries {
+                        self.accept(d.lease, &d.payload).await;
+                    }
+                }
+                Err(error) => {
+                    self.failures += 1;
+                    warn!(message = "fetch failed; retrying", %error, attempt = self.failures);
+                    tokio::time::sleep(backoff(self.failures)).await;
+                }
+            }
+        }
+    }
+
+    async fn accept(&mut self, lease: Lease, payload: &str) {
+        match serde_json::from_str::<T>(payload) {
+            Ok(args) => {
+                self.shared.hold(&lease);
+                let task = TaskBuilder::new(args)
+                    .task_id(TaskId::from(format!("{}#{}", lease.id, lease.epoch)))
+                    .attempt(lease.deliveries as usize)
+                    .data(lease)
+                    .build();
+                self.buffer.push_back(task);
+            }
+            Err(error) => {
+                // A payload no handler can read would fail every delivery: bury it now.
+                warn!(message = "undecodable payload; turn goes dead", %error, queue.id = %lease.id);
+                let reason = format!("undecodable payload: {error}");
+                if let Err(error) = self.queue.dead(&lease, &reason).await {
+                    warn!(message = "could not bury an undecodable turn", %error, queue.id = %lease.id);
+                }
+            }
+        }
+    }
+
+    /// Waits until a token arrives, the next due time passes (`wait_ms`), or
+    /// the idle cap elapses.
+    async fn idle(&mut self, wait_ms: Option<i64>) {
+        let cap = Duration::from_millis(self.queue.config().idle_ms.max(100));
+        // +1 ms: the timer must not fire before the due time; the fetch script
+        // re-checks against the server clock anyway.
+        let wait = wait_ms.map(|w| Duration::from_millis(w.max(0) as u64 + 1)).unwrap_or(cap).min(cap);
+        let Some((conn, client_id)) = self.blocking_conn(cap).await else {
+            tokio::time::sleep(wait.min(backoff(self.failures.max(1)))).await;
+            return;
+        };
+        let mut c = conn.clone();
+        let key = self.queue.keys().notify.clone();
+        let server_timeout = cap.as_secs_f64();
+        let blpop = async move {
+            redis::cmd("BLPOP").arg(&key).arg(server_timeout).query_async::<Option<(String, String)>>(&mut c).await
+        };
+        tokio::pin!(blpop);
+        let result = if wait >= cap {
+            blpop.await
+        } else {
+            tokio::select! {
+                r = &mut blpop => r,
+                _ = tokio::time::sleep(wait) => {
+                    // Cancel the BLPOP on the server so it cannot take a token
+                    // after this worker stopped listening.
+                    let unblock: redis::RedisResult<i64> = redis::cmd("CLIENT").arg("UNBLOCK").arg(client_id).arg("TIMEOUT")
+                        .query_async(&mut self.queue.conn()).await;
+                    if unblock.is_err() {
+                        self.blocking = None;
+                        return;
+                    }
+                    match tokio::time::timeout(Duration::from_secs(2), &mut blpop).await {
+                        Ok(r) => r,
+                        Err(_) => { self.blocking = None; return; }
+                    }
+                }
+            }
+        };
+        if let Err(error) = result {
+            debug!(message = "blocking read failed; reconnecting", %error);
+            self.blocking = None;
+        }
+    }
+
+    async fn blocking_conn(&mut self, cap: Duration) -> Option<(redis::aio::MultiplexedConnection, i64)> {
+        if let Some(b) = &self.blocking {
+            return Some(b.clone());
+        }
+        let connect = async {
+            let client = redis::Client::open(self.queue.url())?;
+            let config = redis::AsyncConnectionConfig::new()
+                .set_response_timeout(Some(cap + Duration::from_secs(5)))
+                .set_connection_timeout(Some(crate::redis_util::CONNECT_TIMEOUT));
+            let mut conn = client.get_multiplexed_async_connection_with_config(&config).await?;
+            let id: i64 = redis::cmd("CLIENT").arg("ID").query_async(&mut conn).await?;
+            Ok::<_, redis::RedisError>((conn, id))
+        };
+        match connect.await {
+            Ok(b) => {
+                self.blocking = Some(b.clone());
+                Some(b)
+            }
+            Err(error) => {
+                self.failures += 1;
+                warn!(message = "cannot open the blocking connection; retrying", %error, attempt = self.failures);
+                None
+            }
+        }
+    }
+}
+
+/// Exponential backoff for Redis trouble: 50 ms doubling to 2 s.
+fn backoff(failures: u32) -> Duration {
+    Duration::from_millis((50u64 << failures.min(6)).min(2000))
+}
+
+/// Renews this worker's leases and registration every third of the lease,
+/// reclaims expired leases of dead workers, and ends the shutdown grace.
+async fn heartbeat_loop(queue: TurnQueue, shared: Arc<Shared>, worker: WorkerContext) {
+    let every = queue.config().heartbeat_every();
+    let grace = Duration::from_millis(queue.config().grace_ms);
+    let mut started_at_ms = None;
+    let mut next_beat = Instant::now();
+    let mut shutdown_seen: Option<Instant> = None;
+    loop {
+        let now = Instant::now();
+        if now >= next_beat {
+            next_beat = now + every;
+            if started_at_ms.is_none() {
+                started_at_ms = queue.server_time_ms().await.ok();
+            }
+            let leases = shared.leases();
+            let info = WorkerInfo {
+                identity: shared.identity.clone(),
+                host: super::host_name(),
+                pid: std::process::id(),
+                concurrency: shared.concurrency,
+                in_flight: leases.len(),
+                started_at_ms: started_at_ms.unwrap_or_default(),
+                last_heartbeat_ms: 0,
+            };
+            match queue.heartbeat(&shared.identity, Some(&info), &leases).await {
+                Ok(report) => {
+                    if report.reclaimed > 0 || report.buried > 0 {
+                        info!(message = "expired leases reclaimed", reclaimed = report.reclaimed, buried = report.buried);
+                    }
+                    for id in report.lost {
+                        warn!(message = "lease lost while held (this worker stalled past it); its commit will be fenced", queue.id = %id);
+                    }
+                }
+                Err(error) => warn!(message = "heartbeat failed; retrying", %error),
+            }
+        }
+        if shutdown_seen.is_none() && worker.is_shutting_down() {
+            info!(message = "draining: no more fetches; in-flight turns get the grace period", grace_ms = grace.as_millis() as u64);
+            shutdown_seen = Some(now);
+        }
+        if let Some(seen) = shutdown_seen {
+            if now >= seen + grace && !*shared.grace.borrow() {
+                warn!(message = "shutdown grace over: handing back turns still running");
+                shared.grace.send_replace(true);
+            }
+        }
+        // Short ticks only to notice shutdown promptly; Redis is touched once per `every`.
+        let until_beat = next_beat.saturating_duration_since(Instant::now());
+        tokio::time::sleep(until_beat.min(Duration::from_millis(100))).await;
+    }
+}
+
+/// What the layer does with a delivery whose handler returned.
+enum Outcome {
+    Complete,
+    Retry { delay_ms: u64, reason: String },
+    Dead { reason: String },
+    Release,
+}
+
+/// Settles `lease`, retrying Redis errors with backoff for about two leases
+/// (after that the lease has expired and the turn comes back on its own).
+async fn settle_patiently(queue: &TurnQueue, lease: &Lease, outcome: Outcome) {
+    let deadline = Instant::now() + Duration::from_millis(queue.config().lease_ms * 2);
+    let mut failures = 0;
+    loop {
+        let result = match &outcome {
+            Outcome::Complete => queue.complete(lease).await.map(|()| Settled::Done),
+            Outcome::Retry { delay_ms, reason } => queue.retry(lease, *delay_ms, reason).await,
+            Outcome::Dead { reason } => queue.dead(lease, reason).await.map(|()| Settled::Dead),
+            Outcome::Release => queue.release(lease).await.map(|()| Settled::Done),
+        };
+        match result {
+            Ok(Settled::Dead) => {
+                warn!(message = "turn went dead", queue.id = %lease.id, deliveries = lease.deliveries);
+                return;
+            }
+            Ok(Settled::Done) => return,
+            Err(QueueError::Fenced { why, .. }) => {
+                warn!(message = "settle fenced: the turn is no longer ours", queue.id = %lease.id, epoch = lease.epoch, why = %why);
+                return;
+            }
+            Err(error) => {
+                failures += 1;
+                if Instant::now() > deadline {
+                    warn!(message = "giving up settling; the lease will expire and bring the turn back", %error, queue.id = %lease.id);
+                    return;
+                }
+                warn!(message = "settle failed; retrying", %error, queue.id = %lease.id, attempt = failures);
+                tokio::time::sleep(backoff(failures)).await;
+            }
+        }
+    }
+}
+
+/// The backend's layer (apalis puts it around the user's middleware and handler).
+#[derive(Clone)]
+pub struct LeaseLayer {
+    queue: TurnQueue,
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for LeaseLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LeaseLayer")
+    }
+}
+
+impl<S> tower::Layer<S> for LeaseLayer {
+    type Service = LeaseService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        LeaseService { inner, queue: self.queue.clone(), shared: self.shared.clone() }
+    }
+}
+
+/// Caps running handlers at the worker's concurrency and settles each delivery
+/// by how its handler returned (see [`QueueBackend`]).
+#[derive(Clone)]
+pub struct LeaseService<S> {
+    inner: S,
+    queue: TurnQueue,
+    shared: Arc<Shared>,
+}
+
+impl<S> std::fmt::Debug for LeaseService<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LeaseService")
+    }
+}
+
+/// Frees a slot when a handler's future ends, however it ends.
+struct SlotGuard(Arc<Shared>);
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        self.0.running.fetch_sub(1, Ordering::SeqCst);
+        self.0.slot_waker.wake();
+    }
+}
+
+impl<S, T> tower::Service<Task<T>> for LeaseService<S>
+where
+    S: tower::Service<Task<T>>,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxDynError> + Send,
+    S::Response: Send + 'static,
+    T: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = BoxDynError;
+    type Future = BoxFuture<'static, Result<S::Response, BoxDynError>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        if self.shared.running.load(Ordering::SeqCst) >= self.shared.concurrency {
+            self.shared.slot_waker.register(cx.waker());
+            // Re-check after registering, so a slot freed in between is not missed.
+            if self.shared.running.load(Ordering::SeqCst) >= self.shared.concurrency {
+                return Poll::Pending;
+            }
+        }
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, task: Task<T>) -> Self::Future {
+        let lease = task.ctx().data().get::<Lease>().cloned();
+        self.shared.running.fetch_add(1, Ordering::SeqCst);
+        let guard = SlotGuard(self.shared.clone());
+        let fut = self.inner.call(task);
+        let queue = self.queue.clone();
+        let shared = self.shared.clone();
+        async move {
+            let _guard = guard;
+            let Some(lease) = lease else {
+                return fut.await.map_err(Into::into);
+            };
+            let mut grace = shared.grace.subscribe();
+            let grace_over = async move {
+                if grace.wait_for(|over| *over).await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            };
+            let returned = tokio::select! {
+                r = AssertUnwindSafe(fut).catch_unwind() => Some(r),
+                () = grace_over => None,
+            };
+            let (outcome, result) = match returned {
+                None => (Some(Outcome::Release), Err(BoxDynError::from("handed back: shutdown grace over"))),
+                Some(Ok(Ok(response))) => (Some(Outcome::Complete), Ok(response)),
+                Some(Ok(Err(error))) => {
+                    let error: BoxDynError = error.into();
+                    let reason = error.to_string();
+                    let outcome = if error.downcast_ref::<AbortError>().is_some() {
+                        Outcome::Dead { reason }
+                    } else if let Some(after) = error.downcast_ref::<RetryAfterError>() {
+                        Outcome::Retry { delay_ms: after.get_duration().as_millis() as u64, reason }
+                    } else {
+                        Outcome::Retry { delay_ms: queue.config().retry_delay_ms(lease.deliveries), reason }
+                    };
+                    (Some(outcome), Err(error))
+                }
+                Some(Err(panic)) => {
+                    let what = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "a panic".into());
+                    let reason = format!("handler panicked: {what}");
+                    let delay_ms = queue.config().retry_delay_ms(lease.deliveries);
+                    (Some(Outcome::Retry { delay_ms, reason: reason.clone() }), Err(BoxDynError::from(reason)))
+                }
+            };
+            if let Err(error) = &result {
+                warn!(message = "turn handler failed", %error, queue.id = %lease.id, epoch = lease.epoch, deliveries = lease.deliveries);
+            }
+            if let Some(outcome) = outcome {
+                if !lease.is_settled() {
+                    settle_patiently(&queue, &lease, outcome).await;
+                }
+            }
+            shared.forget(&lease);
+            result
+        }
+        .boxed()
+    }
+}

@@ -1,0 +1,86 @@
+-- paceline turn queue: the Lua library every queue script starts with.
+--
+-- Prepend QUEUE_LUA_LIB (Rust: shared::queue::LUA_LIB) to a script and pass the
+-- queue's six keys FIRST, in this order (Rust: QueueKeys::script_keys()):
+--   KEYS[1] due      ZSET  id -> due time (ms, Redis TIME); queued turns, ready or delayed
+--   KEYS[2] lease    ZSET  id -> lease deadline (ms); turns in flight
+--   KEYS[3] jobs     HASH  id -> record "epoch|deliveries|flag|payload" (flag q/l/d)
+--   KEYS[4] dead     ZSET  id -> time it died (ms)
+--   KEYS[5] reasons  HASH  id -> why it died
+--   KEYS[6] notify   LIST  wake-up tokens that idle workers BLPOP
+-- A script's own keys start at KEYS[Q_NKEYS + 1]. ARGV is the script's own: the
+-- library's functions take their inputs as arguments and never read ARGV.
+-- Every function here is a `local`, so the library can be prepended to any body.
+local Q_DUE, Q_LEASE, Q_JOBS, Q_DEAD, Q_REASONS, Q_NOTIFY = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local Q_NKEYS = 6
+-- Tokens beyond this many wake nobody new; the chain token of a full fetch covers the rest.
+local Q_MAX_TOKENS = 64
+
+-- The Redis server's clock in ms: the one clock due times and leases use.
+local function q_now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- A record's fields, or nil when there is no such turn.
+local function q_decode(v)
+  if not v then return nil end
+  local e, d, f, p = string.match(v, '^(%d+)|(%d+)|(%a)|(.*)$')
+  if not e then return nil end
+  return {epoch = tonumber(e), deliveries = tonumber(d), flag = f, payload = p}
+end
+
+local function q_encode(r)
+  return string.format('%d|%d|%s|', r.epoch, r.deliveries, r.flag) .. r.payload
+end
+
+-- The turn `id` as a table, or nil.
+local function q_read(id)
+  return q_decode(redis.call('HGET', Q_JOBS, id))
+end
+
+-- The fence: the caller holds the live lease of `id` at `epoch`. Returns the
+-- record, or nil and why not ('gone': no such turn; 'not_leased': its lease
+-- expired and it went back to the queue; 'stale': it was delivered again since).
+-- Call it before any write a lease holder makes; on nil, write nothing.
+local function q_fence(id, epoch)
+  local r = q_read(id)
+  if not r then return nil, 'gone' end
+  if r.flag ~= 'l' then return nil, 'not_leased' end
+  if r.epoch ~= tonumber(epoch) then return nil, 'stale' end
+  return r
+end
+
+-- Wakes one idle worker (a new due time to sleep towards, or work to take).
+local function q_wake()
+  -- Trimmed well below the cap, so a busy queue pays for one LTRIM per ~50 pushes.
+  if redis.call('LPUSH', Q_NOTIFY, '1') > Q_MAX_TOKENS then
+    redis.call('LTRIM', Q_NOTIFY, 0, 15)
+  end
+end
+
+-- Puts turn `id` (record `r`, as read) in the queue, due at `due_ms` (server
+-- clock), out of any lease. Set r.payload / r.deliveries before calling to change them.
+local function q_schedule(id, r, due_ms)
+  r.flag = 'q'
+  redis.call('HSET', Q_JOBS, id, q_encode(r))
+  redis.call('ZREM', Q_LEASE, id)
+  redis.call('ZADD', Q_DUE, due_ms, id)
+  q_wake()
+end
+
+-- Removes leased turn `id` for good (it is done).
+local function q_finish(id)
+  redis.call('ZREM', Q_LEASE, id)
+  redis.call('HDEL', Q_JOBS, id)
+end
+
+-- Moves turn `id` (record `r`) to the dead set with `reason`.
+local function q_bury(id, r, reason, now)
+  r.flag = 'd'
+  redis.call('HSET', Q_JOBS, id, q_encode(r))
+  redis.call('ZREM', Q_LEASE, id)
+  redis.call('ZREM', Q_DUE, id)
+  redis.call('ZADD', Q_DEAD, now, id)
+  redis.call('HSET', Q_REASONS, id, reason)
+end

@@ -1,0 +1,33 @@
+-- Read-only views. ARGV[1] selects one:
+--   counts: {now, ready, delayed, in_flight, dead, next_due_ms or -1}
+--   dead ARGV[2]=limit: {id, died_at, reason, payload, ...}, newest first
+--   workers ARGV[2]=ttl_ms, KEYS[Q_NKEYS+1..2] workers, info: {identity, heartbeat, json, ...}
+local now = q_now()
+local view = ARGV[1]
+if view == 'counts' then
+  local ready = redis.call('ZCOUNT', Q_DUE, '-inf', now)
+  local queued = redis.call('ZCARD', Q_DUE)
+  local nxt = redis.call('ZRANGEBYSCORE', Q_DUE, '(' .. now, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  local next_due = -1
+  if #nxt > 0 then next_due = tonumber(nxt[2]) end
+  return {now, ready, queued - ready, redis.call('ZCARD', Q_LEASE), redis.call('ZCARD', Q_DEAD), next_due}
+elseif view == 'dead' then
+  local d = redis.call('ZREVRANGE', Q_DEAD, 0, tonumber(ARGV[2]) - 1, 'WITHSCORES')
+  local out = {}
+  for i = 1, #d, 2 do
+    local r = q_read(d[i])
+    out[#out + 1] = d[i]; out[#out + 1] = d[i + 1]
+    out[#out + 1] = redis.call('HGET', Q_REASONS, d[i]) or ''
+    out[#out + 1] = r and r.payload or ''
+  end
+  return out
+elseif view == 'workers' then
+  local w = redis.call('ZRANGEBYSCORE', KEYS[Q_NKEYS + 1], now - tonumber(ARGV[2]), '+inf', 'WITHSCORES')
+  local out = {}
+  for i = 1, #w, 2 do
+    out[#out + 1] = w[i]; out[#out + 1] = w[i + 1]
+    out[#out + 1] = redis.call('HGET', KEYS[Q_NKEYS + 2], w[i]) or '{}'
+  end
+  return out
+end
+return redis.error_reply('unknown view ' .. view)

@@ -1,0 +1,38 @@
+-- A lease holder's verdict on its turn, checked against the lease's epoch.
+-- ARGV: op, id, epoch, delay_ms, payload ('' keeps it; ops requeue), has_payload
+-- ('1'/'0'), reason, max_deliveries.
+--   complete: done, removed.
+--   requeue:  due again after delay_ms (server clock), deliveries reset (the turn progressed).
+--   retry:    a failed delivery: due again after delay_ms, or dead when it used its deliveries.
+--   release:  handed back unstarted or unfinished at shutdown: due now, the delivery not counted.
+--   dead:     to the dead set with the reason.
+-- Returns {'ok'} / {'dead'} or {'fenced', why}.
+local op, id, epoch = ARGV[1], ARGV[2], ARGV[3]
+local r, why = q_fence(id, epoch)
+if not r then return {'fenced', why} end
+if op == 'complete' then
+  q_finish(id)
+  return {'ok'}
+end
+-- Only the other verdicts need the clock.
+local now = q_now()
+if op == 'requeue' then
+  if ARGV[6] == '1' then r.payload = ARGV[5] end
+  r.deliveries = 0
+  q_schedule(id, r, now + tonumber(ARGV[4]))
+elseif op == 'retry' then
+  if r.deliveries >= tonumber(ARGV[8]) then
+    q_bury(id, r, ARGV[7], now)
+    return {'dead'}
+  end
+  q_schedule(id, r, now + tonumber(ARGV[4]))
+elseif op == 'release' then
+  if r.deliveries > 0 then r.deliveries = r.deliveries - 1 end
+  q_schedule(id, r, now)
+elseif op == 'dead' then
+  q_bury(id, r, ARGV[7], now)
+  return {'dead'}
+else
+  return redis.error_reply('unknown op ' .. op)
+end
+return {'ok'}
