@@ -1,1 +1,452 @@
-//! (tests to come)
+//! The turn queue against a real redis-server, with real worker processes
+//! (`paceline queue-probe consume`) where killing or signalling one matters.
+
+use futures::StreamExt;
+use paceline_tests::{eventually, paceline_bin, unique_prefix, within, ChildGuard, RedisOptions, RedisServer};
+use serde_json::{json, Value};
+use shared::config::RedisArgs;
+use shared::queue::apalis_core::error::BoxDynError;
+use shared::queue::apalis_core::task::data::Data;
+use shared::queue::apalis_core::worker::builder::WorkerBuilder;
+use shared::queue::{Lease, QueueConfig, QueueError, TurnQueue, LUA_LIB, MAX_FETCH_BATCH};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+fn secs(s: u64) -> Duration {
+    Duration::from_secs(s)
+}
+
+/// A private server, a unique prefix, and a queue on them.
+struct Env {
+    server: RedisServer,
+    redis: RedisArgs,
+    queue: TurnQueue,
+}
+
+impl Env {
+    fn start(config: QueueConfig) -> Self {
+        Self::start_with(RedisOptions::default(), config)
+    }
+
+    fn start_with(opts: RedisOptions, config: QueueConfig) -> Self {
+        let server = RedisServer::start_with(opts);
+        let redis = RedisArgs::new(server.url(), unique_prefix());
+        let queue = TurnQueue::new(&redis, config).expect("queue");
+        Self { server, redis, queue }
+    }
+
+    /// A worker process running the no-op probe consumer.
+    fn spawn_probe(&self, extra: &[&str]) -> ChildGuard {
+        let child = Command::new(paceline_bin())
+            .args(["queue-probe", "consume", "--redis-url", &self.redis.url, "--prefix", &self.redis.prefix])
+            .args(extra)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("spawn paceline queue-probe consume");
+        ChildGuard(child)
+    }
+
+    /// How many times the probe completed each turn (`--record`).
+    async fn probe_done(&self) -> std::collections::HashMap<String, u64> {
+        let mut conn = self.server.conn().await;
+        redis::cmd("HGETALL")
+            .arg(self.redis.keys().queue_key("probe:done"))
+            .query_async(&mut conn)
+            .await
+            .unwrap_or_default()
+    }
+
+    async fn enqueue_many(&self, tag: &str, n: usize, payload: Value, delay_ms: u64) {
+        let payload = &payload;
+        let results: Vec<_> = futures::stream::iter(0..n)
+            .map(|i| async move { self.queue.enqueue(&format!("{tag}-{i}"), payload, delay_ms).await })
+            .buffer_unordered(64)
+            .collect()
+            .await;
+        assert!(results.into_iter().all(|r| r.expect("enqueue")), "every id was new");
+    }
+
+    async fn wait_drained(&self, timeout: Duration) {
+        let q = &self.queue;
+        eventually("the queue to drain", timeout, || async move {
+            let c = q.counts().await.ok()?;
+            (c.ready + c.delayed + c.in_flight == 0).then_some(())
+        })
+        .await;
+    }
+}
+
+/// What in-process handlers saw.
+#[derive(Clone, Default)]
+struct Seen(Arc<Mutex<Vec<Started>>>);
+
+#[derive(Clone, Debug)]
+struct Started {
+    id: String,
+    due_ms: i64,
+    server_now_ms: i64,
+    deliveries: u32,
+}
+
+impl Seen {
+    fn len(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+    fn all(&self) -> Vec<Started> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+#[derive(Clone)]
+struct HandlerState {
+    seen: Seen,
+    queue: TurnQueue,
+    fail: bool,
+}
+
+async fn record_turn(_payload: Value, lease: Lease, state: Data<HandlerState>) -> Result<(), BoxDynError> {
+    // The server's clock, read independently of the fetch script.
+    let server_now_ms = state.queue.server_time_ms().await?;
+    state.seen.0.lock().unwrap().push(Started {
+        id: lease.id.clone(),
+        due_ms: lease.due_ms,
+        server_now_ms,
+        deliveries: lease.deliveries,
+    });
+    if state.fail {
+        return Err("boom: this handler always fails".into());
+    }
+    Ok(())
+}
+
+/// Runs an apalis worker over the queue in this process until the returned sender fires.
+fn run_worker(queue: &TurnQueue, concurrency: usize, state: HandlerState) -> (tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
+    let backend = queue.backend::<Value>(concurrency);
+    let name = backend.identity().to_owned();
+    let worker = WorkerBuilder::new(name.as_str()).backend(backend).data(state).build(record_turn);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let handle = tokio::spawn(async move {
+        worker
+            .run_until(async move {
+                let _ = stopped.await;
+                Ok::<(), std::io::Error>(())
+            })
+            .await
+            .expect("worker run() never ends in error");
+    });
+    (stop, handle)
+}
+
+#[tokio::test]
+async fn counts_are_exact_and_enqueue_is_idempotent_by_id() {
+    let env = Env::start(QueueConfig::default());
+    let q = &env.queue;
+    assert!(q.enqueue("run_a", &json!({"turn": 1}), 0).await.unwrap());
+    assert!(q.enqueue("run_b", &json!({"turn": 1}), 0).await.unwrap());
+    assert!(q.enqueue("run_c", &json!({"turn": 1}), 60_000).await.unwrap());
+    assert!(!q.enqueue("run_a", &json!({"turn": 9}), 0).await.unwrap(), "a second enqueue of an id changes nothing");
+    assert_eq!(q.payload::<Value>("run_a").await.unwrap(), Some(json!({"turn": 1})));
+
+    let c = q.counts().await.unwrap();
+    assert_eq!((c.ready, c.delayed, c.in_flight, c.dead), (2, 1, 0, 0));
+    let next = c.next_due_ms.expect("a delayed turn has a due time");
+    assert!((59_000..=60_000).contains(&(next - c.now_ms)), "next due in ~60 s, got {}", next - c.now_ms);
+
+    let fetched = q.fetch("w1", 10).await.unwrap();
+    assert_eq!(fetched.deliveries.len(), 2, "only the due turns are fetched");
+    let c = q.counts().await.unwrap();
+    assert_eq!((c.ready, c.delayed, c.in_flight, c.dead), (0, 1, 2, 0));
+}
+
+#[tokio::test]
+async fn turns_never_start_before_their_due_time() {
+    let env = Env::start(QueueConfig::default());
+    let seen = Seen::default();
+    let (stop, worker) = run_worker(&env.queue, 8, HandlerState { seen: seen.clone(), queue: env.queue.clone(), fail: false });
+    for i in 0..100u64 {
+        env.queue.enqueue(&format!("run_{i}"), &json!({}), 50 + i * 10).await.unwrap();
+    }
+    eventually("100 turns to start", secs(10), || async { (seen.len() >= 100).then_some(()) }).await;
+    let mut worst = 0;
+    for s in seen.all() {
+        assert!(s.server_now_ms >= s.due_ms, "{} started {} ms early", s.id, s.due_ms - s.server_now_ms);
+        worst = worst.max(s.server_now_ms - s.due_ms);
+    }
+    // Not a timing claim (the bench has those): a worker that slept through its
+    // timer would be seconds late.
+    assert!(worst < 1000, "a turn started {worst} ms late");
+    let _ = stop.send(());
+    within("the worker to stop", secs(10), worker).await.unwrap();
+}
+
+#[tokio::test]
+async fn ten_thousand_turns_due_at_once_are_all_served() {
+    let env = Env::start(QueueConfig::default());
+    // No worker runs yet, so all 10 000 are due together when the workers start.
+    env.enqueue_many("run", 10_000, json!({}), 0).await;
+    // One fetch is bounded, whatever it asks for.
+    let probe = env.queue.fetch("probe", 50_000).await.unwrap();
+    assert_eq!(probe.deliveries.len(), MAX_FETCH_BATCH);
+    for d in &probe.deliveries {
+        env.queue.release(&d.lease).await.unwrap();
+    }
+
+    let seen = Seen::default();
+    let state = HandlerState { seen: seen.clone(), queue: env.queue.clone(), fail: false };
+    let (stop1, w1) = run_worker(&env.queue, 16, state.clone());
+    let (stop2, w2) = run_worker(&env.queue, 16, state);
+    env.wait_drained(secs(60)).await;
+    assert_eq!(seen.len(), 10_000, "each turn ran exactly once");
+    let c = env.queue.counts().await.unwrap();
+    assert_eq!(c.dead, 0);
+    let _ = stop1.send(());
+    let _ = stop2.send(());
+    within("workers to stop", secs(10), async { w1.await.unwrap(); w2.await.unwrap() }).await;
+}
+
+#[tokio::test]
+async fn a_stale_holder_is_fenced_and_changes_nothing() {
+    let env = Env::start(QueueConfig { lease_ms: 300, ..QueueConfig::default() });
+    let q = &env.queue;
+    q.enqueue("run_x", &json!({"turn": 1}), 0).await.unwrap();
+    let stale = q.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
+
+    // w1 stalls past its lease; any worker's heartbeat brings the turn back.
+    eventually("the expired lease to be reclaimed", secs(5), || async {
+        q.heartbeat("reaper", None, &[]).await.ok()?;
+        (q.counts().await.ok()?.ready == 1).then_some(())
+    })
+    .await;
+    assert!(matches!(q.complete(&stale).await, Err(QueueError::Fenced { ref why, .. }) if why == "not_leased"));
+
+    let live = q.fetch("w2", 1).await.unwrap().deliveries.remove(0).lease;
+    assert!(live.epoch > stale.epoch, "every delivery gets a larger epoch");
+    assert_eq!(live.deliveries, 2);
+    assert!(matches!(q.complete(&stale).await, Err(QueueError::Fenced { ref why, .. }) if why == "stale"));
+    assert!(matches!(q.requeue(&stale, 0, Some(&json!({"turn": 99}))).await, Err(QueueError::Fenced { .. })));
+    assert!(matches!(q.dead(&stale, "stale says so").await, Err(QueueError::Fenced { .. })));
+    let c = q.counts().await.unwrap();
+    assert_eq!((c.ready, c.in_flight, c.dead), (0, 1, 0), "the stale holder changed nothing");
+    assert_eq!(q.payload::<Value>("run_x").await.unwrap(), Some(json!({"turn": 1})));
+
+    q.requeue(&live, 0, Some(&json!({"turn": 2}))).await.unwrap();
+    assert_eq!(q.payload::<Value>("run_x").await.unwrap(), Some(json!({"turn": 2})));
+    let next = q.fetch("w2", 1).await.unwrap().deliveries.remove(0).lease;
+    assert_eq!(next.deliveries, 1, "a requeue that made progress starts the count over");
+    q.complete(&next).await.unwrap();
+    let c = q.counts().await.unwrap();
+    assert_eq!((c.ready, c.delayed, c.in_flight, c.dead), (0, 0, 0, 0));
+}
+
+#[tokio::test]
+async fn a_commit_script_built_on_the_lua_library_is_fenced_atomically() {
+    let env = Env::start(QueueConfig { lease_ms: 300, ..QueueConfig::default() });
+    let q = &env.queue;
+    // What the worker's commit will look like: append to the run's transcript
+    // and enqueue the next turn, in one script, only with the live epoch.
+    let commit = redis::Script::new(&format!(
+        "{LUA_LIB}\n{}",
+        r#"
+        local r, why = q_fence(ARGV[1], ARGV[2])
+        if not r then return {'fenced', why} end
+        redis.call('RPUSH', KEYS[Q_NKEYS + 1], ARGV[3])
+        r.payload = ARGV[4]
+        r.deliveries = 0
+        q_schedule(ARGV[1], r, q_now())
+        return {'ok'}
+        "#
+    ));
+    let transcript = format!("{}:{}:run:run_x:transcript", env.redis.prefix, env.redis.keys().slot_tag());
+    let server = &env.server;
+    let run_commit = |lease: Lease, output: &'static str| {
+        let commit = &commit;
+        let transcript = transcript.clone();
+        async move {
+            let mut inv = commit.prepare_invoke();
+            for k in q.keys().script_keys() {
+                inv.key(k);
+            }
+            inv.key(&transcript).arg(&lease.id).arg(lease.epoch).arg(output).arg(r#"{"turn":2}"#);
+            let mut conn = server.conn().await;
+            let reply: Vec<String> = inv.invoke_async(&mut conn).await.unwrap();
+            if reply[0] == "ok" {
+                lease.mark_settled();
+            }
+            reply[0].clone()
+        }
+    };
+
+    q.enqueue("run_x", &json!({"turn": 1}), 0).await.unwrap();
+    let stale = q.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
+    eventually("the expired lease to be reclaimed", secs(5), || async {
+        q.heartbeat("reaper", None, &[]).await.ok()?;
+        (q.counts().await.ok()?.ready == 1).then_some(())
+    })
+    .await;
+    let live = q.fetch("w2", 1).await.unwrap().deliveries.remove(0).lease;
+
+    assert_eq!(run_commit(live.clone(), "turn 1 output (live)").await, "ok");
+    assert_eq!(run_commit(stale, "turn 1 output (stale)").await, "fenced");
+    assert_eq!(run_commit(live, "turn 1 output (again)").await, "fenced", "a commit happens once");
+
+    let mut conn = env.server.conn().await;
+    let items: Vec<String> = redis::cmd("LRANGE").arg(&transcript).arg(0).arg(-1).query_async(&mut conn).await.unwrap();
+    assert_eq!(items, vec!["turn 1 output (live)".to_string()]);
+    assert_eq!(q.payload::<Value>("run_x").await.unwrap(), Some(json!({"turn": 2})));
+    assert_eq!(q.counts().await.unwrap().ready, 1, "the next turn is queued");
+}
+
+#[tokio::test]
+async fn a_failing_turn_goes_dead_after_three_deliveries_with_its_error() {
+    let env = Env::start(QueueConfig { retry_base_ms: 10, ..QueueConfig::default() });
+    let seen = Seen::default();
+    let (stop, worker) = run_worker(&env.queue, 4, HandlerState { seen: seen.clone(), queue: env.queue.clone(), fail: true });
+    env.queue.enqueue("run_poison", &json!({"turn": 1}), 0).await.unwrap();
+    let q = &env.queue;
+    eventually("the failing turn to go dead", secs(10), || async { (q.counts().await.ok()?.dead == 1).then_some(()) }).await;
+    assert_eq!(seen.all().iter().map(|s| s.deliveries).collect::<Vec<_>>(), vec![1, 2, 3]);
+    let dead = q.list_dead(10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].id, "run_poison");
+    assert!(dead[0].reason.contains("boom"), "reason: {}", dead[0].reason);
+    let _ = stop.send(());
+    within("the worker to stop", secs(10), worker).await.unwrap();
+
+    assert!(q.retry_dead("run_poison").await.unwrap());
+    assert!(!q.retry_dead("run_poison").await.unwrap(), "it is not dead any more");
+    let c = q.counts().await.unwrap();
+    assert_eq!((c.ready, c.dead), (1, 0));
+    let again = q.fetch("w", 1).await.unwrap().deliveries.remove(0).lease;
+    assert_eq!(again.deliveries, 1, "a retried dead turn gets fresh deliveries");
+}
+
+#[tokio::test]
+async fn a_turn_that_kills_its_worker_goes_dead_after_three_deliveries() {
+    let env = Env::start(QueueConfig { lease_ms: 500, ..QueueConfig::default() });
+    env.queue.enqueue("run_crash", &json!({"crash": true}), 0).await.unwrap();
+    let q = &env.queue;
+    let mut crashes = 0;
+    for _ in 0..6 {
+        if q.counts().await.unwrap().dead == 1 {
+            break;
+        }
+        let mut worker = env.spawn_probe(&["--queue-lease-ms", "500", "--concurrency", "2"]);
+        let deadline = Instant::now() + secs(10);
+        loop {
+            if worker.wait_timeout(Duration::from_millis(50)).is_some() {
+                crashes += 1;
+                break;
+            }
+            if q.counts().await.unwrap().dead == 1 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the poison turn neither crashed its worker nor went dead");
+        }
+    }
+    assert_eq!(crashes, 3, "the poison turn was delivered exactly three times");
+    let dead = q.list_dead(10).await.unwrap();
+    assert_eq!(dead.len(), 1, "dead: {dead:?}");
+    assert!(dead[0].reason.contains("lease expired on delivery 3 of 3"), "reason: {}", dead[0].reason);
+    assert_eq!(dead[0].payload, r#"{"crash":true}"#);
+}
+
+#[tokio::test]
+async fn a_sigkilled_worker_has_its_turns_back_within_5_s() {
+    let env = Env::start(QueueConfig::default());
+    let q = &env.queue;
+    let first = env.spawn_probe(&["--concurrency", "4"]);
+    env.enqueue_many("run", 4, json!({"sleep_ms": 600_000}), 0).await;
+    eventually("the first worker to hold all 4 turns", secs(10), || async {
+        (q.counts().await.ok()?.in_flight == 4).then_some(())
+    })
+    .await;
+
+    first.signal("KILL");
+    let killed_at = Instant::now();
+    let _second = env.spawn_probe(&["--concurrency", "4", "--max-sleep-ms", "0", "--record"]);
+    eventually("another worker to finish the killed worker's turns", secs(5), || async {
+        (env.probe_done().await.len() == 4).then_some(())
+    })
+    .await;
+    println!("killed worker's turns finished {} ms after the kill", killed_at.elapsed().as_millis());
+    env.wait_drained(secs(5)).await;
+    assert_eq!(q.counts().await.unwrap().dead, 0);
+}
+
+#[tokio::test]
+async fn a_redis_restart_mid_load_loses_nothing_and_needs_no_process_restart() {
+    let mut env = Env::start_with(RedisOptions { aof: true }, QueueConfig::default());
+    let mut worker = env.spawn_probe(&["--concurrency", "8", "--record"]);
+    env.enqueue_many("before", 300, json!({"sleep_ms": 20}), 0).await;
+    eventually("some turns to be done", secs(10), || async { (env.probe_done().await.len() >= 50).then_some(()) }).await;
+
+    env.server.restart();
+
+    // The same queue handle (this process's connection) works again without a restart.
+    let q = env.queue.clone();
+    eventually("enqueue to work after the restart", secs(10), || async {
+        q.enqueue("after-0", &json!({"sleep_ms": 20}), 0).await.ok()
+    })
+    .await;
+    for i in 1..100 {
+        q.enqueue(&format!("after-{i}"), &json!({"sleep_ms": 20}), 0).await.unwrap();
+    }
+    eventually("every turn from before and after the restart to be done", secs(30), || async {
+        (env.probe_done().await.len() == 400).then_some(())
+    })
+    .await;
+    env.wait_drained(secs(10)).await;
+    assert_eq!(q.counts().await.unwrap().dead, 0);
+    assert!(worker.0.try_wait().unwrap().is_none(), "the worker process survived the restart");
+    worker.signal("TERM");
+    let status = worker.wait_timeout(secs(10)).expect("worker exits on SIGTERM");
+    assert!(status.success(), "{status:?}");
+}
+
+#[tokio::test]
+async fn sigterm_drains_in_flight_turns_and_exits_0() {
+    let env = Env::start(QueueConfig::default());
+    let q = &env.queue;
+    let mut worker = env.spawn_probe(&["--concurrency", "4", "--record"]);
+    env.enqueue_many("run", 20, json!({"sleep_ms": 500}), 0).await;
+    let pid = worker.0.id();
+    let registered = eventually("the worker to register and take turns", secs(10), || async {
+        let workers = q.list_workers().await.ok()?;
+        let me = workers.into_iter().find(|w| w.pid == pid)?;
+        (me.in_flight > 0 && q.counts().await.ok()?.in_flight == 4).then_some(me)
+    })
+    .await;
+    assert_eq!(registered.concurrency, 4);
+    assert!(registered.last_heartbeat_ms >= registered.started_at_ms);
+
+    worker.signal("TERM");
+    let status = worker.wait_timeout(secs(10)).expect("the worker exits after SIGTERM");
+    assert!(status.success(), "exit status {status:?}");
+
+    let c = q.counts().await.unwrap();
+    let done = env.probe_done().await.len() as u64;
+    assert_eq!(c.in_flight, 0, "nothing left leased by the exited worker");
+    assert_eq!(c.dead, 0);
+    assert!(done >= 4, "the turns in flight at SIGTERM finished ({done} done)");
+    assert_eq!(done + c.ready, 20, "every turn is done or back in the queue");
+    assert!(q.list_workers().await.unwrap().iter().all(|w| w.pid != pid), "it left the worker registry");
+}
+
+#[tokio::test]
+async fn sigterm_hands_back_turns_still_running_after_the_grace() {
+    let env = Env::start(QueueConfig::default());
+    let q = &env.queue;
+    let mut worker = env.spawn_probe(&["--concurrency", "4", "--queue-grace-ms", "300"]);
+    env.enqueue_many("run", 2, json!({"sleep_ms": 600_000}), 0).await;
+    eventually("the worker to take both turns", secs(10), || async { (q.counts().await.ok()?.in_flight == 2).then_some(()) }).await;
+
+    worker.signal("TERM");
+    let status = worker.wait_timeout(secs(5)).expect("the worker exits after its grace");
+    assert!(status.success(), "exit status {status:?}");
+    let c = q.counts().await.unwrap();
+    assert_eq!((c.ready, c.in_flight, c.dead), (2, 0, 0), "both turns handed back, due now");
+    let back = q.fetch("w", 10).await.unwrap();
+    assert!(back.deliveries.iter().all(|d| d.lease.deliveries == 1), "a hand-back does not use up a delivery");
+}
