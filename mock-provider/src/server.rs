@@ -272,8 +272,8 @@ impl Shared {
     }
 
     fn stats(&self, with_log: bool) -> Stats {
-        let now = self.now_us();
         let mut st = self.lock();
+        let now = self.now_us();
         st.tokens.refill(now);
         st.requests.refill(now);
         let mut stats = st.stats.clone();
@@ -309,10 +309,15 @@ impl Shared {
     /// Every decision about one request, made under the lock: parse errors,
     /// injected and random faults, the quota, then both buckets (atomically:
     /// a request refused by the token bucket gets its request slot back).
+    // The refusal is returned once per request and answered at once: boxing it buys nothing.
+    #[allow(clippy::result_large_err)]
     fn admit(&self, api: Api, body: Value, parsed: Result<Request, String>) -> Result<Admission, Response> {
         let cfg = &self.cfg;
-        let now = self.now_us();
         let mut st = self.lock();
+        // "Now" is read under the lock, so the log's times follow the order in
+        // which the bucket saw the requests: the ledger a test rebuilds from the
+        // log is then exactly the bucket's history.
+        let now = self.now_us();
         st.seq += 1;
         let seq = st.seq;
         st.stats.requests += 1;
@@ -552,8 +557,8 @@ impl Shared {
 
     /// Gives back the unused output and notes the end of the answer.
     fn refund(&self, seq: u64, amount: u64, midstream_error: bool) {
-        let now = self.now_us();
         let mut st = self.lock();
+        let now = self.now_us();
         st.tokens.give_back(now, amount);
         st.stats.tokens_refunded += amount;
         if midstream_error {

@@ -1,1 +1,798 @@
-//! (tests to come)
+//! The mock provider, driven like a client would drive OpenAI: a plain reqwest
+//! client, a tiny SSE parser, and the stats log as the witness that the
+//! buckets never let more through than they are configured to.
+
+use futures::StreamExt;
+use mock_provider::{BucketMode, Fault, MockConfig, MockServer, Stats};
+use paceline_tests::within;
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+
+// ------------------------------------------------------------------ helpers
+
+async fn start(config: MockConfig) -> MockServer {
+    MockServer::start(config).await.expect("start the mock provider")
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder().timeout(Duration::from_secs(10)).build().unwrap()
+}
+
+async fn post(server: &MockServer, path: &str, body: &Value) -> reqwest::Response {
+    within(
+        "a mock provider answer",
+        Duration::from_secs(10),
+        client().post(format!("{}{path}", server.base_url())).json(body).send(),
+    )
+    .await
+    .expect("send")
+}
+
+/// The answer's status, `x-ratelimit-*`/`retry-after*` headers, and JSON body.
+async fn post_json(server: &MockServer, path: &str, body: &Value) -> (u16, reqwest::header::HeaderMap, Value) {
+    let resp = post(server, path, body).await;
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = within("a JSON body", Duration::from_secs(10), resp.json::<Value>()).await.expect("json");
+    (status, headers, body)
+}
+
+fn header<'a>(headers: &'a reqwest::header::HeaderMap, name: &str) -> &'a str {
+    headers.get(name).unwrap_or_else(|| panic!("no {name} header")).to_str().unwrap()
+}
+
+fn header_u64(headers: &reqwest::header::HeaderMap, name: &str) -> u64 {
+    header(headers, name).parse().unwrap_or_else(|_| panic!("{name} is not a number"))
+}
+
+/// Parses a Go-style duration (`1h2m3.5s`, `13ms`, `0s`) into milliseconds.
+fn go_ms(s: &str) -> f64 {
+    if let Some(ms) = s.strip_suffix("ms") {
+        return ms.parse().unwrap();
+    }
+    let (mut total, mut num) = (0.0, String::new());
+    for c in s.chars() {
+        let unit = match c {
+            'h' => 3_600_000.0,
+            'm' => 60_000.0,
+            's' => 1000.0,
+            _ => {
+                num.push(c);
+                continue;
+            }
+        };
+        total += num.parse::<f64>().unwrap_or_else(|_| panic!("bad duration {s}")) * unit;
+        num.clear();
+    }
+    total
+}
+
+/// One server-sent event, with the time it arrived.
+#[derive(Debug, Clone)]
+struct Sse {
+    event: Option<String>,
+    data: String,
+    at: Instant,
+}
+
+impl Sse {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.data).unwrap_or_else(|e| panic!("frame is not JSON ({e}): {}", self.data))
+    }
+}
+
+/// A tiny SSE parser: frames end with a blank line; `event:` and `data:` lines
+/// (several `data:` lines join with newlines); comments and other fields are skipped.
+async fn read_sse(resp: reqwest::Response) -> Vec<Sse> {
+    assert!(
+        header(resp.headers(), "content-type").starts_with("text/event-stream"),
+        "not an event stream"
+    );
+    let mut stream = resp.bytes_stream();
+    let mut buf = String::new();
+    let mut events = Vec::new();
+    within("the end of the stream", Duration::from_secs(10), async {
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.expect("stream chunk");
+            let at = Instant::now();
+            buf.push_str(std::str::from_utf8(&chunk).expect("utf-8"));
+            while let Some(end) = buf.find("\n\n") {
+                let block: String = buf.drain(..end + 2).collect();
+                let (mut event, mut data) = (None, Vec::new());
+                for line in block.lines() {
+                    if let Some(v) = line.strip_prefix("event:") {
+                        event = Some(v.trim_start().to_string());
+                    } else if let Some(v) = line.strip_prefix("data:") {
+                        data.push(v.strip_prefix(' ').unwrap_or(v).to_string());
+                    }
+                }
+                if event.is_some() || !data.is_empty() {
+                    events.push(Sse { event, data: data.join("\n"), at });
+                }
+            }
+        }
+    })
+    .await;
+    assert!(buf.trim().is_empty(), "stream ended inside a frame: {buf:?}");
+    events
+}
+
+fn tool(name: &str) -> Value {
+    json!({"type": "function", "name": name, "description": "look something up",
+           "parameters": {"type": "object", "properties": {"query": {"type": "string"}},
+                          "required": ["query"]}})
+}
+
+fn chat_tool(name: &str) -> Value {
+    json!({"type": "function", "function": {"name": name, "description": "look something up",
+           "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}})
+}
+
+/// Walks the log like a ledger (+charged at admission, -refunded at the
+/// refund) and checks every span [t1, t2]: what the bucket let through is at
+/// most its capacity plus what it refilled in the span.
+fn assert_no_span_overdraws(stats: &Stats) {
+    let view = &stats.buckets.tokens;
+    let (cap, win) = (view.limit as i128, view.window_us as i128);
+    let mut ledger: Vec<(u64, i128)> = Vec::new();
+    for e in &stats.log {
+        if e.status == 200 {
+            ledger.push((e.at_us, e.charged as i128));
+            if let Some(at) = e.refunded_at_us {
+                ledger.push((at, -(e.refunded as i128)));
+            }
+        }
+    }
+    ledger.sort_by_key(|(t, _)| *t);
+    assert!(!ledger.is_empty());
+    for i in 0..ledger.len() {
+        // A span starts with all the events at its first instant.
+        if i > 0 && ledger[i - 1].0 == ledger[i].0 {
+            continue;
+        }
+        let mut sum = 0i128;
+        for j in i..ledger.len() {
+            sum += ledger[j].1;
+            if j + 1 < ledger.len() && ledger[j + 1].0 == ledger[j].0 {
+                continue;
+            }
+            let (t1, t2) = (ledger[i].0 as i128, ledger[j].0 as i128);
+            let allowed = match view.mode {
+                BucketMode::Continuous => cap * win + cap * (t2 - t1),
+                BucketMode::Window => cap * (1 + t2 / win - t1 / win) * win,
+            };
+            assert!(
+                sum * win <= allowed,
+                "span {t1}..{t2} µs let {sum} tokens through; the bucket allows {}",
+                allowed / win
+            );
+        }
+    }
+}
+
+// ------------------------------------------------------------------ buckets
+
+/// 200 clients that retry on 429 after the server's retry-after, for 1.5 s
+/// against a 3000-tokens-per-second bucket.
+async fn hammer(bucket: BucketMode) {
+    let server = start(MockConfig {
+        tpm: 3000,
+        rpm: 1_000_000,
+        window: Duration::from_secs(1),
+        bucket,
+        output_tokens: 20,
+        ..MockConfig::default()
+    })
+    .await;
+    let url = format!("{}/responses", server.base_url());
+    let client = client();
+    let deadline = Instant::now() + Duration::from_millis(1500);
+    let tasks = (0..200u64).map(|i| {
+        let (client, url) = (client.clone(), url.clone());
+        tokio::spawn(async move {
+            // 40 chars of input = 10 tokens; charged 10 + 100 at admission.
+            let body = json!({"model": "gpt-test", "input": "x".repeat(40), "max_output_tokens": 100});
+            loop {
+                let resp = client.post(&url).json(&body).send().await.expect("send");
+                let status = resp.status().as_u16();
+                let wait = resp
+                    .headers()
+                    .get("retry-after-ms")
+                    .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+                let _ = resp.bytes().await;
+                match status {
+                    200 => return true,
+                    429 if Instant::now() < deadline => {
+                        let wait = wait.expect("a 429 carries retry-after-ms").min(300) + i % 20;
+                        tokio::time::sleep(Duration::from_millis(wait)).await;
+                    }
+                    429 => return false,
+                    other => panic!("unexpected status {other}"),
+                }
+            }
+        })
+    });
+    let results = within("200 clients", Duration::from_secs(15), futures::future::join_all(tasks)).await;
+    let admitted = results.into_iter().filter(|r| *r.as_ref().unwrap()).count() as u64;
+    let stats = server.stats();
+    assert_eq!(stats.largest_overdraft, 0);
+    assert_eq!(stats.ok, admitted);
+    assert!(admitted >= 3000 / 110, "only {admitted} admitted: the bucket let too little through");
+    assert!(stats.rate_limited > 0, "200 clients never hit the limit");
+    assert_eq!(stats.requests, stats.ok + stats.rate_limited);
+    assert_eq!(stats.tokens_admitted, admitted * (10 + 20), "usage is input + output");
+    assert_no_span_overdraws(&stats);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_hundred_clients_never_get_more_than_a_continuous_bucket_allows() {
+    hammer(BucketMode::Continuous).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_hundred_clients_never_get_more_than_a_window_bucket_allows() {
+    hammer(BucketMode::Window).await;
+}
+
+#[tokio::test]
+async fn headers_agree_with_the_bucket() {
+    // A 10-minute fixed window: nothing refills during the test, so every number is exact.
+    let server = start(MockConfig {
+        tpm: 10_000,
+        rpm: 50,
+        window: Duration::from_secs(600),
+        bucket: BucketMode::Window,
+        output_tokens: 20,
+        ..MockConfig::default()
+    })
+    .await;
+    let body = json!({"model": "gpt-test", "input": "y".repeat(400), "max_output_tokens": 100});
+    let (status, h, first) = post_json(&server, "/responses", &body).await;
+    assert_eq!(status, 200);
+    let input = first["usage"]["input_tokens"].as_u64().unwrap();
+    assert_eq!(input, 100);
+    assert_eq!(first["usage"]["output_tokens"], 20);
+    assert_eq!(first["usage"]["total_tokens"], 120);
+    assert_eq!(header_u64(&h, "x-ratelimit-limit-tokens"), 10_000);
+    assert_eq!(header_u64(&h, "x-ratelimit-remaining-tokens"), 10_000 - 200, "charged input + max_output_tokens");
+    assert_eq!(header_u64(&h, "x-ratelimit-limit-requests"), 50);
+    assert_eq!(header_u64(&h, "x-ratelimit-remaining-requests"), 49);
+    let reset = go_ms(header(&h, "x-ratelimit-reset-tokens"));
+    assert!((590_000.0..=600_000.0).contains(&reset), "reset {reset} ms is not the window's end");
+    let shape = header(&h, "x-ratelimit-reset-tokens");
+    assert!(shape.starts_with("9m5") || shape == "10m0s", "Go shape: {shape}");
+    assert_eq!(header(&h, "x-ratelimit-reset-requests"), header(&h, "x-ratelimit-reset-tokens"));
+
+    // The unused 80 output tokens came back after the first answer.
+    let (_, h, _) = post_json(&server, "/responses", &body).await;
+    assert_eq!(header_u64(&h, "x-ratelimit-remaining-tokens"), 10_000 - 120 - 200);
+    assert_eq!(header_u64(&h, "x-ratelimit-remaining-requests"), 48);
+    let stats = server.stats();
+    assert_eq!(stats.buckets.tokens.remaining, 10_000 - 240);
+    assert_eq!(stats.tokens_admitted, 240);
+    assert_eq!(stats.tokens_charged, 400);
+    assert_eq!(stats.tokens_refunded, 160);
+}
+
+#[tokio::test]
+async fn a_continuous_bucket_reports_the_time_until_full() {
+    // 100 tokens per second.
+    let server = start(MockConfig { tpm: 6000, window: Duration::from_secs(60), ..MockConfig::default() }).await;
+    let body = json!({"model": "gpt-test", "input": "z".repeat(400), "max_output_tokens": 400});
+    let (status, h, _) = post_json(&server, "/responses", &body).await;
+    assert_eq!(status, 200);
+    let remaining = header_u64(&h, "x-ratelimit-remaining-tokens");
+    assert!((5500..5510).contains(&remaining), "remaining {remaining}");
+    let reset = go_ms(header(&h, "x-ratelimit-reset-tokens"));
+    let missing = (6000 - remaining) as f64;
+    assert!(
+        reset > (missing - 1.0) * 10.0 && reset <= missing * 10.0 + 1.0,
+        "reset {reset} ms for {missing} missing tokens at 100/s"
+    );
+}
+
+#[tokio::test]
+async fn over_the_limit_answers_429_like_openai() {
+    // A fixed minute and answers longer than any limit asked for: no refill
+    // and no refund during the test, so every number is exact.
+    let server = start(MockConfig {
+        tpm: 500,
+        rpm: 3,
+        window: Duration::from_secs(60),
+        bucket: BucketMode::Window,
+        output_tokens: 1000,
+        ..MockConfig::default()
+    })
+    .await;
+
+    // Too large: more than the whole limit, no wait helps, no retry-after.
+    let too_large = json!({"model": "gpt-test", "input": "hi", "max_output_tokens": 1000});
+    let (status, h, body) = post_json(&server, "/responses", &too_large).await;
+    assert_eq!(status, 429);
+    assert!(h.get("retry-after").is_none());
+    assert_eq!(body["error"]["code"], "rate_limit_exceeded");
+    assert_eq!(body["error"]["type"], "tokens");
+    let msg = body["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.starts_with("Request too large for gpt-test in organization org-mock on tokens per min (TPM): Limit 500, Requested 1001."),
+        "{msg}"
+    );
+
+    // Tokens: 451 taken, then 51 + 10 more do not fit in the 49 left.
+    let big = json!({"model": "gpt-test", "input": "hi", "max_output_tokens": 450});
+    assert_eq!(post_json(&server, "/responses", &big).await.0, 200);
+    let chat = json!({"model": "gpt-test", "messages": [{"role": "user", "content": "a".repeat(200)}], "max_tokens": 10});
+    let (status, h, body) = post_json(&server, "/chat/completions", &chat).await;
+    assert_eq!(status, 429);
+    assert_eq!(body["error"]["type"], "tokens");
+    assert_eq!(body["error"]["code"], "rate_limit_exceeded");
+    assert!(body["error"]["param"].is_null());
+    let msg = body["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.starts_with("Rate limit reached for gpt-test in organization org-mock on tokens per min (TPM): Limit 500, Used 451, Requested 61. Please try again in "),
+        "{msg}"
+    );
+    let retry_ms = header_u64(&h, "retry-after-ms");
+    assert!(retry_ms > 50_000 && retry_ms <= 60_000, "the window ends within a minute: {retry_ms}");
+    assert_eq!(header_u64(&h, "retry-after"), retry_ms.div_ceil(1000));
+    let hint = msg.split("try again in ").nth(1).unwrap().split(". ").next().unwrap();
+    assert!((go_ms(hint) - retry_ms as f64).abs() <= 1.0, "hint {hint} vs {retry_ms} ms");
+    assert_eq!(header_u64(&h, "x-ratelimit-remaining-tokens"), 49, "a 429 carries the headers too");
+    assert_eq!(header_u64(&h, "x-ratelimit-remaining-requests"), 2, "a refused request takes no request slot");
+
+    // Requests: one admitted so far; two more fit, the next does not.
+    let small = json!({"model": "gpt-test", "input": "hi", "max_output_tokens": 10});
+    assert_eq!(post_json(&server, "/responses", &small).await.0, 200);
+    assert_eq!(post_json(&server, "/responses", &small).await.0, 200);
+    let (status, h, body) = post_json(&server, "/responses", &small).await;
+    assert_eq!(status, 429);
+    assert_eq!(body["error"]["type"], "requests");
+    let msg = body["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("on requests per min (RPM): Limit 3, Used 3, Requested 1. Please try again in "), "{msg}");
+    assert_eq!(header_u64(&h, "x-ratelimit-remaining-requests"), 0);
+    assert!(header_u64(&h, "retry-after") > 0);
+
+    let stats = server.stats();
+    assert_eq!(stats.rate_limited_by_code["rate_limit_exceeded"], 3);
+    assert_eq!(stats.largest_overdraft, 0);
+}
+
+#[tokio::test]
+async fn a_retry_after_the_given_delay_is_admitted() {
+    // 1000 tokens per second, continuous.
+    // An answer longer than the limit asked for: nothing is refunded.
+    let server = start(MockConfig { tpm: 1000, window: Duration::from_secs(1), output_tokens: 1000, ..MockConfig::default() }).await;
+    let body = json!({"model": "gpt-test", "input": "x", "max_output_tokens": 700});
+    assert_eq!(post_json(&server, "/responses", &body).await.0, 200);
+    let (status, h, _) = post_json(&server, "/responses", &body).await;
+    assert_eq!(status, 429);
+    let wait = header_u64(&h, "retry-after-ms");
+    assert!(wait > 0 && wait <= 1000, "{wait}");
+    tokio::time::sleep(Duration::from_millis(wait)).await;
+    assert_eq!(post_json(&server, "/responses", &body).await.0, 200, "the retry-after was honest");
+}
+
+// ------------------------------------------------------------------ wire formats
+
+#[tokio::test]
+async fn a_responses_stream_is_the_real_event_sequence() {
+    let server = start(MockConfig { output_tokens: 30, ..MockConfig::default() }).await;
+    let resp = post(&server, "/responses", &json!({"model": "gpt-test", "instructions": "be brief",
+        "input": [{"role": "user", "content": "hello"}], "stream": true, "max_output_tokens": 64})).await;
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers().get("x-ratelimit-remaining-tokens").is_some(), "streams carry the headers");
+    let events = read_sse(resp).await;
+    let kinds: Vec<String> = events.iter().map(|e| e.event.clone().expect("every frame names its event")).collect();
+    for (i, e) in events.iter().enumerate() {
+        let data = e.json();
+        assert_eq!(data["type"], kinds[i].as_str(), "event: and data.type agree");
+        assert_eq!(data["sequence_number"], json!(i));
+    }
+    assert_eq!(
+        kinds[..4],
+        ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    );
+    let n = kinds.len();
+    assert_eq!(
+        kinds[n - 4..],
+        ["response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed"]
+    );
+    let deltas: Vec<&Sse> = events.iter().filter(|e| e.event.as_deref() == Some("response.output_text.delta")).collect();
+    assert!(deltas.len() >= 3, "the answer comes as several deltas");
+    assert_eq!(deltas.len(), n - 8);
+    let text: String = deltas.iter().map(|e| e.json()["delta"].as_str().unwrap().to_string()).collect();
+    let done = events[n - 1].json();
+    let response = &done["response"];
+    assert_eq!(response["status"], "completed");
+    assert!(response["id"].as_str().unwrap().starts_with("resp_"));
+    assert_eq!(response["output"][0]["type"], "message");
+    assert_eq!(response["output"][0]["content"][0]["text"], text.as_str());
+    assert_eq!(text.split(' ').count(), 30);
+    let usage = &response["usage"];
+    // "be brief" + "user" + "hello" = 17 chars -> 5 tokens.
+    assert_eq!(usage["input_tokens"], 5);
+    assert_eq!(usage["output_tokens"], 30);
+    assert_eq!(usage["total_tokens"], 35);
+    assert_eq!(events[0].json()["response"]["status"], "in_progress");
+}
+
+#[tokio::test]
+async fn an_output_limit_below_the_answer_makes_it_incomplete() {
+    let server = start(MockConfig { output_tokens: 30, ..MockConfig::default() }).await;
+    let resp = post(&server, "/responses", &json!({"model": "m", "input": "x", "stream": true, "max_output_tokens": 9})).await;
+    let events = read_sse(resp).await;
+    let last = events.last().unwrap();
+    assert_eq!(last.event.as_deref(), Some("response.incomplete"));
+    let response = &last.json()["response"];
+    assert_eq!(response["incomplete_details"]["reason"], "max_output_tokens");
+    assert_eq!(response["usage"]["output_tokens"], 9);
+}
+
+/// Sends the conversation, appends what the model asked for and a tool
+/// output for each call, until it answers in text; returns the rounds it took.
+async fn drive_tool_rounds(server: &MockServer, stream: bool) -> (usize, Value) {
+    let mut input = vec![json!({"role": "user", "content": "find things"})];
+    for round in 0..10 {
+        let body = json!({"model": "gpt-test", "input": input, "tools": [tool("search"), tool("other")],
+                          "stream": stream, "max_output_tokens": 256});
+        let response = if stream {
+            let events = read_sse(post(server, "/responses", &body).await).await;
+            let done = events.last().unwrap().json();
+            assert_eq!(done["type"], "response.completed");
+            // The arguments deltas join to the arguments of the finished item.
+            for item in done["response"]["output"].as_array().unwrap() {
+                if item["type"] == "function_call" {
+                    let joined: String = events
+                        .iter()
+                        .map(Sse::json)
+                        .filter(|d| d["type"] == "response.function_call_arguments.delta" && d["item_id"] == item["id"])
+                        .map(|d| d["delta"].as_str().unwrap().to_string())
+                        .collect();
+                    assert_eq!(joined, item["arguments"].as_str().unwrap());
+                }
+            }
+            done["response"].clone()
+        } else {
+            let (status, _, body) = post_json(server, "/responses", &body).await;
+            assert_eq!(status, 200);
+            body
+        };
+        let output = response["output"].as_array().unwrap().clone();
+        if output[0]["type"] == "message" {
+            return (round, response);
+        }
+        for item in output {
+            assert_eq!(item["type"], "function_call");
+            assert_eq!(item["name"], "search", "the first offered tool");
+            assert!(item["id"].as_str().unwrap().starts_with("fc_"));
+            assert!(item["call_id"].as_str().unwrap().starts_with("call_"));
+            let args: Value = serde_json::from_str(item["arguments"].as_str().unwrap()).unwrap();
+            assert!(args["query"].is_string(), "arguments fit the schema: {args}");
+            input.push(item.clone());
+            input.push(json!({"type": "function_call_output", "call_id": item["call_id"], "output": "found it"}));
+        }
+    }
+    panic!("the model never stopped calling tools");
+}
+
+#[tokio::test]
+async fn tools_get_function_calls_until_enough_outputs_then_a_final_answer() {
+    let server = start(MockConfig { tool_rounds: 2, output_tokens: 12, ..MockConfig::default() }).await;
+    for stream in [false, true] {
+        let (rounds, response) = drive_tool_rounds(&server, stream).await;
+        assert_eq!(rounds, 2, "stream: {stream}");
+        assert_eq!(response["usage"]["output_tokens"], 12);
+        assert_eq!(response["output"][0]["content"][0]["text"].as_str().unwrap().split(' ').count(), 12);
+    }
+    // The bodies the mock kept show what it was sent: the last had both outputs.
+    let stats = server.stats();
+    let last = &stats.bodies.last().unwrap().body;
+    let outputs = last["input"].as_array().unwrap().iter().filter(|i| i["type"] == "function_call_output").count();
+    assert_eq!(outputs, 2);
+    assert_eq!(stats.log.last().unwrap().tool_outputs, 2);
+}
+
+#[tokio::test]
+async fn a_retried_turn_gets_the_same_call_ids() {
+    let server = start(MockConfig::default()).await;
+    let body = json!({"model": "gpt-test", "input": "do it", "tools": [tool("search")]});
+    let (_, _, a) = post_json(&server, "/responses", &body).await;
+    let (_, _, b) = post_json(&server, "/responses", &body).await;
+    assert_eq!(a["output"], b["output"]);
+    assert_ne!(a["id"], b["id"], "response ids stay unique");
+    let other = json!({"model": "gpt-test", "input": "do something else", "tools": [tool("search")]});
+    let (_, _, c) = post_json(&server, "/responses", &other).await;
+    assert_ne!(a["output"][0]["call_id"], c["output"][0]["call_id"]);
+}
+
+#[tokio::test]
+async fn chat_completions_stream_tool_call_deltas_usage_and_done() {
+    let server = start(MockConfig { tool_rounds: 1, calls_per_round: 2, output_tokens: 10, ..MockConfig::default() }).await;
+    let mut messages = vec![json!({"role": "user", "content": "find things"})];
+    let body = json!({"model": "gpt-test", "messages": messages, "tools": [chat_tool("search")],
+                      "stream": true, "stream_options": {"include_usage": true}, "max_completion_tokens": 100});
+    let events = read_sse(post(&server, "/chat/completions", &body).await).await;
+    assert_eq!(events.last().unwrap().data, "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(Sse::json).collect();
+    // Join the tool-call fragments by index.
+    let mut calls: Vec<(String, String, String)> = Vec::new();
+    let mut finish = None;
+    for c in &chunks {
+        assert_eq!(c["object"], "chat.completion.chunk");
+        let Some(choice) = c["choices"].get(0) else { continue };
+        if let Some(f) = choice["finish_reason"].as_str() {
+            finish = Some(f.to_string());
+        }
+        for tc in choice["delta"]["tool_calls"].as_array().into_iter().flatten() {
+            let i = tc["index"].as_u64().unwrap() as usize;
+            if calls.len() <= i {
+                calls.resize(i + 1, Default::default());
+            }
+            if let Some(id) = tc["id"].as_str() {
+                calls[i].0 = id.to_string();
+            }
+            if let Some(name) = tc["function"]["name"].as_str() {
+                calls[i].1 = name.to_string();
+            }
+            calls[i].2.push_str(tc["function"]["arguments"].as_str().unwrap_or(""));
+        }
+    }
+    assert_eq!(finish.as_deref(), Some("tool_calls"));
+    assert_eq!(calls.len(), 2, "two parallel calls");
+    for (id, name, args) in &calls {
+        assert!(id.starts_with("call_"));
+        assert_eq!(name, "search");
+        let args: Value = serde_json::from_str(args).expect("joined arguments are JSON");
+        assert!(args["query"].is_string());
+    }
+    let usage_chunk = chunks.last().unwrap();
+    assert_eq!(usage_chunk["choices"], json!([]));
+    assert!(usage_chunk["usage"]["prompt_tokens"].as_u64().unwrap() > 0);
+
+    // Feed both outputs back: now the answer is text.
+    messages.push(json!({"role": "assistant", "content": null, "tool_calls": calls.iter().map(|(id, name, args)|
+        json!({"id": id, "type": "function", "function": {"name": name, "arguments": args}})).collect::<Vec<_>>()}));
+    for (id, _, _) in &calls {
+        messages.push(json!({"role": "tool", "tool_call_id": id, "content": "found it"}));
+    }
+    let body = json!({"model": "gpt-test", "messages": messages, "tools": [chat_tool("search")],
+                      "stream": true, "stream_options": {"include_usage": true}});
+    let events = read_sse(post(&server, "/chat/completions", &body).await).await;
+    assert_eq!(events.last().unwrap().data, "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(Sse::json).collect();
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"].get(0)?["delta"]["content"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(text.split(' ').count(), 10);
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage["completion_tokens"], 10);
+    assert_eq!(
+        usage["total_tokens"].as_u64().unwrap(),
+        usage["prompt_tokens"].as_u64().unwrap() + 10
+    );
+    assert!(chunks.iter().any(|c| c["choices"].get(0).is_some_and(|ch| ch["finish_reason"] == "stop")));
+}
+
+#[tokio::test]
+async fn chat_completions_json_answers_with_usage() {
+    let server = start(MockConfig { output_tokens: 7, ..MockConfig::default() }).await;
+    let (status, _, body) = post_json(&server, "/chat/completions", &json!({"model": "gpt-test",
+        "messages": [{"role": "system", "content": "abcd"}, {"role": "user", "content": "efgh"}]})).await;
+    assert_eq!(status, 200);
+    assert_eq!(body["object"], "chat.completion");
+    assert_eq!(body["choices"][0]["finish_reason"], "stop");
+    assert_eq!(body["choices"][0]["message"]["role"], "assistant");
+    // "system" + "abcd" + "user" + "efgh" = 18 chars -> 5 tokens.
+    assert_eq!(body["usage"], json!({"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12,
+        "prompt_tokens_details": {"cached_tokens": 0}, "completion_tokens_details": {"reasoning_tokens": 0}}));
+}
+
+#[tokio::test]
+async fn bad_requests_get_openai_errors() {
+    let server = start(MockConfig::default()).await;
+    let resp = client()
+        .post(format!("{}/responses", server.base_url()))
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["error"]["type"], "invalid_request_error");
+    let (status, _, body) = post_json(&server, "/responses", &json!({"input": "no model"})).await;
+    assert_eq!(status, 400);
+    assert!(body["error"]["message"].as_str().unwrap().contains("model"));
+    let (status, _, _) = post_json(&server, "/embeddings", &json!({"model": "m"})).await;
+    assert_eq!(status, 404);
+}
+
+// ------------------------------------------------------------------ faults
+
+#[tokio::test]
+async fn fail_rate_gives_5xx_and_the_same_seed_the_same_failures() {
+    async fn statuses(seed: u64) -> Vec<u16> {
+        let server = start(MockConfig { fail_rate: 0.5, seed, ..MockConfig::default() }).await;
+        let mut out = Vec::new();
+        for _ in 0..40 {
+            let (status, h, body) = post_json(&server, "/responses", &json!({"model": "m", "input": "x"})).await;
+            if status != 200 {
+                assert!([500, 503, 529].contains(&status), "{status}");
+                assert!(body["error"]["message"].is_string());
+                assert!(h.get("x-ratelimit-remaining-tokens").is_some());
+            }
+            out.push(status);
+        }
+        let stats = server.stats();
+        assert_eq!(stats.ok, out.iter().filter(|s| **s == 200).count() as u64);
+        out
+    }
+    let a = statuses(7).await;
+    let failed = a.iter().filter(|s| **s != 200).count();
+    assert!((8..=32).contains(&failed), "{failed} of 40 failed at rate 0.5");
+    assert_eq!(a, statuses(7).await, "same seed, same fate");
+    assert_ne!(a, statuses(8).await);
+}
+
+#[tokio::test]
+async fn quota_after_n_answers_insufficient_quota() {
+    let server = start(MockConfig { quota_after: Some(2), ..MockConfig::default() }).await;
+    let body = json!({"model": "m", "input": "x"});
+    assert_eq!(post_json(&server, "/responses", &body).await.0, 200);
+    assert_eq!(post_json(&server, "/responses", &body).await.0, 200);
+    for _ in 0..2 {
+        let (status, h, err) = post_json(&server, "/responses", &body).await;
+        assert_eq!(status, 429);
+        assert_eq!(err["error"]["code"], "insufficient_quota");
+        assert_eq!(err["error"]["type"], "insufficient_quota");
+        assert!(err["error"]["message"].as_str().unwrap().starts_with("You exceeded your current quota"));
+        assert!(h.get("retry-after").is_none(), "waiting does not fix billing");
+    }
+    assert_eq!(server.stats().rate_limited_by_code["insufficient_quota"], 2);
+}
+
+#[tokio::test]
+async fn a_daily_cap_reports_a_reset_hours_away() {
+    let server = start(MockConfig { tpm: 1000, daily_cap: true, output_tokens: 1000, ..MockConfig::default() }).await;
+    let body = json!({"model": "m", "input": "x", "max_output_tokens": 600});
+    let (status, h, _) = post_json(&server, "/responses", &body).await;
+    assert_eq!(status, 200);
+    // The day started with the server: the reset is all but 24 hours away
+    // (`23h59m59.9s`, or `24h0m0s` when the request came within a millisecond).
+    let reset = header(&h, "x-ratelimit-reset-tokens");
+    assert!(go_ms(reset) > 23.9 * 3_600_000.0 && reset.contains('h'), "{reset}");
+    let (status, h, err) = post_json(&server, "/responses", &body).await;
+    assert_eq!(status, 429);
+    assert!(header_u64(&h, "retry-after") > 23 * 3600);
+    assert!(err["error"]["message"].as_str().unwrap().contains("tokens per day (TPD)"));
+    assert!(err["error"]["message"].as_str().unwrap().contains("Please try again in 23h59m"));
+}
+
+#[tokio::test]
+async fn a_stall_pauses_a_stream_after_some_text() {
+    let server = start(MockConfig { stall: Duration::from_millis(400), output_tokens: 40, ..MockConfig::default() }).await;
+    let started = Instant::now();
+    let resp = post(&server, "/responses", &json!({"model": "m", "input": "x", "stream": true})).await;
+    let events = read_sse(resp).await;
+    assert!(started.elapsed() >= Duration::from_millis(400));
+    let (gap_at, gap) = events
+        .windows(2)
+        .enumerate()
+        .map(|(i, w)| (i, w[1].at - w[0].at))
+        .max_by_key(|(_, gap)| *gap)
+        .unwrap();
+    assert!(gap >= Duration::from_millis(300), "longest gap {gap:?}");
+    assert!(
+        events[..=gap_at].iter().any(|e| e.event.as_deref() == Some("response.output_text.delta")),
+        "the stall comes after some text"
+    );
+    assert_eq!(events.last().unwrap().event.as_deref(), Some("response.completed"), "then it goes on");
+    assert_eq!(server.stats().stalls, 1);
+}
+
+#[tokio::test]
+async fn a_midstream_error_ends_a_stream_after_text() {
+    let server = start(MockConfig { midstream_error_rate: 1.0, output_tokens: 40, ..MockConfig::default() }).await;
+    let resp = post(&server, "/responses", &json!({"model": "m", "input": "x", "stream": true, "max_output_tokens": 100})).await;
+    assert_eq!(resp.status(), 200, "the failure comes inside a 200");
+    let events = read_sse(resp).await;
+    let last = events.last().unwrap();
+    assert_eq!(last.event.as_deref(), Some("error"));
+    let data = last.json();
+    assert_eq!(data["error"]["code"], "server_error");
+    assert_eq!(data["sequence_number"], json!(events.len() - 1));
+    assert!(events.iter().any(|e| e.event.as_deref() == Some("response.output_text.delta")));
+    assert!(!events.iter().any(|e| e.event.as_deref() == Some("response.completed")));
+
+    let resp = post(&server, "/chat/completions", &json!({"model": "m", "stream": true,
+        "messages": [{"role": "user", "content": "x"}]})).await;
+    let events = read_sse(resp).await;
+    assert!(events.last().unwrap().json()["error"]["message"].is_string());
+    assert!(events.iter().all(|e| e.data != "[DONE]"));
+
+    // A JSON answer is not a stream: unaffected.
+    assert_eq!(post_json(&server, "/responses", &json!({"model": "m", "input": "x"})).await.0, 200);
+    let stats = server.stats();
+    assert_eq!(stats.midstream_errors, 2);
+    assert_eq!(stats.log[0].code.as_deref(), Some("midstream_error"));
+    assert!(stats.log[0].refunded > 60, "unread output is given back: {}", stats.log[0].refunded);
+}
+
+#[tokio::test]
+async fn no_headers_behaves_like_vllm() {
+    let server = start(MockConfig { headers: false, ..MockConfig::default() }).await;
+    let (status, h, _) = post_json(&server, "/responses", &json!({"model": "m", "input": "x"})).await;
+    assert_eq!(status, 200);
+    assert!(h.keys().all(|k| !k.as_str().starts_with("x-ratelimit-")), "{h:?}");
+}
+
+#[tokio::test]
+async fn latency_comes_before_the_first_byte() {
+    let server = start(MockConfig { latency: Duration::from_millis(300), ..MockConfig::default() }).await;
+    let started = Instant::now();
+    let resp = post(&server, "/responses", &json!({"model": "m", "input": "x", "stream": true})).await;
+    assert!(started.elapsed() >= Duration::from_millis(300), "headers came after {:?}", started.elapsed());
+    read_sse(resp).await;
+}
+
+#[tokio::test]
+async fn injected_faults_hit_the_next_requests_in_order() {
+    let server = start(MockConfig::default()).await;
+    let resp = client()
+        .post(format!("{}/_mock/faults", server.url()))
+        .json(&json!([{"fault": "rate_limited", "retry_after_ms": 1500}, {"fault": "server_error", "status": 503}]))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    server.inject(Fault::Quota);
+    let body = json!({"model": "m", "input": "x"});
+    let (status, h, err) = post_json(&server, "/responses", &body).await;
+    assert_eq!((status, err["error"]["code"].as_str()), (429, Some("rate_limit_exceeded")));
+    assert_eq!(header_u64(&h, "retry-after-ms"), 1500);
+    assert_eq!(header_u64(&h, "retry-after"), 2);
+    assert!(err["error"]["message"].as_str().unwrap().contains("Please try again in 1.5s."));
+    assert_eq!(post_json(&server, "/responses", &body).await.0, 503);
+    assert_eq!(post_json(&server, "/responses", &body).await.2["error"]["code"], "insufficient_quota");
+    assert_eq!(post_json(&server, "/responses", &body).await.0, 200);
+}
+
+// ------------------------------------------------------------------ stats
+
+#[tokio::test]
+async fn stats_over_http_match_the_server_and_reset_zeroes_them() {
+    let server = start(MockConfig { keep_bodies: 2, ..MockConfig::default() }).await;
+    for i in 0..3 {
+        post_json(&server, "/responses", &json!({"model": "m", "input": format!("request {i}")})).await;
+    }
+    let http: Stats = client()
+        .get(format!("{}/_mock/stats", server.url()))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let local = server.stats();
+    assert_eq!(http.requests, 3);
+    assert_eq!(http.ok, local.ok);
+    assert_eq!(http.tokens_admitted, local.tokens_admitted);
+    assert_eq!(http.log.len(), 3);
+    assert!(http.log.windows(2).all(|w| w[0].at_us <= w[1].at_us && w[0].seq < w[1].seq));
+    assert_eq!(http.bodies.len(), 2, "only the latest bodies are kept");
+    assert_eq!(http.bodies[1].body["input"], "request 2");
+    assert_eq!(http.bodies[1].seq, http.log[2].seq);
+
+    let raw: Value = client().get(format!("{}/_mock/stats?log=false", server.url())).send().await.unwrap().json().await.unwrap();
+    assert_eq!(raw["2xx"], 3);
+    assert_eq!(raw["largest_overdraft"], 0);
+    assert_eq!(raw["log"], json!([]));
+
+    let resp = client().post(format!("{}/_mock/reset", server.url())).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let after = server.stats();
+    assert_eq!((after.requests, after.ok, after.log.len()), (0, 0, 0));
+    assert_eq!(after.buckets.tokens.remaining, after.buckets.tokens.limit);
+    server.shutdown().await;
+}
