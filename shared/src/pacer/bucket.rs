@@ -72,7 +72,7 @@ impl Default for PacingConfig {
             jitter_frac: 0.02,
             jitter_max_ms: 100,
             reservation_ttl_ms: 120_000,
-            probe_wait_ms: 200,
+            probe_wait_ms: 100,
             configured_tpm: None,
             configured_rpm: None,
         }
@@ -175,7 +175,9 @@ impl Bucket {
     }
 
     /// Takes a header observation into the model. Only ever lowers the level.
-    fn observe(&mut self, obs: &Observation, now: Millis, headers_at: Millis, max_pace_ms: u64) {
+    /// `refund` is what the observed call gave back after its headers were sent
+    /// (the unused part of its reservation), which the headers cannot show yet.
+    fn observe(&mut self, obs: &Observation, now: Millis, headers_at: Millis, refund: f64, max_pace_ms: u64) {
         let (Some(limit), Some(remaining)) = (obs.limit, obs.remaining) else {
             return;
         };
@@ -207,7 +209,7 @@ impl Bucket {
         self.advance(now);
         // What the provider holds now, less what is booked (surely not yet charged).
         let elapsed = (now - headers_at).max(0) as f64;
-        let theirs = (remaining + self.rate * elapsed).min(limit) - self.booked;
+        let theirs = (remaining + refund + self.rate * elapsed).min(limit) - self.booked;
         if theirs < self.level {
             self.level = theirs;
         }
@@ -227,6 +229,23 @@ pub struct PacerState {
     pub probe_until_ms: Millis,
     /// When headers were last read.
     pub observed_at_ms: Millis,
+    /// The latest due time of any booking made (stale once past: harmless).
+    pub last_due_ms: Millis,
+    /// Tokens used / tokens reserved, averaged over settled calls (0 = not yet
+    /// known, read as 1). Bookings are spaced by the expected use, not by the
+    /// reservation: a call reserves its whole `max_output_tokens` but usually
+    /// gives most of it back, and a line spaced by reservations would leave the
+    /// refunds idle in the bucket until the end of the line.
+    pub usage_ratio: f64,
+}
+
+impl PacerState {
+    /// What a booking holds on the line: the expected use of the call (its
+    /// request count in full).
+    pub fn booking_cost(&self, est: Estimate) -> Estimate {
+        let ratio = if self.usage_ratio > 0.0 { self.usage_ratio.clamp(0.05, 1.0) } else { 1.0 };
+        Estimate { tokens: (est.tokens as f64 * ratio).ceil() as u64, requests: est.requests }
+    }
 }
 
 /// Why a turn is owed time.
@@ -286,19 +305,42 @@ pub fn acquire(
     }
     let tokens = est.tokens as f64;
     let requests = est.requests as f64;
+    // Clear now only if the call fits both now (the bucket holds it, booked
+    // budget included) and at the last booking's due time (so taking it now
+    // delays no turn that is already booked). The second condition is what lets
+    // refunds that arrive while turns are booked be used at once, instead of
+    // sitting in the bucket until the end of the booking line.
+    let horizon = state.last_due_ms.max(now);
+    let line = state.booking_cost(est);
+    let mut fits = true;
     let mut wait: f64 = 0.0;
-    for (bucket, cost) in [(&mut state.tokens, tokens), (&mut state.requests, requests)] {
+    for (bucket, cost, line_cost) in [
+        (&mut state.tokens, tokens, line.tokens as f64),
+        (&mut state.requests, requests, line.requests as f64),
+    ] {
         if bucket.known() {
             bucket.advance(now);
-            wait = wait.max(bucket.ms_until(now, bucket.need(cost, floor)));
+            let need = bucket.need(cost, floor);
+            fits &= bucket.level_at(horizon) >= need && bucket.level + bucket.booked >= need;
+            wait = wait.max(bucket.ms_until(now, bucket.need(line_cost, floor)));
         }
     }
-    for (bucket, cost) in [(&mut state.tokens, tokens), (&mut state.requests, requests)] {
+    if fits {
+        wait = 0.0;
+    } else {
+        wait = wait.max(1.0);
+    }
+    let line = state.booking_cost(est);
+    for (bucket, cost, line_cost) in [
+        (&mut state.tokens, tokens, line.tokens as f64),
+        (&mut state.requests, requests, line.requests as f64),
+    ] {
         if bucket.known() {
-            bucket.level -= cost;
             if wait > 0.0 {
-                bucket.booked += cost;
+                bucket.level -= line_cost;
+                bucket.booked += line_cost;
             } else {
+                bucket.level -= cost;
                 bucket.in_flight += cost;
             }
         }
@@ -306,19 +348,53 @@ pub fn acquire(
     if wait <= 0.0 {
         Decision::Clear
     } else {
-        owed(wait, OwedReason::Budget, true, cfg, jitter_u)
+        let decision = owed(wait, OwedReason::Budget, true, cfg, jitter_u);
+        if let Decision::Owed { ms, .. } = decision {
+            state.last_due_ms = state.last_due_ms.max(now + ms as Millis);
+        }
+        decision
     }
 }
 
-/// A booked turn came back (at or after its owed time): it is clear at once.
-/// Its budget moves from booked to in flight.
-pub fn claim(state: &mut PacerState, est: Estimate) {
+/// A booked turn came back at its due time holding `held` on the line. It is
+/// clear if the bucket (booked budget included) now holds its whole
+/// reservation above the floor; its budget then moves from booked to in flight.
+/// Otherwise it is owed the time until it does, and keeps its booking.
+pub fn claim(
+    state: &mut PacerState,
+    cfg: &PacingConfig,
+    now: Millis,
+    est: Estimate,
+    held: Estimate,
+    mode: Mode,
+    jitter_u: f64,
+) -> Decision {
+    let floor = cfg.floor(mode);
+    let mut short: f64 = 0.0;
     for (bucket, cost) in [(&mut state.tokens, est.tokens), (&mut state.requests, est.requests)] {
         if bucket.known() {
-            bucket.booked = (bucket.booked - cost as f64).max(0.0);
-            bucket.in_flight += cost as f64;
+            bucket.advance(now);
+            let need = bucket.need(cost as f64, floor);
+            let truth = bucket.level + bucket.booked;
+            if truth < need {
+                short = short.max((need - truth) / bucket.rate);
+            }
         }
     }
+    if short > 0.0 {
+        return owed(short, OwedReason::Budget, true, cfg, jitter_u);
+    }
+    for (bucket, cost, line_cost) in [
+        (&mut state.tokens, est.tokens as f64, held.tokens as f64),
+        (&mut state.requests, est.requests as f64, held.requests as f64),
+    ] {
+        if bucket.known() {
+            bucket.booked = (bucket.booked - line_cost).max(0.0);
+            bucket.in_flight += cost;
+            bucket.level -= cost - line_cost;
+        }
+    }
+    Decision::Clear
 }
 
 /// A booking expired without its turn coming back (cancelled, crashed): the
@@ -372,6 +448,13 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, outcome: 
         (None, None) => 0,
     };
     let refunded_requests = if outcome.rate_limited_ms.is_some() { outcome.reserved.requests } else { 0 };
+    if let (None, Some(used)) = (outcome.rate_limited_ms, outcome.used_tokens) {
+        if outcome.reserved.tokens > 0 {
+            let seen = (used as f64 / outcome.reserved.tokens as f64).min(1.0);
+            let prior = if state.usage_ratio > 0.0 { state.usage_ratio } else { 1.0 };
+            state.usage_ratio = 0.8 * prior + 0.2 * seen;
+        }
+    }
     for (bucket, reserved, refund) in [
         (&mut state.tokens, outcome.reserved.tokens, refunded_tokens),
         (&mut state.requests, outcome.reserved.requests, refunded_requests),
@@ -382,8 +465,8 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, outcome: 
     }
     let headers_at = now - outcome.headers_age_ms as i64;
     let had_headers = outcome.tokens.remaining.is_some() || outcome.requests.remaining.is_some();
-    state.tokens.observe(&outcome.tokens, now, headers_at, cfg.max_pace_ms);
-    state.requests.observe(&outcome.requests, now, headers_at, cfg.max_pace_ms);
+    state.tokens.observe(&outcome.tokens, now, headers_at, refunded_tokens as f64, cfg.max_pace_ms);
+    state.requests.observe(&outcome.requests, now, headers_at, refunded_requests as f64, cfg.max_pace_ms);
     if had_headers {
         state.observed_at_ms = now;
         state.probe_until_ms = 0;
@@ -451,7 +534,7 @@ mod tests {
         let mut s = PacerState::default();
         assert_eq!(acquire(&mut s, &cfg(), T0, est(100), Mode::Work, 0.0), Decision::Clear);
         match acquire(&mut s, &cfg(), T0 + 1, est(100), Mode::Work, 0.0) {
-            Decision::Owed { ms, reason: OwedReason::Probe, booked: false } => assert!(ms <= 200),
+            Decision::Owed { ms, reason: OwedReason::Probe, booked: false } => assert!(ms <= 100),
             other => panic!("{other:?}"),
         }
     }

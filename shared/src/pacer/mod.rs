@@ -17,3 +17,10 @@ pub mod bucket;
 pub mod classify;
 pub mod durations;
 pub mod headers;
+pub mod store;
+
+pub use backoff::{next_retry, server_delay, DelaySource, GiveUp, RetryDecision, RetryPolicy};
+pub use bucket::{Decision, Estimate, Mode, Observation, OwedReason, PacingConfig};
+pub use classify::{classify, FailedCall, FailureKind, Transport};
+pub use headers::{HeaderSnapshot, LimitSnapshot};
+pub use store::{BudgetSnapshot, CallOutcome, LocalPacer, Pacer, PacerError, PacerKind, SharedPacer};

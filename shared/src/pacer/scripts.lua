@@ -1,0 +1,333 @@
+-- The shared pacer's atomic operations: the model of bucket.rs as one Redis script.
+--
+-- Every check-and-update of a budget is one call of this script, so 16 workers
+-- that all saw "remaining: 50 000" cannot each send 20 000 tokens: the first
+-- reservation lowers the level the second one sees. Time is the Redis server's
+-- clock (TIME), in milliseconds, so workers on different hosts agree.
+--
+-- KEYS[1] state hash   (t_* token bucket, r_* request bucket, blocked_until, probe_until, observed_at)
+-- KEYS[2] reservations zset: id -> expiry ms
+-- KEYS[3] reservations hash: id -> "kind|tokens|requests|due|line_tokens|line_requests"
+--         (kind: f = in flight, b = booked; line_* = what a booking holds on the line)
+-- ARGV[1] op: acquire | settle | snapshot
+-- ARGV[2..9] config: floor, max_pace_ms, jitter_frac, jitter_max_ms, ttl_ms, probe_wait_ms, tpm, rpm
+-- ARGV[10] now in ms, or '' for the server's TIME (tests pass a clock; production never does)
+-- acquire: ARGV[11] id, [12] tokens, [13] requests, [14] jitter_u
+--   -> {0} clear | {1, owed_ms, reason, booked}   reason: 1 budget, 2 rate_limited, 3 probe
+-- settle:  ARGV[11] id, [12] used_tokens (-1 unknown), [13] rate_limited_ms (-1 none),
+--          [14..16] token limit, remaining, reset_ms, [17..19] same for requests (-1 missing),
+--          [20] headers_age_ms
+-- snapshot: -> flat field list of the state, plus "now"
+
+local state, resv, resv_data = KEYS[1], KEYS[2], KEYS[3]
+local op = ARGV[1]
+local floor = tonumber(ARGV[2])
+local max_pace = tonumber(ARGV[3])
+local jitter_frac = tonumber(ARGV[4])
+local jitter_max = tonumber(ARGV[5])
+local ttl = tonumber(ARGV[6])
+local probe_wait = tonumber(ARGV[7])
+local tpm = tonumber(ARGV[8])
+local rpm = tonumber(ARGV[9])
+
+local now = tonumber(ARGV[10])
+if not now then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function fmt(x) return string.format('%.17g', x) end
+
+-- Load the state into a table of numbers.
+local S = {}
+do
+  local raw = redis.call('HGETALL', state)
+  for i = 1, #raw, 2 do S[raw[i]] = tonumber(raw[i + 1]) end
+end
+local function get(k) return S[k] or 0 end
+
+local function known(p) return get(p .. 'limit') > 0 and get(p .. 'rate') > 0 end
+
+local function level_at(p, at)
+  local elapsed = math.max(at - get(p .. 'at'), 0)
+  return math.min(get(p .. 'level') + get(p .. 'rate') * elapsed, get(p .. 'limit'))
+end
+
+local function advance(p)
+  if now > get(p .. 'at') then
+    S[p .. 'level'] = level_at(p, now)
+    S[p .. 'at'] = now
+  end
+end
+
+local function per_minute(p, limit)
+  S[p .. 'limit'] = limit
+  S[p .. 'rate'] = limit / 60000
+  S[p .. 'level'] = limit
+  S[p .. 'at'] = now
+  S[p .. 'booked'] = 0
+  S[p .. 'inflight'] = 0
+end
+
+local function ensure_configured()
+  if not known('t_') and tpm > 0 then per_minute('t_', tpm) end
+  if not known('r_') and rpm > 0 then per_minute('r_', rpm) end
+end
+
+local function ms_until(p, need)
+  local short = need - level_at(p, now)
+  if short <= 0 then return 0 end
+  return short / get(p .. 'rate')
+end
+
+local function need(p, cost)
+  local limit = get(p .. 'limit')
+  return math.min(cost + floor * limit, limit)
+end
+
+local function owed(ms, reason, booked, u)
+  local base = math.max(math.ceil(ms), 1)
+  local jitter = math.min(base * jitter_frac, jitter_max) * math.min(math.max(u, 0), 1)
+  return {1, math.ceil(base + jitter), reason, booked}
+end
+
+-- A booking that expired returns its budget; an in-flight reservation that
+-- expired (its worker died) stays spent and returns by refill.
+local function expire()
+  local gone = redis.call('ZRANGEBYSCORE', resv, '-inf', now, 'LIMIT', 0, 64)
+  for _, id in ipairs(gone) do
+    local rec = redis.call('HGET', resv_data, id)
+    if rec then
+      local kind, tk, rq, _, ltk, lrq = string.match(rec, '^(%a)|([%d.]+)|([%d.]+)|(%d+)|([%d.]+)|([%d.]+)')
+      if kind == 'b' then tk, rq = tonumber(ltk), tonumber(lrq) else tk, rq = tonumber(tk), tonumber(rq) end
+      for _, pc in ipairs({{'t_', tk}, {'r_', rq}}) do
+        local p, cost = pc[1], pc[2]
+        if known(p) then
+          if kind == 'b' then
+            advance(p)
+            local c = math.min(cost, get(p .. 'booked'))
+            S[p .. 'booked'] = get(p .. 'booked') - c
+            S[p .. 'level'] = math.min(get(p .. 'level') + c, get(p .. 'limit'))
+          else
+            S[p .. 'inflight'] = math.max(get(p .. 'inflight') - cost, 0)
+          end
+        end
+      end
+    end
+    redis.call('HDEL', resv_data, id)
+  end
+  if #gone > 0 then redis.call('ZREM', resv, unpack(gone)) end
+end
+
+local function observe(p, limit, remaining, reset_ms, headers_at, refund)
+  if limit < 0 or remaining < 0 or limit == 0 then return end
+  if reset_ms < 0 then reset_ms = 0 end
+  if reset_ms > max_pace then return end
+  remaining = math.min(remaining, limit)
+  local missing = limit - remaining
+  if reset_ms >= 20 and missing >= limit * 0.005 then
+    S[p .. 'rate'] = missing / reset_ms
+  elseif get(p .. 'rate') <= 0 or get(p .. 'limit') ~= limit then
+    S[p .. 'rate'] = limit / 60000
+  end
+  if get(p .. 'limit') <= 0 then
+    S[p .. 'level'] = limit
+    S[p .. 'at'] = now
+  end
+  S[p .. 'limit'] = limit
+  advance(p)
+  local elapsed = math.max(now - headers_at, 0)
+  local theirs = math.min(remaining + refund + get(p .. 'rate') * elapsed, limit) - get(p .. 'booked')
+  if theirs < get(p .. 'level') then S[p .. 'level'] = theirs end
+end
+
+local function save()
+  local flat = {}
+  for k, v in pairs(S) do
+    flat[#flat + 1] = k
+    flat[#flat + 1] = fmt(v)
+  end
+  if #flat > 0 then redis.call('HSET', state, unpack(flat)) end
+end
+
+local function reserve(id, kind, tk, rq, due, expiry, ltk, lrq)
+  redis.call('HSET', resv_data, id, kind .. '|' .. fmt(tk) .. '|' .. fmt(rq) .. '|' .. string.format('%d', due)
+    .. '|' .. fmt(ltk) .. '|' .. fmt(lrq))
+  redis.call('ZADD', resv, expiry, id)
+end
+
+-- What a booking holds on the line: the expected use (see bucket.rs).
+local function line_cost(tokens)
+  local ratio = get('usage_ratio')
+  if ratio <= 0 then ratio = 1 end
+  ratio = math.min(math.max(ratio, 0.05), 1)
+  return math.ceil(tokens * ratio)
+end
+
+if op == 'snapshot' then
+  expire()
+  save()
+  local out = {}
+  for k, v in pairs(S) do
+    out[#out + 1] = k
+    out[#out + 1] = fmt(v)
+  end
+  out[#out + 1] = 'now'
+  out[#out + 1] = tostring(now)
+  out[#out + 1] = 'reservations'
+  out[#out + 1] = tostring(redis.call('ZCARD', resv))
+  return out
+end
+
+if op == 'acquire' then
+  local id = ARGV[11]
+  local tokens, requests, u = tonumber(ARGV[12]), tonumber(ARGV[13]), tonumber(ARGV[14])
+  ensure_configured()
+  expire()
+  -- A booked turn that comes back is clear once the bucket holds its whole
+  -- reservation (never before its due time); otherwise it keeps its booking.
+  local rec = redis.call('HGET', resv_data, id)
+  if rec then
+    local kind, tk, rq, due, ltk, lrq = string.match(rec, '^(%a)|([%d.]+)|([%d.]+)|(%d+)|([%d.]+)|([%d.]+)')
+    tk, rq, due, ltk, lrq = tonumber(tk), tonumber(rq), tonumber(due), tonumber(ltk), tonumber(lrq)
+    if kind == 'b' and now < due then
+      save()
+      return {1, due - now, 1, 1}
+    end
+    if kind == 'b' then
+      local short = 0
+      for _, pc in ipairs({{'t_', tk}, {'r_', rq}}) do
+        local p, cost = pc[1], pc[2]
+        if known(p) then
+          advance(p)
+          local n = need(p, cost)
+          local truth = get(p .. 'level') + get(p .. 'booked')
+          if truth < n then short = math.max(short, (n - truth) / get(p .. 'rate')) end
+        end
+      end
+      if short > 0 then
+        local r = owed(short, 1, 1, u)
+        reserve(id, 'b', tk, rq, now + r[2], now + r[2] + ttl, ltk, lrq)
+        save()
+        return r
+      end
+      for _, x in ipairs({{'t_', tk, ltk}, {'r_', rq, lrq}}) do
+        local p, cost, lc = x[1], x[2], x[3]
+        if known(p) then
+          S[p .. 'booked'] = math.max(get(p .. 'booked') - lc, 0)
+          S[p .. 'inflight'] = get(p .. 'inflight') + cost
+          S[p .. 'level'] = get(p .. 'level') - (cost - lc)
+        end
+      end
+    end
+    reserve(id, 'f', tk, rq, now, now + ttl, ltk, lrq)
+    save()
+    return {0}
+  end
+  if now < get('blocked_until') then
+    save()
+    return owed(get('blocked_until') - now, 2, 0, u)
+  end
+  if not known('t_') and not known('r_') then
+    if now < get('probe_until') then
+      save()
+      return owed(math.min(get('probe_until') - now, probe_wait), 3, 0, u)
+    end
+    S['probe_until'] = now + probe_wait * 10
+    save()
+    return {0}
+  end
+  -- Clear only if the call fits now and at the last booking's due time (so
+  -- it delays no booked turn): refunds are then used at once.
+  local horizon = math.max(get('last_due'), now)
+  local lt = line_cost(tokens)
+  local fits = true
+  local wait = 0
+  for _, pc in ipairs({{'t_', tokens, lt}, {'r_', requests, requests}}) do
+    local p, cost, lc = pc[1], pc[2], pc[3]
+    if known(p) then
+      advance(p)
+      local n = need(p, cost)
+      if level_at(p, horizon) < n or get(p .. 'level') + get(p .. 'booked') < n then fits = false end
+      wait = math.max(wait, ms_until(p, need(p, lc)))
+    end
+  end
+  if fits then wait = 0 else wait = math.max(wait, 1) end
+  for _, pc in ipairs({{'t_', tokens, lt}, {'r_', requests, requests}}) do
+    local p, cost, lc = pc[1], pc[2], pc[3]
+    if known(p) then
+      if wait > 0 then
+        S[p .. 'level'] = get(p .. 'level') - lc
+        S[p .. 'booked'] = get(p .. 'booked') + lc
+      else
+        S[p .. 'level'] = get(p .. 'level') - cost
+        S[p .. 'inflight'] = get(p .. 'inflight') + cost
+      end
+    end
+  end
+  local tk = known('t_') and tokens or 0
+  local rq = known('r_') and requests or 0
+  local ltk = known('t_') and lt or 0
+  if wait <= 0 then
+    reserve(id, 'f', tk, rq, now, now + ttl, ltk, rq)
+    save()
+    return {0}
+  end
+  local r = owed(wait, 1, 1, u)
+  S['last_due'] = math.max(get('last_due'), now + r[2])
+  reserve(id, 'b', tk, rq, now + r[2], now + r[2] + ttl, ltk, rq)
+  save()
+  return r
+end
+
+if op == 'settle' then
+  local id = ARGV[11]
+  local used = tonumber(ARGV[12])
+  local limited = tonumber(ARGV[13])
+  ensure_configured()
+  expire()
+  local tk, rq = 0, 0
+  local rec = redis.call('HGET', resv_data, id)
+  if rec then
+    local kind, a, b = string.match(rec, '^(%a)|([%d.]+)|([%d.]+)')
+    if kind == 'f' then tk, rq = tonumber(a), tonumber(b) end
+    redis.call('HDEL', resv_data, id)
+    redis.call('ZREM', resv, id)
+  end
+  if limited < 0 and used >= 0 and tk > 0 then
+    local prior = get('usage_ratio')
+    if prior <= 0 then prior = 1 end
+    S['usage_ratio'] = 0.8 * prior + 0.2 * math.min(used / tk, 1)
+  end
+  local refund_t, refund_r = 0, 0
+  if limited >= 0 then
+    refund_t, refund_r = tk, rq
+  elseif used >= 0 then
+    refund_t = math.max(tk - used, 0)
+  end
+  for _, x in ipairs({{'t_', tk, refund_t}, {'r_', rq, refund_r}}) do
+    local p, reserved, refund = x[1], x[2], x[3]
+    advance(p)
+    S[p .. 'inflight'] = math.max(get(p .. 'inflight') - reserved, 0)
+    S[p .. 'level'] = math.min(get(p .. 'level') + refund, math.max(get(p .. 'limit'), get(p .. 'level')))
+  end
+  local age = tonumber(ARGV[20])
+  local headers_at = now - age
+  observe('t_', tonumber(ARGV[14]), tonumber(ARGV[15]), tonumber(ARGV[16]), headers_at, refund_t)
+  observe('r_', tonumber(ARGV[17]), tonumber(ARGV[18]), tonumber(ARGV[19]), headers_at, refund_r)
+  if tonumber(ARGV[15]) >= 0 or tonumber(ARGV[18]) >= 0 then
+    S['observed_at'] = now
+    S['probe_until'] = 0
+  end
+  if limited >= 0 then
+    -- The provider says the window is closed: remaining = 0 for every worker.
+    S['blocked_until'] = math.max(get('blocked_until'), headers_at + limited)
+    for _, p in ipairs({'t_', 'r_'}) do
+      if known(p) then S[p .. 'level'] = math.min(get(p .. 'level'), -get(p .. 'booked')) end
+    end
+  end
+  save()
+  return {0}
+end
+
+return redis.error_reply('unknown pacer op ' .. tostring(op))
