@@ -281,7 +281,7 @@ async fn bench(args: BenchArgs) -> anyhow::Result<ExitCode> {
         .map(|(k, v)| (k.clone(), v.saturating_sub(*before.get(k).unwrap_or(&0))))
         .filter(|(k, v)| *v > 0 && k != "info")
         .collect();
-    deltas.sort_by(|a, b| b.1.cmp(&a.1));
+    deltas.sort_by_key(|d| std::cmp::Reverse(d.1));
     let total: u64 = deltas.iter().map(|(_, v)| v).sum();
     println!("queue bench: one consumer process, concurrency {}, fetch batch {}", args.concurrency, args.fetch_batch);
     println!(

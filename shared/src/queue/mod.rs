@@ -631,7 +631,7 @@ impl TurnQueue {
 
 fn parse_fetch(reply: Vec<String>, worker: &str) -> Result<Fetched, QueueError> {
     let bad = || QueueError::Protocol("fetch answered a malformed reply".into());
-    if reply.len() < 2 || (reply.len() - 2) % 5 != 0 {
+    if reply.len() < 2 || !(reply.len() - 2).is_multiple_of(5) {
         return Err(bad());
     }
     let now_ms: i64 = reply[0].parse().map_err(|_| bad())?;
