@@ -29,6 +29,60 @@ impl RedisArgs {
     }
 }
 
+/// The pacer a worker uses, and its knobs (SPEC §4).
+#[derive(Debug, Clone, clap::Args)]
+pub struct PacerArgs {
+    /// Where the budget state lives: `shared` (Redis, every worker), `local`
+    /// (per process) or `off` (reactive backoff only); the last two are baselines.
+    #[arg(long = "pacer", env = "PACELINE_PACER", value_enum, default_value = "shared")]
+    pub kind: crate::pacer::PacerKind,
+    /// The budget's name: processes that share a provider account share it.
+    #[arg(long = "budget", env = "PACELINE_BUDGET", default_value = "default")]
+    pub budget: String,
+    /// Tokens per minute, for providers that send no rate-limit headers.
+    #[arg(long = "tpm", env = "PACELINE_TPM")]
+    pub tpm: Option<u64>,
+    /// Requests per minute, for providers that send no rate-limit headers.
+    #[arg(long = "rpm", env = "PACELINE_RPM")]
+    pub rpm: Option<u64>,
+    /// Headroom work turns leave in the bucket, percent of the limit.
+    #[arg(long = "work-floor-pct", env = "PACELINE_WORK_FLOOR_PCT", default_value_t = 10.0)]
+    pub work_floor_pct: f64,
+    /// Headroom companion (live) turns leave, percent of the limit.
+    #[arg(long = "floor-pct", env = "PACELINE_FLOOR_PCT", default_value_t = 2.0)]
+    pub floor_pct: f64,
+    /// A reset further out than this (ms) is not paced on.
+    #[arg(long = "max-pace-ms", env = "PACELINE_MAX_PACE_MS", default_value_t = 90_000)]
+    pub max_pace_ms: u64,
+    /// Owed time up to this (ms) is waited in place; more is a requeue.
+    #[arg(long = "in-place-wait-ms", env = "PACELINE_IN_PLACE_WAIT_MS", default_value_t = 250)]
+    pub in_place_wait_ms: u64,
+}
+
+impl PacerArgs {
+    /// The pacing policy's knobs from these arguments.
+    pub fn pacing_config(&self) -> crate::pacer::PacingConfig {
+        crate::pacer::PacingConfig {
+            floor_work: (self.work_floor_pct / 100.0).clamp(0.0, 0.9),
+            floor_companion: (self.floor_pct / 100.0).clamp(0.0, 0.9),
+            max_pace_ms: self.max_pace_ms,
+            configured_tpm: self.tpm,
+            configured_rpm: self.rpm,
+            ..crate::pacer::PacingConfig::default()
+        }
+    }
+
+    /// The pacer these arguments describe, over `conn` for the shared one.
+    pub fn build(&self, conn: redis::aio::ConnectionManager, keys: crate::keys::Keys) -> crate::pacer::Pacer {
+        use crate::pacer::{LocalPacer, Pacer, PacerKind, SharedPacer};
+        match self.kind {
+            PacerKind::Shared => Pacer::Shared(SharedPacer::new(conn, keys, self.budget.clone(), self.pacing_config())),
+            PacerKind::Local => Pacer::Local(LocalPacer::new(self.budget.clone(), self.pacing_config())),
+            PacerKind::Off => Pacer::Off,
+        }
+    }
+}
+
 /// A secret string whose `Debug` and `Display` never show it.
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct Secret(String);
@@ -72,6 +126,24 @@ impl std::str::FromStr for Secret {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[derive(Debug, clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        pacer: PacerArgs,
+    }
+
+    #[test]
+    fn pacer_flags_become_the_policy() {
+        use clap::Parser;
+        let cli = Cli::try_parse_from(["x", "--pacer", "local", "--tpm", "6000", "--work-floor-pct", "5"]).unwrap();
+        assert_eq!(cli.pacer.kind, crate::pacer::PacerKind::Local);
+        let c = cli.pacer.pacing_config();
+        assert_eq!(c.configured_tpm, Some(6000));
+        assert!((c.floor_work - 0.05).abs() < 1e-9);
+        assert!((c.floor_companion - 0.02).abs() < 1e-9, "the SPEC's default floor is 2 %");
+        assert!(Cli::try_parse_from(["x", "--pacer", "fast"]).is_err());
+    }
 
     #[test]
     fn secrets_never_print() {
