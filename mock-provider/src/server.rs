@@ -86,6 +86,11 @@ impl MockServer {
         self.shared.stats(true)
     }
 
+    /// The counters and buckets without the log and bodies (cheap to poll).
+    pub fn summary(&self) -> Stats {
+        self.shared.stats(false)
+    }
+
     /// Queues a fault for the next API request.
     pub fn inject(&self, fault: Fault) {
         self.shared.lock().faults.push_back(fault);

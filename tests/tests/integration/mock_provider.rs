@@ -4,7 +4,7 @@
 
 use futures::StreamExt;
 use mock_provider::{BucketMode, Fault, MockConfig, MockServer, Stats};
-use paceline_tests::within;
+use paceline_tests::{paceline_bin, within, ChildGuard};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
@@ -666,7 +666,9 @@ async fn a_daily_cap_reports_a_reset_hours_away() {
     assert_eq!(status, 429);
     assert!(header_u64(&h, "retry-after") > 23 * 3600);
     assert!(err["error"]["message"].as_str().unwrap().contains("tokens per day (TPD)"));
-    assert!(err["error"]["message"].as_str().unwrap().contains("Please try again in 23h59m"));
+    let msg = err["error"]["message"].as_str().unwrap();
+    let hint = msg.split("Please try again in ").nth(1).unwrap().split(". ").next().unwrap();
+    assert!(go_ms(hint) > 23.9 * 3_600_000.0, "{msg}");
 }
 
 #[tokio::test]
@@ -795,4 +797,52 @@ async fn stats_over_http_match_the_server_and_reset_zeroes_them() {
     assert_eq!((after.requests, after.ok, after.log.len()), (0, 0, 0));
     assert_eq!(after.buckets.tokens.remaining, after.buckets.tokens.limit);
     server.shutdown().await;
+}
+
+// ------------------------------------------------------------------ the subcommand
+
+#[tokio::test]
+async fn the_subcommand_lists_its_knobs_serves_and_stops_on_sigterm() {
+    let help = std::process::Command::new(paceline_bin()).args(["mock-provider", "--help"]).output().unwrap();
+    assert!(help.status.success());
+    let help = String::from_utf8_lossy(&help.stdout);
+    for flag in [
+        "--listen", "--tpm", "--rpm", "--window-s", "--bucket", "--latency-ms", "--tool-rounds",
+        "--output-tokens", "--fail-rate", "--quota-after", "--daily-cap", "--stall-ms", "--no-headers",
+        "--seed", "--midstream-error-rate", "--keep-bodies",
+    ] {
+        assert!(help.contains(flag), "--help lacks {flag}:\n{help}");
+    }
+
+    let mut child = std::process::Command::new(paceline_bin())
+        .args(["mock-provider", "--listen", "127.0.0.1:0", "--tpm", "1000", "--window-s", "2"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start paceline mock-provider");
+    let stdout = child.stdout.take().unwrap();
+    let mut child = ChildGuard(child);
+    // It prints its base URL, alone, on stdout.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line);
+        let _ = tx.send(line);
+    });
+    let base_url = rx.recv_timeout(Duration::from_secs(10)).expect("the base URL on stdout");
+    let base_url = base_url.trim();
+    assert!(base_url.starts_with("http://127.0.0.1:") && base_url.ends_with("/v1"), "{base_url}");
+
+    let resp = client()
+        .post(format!("{base_url}/responses"))
+        .json(&json!({"model": "m", "input": "x", "max_output_tokens": 10}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(header_u64(resp.headers(), "x-ratelimit-limit-tokens"), 1000);
+
+    child.signal("TERM");
+    let status = child.wait_timeout(Duration::from_secs(5)).expect("it stops on SIGTERM");
+    assert!(status.success(), "{status}");
 }
