@@ -74,7 +74,7 @@
 //! # The scripted model
 //!
 //! A request that offers a function tool (and not `tool_choice: "none"`) gets
-//! `--calls-per-round` calls of the first tool until the conversation holds
+//! `--calls-per-round` calls of the first tool (or the one `tool_choice` names) until the conversation holds
 //! `--tool-rounds` tool outputs (`function_call_output` items, chat `tool`
 //! messages); then a text answer of `--output-tokens` words. Ids (`fc_…`,
 //! `call_…`) and words derive from a hash of the conversation, so a retried
@@ -100,6 +100,8 @@
 //! the latest `--log-limit` requests (arrival in µs and ms since start, status,
 //! code, tokens charged and refunded and when) and the latest `--keep-bodies`
 //! request bodies, so a test can see what the mock was sent.
+//!
+//! Any `Authorization` header (or none) is accepted; the mock holds no secrets.
 
 pub mod bucket;
 pub mod cli;

@@ -49,9 +49,21 @@ pub fn parse(api: Api, body: &Value) -> Result<Request, String> {
         .ok_or("you must provide a model parameter")?
         .to_string();
     let stream = obj.get("stream").and_then(Value::as_bool).unwrap_or(false);
-    let tool_choice_none = obj.get("tool_choice").and_then(Value::as_str) == Some("none");
+    let tool_choice = obj.get("tool_choice");
     let tools = obj.get("tools").and_then(Value::as_array).cloned().unwrap_or_default();
-    let tool = if tool_choice_none { None } else { tools.iter().find_map(first_function_tool) };
+    // `tool_choice: "none"` offers nothing; a named function (Responses
+    // `{"type":"function","name"}`, chat `{"function":{"name"}}`) is the one
+    // called; otherwise the first function tool.
+    let forced = tool_choice.and_then(|c| {
+        c.get("name").or_else(|| c.get("function").and_then(|f| f.get("name"))).and_then(Value::as_str)
+    });
+    let tool = if tool_choice.and_then(Value::as_str) == Some("none") {
+        None
+    } else if let Some(name) = forced {
+        tools.iter().filter_map(first_function_tool).find(|t| t.name == name)
+    } else {
+        tools.iter().find_map(first_function_tool)
+    };
     let tools_chars = if tools.is_empty() { 0 } else { Value::Array(tools).to_string().chars().count() };
 
     let (text_chars, tool_outputs, fingerprint, max_output_tokens, include_usage) = match api {
@@ -513,10 +525,17 @@ mod tests {
     }
 
     #[test]
-    fn tool_choice_none_offers_no_tool_and_bad_bodies_are_refused() {
+    fn tool_choice_picks_the_tool_and_bad_bodies_are_refused() {
         let mut body = body_with_tools();
         body["tool_choice"] = json!("none");
         assert!(parse(Api::Responses, &body).unwrap().prompt.tool.is_none());
+        body["tools"] = json!([{"type": "function", "name": "a"}, {"type": "function", "name": "b"}]);
+        body["tool_choice"] = json!({"type": "function", "name": "b"});
+        assert_eq!(parse(Api::Responses, &body).unwrap().prompt.tool.unwrap().name, "b");
+        let chat = json!({"model": "m", "messages": [],
+            "tools": [{"type": "function", "function": {"name": "a"}}, {"type": "function", "function": {"name": "b"}}],
+            "tool_choice": {"type": "function", "function": {"name": "b"}}});
+        assert_eq!(parse(Api::Chat, &chat).unwrap().prompt.tool.unwrap().name, "b");
         assert!(parse(Api::Responses, &json!({"input": "x"})).is_err());
         assert!(parse(Api::Chat, &json!({"model": "m"})).is_err());
         assert!(parse(Api::Chat, &json!([1])).is_err());

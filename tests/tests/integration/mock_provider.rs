@@ -684,7 +684,9 @@ async fn a_stall_pauses_a_stream_after_some_text() {
         .map(|(i, w)| (i, w[1].at - w[0].at))
         .max_by_key(|(_, gap)| *gap)
         .unwrap();
-    assert!(gap >= Duration::from_millis(300), "longest gap {gap:?}");
+    // The sender sleeps 400 ms between two frames; a loaded machine may read
+    // the first of them late, so the gap seen here can be somewhat shorter.
+    assert!(gap >= Duration::from_millis(200), "longest gap {gap:?}");
     assert!(
         events[..=gap_at].iter().any(|e| e.event.as_deref() == Some("response.output_text.delta")),
         "the stall comes after some text"
@@ -713,10 +715,18 @@ async fn a_midstream_error_ends_a_stream_after_text() {
     assert!(events.last().unwrap().json()["error"]["message"].is_string());
     assert!(events.iter().all(|e| e.data != "[DONE]"));
 
+    // A mid-stream rate limit, injected for one request: inside a 200 too.
+    server.inject(Fault::MidstreamError { code: Some("rate_limit_exceeded".into()) });
+    let resp = post(&server, "/responses", &json!({"model": "m", "input": "x", "stream": true})).await;
+    let data = read_sse(resp).await.last().unwrap().json();
+    assert_eq!(data["type"], "error");
+    assert_eq!(data["error"]["code"], "rate_limit_exceeded");
+    assert!(data["error"]["message"].as_str().unwrap().starts_with("Rate limit reached for m in organization org-mock"));
+
     // A JSON answer is not a stream: unaffected.
     assert_eq!(post_json(&server, "/responses", &json!({"model": "m", "input": "x"})).await.0, 200);
     let stats = server.stats();
-    assert_eq!(stats.midstream_errors, 2);
+    assert_eq!(stats.midstream_errors, 3);
     assert_eq!(stats.log[0].code.as_deref(), Some("midstream_error"));
     assert!(stats.log[0].refunded > 60, "unread output is given back: {}", stats.log[0].refunded);
 }
