@@ -12,4 +12,5 @@ pub mod keys;
 pub mod pacer;
 pub mod queue;
 pub mod redis_util;
+pub mod runs;
 pub mod telemetry;

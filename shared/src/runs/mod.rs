@@ -1,0 +1,7 @@
+//! Runs: the state machine (`state.rs`). The run store (record, transcript,
+//! event stream, and the commit script built on the queue's `LUA_LIB`) comes
+//! with the worker issue.
+
+pub mod state;
+
+pub use state::{InvalidTransition, RunStatus, Transition, WaitReason};
