@@ -29,6 +29,21 @@ impl RedisArgs {
     }
 }
 
+/// The provider a worker calls. The key is read from the environment by the
+/// worker only: never stored in Redis, never logged, never returned.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ProviderArgs {
+    /// Base URL of an OpenAI-compatible API.
+    #[arg(long = "provider-url", env = "PACELINE_PROVIDER_URL", default_value = "https://api.openai.com/v1")]
+    pub url: String,
+    /// The provider's API key.
+    #[arg(long = "api-key", env = "OPENAI_API_KEY", hide_env_values = true, default_value = "")]
+    pub api_key: Secret,
+    /// Wire format: `responses` or `chat` (Chat Completions).
+    #[arg(long = "api-style", env = "PACELINE_API_STYLE", value_enum, default_value = "responses")]
+    pub api_style: crate::runs::ApiStyle,
+}
+
 /// The pacer a worker uses, and its knobs (SPEC §4).
 #[derive(Debug, Clone, clap::Args)]
 pub struct PacerArgs {

@@ -3,5 +3,7 @@
 //! with the worker issue.
 
 pub mod state;
+pub mod transcript;
 
 pub use state::{InvalidTransition, RunStatus, Transition, WaitReason};
+pub use transcript::{ApiStyle, TranscriptEntry};

@@ -1,0 +1,31 @@
+//! A run's transcript: the Responses-API items the model has read and written,
+//! each tagged with the turn that added it (turn 0 is the run's input).
+//!
+//! The items are kept in the Responses shape whatever the transport; the worker
+//! converts them for Chat Completions when it sends. Tool outputs are stored
+//! already clipped (see `backpressure.rs`), so the transcript the API shows is
+//! the text the model was allowed to read — one constant, not two.
+
+use serde::{Deserialize, Serialize};
+
+/// One item of the transcript.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TranscriptEntry {
+    /// The turn that added it (0: the run's input).
+    pub turn: u32,
+    /// A Responses-API input item: a message (`{"role","content"}`), a
+    /// `function_call` (`{"type","call_id","name","arguments"}`) or a
+    /// `function_call_output` (`{"type","call_id","output"}`).
+    pub item: serde_json::Value,
+}
+
+/// Which wire format the provider speaks (`PACELINE_API_STYLE`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ApiStyle {
+    /// `POST /responses` (OpenAI's default).
+    #[default]
+    Responses,
+    /// `POST /chat/completions` (vLLM, Ollama, LiteLLM often speak only this).
+    Chat,
+}
