@@ -2,6 +2,7 @@
 //! event stream, and the commit script built on the queue's `LUA_LIB`) comes
 //! with the worker issue.
 
+pub mod backpressure;
 pub mod state;
 pub mod transcript;
 

@@ -5,3 +5,5 @@ mod harness;
 mod mock_provider;
 mod pacer;
 mod queue;
+mod context;
+mod provider_client;

@@ -1,0 +1,1 @@
+//! Back-pressure on what a turn sends (not built yet).

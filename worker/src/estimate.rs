@@ -1,0 +1,1 @@
+//! The call's token estimate (not built yet).

@@ -1,0 +1,1 @@
+//! The provider client (not built yet).

@@ -1,0 +1,1 @@
+//! The request body from the transcript (not built yet).

@@ -1,0 +1,1 @@
+//! Calling the run's tool endpoint (not built yet).
