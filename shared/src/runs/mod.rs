@@ -3,8 +3,12 @@
 //! with the worker issue.
 
 pub mod backpressure;
+pub mod record;
+pub mod spec;
 pub mod state;
 pub mod transcript;
 
+pub use record::{PacingCounters, Run, RunError, Usage};
+pub use spec::{RunSpec, SpecError, SubmitPolicy};
 pub use state::{InvalidTransition, RunStatus, Transition, WaitReason};
 pub use transcript::{ApiStyle, TranscriptEntry};

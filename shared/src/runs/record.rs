@@ -1,0 +1,227 @@
+//! The run object as the API shows it (SPEC §3), and its Redis hash fields.
+//!
+//! The record is a Redis hash so the commit scripts can change single fields
+//! atomically; this module is the one place that names those fields and turns
+//! them into the run object.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::collections::HashMap;
+
+use super::state::{RunStatus, WaitReason};
+use crate::clock::Millis;
+use crate::pacer::Mode;
+
+/// Tokens a run has used, as the provider reported them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    /// Input tokens over all calls.
+    pub input_tokens: u64,
+    /// Output tokens over all calls.
+    pub output_tokens: u64,
+    /// Their sum.
+    pub total_tokens: u64,
+}
+
+/// What pacing did to a run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PacingCounters {
+    /// Times a turn was owed budget and requeued.
+    pub budget_waits: u64,
+    /// Milliseconds requeued for budget, rate limits and retries.
+    pub waited_ms: u64,
+    /// 429s received.
+    pub rate_limited: u64,
+    /// Transient errors retried.
+    pub retries: u64,
+}
+
+/// Why a run failed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunError {
+    /// `max_turns`, `rate_limited`, `quota`, `request_too_large`,
+    /// `spend_limit`, `partial_output`, `provider_error`, `provider_unavailable`.
+    pub kind: String,
+    /// The provider's or paceline's message.
+    pub message: String,
+}
+
+/// The run object (`GET /v1/runs/{id}`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Run {
+    /// `run_` + ULID.
+    pub id: String,
+    /// Where it is.
+    pub status: RunStatus,
+    /// `work` or `companion`.
+    pub mode: Mode,
+    /// The model.
+    pub model: String,
+    /// Turns committed.
+    pub turns_completed: u32,
+    /// The turn limit.
+    pub max_turns: u32,
+    /// Tokens used.
+    pub usage: Usage,
+    /// What pacing did.
+    pub pacing: PacingCounters,
+    /// Why it waits, while `waiting`.
+    pub wait_reason: Option<WaitReason>,
+    /// When its next turn is due, while `waiting` (RFC 3339, ms).
+    pub next_attempt_at: Option<String>,
+    /// The model's final answer, once completed.
+    pub output_text: Option<String>,
+    /// Why it failed.
+    pub error: Option<RunError>,
+    /// RFC 3339, ms.
+    pub created_at: String,
+    /// RFC 3339, ms.
+    pub updated_at: String,
+    /// RFC 3339, ms, once finished.
+    pub finished_at: Option<String>,
+    /// The client's own data.
+    pub metadata: Value,
+}
+
+/// The record's hash fields (the commit scripts use the same names).
+pub mod field {
+    /// Owner tenant.
+    pub const TENANT: &str = "tenant";
+    /// `RunStatus` name.
+    pub const STATUS: &str = "status";
+    /// `work` / `companion`.
+    pub const MODE: &str = "mode";
+    /// Model.
+    pub const MODEL: &str = "model";
+    /// The validated spec as JSON (instructions, tools, endpoint, limits).
+    pub const SPEC: &str = "spec";
+    /// Turns committed.
+    pub const TURNS: &str = "turns";
+    /// Max turns.
+    pub const MAX_TURNS: &str = "max_turns";
+    /// Usage counters.
+    pub const INPUT_TOKENS: &str = "input_tokens";
+    /// See above.
+    pub const OUTPUT_TOKENS: &str = "output_tokens";
+    /// Pacing counters.
+    pub const BUDGET_WAITS: &str = "budget_waits";
+    /// See above.
+    pub const WAITED_MS: &str = "waited_ms";
+    /// See above.
+    pub const RATE_LIMITED: &str = "rate_limited";
+    /// See above.
+    pub const RETRIES: &str = "retries";
+    /// `WaitReason` name or empty.
+    pub const WAIT_REASON: &str = "wait_reason";
+    /// Due time of the next attempt, ms (Redis clock) or empty.
+    pub const NEXT_ATTEMPT_MS: &str = "next_attempt_ms";
+    /// Final text.
+    pub const OUTPUT_TEXT: &str = "output_text";
+    /// Error kind / message.
+    pub const ERROR_KIND: &str = "error_kind";
+    /// See above.
+    pub const ERROR_MESSAGE: &str = "error_message";
+    /// Timestamps, ms (Redis clock).
+    pub const CREATED_MS: &str = "created_ms";
+    /// See above.
+    pub const UPDATED_MS: &str = "updated_ms";
+    /// See above.
+    pub const FINISHED_MS: &str = "finished_ms";
+    /// Client metadata JSON.
+    pub const METADATA: &str = "metadata";
+    /// `tools` while a turn's tool calls are being run (its model output is
+    /// committed, its tool outputs not yet); empty otherwise.
+    pub const PHASE: &str = "phase";
+}
+
+/// Formats Redis-clock milliseconds as RFC 3339 with milliseconds (UTC).
+pub fn rfc3339_ms(ms: Millis) -> String {
+    let t = time::OffsetDateTime::from_unix_timestamp_nanos(ms as i128 * 1_000_000)
+        .unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
+    let f = time::macros::format_description!(
+        "[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:3]Z"
+    );
+    t.format(&f).unwrap_or_default()
+}
+
+impl Run {
+    /// The run object from its record's fields; `None` when the record is
+    /// missing or not a run (a half-written hash is never shown).
+    pub fn from_fields(id: &str, f: &HashMap<String, String>) -> Option<Self> {
+        let get = |k: &str| f.get(k).map(String::as_str).filter(|v| !v.is_empty());
+        let num = |k: &str| get(k).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        let ms = |k: &str| get(k).and_then(|v| v.parse::<Millis>().ok());
+        let status = RunStatus::parse(get(field::STATUS)?)?;
+        let mode = match get(field::MODE) {
+            Some("companion") => Mode::Companion,
+            _ => Mode::Work,
+        };
+        let input_tokens = num(field::INPUT_TOKENS);
+        let output_tokens = num(field::OUTPUT_TOKENS);
+        let waiting = status == RunStatus::Waiting;
+        let wait_reason = if waiting {
+            get(field::WAIT_REASON).and_then(|r| serde_json::from_value(Value::String(r.to_owned())).ok())
+        } else {
+            None
+        };
+        Some(Self {
+            id: id.to_owned(),
+            status,
+            mode,
+            model: get(field::MODEL).unwrap_or_default().to_owned(),
+            turns_completed: num(field::TURNS) as u32,
+            max_turns: num(field::MAX_TURNS) as u32,
+            usage: Usage { input_tokens, output_tokens, total_tokens: input_tokens + output_tokens },
+            pacing: PacingCounters {
+                budget_waits: num(field::BUDGET_WAITS),
+                waited_ms: num(field::WAITED_MS),
+                rate_limited: num(field::RATE_LIMITED),
+                retries: num(field::RETRIES),
+            },
+            wait_reason,
+            next_attempt_at: if waiting { ms(field::NEXT_ATTEMPT_MS).map(rfc3339_ms) } else { None },
+            output_text: get(field::OUTPUT_TEXT).map(str::to_owned),
+            error: get(field::ERROR_KIND).map(|kind| RunError {
+                kind: kind.to_owned(),
+                message: get(field::ERROR_MESSAGE).unwrap_or_default().to_owned(),
+            }),
+            created_at: rfc3339_ms(ms(field::CREATED_MS).unwrap_or(0)),
+            updated_at: rfc3339_ms(ms(field::UPDATED_MS).unwrap_or(0)),
+            finished_at: ms(field::FINISHED_MS).map(rfc3339_ms),
+            metadata: get(field::METADATA)
+                .and_then(|m| serde_json::from_str(m).ok())
+                .unwrap_or(Value::Object(Default::default())),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn times_are_rfc3339_with_milliseconds() {
+        assert_eq!(rfc3339_ms(1_796_032_805_120), "2026-11-30T10:00:05.120Z");
+    }
+
+    #[test]
+    fn a_waiting_run_shows_why_and_until_when() {
+        let f: HashMap<String, String> = [
+            ("status", "waiting"),
+            ("model", "m"),
+            ("wait_reason", "budget"),
+            ("next_attempt_ms", "1796032805120"),
+            ("input_tokens", "10"),
+            ("output_tokens", "5"),
+            ("created_ms", "1796032800000"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+        let run = Run::from_fields("run_1", &f).unwrap();
+        assert_eq!(run.wait_reason, Some(WaitReason::Budget));
+        assert_eq!(run.next_attempt_at.as_deref(), Some("2026-11-30T10:00:05.120Z"));
+        assert_eq!(run.usage.total_tokens, 15);
+        assert!(Run::from_fields("run_1", &HashMap::new()).is_none(), "no status, no run");
+    }
+}
