@@ -1,1 +1,699 @@
-//! Back-pressure on what a turn sends (not built yet).
+//! Back-pressure on what a turn sends (SPEC §5): tool outputs clipped to a cap
+//! with a note saying so, every browser view but the newest elided, and the
+//! history bounded to the last turns without ever separating a function call
+//! from its output.
+//!
+//! Pure functions over [`TranscriptEntry`]s. The worker clips a tool's output
+//! once, when the tool answers, and stores the clipped text in the transcript
+//! ([`clip_tool_output`]); it builds what the model is sent with
+//! [`prepare_context`] (bound, then elide), which never changes the transcript
+//! itself. So `GET /v1/runs/{id}/transcript` shows the clipped text the model
+//! read — one constant, not two.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+
+use serde_json::Value;
+
+use super::TranscriptEntry;
+
+/// Characters of one tool call's output fed back to the model.
+pub const TOOL_OUTPUT_CAP: usize = 16_000;
+
+/// The cap for `browser__*` tools, "whose snapshots are large".
+pub const BROWSER_TOOL_OUTPUT_CAP: usize = 24_000;
+
+/// Tools whose name starts with this are browser tools: a larger cap, and
+/// their earlier outputs are elided from what the model is sent.
+pub const BROWSER_TOOL_PREFIX: &str = "browser__";
+
+/// What replaces an earlier browser view in what the model is sent. One line.
+pub const BROWSER_PLACEHOLDER: &str = "[An earlier browser view was elided here to save context. \
+     Take a fresh snapshot if you need the page's current state.]";
+
+/// Turns of history sent after the task (`PACELINE_MAX_HISTORY`) — "deliberately
+/// not split by transport": Responses and Chat send the same number.
+pub const DEFAULT_MAX_HISTORY: usize = 24;
+
+/// Whether `tool_name` is a browser tool (`browser__*`).
+pub fn is_browser_tool(tool_name: &str) -> bool {
+    tool_name.starts_with(BROWSER_TOOL_PREFIX)
+}
+
+/// The output cap for a tool, in characters.
+pub fn output_cap(tool_name: &str) -> usize {
+    if is_browser_tool(tool_name) {
+        BROWSER_TOOL_OUTPUT_CAP
+    } else {
+        TOOL_OUTPUT_CAP
+    }
+}
+
+/// A tool output after clipping.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Clipped {
+    /// What the model reads (and the transcript stores): the output itself, or
+    /// its first `kept` characters followed by a note saying so.
+    pub text: String,
+    /// Whether anything was cut.
+    pub clipped: bool,
+    /// Characters of the original output in `text`.
+    pub kept: usize,
+    /// Characters of the original output.
+    pub total: usize,
+}
+
+/// Clips a tool's output to [`output_cap`]`(tool_name)` characters.
+///
+/// Characters are Unicode scalar values (`char`s), never bytes, so a clip never
+/// splits a UTF-8 sequence. An output within the cap comes back unchanged.
+///
+/// A clipped output says so — "a silent truncation is worse than a short one" —
+/// on a last line of its own:
+///
+/// ```text
+/// …the first kept characters…
+/// [output clipped: kept the first 15942 of 48213 characters]
+/// ```
+///
+/// **The cap bounds the whole text, note included**: `kept` is as large as it
+/// can be while `kept + note ≤ cap`, so what the model reads (and what the
+/// transcript stores) is never longer than the cap, and clipping a clipped
+/// text again changes nothing. The note costs ~60 characters of output.
+pub fn clip_tool_output(tool_name: &str, output: &str) -> Clipped {
+    clip_to(output, output_cap(tool_name))
+}
+
+/// [`clip_tool_output`] with an explicit cap. A cap too small to hold even
+/// the note (never the case for the two constants) keeps no output and as much
+/// of the note as fits, so the result still never exceeds the cap.
+pub fn clip_to(output: &str, cap: usize) -> Clipped {
+    // Bytes bound chars from above: most outputs skip the count.
+    if output.len() <= cap {
+        let n = output.chars().count();
+        return Clipped { text: output.to_owned(), clipped: false, kept: n, total: n };
+    }
+    let total = output.chars().count();
+    if total <= cap {
+        return Clipped { text: output.to_owned(), clipped: false, kept: total, total };
+    }
+
+    let note_len = |kept: usize| clip_note(kept, total).chars().count();
+    // The note's length grows with the digits of `kept`, so start from a
+    // `kept` that surely fits and step up while the next one still does.
+    let mut kept = cap.saturating_sub(note_len(cap));
+    while kept < total && kept + 1 + note_len(kept + 1) <= cap {
+        kept += 1;
+    }
+    if kept + note_len(kept) > cap {
+        // Degenerate cap: not even the note fits.
+        let text: String = clip_note(0, total).chars().take(cap).collect();
+        return Clipped { text, clipped: true, kept: 0, total };
+    }
+
+    let end = output.char_indices().nth(kept).map_or(output.len(), |(i, _)| i);
+    let mut text = String::with_capacity(end + 64);
+    text.push_str(&output[..end]);
+    text.push_str(&clip_note(kept, total));
+    Clipped { text, clipped: true, kept, total }
+}
+
+/// The note appended to a clipped output (with its leading newline).
+fn clip_note(kept: usize, total: usize) -> String {
+    format!("\n[output clipped: kept the first {kept} of {total} characters]")
+}
+
+/// The `type` of a Responses item (`None` for a bare `{"role","content"}`).
+fn item_type(item: &Value) -> Option<&str> {
+    item.get("type").and_then(Value::as_str)
+}
+
+fn call_id(item: &Value) -> Option<&str> {
+    item.get("call_id").and_then(Value::as_str)
+}
+
+fn is_call(item: &Value) -> bool {
+    item_type(item) == Some("function_call")
+}
+
+fn is_output(item: &Value) -> bool {
+    item_type(item) == Some("function_call_output")
+}
+
+/// Replaces every `browser__*` `function_call_output` but the newest (the last
+/// in transcript order) with [`BROWSER_PLACEHOLDER`], "so a long browsing run
+/// does not carry every intermediate DOM". Returns how many were replaced.
+///
+/// Apply it to what the model is *sent* (a copy — see [`prepare_context`]); the
+/// transcript keeps every view. An output's tool is found through the
+/// `function_call` item with its `call_id`; an output whose call is not among
+/// `items` is not known to be a browser view and is left alone. When one turn
+/// ran several browser tools, only the last output survives: it is the newest
+/// view, and the placeholder tells the model how to get another.
+pub fn elide_browser_outputs(items: &mut [TranscriptEntry]) -> usize {
+    let browser_calls: HashSet<&str> = items
+        .iter()
+        .filter(|e| is_call(&e.item))
+        .filter(|e| e.item.get("name").and_then(Value::as_str).is_some_and(is_browser_tool))
+        .filter_map(|e| call_id(&e.item))
+        .collect();
+    let views: Vec<usize> = items
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| is_output(&e.item) && call_id(&e.item).is_some_and(|c| browser_calls.contains(c)))
+        .map(|(i, _)| i)
+        .collect();
+    let Some((_newest, older)) = views.split_last() else { return 0 };
+    for &i in older {
+        if let Some(obj) = items[i].item.as_object_mut() {
+            obj.insert("output".into(), Value::String(BROWSER_PLACEHOLDER.into()));
+        }
+    }
+    older.len()
+}
+
+/// The history sent with a turn: the task (turn 0) always, plus the items of
+/// the last `max_turns` turns — never a function call without its output, nor
+/// an output without its call. Order is kept; the result is a subsequence of
+/// `entries`.
+///
+/// The rule, in three steps:
+///
+/// 1. **Window.** Keep every turn-0 item and every item of the `max_turns`
+///    highest turn numbers present (after 0). `max_turns = 0` keeps the task
+///    alone.
+/// 2. **An output keeps its call.** A `function_call_output` in the window
+///    pulls in its `function_call` (the latest one with its `call_id` before
+///    it), even from a turn outside the window. This is what makes the window
+///    safe whichever turn index the worker tags tool results with: when the
+///    calls of turn N are answered by outputs committed as turn N+1, a window
+///    that starts at N+1 still shows the model the calls it made and what they
+///    returned — dropping them instead would hide the results it just asked
+///    for and send it round the same tools again. The overflow is bounded: at
+///    most the calls of the one turn before the window (not its text).
+/// 3. **No orphans.** Then every `function_call_output` without its
+///    `function_call` earlier in the result, and every `function_call` without
+///    an output later in the result, is dropped, as is a call or output with
+///    no `call_id`. In a well-formed transcript that only removes the calls
+///    whose outputs fell out of the window (impossible with outputs after
+///    their calls) — but it also removes orphans a malformed input brought,
+///    which the provider would reject anyway (Chat: a `tool` message must
+///    follow its assistant `tool_calls`; Responses: "No tool output found").
+pub fn bound_history(entries: &[TranscriptEntry], max_turns: usize) -> Vec<TranscriptEntry> {
+    // 1. The window.
+    let turns: BTreeSet<u32> = entries.iter().map(|e| e.turn).filter(|&t| t > 0).collect();
+    let cutoff = if max_turns == 0 {
+        u32::MAX
+    } else {
+        turns.iter().rev().nth(max_turns - 1).or(turns.first()).copied().unwrap_or(u32::MAX)
+    };
+    let mut keep: Vec<bool> = entries.iter().map(|e| e.turn == 0 || e.turn >= cutoff).collect();
+
+    // 2. An output keeps its call.
+    let mut calls_by_id: HashMap<&str, Vec<usize>> = HashMap::new();
+    for (i, e) in entries.iter().enumerate() {
+        if is_call(&e.item) {
+            if let Some(c) = call_id(&e.item) {
+                calls_by_id.entry(c).or_default().push(i);
+            }
+        }
+    }
+    for (i, e) in entries.iter().enumerate() {
+        if !keep[i] || !is_output(&e.item) {
+            continue;
+        }
+        let latest_before =
+            call_id(&e.item).and_then(|c| calls_by_id.get(c)).and_then(|v| v.iter().rev().find(|&&j| j < i));
+        if let Some(&j) = latest_before {
+            keep[j] = true;
+        }
+    }
+
+    // 3. No orphans: outputs need a kept call before them …
+    let mut seen_calls: HashSet<&str> = HashSet::new();
+    let mut last_answer: HashMap<&str, usize> = HashMap::new();
+    for (i, e) in entries.iter().enumerate() {
+        if !keep[i] {
+            continue;
+        }
+        if is_call(&e.item) {
+            match call_id(&e.item) {
+                Some(c) => {
+                    seen_calls.insert(c);
+                }
+                None => keep[i] = false,
+            }
+        } else if is_output(&e.item) {
+            match call_id(&e.item) {
+                Some(c) if seen_calls.contains(c) => {
+                    last_answer.insert(c, i);
+                }
+                _ => keep[i] = false,
+            }
+        }
+    }
+    // … and calls need a kept output after them.
+    for (i, e) in entries.iter().enumerate() {
+        if keep[i] && is_call(&e.item) {
+            let answered = call_id(&e.item).and_then(|c| last_answer.get(c)).is_some_and(|&o| o > i);
+            if !answered {
+                keep[i] = false;
+            }
+        }
+    }
+
+    entries.iter().zip(keep).filter(|(_, k)| *k).map(|(e, _)| e.clone()).collect()
+}
+
+/// The items to send for a turn: [`bound_history`] then
+/// [`elide_browser_outputs`], on a copy — the transcript is not changed.
+///
+/// Tool outputs are not clipped here: the worker stored them clipped when the
+/// tools answered, so there is nothing left to clip, and clipping here as well
+/// would make a second copy of the rule that could disagree with the first.
+pub fn prepare_context(entries: &[TranscriptEntry], max_history: usize) -> Vec<Value> {
+    let mut items = bound_history(entries, max_history);
+    elide_browser_outputs(&mut items);
+    items.into_iter().map(|e| e.item).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use serde_json::json;
+
+    fn e(turn: u32, item: Value) -> TranscriptEntry {
+        TranscriptEntry { turn, item }
+    }
+    fn user(text: &str) -> Value {
+        json!({"role": "user", "content": text})
+    }
+    fn assistant(text: &str) -> Value {
+        json!({"role": "assistant", "content": text})
+    }
+    fn call(id: &str, name: &str) -> Value {
+        json!({"type": "function_call", "call_id": id, "name": name, "arguments": "{}"})
+    }
+    fn out(id: &str, output: &str) -> Value {
+        json!({"type": "function_call_output", "call_id": id, "output": output})
+    }
+
+    // ---- clipping ----
+
+    #[test]
+    fn caps_by_tool_name() {
+        for (name, cap) in [
+            ("search", TOOL_OUTPUT_CAP),
+            ("browser__snapshot", BROWSER_TOOL_OUTPUT_CAP),
+            ("browser_snapshot", TOOL_OUTPUT_CAP),
+            ("my_browser__x", TOOL_OUTPUT_CAP),
+            ("browser__", BROWSER_TOOL_OUTPUT_CAP),
+            ("", TOOL_OUTPUT_CAP),
+        ] {
+            assert_eq!(output_cap(name), cap, "{name}");
+        }
+    }
+
+    #[test]
+    fn clip_table() {
+        // (output chars, tool, clipped?)
+        let cases = [
+            (0, "search", false),
+            (100, "search", false),
+            (TOOL_OUTPUT_CAP, "search", false),
+            (TOOL_OUTPUT_CAP + 1, "search", true),
+            (48_213, "search", true),
+            (TOOL_OUTPUT_CAP + 1, "browser__snapshot", false),
+            (BROWSER_TOOL_OUTPUT_CAP, "browser__snapshot", false),
+            (BROWSER_TOOL_OUTPUT_CAP + 1, "browser__snapshot", true),
+            (1_000_000, "browser__snapshot", true),
+        ];
+        for (n, tool, clipped) in cases {
+            let output = "x".repeat(n);
+            let c = clip_tool_output(tool, &output);
+            let cap = output_cap(tool);
+            assert_eq!(c.clipped, clipped, "{n} {tool}");
+            assert_eq!(c.total, n);
+            assert!(c.text.chars().count() <= cap, "{n} {tool}: {}", c.text.chars().count());
+            if clipped {
+                assert!(c.kept < cap && c.kept > cap - 80, "kept {}", c.kept);
+                let note = format!("\n[output clipped: kept the first {} of {n} characters]", c.kept);
+                assert!(c.text.ends_with(&note), "{:?}", &c.text[c.text.len() - 80..]);
+                assert_eq!(c.text, format!("{}{note}", "x".repeat(c.kept)));
+                // As long as it may be: one more kept char would break the cap.
+                assert_eq!(c.text.chars().count(), cap, "{n} {tool}");
+            } else {
+                assert_eq!(c.text, output);
+                assert_eq!(c.kept, n);
+            }
+        }
+    }
+
+    #[test]
+    fn clip_counts_characters_not_bytes() {
+        // 16 000 three-byte chars fit (48 000 bytes); 16 001 do not.
+        let fits = "€".repeat(TOOL_OUTPUT_CAP);
+        assert!(!clip_tool_output("t", &fits).clipped);
+        let over = "€".repeat(TOOL_OUTPUT_CAP + 1);
+        let c = clip_tool_output("t", &over);
+        assert!(c.clipped);
+        assert_eq!(c.total, TOOL_OUTPUT_CAP + 1);
+        assert!(c.text.starts_with(&"€".repeat(c.kept)));
+        assert_eq!(c.text.chars().count(), TOOL_OUTPUT_CAP);
+    }
+
+    #[test]
+    fn clipping_twice_changes_nothing() {
+        let once = clip_tool_output("search", &"y".repeat(50_000));
+        let twice = clip_tool_output("search", &once.text);
+        assert_eq!(twice.text, once.text);
+        assert!(!twice.clipped);
+    }
+
+    #[test]
+    fn degenerate_caps_never_exceed() {
+        for cap in 0..80 {
+            let c = clip_to(&"z".repeat(200), cap);
+            assert!(c.text.chars().count() <= cap, "cap {cap}");
+            assert!(c.clipped);
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn clip_never_exceeds_the_cap(s in "\\PC{0,400}", cap in 0usize..300) {
+            let c = clip_to(&s, cap);
+            let n = s.chars().count();
+            prop_assert_eq!(c.total, n);
+            prop_assert!(c.text.chars().count() <= cap);
+            prop_assert_eq!(c.clipped, n > cap);
+            if c.clipped {
+                let prefix: String = s.chars().take(c.kept).collect();
+                prop_assert!(c.text.starts_with(&prefix));
+            } else {
+                prop_assert_eq!(&c.text, &s);
+            }
+        }
+
+        #[test]
+        fn clip_handles_any_unicode(s in any::<String>(), browser in any::<bool>()) {
+            let tool = if browser { "browser__x" } else { "x" };
+            let c = clip_tool_output(tool, &s);
+            prop_assert!(c.text.chars().count() <= output_cap(tool));
+        }
+
+        #[test]
+        fn clip_large_unicode(ch in any::<char>(), extra in 1usize..3000) {
+            let s: String = std::iter::repeat_n(ch, TOOL_OUTPUT_CAP + extra).collect();
+            let c = clip_tool_output("t", &s);
+            prop_assert!(c.clipped);
+            prop_assert_eq!(c.text.chars().count(), TOOL_OUTPUT_CAP);
+            prop_assert_eq!(c.total, TOOL_OUTPUT_CAP + extra);
+        }
+    }
+
+    // ---- browser elision ----
+
+    #[test]
+    fn elides_all_browser_views_but_the_newest() {
+        let mut items = vec![
+            e(0, user("task")),
+            e(1, call("b1", "browser__snapshot")),
+            e(1, out("b1", "<dom 1>")),
+            e(2, call("s1", "search")),
+            e(2, out("s1", "search result")),
+            e(3, call("b2", "browser__click")),
+            e(3, out("b2", "<dom 2>")),
+            e(4, call("b3", "browser__snapshot")),
+            e(4, out("b3", "<dom 3>")),
+            e(5, assistant("done")),
+        ];
+        assert_eq!(elide_browser_outputs(&mut items), 2);
+        let outputs: Vec<&str> = items
+            .iter()
+            .filter(|e| is_output(&e.item))
+            .map(|e| e.item["output"].as_str().unwrap())
+            .collect();
+        assert_eq!(outputs, [BROWSER_PLACEHOLDER, "search result", BROWSER_PLACEHOLDER, "<dom 3>"]);
+        assert!(!BROWSER_PLACEHOLDER.contains('\n'), "one line");
+        // Idempotent.
+        let before = items.clone();
+        assert_eq!(elide_browser_outputs(&mut items), 2);
+        assert_eq!(items, before);
+    }
+
+    #[test]
+    fn elision_table() {
+        // (items, outputs after)
+        let cases: Vec<(Vec<TranscriptEntry>, Vec<&str>)> = vec![
+            (vec![], vec![]),
+            (vec![e(1, call("a", "search")), e(1, out("a", "1"))], vec!["1"]),
+            (vec![e(1, call("a", "browser__x")), e(1, out("a", "1"))], vec!["1"]),
+            // Parallel browser calls in one turn: the last output is the newest.
+            (
+                vec![
+                    e(1, call("a", "browser__x")),
+                    e(1, call("b", "browser__y")),
+                    e(1, out("a", "1")),
+                    e(1, out("b", "2")),
+                ],
+                vec![BROWSER_PLACEHOLDER, "2"],
+            ),
+            // An output whose call is not in view is not known to be a browser view.
+            (vec![e(1, out("zz", "1")), e(1, call("a", "browser__x")), e(1, out("a", "2"))], vec!["1", "2"]),
+        ];
+        for (mut items, want) in cases {
+            elide_browser_outputs(&mut items);
+            let got: Vec<&str> =
+                items.iter().filter(|e| is_output(&e.item)).map(|e| e.item["output"].as_str().unwrap()).collect();
+            assert_eq!(got, want);
+        }
+    }
+
+    // ---- bounding history ----
+
+    /// A transcript of `n` turns, each one call and its output (tagged
+    /// `deferred`: with the next turn), plus a message.
+    fn chain(n: u32, deferred: bool) -> Vec<TranscriptEntry> {
+        let mut v = vec![e(0, user("task"))];
+        for t in 1..=n {
+            let id = format!("c{t}");
+            v.push(e(t, assistant(&format!("thinking {t}"))));
+            v.push(e(t, call(&id, "search")));
+            v.push(e(if deferred { t + 1 } else { t }, out(&id, &format!("out {t}"))));
+        }
+        v
+    }
+
+    fn texts(v: &[TranscriptEntry]) -> Vec<String> {
+        v.iter()
+            .map(|e| {
+                let i = &e.item;
+                match item_type(i) {
+                    Some("function_call") => format!("{}:call {}", e.turn, i["call_id"].as_str().unwrap()),
+                    Some("function_call_output") => format!("{}:out {}", e.turn, i["call_id"].as_str().unwrap()),
+                    _ => format!("{}:{}", e.turn, i["content"].as_str().unwrap()),
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn keeps_the_task_and_the_last_turns() {
+        let v = chain(30, false);
+        let b = bound_history(&v, 2);
+        assert_eq!(
+            texts(&b),
+            ["0:task", "29:thinking 29", "29:call c29", "29:out c29", "30:thinking 30", "30:call c30", "30:out c30"]
+        );
+        assert_eq!(bound_history(&v, 24).len(), 1 + 24 * 3);
+        assert_eq!(bound_history(&v, 30), v);
+        assert_eq!(bound_history(&v, 1000), v);
+        assert_eq!(texts(&bound_history(&v, 0)), ["0:task"]);
+    }
+
+    #[test]
+    fn outputs_committed_with_the_next_turn_keep_their_calls() {
+        // Turn t's call is answered by an output tagged t+1.
+        let v = chain(10, true);
+        let b = bound_history(&v, 2);
+        assert_eq!(
+            texts(&b),
+            // Window = turns 10 and 11; out c9 (turn 10) pulls in call c9 (turn 9),
+            // but not turn 9's text.
+            ["0:task", "9:call c9", "10:out c9", "10:thinking 10", "10:call c10", "11:out c10"]
+        );
+        // max_turns = 1: the newest turn holds only outputs; they keep their calls.
+        assert_eq!(texts(&bound_history(&v, 1)), ["0:task", "10:call c10", "11:out c10"]);
+    }
+
+    #[test]
+    fn bound_table() {
+        // (entries, max_turns, expected)
+        let cases: Vec<(Vec<TranscriptEntry>, usize, Vec<&str>)> = vec![
+            (vec![], 24, vec![]),
+            (vec![e(0, user("task"))], 0, vec!["0:task"]),
+            // Parallel calls in one turn, outputs in the next: all pairs stay.
+            (
+                vec![
+                    e(0, user("task")),
+                    e(1, call("a", "t")),
+                    e(1, call("b", "t")),
+                    e(2, out("a", "")),
+                    e(2, out("b", "")),
+                    e(2, assistant("ok")),
+                ],
+                1,
+                vec!["0:task", "1:call a", "1:call b", "2:out a", "2:out b", "2:ok"],
+            ),
+            // A call with no output anywhere (malformed) is dropped; so is an output with no call.
+            (
+                vec![e(0, user("task")), e(1, call("a", "t")), e(1, out("zz", "")), e(1, assistant("x"))],
+                24,
+                vec!["0:task", "1:x"],
+            ),
+            // An output before its call does not count as an answer.
+            (
+                vec![e(0, user("task")), e(1, out("a", "")), e(1, call("a", "t"))],
+                24,
+                vec!["0:task"],
+            ),
+            // Turn 0 input with its own call/output pair is kept whole.
+            (
+                vec![e(0, user("task")), e(0, call("u", "t")), e(0, out("u", "")), e(5, assistant("x"))],
+                1,
+                vec!["0:task", "0:call u", "0:out u", "5:x"],
+            ),
+            // Gaps in turn numbers: the window counts turns present.
+            (
+                vec![e(0, user("task")), e(3, assistant("a")), e(7, assistant("b")), e(9, assistant("c"))],
+                2,
+                vec!["0:task", "7:b", "9:c"],
+            ),
+        ];
+        for (entries, max_turns, want) in cases {
+            assert_eq!(texts(&bound_history(&entries, max_turns)), want, "{entries:?}");
+        }
+    }
+
+    #[test]
+    fn prepare_context_bounds_then_elides_without_touching_the_transcript() {
+        let mut v = vec![e(0, user("task"))];
+        for t in 1..=30u32 {
+            let id = format!("b{t}");
+            v.push(e(t, call(&id, "browser__snapshot")));
+            v.push(e(t, out(&id, &format!("<dom {t}>"))));
+        }
+        let original = v.clone();
+        let ctx = prepare_context(&v, DEFAULT_MAX_HISTORY);
+        assert_eq!(v, original);
+        assert_eq!(ctx.len(), 1 + 2 * DEFAULT_MAX_HISTORY);
+        assert_eq!(ctx[0], user("task"));
+        let outputs: Vec<&str> = ctx.iter().filter(|i| is_output(i)).map(|i| i["output"].as_str().unwrap()).collect();
+        assert_eq!(outputs.len(), DEFAULT_MAX_HISTORY);
+        assert!(outputs[..DEFAULT_MAX_HISTORY - 1].iter().all(|o| *o == BROWSER_PLACEHOLDER));
+        assert_eq!(outputs[DEFAULT_MAX_HISTORY - 1], "<dom 30>");
+    }
+
+    /// Random transcripts: turns of text, parallel calls answered in the same
+    /// turn or the next, optional pairs in the input, and some noise orphans.
+    fn transcript() -> impl Strategy<Value = Vec<TranscriptEntry>> {
+        let turn = (any::<bool>(), 0usize..4, any::<bool>(), 0u8..10);
+        (any::<bool>(), proptest::collection::vec(turn, 0..40)).prop_map(|(input_pair, turns)| {
+            let mut v = vec![e(0, user("task"))];
+            if input_pair {
+                v.push(e(0, call("u0", "t")));
+                v.push(e(0, out("u0", "")));
+            }
+            let mut deferred: Vec<String> = vec![];
+            let n = turns.len() as u32;
+            for (k, (text, calls, defer, noise)) in turns.into_iter().enumerate() {
+                let t = k as u32 + 1;
+                for id in deferred.drain(..) {
+                    v.push(e(t, out(&id, "")));
+                }
+                if text {
+                    v.push(e(t, assistant("x")));
+                }
+                let ids: Vec<String> = (0..calls).map(|i| format!("c{t}_{i}")).collect();
+                for id in &ids {
+                    v.push(e(t, call(id, if noise % 2 == 0 { "browser__s" } else { "s" })));
+                }
+                match noise {
+                    0 => v.push(e(t, out(&format!("orphan{t}"), ""))),
+                    1 => v.push(e(t, call(&format!("unanswered{t}"), "s"))),
+                    _ => {}
+                }
+                if defer {
+                    deferred = ids;
+                } else {
+                    for id in &ids {
+                        v.push(e(t, out(id, "")));
+                    }
+                }
+            }
+            for id in deferred.drain(..) {
+                v.push(e(n + 1, out(&id, "")));
+            }
+            v
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn no_orphans_after_bounding(v in transcript(), max_turns in 0usize..30) {
+            let b = bound_history(&v, max_turns);
+            // Every output has its call earlier; every call has an output later.
+            for (i, x) in b.iter().enumerate() {
+                if is_output(&x.item) {
+                    let c = call_id(&x.item).unwrap();
+                    prop_assert!(b[..i].iter().any(|y| is_call(&y.item) && call_id(&y.item) == Some(c)), "orphan output {c}");
+                }
+                if is_call(&x.item) {
+                    let c = call_id(&x.item).unwrap();
+                    prop_assert!(b[i + 1..].iter().any(|y| is_output(&y.item) && call_id(&y.item) == Some(c)), "orphan call {c}");
+                }
+            }
+            // A subsequence of the transcript, in order.
+            let mut it = v.iter();
+            for x in &b {
+                prop_assert!(it.any(|y| y == x), "not a subsequence");
+            }
+            // The task is always there, and messages of the window are never dropped.
+            prop_assert_eq!(&b[0], &v[0]);
+            let turns: BTreeSet<u32> = v.iter().map(|e| e.turn).filter(|&t| t > 0).collect();
+            let window: BTreeSet<u32> = turns.iter().rev().take(max_turns).copied().collect();
+            for x in &v {
+                if !is_call(&x.item) && !is_output(&x.item) && (x.turn == 0 || window.contains(&x.turn)) {
+                    prop_assert!(b.contains(x));
+                }
+            }
+            // Nothing from before the window but calls pulled in by their outputs.
+            for x in &b {
+                if x.turn != 0 && !window.contains(&x.turn) {
+                    prop_assert!(is_call(&x.item));
+                }
+            }
+            // Every well-formed pair with its output in the window is kept.
+            for x in &v {
+                if is_output(&x.item) && window.contains(&x.turn) {
+                    let c = call_id(&x.item).unwrap();
+                    if v.iter().any(|y| is_call(&y.item) && call_id(&y.item) == Some(c)) {
+                        prop_assert!(b.contains(x), "dropped the answer to {c}");
+                    }
+                }
+            }
+            // Elision then leaves at most one browser view, the newest.
+            let ctx = prepare_context(&v, max_turns);
+            let browser: HashSet<&str> = ctx.iter()
+                .filter(|i| is_call(i) && i["name"].as_str().is_some_and(is_browser_tool))
+                .filter_map(|i| call_id(i)).collect();
+            let views: Vec<&Value> = ctx.iter()
+                .filter(|i| is_output(i) && call_id(i).is_some_and(|c| browser.contains(c))).collect();
+            if let Some((newest, older)) = views.split_last() {
+                prop_assert_ne!(&newest["output"], BROWSER_PLACEHOLDER);
+                prop_assert!(older.iter().all(|o| o["output"] == BROWSER_PLACEHOLDER));
+            }
+        }
+    }
+}
