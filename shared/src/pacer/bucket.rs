@@ -31,6 +31,7 @@ use serde::{Deserialize, Serialize};
 /// background work, so a live turn finds room while work waits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub enum Mode {
     /// Background work (the default).
     Work,

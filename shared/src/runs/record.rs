@@ -14,6 +14,7 @@ use crate::pacer::Mode;
 
 /// Tokens a run has used, as the provider reported them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Usage {
     /// Input tokens over all calls.
     pub input_tokens: u64,
@@ -25,6 +26,7 @@ pub struct Usage {
 
 /// What pacing did to a run.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct PacingCounters {
     /// Times a turn was owed budget and requeued.
     pub budget_waits: u64,
@@ -38,6 +40,7 @@ pub struct PacingCounters {
 
 /// Why a run failed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RunError {
     /// `max_turns`, `rate_limited`, `quota`, `request_too_large`,
     /// `spend_limit`, `partial_output`, `provider_error`, `provider_unavailable`.
@@ -48,6 +51,7 @@ pub struct RunError {
 
 /// The run object (`GET /v1/runs/{id}`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Run {
     /// `run_` + ULID.
     pub id: String,

@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 /// Where a run is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub enum RunStatus {
     /// Accepted; its first turn is queued.
     Queued,
@@ -29,6 +30,7 @@ pub enum RunStatus {
 /// Why a `waiting` run waits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub enum WaitReason {
     /// The shared budget owes it time.
     Budget,

@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 /// One item of the transcript.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct TranscriptEntry {
     /// The turn that added it (0: the run's input).
     pub turn: u32,
