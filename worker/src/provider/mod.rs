@@ -1,1 +1,652 @@
-//! The provider client (not built yet).
+//! Our thin client for OpenAI-compatible providers: one streaming call, its
+//! rate-limit headers, its answer in the Responses shape, or a classified
+//! failure.
+//!
+//! **Architecture Invariant:** the client never retries and never sleeps. A
+//! failed call comes back at once as a [`CallFailure`] with its headers and
+//! its [`FailureKind`]; waiting is the pacer's business and re-sending is the
+//! queue's (SPEC §4). This is why there is no SDK here: the SDKs retry 429s
+//! inside the call, which blinds the shared pacer.
+//!
+//! - `sse.rs` — the incremental Server-Sent Events parser.
+//! - `responses.rs` / `chat.rs` — decoding each wire format's stream into the
+//!   Responses shape (sans-IO, unit-tested with event sequences).
+//! - `decode.rs` — what both share (the decoded answer, error objects).
+//!
+//! Timeouts: a connect timeout, and a timeout *between* stream events (and
+//! until the response headers) — never a short total timeout, because a long
+//! answer may stream for minutes while every gap stays short.
+
+mod chat;
+mod decode;
+mod responses;
+pub mod sse;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use futures::StreamExt;
+use reqwest::header::{HeaderMap, HeaderValue, ACCEPT, AUTHORIZATION};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use shared::clock::{Clock, SystemClock};
+use shared::config::ProviderArgs;
+use shared::pacer::{classify, FailedCall, FailureKind, HeaderSnapshot, Transport};
+use shared::runs::ApiStyle;
+
+use chat::ChatDecoder;
+use decode::{clip, Decoded, ErrorBody, Outcome};
+use responses::ResponsesDecoder;
+use sse::SseParser;
+
+/// Default connect timeout.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default longest silence between two stream events (and until the
+/// response headers). Reasoning models can think quietly for a while, and
+/// OpenAI sends keepalives, so this is generous.
+pub const DEFAULT_BETWEEN_EVENTS_TIMEOUT: Duration = Duration::from_secs(120);
+/// The most of a non-2xx body that is read for its error message.
+const MAX_ERROR_BODY: usize = 64 * 1024;
+/// The most of a plain JSON (non-streamed) answer that is read.
+const MAX_JSON_BODY: usize = sse::DEFAULT_MAX_EVENT_BYTES;
+
+/// Something the stream said before it finished, handed to the caller as it
+/// arrives (the turn loop forwards it to the run's event stream).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StreamEvent {
+    /// A piece of the answer's text.
+    TextDelta(String),
+    /// A complete function call (Responses: when its item is done; chat:
+    /// when the stream finished, since its fragments may interleave).
+    ToolCall {
+        /// Ties the call to its output (`call_…`).
+        call_id: String,
+        /// The function's name.
+        name: String,
+        /// Its arguments, a JSON text.
+        arguments: String,
+    },
+}
+
+/// A function call the model asked for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolCall {
+    /// Ties the call to its output (`call_…`).
+    pub call_id: String,
+    /// The function's name.
+    pub name: String,
+    /// Its arguments, a JSON text as the model wrote it.
+    pub arguments: String,
+}
+
+/// Tokens the provider says one call used.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    /// Input (prompt) tokens.
+    pub input_tokens: u64,
+    /// Output (completion) tokens, reasoning included.
+    pub output_tokens: u64,
+    /// Their sum, as the provider reports it.
+    pub total_tokens: u64,
+}
+
+/// A call that finished with an answer.
+#[derive(Debug, Clone)]
+pub struct CallSuccess {
+    /// Output items in the Responses shape, ready to append to the transcript
+    /// as input items of the next turn: `{"type":"message","role":"assistant",
+    /// "content":[{"type":"output_text","text"}]}`, `{"type":"function_call",
+    /// "call_id","name","arguments"}`, and `reasoning` items only when they
+    /// carry `encrypted_content`. Server-side ids and `status` are dropped:
+    /// turns are stateless (`store: false`).
+    pub output: Vec<Value>,
+    /// The answer's text (every `output_text` part, joined).
+    pub output_text: String,
+    /// The function calls to run, in order.
+    pub tool_calls: Vec<ToolCall>,
+    /// What the provider reported (absent when it reported nothing, e.g. a
+    /// chat server that ignores `stream_options`).
+    pub usage: Option<Usage>,
+    /// The answer's rate-limit headers.
+    pub headers: HeaderSnapshot,
+    /// When the headers arrived (their resets count from here).
+    pub headers_received: Instant,
+    /// The HTTP status (2xx).
+    pub status: u16,
+    /// Set when the answer was cut short but is still an answer:
+    /// `max_output_tokens` (Responses `response.incomplete`, chat
+    /// `finish_reason: "length"`) or `content_filter`. A function call the cut
+    /// left with broken arguments is not in `output` or `tool_calls`.
+    pub incomplete_reason: Option<String>,
+}
+
+/// A call that failed: everything the pacer and the retry ladder need.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("provider call failed ({kind:?}{}): {message}", status.map(|s| format!(", HTTP {s}")).unwrap_or_default())]
+pub struct CallFailure {
+    /// The HTTP status when an answer came: the error status, or 200 for an
+    /// error inside a 200 stream; `None` when no answer came at all.
+    pub status: Option<u16>,
+    /// The error's `code` (`rate_limit_exceeded`, `insufficient_quota`, …).
+    pub code: Option<String>,
+    /// The error's `type` (`tokens`, `server_error`, …).
+    pub error_type: Option<String>,
+    /// The provider's message, or what went wrong below HTTP.
+    pub message: String,
+    /// Set when the failure was below HTTP (timeout, reset, refused).
+    pub transport: Option<Transport>,
+    /// The answer's rate-limit headers (empty when no answer came). A 429's
+    /// `retry-after` is here.
+    pub headers: HeaderSnapshot,
+    /// When the headers arrived, if they did.
+    pub headers_received: Option<Instant>,
+    /// Some text delta was already handed to the caller: a companion run must
+    /// not re-send (it would say the same words twice).
+    pub streamed_text: bool,
+    /// The classification (retryable or not, and the run's `error.kind`).
+    pub kind: FailureKind,
+}
+
+impl CallFailure {
+    /// A failure, classified by [`shared::pacer::classify`].
+    fn new(status: Option<u16>, error: ErrorBody, transport: Option<Transport>, headers: HeaderSnapshot, headers_received: Option<Instant>) -> Self {
+        let kind = classify(&FailedCall {
+            status,
+            code: error.code.as_deref(),
+            error_type: error.error_type.as_deref(),
+            message: &error.message,
+            transport,
+        });
+        Self {
+            status,
+            code: error.code,
+            error_type: error.error_type,
+            message: error.message,
+            transport,
+            headers,
+            headers_received,
+            streamed_text: false,
+            kind,
+        }
+    }
+
+    /// A failure below HTTP, before or after the headers.
+    fn transport(transport: Transport, message: String, answer: Option<(u16, HeaderSnapshot, Instant)>) -> Self {
+        let (status, headers, at) = match answer {
+            Some((status, headers, at)) => (Some(status), headers, Some(at)),
+            None => (None, HeaderSnapshot::default(), None),
+        };
+        Self::new(status, ErrorBody { message, ..ErrorBody::default() }, Some(transport), headers, at)
+    }
+}
+
+/// The provider client. Cheap to clone (the connection pool is shared).
+#[derive(Clone)]
+pub struct Provider {
+    client: reqwest::Client,
+    base_url: String,
+    style: ApiStyle,
+    /// `Bearer KEY`, marked sensitive; `None` when no key was given (local servers).
+    auth: Option<HeaderValue>,
+    connect_timeout: Duration,
+    between_events: Duration,
+}
+
+impl fmt::Debug for Provider {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Never the key: only whether there is one.
+        f.debug_struct("Provider")
+            .field("base_url", &self.base_url)
+            .field("style", &self.style)
+            .field("api_key", &if self.auth.is_some() { "<redacted>" } else { "<none>" })
+            .field("connect_timeout", &self.connect_timeout)
+            .field("between_events", &self.between_events)
+            .finish()
+    }
+}
+
+fn build_client(connect: Duration) -> reqwest::Result<reqwest::Client> {
+    reqwest::Client::builder()
+        .connect_timeout(connect)
+        .user_agent(concat!("paceline/", env!("CARGO_PKG_VERSION")))
+        .build()
+}
+
+impl Provider {
+    /// A client for `args.url` in `args.api_style`, with the default timeouts.
+    /// Fails on a URL that is not http(s) or a key that cannot be a header.
+    pub fn new(args: &ProviderArgs) -> anyhow::Result<Self> {
+        let base_url = args.url.trim().trim_end_matches('/').to_string();
+        let parsed = reqwest::Url::parse(&base_url).with_context(|| format!("provider URL {base_url:?} is not a URL"))?;
+        anyhow::ensure!(matches!(parsed.scheme(), "http" | "https"), "provider URL {base_url:?} is not http(s)");
+        let auth = if args.api_key.is_empty() {
+            None
+        } else {
+            // The error must not quote the value: it is the key.
+            let mut value = HeaderValue::from_str(&format!("Bearer {}", args.api_key.expose().trim()))
+                .map_err(|_| anyhow::anyhow!("the API key holds characters that cannot be sent in a header"))?;
+            value.set_sensitive(true);
+            Some(value)
+        };
+        let client = build_client(DEFAULT_CONNECT_TIMEOUT).context("building the HTTP client")?;
+        Ok(Self {
+            client,
+            base_url,
+            style: args.api_style,
+            auth,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            between_events: DEFAULT_BETWEEN_EVENTS_TIMEOUT,
+        })
+    }
+
+    /// The same client with other timeouts: `connect` for the TCP/TLS
+    /// connect, `between_events` for the longest silence until the headers
+    /// and between two pieces of the stream.
+    pub fn with_timeouts(mut self, connect: Duration, between_events: Duration) -> Self {
+        match build_client(connect) {
+            Ok(client) => {
+                self.client = client;
+                self.connect_timeout = connect;
+            }
+            // Cannot happen once `new` built one; keep the working client.
+            Err(error) => tracing::warn!(message = "HTTP client not rebuilt; connect timeout unchanged", %error),
+        }
+        self.between_events = between_events;
+        self
+    }
+
+    /// The wire format this client speaks.
+    pub fn api_style(&self) -> ApiStyle {
+        self.style
+    }
+
+    /// The URL calls are POSTed to.
+    pub fn endpoint(&self) -> String {
+        match self.style {
+            ApiStyle::Responses => format!("{}/responses", self.base_url),
+            ApiStyle::Chat => format!("{}/chat/completions", self.base_url),
+        }
+    }
+
+    /// Sends one request and reads its streamed answer.
+    ///
+    /// `body` is a complete request in this client's wire format; the client
+    /// only sets `stream: true` (and, for chat, `stream_options.include_usage`).
+    /// `on_event` sees text deltas and finished tool calls as they arrive.
+    /// Headers are read on every answer (2xx, 429, other errors). Nothing is
+    /// retried: every failure comes back at once, classified.
+    pub async fn call(&self, mut body: Value, on_event: &mut (dyn FnMut(StreamEvent) + Send)) -> Result<CallSuccess, CallFailure> {
+        let Some(obj) = body.as_object_mut() else {
+            let error = ErrorBody { message: "the request body is not a JSON object".into(), ..ErrorBody::default() };
+            // No request was sent: terminal, whatever classify would guess.
+            let mut failure = CallFailure::new(None, error, None, HeaderSnapshot::default(), None);
+            failure.kind = FailureKind::Terminal;
+            return Err(failure);
+        };
+        obj.insert("stream".into(), json!(true));
+        if self.style == ApiStyle::Chat {
+            let options = obj.entry("stream_options").or_insert_with(|| json!({}));
+            if !options.is_object() {
+                *options = json!({});
+            }
+            options["include_usage"] = json!(true);
+        }
+
+        let url = self.endpoint();
+        let mut request = self.client.post(&url).header(ACCEPT, "text/event-stream").json(&body);
+        if let Some(auth) = &self.auth {
+            request = request.header(AUTHORIZATION, auth.clone());
+        }
+        tracing::debug!(message = "provider call", api.style = ?self.style, url = %url);
+
+        let response = match tokio::time::timeout(self.between_events, request.send()).await {
+            Err(_) => {
+                let message = format!("no response headers within {} ms", self.between_events.as_millis());
+                return Err(self.failed(CallFailure::transport(Transport::Timeout, message, None)));
+            }
+            Ok(Err(error)) => return Err(self.failed(CallFailure::transport(transport_kind(&error), error_chain(&error), None))),
+            Ok(Ok(response)) => response,
+        };
+        let headers_received = Instant::now();
+        let status = response.status().as_u16();
+        let headers = snapshot(response.headers());
+        let answer = (status, headers.clone(), headers_received);
+
+        if !response.status().is_success() {
+            let body = match self.read_body(response, MAX_ERROR_BODY).await {
+                Ok(bytes) => ErrorBody::from_body(&bytes),
+                // The status alone still classifies the failure.
+                Err(_) => ErrorBody { message: format!("HTTP {status} (the error body could not be read)"), ..ErrorBody::default() },
+            };
+            return Err(self.failed(CallFailure::new(Some(status), body, None, headers, Some(headers_received))));
+        }
+
+        let is_json = response
+            .headers()
+            .get(reqwest::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|ct| ct.trim_start().starts_with("application/json"));
+        // An atomic, not a Cell: the call's future must stay Send.
+        let streamed_text = AtomicBool::new(false);
+        let mut emit = |event: StreamEvent| {
+            if matches!(&event, StreamEvent::TextDelta(t) if !t.is_empty()) {
+                streamed_text.store(true, Ordering::Relaxed);
+            }
+            on_event(event);
+        };
+        let outcome = if is_json {
+            // A server that ignored `stream: true` answered with one JSON body.
+            self.read_json_answer(response, &mut emit).await
+        } else {
+            self.read_stream(response, &mut emit).await
+        };
+        match outcome {
+            Ok(decoded) => Ok(CallSuccess {
+                output: decoded.output,
+                output_text: decoded.output_text,
+                tool_calls: decoded.tool_calls,
+                usage: decoded.usage,
+                headers,
+                headers_received,
+                status,
+                incomplete_reason: decoded.incomplete_reason,
+            }),
+            Err(StreamFailure::InBand(error)) => {
+                let mut failure = CallFailure::new(Some(status), error, None, headers, Some(headers_received));
+                failure.streamed_text = streamed_text.load(Ordering::Relaxed);
+                Err(self.failed(failure))
+            }
+            Err(StreamFailure::Transport(transport, message)) => {
+                let mut failure = CallFailure::transport(transport, message, Some(answer));
+                failure.streamed_text = streamed_text.load(Ordering::Relaxed);
+                Err(self.failed(failure))
+            }
+        }
+    }
+
+    /// Reads the event stream until its terminal event.
+    async fn read_stream(&self, response: reqwest::Response, emit: &mut (dyn FnMut(StreamEvent) + Send)) -> Result<Decoded, StreamFailure> {
+        let mut decoder = Decoder::new(self.style);
+        let mut parser = SseParser::new();
+        let mut stream = response.bytes_stream();
+        loop {
+            let chunk = match tokio::time::timeout(self.between_events, stream.next()).await {
+                Err(_) => {
+                    let message = format!("no stream event for {} ms", self.between_events.as_millis());
+                    return Err(StreamFailure::Transport(Transport::Timeout, message));
+                }
+                Ok(Some(Err(error))) => return Err(StreamFailure::Transport(transport_kind(&error), error_chain(&error))),
+                Ok(Some(Ok(chunk))) => chunk,
+                Ok(None) => {
+                    if let Some(event) = parser.finish() {
+                        if let Some(done) = decoder.event(&event, emit).settle() {
+                            return done;
+                        }
+                    }
+                    if let Some(done) = decoder.eof(emit).settle() {
+                        return done;
+                    }
+                    // Nothing says the answer was complete: a cut connection
+                    // (a proxy's idle timeout, a crash) looks exactly like this.
+                    return Err(StreamFailure::Transport(
+                        Transport::ConnectionReset,
+                        "the stream closed before its terminal event".into(),
+                    ));
+                }
+            };
+            let events = parser
+                .push(&chunk)
+                .map_err(|e| StreamFailure::Transport(Transport::Other, format!("unreadable event stream: {e}")))?;
+            for event in &events {
+                if let Some(done) = decoder.event(event, emit).settle() {
+                    return done;
+                }
+            }
+        }
+    }
+
+    /// Reads a plain JSON answer (a server that does not stream) through the
+    /// same decoder, as if it were one terminal event.
+    async fn read_json_answer(&self, response: reqwest::Response, emit: &mut (dyn FnMut(StreamEvent) + Send)) -> Result<Decoded, StreamFailure> {
+        let bytes = self.read_body(response, MAX_JSON_BODY).await?;
+        let body: Value = serde_json::from_slice(&bytes)
+            .map_err(|e| StreamFailure::Transport(Transport::Other, format!("unreadable JSON answer: {e}")))?;
+        if let Some(error) = body.get("error").filter(|e| e.is_object()) {
+            if body.get("status").and_then(Value::as_str) != Some("completed") {
+                return Err(StreamFailure::InBand(ErrorBody::from_object(error)));
+            }
+        }
+        let frames: Vec<Value> = match self.style {
+            ApiStyle::Responses => {
+                let kind = match body.get("status").and_then(Value::as_str) {
+                    Some("incomplete") => "response.incomplete",
+                    _ => "response.completed",
+                };
+                if let Some(text) = body.get("output").and_then(Value::as_array).map(|items| responses_text(items)) {
+                    if !text.is_empty() {
+                        emit(StreamEvent::TextDelta(text));
+                    }
+                }
+                vec![json!({"type": kind, "response": body})]
+            }
+            ApiStyle::Chat => {
+                // The message as one delta: its tool calls get the index a stream would give them.
+                let choice = body.get("choices").and_then(|c| c.get(0)).cloned().unwrap_or(Value::Null);
+                let mut delta = choice.get("message").cloned().unwrap_or(json!({}));
+                if let Some(calls) = delta.get_mut("tool_calls").and_then(Value::as_array_mut) {
+                    for (index, call) in calls.iter_mut().enumerate() {
+                        call["index"] = json!(index);
+                    }
+                }
+                let finish = choice.get("finish_reason").cloned().unwrap_or(json!("stop"));
+                vec![
+                    json!({"choices": [{"index": 0, "delta": delta, "finish_reason": finish}], "usage": body.get("usage")}),
+                    Value::String("[DONE]".into()),
+                ]
+            }
+        };
+        let mut decoder = Decoder::new(self.style);
+        for frame in frames {
+            let data = match frame {
+                Value::String(s) => s,
+                other => other.to_string(),
+            };
+            if let Some(done) = decoder.event(&sse::SseEvent { data, ..Default::default() }, emit).settle() {
+                return done;
+            }
+        }
+        Err(StreamFailure::Transport(Transport::Other, "a JSON answer without a readable response".into()))
+    }
+
+    /// At most `limit` bytes of a body, each piece within the between-events timeout.
+    async fn read_body(&self, response: reqwest::Response, limit: usize) -> Result<Vec<u8>, StreamFailure> {
+        let mut stream = response.bytes_stream();
+        let mut body = Vec::new();
+        loop {
+            match tokio::time::timeout(self.between_events, stream.next()).await {
+                Err(_) => return Err(StreamFailure::Transport(Transport::Timeout, "the body stalled".into())),
+                Ok(Some(Err(error))) => return Err(StreamFailure::Transport(transport_kind(&error), error_chain(&error))),
+                Ok(Some(Ok(chunk))) => {
+                    let room = limit.saturating_sub(body.len());
+                    body.extend_from_slice(&chunk[..chunk.len().min(room)]);
+                    if body.len() >= limit {
+                        return Ok(body);
+                    }
+                }
+                Ok(None) => return Ok(body),
+            }
+        }
+    }
+
+    /// Logs a failure once, at the level its kind deserves, and hands it back.
+    fn failed(&self, failure: CallFailure) -> CallFailure {
+        tracing::debug!(
+            message = "provider call failed",
+            http.status = ?failure.status,
+            error.code = ?failure.code,
+            kind = ?failure.kind,
+            transport = ?failure.transport,
+            streamed_text = failure.streamed_text,
+            error = %clip(&failure.message, 300),
+        );
+        failure
+    }
+}
+
+/// The text of a Responses output (used when a JSON answer stands in for a stream).
+fn responses_text(items: &[Value]) -> String {
+    items
+        .iter()
+        .filter(|i| i.get("type").and_then(Value::as_str) == Some("message"))
+        .filter_map(|i| i.get("content").and_then(Value::as_array))
+        .flatten()
+        .filter(|p| p.get("type").and_then(Value::as_str) == Some("output_text"))
+        .filter_map(|p| p.get("text").and_then(Value::as_str))
+        .collect()
+}
+
+/// Why reading an answer's body failed.
+#[derive(Debug)]
+enum StreamFailure {
+    /// The provider said so inside the stream.
+    InBand(ErrorBody),
+    /// The stream broke, stalled or closed early.
+    Transport(Transport, String),
+}
+
+/// The decoder for one wire format.
+enum Decoder {
+    Responses(ResponsesDecoder),
+    Chat(ChatDecoder),
+}
+
+impl Decoder {
+    fn new(style: ApiStyle) -> Self {
+        match style {
+            ApiStyle::Responses => Self::Responses(ResponsesDecoder::default()),
+            ApiStyle::Chat => Self::Chat(ChatDecoder::default()),
+        }
+    }
+
+    fn event(&mut self, event: &sse::SseEvent, emit: &mut dyn FnMut(StreamEvent)) -> Outcome {
+        match self {
+            Self::Responses(d) => d.event(event, emit),
+            Self::Chat(d) => d.event(event, emit),
+        }
+    }
+
+    fn eof(&mut self, emit: &mut dyn FnMut(StreamEvent)) -> Outcome {
+        match self {
+            Self::Responses(d) => d.eof(),
+            Self::Chat(d) => d.eof(emit),
+        }
+    }
+}
+
+impl Outcome {
+    /// `None` while pending, else the call's result.
+    fn settle(self) -> Option<Result<Decoded, StreamFailure>> {
+        match self {
+            Outcome::Pending => None,
+            Outcome::Finished(decoded) => Some(Ok(decoded)),
+            Outcome::Failed(error) => Some(Err(StreamFailure::InBand(error))),
+        }
+    }
+}
+
+/// Reads an answer's rate-limit headers.
+fn snapshot(headers: &HeaderMap) -> HeaderSnapshot {
+    let pairs = headers.iter().filter_map(|(name, value)| value.to_str().ok().map(|v| (name.as_str(), v)));
+    HeaderSnapshot::from_headers(pairs, SystemClock.now_ms())
+}
+
+/// Which kind of transport failure a reqwest error is.
+fn transport_kind(error: &reqwest::Error) -> Transport {
+    if error.is_timeout() {
+        return Transport::Timeout;
+    }
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(e) = source {
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            use std::io::ErrorKind::*;
+            match io.kind() {
+                TimedOut => return Transport::Timeout,
+                ConnectionReset | ConnectionAborted | BrokenPipe | UnexpectedEof => return Transport::ConnectionReset,
+                _ => {}
+            }
+        }
+        source = e.source();
+    }
+    if error.is_body() || error.is_decode() {
+        // The body broke after the headers: the connection went away mid-answer.
+        Transport::ConnectionReset
+    } else {
+        Transport::Other
+    }
+}
+
+/// An error and its causes, `a: b: c` (reqwest's own text is often just
+/// "error sending request").
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(e) = source {
+        let next = e.to_string();
+        if !text.contains(&next) {
+            text.push_str(": ");
+            text.push_str(&next);
+        }
+        source = e.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shared::config::Secret;
+
+    fn args(url: &str, key: &str, style: ApiStyle) -> ProviderArgs {
+        ProviderArgs { url: url.into(), api_key: Secret::new(key), api_style: style }
+    }
+
+    #[test]
+    fn debug_never_shows_the_key() {
+        let p = Provider::new(&args("http://127.0.0.1:1/v1/", "sk-very-secret", ApiStyle::Responses)).unwrap();
+        let shown = format!("{p:?}");
+        assert!(!shown.contains("sk-very-secret"), "{shown}");
+        assert!(shown.contains("<redacted>"));
+        assert_eq!(p.endpoint(), "http://127.0.0.1:1/v1/responses");
+        let p = Provider::new(&args("http://localhost:8000/v1", "", ApiStyle::Chat)).unwrap();
+        assert!(format!("{p:?}").contains("<none>"));
+        assert_eq!(p.endpoint(), "http://localhost:8000/v1/chat/completions");
+    }
+
+    #[test]
+    fn bad_urls_and_keys_are_refused_without_quoting_the_key() {
+        assert!(Provider::new(&args("not a url", "", ApiStyle::Responses)).is_err());
+        assert!(Provider::new(&args("ftp://x/v1", "", ApiStyle::Responses)).is_err());
+        let err = Provider::new(&args("http://x/v1", "sk-bad\nkey", ApiStyle::Responses)).unwrap_err();
+        assert!(!format!("{err:#}").contains("sk-bad"));
+    }
+
+    #[test]
+    fn the_call_future_is_send() {
+        fn assert_send<T: Send>(_: T) {}
+        let p = Provider::new(&args("http://127.0.0.1:1/v1", "", ApiStyle::Responses)).unwrap();
+        let mut sink = |_: StreamEvent| {};
+        assert_send(p.call(json!({}), &mut sink));
+    }
+
+    #[test]
+    fn a_failure_is_classified_once() {
+        let quota = ErrorBody { code: Some("insufficient_quota".into()), error_type: None, message: "You exceeded your current quota".into() };
+        let f = CallFailure::new(Some(429), quota, None, HeaderSnapshot::default(), None);
+        assert_eq!(f.kind, FailureKind::Quota);
+        assert!(f.to_string().contains("HTTP 429"));
+        let f = CallFailure::transport(Transport::Timeout, "no stream event".into(), None);
+        assert_eq!(f.kind, FailureKind::Transient);
+    }
+}

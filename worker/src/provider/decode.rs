@@ -1,0 +1,117 @@
+//! What the two stream decoders share: the decoded answer, an in-band error,
+//! and reading OpenAI's error objects (HTTP bodies and stream events alike).
+
+use serde_json::Value;
+
+use super::{ToolCall, Usage};
+
+/// A decoder's verdict after one event, or at the end of the stream.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Outcome {
+    /// No terminal event yet.
+    Pending,
+    /// The answer is complete.
+    Finished(Decoded),
+    /// The provider said, inside the stream, that the call failed.
+    Failed(ErrorBody),
+}
+
+/// A finished answer, already in the Responses shape.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub(crate) struct Decoded {
+    pub output: Vec<Value>,
+    pub output_text: String,
+    pub tool_calls: Vec<ToolCall>,
+    pub usage: Option<Usage>,
+    pub incomplete_reason: Option<String>,
+}
+
+/// OpenAI's error object `{"message","type","code","param"}`, as far as it
+/// was readable.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub(crate) struct ErrorBody {
+    pub code: Option<String>,
+    pub error_type: Option<String>,
+    pub message: String,
+}
+
+impl ErrorBody {
+    /// Reads an error object: `{"message","type","code","param"}`. A `code`
+    /// may be a number (some proxies, vLLM); it is kept as text.
+    pub fn from_object(obj: &Value) -> Self {
+        let text = |key: &str| match obj.get(key) {
+            Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
+            Some(Value::Number(n)) => Some(n.to_string()),
+            _ => None,
+        };
+        Self {
+            code: text("code"),
+            error_type: text("type"),
+            message: text("message").unwrap_or_else(|| "the provider reported an error without a message".to_string()),
+        }
+    }
+
+    /// Reads a non-2xx body: `{"error":{…}}`, `{"error":"text"}`, a bare
+    /// error object (`{"message","type","code"}`, vLLM's `{"object":"error",…}`),
+    /// or plain text (a proxy's HTML page, clipped).
+    pub fn from_body(body: &[u8]) -> Self {
+        if let Ok(json) = serde_json::from_slice::<Value>(body) {
+            match json.get("error") {
+                Some(inner @ Value::Object(_)) => return Self::from_object(inner),
+                Some(Value::String(s)) => return Self { message: s.clone(), ..Self::default() },
+                _ => {}
+            }
+            if json.get("message").is_some() {
+                return Self::from_object(&json);
+            }
+        }
+        let text = String::from_utf8_lossy(body);
+        let text = text.trim();
+        Self { message: clip(if text.is_empty() { "(empty body)" } else { text }, 2000), ..Self::default() }
+    }
+}
+
+/// At most `max` characters of `s`, marked when cut.
+pub(crate) fn clip(s: &str, max: usize) -> String {
+    match s.char_indices().nth(max) {
+        Some((at, _)) => format!("{}… ({} bytes in all)", &s[..at], s.len()),
+        None => s.to_string(),
+    }
+}
+
+/// A string field of a JSON object.
+pub(crate) fn str_field<'a>(v: &'a Value, key: &str) -> Option<&'a str> {
+    v.get(key).and_then(Value::as_str)
+}
+
+/// A count field, tolerating a missing or null value.
+pub(crate) fn count(v: &Value, key: &str) -> Option<u64> {
+    v.get(key).and_then(Value::as_u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn reads_openai_error_bodies_in_their_shapes() {
+        let body = json!({"error": {"message": "Rate limit reached", "type": "tokens", "param": null, "code": "rate_limit_exceeded"}});
+        let e = ErrorBody::from_body(body.to_string().as_bytes());
+        assert_eq!(e.code.as_deref(), Some("rate_limit_exceeded"));
+        assert_eq!(e.error_type.as_deref(), Some("tokens"));
+        assert_eq!(e.message, "Rate limit reached");
+
+        let e = ErrorBody::from_body(br#"{"error": "model not loaded"}"#);
+        assert_eq!((e.code, e.message.as_str()), (None, "model not loaded"));
+
+        let e = ErrorBody::from_body(br#"{"object":"error","message":"too long","type":"BadRequestError","code":400}"#);
+        assert_eq!(e.code.as_deref(), Some("400"));
+        assert_eq!(e.error_type.as_deref(), Some("BadRequestError"));
+
+        let e = ErrorBody::from_body(b"<html>502 Bad Gateway</html>");
+        assert_eq!(e.message, "<html>502 Bad Gateway</html>");
+        assert_eq!(ErrorBody::from_body(b"  ").message, "(empty body)");
+        assert!(ErrorBody::from_body("x".repeat(5000).as_bytes()).message.ends_with("(5000 bytes in all)"));
+    }
+}
