@@ -1,14 +1,17 @@
-//! Runs: the state machine (`state.rs`). The run store (record, transcript,
-//! event stream, and the commit script built on the queue's `LUA_LIB`) comes
-//! with the worker issue.
+//! Runs: what a client submits (`spec.rs`), the run object (`record.rs`), its
+//! state machine (`state.rs`), its transcript (`transcript.rs`), what a turn
+//! sends (`backpressure.rs`), and the store that keeps them in Redis
+//! (`store.rs` + `store.lua`, built on the queue's Lua library).
 
 pub mod backpressure;
 pub mod record;
 pub mod spec;
 pub mod state;
+pub mod store;
 pub mod transcript;
 
 pub use record::{PacingCounters, Run, RunError, Usage};
 pub use spec::{RunSpec, SpecError, SubmitPolicy};
 pub use state::{InvalidTransition, RunStatus, Transition, WaitReason};
+pub use store::{Created, Fence, Idempotency, Next, RunEvent, RunStore, StoreError, TurnContext, TurnJob};
 pub use transcript::{ApiStyle, TranscriptEntry};

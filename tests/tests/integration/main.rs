@@ -7,3 +7,4 @@ mod pacer;
 mod queue;
 mod context;
 mod provider_client;
+mod run_store;

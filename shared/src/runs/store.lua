@@ -1,0 +1,203 @@
+-- The run store's atomic operations, built on the queue's Lua library (prepended).
+--
+-- KEYS[1..6] the queue's keys (see queue/lib.lua), then:
+-- KEYS[7] run record HASH    KEYS[8] transcript LIST (JSON entries)
+-- KEYS[9] events STREAM       KEYS[10] the tenant's run index ZSET (id -> created ms)
+-- KEYS[11] idempotency key STRING (create only; otherwise any key of the slot)
+-- ARGV[1] op, ARGV[2] run id, the rest per op (below).
+--
+-- Every write by a worker is fenced by its lease's epoch (q_fence) in the same
+-- script, and checked against the run's own state: a turn delivered twice never
+-- appends twice, a stale worker never forks the run, a cancelled run's queued
+-- turn never reaches the provider.
+
+local RUN, TX, EV, IDX, IDEM = KEYS[7], KEYS[8], KEYS[9], KEYS[10], KEYS[11]
+local op, id = ARGV[1], ARGV[2]
+local EV_MAXLEN = 10000
+
+local function event(kind, data)
+  return redis.call('XADD', EV, 'MAXLEN', '~', EV_MAXLEN, '*', 'type', kind, 'data', data)
+end
+
+local function finished(status)
+  return status == 'completed' or status == 'failed' or status == 'cancelled'
+end
+
+-- A finished run's keys live for the retention period, then go.
+local function retire(now, retention)
+  redis.call('HSET', RUN, 'finished_ms', now, 'updated_ms', now, 'wait_reason', '', 'next_attempt_ms', '', 'phase', '')
+  local ttl = tonumber(retention)
+  if ttl and ttl > 0 then
+    redis.call('PEXPIRE', RUN, ttl)
+    redis.call('PEXPIRE', TX, ttl)
+    redis.call('PEXPIRE', EV, ttl)
+  end
+end
+
+-- Checks the lease and the run: the record fields, or nil and why not.
+local function fenced(epoch, turn)
+  local r, why = q_fence(id, epoch)
+  if not r then return nil, nil, why end
+  local status = redis.call('HGET', RUN, 'status')
+  if not status then
+    q_finish(id)
+    return nil, nil, 'gone'
+  end
+  if finished(status) then
+    -- Cancelled (or finished) while this turn was out: it ends here.
+    q_finish(id)
+    return nil, nil, status
+  end
+  if turn and tonumber(redis.call('HGET', RUN, 'turns') or '0') ~= tonumber(turn) then
+    -- This turn was already committed (a redelivery): write nothing.
+    return nil, nil, 'committed'
+  end
+  return r, status
+end
+
+if op == 'create' then
+  -- ARGV[3] tenant, [4] fingerprint ('' = no idempotency key), [5] idem ttl ms,
+  -- [6] job payload, [7] record fields JSON (flat object of strings), [8] run.queued data,
+  -- [9..] transcript entries (JSON, stored as given: never re-encoded by Lua)
+  local tenant, fp = ARGV[3], ARGV[4]
+  if fp ~= '' then
+    local prior = redis.call('GET', IDEM)
+    if prior then
+      local prior_id, prior_fp = string.match(prior, '^([^|]+)|(.*)$')
+      if prior_fp ~= fp then return {'mismatch', prior_id} end
+      return {'replayed', prior_id}
+    end
+  end
+  if redis.call('EXISTS', RUN) == 1 then return {'exists', id} end
+  local now = q_now()
+  local fields = cjson.decode(ARGV[7])
+  local flat = {}
+  for k, v in pairs(fields) do
+    flat[#flat + 1] = k
+    flat[#flat + 1] = tostring(v)
+  end
+  redis.call('HSET', RUN, 'tenant', tenant, 'created_ms', now, 'updated_ms', now, unpack(flat))
+  for i = 9, #ARGV do redis.call('RPUSH', TX, ARGV[i]) end
+  event('run.queued', ARGV[8])
+  redis.call('ZADD', IDX, now, id)
+  if fp ~= '' then redis.call('SET', IDEM, id .. '|' .. fp, 'PX', tonumber(ARGV[5])) end
+  if redis.call('HSETNX', Q_JOBS, id, '0|0|q|' .. ARGV[6]) == 1 then
+    redis.call('ZADD', Q_DUE, now, id)
+    q_wake()
+  end
+  return {'created', id}
+end
+
+if op == 'cancel' then
+  -- ARGV[3] tenant, [4] retention ms
+  if redis.call('HGET', RUN, 'tenant') ~= ARGV[3] then return {'not_found'} end
+  local status = redis.call('HGET', RUN, 'status')
+  if finished(status) then return {'conflict', status} end
+  local now = q_now()
+  redis.call('HSET', RUN, 'status', 'cancelled')
+  retire(now, ARGV[4])
+  event('run.cancelled', cjson.encode({status = 'cancelled'}))
+  -- A queued turn is removed now; one in flight is stopped by its fenced commit.
+  local r = q_read(id)
+  if r and r.flag == 'q' then
+    redis.call('ZREM', Q_DUE, id)
+    redis.call('HDEL', Q_JOBS, id)
+  end
+  return {'cancelled', status}
+end
+
+if op == 'start' then
+  -- ARGV[3] epoch, [4] turn, [5] attempt
+  local r, status, why = fenced(ARGV[3], ARGV[4])
+  if not r then return {'stop', why} end
+  local now = q_now()
+  redis.call('HSET', RUN, 'status', 'running', 'updated_ms', now, 'wait_reason', '', 'next_attempt_ms', '')
+  if status ~= 'running' then
+    event('turn.started', cjson.encode({turn = tonumber(ARGV[4]), attempt = tonumber(ARGV[5])}))
+  end
+  return {'ok', redis.call('HGET', RUN, 'phase') or ''}
+end
+
+if op == 'wait' then
+  -- ARGV[3] epoch, [4] turn, [5] next job payload, [6] delay ms, [7] wait reason,
+  -- [8] counter field to bump ('' none), [9] event type, [10] event data
+  local r, status, why = fenced(ARGV[3], ARGV[4])
+  if not r then return {'stop', why} end
+  local now = q_now()
+  local delay = tonumber(ARGV[6])
+  redis.call('HSET', RUN, 'status', 'waiting', 'wait_reason', ARGV[7], 'next_attempt_ms', now + delay, 'updated_ms', now)
+  redis.call('HINCRBY', RUN, 'waited_ms', delay)
+  if ARGV[8] ~= '' then redis.call('HINCRBY', RUN, ARGV[8], 1) end
+  event(ARGV[9], ARGV[10])
+  r.payload = ARGV[5]
+  r.deliveries = 0
+  q_schedule(id, r, now + delay)
+  return {'ok'}
+end
+
+if op == 'output' then
+  -- The model's output of a turn whose tool calls are still to run: committed
+  -- first, so a crash while tools run re-calls no model.
+  -- ARGV[3] epoch, [4] turn, [5] input tokens, [6] output tokens, [7..] entries
+  local r, status, why = fenced(ARGV[3], ARGV[4])
+  if not r then return {'stop', why} end
+  if redis.call('HGET', RUN, 'phase') == 'tools' then return {'ok'} end
+  for i = 7, #ARGV do redis.call('RPUSH', TX, ARGV[i]) end
+  redis.call('HINCRBY', RUN, 'input_tokens', tonumber(ARGV[5]))
+  redis.call('HINCRBY', RUN, 'output_tokens', tonumber(ARGV[6]))
+  redis.call('HSET', RUN, 'phase', 'tools', 'updated_ms', q_now())
+  return {'ok'}
+end
+
+if op == 'commit' then
+  -- ARGV[3] epoch, [4] turn, [5] input tokens, [6] output tokens,
+  -- [7] next: 'continue' | 'complete' | 'fail',
+  -- [8] next job payload (continue) or final text (complete) or error kind (fail),
+  -- [9] error message (fail), [10] turn.completed data, [11] retention ms,
+  -- [12..] entries appended
+  local r, status, why = fenced(ARGV[3], ARGV[4])
+  if not r then return {'stop', why} end
+  local now = q_now()
+  for i = 12, #ARGV do redis.call('RPUSH', TX, ARGV[i]) end
+  redis.call('HINCRBY', RUN, 'input_tokens', tonumber(ARGV[5]))
+  redis.call('HINCRBY', RUN, 'output_tokens', tonumber(ARGV[6]))
+  local turns = redis.call('HINCRBY', RUN, 'turns', 1)
+  redis.call('HSET', RUN, 'phase', '', 'updated_ms', now)
+  event('turn.completed', ARGV[10])
+  local next = ARGV[7]
+  if next == 'continue' then
+    redis.call('HSET', RUN, 'status', 'queued', 'wait_reason', '', 'next_attempt_ms', '')
+    r.payload = ARGV[8]
+    r.deliveries = 0
+    q_schedule(id, r, now)
+    return {'continued', tostring(turns)}
+  end
+  q_finish(id)
+  if next == 'complete' then
+    redis.call('HSET', RUN, 'status', 'completed', 'output_text', ARGV[8])
+    retire(now, ARGV[11])
+    event('run.completed', cjson.encode({output_text = ARGV[8], turns = turns}))
+    return {'completed', tostring(turns)}
+  end
+  redis.call('HSET', RUN, 'status', 'failed', 'error_kind', ARGV[8], 'error_message', ARGV[9])
+  retire(now, ARGV[11])
+  event('run.failed', cjson.encode({error = {kind = ARGV[8], message = ARGV[9]}, turns = turns}))
+  return {'failed', tostring(turns)}
+end
+
+if op == 'fail' then
+  -- ARGV[3] epoch, [4] turn, [5] error kind, [6] message, [7] retention ms,
+  -- [8] input tokens, [9] output tokens (of a call that was answered)
+  local r, status, why = fenced(ARGV[3], nil)
+  if not r then return {'stop', why} end
+  local now = q_now()
+  redis.call('HINCRBY', RUN, 'input_tokens', tonumber(ARGV[8]))
+  redis.call('HINCRBY', RUN, 'output_tokens', tonumber(ARGV[9]))
+  redis.call('HSET', RUN, 'status', 'failed', 'error_kind', ARGV[5], 'error_message', ARGV[6])
+  retire(now, ARGV[7])
+  event('run.failed', cjson.encode({error = {kind = ARGV[5], message = ARGV[6]}}))
+  q_finish(id)
+  return {'failed'}
+end
+
+return redis.error_reply('unknown run store op ' .. tostring(op))

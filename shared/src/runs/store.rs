@@ -1,0 +1,560 @@
+//! The run store: a run's record, transcript and event stream in Redis, read
+//! and written by the API and the worker through this one module.
+//!
+//! Every write is one script of `store.lua`, prepended with the queue's Lua
+//! library so that a turn's commit and the enqueue of the next turn are one
+//! atomic step, fenced by the lease's epoch. Run keys share the queue's hash
+//! tag (the prefix), so those scripts keep to one Redis Cluster slot.
+
+use std::collections::HashMap;
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use redis::aio::ConnectionManager;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use super::record::{field, Run, Usage};
+use super::spec::RunSpec;
+use super::state::{RunStatus, WaitReason};
+use super::transcript::TranscriptEntry;
+use crate::keys::Keys;
+use crate::queue::{Lease, QueueKeys, LUA_LIB};
+
+static SCRIPT: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(&format!("{LUA_LIB}\n{}", include_str!("store.lua"))));
+
+/// How long an `Idempotency-Key` is remembered.
+pub const IDEMPOTENCY_TTL: Duration = Duration::from_secs(24 * 3600);
+/// Default retention of a finished run's keys (`PACELINE_RETENTION`).
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// The queue payload of a run's next turn. The queue item's id is the run id:
+/// a run has at most one turn queued at a time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TurnJob {
+    /// The turn's index (= turns completed before it).
+    pub turn: u32,
+    /// The call's attempt (1-based; raised by 429s and transient errors, not
+    /// by budget waits).
+    pub attempt: u32,
+}
+
+/// An `Idempotency-Key` and a fingerprint of the body it came with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Idempotency {
+    /// The client's key.
+    pub key: String,
+    /// A hash of the body: the same key with another body is refused.
+    pub fingerprint: String,
+}
+
+/// A submitted run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Created {
+    /// The run (the first one, when `replayed`).
+    pub run: Run,
+    /// The key was seen before with the same body: no new run was made.
+    pub replayed: bool,
+}
+
+/// One event of a run's stream.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunEvent {
+    /// The stream id (`1732960000000-0`): the SSE `id`, resumable with `Last-Event-ID`.
+    pub id: String,
+    /// The event type (`turn.completed`, …).
+    pub kind: String,
+    /// Its JSON data.
+    pub data: Value,
+}
+
+/// Why a run store call did not happen.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// No such run (for this tenant).
+    #[error("no such run")]
+    NotFound,
+    /// The run's state forbids it (cancelling a finished run).
+    #[error("the run is {0}")]
+    Conflict(String),
+    /// The same `Idempotency-Key` came with another body.
+    #[error("this Idempotency-Key was used with another body")]
+    IdempotencyMismatch,
+    /// Redis did not answer or refused.
+    #[error("run store: {0}")]
+    Redis(#[from] redis::RedisError),
+    /// Redis answered something this code does not understand.
+    #[error("run store answered {0}")]
+    Protocol(String),
+}
+
+/// What a fenced worker write found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Fence {
+    /// Written.
+    Ok,
+    /// Not written: the lease is stale (`stale`, `not_leased`), the turn is
+    /// gone, already committed (`committed`), or the run finished or was
+    /// cancelled (its status). The turn ends here for this worker.
+    Stop(String),
+}
+
+/// How a committed turn leaves the run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Next {
+    /// Enqueue the next turn (due now).
+    Continue,
+    /// The model answered without tool calls: the run is done with this text.
+    Complete(String),
+    /// The run fails (e.g. `max_turns`).
+    Fail {
+        /// `error.kind`.
+        kind: String,
+        /// `error.message`.
+        message: String,
+    },
+}
+
+/// A run as a worker needs it to run a turn.
+#[derive(Debug, Clone)]
+pub struct TurnContext {
+    /// The run object.
+    pub run: Run,
+    /// Its spec (instructions, tools, endpoint, limits).
+    pub spec: RunSpec,
+    /// Its tenant.
+    pub tenant: String,
+    /// The whole transcript.
+    pub transcript: Vec<TranscriptEntry>,
+    /// `tools` when the current turn's model output is committed and its tool
+    /// calls still have to run.
+    pub phase: String,
+}
+
+/// The run store.
+#[derive(Clone)]
+pub struct RunStore {
+    conn: ConnectionManager,
+    keys: Keys,
+    queue: QueueKeys,
+    retention: Duration,
+}
+
+impl std::fmt::Debug for RunStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunStore").field("keys", &self.keys).field("retention", &self.retention).finish()
+    }
+}
+
+impl RunStore {
+    /// A store over `conn`, under `keys`' prefix; finished runs are kept for `retention`.
+    pub fn new(conn: ConnectionManager, keys: Keys, retention: Duration) -> Self {
+        let queue = QueueKeys::new(&keys);
+        Self { conn, keys, queue, retention }
+    }
+
+    /// The connection (for callers that read the queue or the pacer too).
+    pub fn connection(&self) -> ConnectionManager {
+        self.conn.clone()
+    }
+
+    fn record_key(&self, id: &str) -> String {
+        format!("{}:{}:run:{}", self.keys.prefix(), self.keys.slot_tag(), id)
+    }
+
+    fn transcript_key(&self, id: &str) -> String {
+        format!("{}:{}:tx:{}", self.keys.prefix(), self.keys.slot_tag(), id)
+    }
+
+    fn events_key(&self, id: &str) -> String {
+        format!("{}:{}:ev:{}", self.keys.prefix(), self.keys.slot_tag(), id)
+    }
+
+    fn index_key(&self, tenant: &str) -> String {
+        format!("{}:{}:tenant:{}:runs", self.keys.prefix(), self.keys.slot_tag(), tenant)
+    }
+
+    fn idempotency_key(&self, tenant: &str, key: &str) -> String {
+        format!("{}:{}:idem:{}:{}", self.keys.prefix(), self.keys.slot_tag(), tenant, key)
+    }
+
+    fn invocation(&self, op: &str, id: &str, tenant: &str, idem: Option<&str>) -> redis::ScriptInvocation<'static> {
+        let mut inv = SCRIPT.prepare_invoke();
+        for k in self.queue.script_keys() {
+            inv.key(k);
+        }
+        inv.key(self.record_key(id))
+            .key(self.transcript_key(id))
+            .key(self.events_key(id))
+            .key(self.index_key(tenant))
+            .key(idem.map(|k| self.idempotency_key(tenant, k)).unwrap_or_else(|| self.idempotency_key(tenant, "")))
+            .arg(op)
+            .arg(id);
+        inv
+    }
+
+    async fn invoke(&self, inv: redis::ScriptInvocation<'static>) -> Result<Vec<String>, StoreError> {
+        let mut conn = self.conn.clone();
+        Ok(inv.invoke_async(&mut conn).await?)
+    }
+
+    fn retention_ms(&self) -> u64 {
+        self.retention.as_millis() as u64
+    }
+
+    /// Writes a new run — record, transcript (its input as turn 0), the
+    /// `run.queued` event, the tenant's index — and enqueues its first turn,
+    /// in one atomic step. With an idempotency key seen before, returns the
+    /// first run instead.
+    pub async fn create(&self, tenant: &str, spec: &RunSpec, idem: Option<&Idempotency>) -> Result<Created, StoreError> {
+        let id = new_run_id();
+        let spec_json = serde_json::to_string(spec).map_err(|e| StoreError::Protocol(e.to_string()))?;
+        let fields = json!({
+            field::STATUS: RunStatus::Queued.as_str(),
+            field::MODE: match spec.mode { crate::pacer::Mode::Work => "work", crate::pacer::Mode::Companion => "companion" },
+            field::MODEL: spec.model,
+            field::SPEC: spec_json,
+            field::TURNS: "0",
+            field::MAX_TURNS: spec.max_turns.to_string(),
+            field::METADATA: spec.metadata.to_string(),
+        });
+        let job = serde_json::to_string(&TurnJob { turn: 0, attempt: 1 }).unwrap_or_default();
+        let mut inv = self.invocation("create", &id, tenant, idem.map(|i| i.key.as_str()));
+        inv.arg(tenant)
+            .arg(idem.map(|i| i.fingerprint.as_str()).unwrap_or(""))
+            .arg(IDEMPOTENCY_TTL.as_millis() as u64)
+            .arg(job)
+            .arg(fields.to_string())
+            .arg(json!({"model": spec.model, "mode": spec.mode, "max_turns": spec.max_turns}).to_string());
+        for item in &spec.input {
+            inv.arg(serde_json::to_string(&TranscriptEntry { turn: 0, item: item.clone() }).unwrap_or_default());
+        }
+        let reply = self.invoke(inv).await?;
+        let (outcome, run_id) = match reply.as_slice() {
+            [o, r] => (o.as_str(), r.clone()),
+            other => return Err(StoreError::Protocol(format!("{other:?}"))),
+        };
+        match outcome {
+            "created" | "replayed" => {
+                let run = self.get(tenant, &run_id).await?.ok_or(StoreError::NotFound)?;
+                Ok(Created { run, replayed: outcome == "replayed" })
+            }
+            "mismatch" => Err(StoreError::IdempotencyMismatch),
+            other => Err(StoreError::Protocol(other.to_owned())),
+        }
+    }
+
+    async fn fields(&self, id: &str) -> Result<HashMap<String, String>, StoreError> {
+        let mut conn = self.conn.clone();
+        Ok(redis::cmd("HGETALL").arg(self.record_key(id)).query_async(&mut conn).await?)
+    }
+
+    /// One run of `tenant`; another tenant's run is `None`, like an unknown one.
+    pub async fn get(&self, tenant: &str, id: &str) -> Result<Option<Run>, StoreError> {
+        if !valid_id(id) {
+            return Ok(None);
+        }
+        let f = self.fields(id).await?;
+        if f.get(field::TENANT).map(String::as_str) != Some(tenant) {
+            return Ok(None);
+        }
+        Ok(Run::from_fields(id, &f))
+    }
+
+    /// A page of `tenant`'s runs, newest first, optionally of one status. The
+    /// cursor is `created_ms:id` of the last run of the previous page.
+    pub async fn list(
+        &self,
+        tenant: &str,
+        status: Option<RunStatus>,
+        limit: usize,
+        cursor: Option<&str>,
+    ) -> Result<(Vec<Run>, Option<String>), StoreError> {
+        let limit = limit.clamp(1, 200);
+        let mut after: Option<(i64, String)> = cursor.and_then(|c| {
+            let (ms, id) = c.split_once(':')?;
+            Some((ms.parse().ok()?, id.to_owned()))
+        });
+        let mut out = vec![];
+        let mut conn = self.conn.clone();
+        // Scan the index in batches until the page is full (a status filter may
+        // skip many), bounded so that one request cannot scan forever.
+        for _ in 0..20 {
+            let max = after.as_ref().map(|(ms, _)| ms.to_string()).unwrap_or_else(|| "+inf".into());
+            let batch: Vec<(String, i64)> = redis::cmd("ZREVRANGEBYSCORE")
+                .arg(self.index_key(tenant))
+                .arg(&max)
+                .arg("-inf")
+                .arg("WITHSCORES")
+                .arg("LIMIT")
+                .arg(0)
+                .arg(limit * 2 + 1)
+                .query_async(&mut conn)
+                .await?;
+            // Members of one score come in reverse order of their ids: skip
+            // up to and including the cursor.
+            let fresh: Vec<(String, i64)> = batch
+                .into_iter()
+                .filter(|(id, ms)| after.as_ref().is_none_or(|(ams, aid)| *ms < *ams || id < aid))
+                .collect();
+            if fresh.is_empty() {
+                return Ok((out, None));
+            }
+            for (id, ms) in fresh {
+                after = Some((ms, id.clone()));
+                match self.get(tenant, &id).await? {
+                    Some(run) if status.is_none_or(|s| s == run.status) => {
+                        out.push(run);
+                        if out.len() == limit {
+                            return Ok((out, Some(format!("{ms}:{id}"))));
+                        }
+                    }
+                    Some(_) => {}
+                    None => {
+                        // A retired (expired) run: drop it from the index.
+                        let _: () = redis::cmd("ZREM").arg(self.index_key(tenant)).arg(&id).query_async(&mut conn).await?;
+                    }
+                }
+            }
+        }
+        let next = after.map(|(ms, id)| format!("{ms}:{id}"));
+        Ok((out, next))
+    }
+
+    /// The transcript as the model was last allowed to read it.
+    pub async fn transcript(&self, tenant: &str, id: &str) -> Result<Option<Vec<TranscriptEntry>>, StoreError> {
+        if self.get(tenant, id).await?.is_none() {
+            return Ok(None);
+        }
+        Ok(Some(self.read_transcript(id).await?))
+    }
+
+    async fn read_transcript(&self, id: &str) -> Result<Vec<TranscriptEntry>, StoreError> {
+        let mut conn = self.conn.clone();
+        let raw: Vec<String> = redis::cmd("LRANGE").arg(self.transcript_key(id)).arg(0).arg(-1).query_async(&mut conn).await?;
+        raw.iter()
+            .map(|s| serde_json::from_str(s).map_err(|e| StoreError::Protocol(format!("transcript entry: {e}"))))
+            .collect()
+    }
+
+    /// Cancels an unfinished run: its queued turn is removed, one in flight
+    /// stops at its commit; either way the provider is not called again.
+    pub async fn cancel(&self, tenant: &str, id: &str) -> Result<Run, StoreError> {
+        if !valid_id(id) {
+            return Err(StoreError::NotFound);
+        }
+        let mut inv = self.invocation("cancel", id, tenant, None);
+        inv.arg(tenant).arg(self.retention_ms());
+        let reply = self.invoke(inv).await?;
+        match reply.first().map(String::as_str) {
+            Some("cancelled") => self.get(tenant, id).await?.ok_or(StoreError::NotFound),
+            Some("conflict") => Err(StoreError::Conflict(reply.get(1).cloned().unwrap_or_default())),
+            Some("not_found") => Err(StoreError::NotFound),
+            _ => Err(StoreError::Protocol(format!("{reply:?}"))),
+        }
+    }
+
+    /// Events of a run after `after` (a stream id; `None`: from the start), at
+    /// most `count`, waiting up to `block` for new ones. `None` for an unknown run.
+    /// Give a blocking read a connection whose timeout is longer than `block`.
+    pub async fn events(
+        &self,
+        tenant: &str,
+        id: &str,
+        after: Option<&str>,
+        block: Option<Duration>,
+        count: usize,
+    ) -> Result<Option<Vec<RunEvent>>, StoreError> {
+        if self.get(tenant, id).await?.is_none() {
+            return Ok(None);
+        }
+        let after = after.filter(|a| valid_stream_id(a)).unwrap_or("0-0");
+        let mut cmd = redis::cmd("XREAD");
+        cmd.arg("COUNT").arg(count.max(1));
+        if let Some(b) = block {
+            cmd.arg("BLOCK").arg(b.as_millis() as u64);
+        }
+        cmd.arg("STREAMS").arg(self.events_key(id)).arg(after);
+        let mut conn = self.conn.clone();
+        let reply: Option<redis::streams::StreamReadReply> = cmd.query_async(&mut conn).await?;
+        let mut out = vec![];
+        for key in reply.map(|r| r.keys).unwrap_or_default() {
+            for entry in key.ids {
+                let kind: String = entry.get("type").unwrap_or_default();
+                let data: String = entry.get("data").unwrap_or_default();
+                out.push(RunEvent { id: entry.id, kind, data: serde_json::from_str(&data).unwrap_or(Value::Null) });
+            }
+        }
+        Ok(Some(out))
+    }
+
+    /// Appends an event outside a commit (text deltas, tool calls and results).
+    pub async fn emit(&self, id: &str, kind: &str, data: &Value) -> Result<(), StoreError> {
+        let mut conn = self.conn.clone();
+        let _: String = redis::cmd("XADD")
+            .arg(self.events_key(id))
+            .arg("MAXLEN")
+            .arg("~")
+            .arg(10_000)
+            .arg("*")
+            .arg("type")
+            .arg(kind)
+            .arg("data")
+            .arg(data.to_string())
+            .query_async(&mut conn)
+            .await?;
+        Ok(())
+    }
+
+    /// The run as a worker needs it (no tenant check: the worker serves all).
+    pub async fn load(&self, id: &str) -> Result<Option<TurnContext>, StoreError> {
+        let f = self.fields(id).await?;
+        let Some(run) = Run::from_fields(id, &f) else { return Ok(None) };
+        let spec: RunSpec = match f.get(field::SPEC).map(|s| serde_json::from_str(s)) {
+            Some(Ok(spec)) => spec,
+            _ => return Err(StoreError::Protocol(format!("run {id} has no readable spec"))),
+        };
+        Ok(Some(TurnContext {
+            run,
+            spec,
+            tenant: f.get(field::TENANT).cloned().unwrap_or_default(),
+            transcript: self.read_transcript(id).await?,
+            phase: f.get(field::PHASE).cloned().unwrap_or_default(),
+        }))
+    }
+
+    fn fence(reply: &[String]) -> Result<Fence, StoreError> {
+        match reply.first().map(String::as_str) {
+            Some("stop") => Ok(Fence::Stop(reply.get(1).cloned().unwrap_or_default())),
+            Some(_) => Ok(Fence::Ok),
+            None => Err(StoreError::Protocol("empty reply".into())),
+        }
+    }
+
+    /// Marks the run running for `lease`'s turn (and says so in the stream).
+    pub async fn start(&self, lease: &Lease, job: TurnJob) -> Result<Fence, StoreError> {
+        let mut inv = self.invocation("start", &lease.id, "", None);
+        inv.arg(lease.epoch).arg(job.turn).arg(job.attempt);
+        Self::fence(&self.invoke(inv).await?)
+    }
+
+    /// Requeues the turn for `delay_ms` (budget, 429, retry): the run shows
+    /// `waiting` with the reason and due time; `next` is the job that comes back.
+    pub async fn wait(
+        &self,
+        lease: &Lease,
+        job: TurnJob,
+        next: TurnJob,
+        delay_ms: u64,
+        reason: WaitReason,
+        event_kind: &str,
+        event_data: &Value,
+    ) -> Result<Fence, StoreError> {
+        let counter = match reason {
+            WaitReason::Budget | WaitReason::FairShare => field::BUDGET_WAITS,
+            WaitReason::RateLimited => field::RATE_LIMITED,
+            WaitReason::Retry => field::RETRIES,
+        };
+        let reason = serde_json::to_value(reason).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
+        let mut inv = self.invocation("wait", &lease.id, "", None);
+        inv.arg(lease.epoch)
+            .arg(job.turn)
+            .arg(serde_json::to_string(&next).unwrap_or_default())
+            .arg(delay_ms)
+            .arg(reason)
+            .arg(counter)
+            .arg(event_kind)
+            .arg(event_data.to_string());
+        Self::fence(&self.invoke(inv).await?)
+    }
+
+    /// Commits the model's output of a turn whose tool calls are still to run,
+    /// so that a crash while they run does not call the model again.
+    pub async fn record_output(
+        &self,
+        lease: &Lease,
+        job: TurnJob,
+        items: &[Value],
+        usage: Usage,
+    ) -> Result<Fence, StoreError> {
+        let mut inv = self.invocation("output", &lease.id, "", None);
+        inv.arg(lease.epoch).arg(job.turn).arg(usage.input_tokens).arg(usage.output_tokens);
+        for item in items {
+            inv.arg(serde_json::to_string(&TranscriptEntry { turn: job.turn + 1, item: item.clone() }).unwrap_or_default());
+        }
+        Self::fence(&self.invoke(inv).await?)
+    }
+
+    /// Commits a turn: its items appended to the transcript, usage added, and
+    /// the next turn enqueued or the run finished — atomically, fenced.
+    pub async fn commit(
+        &self,
+        lease: &Lease,
+        job: TurnJob,
+        items: &[Value],
+        usage: Usage,
+        next: &Next,
+    ) -> Result<Fence, StoreError> {
+        let (kind, a, b) = match next {
+            Next::Continue => {
+                let job = TurnJob { turn: job.turn + 1, attempt: 1 };
+                ("continue", serde_json::to_string(&job).unwrap_or_default(), String::new())
+            }
+            Next::Complete(text) => ("complete", text.clone(), String::new()),
+            Next::Fail { kind, message } => ("fail", kind.clone(), message.clone()),
+        };
+        let data = json!({"turn": job.turn, "usage": {
+            "input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens,
+            "total_tokens": usage.input_tokens + usage.output_tokens}});
+        let mut inv = self.invocation("commit", &lease.id, "", None);
+        inv.arg(lease.epoch)
+            .arg(job.turn)
+            .arg(usage.input_tokens)
+            .arg(usage.output_tokens)
+            .arg(kind)
+            .arg(a)
+            .arg(b)
+            .arg(data.to_string())
+            .arg(self.retention_ms());
+        for item in items {
+            inv.arg(serde_json::to_string(&TranscriptEntry { turn: job.turn + 1, item: item.clone() }).unwrap_or_default());
+        }
+        Self::fence(&self.invoke(inv).await?)
+    }
+
+    /// Fails the run (fenced): `error.kind` and message; usage of a call that
+    /// was answered is still counted.
+    pub async fn fail(&self, lease: &Lease, job: TurnJob, kind: &str, message: &str, usage: Usage) -> Result<Fence, StoreError> {
+        let mut inv = self.invocation("fail", &lease.id, "", None);
+        inv.arg(lease.epoch)
+            .arg(job.turn)
+            .arg(kind)
+            .arg(message)
+            .arg(self.retention_ms())
+            .arg(usage.input_tokens)
+            .arg(usage.output_tokens);
+        Self::fence(&self.invoke(inv).await?)
+    }
+}
+
+/// A new run id: `run_` + a ULID, monotonic within this process so that runs
+/// created in the same millisecond still list newest first.
+pub fn new_run_id() -> String {
+    static GENERATOR: std::sync::Mutex<Option<ulid::Generator>> = std::sync::Mutex::new(None);
+    let mut g = GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
+    let id = g.get_or_insert_with(ulid::Generator::new).generate().unwrap_or_else(|_| ulid::Ulid::new());
+    format!("run_{id}")
+}
+
+/// Run ids are `run_` + a ULID; anything else is unknown without asking Redis.
+pub fn valid_id(id: &str) -> bool {
+    id.len() == 30 && id.starts_with("run_") && id[4..].chars().all(|c| c.is_ascii_alphanumeric())
+}
+
+fn valid_stream_id(id: &str) -> bool {
+    let mut parts = id.splitn(2, '-');
+    let ms = parts.next().unwrap_or("");
+    let seq = parts.next().unwrap_or("0");
+    !ms.is_empty() && ms.len() <= 20 && ms.chars().all(|c| c.is_ascii_digit()) && seq.chars().all(|c| c.is_ascii_digit())
+}

@@ -1,0 +1,186 @@
+//! The run store against real Redis: a submitted run is written whole with its
+//! first turn queued; tenants see only their own runs; idempotency keys return
+//! the first run; a turn's commit appends once and enqueues the next turn
+//! atomically, fenced by the lease; cancelling stops a queued turn.
+
+use paceline_tests::{unique_prefix, RedisServer};
+use serde_json::{json, Value};
+use shared::config::RedisArgs;
+use shared::keys::Keys;
+use shared::queue::{QueueConfig, TurnQueue};
+use shared::runs::{
+    Fence, Idempotency, Next, RunSpec, RunStatus, RunStore, StoreError, SubmitPolicy, TurnJob, Usage, WaitReason,
+};
+use std::time::Duration;
+
+struct Env {
+    _server: RedisServer,
+    store: RunStore,
+    queue: TurnQueue,
+}
+
+async fn env() -> Env {
+    let server = RedisServer::start();
+    let prefix = unique_prefix();
+    let conn = shared::redis_util::manager(&server.url()).await.unwrap();
+    let store = RunStore::new(conn, Keys::new(&prefix), Duration::from_secs(60));
+    let queue = TurnQueue::new(&RedisArgs::new(server.url(), &prefix), QueueConfig::default()).unwrap();
+    Env { _server: server, store, queue }
+}
+
+fn spec(input: &str) -> RunSpec {
+    RunSpec::from_json(&json!({"model": "gpt-test", "input": input, "max_turns": 3}), &SubmitPolicy::default()).unwrap()
+}
+
+#[tokio::test]
+async fn a_submitted_run_is_written_whole_and_its_first_turn_queued() {
+    let env = env().await;
+    let created = env.store.create("alpha", &spec("hello"), None).await.unwrap();
+    let run = created.run;
+    assert!(!created.replayed);
+    assert_eq!(run.status, RunStatus::Queued);
+    assert_eq!((run.turns_completed, run.max_turns), (0, 3));
+    let tx = env.store.transcript("alpha", &run.id).await.unwrap().unwrap();
+    assert_eq!(tx.len(), 1);
+    assert_eq!(tx[0].item, json!({"role": "user", "content": "hello"}));
+    assert_eq!(env.queue.counts().await.unwrap().ready, 1);
+    assert_eq!(env.queue.payload::<TurnJob>(&run.id).await.unwrap(), Some(TurnJob { turn: 0, attempt: 1 }));
+    let events = env.store.events("alpha", &run.id, None, None, 10).await.unwrap().unwrap();
+    assert_eq!(events.iter().map(|e| e.kind.as_str()).collect::<Vec<_>>(), ["run.queued"]);
+}
+
+#[tokio::test]
+async fn a_tenant_sees_only_its_own_runs() {
+    let env = env().await;
+    let run = env.store.create("alpha", &spec("x"), None).await.unwrap().run;
+    assert!(env.store.get("beta", &run.id).await.unwrap().is_none());
+    assert!(env.store.transcript("beta", &run.id).await.unwrap().is_none());
+    assert!(matches!(env.store.cancel("beta", &run.id).await, Err(StoreError::NotFound)));
+    assert!(env.store.list("beta", None, 10, None).await.unwrap().0.is_empty());
+    assert_eq!(env.store.get("alpha", &run.id).await.unwrap().unwrap().id, run.id);
+    assert!(env.store.get("alpha", "run_nonsense").await.unwrap().is_none());
+}
+
+#[tokio::test]
+async fn an_idempotency_key_returns_the_first_run_even_when_racing() {
+    let env = env().await;
+    let key = Idempotency { key: "k1".into(), fingerprint: "body-a".into() };
+    let body = spec("x");
+    let (a, b) = tokio::join!(
+        env.store.create("alpha", &body, Some(&key)),
+        env.store.create("alpha", &body, Some(&key)),
+    );
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert_eq!(a.run.id, b.run.id, "two concurrent submits with one key make one run");
+    assert!(a.replayed != b.replayed);
+    let other_body = Idempotency { key: "k1".into(), fingerprint: "body-b".into() };
+    assert!(matches!(env.store.create("alpha", &spec("x"), Some(&other_body)).await, Err(StoreError::IdempotencyMismatch)));
+    // Keys are per tenant.
+    let beta = env.store.create("beta", &spec("x"), Some(&key)).await.unwrap();
+    assert_ne!(beta.run.id, a.run.id);
+    assert_eq!(env.queue.counts().await.unwrap().ready, 2);
+}
+
+#[tokio::test]
+async fn runs_list_newest_first_across_pages() {
+    let env = env().await;
+    let mut ids = vec![];
+    for i in 0..7 {
+        ids.push(env.store.create("alpha", &spec(&format!("r{i}")), None).await.unwrap().run.id);
+    }
+    ids.reverse();
+    let mut seen = vec![];
+    let mut cursor = None;
+    loop {
+        let (page, next) = env.store.list("alpha", None, 3, cursor.as_deref()).await.unwrap();
+        seen.extend(page.into_iter().map(|r| r.id));
+        match next {
+            Some(c) if seen.len() < 7 => cursor = Some(c),
+            _ => break,
+        }
+    }
+    assert_eq!(seen, ids);
+    let (queued, _) = env.store.list("alpha", Some(RunStatus::Queued), 50, None).await.unwrap();
+    assert_eq!(queued.len(), 7);
+    assert!(env.store.list("alpha", Some(RunStatus::Completed), 50, None).await.unwrap().0.is_empty());
+}
+
+#[tokio::test]
+async fn a_turn_commits_once_and_enqueues_the_next_atomically() {
+    let env = env().await;
+    let run = env.store.create("alpha", &spec("x"), None).await.unwrap().run;
+    let lease = env.queue.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
+    let job = TurnJob { turn: 0, attempt: 1 };
+    assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Ok);
+    assert_eq!(env.store.get("alpha", &run.id).await.unwrap().unwrap().status, RunStatus::Running);
+
+    let items = [json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "hi"}]})];
+    let usage = Usage { input_tokens: 10, output_tokens: 2, total_tokens: 12 };
+    assert_eq!(env.store.commit(&lease, job, &items, usage, &Next::Continue).await.unwrap(), Fence::Ok);
+    // The same commit again (a redelivery, a retry after a lost reply) writes nothing.
+    assert!(matches!(env.store.commit(&lease, job, &items, usage, &Next::Continue).await.unwrap(), Fence::Stop(_)));
+    let run_now = env.store.get("alpha", &run.id).await.unwrap().unwrap();
+    assert_eq!((run_now.turns_completed, run_now.usage.total_tokens), (1, 12));
+    assert_eq!(env.store.transcript("alpha", &run.id).await.unwrap().unwrap().len(), 2);
+    assert_eq!(env.queue.payload::<TurnJob>(&run.id).await.unwrap(), Some(TurnJob { turn: 1, attempt: 1 }));
+
+    // The next turn: a stale holder of the old lease is fenced.
+    let lease2 = env.queue.fetch("w2", 1).await.unwrap().deliveries.remove(0).lease;
+    let job2 = TurnJob { turn: 1, attempt: 1 };
+    assert!(matches!(env.store.start(&lease, job2).await.unwrap(), Fence::Stop(_)));
+    assert_eq!(env.store.start(&lease2, job2).await.unwrap(), Fence::Ok);
+    let done = Next::Complete("the answer".into());
+    assert_eq!(env.store.commit(&lease2, job2, &items, usage, &done).await.unwrap(), Fence::Ok);
+    let run_now = env.store.get("alpha", &run.id).await.unwrap().unwrap();
+    assert_eq!(run_now.status, RunStatus::Completed);
+    assert_eq!(run_now.output_text.as_deref(), Some("the answer"));
+    assert!(run_now.finished_at.is_some());
+    let c = env.queue.counts().await.unwrap();
+    assert_eq!((c.ready, c.delayed, c.in_flight), (0, 0, 0));
+    let kinds: Vec<String> =
+        env.store.events("alpha", &run.id, None, None, 50).await.unwrap().unwrap().into_iter().map(|e| e.kind).collect();
+    assert_eq!(kinds, ["run.queued", "turn.started", "turn.completed", "turn.started", "turn.completed", "run.completed"]);
+    assert!(matches!(env.store.cancel("alpha", &run.id).await, Err(StoreError::Conflict(s)) if s == "completed"));
+}
+
+#[tokio::test]
+async fn a_waiting_run_shows_why_and_its_turn_comes_back_when_due() {
+    let env = env().await;
+    let run = env.store.create("alpha", &spec("x"), None).await.unwrap().run;
+    let lease = env.queue.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
+    let job = TurnJob { turn: 0, attempt: 1 };
+    let fence = env
+        .store
+        .wait(&lease, job, job, 60_000, WaitReason::Budget, "turn.paced", &json!({"owed_ms": 60_000}))
+        .await
+        .unwrap();
+    assert_eq!(fence, Fence::Ok);
+    let run_now = env.store.get("alpha", &run.id).await.unwrap().unwrap();
+    assert_eq!(run_now.status, RunStatus::Waiting);
+    assert_eq!(run_now.wait_reason, Some(WaitReason::Budget));
+    assert!(run_now.next_attempt_at.is_some());
+    assert_eq!((run_now.pacing.budget_waits, run_now.pacing.waited_ms), (1, 60_000));
+    let c = env.queue.counts().await.unwrap();
+    assert_eq!((c.ready, c.delayed), (0, 1));
+}
+
+#[tokio::test]
+async fn cancelling_removes_the_queued_turn_and_stops_one_in_flight() {
+    let env = env().await;
+    let queued = env.store.create("alpha", &spec("x"), None).await.unwrap().run;
+    let cancelled = env.store.cancel("alpha", &queued.id).await.unwrap();
+    assert_eq!(cancelled.status, RunStatus::Cancelled);
+    assert_eq!(env.queue.counts().await.unwrap().ready, 0, "its queued turn is gone");
+
+    let flying = env.store.create("alpha", &spec("y"), None).await.unwrap().run;
+    let lease = env.queue.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
+    env.store.cancel("alpha", &flying.id).await.unwrap();
+    let job = TurnJob { turn: 0, attempt: 1 };
+    let fence = env.store.commit(&lease, job, &[], Usage::default(), &Next::Continue).await.unwrap();
+    assert_eq!(fence, Fence::Stop("cancelled".into()));
+    let c = env.queue.counts().await.unwrap();
+    assert_eq!((c.ready, c.delayed, c.in_flight), (0, 0, 0), "no turn of a cancelled run is left");
+    let tail = env.store.events("alpha", &flying.id, None, None, 50).await.unwrap().unwrap();
+    assert_eq!(tail.last().map(|e| e.kind.as_str()), Some("run.cancelled"));
+    let _: Value = tail.last().unwrap().data.clone();
+}
