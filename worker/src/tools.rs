@@ -1,1 +1,234 @@
-//! Calling the run's tool endpoint (not built yet).
+//! Calling the run's tool endpoint (SPEC §5).
+//!
+//! Each function call of a turn is POSTed as `{"run_id","call_id","name",
+//! "arguments"}` and answered with `{"output": "..."}`; the calls of one turn
+//! run in parallel. A tool that fails — refused connection, non-2xx, bad
+//! JSON, timeout — does not fail the run: its error becomes the text the
+//! model reads as that tool's output, so the model can react to it.
+//!
+//! [`endpoint_allowed`] is the `PACELINE_TOOL_ENDPOINTS` check: a URL passes
+//! when it lies under one of the configured prefixes, compared on the parsed
+//! URL (scheme, host, port, then whole path segments), never as raw text.
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+pub use crate::provider::ToolCall;
+
+/// The default time a tool has to answer (SPEC §5).
+pub const DEFAULT_TOOL_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The most of a tool's answer that is read. Far above what the model is
+/// shown (16 000 / 24 000 characters, clipped later with a note), so the
+/// clipping note can say how long the output was; it only bounds memory.
+const MAX_TOOL_ANSWER: usize = 8 * 1024 * 1024;
+
+/// The most of an error body quoted in the output text.
+const MAX_ERROR_EXCERPT: usize = 500;
+
+/// One tool call's result, as the model will read it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolResult {
+    /// The call it answers.
+    pub call_id: String,
+    /// The tool's name (the output cap depends on it: `browser__*`).
+    pub name: String,
+    /// The tool's output, or `tool error: …` when it failed. Not clipped yet.
+    pub output: String,
+    /// The tool failed and `output` describes how.
+    pub error: bool,
+}
+
+/// Calls every tool of one turn in parallel and returns their results in
+/// the order of `calls`. Never fails: a tool's failure is its output text.
+/// `timeout` bounds each call from connect to the last byte of its answer.
+pub async fn run_tools(client: &reqwest::Client, endpoint: &str, run_id: &str, calls: &[ToolCall], timeout: Duration) -> Vec<ToolResult> {
+    let futures = calls.iter().map(|call| async move {
+        let started = std::time::Instant::now();
+        let result = match tokio::time::timeout(timeout, call_tool(client, endpoint, run_id, call)).await {
+            Ok(result) => result,
+            Err(_) => Err(format!("timed out after {}", describe(timeout))),
+        };
+        let (output, error) = match result {
+            Ok(output) => (output, false),
+            Err(why) => {
+                tracing::info!(message = "tool call failed", run.id = %run_id, tool.name = %call.name, tool.call_id = %call.call_id, error = %why);
+                (format!("tool error: {why}"), true)
+            }
+        };
+        tracing::debug!(message = "tool call done", run.id = %run_id, tool.name = %call.name, error, elapsed_ms = started.elapsed().as_millis() as u64);
+        ToolResult { call_id: call.call_id.clone(), name: call.name.clone(), output, error }
+    });
+    futures::future::join_all(futures).await
+}
+
+/// One POST; `Err` is the failure's description.
+async fn call_tool(client: &reqwest::Client, endpoint: &str, run_id: &str, call: &ToolCall) -> Result<String, String> {
+    let body = json!({"run_id": run_id, "call_id": call.call_id, "name": call.name, "arguments": call.arguments});
+    let response = client.post(endpoint).json(&body).send().await.map_err(|e| describe_error(&e))?;
+    let status = response.status();
+    let bytes = read_limited(response).await?;
+    let text = String::from_utf8_lossy(&bytes);
+    if !status.is_success() {
+        let excerpt = excerpt(text.trim());
+        return Err(if excerpt.is_empty() { format!("HTTP {}", status.as_u16()) } else { format!("HTTP {}: {excerpt}", status.as_u16()) });
+    }
+    let answer: Value = serde_json::from_str(&text).map_err(|e| format!("the answer is not JSON ({e}): {}", excerpt(text.trim())))?;
+    match answer.get("output") {
+        Some(Value::String(s)) => Ok(s.clone()),
+        // A tool that answers structured data: the model reads it as JSON text.
+        Some(Value::Null) | None => Err(format!("the answer has no \"output\": {}", excerpt(&answer.to_string()))),
+        Some(other) => Ok(other.to_string()),
+    }
+}
+
+/// The answer's body, refusing one larger than [`MAX_TOOL_ANSWER`].
+async fn read_limited(response: reqwest::Response) -> Result<Vec<u8>, String> {
+    let mut stream = response.bytes_stream();
+    let mut body = Vec::new();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| describe_error(&e))?;
+        if body.len() + chunk.len() > MAX_TOOL_ANSWER {
+            return Err(format!("the answer is larger than {} MiB", MAX_TOOL_ANSWER / (1024 * 1024)));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
+}
+
+/// `60 s`, `1.5 s`, `250 ms`.
+fn describe(d: Duration) -> String {
+    if d.as_millis() < 1000 {
+        format!("{} ms", d.as_millis())
+    } else if d.subsec_millis() == 0 {
+        format!("{} s", d.as_secs())
+    } else {
+        format!("{:.1} s", d.as_secs_f64())
+    }
+}
+
+/// A reqwest error with its causes ("error sending request" alone says little).
+fn describe_error(error: &reqwest::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = std::error::Error::source(error);
+    while let Some(e) = source {
+        let next = e.to_string();
+        if !text.contains(&next) {
+            text.push_str(": ");
+            text.push_str(&next);
+        }
+        source = e.source();
+    }
+    text
+}
+
+/// At most [`MAX_ERROR_EXCERPT`] characters.
+fn excerpt(s: &str) -> String {
+    match s.char_indices().nth(MAX_ERROR_EXCERPT) {
+        Some((at, _)) => format!("{}…", &s[..at]),
+        None => s.to_string(),
+    }
+}
+
+/// Whether `url` lies under one of the allowed `prefixes`
+/// (`PACELINE_TOOL_ENDPOINTS`). No prefixes allow nothing.
+///
+/// Both sides are parsed (so `..` segments, `%2e%2e`, default ports and host
+/// case are normalised first) and compared by scheme, user info, host and
+/// port exactly, then by path on segment boundaries: the prefix
+/// `http://127.0.0.1:9000/tools` allows `…:9000/tools` and `…:9000/tools/x`,
+/// not `…:9000/toolsx`, `…:90001/…`, `…:9000.evil.com/…` or
+/// `…:9000@evil.com/…`. A prefix ending in `/` allows what is below it. The
+/// prefix's query and fragment are ignored.
+pub fn endpoint_allowed(url: &str, prefixes: &[String]) -> bool {
+    let Ok(url) = reqwest::Url::parse(url.trim()) else { return false };
+    if !matches!(url.scheme(), "http" | "https") || url.cannot_be_a_base() {
+        return false;
+    }
+    prefixes.iter().any(|prefix| {
+        let Ok(prefix) = reqwest::Url::parse(prefix.trim()) else { return false };
+        let same_origin = url.scheme() == prefix.scheme()
+            && url.host_str() == prefix.host_str()
+            && url.port_or_known_default() == prefix.port_or_known_default()
+            && url.username() == prefix.username()
+            && url.password() == prefix.password();
+        if !same_origin {
+            return false;
+        }
+        let (path, base) = (url.path(), prefix.path());
+        if base.ends_with('/') {
+            path.starts_with(base)
+        } else {
+            path == base || path.strip_prefix(base).is_some_and(|rest| rest.starts_with('/'))
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn allowed(url: &str, prefixes: &[&str]) -> bool {
+        endpoint_allowed(url, &prefixes.iter().map(|p| p.to_string()).collect::<Vec<_>>())
+    }
+
+    #[test]
+    fn a_prefix_allows_itself_and_what_is_below_it() {
+        let p = ["http://127.0.0.1:9000/tools"];
+        assert!(allowed("http://127.0.0.1:9000/tools", &p));
+        assert!(allowed("http://127.0.0.1:9000/tools/", &p));
+        assert!(allowed("http://127.0.0.1:9000/tools/search?x=1", &p));
+        assert!(allowed("HTTP://127.0.0.1:9000/tools/a/b", &p));
+    }
+
+    #[test]
+    fn lookalikes_are_refused() {
+        let p = ["http://127.0.0.1:9000/tools"];
+        for url in [
+            "http://127.0.0.1:90001/tools",
+            "http://127.0.0.1:9000.evil.com/tools",
+            "http://127.0.0.1:9000@evil.com/tools",
+            "http://evil.com/http://127.0.0.1:9000/tools",
+            "http://127.0.0.1:9000/toolsx",
+            "http://127.0.0.1:9000/tool",
+            "http://127.0.0.1:9000/tools/../admin",
+            "http://127.0.0.1:9000/tools/%2e%2e/admin",
+            "http://127.0.0.1:900/tools",
+            "http://127.0.0.1/tools",
+            "https://127.0.0.1:9000/tools",
+            "http://user@127.0.0.1:9000/tools",
+            "http://localhost:9000/tools",
+            "file:///tools",
+            "not a url",
+            "",
+        ] {
+            assert!(!allowed(url, &p), "{url} must not be allowed");
+        }
+        assert!(!allowed("http://127.0.0.1:9000/tools", &[]));
+        assert!(!allowed("http://127.0.0.1:9000/tools", &["garbage"]));
+    }
+
+    #[test]
+    fn default_ports_trailing_slashes_and_several_prefixes() {
+        assert!(allowed("https://tools.example.com:443/v1/run", &["https://tools.example.com/v1"]));
+        assert!(allowed("http://tools.example.com/v1/run", &["http://TOOLS.example.com:80/v1/"]));
+        assert!(!allowed("http://tools.example.com/v10", &["http://tools.example.com/v1"]));
+        assert!(!allowed("http://tools.example.com/v1", &["http://tools.example.com/v1/"]));
+        // A bare origin allows every path on it.
+        assert!(allowed("http://10.0.0.5:7000/anything/at/all", &["http://10.0.0.5:7000"]));
+        let several = ["http://a.internal/tools", "http://127.0.0.1:9000/"];
+        assert!(allowed("http://127.0.0.1:9000/x", &several));
+        assert!(allowed("http://a.internal/tools/y", &several));
+        assert!(!allowed("http://b.internal/tools/y", &several));
+    }
+
+    #[test]
+    fn durations_read_well() {
+        assert_eq!(describe(Duration::from_secs(60)), "60 s");
+        assert_eq!(describe(Duration::from_millis(1500)), "1.5 s");
+        assert_eq!(describe(Duration::from_millis(250)), "250 ms");
+    }
+}
