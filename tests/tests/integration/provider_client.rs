@@ -1,1 +1,459 @@
-//! (tests to come)
+//! The worker's provider client and tool caller, driven against real servers:
+//! the mock provider in-process (both wire formats, every fault knob the
+//! client must read), and tiny axum servers for what the mock cannot show
+//! (the Authorization header, a stream cut short, a tool endpoint).
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::post;
+use axum::{Json, Router};
+use mock_provider::{Fault, MockConfig, MockServer};
+use paceline_tests::within;
+use serde_json::{json, Value};
+use shared::config::{ProviderArgs, Secret};
+use shared::pacer::{FailureKind, Transport};
+use shared::runs::ApiStyle;
+use worker::provider::{CallFailure, CallSuccess, Provider, StreamEvent};
+use worker::tools::{run_tools, ToolCall};
+
+const STYLES: [ApiStyle; 2] = [ApiStyle::Responses, ApiStyle::Chat];
+
+// ------------------------------------------------------------------ helpers
+
+async fn mock(config: MockConfig) -> MockServer {
+    MockServer::start(config).await.expect("start the mock provider")
+}
+
+fn provider_at(base_url: &str, key: &str, style: ApiStyle) -> Provider {
+    Provider::new(&ProviderArgs { url: base_url.to_string(), api_key: Secret::new(key), api_style: style })
+        .expect("a provider client")
+        .with_timeouts(Duration::from_secs(2), Duration::from_secs(5))
+}
+
+fn provider(server: &MockServer, style: ApiStyle) -> Provider {
+    provider_at(&server.base_url(), "sk-test", style)
+}
+
+/// A request body in `style`, offering a `search` tool when `tools`.
+fn body(style: ApiStyle, tools: bool) -> Value {
+    let params = json!({"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]});
+    match style {
+        ApiStyle::Responses => {
+            let mut b = json!({"model": "gpt-test", "instructions": "Be brief.", "store": false,
+                               "input": [{"role": "user", "content": "What is paceline?"}],
+                               "max_output_tokens": 500});
+            if tools {
+                b["tools"] = json!([{"type": "function", "name": "search", "parameters": params}]);
+            }
+            b
+        }
+        ApiStyle::Chat => {
+            let mut b = json!({"model": "gpt-test", "max_completion_tokens": 500,
+                               "messages": [{"role": "system", "content": "Be brief."},
+                                            {"role": "user", "content": "What is paceline?"}]});
+            if tools {
+                b["tools"] = json!([{"type": "function", "function": {"name": "search", "parameters": params}}]);
+            }
+            b
+        }
+    }
+}
+
+/// One call, bounded; the events the callback saw, and the result.
+async fn call(provider: &Provider, body: Value) -> (Vec<StreamEvent>, Result<CallSuccess, CallFailure>) {
+    let mut events = Vec::new();
+    let result = within("a provider call", Duration::from_secs(15), provider.call(body, &mut |e| events.push(e))).await;
+    (events, result)
+}
+
+fn deltas(events: &[StreamEvent]) -> Vec<&str> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            StreamEvent::TextDelta(t) => Some(t.as_str()),
+            StreamEvent::ToolCall { .. } => None,
+        })
+        .collect()
+}
+
+fn success(style: ApiStyle, result: Result<CallSuccess, CallFailure>) -> CallSuccess {
+    result.unwrap_or_else(|f| panic!("{style:?}: expected an answer, got {f}"))
+}
+
+fn failure(style: ApiStyle, result: Result<CallSuccess, CallFailure>) -> CallFailure {
+    match result {
+        Ok(s) => panic!("{style:?}: expected a failure, got {:?}", s.output),
+        Err(f) => f,
+    }
+}
+
+/// Serves `app` on a free port; the task ends with the test's runtime.
+async fn serve(app: Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.ok() });
+    format!("http://{addr}")
+}
+
+// ------------------------------------------------------------------ answers
+
+#[tokio::test]
+async fn text_deltas_arrive_in_order_with_usage_and_headers() {
+    let server = mock(MockConfig { output_tokens: 40, tpm: 50_000, rpm: 700, ..MockConfig::default() }).await;
+    for style in STYLES {
+        let (events, result) = call(&provider(&server, style), body(style, false)).await;
+        let ok = success(style, result);
+        let parts = deltas(&events);
+        assert!(parts.len() > 2, "{style:?}: the answer came in several deltas, got {parts:?}");
+        assert_eq!(parts.concat(), ok.output_text, "{style:?}: deltas, in order, are the answer");
+        assert_eq!(ok.output_text.split_whitespace().count(), 40);
+        assert_eq!(
+            ok.output,
+            vec![json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": ok.output_text}]})]
+        );
+        assert!(ok.tool_calls.is_empty());
+        assert_eq!(ok.status, 200);
+        assert_eq!(ok.incomplete_reason, None);
+        let usage = ok.usage.unwrap_or_else(|| panic!("{style:?}: usage"));
+        assert_eq!(usage.output_tokens, 40);
+        assert!(usage.input_tokens > 0);
+        assert_eq!(usage.total_tokens, usage.input_tokens + usage.output_tokens);
+        assert_eq!(ok.headers.tokens.limit, Some(50_000), "{style:?}: x-ratelimit-limit-tokens");
+        assert_eq!(ok.headers.requests.limit, Some(700));
+        assert!(ok.headers.tokens.remaining.is_some_and(|r| r < 50_000));
+        assert!(ok.headers.tokens.reset_ms.is_some());
+        assert!(ok.headers_received <= Instant::now());
+    }
+    let stats = server.stats();
+    assert_eq!(stats.requests, 2);
+    for kept in &stats.bodies {
+        assert_eq!(kept.body["stream"], json!(true), "the client asks for a stream");
+    }
+    assert!(stats.bodies.iter().any(|b| b.body["stream_options"]["include_usage"] == json!(true)), "chat asks for usage");
+}
+
+#[tokio::test]
+async fn tool_calls_come_back_as_responses_function_call_items() {
+    let server = mock(MockConfig { tool_rounds: 1, calls_per_round: 2, ..MockConfig::default() }).await;
+    for style in STYLES {
+        let (events, result) = call(&provider(&server, style), body(style, true)).await;
+        let ok = success(style, result);
+        assert_eq!(ok.tool_calls.len(), 2, "{style:?}");
+        assert_eq!(ok.output.len(), 2);
+        for (item, call) in ok.output.iter().zip(&ok.tool_calls) {
+            // Exactly what a stateless resend accepts: no server id, no status.
+            assert_eq!(
+                item,
+                &json!({"type": "function_call", "call_id": call.call_id, "name": "search", "arguments": call.arguments}),
+                "{style:?}"
+            );
+            assert!(call.call_id.starts_with("call_"));
+            let args: Value = serde_json::from_str(&call.arguments).expect("arguments are JSON");
+            assert!(args.get("query").is_some(), "{style:?}: {args}");
+        }
+        let seen: Vec<ToolCall> = events
+            .into_iter()
+            .filter_map(|e| match e {
+                StreamEvent::ToolCall { call_id, name, arguments } => Some(ToolCall { call_id, name, arguments }),
+                StreamEvent::TextDelta(_) => None,
+            })
+            .collect();
+        assert_eq!(seen, ok.tool_calls, "{style:?}: the callback saw each call once");
+        assert!(ok.usage.is_some());
+    }
+
+    // The items go back as they are, with the outputs: the next turn answers in text.
+    let p = provider(&server, ApiStyle::Responses);
+    let (_, first) = call(&p, body(ApiStyle::Responses, true)).await;
+    let first = success(ApiStyle::Responses, first);
+    let mut next = body(ApiStyle::Responses, true);
+    let input = next["input"].as_array_mut().unwrap();
+    input.extend(first.output.iter().cloned());
+    input.extend(first.tool_calls.iter().map(|c| json!({"type": "function_call_output", "call_id": c.call_id, "output": "found"})));
+    let (_, second) = call(&p, next).await;
+    let second = success(ApiStyle::Responses, second);
+    assert!(second.tool_calls.is_empty());
+    assert!(!second.output_text.is_empty());
+}
+
+#[tokio::test]
+async fn an_answer_cut_by_max_output_tokens_is_an_incomplete_success() {
+    let server = mock(MockConfig { output_tokens: 50, ..MockConfig::default() }).await;
+    for style in STYLES {
+        let mut b = body(style, false);
+        match style {
+            ApiStyle::Responses => b["max_output_tokens"] = json!(10),
+            ApiStyle::Chat => b["max_completion_tokens"] = json!(10),
+        }
+        let (_, result) = call(&provider(&server, style), b).await;
+        let ok = success(style, result);
+        assert_eq!(ok.incomplete_reason.as_deref(), Some("max_output_tokens"), "{style:?}");
+        assert_eq!(ok.output_text.split_whitespace().count(), 10);
+    }
+}
+
+#[tokio::test]
+async fn no_headers_give_an_empty_snapshot() {
+    let server = mock(MockConfig { headers: false, ..MockConfig::default() }).await;
+    for style in STYLES {
+        let (_, result) = call(&provider(&server, style), body(style, false)).await;
+        let ok = success(style, result);
+        assert!(ok.headers.is_empty(), "{style:?}: {:?}", ok.headers);
+        assert!(ok.usage.is_some());
+    }
+}
+
+// ------------------------------------------------------------------ failures
+
+#[tokio::test]
+async fn a_429_carries_retry_after_and_classifies_rate_limited() {
+    let server = mock(MockConfig::default()).await;
+    for style in STYLES {
+        server.inject(Fault::RateLimited { retry_after_ms: 1500 });
+        let (events, result) = call(&provider(&server, style), body(style, false)).await;
+        let f = failure(style, result);
+        assert_eq!(f.status, Some(429), "{style:?}");
+        assert_eq!(f.kind, FailureKind::RateLimited);
+        assert_eq!(f.code.as_deref(), Some("rate_limit_exceeded"));
+        assert_eq!(f.headers.retry_after_ms, Some(1500), "{style:?}: retry-after-ms is read");
+        assert!(f.headers.tokens.limit.is_some(), "{style:?}: a 429's limit headers are read too");
+        assert!(f.headers_received.is_some());
+        assert!(f.transport.is_none());
+        assert!(!f.streamed_text);
+        assert!(events.is_empty());
+        assert!(f.message.contains("Rate limit"), "{}", f.message);
+    }
+}
+
+#[tokio::test]
+async fn insufficient_quota_is_quota_not_a_rate_limit() {
+    let server = mock(MockConfig::default()).await;
+    for style in STYLES {
+        server.inject(Fault::Quota);
+        let (_, result) = call(&provider(&server, style), body(style, false)).await;
+        let f = failure(style, result);
+        assert_eq!((f.status, f.kind), (Some(429), FailureKind::Quota), "{style:?}");
+        assert_eq!(f.code.as_deref(), Some("insufficient_quota"));
+        assert!(!f.kind.is_retryable());
+    }
+}
+
+#[tokio::test]
+async fn a_5xx_is_transient_with_its_headers() {
+    let server = mock(MockConfig::default()).await;
+    for (style, status) in [(ApiStyle::Responses, 503), (ApiStyle::Chat, 500)] {
+        server.inject(Fault::ServerError { status });
+        let (_, result) = call(&provider(&server, style), body(style, false)).await;
+        let f = failure(style, result);
+        assert_eq!((f.status, f.kind), (Some(status), FailureKind::Transient), "{style:?}");
+        assert!(f.headers.tokens.limit.is_some(), "{style:?}: headers on a 5xx are read");
+    }
+}
+
+#[tokio::test]
+async fn a_bad_request_is_terminal_with_the_providers_message() {
+    let server = mock(MockConfig::default()).await;
+    for style in STYLES {
+        let mut b = body(style, false);
+        b.as_object_mut().unwrap().remove("model");
+        let (_, result) = call(&provider(&server, style), b).await;
+        let f = failure(style, result);
+        assert_eq!((f.status, f.kind), (Some(400), FailureKind::Terminal), "{style:?}");
+        assert!(f.message.contains("model"), "{}", f.message);
+    }
+}
+
+#[tokio::test]
+async fn a_mid_stream_error_after_text_says_text_was_streamed() {
+    let server = mock(MockConfig { output_tokens: 60, ..MockConfig::default() }).await;
+    for style in STYLES {
+        server.inject(Fault::MidstreamError { code: Some("rate_limit_exceeded".into()) });
+        let (events, result) = call(&provider(&server, style), body(style, false)).await;
+        let f = failure(style, result);
+        assert!(!deltas(&events).is_empty(), "{style:?}: some text came first");
+        assert!(f.streamed_text, "{style:?}");
+        assert_eq!(f.kind, FailureKind::RateLimited, "{style:?}: rate_limit_exceeded inside a 200");
+        assert_eq!(f.status, Some(200));
+        assert_eq!(f.code.as_deref(), Some("rate_limit_exceeded"));
+        assert!(f.headers.tokens.limit.is_some(), "{style:?}: the 200's headers are kept");
+
+        server.inject(Fault::MidstreamError { code: None });
+        let (_, result) = call(&provider(&server, style), body(style, false)).await;
+        let f = failure(style, result);
+        assert!(f.streamed_text);
+        assert_eq!(f.kind, FailureKind::Transient, "{style:?}: server_error inside a 200");
+    }
+}
+
+#[tokio::test]
+async fn a_stalled_stream_times_out_between_events() {
+    let server = mock(MockConfig { output_tokens: 60, ..MockConfig::default() }).await;
+    for style in STYLES {
+        // The stall outlasts the test's bound on the call: only the client's
+        // between-events timeout can end it in time.
+        server.inject(Fault::Stall { ms: 60_000 });
+        let p = provider(&server, style).with_timeouts(Duration::from_secs(2), Duration::from_millis(300));
+        let (events, result) = call(&p, body(style, false)).await;
+        let f = failure(style, result);
+        assert_eq!(f.transport, Some(Transport::Timeout), "{style:?}: {f}");
+        assert_eq!(f.kind, FailureKind::Transient);
+        assert_eq!(f.status, Some(200));
+        assert!(f.streamed_text && !deltas(&events).is_empty(), "{style:?}: the stall came after some text");
+    }
+}
+
+#[tokio::test]
+async fn an_unreachable_provider_is_a_transient_transport_failure() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    drop(listener); // nothing listens there now
+    let p = provider_at(&format!("http://{addr}/v1"), "", ApiStyle::Responses);
+    let (_, result) = call(&p, body(ApiStyle::Responses, false)).await;
+    let f = failure(ApiStyle::Responses, result);
+    assert_eq!(f.status, None);
+    assert!(f.transport.is_some());
+    assert_eq!(f.kind, FailureKind::Transient);
+    assert!(f.headers.is_empty() && f.headers_received.is_none());
+}
+
+// ------------------------------------------------------------------ what the mock cannot show
+
+/// A hand-written Responses stream: CRLF line ends, a keepalive comment, an
+/// unknown event type, and the terminal frame.
+const CANNED: &str = concat!(
+    ": keepalive\r\n\r\n",
+    "event: response.created\r\ndata: {\"type\":\"response.created\",\"response\":{\"output\":[]}}\r\n\r\n",
+    "event: response.future_thing\r\ndata: {\"type\":\"response.future_thing\"}\r\n\r\n",
+    "event: response.output_text.delta\r\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"Hi\"}\r\n\r\n",
+    "event: response.completed\r\ndata: {\"type\":\"response.completed\",\"response\":{\"output\":[{\"id\":\"msg_1\",\"type\":\"message\",\"status\":\"completed\",\"role\":\"assistant\",\"content\":[{\"type\":\"output_text\",\"text\":\"Hi\",\"annotations\":[]}]}],\"usage\":{\"input_tokens\":3,\"output_tokens\":1,\"total_tokens\":4}}}\r\n\r\n",
+);
+
+#[derive(Clone, Default)]
+struct Seen(Arc<Mutex<Vec<Option<String>>>>);
+
+async fn canned(State(seen): State<Seen>, headers: HeaderMap) -> impl IntoResponse {
+    let auth = headers.get("authorization").map(|v| v.to_str().unwrap().to_string());
+    seen.0.lock().unwrap().push(auth);
+    ([("content-type", "text/event-stream"), ("retry-after", "7")], CANNED)
+}
+
+async fn cut_short() -> impl IntoResponse {
+    let body = "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"Hel\"}\n\n";
+    ([("content-type", "text/event-stream")], body)
+}
+
+#[tokio::test]
+async fn the_key_is_a_bearer_header_and_omitted_when_empty() {
+    let seen = Seen::default();
+    let base = serve(
+        Router::new()
+            .route("/v1/responses", post(canned))
+            .route("/cut/responses", post(cut_short))
+            .with_state(seen.clone()),
+    )
+    .await;
+
+    for key in ["sk-test-key", ""] {
+        let p = provider_at(&format!("{base}/v1"), key, ApiStyle::Responses);
+        let (events, result) = call(&p, body(ApiStyle::Responses, false)).await;
+        let ok = success(ApiStyle::Responses, result);
+        assert_eq!(events, vec![StreamEvent::TextDelta("Hi".into())]);
+        assert_eq!(ok.output_text, "Hi");
+        assert_eq!(ok.headers.retry_after_ms, Some(7000));
+        assert!(!format!("{p:?}").contains("sk-test-key"));
+    }
+    assert_eq!(*seen.0.lock().unwrap(), vec![Some("Bearer sk-test-key".to_string()), None]);
+
+    // A stream that closes without its terminal event is not an answer.
+    let p = provider_at(&format!("{base}/cut"), "", ApiStyle::Responses);
+    let (_, result) = call(&p, body(ApiStyle::Responses, false)).await;
+    let f = failure(ApiStyle::Responses, result);
+    assert_eq!((f.kind, f.transport), (FailureKind::Transient, Some(Transport::ConnectionReset)));
+    assert!(f.streamed_text);
+}
+
+// ------------------------------------------------------------------ tools
+
+#[derive(Clone)]
+struct ToolServer {
+    /// Both `meet` calls must be in flight at once to pass it.
+    barrier: Arc<tokio::sync::Barrier>,
+}
+
+async fn tool_endpoint(State(state): State<ToolServer>, Json(req): Json<Value>) -> axum::response::Response {
+    match req["name"].as_str().unwrap_or_default() {
+        "echo" => Json(json!({"output": req.to_string()})).into_response(),
+        "meet" => {
+            state.barrier.wait().await;
+            Json(json!({"output": "met"})).into_response()
+        }
+        "fail" => (StatusCode::INTERNAL_SERVER_ERROR, "boom").into_response(),
+        "not_json" => "plain words".into_response(),
+        "structured" => Json(json!({"output": {"rows": [1, 2]}})).into_response(),
+        "hang" => std::future::pending().await,
+        other => (StatusCode::NOT_FOUND, format!("no tool {other}")).into_response(),
+    }
+}
+
+fn tool_call(id: &str, name: &str) -> ToolCall {
+    ToolCall { call_id: id.into(), name: name.into(), arguments: r#"{"q":"x"}"#.into() }
+}
+
+#[tokio::test]
+async fn tools_run_in_parallel_and_failures_become_output_text() {
+    let state = ToolServer { barrier: Arc::new(tokio::sync::Barrier::new(2)) };
+    let base = serve(Router::new().route("/tools", post(tool_endpoint)).with_state(state)).await;
+    let endpoint = format!("{base}/tools");
+    let client = reqwest::Client::new();
+
+    let calls = [
+        tool_call("call_1", "echo"),
+        tool_call("call_2", "meet"),
+        tool_call("call_3", "meet"),
+        tool_call("call_4", "fail"),
+        tool_call("call_5", "not_json"),
+        tool_call("call_6", "structured"),
+    ];
+    // The two `meet` calls only finish when both are in flight: run one by
+    // one, they would wait on each other until the timeout.
+    let results = within("the tools", Duration::from_secs(15), run_tools(&client, &endpoint, "run_1", &calls, Duration::from_secs(10))).await;
+    let ids: Vec<&str> = results.iter().map(|r| r.call_id.as_str()).collect();
+    assert_eq!(ids, ["call_1", "call_2", "call_3", "call_4", "call_5", "call_6"], "results keep the calls' order");
+
+    let echoed: Value = serde_json::from_str(&results[0].output).unwrap();
+    assert_eq!(echoed, json!({"run_id": "run_1", "call_id": "call_1", "name": "echo", "arguments": "{\"q\":\"x\"}"}));
+    assert!(!results[0].error);
+    assert_eq!((results[1].output.as_str(), results[2].output.as_str()), ("met", "met"));
+    assert!(results[3].error);
+    assert_eq!(results[3].output, "tool error: HTTP 500: boom");
+    assert!(results[4].error && results[4].output.starts_with("tool error: the answer is not JSON"), "{}", results[4].output);
+    assert_eq!((results[5].output.as_str(), results[5].error), (r#"{"rows":[1,2]}"#, false));
+}
+
+#[tokio::test]
+async fn a_hanging_or_absent_tool_becomes_an_error_text_in_time() {
+    let state = ToolServer { barrier: Arc::new(tokio::sync::Barrier::new(2)) };
+    let base = serve(Router::new().route("/tools", post(tool_endpoint)).with_state(state)).await;
+    let client = reqwest::Client::new();
+
+    let calls = [tool_call("call_h", "hang"), tool_call("call_e", "echo")];
+    let results = within(
+        "the tools",
+        Duration::from_secs(10),
+        run_tools(&client, &format!("{base}/tools"), "run_2", &calls, Duration::from_millis(300)),
+    )
+    .await;
+    assert_eq!(results[0].output, "tool error: timed out after 300 ms");
+    assert!(results[0].error);
+    assert!(!results[1].error, "a slow tool does not hold back its neighbour's result");
+
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let gone = format!("http://{}/tools", listener.local_addr().unwrap());
+    drop(listener);
+    let results = within("the tools", Duration::from_secs(10), run_tools(&client, &gone, "run_2", &calls[1..], Duration::from_secs(5))).await;
+    assert!(results[0].error && results[0].output.starts_with("tool error: "), "{}", results[0].output);
+}
