@@ -376,6 +376,25 @@ async fn the_key_is_a_bearer_header_and_omitted_when_empty() {
     assert!(f.streamed_text);
 }
 
+/// A chat server that ignores `stream: true` and answers one JSON body.
+async fn chat_json() -> impl IntoResponse {
+    Json(json!({"id": "chatcmpl-1", "object": "chat.completion", "choices": [{"index": 0, "finish_reason": "tool_calls",
+        "message": {"role": "assistant", "content": null,
+                    "tool_calls": [{"id": "call_j", "type": "function", "function": {"name": "search", "arguments": "{\"query\":\"q\"}"}}]}}],
+        "usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}}))
+}
+
+#[tokio::test]
+async fn a_server_that_does_not_stream_is_read_all_the_same() {
+    let base = serve(Router::new().route("/v1/chat/completions", post(chat_json))).await;
+    let p = provider_at(&format!("{base}/v1"), "", ApiStyle::Chat);
+    let (events, result) = call(&p, body(ApiStyle::Chat, true)).await;
+    let ok = success(ApiStyle::Chat, result);
+    assert_eq!(ok.output, vec![json!({"type": "function_call", "call_id": "call_j", "name": "search", "arguments": "{\"query\":\"q\"}"})]);
+    assert_eq!(events.len(), 1);
+    assert_eq!(ok.usage.map(|u| u.total_tokens), Some(15));
+}
+
 // ------------------------------------------------------------------ tools
 
 #[derive(Clone)]
