@@ -1,1 +1,25 @@
-//! placeholder
+//! paceline's HTTP API (SPEC §3): takes runs and reports their progress.
+//!
+//! - `startup.rs` — `Application::build(config)`, `.local_addr()`,
+//!   `.run_until_stopped(shutdown)`.
+//! - `config.rs` — `ApiConfig` (clap, env fallbacks).
+//! - `routes/` — the handlers: runs, events (SSE), pacer/queue/workers, probes.
+//! - `auth.rs` — bearer tokens → tenants; `error.rs` — the one `ApiError`.
+//! - `openapi.rs` — the generated document; `metrics.rs` — `/metrics`.
+//!
+//! Runs are read and written only through `shared::runs::RunStore`, the same
+//! store (and state machine) the worker uses.
+
+mod auth;
+pub mod config;
+mod error;
+pub mod metrics;
+mod openapi;
+mod routes;
+mod startup;
+mod state;
+
+pub use config::ApiConfig;
+pub use error::ApiError;
+pub use openapi::{document as openapi_document, ApiDoc};
+pub use startup::Application;

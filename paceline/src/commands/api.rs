@@ -1,12 +1,19 @@
-//! `paceline api` (not built yet).
+//! `paceline api`: the HTTP API alone, until SIGINT/SIGTERM. Thin: the
+//! config and the server live in the `api` crate, where the tests use them too.
 
 use std::process::ExitCode;
 
 /// Arguments of this subcommand.
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    #[command(flatten)]
+    config: api::ApiConfig,
+}
 
 /// Runs the subcommand.
-pub async fn run(_args: Args) -> anyhow::Result<ExitCode> {
-    super::not_built("api")
+pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
+    shared::telemetry::init("info");
+    let app = api::Application::build(args.config).await?;
+    app.run_until_stopped(super::shutdown_signal()).await?;
+    Ok(ExitCode::SUCCESS)
 }

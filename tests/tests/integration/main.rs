@@ -8,3 +8,4 @@ mod queue;
 mod context;
 mod provider_client;
 mod run_store;
+mod api;

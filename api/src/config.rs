@@ -1,0 +1,185 @@
+//! The API's configuration: clap arguments with environment fallbacks
+//! (flag > env > default). Tests and `paceline up` build it in code with
+//! [`ApiConfig::new`] and never set environment variables.
+
+use shared::config::{RedisArgs, Secret};
+use std::fmt;
+use std::net::SocketAddr;
+use std::str::FromStr;
+use std::time::Duration;
+
+/// Default body limit of `POST /v1/runs` (SPEC §3: 1 MiB).
+pub const DEFAULT_BODY_LIMIT: usize = 1024 * 1024;
+/// Default retention of finished runs.
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+/// How long one Redis round trip of a request may take before it is a 503.
+pub const DEFAULT_REDIS_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Everything `paceline api` needs.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ApiConfig {
+    /// Address to listen on (port 0 picks a free one).
+    #[arg(long, env = "PACELINE_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// Where Redis is, and the key prefix.
+    #[command(flatten)]
+    pub redis: RedisArgs,
+    /// Bearer tokens per tenant: `tenant:token,tenant:token`. Unset or empty:
+    /// open development mode (every request is tenant `default`).
+    #[arg(long = "api-tokens", env = "PACELINE_API_TOKENS", hide_env_values = true, default_value = "")]
+    pub tokens: ApiTokens,
+    /// URL prefixes a run's `tool_endpoint` may start with (comma-separated).
+    #[arg(long = "tool-endpoints", env = "PACELINE_TOOL_ENDPOINTS", value_delimiter = ',')]
+    pub tool_endpoints: Vec<String>,
+    /// Largest request body accepted, in bytes.
+    #[arg(long = "body-limit", env = "PACELINE_BODY_LIMIT", default_value_t = DEFAULT_BODY_LIMIT)]
+    pub body_limit: usize,
+    /// How long finished runs are kept (`90s`, `30m`, `12h`, `7d`, or seconds).
+    #[arg(long = "retention", env = "PACELINE_RETENTION", default_value = "7d", value_parser = parse_duration)]
+    pub retention: Duration,
+    /// How long one Redis command of a request may take before it answers 503 (ms).
+    #[arg(long = "redis-timeout-ms", env = "PACELINE_REDIS_TIMEOUT_MS", default_value_t = 2000)]
+    pub redis_timeout_ms: u64,
+}
+
+impl ApiConfig {
+    /// A config built in code: open mode, no tool endpoints, the defaults.
+    pub fn new(listen: SocketAddr, redis: RedisArgs) -> Self {
+        Self {
+            listen,
+            redis,
+            tokens: ApiTokens::default(),
+            tool_endpoints: vec![],
+            body_limit: DEFAULT_BODY_LIMIT,
+            retention: DEFAULT_RETENTION,
+            redis_timeout_ms: DEFAULT_REDIS_TIMEOUT.as_millis() as u64,
+        }
+    }
+
+    /// The Redis timeout as a duration (at least 50 ms).
+    pub fn redis_timeout(&self) -> Duration {
+        Duration::from_millis(self.redis_timeout_ms.max(50))
+    }
+}
+
+/// The configured tenants and their tokens (`PACELINE_API_TOKENS`). `Debug`
+/// and `Display` name the tenants, never a token.
+#[derive(Clone, Default)]
+pub struct ApiTokens(pub Vec<(String, Secret)>);
+
+impl ApiTokens {
+    /// Whether no token is configured (open development mode).
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Adds a tenant's token (tests, `paceline up`).
+    pub fn with(mut self, tenant: impl Into<String>, token: impl Into<String>) -> Self {
+        self.0.push((tenant.into(), Secret::new(token.into())));
+        self
+    }
+}
+
+impl fmt::Debug for ApiTokens {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.0.iter().map(|(t, _)| format!("{t}:<redacted>"))).finish()
+    }
+}
+
+impl fmt::Display for ApiTokens {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{self:?}")
+    }
+}
+
+/// Whether `s` may name a tenant: it becomes part of Redis keys.
+pub fn valid_tenant(s: &str) -> bool {
+    (1..=64).contains(&s.len()) && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.')
+}
+
+impl FromStr for ApiTokens {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let mut out = Vec::new();
+        for (i, pair) in s.split(',').map(str::trim).enumerate().filter(|(_, p)| !p.is_empty()) {
+            // The error names the position, never the text: it may hold a token.
+            let Some((tenant, token)) = pair.split_once(':') else {
+                return Err(format!("entry {} is not tenant:token", i + 1));
+            };
+            let (tenant, token) = (tenant.trim(), token.trim());
+            if !valid_tenant(tenant) {
+                return Err(format!("entry {}: a tenant is 1-64 characters of a-z, A-Z, 0-9, _ - .", i + 1));
+            }
+            if token.is_empty() || token.chars().any(char::is_whitespace) {
+                return Err(format!("entry {} ({tenant}): the token is empty or has spaces", i + 1));
+            }
+            if out.iter().any(|(t, _): &(String, Secret)| t == tenant) {
+                return Err(format!("entry {}: tenant {tenant} is listed twice", i + 1));
+            }
+            out.push((tenant.to_owned(), Secret::new(token)));
+        }
+        Ok(Self(out))
+    }
+}
+
+/// Parses `90s`, `30m`, `12h`, `7d`, `1500ms` or a bare number of seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num.parse().map_err(|_| format!("{s:?} is not a duration like 7d, 12h, 30m, 90s"))?;
+    let secs = match unit {
+        "" | "s" => n,
+        "ms" => return Ok(Duration::from_millis(n)),
+        "m" => n * 60,
+        "h" => n * 3600,
+        "d" => n * 86_400,
+        _ => return Err(format!("{s:?} is not a duration like 7d, 12h, 30m, 90s")),
+    };
+    Ok(Duration::from_secs(secs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        api: ApiConfig,
+    }
+
+    #[test]
+    fn tokens_parse_and_never_print() {
+        let t: ApiTokens = "acme:s3cret, beta:tok2".parse().unwrap();
+        assert_eq!(t.0.len(), 2);
+        assert_eq!(t.0[1].0, "beta");
+        assert_eq!(t.0[1].1.expose(), "tok2");
+        assert!(!format!("{t:?}{t}").contains("s3cret"));
+        assert!("".parse::<ApiTokens>().unwrap().is_empty());
+        for bad in ["acme", "acme:", ":tok", "a b:tok", "a:x,a:y", "a:sek rit", "sekrit"] {
+            let err = bad.parse::<ApiTokens>().unwrap_err();
+            assert!(!err.contains("sek"), "an error shows the token: {err}");
+        }
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("7d").unwrap(), Duration::from_secs(604_800));
+        assert_eq!(parse_duration("90").unwrap(), Duration::from_secs(90));
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert!(parse_duration("soon").is_err());
+        assert!(parse_duration("3w").is_err());
+    }
+
+    #[test]
+    fn flags_and_defaults() {
+        let cli = Cli::try_parse_from(["x", "--tool-endpoints", "http://a/tools,http://b/t", "--retention", "1h"]).unwrap();
+        assert_eq!(cli.api.tool_endpoints.len(), 2);
+        assert_eq!(cli.api.retention, Duration::from_secs(3600));
+        assert_eq!(cli.api.body_limit, DEFAULT_BODY_LIMIT);
+        assert!(Cli::try_parse_from(["x", "--api-tokens", "nocolon"]).is_err());
+    }
+}

@@ -1,0 +1,225 @@
+//! Every error a client can see, in one place: its HTTP status, its stable
+//! `type` code, and the SPEC's body `{"error": {"type", "message", "field"?}}`.
+//!
+//! The last variant, `Unexpected`, is a bug or an unforeseen failure: it is
+//! logged with its whole cause chain and answered with a generic message,
+//! never with the cause.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+use shared::runs::SpecError;
+
+/// An error at the HTTP edge.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// The body is not JSON (400).
+    #[error("the body is not valid JSON: {0}")]
+    MalformedJson(String),
+    /// A query parameter or header could not be read at all (400).
+    #[error("{0}")]
+    BadRequest(String),
+    /// No bearer token, or not a known one (401).
+    #[error("missing or invalid bearer token")]
+    Unauthorized,
+    /// No such run for this tenant, or no such route (404).
+    #[error("{0}")]
+    NotFound(String),
+    /// The request conflicts with the resource's state (409).
+    #[error("{0}")]
+    Conflict(String),
+    /// The body is larger than the limit (413).
+    #[error("the body is larger than the limit of {0} bytes")]
+    PayloadTooLarge(usize),
+    /// A valid JSON body (or parameter) that breaks a rule (422), naming the field.
+    #[error("{}", .0.message)]
+    Invalid(SpecError),
+    /// Redis did not answer in time, or refused the connection (503).
+    #[error("the run store (Redis) is unavailable; try again")]
+    Unavailable(#[source] anyhow::Error),
+    /// Anything else (500): logged with its cause chain, never shown.
+    #[error("an unexpected error occurred")]
+    Unexpected(#[from] anyhow::Error),
+}
+
+/// The error body's inner object (the SPEC's shape).
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct ErrorDetail {
+    /// A stable code: `invalid_json`, `bad_request`, `unauthorized`,
+    /// `not_found`, `conflict`, `payload_too_large`, `invalid_request`,
+    /// `unavailable`, `internal_error`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// What went wrong, for a human.
+    pub message: String,
+    /// The field at fault (422 only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+}
+
+/// `{"error": {...}}`.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct ErrorBody {
+    /// The error.
+    pub error: ErrorDetail,
+}
+
+impl ApiError {
+    /// A 422 naming `field`.
+    pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Self::Invalid(SpecError { field: field.into(), message: message.into() })
+    }
+
+    /// The status and stable code of this error.
+    pub fn status_and_code(&self) -> (StatusCode, &'static str) {
+        match self {
+            Self::MalformedJson(_) => (StatusCode::BAD_REQUEST, "invalid_json"),
+            Self::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad_request"),
+            Self::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
+            Self::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
+            Self::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
+            Self::PayloadTooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
+            Self::Invalid(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid_request"),
+            Self::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+            Self::Unexpected(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
+        }
+    }
+
+    /// A Redis failure: 503 when Redis is down, slow or refusing, 500 when it
+    /// answered something this code did not expect (a bug).
+    pub fn from_redis(error: redis::RedisError) -> Self {
+        if redis_unavailable(&error) {
+            Self::Unavailable(error.into())
+        } else {
+            Self::Unexpected(anyhow::Error::new(error).context("redis answered with an error"))
+        }
+    }
+}
+
+/// Whether a Redis error means "Redis is not there (now)" rather than "the
+/// command was wrong".
+pub fn redis_unavailable(error: &redis::RedisError) -> bool {
+    use redis::{ErrorKind, ServerErrorKind};
+    match error.kind() {
+        ErrorKind::Parse | ErrorKind::UnexpectedReturnType | ErrorKind::InvalidClientConfig => false,
+        ErrorKind::Server(kind) => matches!(
+            kind,
+            ServerErrorKind::BusyLoading
+                | ServerErrorKind::TryAgain
+                | ServerErrorKind::ClusterDown
+                | ServerErrorKind::MasterDown
+                | ServerErrorKind::ReadOnly
+        ),
+        // Io, Client (a dropped or not-yet-reconnected manager), auth, cluster
+        // routing: Redis is not usable now.
+        _ => true,
+    }
+}
+
+impl From<redis::RedisError> for ApiError {
+    fn from(error: redis::RedisError) -> Self {
+        Self::from_redis(error)
+    }
+}
+
+impl From<shared::queue::QueueError> for ApiError {
+    fn from(error: shared::queue::QueueError) -> Self {
+        match error {
+            shared::queue::QueueError::Redis(e) => Self::from_redis(e),
+            other => Self::Unexpected(anyhow::Error::new(other).context("reading the queue")),
+        }
+    }
+}
+
+impl From<shared::pacer::PacerError> for ApiError {
+    fn from(error: shared::pacer::PacerError) -> Self {
+        match error {
+            shared::pacer::PacerError::Redis(e) => Self::from_redis(e),
+            other => Self::Unexpected(anyhow::Error::new(other).context("reading the pacer state")),
+        }
+    }
+}
+
+impl From<shared::runs::StoreError> for ApiError {
+    fn from(error: shared::runs::StoreError) -> Self {
+        use shared::runs::StoreError;
+        match error {
+            StoreError::NotFound => Self::NotFound("no such run".into()),
+            StoreError::Conflict(status) => Self::Conflict(format!("the run is already {status}")),
+            StoreError::IdempotencyMismatch => {
+                Self::invalid("Idempotency-Key", "this Idempotency-Key was already used with another body")
+            }
+            StoreError::Redis(e) => Self::from_redis(e),
+            #[allow(unreachable_patterns)]
+            other => Self::Unexpected(anyhow::Error::new(other).context("run store")),
+        }
+    }
+}
+
+impl From<SpecError> for ApiError {
+    fn from(error: SpecError) -> Self {
+        Self::Invalid(error)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let (status, kind) = self.status_and_code();
+        match &self {
+            Self::Unexpected(cause) => {
+                tracing::error!(message = "request failed unexpectedly", error = ?cause, error.chain = %chain(cause));
+            }
+            Self::Unavailable(cause) => {
+                tracing::warn!(message = "redis unavailable", error.chain = %chain(cause));
+            }
+            _ => {}
+        }
+        let field = match &self {
+            Self::Invalid(e) => Some(e.field.clone()),
+            _ => None,
+        };
+        let body = ErrorBody { error: ErrorDetail { kind, message: self.to_string(), field } };
+        (status, axum::Json(body)).into_response()
+    }
+}
+
+/// `a: b: c` — an error and its sources on one line.
+fn chain(e: &anyhow::Error) -> String {
+    e.chain().map(ToString::to_string).collect::<Vec<_>>().join(": ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn body_of(e: ApiError) -> (StatusCode, serde_json::Value) {
+        let r = e.into_response();
+        let status = r.status();
+        let bytes = axum::body::to_bytes(r.into_body(), 1 << 16).await.unwrap();
+        (status, serde_json::from_slice(&bytes).unwrap())
+    }
+
+    #[tokio::test]
+    async fn errors_have_the_specs_shape_and_hide_unexpected_causes() {
+        let (s, b) = body_of(ApiError::invalid("max_turns", "must be an integer from 1 to 1000")).await;
+        assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY);
+        assert_eq!(b["error"]["type"], "invalid_request");
+        assert_eq!(b["error"]["field"], "max_turns");
+
+        let (s, b) = body_of(ApiError::Unexpected(anyhow::anyhow!("secret internals"))).await;
+        assert_eq!(s, StatusCode::INTERNAL_SERVER_ERROR);
+        assert!(!b.to_string().contains("secret internals"));
+        assert!(b["error"].get("field").is_none());
+
+        let (s, _) = body_of(ApiError::Unavailable(anyhow::anyhow!("refused"))).await;
+        assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
+    }
+
+    #[test]
+    fn redis_down_is_503_and_a_script_bug_is_not() {
+        let io: redis::RedisError = std::io::Error::from(std::io::ErrorKind::ConnectionRefused).into();
+        assert!(redis_unavailable(&io));
+        let parse: redis::RedisError = (redis::ErrorKind::UnexpectedReturnType, "bad").into();
+        assert!(!redis_unavailable(&parse));
+    }
+}

@@ -1,0 +1,102 @@
+//! `GET /metrics`: Prometheus text from the process's `metrics` recorder.
+//!
+//! The worker records most families through the `metrics` facade (in
+//! `paceline up` they share this process's recorder); the API sets the queue
+//! depth and the pacer's remaining tokens itself, from Redis, when scraped.
+//! Every SPEC family is registered at start so a scrape lists it even before
+//! the first turn.
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use std::sync::OnceLock;
+
+/// Metric names (SPEC §3's families). Workers record with the same names.
+pub mod name {
+    /// Counter, label `outcome` (`completed`, `continued`, `waiting`, `failed`, …).
+    pub const TURNS: &str = "paceline_turns_total";
+    /// Counter, label `status` (HTTP status, or `error` for a transport failure).
+    pub const PROVIDER_CALLS: &str = "paceline_provider_calls_total";
+    /// Counter: 429 answers from the provider.
+    pub const RATE_LIMITED: &str = "paceline_rate_limited_total";
+    /// Counter: turns the pacer owed time (requeued for budget).
+    pub const BUDGET_WAITS: &str = "paceline_budget_waits_total";
+    /// Histogram (seconds), label `reason`: how long turns were requeued for.
+    pub const REQUEUE_DELAY: &str = "paceline_requeue_delay_seconds";
+    /// Gauge, labels `budget`, `model`: the shared estimate of tokens left.
+    pub const PACER_REMAINING_TOKENS: &str = "paceline_pacer_remaining_tokens";
+    /// Gauge, label `state` (`ready`, `delayed`, `in_flight`, `dead`).
+    pub const QUEUE_DEPTH: &str = "paceline_queue_depth";
+    /// Histogram (seconds): a turn from its start to its commit.
+    pub const TURN_LATENCY: &str = "paceline_turn_duration_seconds";
+}
+
+/// Buckets of the requeue-delay histogram (seconds): 50 ms to 2 min.
+const DELAY_BUCKETS: [f64; 12] = [0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0];
+/// Buckets of the turn-latency histogram (seconds): 100 ms to 5 min.
+const LATENCY_BUCKETS: [f64; 12] = [0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0];
+
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// The process's Prometheus handle. The first call installs the global
+/// recorder; later calls (a second app in one test process) share it. If
+/// another recorder was installed first, the API renders its own families only.
+pub fn handle() -> PrometheusHandle {
+    HANDLE
+        .get_or_init(|| {
+            let builder = || {
+                PrometheusBuilder::new()
+                    .set_buckets_for_metric(Matcher::Full(name::REQUEUE_DELAY.into()), &DELAY_BUCKETS)
+                    .and_then(|b| b.set_buckets_for_metric(Matcher::Full(name::TURN_LATENCY.into()), &LATENCY_BUCKETS))
+                    .expect("non-empty bucket lists")
+            };
+            let handle = match builder().install_recorder() {
+                Ok(handle) => handle,
+                Err(error) => {
+                    tracing::warn!(message = "a metrics recorder was already installed; /metrics shows the API's own", %error);
+                    builder().build_recorder().handle()
+                }
+            };
+            register();
+            handle
+        })
+        .clone()
+}
+
+/// Describes every family and registers a series of each, so a scrape lists
+/// them before anything has happened.
+fn register() {
+    use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Unit};
+    describe_counter!(name::TURNS, "Turns finished, by outcome");
+    describe_counter!(name::PROVIDER_CALLS, "Provider calls, by HTTP status");
+    describe_counter!(name::RATE_LIMITED, "429 answers from the provider");
+    describe_counter!(name::BUDGET_WAITS, "Turns the shared pacer owed time and requeued");
+    describe_histogram!(name::REQUEUE_DELAY, Unit::Seconds, "How long turns were requeued for, by reason");
+    describe_gauge!(name::PACER_REMAINING_TOKENS, "The shared estimate of tokens left, per budget and model");
+    describe_gauge!(name::QUEUE_DEPTH, "Turns in the queue, by state");
+    describe_histogram!(name::TURN_LATENCY, Unit::Seconds, "A turn from its start to its commit");
+    counter!(name::TURNS, "outcome" => "completed").increment(0);
+    counter!(name::PROVIDER_CALLS, "status" => "200").increment(0);
+    counter!(name::RATE_LIMITED).increment(0);
+    counter!(name::BUDGET_WAITS).increment(0);
+    let _ = histogram!(name::REQUEUE_DELAY, "reason" => "budget");
+    let _ = histogram!(name::TURN_LATENCY);
+    for state in ["ready", "delayed", "in_flight", "dead"] {
+        gauge!(name::QUEUE_DEPTH, "state" => state).set(0.0);
+    }
+}
+
+/// Sets the gauges the API owns from fresh reads.
+pub fn set_queue_depth(c: &shared::queue::QueueCounts) {
+    for (state, n) in [("ready", c.ready), ("delayed", c.delayed), ("in_flight", c.in_flight), ("dead", c.dead)] {
+        metrics::gauge!(name::QUEUE_DEPTH, "state" => state).set(n as f64);
+    }
+}
+
+/// Sets the pacer gauges from a snapshot.
+pub fn set_pacer(snapshots: &[shared::pacer::BudgetSnapshot]) {
+    for s in snapshots {
+        if let Some(remaining) = s.remaining_tokens {
+            metrics::gauge!(name::PACER_REMAINING_TOKENS, "budget" => s.budget.clone(), "model" => s.model.clone())
+                .set(remaining as f64);
+        }
+    }
+}

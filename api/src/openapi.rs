@@ -1,0 +1,52 @@
+//! The OpenAPI document, generated from the handlers' `#[utoipa::path]`
+//! annotations and the types they return (the run object is `shared`'s own
+//! `Run`, with the `openapi` feature), so it cannot drift from the code.
+
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::{Modify, OpenApi};
+
+use crate::routes::{events, health, ops, runs};
+
+/// The API's document.
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "paceline", description = "Background agentic LLM runs, paced by one shared budget in Redis."),
+    paths(
+        runs::submit, runs::list, runs::get, runs::transcript, runs::cancel, events::events,
+        ops::pacer, ops::queue, ops::workers,
+        health::healthz, health::readyz, health::metrics, health::openapi,
+    ),
+    components(schemas(
+        runs::SubmitRun, runs::RunList, runs::Transcript,
+        shared::runs::Run, shared::runs::RunStatus, shared::runs::WaitReason, shared::runs::Usage,
+        shared::runs::PacingCounters, shared::runs::RunError, shared::runs::TranscriptEntry, shared::pacer::Mode,
+        ops::PacerView, ops::BudgetView, ops::QueueView, ops::WorkersView, ops::WorkerView,
+        health::Health, crate::error::ErrorBody, crate::error::ErrorDetail,
+    )),
+    modifiers(&BearerAuth),
+    tags(
+        (name = "runs", description = "Submit runs and follow them"),
+        (name = "operations", description = "The pacer, the queue, the workers, health and metrics"),
+    )
+)]
+pub struct ApiDoc;
+
+struct BearerAuth;
+
+impl Modify for BearerAuth {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).description(Some(
+                "A tenant's token from PACELINE_API_TOKENS (any value in open development mode)",
+            )).build()),
+        );
+    }
+}
+
+/// The document (built once).
+pub fn document() -> &'static utoipa::openapi::OpenApi {
+    static DOC: std::sync::OnceLock<utoipa::openapi::OpenApi> = std::sync::OnceLock::new();
+    DOC.get_or_init(ApiDoc::openapi)
+}

@@ -1,0 +1,62 @@
+//! The router: every route of SPEC §3, the body limit, request tracing, and a
+//! JSON 404 for anything else.
+
+pub mod events;
+pub mod health;
+pub mod ops;
+pub mod runs;
+
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::header::CONTENT_LENGTH;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use tower_http::trace::TraceLayer;
+
+use crate::error::ApiError;
+use crate::state::AppState;
+
+/// All routes over `state`.
+pub fn router(state: AppState) -> Router {
+    let limit = state.config.body_limit;
+    Router::new()
+        .route("/v1/runs", post(runs::submit).get(runs::list))
+        .route("/v1/runs/{id}", get(runs::get))
+        .route("/v1/runs/{id}/transcript", get(runs::transcript))
+        .route("/v1/runs/{id}/events", get(events::events))
+        .route("/v1/runs/{id}/cancel", post(runs::cancel))
+        .route("/v1/pacer", get(ops::pacer))
+        .route("/v1/queue", get(ops::queue))
+        .route("/v1/workers", get(ops::workers))
+        .route("/v1/openapi.json", get(health::openapi))
+        .route("/healthz", get(health::healthz))
+        .route("/readyz", get(health::readyz))
+        .route("/metrics", get(health::metrics))
+        .fallback(not_found)
+        // A chunked body is cut off at the limit while it is read...
+        .layer(DefaultBodyLimit::max(limit))
+        // ...and a declared one over it is refused before a byte is read.
+        .layer(middleware::from_fn_with_state(state.clone(), reject_declared_oversize))
+        // The default span has the method and URI, never headers (no tokens).
+        .layer(TraceLayer::new_for_http())
+        .with_state(state)
+}
+
+async fn not_found() -> ApiError {
+    ApiError::NotFound("no such route".into())
+}
+
+/// 413 for a `Content-Length` over the limit, without reading the body.
+async fn reject_declared_oversize(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    let limit = state.config.body_limit;
+    let declared = request
+        .headers()
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return ApiError::PayloadTooLarge(limit).into_response();
+    }
+    next.run(request).await
+}

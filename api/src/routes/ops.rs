@@ -1,0 +1,179 @@
+//! What the shared machinery is doing: `/v1/pacer`, `/v1/queue`, `/v1/workers`.
+//! Times are shown as RFC 3339 (Redis clock) and, where useful, as ms.
+
+use axum::extract::State;
+use axum::Json;
+use serde::Serialize;
+use shared::runs::record::rfc3339_ms;
+
+use crate::auth::Tenant;
+use crate::error::{ApiError, ErrorBody};
+use crate::state::AppState;
+
+/// One budget and model, as every worker sees it.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct BudgetView {
+    /// Budget name (`PACELINE_BUDGET`).
+    pub budget: String,
+    /// Model (providers report limits per model).
+    pub model: String,
+    /// Estimated tokens available now (`null`: no limit known yet).
+    pub remaining_tokens: Option<i64>,
+    /// Token limit.
+    pub limit_tokens: Option<u64>,
+    /// Time until the token bucket is full again, ms.
+    pub reset_in_ms: Option<u64>,
+    /// Tokens reserved by calls in flight.
+    pub reserved_tokens: u64,
+    /// Tokens booked by turns that are owed time.
+    pub booked_tokens: u64,
+    /// Estimated requests available now.
+    pub remaining_requests: Option<i64>,
+    /// Request limit.
+    pub limit_requests: Option<u64>,
+    /// Time until the request bucket is full again, ms.
+    pub reset_requests_in_ms: Option<u64>,
+    /// Requests reserved by calls in flight.
+    pub reserved_requests: u64,
+    /// A 429 closed the window for this long from now, ms.
+    pub blocked_for_ms: u64,
+    /// When rate-limit headers were last read (RFC 3339, Redis clock).
+    pub observed_at: Option<String>,
+}
+
+/// `GET /v1/pacer`.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct PacerView {
+    /// Every budget and model known under this deployment's prefix.
+    pub budgets: Vec<BudgetView>,
+}
+
+/// `GET /v1/queue`.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct QueueView {
+    /// Due now, waiting for a worker slot.
+    pub ready: u64,
+    /// Due later (budget waits, retries).
+    pub delayed: u64,
+    /// Leased by a worker.
+    pub in_flight: u64,
+    /// In the dead set.
+    pub dead: u64,
+    /// Due time of the next delayed turn (RFC 3339, Redis clock).
+    pub next_due_at: Option<String>,
+    /// Milliseconds until then.
+    pub next_due_in_ms: Option<i64>,
+    /// When the counts were read (RFC 3339, Redis clock).
+    pub observed_at: String,
+}
+
+/// One live worker process.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct WorkerView {
+    /// Unique per process start.
+    pub identity: String,
+    /// Host name.
+    pub host: String,
+    /// Process id.
+    pub pid: u32,
+    /// Worker slots.
+    pub concurrency: usize,
+    /// Turns it holds.
+    pub in_flight: usize,
+    /// When it started (RFC 3339, Redis clock).
+    pub started_at: String,
+    /// Its last heartbeat (RFC 3339, Redis clock).
+    pub last_heartbeat: String,
+}
+
+/// `GET /v1/workers`.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct WorkersView {
+    /// Workers whose heartbeat is recent.
+    pub workers: Vec<WorkerView>,
+}
+
+/// The shared budget state(s).
+#[utoipa::path(
+    get, path = "/v1/pacer", tag = "operations",
+    responses(
+        (status = 200, description = "Every budget and model", body = PacerView),
+        (status = 401, description = "No or bad token", body = ErrorBody),
+        (status = 503, description = "Redis unavailable", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn pacer(State(state): State<AppState>, _: Tenant) -> Result<Json<PacerView>, ApiError> {
+    let snapshots = state.redis("read pacer", state.pacer.snapshot()).await?;
+    crate::metrics::set_pacer(&snapshots);
+    let budgets = snapshots
+        .into_iter()
+        .map(|s| BudgetView {
+            budget: s.budget,
+            model: s.model,
+            remaining_tokens: s.remaining_tokens,
+            limit_tokens: s.limit_tokens,
+            reset_in_ms: s.reset_tokens_in_ms,
+            reserved_tokens: s.reserved_tokens,
+            booked_tokens: s.booked_tokens,
+            remaining_requests: s.remaining_requests,
+            limit_requests: s.limit_requests,
+            reset_requests_in_ms: s.reset_requests_in_ms,
+            reserved_requests: s.reserved_requests,
+            blocked_for_ms: s.blocked_for_ms,
+            observed_at: s.observed_at_ms.map(rfc3339_ms),
+        })
+        .collect();
+    Ok(Json(PacerView { budgets }))
+}
+
+/// Queue counts.
+#[utoipa::path(
+    get, path = "/v1/queue", tag = "operations",
+    responses(
+        (status = 200, description = "Exact counts", body = QueueView),
+        (status = 401, description = "No or bad token", body = ErrorBody),
+        (status = 503, description = "Redis unavailable", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn queue(State(state): State<AppState>, _: Tenant) -> Result<Json<QueueView>, ApiError> {
+    let c = state.redis("read queue", state.queue.counts()).await?;
+    crate::metrics::set_queue_depth(&c);
+    Ok(Json(QueueView {
+        ready: c.ready,
+        delayed: c.delayed,
+        in_flight: c.in_flight,
+        dead: c.dead,
+        next_due_at: c.next_due_ms.map(rfc3339_ms),
+        next_due_in_ms: c.next_due_ms.map(|d| (d - c.now_ms).max(0)),
+        observed_at: rfc3339_ms(c.now_ms),
+    }))
+}
+
+/// Live worker processes.
+#[utoipa::path(
+    get, path = "/v1/workers", tag = "operations",
+    responses(
+        (status = 200, description = "Workers with a recent heartbeat", body = WorkersView),
+        (status = 401, description = "No or bad token", body = ErrorBody),
+        (status = 503, description = "Redis unavailable", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn workers(State(state): State<AppState>, _: Tenant) -> Result<Json<WorkersView>, ApiError> {
+    let list = state.redis("read workers", state.queue.list_workers()).await?;
+    let workers = list
+        .into_iter()
+        .map(|w| WorkerView {
+            identity: w.identity,
+            host: w.host,
+            pid: w.pid,
+            concurrency: w.concurrency,
+            in_flight: w.in_flight,
+            started_at: rfc3339_ms(w.started_at_ms),
+            last_heartbeat: rfc3339_ms(w.last_heartbeat_ms),
+        })
+        .collect();
+    Ok(Json(WorkersView { workers }))
+}

@@ -1,0 +1,302 @@
+//! `/v1/runs`: submit, list, read, transcript, cancel. Every input is checked
+//! here or in `RunSpec::from_json` before anything reaches Redis.
+
+use axum::body::Bytes;
+use axum::extract::rejection::{BytesRejection, QueryRejection};
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+use shared::runs::store::valid_id;
+use shared::runs::{Idempotency, Run, RunSpec, RunStatus, TranscriptEntry};
+
+use crate::auth::Tenant;
+use crate::error::{ApiError, ErrorBody};
+use crate::state::AppState;
+
+/// Default page size of `GET /v1/runs`.
+pub const DEFAULT_LIMIT: usize = 20;
+/// Largest page size of `GET /v1/runs`.
+pub const MAX_LIMIT: usize = 100;
+/// Longest `Idempotency-Key` accepted.
+pub const MAX_IDEMPOTENCY_KEY: usize = 255;
+
+/// The body of `POST /v1/runs` (SPEC §3), for the OpenAPI document; the
+/// handler validates the JSON itself so that each broken rule names its field.
+#[allow(dead_code)]
+#[derive(utoipa::ToSchema)]
+pub struct SubmitRun {
+    /// The model name, as the provider knows it.
+    #[schema(example = "gpt-4.1-mini")]
+    model: String,
+    /// System instructions, resent on every turn.
+    instructions: Option<String>,
+    /// A string, or a list of Responses-API input items.
+    #[schema(value_type = Object)]
+    input: Value,
+    /// Function tools: `{"type": "function", "name", "description", "parameters"}`.
+    #[schema(value_type = Vec<Object>)]
+    tools: Option<Vec<Value>>,
+    /// Where tool calls are POSTed; must start with an allowed prefix.
+    tool_endpoint: Option<String>,
+    /// `work` (default) or `companion`.
+    mode: Option<shared::pacer::Mode>,
+    /// 1 to 1000 (default 40).
+    max_turns: Option<u32>,
+    /// Output limit of each call (default 2048).
+    max_output_tokens: Option<u32>,
+    /// Any JSON object; returned as given.
+    #[schema(value_type = Object)]
+    metadata: Option<Value>,
+}
+
+/// A page of runs.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct RunList {
+    /// Newest first.
+    pub data: Vec<Run>,
+    /// Pass as `cursor` for the next page; `null` on the last one.
+    pub next_cursor: Option<String>,
+    /// Whether there may be more.
+    pub has_more: bool,
+}
+
+/// A run's transcript.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct Transcript {
+    /// The run.
+    pub run_id: String,
+    /// Items in order, each tagged with the turn that added it.
+    pub items: Vec<TranscriptEntry>,
+}
+
+/// Query of `GET /v1/runs`.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct ListQuery {
+    /// Only runs in this status (`queued`, `running`, `waiting`, `completed`, `failed`, `cancelled`).
+    status: Option<String>,
+    /// Page size, 1 to 100 (default 20).
+    limit: Option<String>,
+    /// `next_cursor` of the previous page.
+    cursor: Option<String>,
+}
+
+/// Reads a body whose size the router has bounded; a body over the limit is a
+/// 413 without being read whole, one that is not JSON a 400.
+fn json_body(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<Value, ApiError> {
+    let bytes = body.map_err(|r| {
+        if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::PayloadTooLarge(limit)
+        } else {
+            ApiError::BadRequest(r.body_text())
+        }
+    })?;
+    serde_json::from_slice(&bytes).map_err(|e| ApiError::MalformedJson(e.to_string()))
+}
+
+fn idempotency(headers: &HeaderMap, spec: &RunSpec) -> Result<Option<Idempotency>, ApiError> {
+    let Some(value) = headers.get("idempotency-key") else { return Ok(None) };
+    let key = value
+        .to_str()
+        .ok()
+        .filter(|k| (1..=MAX_IDEMPOTENCY_KEY).contains(&k.len()) && k.bytes().all(|b| b.is_ascii_graphic()))
+        .ok_or_else(|| {
+            ApiError::invalid("Idempotency-Key", format!("must be 1 to {MAX_IDEMPOTENCY_KEY} visible ASCII characters"))
+        })?;
+    // The fingerprint is of the validated spec, so the same request sent
+    // again (whatever its key order or whitespace) is recognised.
+    let canonical = serde_json::to_vec(spec).map_err(anyhow::Error::from)?;
+    let fingerprint = Sha256::digest(&canonical).iter().map(|b| format!("{b:02x}")).collect();
+    Ok(Some(Idempotency { key: key.to_owned(), fingerprint }))
+}
+
+/// Submit a run.
+#[utoipa::path(
+    post, path = "/v1/runs", tag = "runs",
+    request_body(content = SubmitRun, description = "The run spec"),
+    params(("Idempotency-Key" = Option<String>, Header, description = "A retried submit with the same key and body returns the first run")),
+    responses(
+        (status = 202, description = "Accepted (or the first run of this Idempotency-Key)", body = Run),
+        (status = 400, description = "Malformed JSON", body = ErrorBody),
+        (status = 401, description = "No or bad token", body = ErrorBody),
+        (status = 413, description = "Body over the limit", body = ErrorBody),
+        (status = 422, description = "A rule is broken; `field` names it", body = ErrorBody),
+        (status = 503, description = "Redis unavailable", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn submit(
+    State(state): State<AppState>,
+    Tenant(tenant): Tenant,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let value = json_body(body, state.config.body_limit)?;
+    let spec = RunSpec::from_json(&value, &state.policy)?;
+    let idem = idempotency(&headers, &spec)?;
+    let created = state.redis("create run", state.runs.create(&tenant, &spec, idem.as_ref())).await?;
+    if created.replayed {
+        tracing::info!(message = "idempotent submit replayed", run.id = %created.run.id, tenant = %tenant);
+    } else {
+        tracing::info!(message = "run submitted", run.id = %created.run.id, tenant = %tenant, model = %spec.model);
+    }
+    let mut response = (StatusCode::ACCEPTED, Json(created.run)).into_response();
+    if created.replayed {
+        response.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
+    }
+    Ok(response)
+}
+
+/// Parses `created_ms:run_id`, the store's cursor.
+fn valid_cursor(c: &str) -> bool {
+    c.split_once(':')
+        .is_some_and(|(ms, id)| (1..=20).contains(&ms.len()) && ms.bytes().all(|b| b.is_ascii_digit()) && valid_id(id))
+}
+
+/// List runs, newest first.
+#[utoipa::path(
+    get, path = "/v1/runs", tag = "runs",
+    params(ListQuery),
+    responses(
+        (status = 200, description = "A page of runs", body = RunList),
+        (status = 400, description = "Unreadable query", body = ErrorBody),
+        (status = 401, description = "No or bad token", body = ErrorBody),
+        (status = 422, description = "Bad status, limit or cursor", body = ErrorBody),
+        (status = 503, description = "Redis unavailable", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn list(
+    State(state): State<AppState>,
+    Tenant(tenant): Tenant,
+    query: Result<Query<ListQuery>, QueryRejection>,
+) -> Result<Json<RunList>, ApiError> {
+    let Query(q) = query.map_err(|r| ApiError::BadRequest(r.body_text()))?;
+    let status = match q.status.as_deref().filter(|s| !s.is_empty()) {
+        None => None,
+        Some(s) => Some(RunStatus::parse(s).ok_or_else(|| {
+            ApiError::invalid("status", "must be queued, running, waiting, completed, failed or cancelled")
+        })?),
+    };
+    let limit = match q.limit.as_deref().filter(|s| !s.is_empty()) {
+        None => DEFAULT_LIMIT,
+        Some(l) => l
+            .parse::<usize>()
+            .ok()
+            .filter(|n| (1..=MAX_LIMIT).contains(n))
+            .ok_or_else(|| ApiError::invalid("limit", format!("must be an integer from 1 to {MAX_LIMIT}")))?,
+    };
+    let cursor = q.cursor.as_deref().filter(|s| !s.is_empty());
+    if cursor.is_some_and(|c| !valid_cursor(c)) {
+        return Err(ApiError::invalid("cursor", "is not a cursor this API gave out"));
+    }
+    let (data, next_cursor) = state.redis("list runs", state.runs.list(&tenant, status, limit, cursor)).await?;
+    // The store hands a cursor back when the page is full (or its scan
+    // bound was reached); an exactly full last page costs one more request.
+    let has_more = next_cursor.is_some();
+    Ok(Json(RunList { data, next_cursor, has_more }))
+}
+
+async fn find(state: &AppState, tenant: &str, id: &str) -> Result<Run, ApiError> {
+    if !valid_id(id) {
+        return Err(ApiError::NotFound(format!("no run {id}")));
+    }
+    state.redis("read run", state.runs.get(tenant, id)).await?.ok_or_else(|| ApiError::NotFound(format!("no run {id}")))
+}
+
+/// One run.
+#[utoipa::path(
+    get, path = "/v1/runs/{id}", tag = "runs",
+    params(("id" = String, Path, description = "Run id (`run_…`)")),
+    responses(
+        (status = 200, description = "The run", body = Run),
+        (status = 401, description = "No or bad token", body = ErrorBody),
+        (status = 404, description = "No such run for this tenant", body = ErrorBody),
+        (status = 503, description = "Redis unavailable", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn get(State(state): State<AppState>, Tenant(tenant): Tenant, Path(id): Path<String>) -> Result<Json<Run>, ApiError> {
+    find(&state, &tenant, &id).await.map(Json)
+}
+
+/// A run's transcript, as the model was last allowed to read it.
+#[utoipa::path(
+    get, path = "/v1/runs/{id}/transcript", tag = "runs",
+    params(("id" = String, Path, description = "Run id (`run_…`)")),
+    responses(
+        (status = 200, description = "The transcript (clipped tool outputs stay clipped)", body = Transcript),
+        (status = 401, description = "No or bad token", body = ErrorBody),
+        (status = 404, description = "No such run for this tenant", body = ErrorBody),
+        (status = 503, description = "Redis unavailable", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn transcript(
+    State(state): State<AppState>,
+    Tenant(tenant): Tenant,
+    Path(id): Path<String>,
+) -> Result<Json<Transcript>, ApiError> {
+    if !valid_id(&id) {
+        return Err(ApiError::NotFound(format!("no run {id}")));
+    }
+    let items = state
+        .redis("read transcript", state.runs.transcript(&tenant, &id))
+        .await?
+        .ok_or_else(|| ApiError::NotFound(format!("no run {id}")))?;
+    Ok(Json(Transcript { run_id: id, items }))
+}
+
+/// Cancel a run that has not finished.
+#[utoipa::path(
+    post, path = "/v1/runs/{id}/cancel", tag = "runs",
+    params(("id" = String, Path, description = "Run id (`run_…`)")),
+    responses(
+        (status = 200, description = "Cancelled; its queued turn never calls the provider", body = Run),
+        (status = 401, description = "No or bad token", body = ErrorBody),
+        (status = 404, description = "No such run for this tenant", body = ErrorBody),
+        (status = 409, description = "The run already finished", body = ErrorBody),
+        (status = 503, description = "Redis unavailable", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn cancel(State(state): State<AppState>, Tenant(tenant): Tenant, Path(id): Path<String>) -> Result<Json<Run>, ApiError> {
+    if !valid_id(&id) {
+        return Err(ApiError::NotFound(format!("no run {id}")));
+    }
+    let run = state.redis("cancel run", state.runs.cancel(&tenant, &id)).await.map_err(|e| match e {
+        ApiError::NotFound(_) => ApiError::NotFound(format!("no run {id}")),
+        other => other,
+    })?;
+    tracing::info!(message = "run cancelled", run.id = %id, tenant = %tenant);
+    Ok(Json(run))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cursors_are_checked_before_redis() {
+        assert!(valid_cursor("1732960000000:run_01JDXXXXXXXXXXXXXXXXXXXXXX"));
+        for bad in ["", "x:run_01JDXXXXXXXXXXXXXXXXXXXXXX", "1:run_", "1", "1:../../etc"] {
+            assert!(!valid_cursor(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_same_spec_has_the_same_fingerprint_whatever_its_layout() {
+        let p = shared::runs::SubmitPolicy::default();
+        let a = RunSpec::from_json(&serde_json::json!({"model": "m", "input": "hi", "metadata": {"a": 1, "b": 2}}), &p).unwrap();
+        let b = RunSpec::from_json(&serde_json::json!({"metadata": {"b": 2, "a": 1}, "input": "hi", "model": "m"}), &p).unwrap();
+        let mut h = HeaderMap::new();
+        h.insert("idempotency-key", HeaderValue::from_static("k1"));
+        assert_eq!(idempotency(&h, &a).unwrap().unwrap().fingerprint, idempotency(&h, &b).unwrap().unwrap().fingerprint);
+        h.insert("idempotency-key", HeaderValue::from_static("has space"));
+        assert!(matches!(idempotency(&h, &a), Err(ApiError::Invalid(e)) if e.field == "Idempotency-Key"));
+    }
+}

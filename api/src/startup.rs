@@ -1,0 +1,82 @@
+//! Building and running the API: `Application::build(config)` binds the
+//! listener (port 0 allowed) and connects lazily to Redis, so the API starts
+//! while Redis is down and answers 503 until it is back.
+
+use std::future::Future;
+use std::net::SocketAddr;
+
+use anyhow::Context as _;
+use shared::pacer::{PacingConfig, SharedPacer};
+use shared::queue::{QueueConfig, TurnQueue};
+use shared::runs::{RunStore, SubmitPolicy};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::auth::Auth;
+use crate::config::ApiConfig;
+use crate::state::{AppState, Inner};
+
+/// A bound, not yet serving, API.
+pub struct Application {
+    listener: TcpListener,
+    addr: SocketAddr,
+    router: axum::Router,
+    stop: watch::Sender<bool>,
+}
+
+impl std::fmt::Debug for Application {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Application").field("addr", &self.addr).finish()
+    }
+}
+
+impl Application {
+    /// Binds `config.listen` and prepares the routes.
+    pub async fn build(config: ApiConfig) -> anyhow::Result<Self> {
+        let conn = shared::redis_util::lazy_manager(&config.redis.url, config.redis_timeout())
+            .with_context(|| "the Redis URL is not valid".to_string())?;
+        let keys = config.redis.keys();
+        let queue = TurnQueue::new(&config.redis, QueueConfig::default()).context("the turn queue")?;
+        // The API only reads the pacer: its snapshot lists every budget under the prefix.
+        let pacer = SharedPacer::new(conn.clone(), keys.clone(), "default", PacingConfig::default());
+        let runs = RunStore::new(conn.clone(), keys, config.retention);
+        let auth = Auth::new(&config.tokens);
+        match &auth {
+            Auth::Open => tracing::warn!(
+                message = "PACELINE_API_TOKENS is not set: open development mode, every request is tenant `default`"
+            ),
+            Auth::Tokens(t) => tracing::info!(message = "bearer tokens configured", tenants = t.len()),
+        }
+        let policy = SubmitPolicy {
+            tool_endpoint_prefixes: config.tool_endpoints.iter().map(|p| p.trim().to_owned()).filter(|p| !p.is_empty()).collect(),
+        };
+        let _ = crate::metrics::handle();
+        let listener = TcpListener::bind(config.listen).await.with_context(|| format!("cannot listen on {}", config.listen))?;
+        let addr = listener.local_addr()?;
+        let (stop, shutdown) = watch::channel(false);
+        let state = AppState::new(Inner { runs, queue, pacer, conn, auth, policy, config, shutdown });
+        let router = crate::routes::router(state);
+        Ok(Self { listener, addr, router, stop })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Serves until `shutdown` resolves; then open event streams end, requests
+    /// in flight finish, and it returns.
+    pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+        let Self { listener, addr, router, stop } = self;
+        tracing::info!(message = "api listening", %addr);
+        axum::serve(listener, router)
+            .with_graceful_shutdown(async move {
+                shutdown.await;
+                let _ = stop.send(true);
+            })
+            .await
+            .context("serving the API")?;
+        tracing::info!(message = "api stopped");
+        Ok(())
+    }
+}

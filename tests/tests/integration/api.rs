@@ -1,0 +1,652 @@
+//! The HTTP API against a private redis-server: every route and every error
+//! status of SPEC §3, tenant isolation, idempotency (sequential and
+//! concurrent), SSE with Last-Event-ID, the OpenAPI document, /metrics, and
+//! Redis going away. Each test spawns its own app on port 0 with its own
+//! Redis and key prefix.
+//!
+//! The end-to-end run with real workers (`paceline submit --watch`) lives with
+//! the worker's tests once the worker lands.
+
+use std::time::{Duration, Instant};
+
+use api::config::ApiTokens;
+use api::{ApiConfig, Application};
+use paceline_tests::{unique_prefix, within, RedisServer};
+use serde_json::{json, Value};
+use shared::config::RedisArgs;
+use shared::keys::Keys;
+use shared::runs::RunStore;
+use tokio::sync::oneshot;
+
+const ACME: &str = "tok-acme-0123456789";
+const BETA: &str = "tok-beta-9876543210";
+const TOOLS: &str = "http://127.0.0.1:9000/tools";
+
+struct TestApp {
+    url: String,
+    redis: RedisServer,
+    prefix: String,
+    http: reqwest::Client,
+    stop: Option<oneshot::Sender<()>>,
+}
+
+impl Drop for TestApp {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+async fn spawn_app() -> TestApp {
+    spawn_app_with(|_| {}).await
+}
+
+/// An app with tenants `acme` and `beta`, tool endpoints under [`TOOLS`].
+async fn spawn_app_with(tweak: impl FnOnce(&mut ApiConfig)) -> TestApp {
+    let redis = RedisServer::start();
+    let prefix = unique_prefix();
+    let mut config = ApiConfig::new("127.0.0.1:0".parse().unwrap(), RedisArgs::new(redis.url(), prefix.clone()));
+    config.tokens = ApiTokens::default().with("acme", ACME).with("beta", BETA);
+    config.tool_endpoints = vec![TOOLS.into()];
+    tweak(&mut config);
+    let app = Application::build(config).await.expect("build the app");
+    let url = format!("http://{}", app.local_addr());
+    let (stop, stopped) = oneshot::channel::<()>();
+    tokio::spawn(app.run_until_stopped(async {
+        let _ = stopped.await;
+    }));
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(20)).build().unwrap();
+    TestApp { url, redis, prefix, http, stop: Some(stop) }
+}
+
+fn spec() -> Value {
+    json!({"model": "gpt-4.1-mini", "instructions": "Be brief.", "input": "the task", "max_turns": 5,
+           "metadata": {"ticket": 42}})
+}
+
+impl TestApp {
+    fn req(&self, method: reqwest::Method, path: &str, token: Option<&str>) -> reqwest::RequestBuilder {
+        let r = self.http.request(method, format!("{}{path}", self.url));
+        match token {
+            Some(t) => r.bearer_auth(t),
+            None => r,
+        }
+    }
+
+    async fn get(&self, path: &str, token: &str) -> (u16, Value) {
+        read(self.req(reqwest::Method::GET, path, Some(token)).send().await.unwrap()).await
+    }
+
+    async fn post(&self, path: &str, token: &str, body: &Value) -> (u16, Value) {
+        read(self.req(reqwest::Method::POST, path, Some(token)).json(body).send().await.unwrap()).await
+    }
+
+    async fn submit(&self, token: &str, body: &Value) -> Value {
+        let (status, run) = self.post("/v1/runs", token, body).await;
+        assert_eq!(status, 202, "{run}");
+        run
+    }
+
+    /// A store on the app's Redis and prefix, to play the worker's part.
+    async fn store(&self) -> RunStore {
+        let conn = shared::redis_util::manager(&self.redis.url()).await.unwrap();
+        RunStore::new(conn, Keys::new(self.prefix.clone()), Duration::from_secs(3600))
+    }
+
+    async fn key_count(&self) -> usize {
+        let mut conn = self.redis.conn().await;
+        let keys: Vec<String> = redis::cmd("KEYS").arg(format!("{}*", self.prefix)).query_async(&mut conn).await.unwrap();
+        keys.len()
+    }
+
+    /// The whole SSE body of a stream that closes by itself.
+    async fn events(&self, id: &str, token: &str, last_event_id: Option<&str>) -> Vec<(String, String, Value)> {
+        let mut r = self.req(reqwest::Method::GET, &format!("/v1/runs/{id}/events"), Some(token));
+        if let Some(l) = last_event_id {
+            r = r.header("Last-Event-ID", l);
+        }
+        let resp = within("the event request", Duration::from_secs(10), r.send()).await.unwrap();
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.headers()["content-type"], "text/event-stream");
+        let text = within("the event stream to close", Duration::from_secs(10), resp.text()).await.unwrap();
+        parse_sse(&text)
+    }
+}
+
+async fn read(resp: reqwest::Response) -> (u16, Value) {
+    let status = resp.status().as_u16();
+    let text = resp.text().await.unwrap();
+    let body = serde_json::from_str(&text).unwrap_or(Value::String(text));
+    (status, body)
+}
+
+/// (id, event, data) of each event; comments (keep-alives) skipped.
+fn parse_sse(text: &str) -> Vec<(String, String, Value)> {
+    let mut out = vec![];
+    for block in text.split("\n\n") {
+        let (mut id, mut ev, mut data) = (String::new(), String::new(), String::new());
+        for line in block.lines() {
+            if let Some(v) = line.strip_prefix("id:") {
+                id = v.trim().to_owned();
+            } else if let Some(v) = line.strip_prefix("event:") {
+                ev = v.trim().to_owned();
+            } else if let Some(v) = line.strip_prefix("data:") {
+                data.push_str(v.trim_start());
+            }
+        }
+        if !ev.is_empty() {
+            out.push((id, ev, serde_json::from_str(&data).unwrap_or(Value::Null)));
+        }
+    }
+    out
+}
+
+fn error_type(body: &Value) -> &str {
+    body["error"]["type"].as_str().unwrap_or_else(|| panic!("not an error body: {body}"))
+}
+
+#[tokio::test]
+async fn probes_answer_without_a_token() {
+    let app = spawn_app().await;
+    let r = app.req(reqwest::Method::GET, "/healthz", None).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let r = app.req(reqwest::Method::GET, "/readyz", None).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let r = app.req(reqwest::Method::GET, "/metrics", None).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+}
+
+#[tokio::test]
+async fn a_submitted_run_is_queued_and_readable() {
+    let app = spawn_app().await;
+    let run = app.submit(ACME, &spec()).await;
+    let id = run["id"].as_str().unwrap();
+    assert!(id.starts_with("run_"), "{run}");
+    assert_eq!(run["status"], "queued");
+    assert_eq!(run["mode"], "work");
+    assert_eq!(run["model"], "gpt-4.1-mini");
+    assert_eq!(run["max_turns"], 5);
+    assert_eq!(run["turns_completed"], 0);
+    assert_eq!(run["metadata"], json!({"ticket": 42}));
+    for k in ["usage", "pacing", "wait_reason", "next_attempt_at", "output_text", "error", "created_at", "updated_at", "finished_at"] {
+        assert!(run.get(k).is_some(), "the run object lacks {k}: {run}");
+    }
+
+    let (status, got) = app.get(&format!("/v1/runs/{id}"), ACME).await;
+    assert_eq!(status, 200);
+    assert_eq!(got["id"], run["id"]);
+
+    let (status, tx) = app.get(&format!("/v1/runs/{id}/transcript"), ACME).await;
+    assert_eq!(status, 200);
+    assert_eq!(tx["run_id"], run["id"]);
+    assert_eq!(tx["items"], json!([{"turn": 0, "item": {"role": "user", "content": "the task"}}]));
+
+    let (status, q) = app.get("/v1/queue", ACME).await;
+    assert_eq!(status, 200);
+    assert_eq!(q["ready"].as_u64().unwrap() + q["delayed"].as_u64().unwrap(), 1, "{q}");
+    assert_eq!(q["in_flight"], 0);
+    assert_eq!(q["dead"], 0);
+    assert!(q["observed_at"].is_string());
+}
+
+#[tokio::test]
+async fn no_token_or_a_bad_one_is_401_on_every_v1_route() {
+    let app = spawn_app().await;
+    let id = "run_01JDXXXXXXXXXXXXXXXXXXXXXX";
+    let routes = [
+        (reqwest::Method::POST, "/v1/runs".to_string()),
+        (reqwest::Method::GET, "/v1/runs".to_string()),
+        (reqwest::Method::GET, format!("/v1/runs/{id}")),
+        (reqwest::Method::GET, format!("/v1/runs/{id}/transcript")),
+        (reqwest::Method::GET, format!("/v1/runs/{id}/events")),
+        (reqwest::Method::POST, format!("/v1/runs/{id}/cancel")),
+        (reqwest::Method::GET, "/v1/pacer".to_string()),
+        (reqwest::Method::GET, "/v1/queue".to_string()),
+        (reqwest::Method::GET, "/v1/workers".to_string()),
+        (reqwest::Method::GET, "/v1/openapi.json".to_string()),
+    ];
+    for (method, path) in routes {
+        for token in [None, Some("nope"), Some("tok-acme-012345678")] {
+            let (status, body) = read(app.req(method.clone(), &path, token).json(&spec()).send().await.unwrap()).await;
+            assert_eq!(status, 401, "{method} {path} with {token:?}: {body}");
+            assert_eq!(error_type(&body), "unauthorized");
+        }
+    }
+    assert_eq!(app.key_count().await, 0, "a refused request reached Redis");
+}
+
+#[tokio::test]
+async fn open_mode_without_tokens_is_tenant_default() {
+    let app = spawn_app_with(|c| c.tokens = ApiTokens::default()).await;
+    let r = app.req(reqwest::Method::POST, "/v1/runs", None).json(&spec()).send().await.unwrap();
+    assert_eq!(r.status(), 202);
+    let (status, list) = read(app.req(reqwest::Method::GET, "/v1/runs", None).send().await.unwrap()).await;
+    assert_eq!(status, 200);
+    assert_eq!(list["data"].as_array().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn malformed_json_is_400_and_breaking_a_rule_is_422_naming_the_field() {
+    let app = spawn_app().await;
+    for raw in ["{", "not json", "{\"model\": }", "", "[1,"] {
+        let (status, body) = read(
+            app.req(reqwest::Method::POST, "/v1/runs", Some(ACME))
+                .header("content-type", "application/json")
+                .body(raw)
+                .send()
+                .await
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(status, 400, "{raw:?}: {body}");
+        assert_eq!(error_type(&body), "invalid_json");
+    }
+    let deep = "[".repeat(100_000);
+    let (status, _) = read(app.req(reqwest::Method::POST, "/v1/runs", Some(ACME)).body(deep).send().await.unwrap()).await;
+    assert_eq!(status, 400, "deep nesting is refused, not a crash");
+
+    let cases = [
+        (json!({"input": "x"}), "model"),
+        (json!({"model": "m"}), "input"),
+        (json!({"model": "m", "input": "x", "max_turns": 0}), "max_turns"),
+        (json!({"model": "m", "input": "x", "max_turns": 100000}), "max_turns"),
+        (json!({"model": "m", "input": "x", "mode": "fast"}), "mode"),
+        (json!({"model": "m", "input": "x", "colour": "red"}), "colour"),
+        (json!({"model": "m", "input": "x", "tool_endpoint": TOOLS, "tools": [{"type": "function"}]}), "tools[0].name"),
+        (json!({"model": "m", "input": "x", "tool_endpoint": "http://evil.example/tools"}), "tool_endpoint"),
+        (json!("just a string"), ""),
+    ];
+    for (body, field) in cases {
+        let (status, err) = app.post("/v1/runs", ACME, &body).await;
+        assert_eq!(status, 422, "{body}: {err}");
+        assert_eq!(error_type(&err), "invalid_request");
+        assert_eq!(err["error"]["field"], field, "{body}: {err}");
+        assert!(err["error"]["message"].as_str().is_some_and(|m| !m.is_empty()));
+    }
+    assert_eq!(app.key_count().await, 0, "invalid input reached Redis");
+
+    // An allowed endpoint with tools is accepted.
+    let ok = json!({"model": "m", "input": "x", "tool_endpoint": format!("{TOOLS}/search"),
+                    "tools": [{"type": "function", "name": "search", "parameters": {"type": "object", "properties": {}}}]});
+    app.submit(ACME, &ok).await;
+}
+
+#[tokio::test]
+async fn a_body_over_the_limit_is_413_before_it_is_read() {
+    let app = spawn_app().await;
+    let big = json!({"model": "m", "input": "x".repeat(2 * 1024 * 1024)}).to_string();
+    let (status, body) = read(app.req(reqwest::Method::POST, "/v1/runs", Some(ACME)).body(big.clone()).send().await.unwrap()).await;
+    assert_eq!(status, 413, "{body}");
+    assert_eq!(error_type(&body), "payload_too_large");
+
+    // Chunked (no Content-Length): cut off while it is read.
+    let chunks: Vec<Result<Vec<u8>, std::io::Error>> = big.into_bytes().chunks(64 * 1024).map(|c| Ok(c.to_vec())).collect();
+    let body = reqwest::Body::wrap_stream(futures::stream::iter(chunks));
+    let (status, err) = read(app.req(reqwest::Method::POST, "/v1/runs", Some(ACME)).body(body).send().await.unwrap()).await;
+    assert_eq!(status, 413, "{err}");
+    assert_eq!(error_type(&err), "payload_too_large");
+    assert_eq!(app.key_count().await, 0);
+
+    // Just under the limit is fine.
+    let fits = json!({"model": "m", "input": "x".repeat(1000 * 1000)});
+    app.submit(ACME, &fits).await;
+}
+
+#[tokio::test]
+async fn unknown_runs_and_other_tenants_runs_are_404() {
+    let app = spawn_app().await;
+    let run = app.submit(ACME, &spec()).await;
+    let id = run["id"].as_str().unwrap().to_owned();
+    for path in [
+        format!("/v1/runs/{id}"),
+        format!("/v1/runs/{id}/transcript"),
+        format!("/v1/runs/{id}/events"),
+        "/v1/runs/run_01JDXXXXXXXXXXXXXXXXXXXXXX".to_string(),
+        "/v1/runs/not-a-run-id".to_string(),
+        "/v1/runs/run_..%2F..%2Fetc/transcript".to_string(),
+    ] {
+        let (status, body) = app.get(&path, BETA).await;
+        assert_eq!(status, 404, "{path}: {body}");
+        assert_eq!(error_type(&body), "not_found");
+    }
+    let (status, _) = app.post(&format!("/v1/runs/{id}/cancel"), BETA, &json!({})).await;
+    assert_eq!(status, 404, "beta cancelled acme's run");
+    let (_, got) = app.get(&format!("/v1/runs/{id}"), ACME).await;
+    assert_eq!(got["status"], "queued", "acme's run was touched by beta");
+
+    let (_, beta_list) = app.get("/v1/runs", BETA).await;
+    assert_eq!(beta_list["data"], json!([]), "beta sees acme's runs");
+    let (status, body) = app.get("/v1/no-such-route", ACME).await;
+    assert_eq!(status, 404);
+    assert_eq!(error_type(&body), "not_found");
+}
+
+#[tokio::test]
+async fn cancel_is_200_then_409() {
+    let app = spawn_app().await;
+    let run = app.submit(ACME, &spec()).await;
+    let id = run["id"].as_str().unwrap();
+    let (status, cancelled) = app.post(&format!("/v1/runs/{id}/cancel"), ACME, &json!({})).await;
+    assert_eq!(status, 200, "{cancelled}");
+    assert_eq!(cancelled["status"], "cancelled");
+    assert!(cancelled["finished_at"].is_string());
+    let (status, body) = app.post(&format!("/v1/runs/{id}/cancel"), ACME, &json!({})).await;
+    assert_eq!(status, 409, "{body}");
+    assert_eq!(error_type(&body), "conflict");
+    let (_, q) = app.get("/v1/queue", ACME).await;
+    assert_eq!(q["ready"].as_u64().unwrap() + q["delayed"].as_u64().unwrap(), 0, "the cancelled run's turn is still queued: {q}");
+}
+
+#[tokio::test]
+async fn runs_list_newest_first_in_pages_and_by_status() {
+    let app = spawn_app().await;
+    let mut ids = vec![];
+    for i in 0..5 {
+        let run = app.submit(ACME, &json!({"model": "m", "input": format!("task {i}")})).await;
+        ids.push(run["id"].as_str().unwrap().to_owned());
+    }
+    app.submit(BETA, &spec()).await;
+    let (_, cancelled) = app.post(&format!("/v1/runs/{}/cancel", ids[1]), ACME, &json!({})).await;
+    assert_eq!(cancelled["status"], "cancelled");
+
+    let mut seen = vec![];
+    let mut cursor: Option<String> = None;
+    for _ in 0..10 {
+        let path = match &cursor {
+            Some(c) => format!("/v1/runs?limit=2&cursor={c}"),
+            None => "/v1/runs?limit=2".to_string(),
+        };
+        let (status, page) = app.get(&path, ACME).await;
+        assert_eq!(status, 200, "{page}");
+        let data = page["data"].as_array().unwrap();
+        assert!(data.len() <= 2);
+        seen.extend(data.iter().map(|r| r["id"].as_str().unwrap().to_owned()));
+        match page["next_cursor"].as_str() {
+            Some(c) => cursor = Some(c.to_owned()),
+            None => break,
+        }
+    }
+    let newest_first: Vec<String> = ids.iter().rev().cloned().collect();
+    assert_eq!(seen, newest_first);
+
+    let (_, only) = app.get("/v1/runs?status=cancelled", ACME).await;
+    let only: Vec<&str> = only["data"].as_array().unwrap().iter().map(|r| r["id"].as_str().unwrap()).collect();
+    assert_eq!(only, vec![ids[1].as_str()]);
+
+    for (q, field) in [("status=done", "status"), ("limit=0", "limit"), ("limit=101", "limit"), ("limit=x", "limit"), ("cursor=zzz", "cursor")] {
+        let (status, body) = app.get(&format!("/v1/runs?{q}"), ACME).await;
+        assert_eq!(status, 422, "{q}: {body}");
+        assert_eq!(body["error"]["field"], field);
+    }
+}
+
+#[tokio::test]
+async fn an_idempotency_key_returns_the_first_run() {
+    let app = spawn_app().await;
+    let send = |token: &'static str, key: &'static str, body: Value| {
+        app.req(reqwest::Method::POST, "/v1/runs", Some(token)).header("Idempotency-Key", key).json(&body).send()
+    };
+    let first = send(ACME, "k-1", spec()).await.unwrap();
+    assert_eq!(first.status(), 202);
+    let first: Value = first.json().await.unwrap();
+    // The same body in another layout is the same request.
+    let reordered = json!({"metadata": {"ticket": 42}, "max_turns": 5, "input": "the task", "instructions": "Be brief.", "model": "gpt-4.1-mini"});
+    let again = send(ACME, "k-1", reordered).await.unwrap();
+    assert_eq!(again.status(), 202);
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    let again: Value = again.json().await.unwrap();
+    assert_eq!(again["id"], first["id"]);
+
+    let (status, err) = read(send(ACME, "k-1", json!({"model": "m", "input": "another"})).await.unwrap()).await;
+    assert_eq!(status, 422, "{err}");
+    assert_eq!(err["error"]["field"], "Idempotency-Key");
+
+    // Keys are per tenant.
+    let other: Value = send(BETA, "k-1", spec()).await.unwrap().json().await.unwrap();
+    assert_ne!(other["id"], first["id"]);
+
+    let (status, err) = read(send(ACME, "bad key", spec()).await.unwrap()).await;
+    assert_eq!(status, 422);
+    assert_eq!(err["error"]["field"], "Idempotency-Key");
+
+    let (_, list) = app.get("/v1/runs", ACME).await;
+    assert_eq!(list["data"].as_array().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn concurrent_submits_with_one_key_make_one_run() {
+    let app = spawn_app().await;
+    let sends = (0..16).map(|_| {
+        app.req(reqwest::Method::POST, "/v1/runs", Some(ACME)).header("Idempotency-Key", "same").json(&spec()).send()
+    });
+    let answers = futures::future::join_all(sends).await;
+    let mut ids = std::collections::HashSet::new();
+    for a in answers {
+        let a = a.unwrap();
+        assert_eq!(a.status(), 202);
+        let run: Value = a.json().await.unwrap();
+        ids.insert(run["id"].as_str().unwrap().to_owned());
+    }
+    assert_eq!(ids.len(), 1, "{ids:?}");
+    let (_, list) = app.get("/v1/runs", ACME).await;
+    assert_eq!(list["data"].as_array().unwrap().len(), 1);
+    let (_, q) = app.get("/v1/queue", ACME).await;
+    assert_eq!(q["ready"].as_u64().unwrap() + q["delayed"].as_u64().unwrap(), 1, "{q}");
+}
+
+#[tokio::test]
+async fn a_finished_runs_events_replay_close_and_resume_after_last_event_id() {
+    let app = spawn_app().await;
+    let run = app.submit(ACME, &spec()).await;
+    let id = run["id"].as_str().unwrap();
+    let store = app.store().await;
+    store.emit(id, "turn.started", &json!({"turn": 0})).await.unwrap();
+    store.emit(id, "turn.output_text.delta", &json!({"delta": "Hel"})).await.unwrap();
+    let (status, _) = app.post(&format!("/v1/runs/{id}/cancel"), ACME, &json!({})).await;
+    assert_eq!(status, 200);
+
+    let all = app.events(id, ACME, None).await;
+    let kinds: Vec<&str> = all.iter().map(|(_, k, _)| k.as_str()).collect();
+    assert_eq!(kinds, ["run.queued", "turn.started", "turn.output_text.delta", "run.cancelled"]);
+    assert_eq!(all[2].2, json!({"delta": "Hel"}));
+    assert!(all.iter().all(|(id, _, _)| !id.is_empty()), "every event has an id");
+
+    let rest = app.events(id, ACME, Some(&all[1].0)).await;
+    let kinds: Vec<&str> = rest.iter().map(|(_, k, _)| k.as_str()).collect();
+    assert_eq!(kinds, ["turn.output_text.delta", "run.cancelled"]);
+    let none = app.events(id, ACME, Some(&all[3].0)).await;
+    assert!(none.is_empty(), "{none:?}");
+
+    let (status, err) = read(
+        app.req(reqwest::Method::GET, &format!("/v1/runs/{id}/events"), Some(ACME))
+            .header("Last-Event-ID", "yesterday")
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 422);
+    assert_eq!(err["error"]["field"], "Last-Event-ID");
+}
+
+#[tokio::test]
+async fn a_live_runs_events_are_followed_until_it_finishes() {
+    let app = spawn_app().await;
+    let run = app.submit(ACME, &spec()).await;
+    let id = run["id"].as_str().unwrap().to_owned();
+    let resp = app.req(reqwest::Method::GET, &format!("/v1/runs/{id}/events"), Some(ACME)).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let started = Instant::now();
+    let body = tokio::spawn(async move { resp.text().await.unwrap() });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let store = app.store().await;
+    store.emit(&id, "turn.paced", &json!({"owed_ms": 1200})).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!body.is_finished(), "the stream closed while the run was live");
+    let (status, _) = app.post(&format!("/v1/runs/{id}/cancel"), ACME, &json!({})).await;
+    assert_eq!(status, 200);
+    let text = within("the stream to close after run.cancelled", Duration::from_secs(5), body).await.unwrap();
+    let kinds: Vec<String> = parse_sse(&text).into_iter().map(|(_, k, _)| k).collect();
+    assert_eq!(kinds, ["run.queued", "turn.paced", "run.cancelled"]);
+    assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+#[tokio::test]
+async fn pacer_queue_and_workers_show_the_shared_state() {
+    use shared::pacer::{CallOutcome, Estimate, Mode, Observation, PacingConfig, SharedPacer};
+    let app = spawn_app().await;
+    let (status, p) = app.get("/v1/pacer", ACME).await;
+    assert_eq!(status, 200);
+    assert_eq!(p["budgets"], json!([]));
+
+    let conn = shared::redis_util::manager(&app.redis.url()).await.unwrap();
+    let pacer = SharedPacer::new(conn, Keys::new(app.prefix.clone()), "default", PacingConfig::default());
+    pacer.acquire("gpt-x", "r1", Estimate { tokens: 1000, requests: 1 }, Mode::Work).await.unwrap();
+    let seen = Observation { limit: Some(30_000), remaining: Some(20_000), reset_ms: Some(20_000) };
+    pacer
+        .settle("gpt-x", "r1", &CallOutcome { used_tokens: Some(900), tokens: seen, ..Default::default() })
+        .await
+        .unwrap();
+    let (_, p) = app.get("/v1/pacer", ACME).await;
+    let b = &p["budgets"][0];
+    assert_eq!(b["budget"], "default", "{p}");
+    assert_eq!(b["model"], "gpt-x");
+    assert_eq!(b["limit_tokens"], 30_000);
+    for k in ["remaining_tokens", "reset_in_ms", "reserved_tokens", "remaining_requests", "limit_requests", "reserved_requests", "observed_at"] {
+        assert!(b.get(k).is_some(), "{k} missing: {b}");
+    }
+    assert!(b["remaining_tokens"].as_i64().unwrap() <= 20_000);
+    assert!(b["observed_at"].is_string());
+
+    let (_, w) = app.get("/v1/workers", ACME).await;
+    assert_eq!(w["workers"], json!([]));
+    let queue = shared::queue::TurnQueue::new(&RedisArgs::new(app.redis.url(), app.prefix.clone()), Default::default()).unwrap();
+    let info = shared::queue::WorkerInfo {
+        identity: "host-1-x".into(),
+        host: "host".into(),
+        pid: 1,
+        concurrency: 16,
+        in_flight: 2,
+        started_at_ms: 1_796_032_800_000,
+        last_heartbeat_ms: 0,
+    };
+    queue.heartbeat("host-1-x", Some(&info), &[]).await.unwrap();
+    let (_, w) = app.get("/v1/workers", ACME).await;
+    let w0 = &w["workers"][0];
+    assert_eq!(w0["identity"], "host-1-x", "{w}");
+    assert_eq!(w0["concurrency"], 16);
+    assert_eq!(w0["started_at"], "2026-11-30T10:00:00.000Z");
+    assert!(w0["last_heartbeat"].is_string());
+
+    queue.enqueue("later", &json!({}), 60_000).await.unwrap();
+    let (_, q) = app.get("/v1/queue", ACME).await;
+    assert_eq!(q["delayed"], 1, "{q}");
+    assert!(q["next_due_at"].is_string());
+    assert!(q["next_due_in_ms"].as_i64().unwrap() > 50_000);
+}
+
+#[tokio::test]
+async fn the_openapi_document_lists_every_route() {
+    let app = spawn_app().await;
+    let (status, doc) = app.get("/v1/openapi.json", ACME).await;
+    assert_eq!(status, 200);
+    assert!(doc["openapi"].as_str().unwrap().starts_with("3."));
+    let paths = doc["paths"].as_object().unwrap();
+    for (path, method) in [
+        ("/v1/runs", "post"),
+        ("/v1/runs", "get"),
+        ("/v1/runs/{id}", "get"),
+        ("/v1/runs/{id}/transcript", "get"),
+        ("/v1/runs/{id}/events", "get"),
+        ("/v1/runs/{id}/cancel", "post"),
+        ("/v1/pacer", "get"),
+        ("/v1/queue", "get"),
+        ("/v1/workers", "get"),
+        ("/v1/openapi.json", "get"),
+        ("/healthz", "get"),
+        ("/readyz", "get"),
+        ("/metrics", "get"),
+    ] {
+        assert!(paths.get(path).and_then(|p| p.get(method)).is_some(), "{method} {path} is missing");
+    }
+    let schemas = doc["components"]["schemas"].as_object().unwrap();
+    for s in ["Run", "RunStatus", "SubmitRun", "RunList", "Transcript", "PacerView", "QueueView", "WorkersView", "ErrorBody"] {
+        assert!(schemas.contains_key(s), "schema {s} is missing");
+    }
+    assert_eq!(
+        doc["paths"]["/v1/runs"]["post"]["responses"]["202"]["content"]["application/json"]["schema"]["$ref"],
+        "#/components/schemas/Run"
+    );
+}
+
+#[tokio::test]
+async fn metrics_expose_the_specs_families() {
+    let app = spawn_app().await;
+    app.submit(ACME, &spec()).await;
+    let text = app.req(reqwest::Method::GET, "/metrics", None).send().await.unwrap().text().await.unwrap();
+    for family in [
+        "paceline_turns_total",
+        "paceline_provider_calls_total",
+        "paceline_rate_limited_total",
+        "paceline_budget_waits_total",
+        "paceline_requeue_delay_seconds_bucket",
+        "paceline_queue_depth",
+        "paceline_turn_duration_seconds_bucket",
+    ] {
+        assert!(text.contains(family), "{family} missing from:\n{text}");
+    }
+    assert!(text.contains("# TYPE paceline_turn_duration_seconds histogram"), "{text}");
+    // The pacer gauge appears once a budget is known.
+    use shared::pacer::{CallOutcome, Estimate, Mode, Observation, PacingConfig, SharedPacer};
+    let conn = shared::redis_util::manager(&app.redis.url()).await.unwrap();
+    let pacer = SharedPacer::new(conn, Keys::new(app.prefix.clone()), "default", PacingConfig::default());
+    pacer.acquire("gpt-m", "r1", Estimate { tokens: 10, requests: 1 }, Mode::Work).await.unwrap();
+    let seen = Observation { limit: Some(1000), remaining: Some(900), reset_ms: Some(1000) };
+    pacer.settle("gpt-m", "r1", &CallOutcome { tokens: seen, ..Default::default() }).await.unwrap();
+    let text = app.req(reqwest::Method::GET, "/metrics", None).send().await.unwrap().text().await.unwrap();
+    assert!(text.contains("paceline_pacer_remaining_tokens{"), "{text}");
+}
+
+#[tokio::test]
+async fn redis_going_away_is_503_never_a_hang() {
+    let mut app = spawn_app().await;
+    let run = app.submit(ACME, &spec()).await;
+    let id = run["id"].as_str().unwrap().to_owned();
+    app.redis.kill();
+    let started = Instant::now();
+    for (method, path) in [
+        (reqwest::Method::POST, "/v1/runs".to_string()),
+        (reqwest::Method::GET, "/v1/runs".to_string()),
+        (reqwest::Method::GET, format!("/v1/runs/{id}")),
+        (reqwest::Method::GET, format!("/v1/runs/{id}/transcript")),
+        (reqwest::Method::GET, format!("/v1/runs/{id}/events")),
+        (reqwest::Method::POST, format!("/v1/runs/{id}/cancel")),
+        (reqwest::Method::GET, "/v1/pacer".to_string()),
+        (reqwest::Method::GET, "/v1/queue".to_string()),
+        (reqwest::Method::GET, "/v1/workers".to_string()),
+        (reqwest::Method::GET, "/readyz".to_string()),
+    ] {
+        let t = Instant::now();
+        let (status, body) =
+            within(&format!("{method} {path}"), Duration::from_secs(8), async {
+                read(app.req(method.clone(), &path, Some(ACME)).json(&spec()).send().await.unwrap()).await
+            })
+            .await;
+        assert_eq!(status, 503, "{method} {path}: {body}");
+        assert_eq!(error_type(&body), "unavailable");
+        assert!(t.elapsed() < Duration::from_secs(5), "{method} {path} took {:?}", t.elapsed());
+    }
+    assert!(started.elapsed() < Duration::from_secs(30));
+    // Still up, and back when Redis is.
+    let r = app.req(reqwest::Method::GET, "/healthz", None).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    app.redis.spawn();
+    let ok = paceline_tests::eventually("readyz after the restart", Duration::from_secs(10), || async {
+        let r = app.req(reqwest::Method::GET, "/readyz", None).send().await.ok()?;
+        (r.status() == 200).then_some(())
+    })
+    .await;
+    let _ = ok;
+    app.submit(ACME, &spec()).await;
+}
