@@ -194,3 +194,39 @@ fn the_chat_checker_catches_an_unanswered_call() {
         json!({"role": "user", "content": "x"}),
     ]);
 }
+
+/// The mock counts `chars / 4`, about 1.33× o200k on English: measured with
+/// the mock's own request parser, our raw estimate falls short of what it
+/// admits, and a `Calibration` fed the mock's reported counts closes the gap
+/// — so a reservation covers what the bucket will take.
+#[test]
+fn calibrated_estimates_cover_what_the_mock_charges() {
+    use mock_provider::wire::{parse, Api};
+    use worker::estimate::{input_tokens, Calibration};
+    let tools = tools();
+    let params = TurnParams { model: "m", instructions: Some("You are a careful research agent."), tools: &tools,
+                              max_output_tokens: Some(512), metadata: None };
+    for (style, api) in [(ApiStyle::Responses, Api::Responses), (ApiStyle::Chat, Api::Chat)] {
+        let mut calibration = Calibration::new();
+        let mut ratios = vec![];
+        for seed in 0..40u64 {
+            let mut rng = StdRng::seed_from_u64(seed);
+            let context = prepare_context(&random_transcript(&mut rng), DEFAULT_MAX_HISTORY);
+            let body = build_body(style, &params, &context);
+            let ours = input_tokens(&body);
+            let mock = parse(api, &body).unwrap().prompt.input_tokens;
+            if seed >= 10 {
+                // After ten calls, a reservation covers (nearly) all the mock takes.
+                ratios.push(calibration.apply(ours) as f64 / mock as f64);
+            } else {
+                assert!(ours < mock, "{style:?} seed {seed}: raw {ours} vs mock {mock}");
+            }
+            calibration.observe(ours, mock);
+        }
+        let worst = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+        let mean = ratios.iter().sum::<f64>() / ratios.len() as f64;
+        eprintln!("{style:?}: calibration ratio {:.3}, calibrated/mock mean {mean:.3}, worst {worst:.3}", calibration.ratio());
+        assert!(worst > 0.93, "{style:?}: {worst}");
+        assert!(mean > 0.98 && mean < 1.1, "{style:?}: {mean}");
+    }
+}
