@@ -14,7 +14,9 @@
 //!
 //! An estimate, not a bill: it errs high where it must guess (framing,
 //! images, encrypted reasoning), because a reservation that is too small
-//! sends into a 429 and one that is a little large only waits a little.
+//! sends into a 429 and one that is a little large only waits a little. A
+//! provider whose tokenizer is not ours is met by [`Calibration`], learned
+//! from the usage it reports.
 
 use serde_json::Value;
 use tiktoken_rs::CoreBPE;
