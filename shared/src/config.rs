@@ -10,7 +10,7 @@ use std::fmt;
 #[derive(Debug, Clone, clap::Args)]
 pub struct RedisArgs {
     /// Redis URL (`redis://`, `rediss://` or `redis+unix://`).
-    #[arg(long = "redis-url", env = "REDIS_URL", default_value = "redis://127.0.0.1:6379")]
+    #[arg(id = "redis_url", long = "redis-url", env = "REDIS_URL", default_value = "redis://127.0.0.1:6379")]
     pub url: String,
     /// Prefix of every Redis key paceline writes.
     #[arg(long = "prefix", env = "PACELINE_PREFIX", default_value = "paceline")]
@@ -34,7 +34,7 @@ impl RedisArgs {
 #[derive(Debug, Clone, clap::Args)]
 pub struct ProviderArgs {
     /// Base URL of an OpenAI-compatible API.
-    #[arg(long = "provider-url", env = "PACELINE_PROVIDER_URL", default_value = "https://api.openai.com/v1")]
+    #[arg(id = "provider_url", long = "provider-url", env = "PACELINE_PROVIDER_URL", default_value = "https://api.openai.com/v1")]
     pub url: String,
     /// The provider's API key.
     #[arg(long = "api-key", env = "OPENAI_API_KEY", hide_env_values = true, default_value = "")]

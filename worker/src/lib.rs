@@ -1,13 +1,143 @@
 //! paceline's worker: runs a run's turns from the queue, each call paced by the
 //! shared pacer, each turn committed exactly once.
 //!
+//! - `turn.rs` — one turn end to end (the heart of the worker).
 //! - `provider/` — our thin client for OpenAI-compatible APIs (Responses and
 //!   Chat Completions, streaming), which never retries or sleeps on its own.
 //! - `request.rs` — the request body from the transcript, in either wire format.
 //! - `estimate.rs` — the call's token estimate (tiktoken, o200k_base).
 //! - `tools.rs` — calling the run's tool endpoint.
+//!
+//! A worker is `worker::run(config, shutdown)`: apalis's worker runtime over
+//! our Redis queue (`shared::queue`), `concurrency` turns at once.
 
 pub mod estimate;
 pub mod provider;
 pub mod request;
 pub mod tools;
+pub mod turn;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use shared::config::{PacerArgs, ProviderArgs, RedisArgs};
+use shared::queue::apalis_core::error::BoxDynError;
+use shared::queue::apalis_core::task::data::Data;
+use shared::queue::apalis_core::worker::builder::WorkerBuilder;
+use shared::queue::{Lease, QueueConfig, TurnQueue};
+use shared::runs::{RunStore, TurnJob};
+
+pub use turn::{Outcome, Runner, TurnConfig};
+
+/// A worker process's configuration (flag > env > default).
+#[derive(Debug, Clone, clap::Args)]
+pub struct WorkerConfig {
+    /// Redis.
+    #[command(flatten)]
+    pub redis: RedisArgs,
+    /// The provider.
+    #[command(flatten)]
+    pub provider: ProviderArgs,
+    /// The pacer.
+    #[command(flatten)]
+    pub pacer: PacerArgs,
+    /// The queue's leases and batches.
+    #[command(flatten)]
+    pub queue: QueueConfig,
+    /// Turns run at once by this process.
+    #[arg(long, env = "PACELINE_CONCURRENCY", default_value_t = 16)]
+    pub concurrency: usize,
+    /// History depth sent to the model, in turns (one number for every transport).
+    #[arg(long = "max-history", env = "PACELINE_MAX_HISTORY", default_value_t = shared::runs::backpressure::DEFAULT_MAX_HISTORY)]
+    pub max_history: usize,
+    /// Allowed tool endpoints (comma-separated URL prefixes).
+    #[arg(long = "tool-endpoints", env = "PACELINE_TOOL_ENDPOINTS", value_delimiter = ',', default_value = "")]
+    pub tool_endpoints: Vec<String>,
+    /// How long a finished run's record, transcript and events are kept, seconds.
+    #[arg(long = "retention-s", env = "PACELINE_RETENTION", default_value_t = 7 * 24 * 3600)]
+    pub retention_s: u64,
+}
+
+impl WorkerConfig {
+    /// A config built in code (tests, `paceline up`): defaults everywhere else.
+    pub fn new(redis: RedisArgs, provider_url: impl Into<String>) -> Self {
+        Self {
+            redis,
+            provider: ProviderArgs {
+                url: provider_url.into(),
+                api_key: shared::config::Secret::default(),
+                api_style: shared::runs::ApiStyle::Responses,
+            },
+            pacer: PacerArgs {
+                kind: shared::pacer::PacerKind::Shared,
+                budget: "default".into(),
+                tpm: None,
+                rpm: None,
+                work_floor_pct: 10.0,
+                floor_pct: 2.0,
+                max_pace_ms: 90_000,
+                in_place_wait_ms: 250,
+            },
+            queue: QueueConfig::default(),
+            concurrency: 16,
+            max_history: shared::runs::backpressure::DEFAULT_MAX_HISTORY,
+            tool_endpoints: vec![],
+            retention_s: 7 * 24 * 3600,
+        }
+    }
+}
+
+/// Builds what every turn of this process shares.
+pub async fn runner(config: &WorkerConfig) -> anyhow::Result<(Runner, TurnQueue)> {
+    let queue = TurnQueue::new(&config.redis, config.queue.clone()).context("the turn queue")?;
+    let conn = shared::redis_util::lazy_manager(&config.redis.url, shared::redis_util::COMMAND_TIMEOUT)
+        .context("connect to Redis")?;
+    let keys = config.redis.keys();
+    let store = RunStore::new(conn.clone(), keys.clone(), Duration::from_secs(config.retention_s));
+    let pacer = config.pacer.build(conn, keys);
+    let provider = provider::Provider::new(&config.provider)?;
+    let tool_endpoints = config.tool_endpoints.iter().map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect();
+    let turn_config = TurnConfig {
+        max_history: config.max_history.max(1),
+        in_place_wait: Duration::from_millis(config.pacer.in_place_wait_ms),
+        tool_endpoints,
+        ..TurnConfig::default()
+    };
+    let http = reqwest::Client::builder().connect_timeout(Duration::from_secs(10)).build()?;
+    let runner = Runner { store, queue: queue.clone(), pacer, provider, http, config: Arc::new(turn_config) };
+    Ok((runner, queue))
+}
+
+async fn handle_turn(job: TurnJob, lease: Lease, runner: Data<Runner>) -> Result<(), BoxDynError> {
+    use tracing::Instrument as _;
+    let span = tracing::info_span!("turn", run.id = %lease.id, turn.index = job.turn, attempt = job.attempt);
+    match runner.run_turn(job, &lease).instrument(span).await {
+        Ok(_) => Ok(()),
+        Err(error) => {
+            tracing::warn!(message = "turn failed; the queue retries it", %error, run.id = %lease.id);
+            Err(Box::new(error))
+        }
+    }
+}
+
+/// Runs a worker until `shutdown` resolves: stops taking turns, finishes or
+/// hands back the ones in flight, and returns.
+pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+    let (runner, queue) = runner(&config).await?;
+    let backend = queue.backend::<TurnJob>(config.concurrency.max(1));
+    let name = backend.identity().to_owned();
+    tracing::info!(message = "worker started", worker.id = %name, concurrency = config.concurrency,
+        pacer = ?config.pacer.kind, provider = %config.provider.url);
+    let worker = WorkerBuilder::new(name.as_str()).backend(backend).data(runner).build(handle_turn);
+    worker
+        .run_until(async move {
+            shutdown.await;
+            Ok::<(), std::io::Error>(())
+        })
+        .await
+        .context("worker")?;
+    tracing::info!(message = "worker stopped", worker.id = %name);
+    Ok(())
+}

@@ -473,10 +473,12 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, outcome: 
         state.probe_until_ms = 0;
     }
     if let Some(ms) = outcome.rate_limited_ms {
-        // The provider says the window is closed: remaining = 0 for everyone.
+        // The provider says the window is closed for `ms`, for everyone. What
+        // is left after it is what the 429's headers say; without headers,
+        // remaining = 0.
         state.blocked_until_ms = state.blocked_until_ms.max(headers_at + ms as i64);
-        for bucket in [&mut state.tokens, &mut state.requests] {
-            if bucket.known() {
+        for (bucket, obs) in [(&mut state.tokens, &outcome.tokens), (&mut state.requests, &outcome.requests)] {
+            if bucket.known() && obs.remaining.is_none() {
                 bucket.level = bucket.level.min(-bucket.booked);
             }
         }

@@ -320,10 +320,12 @@ if op == 'settle' then
     S['probe_until'] = 0
   end
   if limited >= 0 then
-    -- The provider says the window is closed: remaining = 0 for every worker.
+    -- The provider says the window is closed for every worker; what is left
+    -- after it is what the 429's headers say; without headers, remaining = 0.
     S['blocked_until'] = math.max(get('blocked_until'), headers_at + limited)
-    for _, p in ipairs({'t_', 'r_'}) do
-      if known(p) then S[p .. 'level'] = math.min(get(p .. 'level'), -get(p .. 'booked')) end
+    for _, pr in ipairs({{'t_', tonumber(ARGV[15])}, {'r_', tonumber(ARGV[18])}}) do
+      local p, remaining = pr[1], pr[2]
+      if known(p) and remaining < 0 then S[p .. 'level'] = math.min(get(p .. 'level'), -get(p .. 'booked')) end
     end
   end
   save()

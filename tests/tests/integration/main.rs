@@ -8,4 +8,5 @@ mod queue;
 mod context;
 mod provider_client;
 mod run_store;
+mod worker;
 mod api;

@@ -1,0 +1,344 @@
+//! The worker end to end against real Redis, the mock provider and a tool
+//! endpoint: runs with tools complete; what the provider received shows the
+//! back-pressure; 429s, quota, transient errors and mid-stream failures follow
+//! SPEC §4; a cancelled run calls the provider no more; a SIGKILLed worker
+//! process loses no run and doubles no turn.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use mock_provider::{Fault, MockConfig, MockServer};
+use paceline_tests::{eventually, unique_prefix, ChildGuard, RedisServer};
+use serde_json::{json, Value};
+use shared::config::RedisArgs;
+use shared::keys::Keys;
+use shared::runs::{Run, RunSpec, RunStatus, RunStore, SubmitPolicy};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+const TENANT: &str = "default";
+
+/// A tool endpoint: `browser__snapshot` answers 30 000 characters (over its
+/// cap), `big` 20 000, anything else a short echo.
+async fn tool_server() -> SocketAddr {
+    async fn tool(axum::Json(call): axum::Json<Value>) -> axum::Json<Value> {
+        let name = call["name"].as_str().unwrap_or_default();
+        let output = match name {
+            "browser__snapshot" => format!("<html>{}</html>", "b".repeat(30_000)),
+            "big" => "x".repeat(20_000),
+            _ => format!("ok {}", call["arguments"].as_str().unwrap_or_default()),
+        };
+        axum::Json(json!({ "output": output }))
+    }
+    let app = axum::Router::new().route("/tools", axum::routing::post(tool));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.ok() });
+    addr
+}
+
+struct App {
+    redis: RedisServer,
+    prefix: String,
+    mock: MockServer,
+    store: RunStore,
+    tools: String,
+    workers: Vec<(oneshot::Sender<()>, JoinHandle<()>)>,
+}
+
+impl App {
+    async fn start(mock: MockConfig) -> Self {
+        shared::telemetry::init("error");
+        let redis = RedisServer::start();
+        let prefix = unique_prefix();
+        let mock = MockServer::start(MockConfig { listen: "127.0.0.1:0".parse().unwrap(), keep_bodies: 200, ..mock })
+            .await
+            .unwrap();
+        let conn = shared::redis_util::manager(&redis.url()).await.unwrap();
+        let store = RunStore::new(conn, Keys::new(&prefix), Duration::from_secs(600));
+        let tools = format!("http://{}/tools", tool_server().await);
+        Self { redis, prefix, mock, store, tools, workers: vec![] }
+    }
+
+    fn config(&self) -> worker::WorkerConfig {
+        let mut c = worker::WorkerConfig::new(RedisArgs::new(self.redis.url(), &self.prefix), self.mock.base_url());
+        c.tool_endpoints = vec![self.tools.clone()];
+        c.queue.lease_ms = 2_000;
+        c
+    }
+
+    /// Starts an in-process worker (apalis runtime over the queue).
+    fn spawn_worker(&mut self, config: worker::WorkerConfig) {
+        let (tx, rx) = oneshot::channel::<()>();
+        let handle = tokio::spawn(async move {
+            worker::run(config, async move {
+                let _ = rx.await;
+            })
+            .await
+            .expect("worker");
+        });
+        self.workers.push((tx, handle));
+    }
+
+    async fn submit(&self, body: Value) -> Run {
+        let policy = SubmitPolicy { tool_endpoint_prefixes: vec![self.tools.clone()] };
+        let spec = RunSpec::from_json(&body, &policy).expect("valid spec");
+        self.store.create(TENANT, &spec, None).await.unwrap().run
+    }
+
+    async fn wait_finished(&self, id: &str, timeout: Duration) -> Run {
+        eventually(&format!("run {id} to finish"), timeout, || async {
+            let run = self.store.get(TENANT, id).await.ok()??;
+            run.status.is_finished().then_some(run)
+        })
+        .await
+    }
+
+    async fn stop_workers(&mut self) {
+        for (tx, handle) in self.workers.drain(..) {
+            let _ = tx.send(());
+            let _ = tokio::time::timeout(Duration::from_secs(15), handle).await;
+        }
+    }
+}
+
+fn secs(s: u64) -> Duration {
+    Duration::from_secs(s)
+}
+
+fn tool_run(app: &App, tool: &str) -> Value {
+    json!({
+        "model": "gpt-test",
+        "instructions": "You are a test.",
+        "input": "do the task",
+        "tools": [{"type": "function", "name": tool, "description": "a tool",
+                   "parameters": {"type": "object", "properties": {}}}],
+        "tool_endpoint": app.tools,
+        "max_turns": 10,
+        "max_output_tokens": 64,
+    })
+}
+
+/// Every function_call_output in a sent body has its function_call before it.
+fn assert_no_orphans(body: &Value) {
+    let items = body["input"].as_array().expect("a Responses body");
+    let mut calls = HashSet::new();
+    for item in items {
+        match item["type"].as_str() {
+            Some("function_call") => {
+                calls.insert(item["call_id"].as_str().unwrap().to_owned());
+            }
+            Some("function_call_output") => {
+                assert!(calls.contains(item["call_id"].as_str().unwrap()), "orphaned output in {items:#?}")
+            }
+            _ => {}
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_with_tools_completes_and_the_provider_saw_the_back_pressure() {
+    let mut app = App::start(MockConfig { tool_rounds: 3, ..MockConfig::default() }).await;
+    app.spawn_worker(app.config());
+    let run = app.submit(tool_run(&app, "browser__snapshot")).await;
+    let run = app.wait_finished(&run.id, secs(30)).await;
+    assert_eq!(run.status, RunStatus::Completed, "{run:?}");
+    assert_eq!(run.turns_completed, 4, "3 tool rounds and the answer");
+    assert!(run.output_text.as_deref().is_some_and(|t| !t.is_empty()));
+    assert!(run.usage.total_tokens > 0);
+
+    let bodies = app.mock.stats().bodies;
+    assert_eq!(bodies.len(), 4, "one call per turn, none re-sent");
+    let last = &bodies.last().unwrap().body;
+    assert_no_orphans(last);
+    let outputs: Vec<&str> = last["input"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|i| i["type"] == "function_call_output")
+        .map(|i| i["output"].as_str().unwrap())
+        .collect();
+    assert_eq!(outputs.len(), 3);
+    // Every browser view but the newest is a one-line placeholder ...
+    for old in &outputs[..2] {
+        assert!(old.len() < 300 && old.contains("snapshot"), "not elided: {}", &old[..old.len().min(200)]);
+    }
+    // ... and the newest is clipped to its cap, saying so.
+    let newest = outputs[2];
+    assert!(newest.chars().count() <= shared::runs::backpressure::BROWSER_TOOL_OUTPUT_CAP);
+    assert!(newest.contains("30013"), "the clip note says how much there was: {}", &newest[newest.len() - 200..]);
+    // The transcript shows the clipped text too: one constant, not two.
+    let tx = app.store.transcript(TENANT, &run.id).await.unwrap().unwrap();
+    let stored: Vec<&Value> = tx.iter().filter(|e| e.item["type"] == "function_call_output").map(|e| &e.item).collect();
+    assert_eq!(stored.len(), 3);
+    assert_eq!(stored[2]["output"].as_str().unwrap(), newest);
+    app.stop_workers().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn history_is_bounded_without_orphaning_a_tool_output() {
+    let mut app = App::start(MockConfig { tool_rounds: 6, ..MockConfig::default() }).await;
+    let mut config = app.config();
+    config.max_history = 2;
+    app.spawn_worker(config);
+    // The scripted model never sees more than 2 tool outputs, so it keeps
+    // asking for tools until max_turns: 10 bounded requests.
+    let run = app.submit(tool_run(&app, "lookup")).await;
+    let run = app.wait_finished(&run.id, secs(30)).await;
+    assert_eq!(run.error.as_ref().map(|e| e.kind.as_str()), Some("max_turns"), "{run:?}");
+    assert_eq!(app.mock.stats().bodies.len(), 10);
+    for kept in app.mock.stats().bodies {
+        assert_no_orphans(&kept.body);
+        let items = kept.body["input"].as_array().unwrap();
+        assert_eq!(items[0]["content"], "do the task", "the task is always sent");
+        let calls = items.iter().filter(|i| i["type"] == "function_call").count();
+        assert!(calls <= 2, "more than 2 turns of history sent: {calls} calls");
+    }
+    app.stop_workers().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_429_is_retried_after_its_retry_after_and_nobody_sends_into_the_window() {
+    let mut app = App::start(MockConfig { tool_rounds: 0, ..MockConfig::default() }).await;
+    app.mock.inject(Fault::RateLimited { retry_after_ms: 3_000 });
+    app.spawn_worker(app.config());
+    app.spawn_worker(app.config());
+    let first = app.submit(json!({"model": "gpt-test", "input": "one"})).await;
+    let first = app.wait_finished(&first.id, secs(30)).await;
+    assert_eq!(first.status, RunStatus::Completed, "{first:?}");
+    assert_eq!(first.pacing.rate_limited, 1);
+    let log = app.mock.stats().log;
+    let limited = log.iter().find(|e| e.status == 429).expect("the injected 429");
+    let after: Vec<_> = log.iter().filter(|e| e.seq > limited.seq).collect();
+    assert!(!after.is_empty());
+    for e in &after {
+        assert!(
+            e.at_ms >= limited.at_ms + 3_000,
+            "a call {} ms after the 429 went into the closed window",
+            e.at_ms - limited.at_ms
+        );
+    }
+    app.stop_workers().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn insufficient_quota_fails_the_run_after_exactly_one_request() {
+    let mut app = App::start(MockConfig { tool_rounds: 0, ..MockConfig::default() }).await;
+    app.mock.inject(Fault::Quota);
+    app.spawn_worker(app.config());
+    let run = app.submit(json!({"model": "gpt-test", "input": "x"})).await;
+    let run = app.wait_finished(&run.id, secs(20)).await;
+    assert_eq!(run.status, RunStatus::Failed);
+    assert_eq!(run.error.as_ref().map(|e| e.kind.as_str()), Some("quota"));
+    assert_eq!(app.mock.stats().requests, 1);
+    app.stop_workers().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_errors_are_retried_with_backoff_and_six_429s_fail_the_run() {
+    let mut app = App::start(MockConfig { tool_rounds: 0, ..MockConfig::default() }).await;
+    app.mock.inject(Fault::ServerError { status: 503 });
+    app.spawn_worker(app.config());
+    let run = app.submit(json!({"model": "gpt-test", "input": "x"})).await;
+    let run = app.wait_finished(&run.id, secs(20)).await;
+    assert_eq!(run.status, RunStatus::Completed, "{run:?}");
+    assert_eq!(run.pacing.retries, 1);
+    let log = app.mock.stats().log;
+    let gap = log[1].at_ms - log[0].at_ms;
+    assert!(gap >= 800, "the retry came {gap} ms after the 503, not after ~1 s of backoff");
+
+    for _ in 0..6 {
+        app.mock.inject(Fault::RateLimited { retry_after_ms: 50 });
+    }
+    let before = app.mock.stats().requests;
+    let run = app.submit(json!({"model": "gpt-test", "input": "y"})).await;
+    let run = app.wait_finished(&run.id, secs(30)).await;
+    assert_eq!(run.status, RunStatus::Failed);
+    assert_eq!(run.error.as_ref().map(|e| e.kind.as_str()), Some("rate_limited"));
+    assert_eq!(app.mock.stats().requests - before, 6, "at most 6 attempts");
+    app.stop_workers().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_companion_run_that_already_spoke_is_not_resent_but_a_work_run_is() {
+    let mut app = App::start(MockConfig { tool_rounds: 0, output_tokens: 40, ..MockConfig::default() }).await;
+    app.spawn_worker(app.config());
+    app.mock.inject(Fault::MidstreamError { code: None });
+    let live = app.submit(json!({"model": "gpt-test", "input": "x", "mode": "companion"})).await;
+    let live = app.wait_finished(&live.id, secs(20)).await;
+    assert_eq!(live.status, RunStatus::Failed);
+    assert_eq!(live.error.as_ref().map(|e| e.kind.as_str()), Some("partial_output"));
+    assert_eq!(app.mock.stats().requests, 1);
+
+    app.mock.inject(Fault::MidstreamError { code: None });
+    let work = app.submit(json!({"model": "gpt-test", "input": "x"})).await;
+    let work = app.wait_finished(&work.id, secs(20)).await;
+    assert_eq!(work.status, RunStatus::Completed, "{work:?}");
+    assert_eq!(app.mock.stats().requests, 3, "the work run's call was re-sent once");
+    app.stop_workers().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_run_makes_no_further_provider_request() {
+    let mut app = App::start(MockConfig { tool_rounds: 0, ..MockConfig::default() }).await;
+    // The window is closed for 2 s: the run's turn is requeued to wait ...
+    app.mock.inject(Fault::RateLimited { retry_after_ms: 2_000 });
+    app.spawn_worker(app.config());
+    let run = app.submit(json!({"model": "gpt-test", "input": "x"})).await;
+    eventually("the run to wait", secs(10), || async {
+        let r = app.store.get(TENANT, &run.id).await.ok()??;
+        (r.status == RunStatus::Waiting).then_some(())
+    })
+    .await;
+    // ... and is cancelled while it waits.
+    app.store.cancel(TENANT, &run.id).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    assert_eq!(app.mock.stats().requests, 1, "the cancelled run called the provider again");
+    assert_eq!(app.store.get(TENANT, &run.id).await.unwrap().unwrap().status, RunStatus::Cancelled);
+    app.stop_workers().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigkilled_worker_process_loses_no_run_and_doubles_no_turn() {
+    let app = App::start(MockConfig { tool_rounds: 2, latency: Duration::from_millis(150), ..MockConfig::default() })
+        .await;
+    let spawn = |extra: &[&str]| {
+        let mut cmd = std::process::Command::new(paceline_tests::paceline_bin());
+        cmd.arg("worker")
+            .args(["--redis-url", &app.redis.url(), "--prefix", &app.prefix])
+            .args(["--provider-url", &app.mock.base_url(), "--tool-endpoints", &app.tools])
+            .args(["--queue-lease-ms", "1500", "--concurrency", "8"])
+            .args(extra)
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null());
+        ChildGuard(cmd.spawn().expect("start paceline worker"))
+    };
+    let mut doomed = spawn(&[]);
+    let mut ids = vec![];
+    for i in 0..8 {
+        let mut body = tool_run(&app, "lookup");
+        body["input"] = json!(format!("task {i}"));
+        ids.push(app.submit(body).await.id);
+    }
+    // Kill the worker while turns are in flight.
+    eventually("turns in flight", secs(10), || async { (app.mock.stats().requests >= 4).then_some(()) }).await;
+    doomed.signal("KILL");
+    let _ = doomed.wait_timeout(secs(5));
+    let started = Instant::now();
+    let _rescuer = spawn(&[]);
+    for id in &ids {
+        let run = app.wait_finished(id, secs(40)).await;
+        assert_eq!(run.status, RunStatus::Completed, "{run:?}");
+        assert_eq!(run.turns_completed, 3);
+        let tx = app.store.transcript(TENANT, id).await.unwrap().unwrap();
+        let mut seen = HashSet::new();
+        for e in &tx {
+            if let Some(call) = e.item["call_id"].as_str() {
+                let key = format!("{}:{call}", e.item["type"]);
+                assert!(seen.insert(key), "an item appears twice in {id}'s transcript");
+            }
+        }
+    }
+    eprintln!("worker: all runs completed {:?} after the kill", started.elapsed());
+}

@@ -1,0 +1,406 @@
+//! One turn of a run, end to end: start it (fenced), build what the model is
+//! sent, ask the pacer, call the provider, note its headers into the pacer, run
+//! the tool calls it asked for, and commit — or requeue the turn for exactly
+//! the time it owes.
+//!
+//! A turn never sleeps through a rate-limit window: owed time up to the short
+//! in-place wait is waited here, anything longer is a requeue that frees the
+//! worker slot. A wait cut short is not a wait saved — the turn comes back when
+//! its time is paid, not before.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rand::SeedableRng;
+use serde_json::{json, Value};
+use shared::pacer::{
+    next_retry, server_delay, CallOutcome, Decision, Estimate, FailureKind, GiveUp, Mode, OwedReason,
+    Pacer, RetryDecision, RetryPolicy,
+};
+use shared::queue::{Lease, TurnQueue};
+use shared::runs::backpressure::{clip_tool_output, prepare_context};
+use shared::runs::state::event;
+use shared::runs::{Fence, Next, RunStore, StoreError, TranscriptEntry, TurnContext, TurnJob, Usage, WaitReason};
+
+use crate::provider::{CallFailure, CallSuccess, Provider, StreamEvent, ToolCall};
+use crate::request::{build_body, TurnParams};
+
+/// The knobs of running turns.
+#[derive(Debug, Clone)]
+pub struct TurnConfig {
+    /// History depth sent to the model, in turns (`PACELINE_MAX_HISTORY`).
+    pub max_history: usize,
+    /// Owed time up to this is waited in place; more is a requeue.
+    pub in_place_wait: Duration,
+    /// The reactive ladder.
+    pub retry: RetryPolicy,
+    /// Timeout of one tool call.
+    pub tool_timeout: Duration,
+    /// Allowed tool endpoint prefixes (checked again here: the API checked at submit).
+    pub tool_endpoints: Vec<String>,
+}
+
+impl Default for TurnConfig {
+    fn default() -> Self {
+        Self {
+            max_history: shared::runs::backpressure::DEFAULT_MAX_HISTORY,
+            in_place_wait: Duration::from_millis(250),
+            retry: RetryPolicy::default(),
+            tool_timeout: Duration::from_secs(60),
+            tool_endpoints: vec![],
+        }
+    }
+}
+
+/// Everything a turn needs, shared by every turn of a worker process.
+#[derive(Debug, Clone)]
+pub struct Runner {
+    /// Runs: record, transcript, events, fenced commits.
+    pub store: RunStore,
+    /// The turn queue (for reading the server clock and counts).
+    pub queue: TurnQueue,
+    /// The pacer (shared, local or off).
+    pub pacer: Pacer,
+    /// The provider client.
+    pub provider: Provider,
+    /// The HTTP client for tool calls.
+    pub http: reqwest::Client,
+    /// Knobs.
+    pub config: Arc<TurnConfig>,
+}
+
+/// A turn that could not finish for a reason outside the run (Redis trouble):
+/// the queue retries it.
+#[derive(Debug, thiserror::Error)]
+pub enum TurnError {
+    /// The run store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The pacer's state could not be read or written.
+    #[error(transparent)]
+    Pacer(#[from] shared::pacer::PacerError),
+}
+
+/// How a turn ended for this worker (for metrics and tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Committed; the next turn is queued.
+    Continued,
+    /// Committed; the run is completed.
+    Completed,
+    /// The run failed.
+    Failed,
+    /// Requeued to wait (budget, 429, retry).
+    Requeued,
+    /// Nothing written: cancelled, finished, stale or already committed.
+    Stopped,
+}
+
+impl Outcome {
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Continued => "continued",
+            Self::Completed => "completed",
+            Self::Failed => "failed",
+            Self::Requeued => "requeued",
+            Self::Stopped => "stopped",
+        }
+    }
+}
+
+fn settled(lease: &Lease, fence: Fence, ok: Outcome) -> Outcome {
+    // Whatever the script did (written, or finished/stale), the queue item is
+    // no longer this handler's to complete.
+    lease.mark_settled();
+    match fence {
+        Fence::Ok => ok,
+        Fence::Stop(why) => {
+            tracing::info!(message = "turn stopped", run.id = %lease.id, why = %why);
+            Outcome::Stopped
+        }
+    }
+}
+
+impl Runner {
+    /// Runs turn `job` of the run `lease.id`.
+    pub async fn run_turn(&self, job: TurnJob, lease: &Lease) -> Result<Outcome, TurnError> {
+        let started = Instant::now();
+        if let Fence::Stop(why) = self.store.start(lease, job).await? {
+            tracing::info!(message = "turn not started", run.id = %lease.id, why = %why);
+            lease.mark_settled();
+            return Ok(Outcome::Stopped);
+        }
+        let Some(ctx) = self.store.load(&lease.id).await? else {
+            lease.mark_settled();
+            return Ok(Outcome::Stopped);
+        };
+        let outcome = if ctx.phase == "tools" {
+            // The model's output is committed; its tool calls were interrupted.
+            let calls = pending_tool_calls(&ctx.transcript, job.turn + 1);
+            self.run_tools_and_commit(lease, job, &ctx, &calls).await?
+        } else {
+            self.call_model(lease, job, &ctx).await?
+        };
+        metrics::counter!("paceline_turns_total", "outcome" => outcome.as_str()).increment(1);
+        metrics::histogram!("paceline_turn_seconds").record(started.elapsed().as_secs_f64());
+        Ok(outcome)
+    }
+
+    async fn call_model(&self, lease: &Lease, job: TurnJob, ctx: &TurnContext) -> Result<Outcome, TurnError> {
+        let spec = &ctx.spec;
+        let context = prepare_context(&ctx.transcript, self.config.max_history);
+        let params = TurnParams {
+            model: &spec.model,
+            instructions: spec.instructions.as_deref(),
+            tools: &spec.tools,
+            max_output_tokens: Some(spec.max_output_tokens),
+            metadata: Some(&spec.metadata),
+        };
+        let body = build_body(self.provider.api_style(), &params, &context);
+        let est = Estimate {
+            tokens: crate::estimate::estimate_tokens(&body, spec.max_output_tokens as u64),
+            requests: 1,
+        };
+        // One reservation id per call attempt: a budget wait keeps it (so the
+        // turn finds its booking when it comes back), a retry gets a new one.
+        let reservation = format!("{}:{}:{}", lease.id, job.turn, job.attempt);
+        loop {
+            match self.pacer.acquire(&spec.model, &reservation, est, spec.mode).await? {
+                Decision::Clear => break,
+                Decision::Owed { ms, .. } if Duration::from_millis(ms) <= self.config.in_place_wait => {
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                }
+                Decision::Owed { ms, reason, .. } => {
+                    metrics::counter!("paceline_budget_waits_total").increment(1);
+                    metrics::histogram!("paceline_requeue_delay_seconds", "reason" => "budget").record(ms as f64 / 1000.0);
+                    let reason_name = match reason {
+                        OwedReason::Budget => "budget",
+                        OwedReason::RateLimited => "window_closed",
+                        OwedReason::Probe => "probe",
+                    };
+                    let data = json!({"turn": job.turn, "owed_ms": ms, "reason": reason_name});
+                    let fence =
+                        self.store.wait(lease, job, job, ms, WaitReason::Budget, event::TURN_PACED, &data).await?;
+                    return Ok(settled(lease, fence, Outcome::Requeued));
+                }
+            }
+        }
+
+        // Stream text deltas to the run's events as they arrive, in order,
+        // without making the provider's stream wait on Redis.
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Value>();
+        let store = self.store.clone();
+        let run_id = lease.id.clone();
+        let forward = tokio::spawn(async move {
+            while let Some(data) = rx.recv().await {
+                if let Err(error) = store.emit(&run_id, event::TURN_OUTPUT_TEXT_DELTA, &data).await {
+                    tracing::warn!(message = "could not emit a text delta", %error, run.id = %run_id);
+                }
+            }
+        });
+        let turn = job.turn;
+        let mut on_event = move |ev: StreamEvent| {
+            if let StreamEvent::TextDelta(delta) = ev {
+                let _ = tx.send(json!({"turn": turn, "delta": delta}));
+            }
+        };
+        let result = self.provider.call(body, &mut on_event).await;
+        drop(on_event);
+        let _ = forward.await;
+
+        match result {
+            Ok(success) => self.on_success(lease, job, ctx, &reservation, success).await,
+            Err(failure) => self.on_failure(lease, job, ctx, &reservation, failure).await,
+        }
+    }
+
+    async fn on_success(
+        &self,
+        lease: &Lease,
+        job: TurnJob,
+        ctx: &TurnContext,
+        reservation: &str,
+        success: CallSuccess,
+    ) -> Result<Outcome, TurnError> {
+        metrics::counter!("paceline_provider_calls_total", "status" => success.status.to_string()).increment(1);
+        let usage = success.usage.map(|u| Usage {
+            input_tokens: u.input_tokens,
+            output_tokens: u.output_tokens,
+            total_tokens: u.input_tokens + u.output_tokens,
+        });
+        let outcome = CallOutcome {
+            used_tokens: usage.map(|u| u.total_tokens),
+            rate_limited_ms: None,
+            tokens: success.headers.tokens.into(),
+            requests: success.headers.requests.into(),
+            headers_age_ms: success.headers_received.elapsed().as_millis() as u64,
+        };
+        self.settle_pacer(&ctx.spec.model, reservation, &outcome).await;
+        let usage = usage.unwrap_or_default();
+        if success.tool_calls.is_empty() {
+            let fence = self
+                .store
+                .commit(lease, job, &success.output, usage, &Next::Complete(success.output_text.clone()))
+                .await?;
+            return Ok(settled(lease, fence, Outcome::Completed));
+        }
+        if job.turn + 1 >= ctx.spec.max_turns {
+            // The model wants another turn and there is none left.
+            let next = Next::Fail {
+                kind: "max_turns".into(),
+                message: format!("the run reached max_turns ({}) with tool calls pending", ctx.spec.max_turns),
+            };
+            let fence = self.store.commit(lease, job, &success.output, usage, &next).await?;
+            return Ok(settled(lease, fence, Outcome::Failed));
+        }
+        // Commit the model's output before running tools: a crash while they
+        // run then re-calls no model.
+        if let Fence::Stop(why) = self.store.record_output(lease, job, &success.output, usage).await? {
+            return Ok(settled(lease, Fence::Stop(why), Outcome::Stopped));
+        }
+        self.run_tools_and_commit(lease, job, ctx, &success.tool_calls).await
+    }
+
+    async fn run_tools_and_commit(
+        &self,
+        lease: &Lease,
+        job: TurnJob,
+        ctx: &TurnContext,
+        calls: &[ToolCall],
+    ) -> Result<Outcome, TurnError> {
+        for call in calls {
+            let data = json!({"turn": job.turn, "call_id": call.call_id, "name": call.name, "arguments": call.arguments});
+            self.store.emit(&lease.id, event::TURN_TOOL_CALL, &data).await?;
+        }
+        let endpoint = ctx.spec.tool_endpoint.as_deref().unwrap_or_default();
+        let results = if shared::runs::spec::endpoint_allowed(endpoint, &self.config.tool_endpoints) {
+            crate::tools::run_tools(&self.http, endpoint, &lease.id, calls, self.config.tool_timeout).await
+        } else {
+            calls
+                .iter()
+                .map(|c| crate::tools::ToolResult {
+                    call_id: c.call_id.clone(),
+                    name: c.name.clone(),
+                    output: format!("tool error: the endpoint {endpoint:?} is not allowed on this worker"),
+                    error: true,
+                })
+                .collect()
+        };
+        let mut items = Vec::with_capacity(results.len());
+        for r in &results {
+            // The transcript keeps the clipped text: what the API shows is what
+            // the model was allowed to read — one constant, not two.
+            let clipped = clip_tool_output(&r.name, &r.output);
+            let data = json!({"turn": job.turn, "call_id": r.call_id, "name": r.name, "clipped": clipped.clipped,
+                              "error": r.error, "chars": clipped.total});
+            self.store.emit(&lease.id, event::TURN_TOOL_RESULT, &data).await?;
+            items.push(json!({"type": "function_call_output", "call_id": r.call_id, "output": clipped.text}));
+        }
+        let fence = self.store.commit(lease, job, &items, Usage::default(), &Next::Continue).await?;
+        Ok(settled(lease, fence, Outcome::Continued))
+    }
+
+    async fn on_failure(
+        &self,
+        lease: &Lease,
+        job: TurnJob,
+        ctx: &TurnContext,
+        reservation: &str,
+        failure: CallFailure,
+    ) -> Result<Outcome, TurnError> {
+        let status = failure.status.map(|s| s.to_string()).unwrap_or_else(|| "none".into());
+        metrics::counter!("paceline_provider_calls_total", "status" => status).increment(1);
+        let delay = server_delay(&failure.headers, &failure.message);
+        let rate_limited = failure.kind == FailureKind::RateLimited;
+        if rate_limited {
+            metrics::counter!("paceline_rate_limited_total").increment(1);
+        }
+        // The pacer hears of every answer, 2xx or not; a 429 closes the window
+        // for every worker, for the server's delay (or until its reset).
+        let outcome = CallOutcome {
+            used_tokens: None,
+            rate_limited_ms: rate_limited.then(|| delay.map(|(ms, _)| ms).unwrap_or(1_000)),
+            tokens: failure.headers.tokens.into(),
+            requests: failure.headers.requests.into(),
+            headers_age_ms: failure.headers_received.map(|t| t.elapsed().as_millis() as u64).unwrap_or(0),
+        };
+        self.settle_pacer(&ctx.spec.model, reservation, &outcome).await;
+
+        if ctx.spec.mode == Mode::Companion && failure.streamed_text {
+            // Re-sending would say the same words twice to a live listener.
+            let message = format!("the call failed after it had streamed text: {}", failure.message);
+            let fence = self.store.fail(lease, job, "partial_output", &message, Usage::default()).await?;
+            return Ok(settled(lease, fence, Outcome::Failed));
+        }
+        let mut rng = rand::rngs::StdRng::from_os_rng();
+        match next_retry(&self.config.retry, job.attempt, failure.kind, delay, &mut rng) {
+            RetryDecision::Retry { delay_ms, source } => {
+                let next = TurnJob { turn: job.turn, attempt: job.attempt + 1 };
+                let (reason, kind, data) = if rate_limited {
+                    let data = json!({"turn": job.turn, "attempt": job.attempt, "retry_after_ms": delay_ms,
+                                      "source": source.as_str()});
+                    (WaitReason::RateLimited, event::TURN_RATE_LIMITED, data)
+                } else {
+                    let data = json!({"turn": job.turn, "attempt": job.attempt, "delay_ms": delay_ms,
+                                      "reason": failure.message});
+                    (WaitReason::Retry, event::TURN_RETRY, data)
+                };
+                let label = if rate_limited { "rate_limited" } else { "retry" };
+                metrics::histogram!("paceline_requeue_delay_seconds", "reason" => label).record(delay_ms as f64 / 1000.0);
+                tracing::info!(message = "call failed; requeued", run.id = %lease.id, turn.index = job.turn,
+                    attempt = job.attempt, delay_ms, kind = ?failure.kind, source = ?source);
+                let fence = self.store.wait(lease, job, next, delay_ms, reason, kind, &data).await?;
+                Ok(settled(lease, fence, Outcome::Requeued))
+            }
+            RetryDecision::GiveUp(give_up) => {
+                let message = match give_up {
+                    GiveUp::RetryAfterTooLong { delay_ms } => {
+                        format!("{} (the provider asked to wait {delay_ms} ms: a quota, not a window)", failure.message)
+                    }
+                    GiveUp::AttemptsExhausted => {
+                        format!("{} (after {} attempts)", failure.message, self.config.retry.max_attempts)
+                    }
+                    GiveUp::NotRetryable(_) => failure.message.clone(),
+                };
+                tracing::warn!(message = "call failed; the run fails", run.id = %lease.id, turn.index = job.turn,
+                    attempt = job.attempt, kind = ?failure.kind, error = %message);
+                let fence =
+                    self.store.fail(lease, job, failure.kind.error_kind(), &message, Usage::default()).await?;
+                Ok(settled(lease, fence, Outcome::Failed))
+            }
+        }
+    }
+
+    /// Notes a call into the pacer. A pacer that cannot be written is logged,
+    /// not fatal: the call happened, and its turn must still be committed.
+    async fn settle_pacer(&self, model: &str, reservation: &str, outcome: &CallOutcome) {
+        if let Err(error) = self.pacer.settle(model, reservation, outcome).await {
+            tracing::warn!(message = "could not settle the pacer", %error, reservation);
+        }
+        if let Some(remaining) = outcome.tokens.remaining {
+            metrics::gauge!("paceline_pacer_remaining_tokens", "model" => model.to_owned()).set(remaining as f64);
+        }
+    }
+}
+
+/// The function calls of `turn` whose outputs are not in the transcript yet.
+fn pending_tool_calls(transcript: &[TranscriptEntry], turn: u32) -> Vec<ToolCall> {
+    let answered: std::collections::HashSet<&str> = transcript
+        .iter()
+        .filter(|e| e.item.get("type").and_then(Value::as_str) == Some("function_call_output"))
+        .filter_map(|e| e.item.get("call_id").and_then(Value::as_str))
+        .collect();
+    transcript
+        .iter()
+        .filter(|e| e.turn == turn && e.item.get("type").and_then(Value::as_str) == Some("function_call"))
+        .filter_map(|e| {
+            let call_id = e.item.get("call_id")?.as_str()?;
+            (!answered.contains(call_id)).then(|| ToolCall {
+                call_id: call_id.to_owned(),
+                name: e.item.get("name").and_then(Value::as_str).unwrap_or_default().to_owned(),
+                arguments: e.item.get("arguments").and_then(Value::as_str).unwrap_or("{}").to_owned(),
+            })
+        })
+        .collect()
+}
