@@ -650,3 +650,103 @@ async fn redis_going_away_is_503_never_a_hang() {
     let _ = ok;
     app.submit(ACME, &spec()).await;
 }
+
+/// Runs the `paceline` binary against the app: (exit code, stdout, stderr).
+async fn cli(app: &TestApp, token: &str, args: &[&str]) -> (i32, String, String) {
+    let out = within(
+        &format!("paceline {args:?}"),
+        Duration::from_secs(30),
+        tokio::process::Command::new(paceline_tests::paceline_bin())
+            .args(args)
+            .env("PACELINE_API", &app.url)
+            .env("PACELINE_TOKEN", token)
+            .env_remove("RUST_LOG")
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("run paceline");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn the_cli_submits_watches_lists_and_shows_errors_in_one_line() {
+    use shared::queue::{QueueConfig, TurnQueue};
+    use shared::runs::{Fence, Next, TurnJob, Usage, WaitReason};
+    let app = spawn_app().await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("spec.json");
+    std::fs::write(&file, spec().to_string()).unwrap();
+    let file = file.to_str().unwrap().to_owned();
+
+    let (code, out, err) = cli(&app, ACME, &["submit", &file]).await;
+    assert_eq!(code, 0, "{err}");
+    let id = out.trim().to_owned();
+    assert!(id.starts_with("run_"), "{out}");
+
+    // `watch` follows it while this test plays the worker: a budget wait,
+    // then a turn that completes the run.
+    let watch = tokio::process::Command::new(paceline_tests::paceline_bin())
+        .args(["watch", &id, "--api", &app.url, "--token", ACME])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let store = app.store().await;
+    let queue = TurnQueue::new(&RedisArgs::new(app.redis.url(), app.prefix.clone()), QueueConfig::default()).unwrap();
+    let lease = queue.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
+    let job = TurnJob { turn: 0, attempt: 1 };
+    let paced = json!({"turn": 0, "owed_ms": 300, "reason": "budget"});
+    assert_eq!(store.wait(&lease, job, job, 300, WaitReason::Budget, "turn.paced", &paced).await.unwrap(), Fence::Ok);
+    let lease = paceline_tests::eventually("the paced turn to come back", Duration::from_secs(5), || async {
+        queue.fetch("w1", 1).await.unwrap().deliveries.pop().map(|d| d.lease)
+    })
+    .await;
+    assert_eq!(store.start(&lease, job).await.unwrap(), Fence::Ok);
+    store.emit(&id, "turn.output_text.delta", &json!({"turn": 0, "delta": "the final"})).await.unwrap();
+    let items = [json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "the final answer"}]})];
+    let usage = Usage { input_tokens: 100, output_tokens: 20, total_tokens: 120 };
+    let done = Next::Complete("the final answer".into());
+    assert_eq!(store.commit(&lease, job, &items, usage, &done).await.unwrap(), Fence::Ok);
+    let out = within("paceline watch to exit", Duration::from_secs(15), watch.wait_with_output()).await.unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "the final answer");
+    assert!(stderr.contains("completed: 1 turns, 120 tokens"), "{stderr}");
+
+    let (code, out, _) = cli(&app, ACME, &["status", &id]).await;
+    assert_eq!(code, 0);
+    assert!(out.contains("completed") && out.contains("120 tokens") && out.contains("1 budget waits"), "{out}");
+    let (code, out, _) = cli(&app, ACME, &["runs"]).await;
+    assert_eq!(code, 0);
+    assert!(out.contains(&id), "{out}");
+    let (code, out, _) = cli(&app, ACME, &["pacer"]).await;
+    assert_eq!(code, 0, "{out}");
+
+    // A cancelled run: watch replays, closes, and exits non-zero.
+    let (_, out, _) = cli(&app, ACME, &["submit", &file]).await;
+    let other = out.trim().to_owned();
+    let (status, _) = app.post(&format!("/v1/runs/{other}/cancel"), ACME, &json!({})).await;
+    assert_eq!(status, 200);
+    let (code, _, err) = cli(&app, ACME, &["watch", &other]).await;
+    assert_eq!(code, 3, "{err}");
+
+    // Errors are one clear line.
+    let bad = dir.path().join("bad.json");
+    std::fs::write(&bad, json!({"model": "m", "input": "x", "max_turns": 0}).to_string()).unwrap();
+    let (code, _, err) = cli(&app, ACME, &["submit", bad.to_str().unwrap()]).await;
+    assert_eq!(code, 1);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.contains("API 422 invalid_request (max_turns)"), "{err}");
+    let (code, _, err) = cli(&app, "wrong", &["runs"]).await;
+    assert_eq!(code, 1);
+    assert!(err.trim().starts_with("paceline: API 401 unauthorized"), "{err}");
+    let (code, _, err) = cli(&app, ACME, &["status", "run_01JDXXXXXXXXXXXXXXXXXXXXXX"]).await;
+    assert_eq!(code, 1);
+    assert!(err.contains("API 404 not_found"), "{err}");
+}
