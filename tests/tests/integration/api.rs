@@ -750,3 +750,25 @@ async fn the_cli_submits_watches_lists_and_shows_errors_in_one_line() {
     assert_eq!(code, 1);
     assert!(err.contains("API 404 not_found"), "{err}");
 }
+
+#[tokio::test]
+async fn shutdown_is_not_held_up_by_an_open_event_stream() {
+    let redis = RedisServer::start();
+    let config = ApiConfig::new("127.0.0.1:0".parse().unwrap(), RedisArgs::new(redis.url(), unique_prefix()));
+    let app = Application::build(config).await.unwrap();
+    let url = format!("http://{}", app.local_addr());
+    let (stop, stopped) = oneshot::channel::<()>();
+    let server = tokio::spawn(app.run_until_stopped(async {
+        let _ = stopped.await;
+    }));
+    let http = reqwest::Client::new();
+    let run: Value = http.post(format!("{url}/v1/runs")).json(&spec()).send().await.unwrap().json().await.unwrap();
+    let resp = http.get(format!("{url}/v1/runs/{}/events", run["id"].as_str().unwrap())).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let body = tokio::spawn(async move { resp.text().await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    stop.send(()).unwrap();
+    within("the server to stop", Duration::from_secs(5), server).await.unwrap().unwrap();
+    let text = within("the stream to end", Duration::from_secs(5), body).await.unwrap().unwrap_or_default();
+    assert!(text.contains("run.queued"), "{text}");
+}
