@@ -1,11 +1,10 @@
 //! The HTTP API against a private redis-server: every route and every error
 //! status of SPEC §3, tenant isolation, idempotency (sequential and
 //! concurrent), SSE with Last-Event-ID, the OpenAPI document, /metrics, and
-//! Redis going away. Each test spawns its own app on port 0 with its own
-//! Redis and key prefix.
-//!
-//! The end-to-end run with real workers (`paceline submit --watch`) lives with
-//! the worker's tests once the worker lands.
+//! Redis going away; the CLI as a process against a spawned app, and
+//! `paceline submit --watch` following a real worker and the mock provider to
+//! completion. Each test spawns its own app on port 0 with its own Redis and
+//! key prefix.
 
 use std::time::{Duration, Instant};
 
@@ -771,4 +770,41 @@ async fn shutdown_is_not_held_up_by_an_open_event_stream() {
     within("the server to stop", Duration::from_secs(5), server).await.unwrap().unwrap();
     let text = within("the stream to end", Duration::from_secs(5), body).await.unwrap().unwrap_or_default();
     assert!(text.contains("run.queued"), "{text}");
+}
+
+#[tokio::test]
+async fn paceline_submit_watch_follows_a_real_worker_to_completion() {
+    use mock_provider::{MockConfig, MockServer};
+    let app = spawn_app().await;
+    let mock = MockServer::start(MockConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tool_rounds: 0,
+        output_tokens: 30,
+        ..MockConfig::default()
+    })
+    .await
+    .unwrap();
+    let config = worker::WorkerConfig::new(RedisArgs::new(app.redis.url(), app.prefix.clone()), mock.base_url());
+    let (stop_worker, worker_stopped) = oneshot::channel::<()>();
+    let worker = tokio::spawn(worker::run(config, async {
+        let _ = worker_stopped.await;
+    }));
+
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("spec.json");
+    std::fs::write(&file, json!({"model": "gpt-4.1-mini", "input": "say something", "max_turns": 3}).to_string()).unwrap();
+    let (code, out, err) = cli(&app, ACME, &["submit", "--watch", file.to_str().unwrap()]).await;
+    assert_eq!(code, 0, "stdout: {out}\nstderr: {err}");
+    let mut lines = out.lines();
+    let id = lines.next().unwrap().trim().to_owned();
+    let text: String = lines.collect::<Vec<_>>().join("\n");
+    let (_, run) = app.get(&format!("/v1/runs/{id}"), ACME).await;
+    assert_eq!(run["status"], "completed", "{run}");
+    let expected = run["output_text"].as_str().unwrap();
+    assert!(!expected.is_empty());
+    assert_eq!(text.trim(), expected.trim(), "the CLI printed another final text");
+    assert!(err.contains("completed: 1 turns"), "{err}");
+
+    let _ = stop_worker.send(());
+    within("the worker to stop", Duration::from_secs(10), worker).await.unwrap().unwrap();
 }
