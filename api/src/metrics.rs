@@ -26,7 +26,7 @@ pub mod name {
     /// Gauge, label `state` (`ready`, `delayed`, `in_flight`, `dead`).
     pub const QUEUE_DEPTH: &str = "paceline_queue_depth";
     /// Histogram (seconds): a turn from its start to its commit.
-    pub const TURN_LATENCY: &str = "paceline_turn_duration_seconds";
+    pub const TURN_LATENCY: &str = "paceline_turn_seconds";
 }
 
 /// Buckets of the requeue-delay histogram (seconds): 50 ms to 2 min.

@@ -591,11 +591,11 @@ async fn metrics_expose_the_specs_families() {
         "paceline_budget_waits_total",
         "paceline_requeue_delay_seconds_bucket",
         "paceline_queue_depth",
-        "paceline_turn_duration_seconds_bucket",
+        "paceline_turn_seconds_bucket",
     ] {
         assert!(text.contains(family), "{family} missing from:\n{text}");
     }
-    assert!(text.contains("# TYPE paceline_turn_duration_seconds histogram"), "{text}");
+    assert!(text.contains("# TYPE paceline_turn_seconds histogram"), "{text}");
     // The pacer gauge appears once a budget is known.
     use shared::pacer::{CallOutcome, Estimate, Mode, Observation, PacingConfig, SharedPacer};
     let conn = shared::redis_util::manager(&app.redis.url()).await.unwrap();
