@@ -106,7 +106,16 @@ pub async fn runner(config: &WorkerConfig) -> anyhow::Result<(Runner, TurnQueue)
         ..TurnConfig::default()
     };
     let http = reqwest::Client::builder().connect_timeout(Duration::from_secs(10)).build()?;
-    let runner = Runner { store, queue: queue.clone(), pacer, provider, http, config: Arc::new(turn_config) };
+    crate::estimate::warm_up();
+    let runner = Runner {
+        store,
+        queue: queue.clone(),
+        pacer,
+        provider,
+        http,
+        config: Arc::new(turn_config),
+        calibration: Arc::default(),
+    };
     Ok((runner, queue))
 }
 

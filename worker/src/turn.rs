@@ -67,6 +67,10 @@ pub struct Runner {
     pub http: reqwest::Client,
     /// Knobs.
     pub config: Arc<TurnConfig>,
+    /// Per model: how the provider's input count compares with ours, learned
+    /// from reported usage, so reservations fit a provider that counts
+    /// differently (a proxy, another tokenizer, the mock).
+    pub calibration: Arc<std::sync::Mutex<std::collections::HashMap<String, crate::estimate::Calibration>>>,
 }
 
 /// A turn that could not finish for a reason outside the run (Redis trouble):
@@ -158,10 +162,9 @@ impl Runner {
             metadata: Some(&spec.metadata),
         };
         let body = build_body(self.provider.api_style(), &params, &context);
-        let est = Estimate {
-            tokens: crate::estimate::estimate_tokens(&body, spec.max_output_tokens as u64),
-            requests: 1,
-        };
+        let input = crate::estimate::input_tokens(&body);
+        let scaled = self.calibration(&spec.model, |c| c.apply(input));
+        let est = Estimate { tokens: scaled + spec.max_output_tokens as u64, requests: 1 };
         // One reservation id per call attempt: a budget wait keeps it (so the
         // turn finds its booking when it comes back), a retry gets a new one.
         let reservation = format!("{}:{}:{}", lease.id, job.turn, job.attempt);
@@ -208,6 +211,9 @@ impl Runner {
         let result = self.provider.call(body, &mut on_event).await;
         drop(on_event);
         let _ = forward.await;
+        if let Ok(CallSuccess { usage: Some(u), .. }) = &result {
+            self.calibration(&spec.model, |c| c.observe(input, u.input_tokens));
+        }
 
         match result {
             Ok(success) => self.on_success(lease, job, ctx, &reservation, success).await,
@@ -370,6 +376,11 @@ impl Runner {
                 Ok(settled(lease, fence, Outcome::Failed))
             }
         }
+    }
+
+    fn calibration<T>(&self, model: &str, f: impl FnOnce(&mut crate::estimate::Calibration) -> T) -> T {
+        let mut map = self.calibration.lock().unwrap_or_else(|e| e.into_inner());
+        f(map.entry(model.to_owned()).or_insert_with(crate::estimate::Calibration::new))
     }
 
     /// Notes a call into the pacer. A pacer that cannot be written is logged,

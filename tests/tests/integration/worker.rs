@@ -342,3 +342,62 @@ async fn a_sigkilled_worker_process_loses_no_run_and_doubles_no_turn() {
     }
     eprintln!("worker: all runs completed {:?} after the kill", started.elapsed());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_worker_processes_share_a_tight_budget_with_almost_no_429s() {
+    // 6 000 tokens per 2 s window (a tight TPM, scaled down), continuous refill.
+    let window = Duration::from_secs(2);
+    let tpm = 6_000u64;
+    let app = App::start(MockConfig {
+        tpm,
+        rpm: 10_000,
+        window,
+        tool_rounds: 4,
+        latency: Duration::from_millis(50),
+        log_limit: 10_000,
+        ..MockConfig::default()
+    })
+    .await;
+    let spawn = || {
+        let mut cmd = std::process::Command::new(paceline_tests::paceline_bin());
+        cmd.arg("worker")
+            .args(["--redis-url", &app.redis.url(), "--prefix", &app.prefix])
+            .args(["--provider-url", &app.mock.base_url(), "--tool-endpoints", &app.tools])
+            .args(["--concurrency", "16"])
+            .env("RUST_LOG", "error")
+            .stdout(std::process::Stdio::null());
+        ChildGuard(cmd.spawn().expect("start paceline worker"))
+    };
+    let _workers: Vec<ChildGuard> = (0..4).map(|_| spawn()).collect();
+    let started = Instant::now();
+    let mut ids = vec![];
+    for i in 0..40 {
+        let mut body = tool_run(&app, "lookup");
+        body["input"] = json!(format!("task number {i}"));
+        body["max_output_tokens"] = json!(48);
+        ids.push(app.submit(body).await.id);
+    }
+    for id in &ids {
+        let run = app.wait_finished(id, secs(120)).await;
+        assert_eq!(run.status, RunStatus::Completed, "{run:?}");
+        assert_eq!(run.turns_completed, 5);
+    }
+    let makespan = started.elapsed().as_secs_f64();
+    let stats = app.mock.stats();
+    let calls = stats.requests;
+    let per_100 = stats.rate_limited as f64 * 100.0 / calls as f64;
+    // The least time the bucket allows for the tokens admitted: what exceeds its
+    // capacity, at its refill rate.
+    let rate_per_s = tpm as f64 / window.as_secs_f64();
+    let floor = (stats.tokens_admitted as f64 - tpm as f64).max(0.0) / rate_per_s;
+    eprintln!(
+        "worker: 4 processes x 16 slots, 40 runs x 5 turns: {calls} calls, {} 429s ({per_100:.2} per 100 calls), \
+         {} tokens admitted, makespan {makespan:.1} s, floor {floor:.1} s, efficiency {:.2}, overdraft {}",
+        stats.rate_limited,
+        stats.tokens_admitted,
+        floor / makespan,
+        stats.largest_overdraft
+    );
+    assert_eq!(calls, 200 + stats.rate_limited, "one call per turn, plus the 429'd ones");
+    assert!(per_100 <= 1.0, "{per_100:.2} 429s per 100 calls");
+}
