@@ -123,6 +123,10 @@ pub struct Bucket {
     pub at_ms: Millis,
     /// Booked by owed turns that have not yet come back.
     pub booked: f64,
+    /// The part of `booked` held by companion (live) turns: work turns leave it
+    /// alone, so a live turn's booking is never taken by background work.
+    #[serde(default)]
+    pub booked_live: f64,
     /// Reserved by calls in flight (cleared, not yet settled).
     pub in_flight: f64,
 }
@@ -311,6 +315,12 @@ pub fn acquire(
     // delays no turn that is already booked). The second condition is what lets
     // refunds that arrive while turns are booked be used at once, instead of
     // sitting in the bucket until the end of the booking line.
+    //
+    // Live turns first: a companion turn ignores the work turns' line (they are
+    // booked but not yet sent: it may go before them, and their claim will find
+    // out) and draws the bucket down to its lower floor; only other live
+    // bookings are ahead of it.
+    let live = mode == Mode::Companion;
     let horizon = state.last_due_ms.max(now);
     let line = state.booking_cost(est);
     let mut fits = true;
@@ -322,8 +332,14 @@ pub fn acquire(
         if bucket.known() {
             bucket.advance(now);
             let need = bucket.need(cost, floor);
-            fits &= bucket.level_at(horizon) >= need && bucket.level + bucket.booked >= need;
-            wait = wait.max(bucket.ms_until(now, bucket.need(line_cost, floor)));
+            let present = bucket.level + bucket.booked - bucket.booked_live;
+            if live {
+                fits &= present >= need;
+                wait = wait.max((bucket.need(line_cost, floor) - present).max(0.0) / bucket.rate);
+            } else {
+                fits &= bucket.level_at(horizon) >= need && present >= need;
+                wait = wait.max(bucket.ms_until(now, bucket.need(line_cost, floor)));
+            }
         }
     }
     if fits {
@@ -340,6 +356,9 @@ pub fn acquire(
             if wait > 0.0 {
                 bucket.level -= line_cost;
                 bucket.booked += line_cost;
+                if live {
+                    bucket.booked_live += line_cost;
+                }
             } else {
                 bucket.level -= cost;
                 bucket.in_flight += cost;
@@ -350,7 +369,7 @@ pub fn acquire(
         Decision::Clear
     } else {
         let decision = owed(wait, OwedReason::Budget, true, cfg, jitter_u);
-        if let Decision::Owed { ms, .. } = decision {
+        if let (Decision::Owed { ms, .. }, false) = (decision, live) {
             state.last_due_ms = state.last_due_ms.max(now + ms as Millis);
         }
         decision
@@ -371,12 +390,19 @@ pub fn claim(
     jitter_u: f64,
 ) -> Decision {
     let floor = cfg.floor(mode);
+    let live = mode == Mode::Companion;
     let mut short: f64 = 0.0;
-    for (bucket, cost) in [(&mut state.tokens, est.tokens), (&mut state.requests, est.requests)] {
+    for (bucket, cost, line_cost) in [
+        (&mut state.tokens, est.tokens, held.tokens as f64),
+        (&mut state.requests, est.requests, held.requests as f64),
+    ] {
         if bucket.known() {
             bucket.advance(now);
             let need = bucket.need(cost as f64, floor);
-            let truth = bucket.level + bucket.booked;
+            // What is there for this turn: live bookings are ahead of work
+            // turns (a live turn's own booking is its own).
+            let own = if live { line_cost } else { 0.0 };
+            let truth = bucket.level + bucket.booked - bucket.booked_live + own;
             if truth < need {
                 short = short.max((need - truth) / bucket.rate);
             }
@@ -391,6 +417,9 @@ pub fn claim(
     ] {
         if bucket.known() {
             bucket.booked = (bucket.booked - line_cost).max(0.0);
+            if live {
+                bucket.booked_live = (bucket.booked_live - line_cost).max(0.0);
+            }
             bucket.in_flight += cost;
             bucket.level -= cost - line_cost;
         }
@@ -400,12 +429,15 @@ pub fn claim(
 
 /// A booking expired without its turn coming back (cancelled, crashed): the
 /// budget it held returns to the level.
-pub fn release_booking(state: &mut PacerState, est: Estimate, now: Millis) {
+pub fn release_booking(state: &mut PacerState, est: Estimate, live: bool, now: Millis) {
     for (bucket, cost) in [(&mut state.tokens, est.tokens), (&mut state.requests, est.requests)] {
         if bucket.known() {
             bucket.advance(now);
             let cost = (cost as f64).min(bucket.booked);
             bucket.booked -= cost;
+            if live {
+                bucket.booked_live = (bucket.booked_live - cost).max(0.0);
+            }
             bucket.level = (bucket.level + cost).min(bucket.limit);
         }
     }
@@ -601,6 +633,34 @@ mod tests {
     }
 
     #[test]
+    fn a_live_turn_goes_before_booked_work_and_work_leaves_its_booking_alone() {
+        let mut s = seen(7_000);
+        // Work books the line: 7 000 present, each needs 2 000 + 6 000 floor.
+        let mut work_dues = vec![];
+        for _ in 0..3 {
+            match acquire(&mut s, &cfg(), T0, est(2_000), Mode::Work, 0.0) {
+                Decision::Owed { ms, .. } => work_dues.push(ms),
+                other => panic!("{other:?}"),
+            }
+        }
+        // A live turn fits now above its 2 % floor (1 200): it goes at once.
+        assert_eq!(acquire(&mut s, &cfg(), T0, est(2_000), Mode::Companion, 0.0), Decision::Clear);
+        // Another live turn is owed only what it lacks, not the work line.
+        let live_due = match acquire(&mut s, &cfg(), T0, est(4_000), Mode::Companion, 0.0) {
+            Decision::Owed { ms, .. } => ms,
+            other => panic!("{other:?}"),
+        };
+        assert!(live_due < work_dues[2], "live {live_due} ms vs the work line's {work_dues:?}");
+        // When the first work turn comes due, the live booking is not its to take.
+        let held = s.booking_cost(est(2_000));
+        let at = T0 + work_dues[0] as Millis;
+        assert!(matches!(claim(&mut s, &cfg(), at, est(2_000), held, Mode::Work, 0.0), Decision::Owed { .. }));
+        let live_held = s.booking_cost(est(4_000));
+        let at = T0 + live_due as Millis;
+        assert_eq!(claim(&mut s, &cfg(), at, est(4_000), live_held, Mode::Companion, 0.0), Decision::Clear);
+    }
+
+    #[test]
     fn a_far_reset_is_not_paced_on() {
         let mut s = PacerState::default();
         settle(&mut s, &cfg(), T0, &Outcome { tokens: obs(60_000, 0, 3_600_000), ..Outcome::default() });
@@ -672,7 +732,7 @@ mod tests {
     fn a_released_booking_returns_its_budget() {
         let mut s = seen(6_000);
         assert!(matches!(acquire(&mut s, &cfg(), T0, est(1_000), Mode::Work, 0.0), Decision::Owed { .. }));
-        release_booking(&mut s, est(1_000), T0);
+        release_booking(&mut s, est(1_000), false, T0);
         assert_eq!(s.tokens.booked, 0.0);
         assert_eq!(s.tokens.level_at(T0), 6_000.0);
     }

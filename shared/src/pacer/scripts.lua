@@ -8,11 +8,12 @@
 -- KEYS[1] state hash   (t_* token bucket, r_* request bucket, blocked_until, probe_until, observed_at)
 -- KEYS[2] reservations zset: id -> expiry ms
 -- KEYS[3] reservations hash: id -> "kind|tokens|requests|due|line_tokens|line_requests"
---         (kind: f = in flight, b = booked; line_* = what a booking holds on the line)
+--         (kind: f = in flight, b = booked by a work turn, l = booked by a live
+--          (companion) turn; line_* = what a booking holds on the line)
 -- ARGV[1] op: acquire | settle | snapshot
 -- ARGV[2..9] config: floor, max_pace_ms, jitter_frac, jitter_max_ms, ttl_ms, probe_wait_ms, tpm, rpm
 -- ARGV[10] now in ms, or '' for the server's TIME (tests pass a clock; production never does)
--- acquire: ARGV[11] id, [12] tokens, [13] requests, [14] jitter_u
+-- acquire: ARGV[11] id, [12] tokens, [13] requests, [14] jitter_u, [15] 'companion' | 'work'
 --   -> {0} clear | {1, owed_ms, reason, booked}   reason: 1 budget, 2 rate_limited, 3 probe
 -- settle:  ARGV[11] id, [12] used_tokens (-1 unknown), [13] rate_limited_ms (-1 none),
 --          [14..16] token limit, remaining, reset_ms, [17..19] same for requests (-1 missing),
@@ -99,14 +100,16 @@ local function expire()
     local rec = redis.call('HGET', resv_data, id)
     if rec then
       local kind, tk, rq, _, ltk, lrq = string.match(rec, '^(%a)|([%d.]+)|([%d.]+)|(%d+)|([%d.]+)|([%d.]+)')
-      if kind == 'b' then tk, rq = tonumber(ltk), tonumber(lrq) else tk, rq = tonumber(tk), tonumber(rq) end
+      local booking = kind == 'b' or kind == 'l'
+      if booking then tk, rq = tonumber(ltk), tonumber(lrq) else tk, rq = tonumber(tk), tonumber(rq) end
       for _, pc in ipairs({{'t_', tk}, {'r_', rq}}) do
         local p, cost = pc[1], pc[2]
         if known(p) then
-          if kind == 'b' then
+          if booking then
             advance(p)
             local c = math.min(cost, get(p .. 'booked'))
             S[p .. 'booked'] = get(p .. 'booked') - c
+            if kind == 'l' then S[p .. 'booked_live'] = math.max(get(p .. 'booked_live') - c, 0) end
             S[p .. 'level'] = math.min(get(p .. 'level') + c, get(p .. 'limit'))
           else
             S[p .. 'inflight'] = math.max(get(p .. 'inflight') - cost, 0)
@@ -190,24 +193,28 @@ if op == 'acquire' then
   if rec then
     local kind, tk, rq, due, ltk, lrq = string.match(rec, '^(%a)|([%d.]+)|([%d.]+)|(%d+)|([%d.]+)|([%d.]+)')
     tk, rq, due, ltk, lrq = tonumber(tk), tonumber(rq), tonumber(due), tonumber(ltk), tonumber(lrq)
-    if kind == 'b' and now < due then
+    local booking = kind == 'b' or kind == 'l'
+    if booking and now < due then
       save()
       return {1, due - now, 1, 1}
     end
-    if kind == 'b' then
+    if booking then
+      -- Live bookings are ahead of work turns (a live turn's own is its own).
       local short = 0
-      for _, pc in ipairs({{'t_', tk}, {'r_', rq}}) do
-        local p, cost = pc[1], pc[2]
+      for _, pc in ipairs({{'t_', tk, ltk}, {'r_', rq, lrq}}) do
+        local p, cost, lc = pc[1], pc[2], pc[3]
         if known(p) then
           advance(p)
           local n = need(p, cost)
-          local truth = get(p .. 'level') + get(p .. 'booked')
+          local own = 0
+          if kind == 'l' then own = lc end
+          local truth = get(p .. 'level') + get(p .. 'booked') - get(p .. 'booked_live') + own
           if truth < n then short = math.max(short, (n - truth) / get(p .. 'rate')) end
         end
       end
       if short > 0 then
         local r = owed(short, 1, 1, u)
-        reserve(id, 'b', tk, rq, now + r[2], now + r[2] + ttl, ltk, lrq)
+        reserve(id, kind, tk, rq, now + r[2], now + r[2] + ttl, ltk, lrq)
         save()
         return r
       end
@@ -215,6 +222,7 @@ if op == 'acquire' then
         local p, cost, lc = x[1], x[2], x[3]
         if known(p) then
           S[p .. 'booked'] = math.max(get(p .. 'booked') - lc, 0)
+          if kind == 'l' then S[p .. 'booked_live'] = math.max(get(p .. 'booked_live') - lc, 0) end
           S[p .. 'inflight'] = get(p .. 'inflight') + cost
           S[p .. 'level'] = get(p .. 'level') - (cost - lc)
         end
@@ -239,6 +247,9 @@ if op == 'acquire' then
   end
   -- Clear only if the call fits now and at the last booking's due time (so
   -- it delays no booked turn): refunds are then used at once.
+  -- Live turns first: a companion turn ignores the work line and has only
+  -- other live bookings ahead of it.
+  local live = ARGV[15] == 'companion'
   local horizon = math.max(get('last_due'), now)
   local lt = line_cost(tokens)
   local fits = true
@@ -248,8 +259,14 @@ if op == 'acquire' then
     if known(p) then
       advance(p)
       local n = need(p, cost)
-      if level_at(p, horizon) < n or get(p .. 'level') + get(p .. 'booked') < n then fits = false end
-      wait = math.max(wait, ms_until(p, need(p, lc)))
+      local present = get(p .. 'level') + get(p .. 'booked') - get(p .. 'booked_live')
+      if live then
+        if present < n then fits = false end
+        wait = math.max(wait, math.max(need(p, lc) - present, 0) / get(p .. 'rate'))
+      else
+        if level_at(p, horizon) < n or present < n then fits = false end
+        wait = math.max(wait, ms_until(p, need(p, lc)))
+      end
     end
   end
   if fits then wait = 0 else wait = math.max(wait, 1) end
@@ -259,6 +276,7 @@ if op == 'acquire' then
       if wait > 0 then
         S[p .. 'level'] = get(p .. 'level') - lc
         S[p .. 'booked'] = get(p .. 'booked') + lc
+        if live then S[p .. 'booked_live'] = get(p .. 'booked_live') + lc end
       else
         S[p .. 'level'] = get(p .. 'level') - cost
         S[p .. 'inflight'] = get(p .. 'inflight') + cost
@@ -274,8 +292,9 @@ if op == 'acquire' then
     return {0}
   end
   local r = owed(wait, 1, 1, u)
-  S['last_due'] = math.max(get('last_due'), now + r[2])
-  reserve(id, 'b', tk, rq, now + r[2], now + r[2] + ttl, ltk, rq)
+  local kind = 'b'
+  if live then kind = 'l' else S['last_due'] = math.max(get('last_due'), now + r[2]) end
+  reserve(id, kind, tk, rq, now + r[2], now + r[2] + ttl, ltk, rq)
   save()
   return r
 end

@@ -252,7 +252,12 @@ impl SharedPacer {
     pub async fn acquire(&self, model: &str, id: &str, est: Estimate, mode: Mode) -> Result<Decision, PacerError> {
         self.register(model).await?;
         let mut inv = self.invocation("acquire", model, mode);
-        inv.arg(id).arg(est.tokens).arg(est.requests).arg(rand::random::<f64>());
+        let jitter_u = if self.config.jitter_frac > 0.0 { rand::random::<f64>() } else { 0.0 };
+        let mode_name = match mode {
+            Mode::Work => "work",
+            Mode::Companion => "companion",
+        };
+        inv.arg(id).arg(est.tokens).arg(est.requests).arg(jitter_u).arg(mode_name);
         let mut conn = self.conn.clone();
         let reply: Vec<i64> = inv.invoke_async(&mut conn).await?;
         match reply.as_slice() {
@@ -327,6 +332,7 @@ fn state_from_fields(flat: &[String]) -> (PacerState, Millis) {
         level: f(&format!("{p}level")),
         at_ms: f(&format!("{p}at")) as Millis,
         booked: f(&format!("{p}booked")),
+        booked_live: f(&format!("{p}booked_live")),
         in_flight: f(&format!("{p}inflight")),
     };
     let state = PacerState {
@@ -345,6 +351,8 @@ fn state_from_fields(flat: &[String]) -> (PacerState, Millis) {
 #[derive(Debug, Clone, Copy)]
 struct Held {
     booked: bool,
+    /// A companion (live) turn's booking.
+    live: bool,
     est: Estimate,
     /// What a booking holds on the line (see `PacerState::booking_cost`).
     line: Estimate,
@@ -400,7 +408,7 @@ impl LocalPacer {
         for id in gone {
             if let Some(h) = m.held.remove(&id) {
                 if h.booked {
-                    bucket::release_booking(&mut m.state, h.line, now);
+                    bucket::release_booking(&mut m.state, h.line, h.live, now);
                 } else {
                     bucket::drop_in_flight(&mut m.state, h.est);
                 }
@@ -428,7 +436,7 @@ impl LocalPacer {
                     return decision;
                 }
             }
-            m.held.insert(id.to_owned(), Held { booked: false, due: now, expiry: now + ttl, ..h });
+            m.held.insert(id.to_owned(), Held { booked: false, live: false, due: now, expiry: now + ttl, ..h });
             return Decision::Clear;
         }
         let line = m.state.booking_cost(est);
@@ -440,12 +448,13 @@ impl LocalPacer {
         let (charged, line) = (known(est.tokens, est.requests), known(line.tokens, line.requests));
         match decision {
             Decision::Clear => {
-                let held = Held { booked: false, est: charged, line, due: now, expiry: now + ttl };
+                let held = Held { booked: false, live: false, est: charged, line, due: now, expiry: now + ttl };
                 m.held.insert(id.to_owned(), held);
             }
             Decision::Owed { ms, booked: true, .. } => {
                 let due = now + ms as Millis;
-                m.held.insert(id.to_owned(), Held { booked: true, est: charged, line, due, expiry: due + ttl });
+                let live = mode == Mode::Companion;
+                m.held.insert(id.to_owned(), Held { booked: true, live, est: charged, line, due, expiry: due + ttl });
             }
             Decision::Owed { .. } => {}
         }

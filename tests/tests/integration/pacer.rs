@@ -273,7 +273,10 @@ async fn the_redis_script_and_the_pure_model_agree() {
         for (name, g, w) in [("tokens", &got.tokens, &want.tokens), ("requests", &got.requests, &want.requests)] {
             let now = clock.now_ms();
             assert!(
-                close(g.level_at(now), w.level_at(now)) && close(g.booked, w.booked) && close(g.in_flight, w.in_flight),
+                close(g.level_at(now), w.level_at(now))
+                    && close(g.booked, w.booked)
+                    && close(g.booked_live, w.booked_live)
+                    && close(g.in_flight, w.in_flight),
                 "step {step}: {name} differ\nscript: {g:?}\nmodel:  {w:?}"
             );
         }
