@@ -9,25 +9,8 @@
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::sync::OnceLock;
 
-/// Metric names (SPEC §3's families). Workers record with the same names.
-pub mod name {
-    /// Counter, label `outcome` (`completed`, `continued`, `waiting`, `failed`, …).
-    pub const TURNS: &str = "paceline_turns_total";
-    /// Counter, label `status` (HTTP status, or `error` for a transport failure).
-    pub const PROVIDER_CALLS: &str = "paceline_provider_calls_total";
-    /// Counter: 429 answers from the provider.
-    pub const RATE_LIMITED: &str = "paceline_rate_limited_total";
-    /// Counter: turns the pacer owed time (requeued for budget).
-    pub const BUDGET_WAITS: &str = "paceline_budget_waits_total";
-    /// Histogram (seconds), label `reason`: how long turns were requeued for.
-    pub const REQUEUE_DELAY: &str = "paceline_requeue_delay_seconds";
-    /// Gauge, labels `budget`, `model`: the shared estimate of tokens left.
-    pub const PACER_REMAINING_TOKENS: &str = "paceline_pacer_remaining_tokens";
-    /// Gauge, label `state` (`ready`, `delayed`, `in_flight`, `dead`).
-    pub const QUEUE_DEPTH: &str = "paceline_queue_depth";
-    /// Histogram (seconds): a turn from its start to its commit.
-    pub const TURN_LATENCY: &str = "paceline_turn_seconds";
-}
+/// Metric names (SPEC §3's families), shared with the worker.
+pub use shared::telemetry::metric as name;
 
 /// Buckets of the requeue-delay histogram (seconds): 50 ms to 2 min.
 const DELAY_BUCKETS: [f64; 12] = [0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0];

@@ -11,3 +11,24 @@ pub fn init(default_filter: &str) {
     let builder = fmt().with_env_filter(filter).with_writer(std::io::stderr);
     let _ = if json { builder.json().try_init() } else { builder.try_init() };
 }
+
+/// Metric names (SPEC §3's families): the worker records them, the API
+/// exports them; one list so the two cannot drift.
+pub mod metric {
+    /// Counter, label `outcome` (`completed`, `continued`, `waiting`, `failed`, …).
+    pub const TURNS: &str = "paceline_turns_total";
+    /// Counter, label `status` (HTTP status, or `error` for a transport failure).
+    pub const PROVIDER_CALLS: &str = "paceline_provider_calls_total";
+    /// Counter: 429 answers from the provider.
+    pub const RATE_LIMITED: &str = "paceline_rate_limited_total";
+    /// Counter: turns the pacer owed time (requeued for budget).
+    pub const BUDGET_WAITS: &str = "paceline_budget_waits_total";
+    /// Histogram (seconds), label `reason`: how long turns were requeued for.
+    pub const REQUEUE_DELAY: &str = "paceline_requeue_delay_seconds";
+    /// Gauge, labels `budget`, `model`: the shared estimate of tokens left.
+    pub const PACER_REMAINING_TOKENS: &str = "paceline_pacer_remaining_tokens";
+    /// Gauge, label `state` (`ready`, `delayed`, `in_flight`, `dead`).
+    pub const QUEUE_DEPTH: &str = "paceline_queue_depth";
+    /// Histogram (seconds): a turn from its start to its commit.
+    pub const TURN_LATENCY: &str = "paceline_turn_seconds";
+}

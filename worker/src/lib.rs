@@ -103,6 +103,7 @@ pub async fn runner(config: &WorkerConfig) -> anyhow::Result<(Runner, TurnQueue)
         max_history: config.max_history.max(1),
         in_place_wait: Duration::from_millis(config.pacer.in_place_wait_ms),
         tool_endpoints,
+        budget: config.pacer.budget.clone(),
         ..TurnConfig::default()
     };
     let http = reqwest::Client::builder().connect_timeout(Duration::from_secs(10)).build()?;

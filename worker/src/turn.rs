@@ -24,6 +24,7 @@ use shared::runs::{Fence, Next, RunStore, StoreError, TranscriptEntry, TurnConte
 
 use crate::provider::{CallFailure, CallSuccess, Provider, StreamEvent, ToolCall};
 use crate::request::{build_body, TurnParams};
+use shared::telemetry::metric;
 
 /// The knobs of running turns.
 #[derive(Debug, Clone)]
@@ -38,6 +39,8 @@ pub struct TurnConfig {
     pub tool_timeout: Duration,
     /// Allowed tool endpoint prefixes (checked again here: the API checked at submit).
     pub tool_endpoints: Vec<String>,
+    /// The budget's name (a metric label).
+    pub budget: String,
 }
 
 impl Default for TurnConfig {
@@ -48,6 +51,7 @@ impl Default for TurnConfig {
             retry: RetryPolicy::default(),
             tool_timeout: Duration::from_secs(60),
             tool_endpoints: vec![],
+            budget: "default".into(),
         }
     }
 }
@@ -146,8 +150,8 @@ impl Runner {
         } else {
             self.call_model(lease, job, &ctx).await?
         };
-        metrics::counter!("paceline_turns_total", "outcome" => outcome.as_str()).increment(1);
-        metrics::histogram!("paceline_turn_seconds").record(started.elapsed().as_secs_f64());
+        metrics::counter!(metric::TURNS, "outcome" => outcome.as_str()).increment(1);
+        metrics::histogram!(metric::TURN_LATENCY).record(started.elapsed().as_secs_f64());
         Ok(outcome)
     }
 
@@ -175,8 +179,8 @@ impl Runner {
                     tokio::time::sleep(Duration::from_millis(ms)).await;
                 }
                 Decision::Owed { ms, reason, .. } => {
-                    metrics::counter!("paceline_budget_waits_total").increment(1);
-                    metrics::histogram!("paceline_requeue_delay_seconds", "reason" => "budget").record(ms as f64 / 1000.0);
+                    metrics::counter!(metric::BUDGET_WAITS).increment(1);
+                    metrics::histogram!(metric::REQUEUE_DELAY, "reason" => "budget").record(ms as f64 / 1000.0);
                     let reason_name = match reason {
                         OwedReason::Budget => "budget",
                         OwedReason::RateLimited => "window_closed",
@@ -229,7 +233,7 @@ impl Runner {
         reservation: &str,
         success: CallSuccess,
     ) -> Result<Outcome, TurnError> {
-        metrics::counter!("paceline_provider_calls_total", "status" => success.status.to_string()).increment(1);
+        metrics::counter!(metric::PROVIDER_CALLS, "status" => success.status.to_string()).increment(1);
         let usage = success.usage.map(|u| Usage {
             input_tokens: u.input_tokens,
             output_tokens: u.output_tokens,
@@ -316,11 +320,11 @@ impl Runner {
         failure: CallFailure,
     ) -> Result<Outcome, TurnError> {
         let status = failure.status.map(|s| s.to_string()).unwrap_or_else(|| "none".into());
-        metrics::counter!("paceline_provider_calls_total", "status" => status).increment(1);
+        metrics::counter!(metric::PROVIDER_CALLS, "status" => status).increment(1);
         let delay = server_delay(&failure.headers, &failure.message);
         let rate_limited = failure.kind == FailureKind::RateLimited;
         if rate_limited {
-            metrics::counter!("paceline_rate_limited_total").increment(1);
+            metrics::counter!(metric::RATE_LIMITED).increment(1);
         }
         // The pacer hears of every answer, 2xx or not; a 429 closes the window
         // for every worker, for the server's delay (or until its reset).
@@ -353,7 +357,7 @@ impl Runner {
                     (WaitReason::Retry, event::TURN_RETRY, data)
                 };
                 let label = if rate_limited { "rate_limited" } else { "retry" };
-                metrics::histogram!("paceline_requeue_delay_seconds", "reason" => label).record(delay_ms as f64 / 1000.0);
+                metrics::histogram!(metric::REQUEUE_DELAY, "reason" => label).record(delay_ms as f64 / 1000.0);
                 tracing::info!(message = "call failed; requeued", run.id = %lease.id, turn.index = job.turn,
                     attempt = job.attempt, delay_ms, kind = ?failure.kind, source = ?source);
                 let fence = self.store.wait(lease, job, next, delay_ms, reason, kind, &data).await?;
@@ -390,7 +394,8 @@ impl Runner {
             tracing::warn!(message = "could not settle the pacer", %error, reservation);
         }
         if let Some(remaining) = outcome.tokens.remaining {
-            metrics::gauge!("paceline_pacer_remaining_tokens", "model" => model.to_owned()).set(remaining as f64);
+            metrics::gauge!(metric::PACER_REMAINING_TOKENS, "budget" => self.config.budget.clone(), "model" => model.to_owned())
+                .set(remaining as f64);
         }
     }
 }
