@@ -6,7 +6,7 @@
 //! JSON, timeout — does not fail the run: its error becomes the text the
 //! model reads as that tool's output, so the model can react to it.
 //!
-//! [`endpoint_allowed`] is the `PACELINE_TOOL_ENDPOINTS` check: a URL passes
+//! `shared::runs::spec::endpoint_allowed` is the `PACELINE_TOOL_ENDPOINTS` check: a URL passes
 //! when it lies under one of the configured prefixes, compared on the parsed
 //! URL (scheme, host, port, then whole path segments), never as raw text.
 
@@ -133,97 +133,10 @@ fn excerpt(s: &str) -> String {
     }
 }
 
-/// Whether `url` lies under one of the allowed `prefixes`
-/// (`PACELINE_TOOL_ENDPOINTS`). No prefixes allow nothing.
-///
-/// Both sides are parsed (so `..` segments, `%2e%2e`, default ports and host
-/// case are normalised first) and compared by scheme, user info, host and
-/// port exactly, then by path on segment boundaries: the prefix
-/// `http://127.0.0.1:9000/tools` allows `…:9000/tools` and `…:9000/tools/x`,
-/// not `…:9000/toolsx`, `…:90001/…`, `…:9000.evil.com/…` or
-/// `…:9000@evil.com/…`. A prefix ending in `/` allows what is below it. The
-/// prefix's query and fragment are ignored.
-pub fn endpoint_allowed(url: &str, prefixes: &[String]) -> bool {
-    let Ok(url) = reqwest::Url::parse(url.trim()) else { return false };
-    if !matches!(url.scheme(), "http" | "https") || url.cannot_be_a_base() {
-        return false;
-    }
-    prefixes.iter().any(|prefix| {
-        let Ok(prefix) = reqwest::Url::parse(prefix.trim()) else { return false };
-        let same_origin = url.scheme() == prefix.scheme()
-            && url.host_str() == prefix.host_str()
-            && url.port_or_known_default() == prefix.port_or_known_default()
-            && url.username() == prefix.username()
-            && url.password() == prefix.password();
-        if !same_origin {
-            return false;
-        }
-        let (path, base) = (url.path(), prefix.path());
-        if base.ends_with('/') {
-            path.starts_with(base)
-        } else {
-            path == base || path.strip_prefix(base).is_some_and(|rest| rest.starts_with('/'))
-        }
-    })
-}
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn allowed(url: &str, prefixes: &[&str]) -> bool {
-        endpoint_allowed(url, &prefixes.iter().map(|p| p.to_string()).collect::<Vec<_>>())
-    }
-
-    #[test]
-    fn a_prefix_allows_itself_and_what_is_below_it() {
-        let p = ["http://127.0.0.1:9000/tools"];
-        assert!(allowed("http://127.0.0.1:9000/tools", &p));
-        assert!(allowed("http://127.0.0.1:9000/tools/", &p));
-        assert!(allowed("http://127.0.0.1:9000/tools/search?x=1", &p));
-        assert!(allowed("HTTP://127.0.0.1:9000/tools/a/b", &p));
-    }
-
-    #[test]
-    fn lookalikes_are_refused() {
-        let p = ["http://127.0.0.1:9000/tools"];
-        for url in [
-            "http://127.0.0.1:90001/tools",
-            "http://127.0.0.1:9000.evil.com/tools",
-            "http://127.0.0.1:9000@evil.com/tools",
-            "http://evil.com/http://127.0.0.1:9000/tools",
-            "http://127.0.0.1:9000/toolsx",
-            "http://127.0.0.1:9000/tool",
-            "http://127.0.0.1:9000/tools/../admin",
-            "http://127.0.0.1:9000/tools/%2e%2e/admin",
-            "http://127.0.0.1:900/tools",
-            "http://127.0.0.1/tools",
-            "https://127.0.0.1:9000/tools",
-            "http://user@127.0.0.1:9000/tools",
-            "http://localhost:9000/tools",
-            "file:///tools",
-            "not a url",
-            "",
-        ] {
-            assert!(!allowed(url, &p), "{url} must not be allowed");
-        }
-        assert!(!allowed("http://127.0.0.1:9000/tools", &[]));
-        assert!(!allowed("http://127.0.0.1:9000/tools", &["garbage"]));
-    }
-
-    #[test]
-    fn default_ports_trailing_slashes_and_several_prefixes() {
-        assert!(allowed("https://tools.example.com:443/v1/run", &["https://tools.example.com/v1"]));
-        assert!(allowed("http://tools.example.com/v1/run", &["http://TOOLS.example.com:80/v1/"]));
-        assert!(!allowed("http://tools.example.com/v10", &["http://tools.example.com/v1"]));
-        assert!(!allowed("http://tools.example.com/v1", &["http://tools.example.com/v1/"]));
-        // A bare origin allows every path on it.
-        assert!(allowed("http://10.0.0.5:7000/anything/at/all", &["http://10.0.0.5:7000"]));
-        let several = ["http://a.internal/tools", "http://127.0.0.1:9000/"];
-        assert!(allowed("http://127.0.0.1:9000/x", &several));
-        assert!(allowed("http://a.internal/tools/y", &several));
-        assert!(!allowed("http://b.internal/tools/y", &several));
-    }
 
     #[test]
     fn durations_read_well() {
