@@ -3,6 +3,7 @@
 //! library doing the work.
 
 mod commands;
+mod demo;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

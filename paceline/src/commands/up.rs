@@ -1,12 +1,511 @@
-//! `paceline up` (not built yet).
+//! `paceline up`: everything on one machine — the API and a worker pool in one
+//! process, with a Redis found or started for them.
+//!
+//! Which Redis: `REDIS_URL` (or `--redis-url`) when set; else the one that
+//! answers PING on 127.0.0.1:6379; else a private `redis-server` child
+//! (127.0.0.1, a free port, data and AOF under `./.paceline/redis`) that stops
+//! when `up` stops. Each choice is said on stderr. With no `redis-server` to
+//! start, `up` exits naming how to install one.
+//!
+//! `--demo` adds the mock provider and a tool endpoint in-process (see
+//! `crate::demo`), points the workers at them, submits the sample runs through
+//! the API and shows them progressing, then keeps serving until Ctrl-C.
+//!
+//! Shutdown (SIGINT/SIGTERM): the API stops taking requests, the workers finish
+//! or hand back their turns, then the demo servers and a private Redis stop —
+//! Redis last, so the drain can still commit. The child runs in its own process
+//! group so a terminal's Ctrl-C does not reach it before the workers are done.
 
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::time::{Duration, Instant};
 
-/// Arguments of this subcommand.
+use anyhow::Context as _;
+use shared::config::{PacerArgs, ProviderArgs, RedisArgs, Secret};
+use shared::queue::QueueConfig;
+use tokio::sync::watch;
+
+use crate::demo::{self, DemoArgs};
+
+/// Arguments of `paceline up`: what `paceline api` and `paceline worker` take,
+/// from one set of flags.
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Address the API listens on (port 0 picks a free one).
+    #[arg(long, env = "PACELINE_LISTEN", default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    /// Redis URL. Unset: the Redis on 127.0.0.1:6379 if one answers, else a private redis-server.
+    #[arg(id = "redis_url", long = "redis-url", env = "REDIS_URL")]
+    redis_url: Option<String>,
+    /// Prefix of every Redis key [default: paceline; paceline-demo with --demo, so demo runs never reach real workers].
+    #[arg(long = "prefix", env = "PACELINE_PREFIX")]
+    prefix: Option<String>,
+    /// Worker slots in this process: turns run at once.
+    #[arg(long = "workers", visible_alias = "concurrency", env = "PACELINE_CONCURRENCY", default_value_t = 16)]
+    workers: usize,
+    /// Where a private redis-server keeps its data (`DIR/redis`).
+    #[arg(long = "data-dir", env = "PACELINE_DATA_DIR", default_value = ".paceline")]
+    data_dir: PathBuf,
+    /// The provider.
+    #[command(flatten)]
+    provider: Box<ProviderArgs>,
+    /// The pacer.
+    #[command(flatten)]
+    pacer: Box<PacerArgs>,
+    /// The queue's leases and batches.
+    #[command(flatten)]
+    queue: Box<QueueConfig>,
+    /// History depth sent to the model, in turns.
+    #[arg(long = "max-history", env = "PACELINE_MAX_HISTORY", default_value_t = shared::runs::backpressure::DEFAULT_MAX_HISTORY)]
+    max_history: usize,
+    /// URL prefixes a run's `tool_endpoint` may start with (comma-separated).
+    #[arg(long = "tool-endpoints", env = "PACELINE_TOOL_ENDPOINTS", value_delimiter = ',')]
+    tool_endpoints: Vec<String>,
+    /// Bearer tokens per tenant: `tenant:token,tenant:token`. Unset: open development mode.
+    #[arg(long = "api-tokens", env = "PACELINE_API_TOKENS", hide_env_values = true, default_value = "")]
+    tokens: api::config::ApiTokens,
+    /// Largest request body accepted, in bytes.
+    #[arg(long = "body-limit", env = "PACELINE_BODY_LIMIT", default_value_t = api::config::DEFAULT_BODY_LIMIT)]
+    body_limit: usize,
+    /// How long finished runs are kept (`90s`, `30m`, `12h`, `7d`, or seconds).
+    #[arg(long = "retention", env = "PACELINE_RETENTION", default_value = "7d", value_parser = api::config::parse_duration)]
+    retention: Duration,
+    /// How long one Redis command of an API request may take before it answers 503 (ms).
+    #[arg(long = "redis-timeout-ms", env = "PACELINE_REDIS_TIMEOUT_MS", default_value_t = 2000)]
+    redis_timeout_ms: u64,
+    /// Also start the mock provider and a demo tool endpoint, submit the sample runs, and show them progressing.
+    #[arg(long)]
+    demo: bool,
+    #[command(flatten)]
+    demo_args: Box<DemoArgs>,
+    /// Where to look for a running Redis when REDIS_URL is unset (tests point it at a free port).
+    #[arg(long = "local-redis-probe", hide = true, default_value = "127.0.0.1:6379")]
+    local_redis_probe: SocketAddr,
+}
 
-/// Runs the subcommand.
-pub async fn run(_args: Args) -> anyhow::Result<ExitCode> {
-    super::not_built("up")
+/// Runs the subcommand until SIGINT/SIGTERM.
+pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
+    // The demo draws progress lines on stderr: only warnings interrupt them.
+    shared::telemetry::init(if args.demo { "warn" } else { "info" });
+    let (stop_tx, stop_rx) = watch::channel(false);
+    {
+        let stop_tx = stop_tx.clone();
+        tokio::spawn(async move {
+            super::shutdown_signal().await;
+            let _ = stop_tx.send(true);
+        });
+    }
+    let redis = tokio::select! {
+        r = find_redis(&args) => r?,
+        _ = stopped(stop_rx.clone()) => return Ok(ExitCode::SUCCESS),
+    };
+    let prefix = args.prefix.clone().unwrap_or_else(|| if args.demo { "paceline-demo" } else { "paceline" }.to_owned());
+    let redis_args = RedisArgs::new(redis.url(), prefix);
+    let result = serve(&args, redis_args, stop_tx, stop_rx).await;
+    // Last: the drain above may still have been committing into it.
+    redis.stop().await;
+    result?;
+    say("stopped");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Resolves once `stop` turns true (or its sender is gone).
+async fn stopped(mut stop: watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
+fn say(line: impl AsRef<str>) {
+    eprintln!("paceline up: {}", line.as_ref());
+}
+
+/// The API, the worker pool and the demo, until `stop`.
+async fn serve(args: &Args, redis: RedisArgs, stop_tx: watch::Sender<bool>, stop_rx: watch::Receiver<bool>) -> anyhow::Result<()> {
+    let demo = if args.demo { Some(demo::Demo::start(&args.demo_args).await?) } else { None };
+    let mut tool_endpoints = args.tool_endpoints.clone();
+    let mut provider = (*args.provider).clone();
+    if let Some(d) = &demo {
+        tool_endpoints.push(d.tool_endpoint());
+        provider.url = d.provider_url();
+        // The mock needs no key: a real one is not sent to it.
+        provider.api_key = Secret::default();
+    } else if provider.api_key.is_empty() && provider.url.contains("api.openai.com") {
+        say("OPENAI_API_KEY is not set: turns sent to api.openai.com will fail. Set it, point PACELINE_PROVIDER_URL \
+             at another OpenAI-compatible provider, or try `paceline up --demo`.");
+    }
+    let api_config = api::ApiConfig {
+        listen: args.listen,
+        redis: redis.clone(),
+        tokens: args.tokens.clone(),
+        tool_endpoints: tool_endpoints.clone(),
+        body_limit: args.body_limit,
+        retention: args.retention,
+        redis_timeout_ms: args.redis_timeout_ms,
+    };
+    let worker_config = worker::WorkerConfig {
+        redis: redis.clone(),
+        provider: provider.clone(),
+        pacer: (*args.pacer).clone(),
+        queue: (*args.queue).clone(),
+        concurrency: args.workers.max(1),
+        max_history: args.max_history,
+        tool_endpoints,
+        retention_s: args.retention.as_secs(),
+    };
+    let app = match api::Application::build(api_config).await {
+        Ok(app) => app,
+        Err(e) => {
+            if let Some(d) = demo {
+                d.stop().await;
+            }
+            return Err(e);
+        }
+    };
+    let addr = app.local_addr();
+    // Either half ending on its own (an error) stops the other.
+    let api_task = tokio::spawn({
+        let (tx, rx) = (stop_tx.clone(), stop_rx.clone());
+        async move {
+            let r = app.run_until_stopped(stopped(rx)).await;
+            let _ = tx.send(true);
+            r
+        }
+    });
+    let worker_task = tokio::spawn({
+        let (tx, rx) = (stop_tx.clone(), stop_rx.clone());
+        async move {
+            let r = worker::run(worker_config, stopped(rx)).await;
+            let _ = tx.send(true);
+            r
+        }
+    });
+    say(format!(
+        "API on http://{addr}, {} worker slots, Redis {} (prefix {}), provider {}",
+        args.workers.max(1),
+        redact(&redis.url),
+        redis.prefix,
+        provider.url
+    ));
+    let mut demo_result = Ok(());
+    if let Some(d) = &demo {
+        say(d.describe());
+        demo_result = run_demo(args, d, addr, stop_rx.clone()).await;
+        if demo_result.is_err() {
+            let _ = stop_tx.send(true);
+        }
+    }
+    if !*stop_rx.borrow() {
+        say("serving until Ctrl-C (SIGINT) or SIGTERM");
+    }
+    stopped(stop_rx).await;
+    say("stopping: the API closes, the workers finish or hand back their turns…");
+    let api_result = api_task.await.context("the API task")?;
+    let worker_result = worker_task.await.context("the worker task")?;
+    if let Some(d) = demo {
+        d.stop().await;
+    }
+    api_result.context("the API")?;
+    worker_result.context("the worker pool")?;
+    demo_result
+}
+
+/// Submits the examples, follows them to the end, then says what to try next.
+async fn run_demo(args: &Args, d: &demo::Demo, addr: SocketAddr, stop: watch::Receiver<bool>) -> anyhow::Result<()> {
+    let (examples, source) = demo::load_examples(&args.demo_args.examples, &d.tool_endpoint())?;
+    let token = args.tokens.0.first().map(|(_, t)| t.expose().to_owned());
+    let client = demo::ApiClient::new(format!("http://{addr}"), token)?;
+    say(format!("submitting {} sample runs from {source} through the API:", examples.len()));
+    let started = Instant::now();
+    let finals = demo::drive(&client, &examples, stop.clone()).await?;
+    if *stop.borrow() {
+        return Ok(());
+    }
+    let completed = finals.values().filter(|s| *s == "completed").count();
+    let (calls, limited) = d.provider_counts();
+    say(format!(
+        "all {} demo runs finished in {:.1} s ({completed} completed); the mock provider answered {calls} calls, {limited} of them 429s",
+        finals.len(),
+        started.elapsed().as_secs_f64()
+    ));
+    let bin = invocation();
+    let api_flag = if args.listen.to_string() == "127.0.0.1:8080" { String::new() } else { format!(" --api http://{addr}") };
+    let example_file = args.demo_args.examples.join("browse-work.json");
+    let submit = if example_file.is_file() && d.tool_endpoint() == demo::EXAMPLES_TOOL_ENDPOINT {
+        format!("{bin} submit {}{api_flag} --watch", example_file.display())
+    } else {
+        format!("echo '{{\"model\":\"gpt-4.1-mini\",\"input\":\"Say hello\"}}' | {bin} submit -{api_flag} --watch")
+    };
+    eprintln!(
+        "\nThe API stays up until Ctrl-C. Try:\n  \
+         {bin} runs{api_flag}\n  \
+         {submit}\n  \
+         {bin} pacer{api_flag}\n  \
+         curl -s http://{addr}/v1/runs\n  \
+         curl -s http://{addr}/v1/queue\n  \
+         curl -s -X POST http://{addr}/v1/runs -H 'content-type: application/json' -d '{{\"model\":\"gpt-4.1-mini\",\"input\":\"Say hello\"}}'\n"
+    );
+    Ok(())
+}
+
+/// How the user ran this binary, for copy-paste: relative to the current
+/// directory when it lies under it (`./target/release/paceline`).
+fn invocation() -> String {
+    let Ok(exe) = std::env::current_exe() else { return "paceline".into() };
+    if let Ok(cwd) = std::env::current_dir() {
+        if let Ok(rel) = exe.strip_prefix(&cwd) {
+            return format!("./{}", rel.display());
+        }
+    }
+    exe.display().to_string()
+}
+
+/// A URL with its password (or whole userinfo) hidden.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}***{}", &url[..s + 3], &url[at..]),
+        _ => url.to_owned(),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Finding Redis
+
+/// The Redis `up` uses.
+enum RedisSource {
+    /// `REDIS_URL` / `--redis-url`.
+    Given(String),
+    /// The one that answered on 127.0.0.1:6379.
+    Local(String),
+    /// A child (or one a killed `up` left behind) that `up` stops on exit.
+    Private(PrivateRedis),
+}
+
+impl RedisSource {
+    fn url(&self) -> String {
+        match self {
+            Self::Given(u) | Self::Local(u) => u.clone(),
+            Self::Private(p) => p.url(),
+        }
+    }
+
+    async fn stop(self) {
+        if let Self::Private(p) = self {
+            p.stop().await;
+        }
+    }
+}
+
+async fn find_redis(args: &Args) -> anyhow::Result<RedisSource> {
+    if let Some(url) = args.redis_url.as_deref().map(str::trim).filter(|u| !u.is_empty()) {
+        say(format!("using Redis at {} (REDIS_URL)", redact(url)));
+        return Ok(RedisSource::Given(url.to_owned()));
+    }
+    let probe_addr = args.local_redis_probe;
+    match probe(probe_addr).await {
+        Probe::Pong => {
+            say(format!("REDIS_URL is not set; using the Redis that answers on {probe_addr}"));
+            Ok(RedisSource::Local(format!("redis://{probe_addr}")))
+        }
+        Probe::Other(reply) => anyhow::bail!(
+            "REDIS_URL is not set, and what answers on {probe_addr} is not an open Redis ({reply}). \
+             Set REDIS_URL (with its password: redis://:PASSWORD@{probe_addr}) or free the port."
+        ),
+        Probe::Nothing => {
+            let p = PrivateRedis::start(&args.data_dir.join("redis"), probe_addr).await?;
+            Ok(RedisSource::Private(p))
+        }
+    }
+}
+
+#[derive(Debug, PartialEq)]
+enum Probe {
+    /// `+PONG`: an open Redis.
+    Pong,
+    /// Something answered, not `+PONG` (`-NOAUTH …`, another protocol).
+    Other(String),
+    /// Nothing listens (or nothing answered in time).
+    Nothing,
+}
+
+/// One PING with short timeouts.
+async fn probe(addr: SocketAddr) -> Probe {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let t = Duration::from_millis(300);
+    let Ok(Ok(mut s)) = tokio::time::timeout(t, tokio::net::TcpStream::connect(addr)).await else { return Probe::Nothing };
+    if s.write_all(b"PING\r\n").await.is_err() {
+        return Probe::Nothing;
+    }
+    let mut buf = [0u8; 128];
+    match tokio::time::timeout(t, s.read(&mut buf)).await {
+        Ok(Ok(n)) if buf[..n].starts_with(b"+PONG") => Probe::Pong,
+        Ok(Ok(n)) if n > 0 => Probe::Other(String::from_utf8_lossy(&buf[..n]).trim().chars().take(80).collect()),
+        // Accepted but silent, or closed: something that is not Redis.
+        Ok(_) | Err(_) => Probe::Other("no answer to PING".into()),
+    }
+}
+
+const PORT_FILE: &str = "paceline-port";
+
+/// A private `redis-server` on 127.0.0.1 with its data and AOF in `dir`.
+struct PrivateRedis {
+    dir: PathBuf,
+    port: u16,
+    /// `None` when it was adopted from a killed earlier `up`.
+    child: Option<tokio::process::Child>,
+}
+
+impl PrivateRedis {
+    async fn start(dir: &Path, probed: SocketAddr) -> anyhow::Result<Self> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let dir = dir.canonicalize().with_context(|| format!("{}", dir.display()))?;
+        // A private server an earlier `up` left running (it was SIGKILLed):
+        // use it rather than start a second one on the same files.
+        if let Some(port) = std::fs::read_to_string(dir.join(PORT_FILE)).ok().and_then(|s| s.trim().parse::<u16>().ok()) {
+            if probe(SocketAddr::from(([127, 0, 0, 1], port))).await == Probe::Pong {
+                say(format!(
+                    "REDIS_URL is not set and nothing answers on {probed}; using the private redis-server an earlier \
+                     `paceline up` left running on 127.0.0.1:{port} (data in {}); it stops when this one does",
+                    dir.display()
+                ));
+                return Ok(Self { dir, port, child: None });
+            }
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .context("finding a free port for redis-server")?
+            .port();
+        let mut cmd = tokio::process::Command::new("redis-server");
+        cmd.arg("--bind").arg("127.0.0.1")
+            .arg("--port").arg(port.to_string())
+            .arg("--protected-mode").arg("yes")
+            .arg("--dir").arg(&dir)
+            .arg("--appendonly").arg("yes")
+            .arg("--appendfsync").arg("everysec")
+            .arg("--save").arg("")
+            .arg("--logfile").arg(dir.join("redis.log"))
+            .arg("--pidfile").arg(dir.join("redis.pid"))
+            .arg("--daemonize").arg("no")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true);
+        // Its own process group: a terminal's Ctrl-C reaches only us, and we
+        // stop Redis after the workers have drained into it.
+        #[cfg(unix)]
+        cmd.process_group(0);
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => anyhow::bail!(
+                "no Redis to use: REDIS_URL is not set, nothing answers on {probed}, and there is no `redis-server` \
+                 on PATH to start a private one. Install Redis (Debian/Ubuntu: `sudo apt-get install redis-server`; \
+                 macOS: `brew install redis`), or set REDIS_URL to a Redis you have."
+            ),
+            Err(e) => return Err(e).context("starting redis-server"),
+        };
+        let pid = child.id().unwrap_or(0);
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if probe(addr).await == Probe::Pong {
+                break;
+            }
+            let log = || std::fs::read_to_string(dir.join("redis.log")).unwrap_or_default();
+            if let Ok(Some(status)) = child.try_wait() {
+                anyhow::bail!("redis-server exited at start ({status}); the end of its log:\n{}", tail(&log(), 10));
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill().await;
+                anyhow::bail!("redis-server did not answer within 10 s; the end of its log:\n{}", tail(&log(), 10));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let _ = std::fs::write(dir.join(PORT_FILE), port.to_string());
+        say(format!(
+            "REDIS_URL is not set and nothing answers on {probed}, so paceline started a private redis-server \
+             (pid {pid}) on 127.0.0.1:{port}, data and AOF in {}; it stops when paceline up stops",
+            dir.display()
+        ));
+        Ok(Self { dir, port, child: Some(child) })
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// `SHUTDOWN` (Redis writes its AOF and exits), then waits for it; a kill
+    /// when it does not go within 10 s.
+    async fn stop(mut self) {
+        let t = Duration::from_secs(5);
+        if let Ok(client) = redis::Client::open(self.url()) {
+            if let Ok(Ok(mut conn)) = tokio::time::timeout(t, client.get_multiplexed_async_connection()).await {
+                // Answers with a closed connection when it worked.
+                let _ = tokio::time::timeout(t, redis::cmd("SHUTDOWN").query_async::<()>(&mut conn)).await;
+            }
+        }
+        let addr = SocketAddr::from(([127, 0, 0, 1], self.port));
+        let gone = match self.child.as_mut() {
+            Some(child) => match tokio::time::timeout(Duration::from_secs(10), child.wait()).await {
+                Ok(_) => true,
+                Err(_) => {
+                    let _ = child.kill().await;
+                    false
+                }
+            },
+            None => {
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while probe(addr).await != Probe::Nothing && Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                probe(addr).await == Probe::Nothing
+            }
+        };
+        let _ = std::fs::remove_file(self.dir.join(PORT_FILE));
+        if gone {
+            say(format!("the private redis-server stopped (its data stays in {})", self.dir.display()));
+        } else {
+            say("the private redis-server did not stop within 10 s after SHUTDOWN");
+        }
+    }
+}
+
+fn tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::{CommandFactory as _, Parser as _};
+
+    #[derive(Debug, clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        up: Args,
+    }
+
+    #[test]
+    fn the_flags_of_api_worker_and_demo_fit_in_one_command() {
+        Cli::command().debug_assert();
+        let cli = Cli::try_parse_from(["up", "--concurrency", "4", "--demo", "--demo-tpm", "5000", "--tpm", "900"]).unwrap();
+        assert_eq!(cli.up.workers, 4);
+        assert!(cli.up.demo);
+        assert_eq!(cli.up.demo_args.demo_tpm, 5000);
+        assert_eq!(cli.up.pacer.tpm, Some(900));
+        assert_eq!(cli.up.listen.to_string(), "127.0.0.1:8080");
+        assert!(Cli::try_parse_from(["up", "--workers", "2", "--retention", "90"]).is_ok());
+    }
+
+    #[test]
+    fn passwords_are_not_shown() {
+        assert_eq!(redact("redis://:hunter2@db:6379/0"), "redis://***@db:6379/0");
+        assert_eq!(redact("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
+        assert_eq!(redact("redis+unix:///tmp/r.sock"), "redis+unix:///tmp/r.sock");
+    }
+
+    #[tokio::test]
+    async fn a_closed_port_answers_nothing() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+        assert_eq!(probe(port).await, Probe::Nothing);
+    }
 }

@@ -10,3 +10,4 @@ mod provider_client;
 mod run_store;
 mod worker;
 mod api;
+mod up;

@@ -1,0 +1,160 @@
+//! `paceline up` as a user runs it: the real binary as a child process.
+//! `--demo` against a harness Redis (REDIS_URL) brings its sample runs to
+//! `completed` and stops cleanly on SIGTERM; without REDIS_URL it starts (and
+//! stops) a private redis-server, or says how to install one. None of these
+//! touch 127.0.0.1:6379: the probe is pointed at a free port.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use paceline_tests::{eventually, paceline_bin, unique_prefix, ChildGuard, RedisServer};
+use serde_json::Value;
+
+fn secs(s: u64) -> Duration {
+    Duration::from_secs(s)
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// `paceline up ARGS` in `dir`, its stderr going to `dir/up.err`, with none
+/// of the environment that would change what it connects to.
+fn up(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> ChildGuard {
+    let err = std::fs::File::create(dir.join("up.err")).unwrap();
+    let mut cmd = Command::new(paceline_bin());
+    cmd.arg("up").args(args).current_dir(dir);
+    for var in ["REDIS_URL", "PACELINE_PREFIX", "PACELINE_LISTEN", "PACELINE_API_TOKENS", "PACELINE_DATA_DIR", "PACELINE_TOOL_ENDPOINTS"] {
+        cmd.env_remove(var);
+    }
+    cmd.envs(env.iter().copied()).env("RUST_LOG", "warn").stdin(Stdio::null()).stdout(Stdio::null()).stderr(err);
+    ChildGuard(cmd.spawn().expect("start paceline up"))
+}
+
+fn stderr_of(dir: &Path) -> String {
+    std::fs::read_to_string(dir.join("up.err")).unwrap_or_default()
+}
+
+async fn get(http: &reqwest::Client, url: impl reqwest::IntoUrl) -> Option<Value> {
+    let resp = http.get(url).send().await.ok()?;
+    if !resp.status().is_success() {
+        return None;
+    }
+    resp.json().await.ok()
+}
+
+/// SIGTERM, then a clean exit (0) within `timeout`.
+fn stop_cleanly(child: &mut ChildGuard, dir: &Path, timeout: Duration) {
+    child.signal("TERM");
+    let status = child.wait_timeout(timeout).unwrap_or_else(|| panic!("up did not stop in {timeout:?}:\n{}", stderr_of(dir)));
+    assert!(status.success(), "up exited {status}:\n{}", stderr_of(dir));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_demo_brings_the_sample_runs_to_completed_and_stops_on_sigterm() {
+    let redis = RedisServer::start();
+    // Outside the repository: the examples built into the binary are used,
+    // and a tool endpoint on another port than the examples name is rewritten.
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port().to_string();
+    let listen = format!("127.0.0.1:{port}");
+    let prefix = unique_prefix();
+    let mut child = up(
+        dir.path(),
+        &[
+            "--demo", "--listen", &listen, "--prefix", &prefix, "--workers", "8",
+            "--demo-tools-listen", "127.0.0.1:0", "--demo-tpm", "400000", "--demo-latency-ms", "20",
+        ],
+        &[("REDIS_URL", &redis.url())],
+    );
+    let http = reqwest::Client::builder().timeout(secs(2)).build().unwrap();
+    let base = format!("http://{listen}");
+    eventually("the API answers", secs(20), || get(&http, format!("{base}/healthz"))).await;
+    let runs = eventually("the 4 demo runs completed", secs(30), || async {
+        let page = get(&http, &format!("{base}/v1/runs?limit=20")).await?;
+        let runs = page["data"].as_array()?.clone();
+        let done = runs.len() == 4 && runs.iter().all(|r| matches!(r["status"].as_str(), Some("completed" | "failed" | "cancelled")));
+        done.then_some(runs)
+    })
+    .await;
+    for run in &runs {
+        assert_eq!(run["status"], "completed", "{run}\n{}", stderr_of(dir.path()));
+        let example = run["metadata"]["example"].as_str().unwrap_or("");
+        // The mock asks for two tool rounds, then answers: 3 turns with tools, 1 without.
+        let turns = if example == "plain" { 1 } else { 3 };
+        assert_eq!(run["turns_completed"], turns, "{run}");
+    }
+    // The browsing run's big pages reached the model clipped.
+    let browse = runs.iter().find(|r| r["metadata"]["example"] == "browse-work").expect("browse-work ran");
+    let transcript = get(&http, &format!("{base}/v1/runs/{}/transcript", browse["id"].as_str().unwrap())).await.unwrap();
+    let longest = transcript.to_string().len();
+    assert!(longest < 2 * 60_000, "two 60 000-character pages were not clipped ({longest} bytes of transcript)");
+    let err = eventually("the demo's summary", secs(5), || async {
+        let err = stderr_of(dir.path());
+        err.contains("all 4 demo runs finished").then_some(err)
+    })
+    .await;
+    assert!(err.contains("using Redis at redis+unix://"), "{err}");
+    assert!(err.contains("The API stays up until Ctrl-C"), "{err}");
+    stop_cleanly(&mut child, dir.path(), secs(20));
+    assert!(stderr_of(dir.path()).contains("paceline up: stopped"), "{}", stderr_of(dir.path()));
+}
+
+/// Kills a private redis-server a failed test left behind (it runs in its
+/// own process group, so killing `up` does not take it down).
+struct PidFileGuard(PathBuf);
+
+impl Drop for PidFileGuard {
+    fn drop(&mut self) {
+        if let Ok(pid) = std::fs::read_to_string(&self.0) {
+            let _ = Command::new("kill").arg("-KILL").arg(pid.trim()).stderr(Stdio::null()).status();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_redis_url_up_starts_a_private_redis_server_and_stops_it_on_exit() {
+    let dir = tempfile::tempdir().unwrap();
+    let _leftover = PidFileGuard(dir.path().join(".paceline/redis/redis.pid"));
+    let listen = format!("127.0.0.1:{}", free_port());
+    let probe = format!("127.0.0.1:{}", free_port());
+    let mut child = up(
+        dir.path(),
+        &["--listen", &listen, "--local-redis-probe", &probe, "--workers", "2"],
+        &[("PACELINE_PROVIDER_URL", "http://127.0.0.1:9/v1")],
+    );
+    let http = reqwest::Client::builder().timeout(secs(2)).build().unwrap();
+    // Ready means the API reaches Redis: the private one.
+    eventually("the API is ready", secs(20), || get(&http, format!("http://{listen}/readyz"))).await;
+    let err = stderr_of(dir.path());
+    assert!(err.contains("started a private redis-server"), "{err}");
+    let port: u16 = err
+        .split("on 127.0.0.1:")
+        .nth(1)
+        .and_then(|s| s.split(',').next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no port in: {err}"));
+    let redis_dir = dir.path().join(".paceline/redis");
+    assert!(redis_dir.join("appendonlydir").is_dir(), "AOF is on under ./.paceline/redis");
+    stop_cleanly(&mut child, dir.path(), secs(20));
+    let err = stderr_of(dir.path());
+    assert!(err.contains("the private redis-server stopped"), "{err}");
+    assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_err(), "the private redis-server still listens on {port}");
+}
+
+#[test]
+fn without_redis_and_without_redis_server_up_says_how_to_install_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let empty_path = tempfile::tempdir().unwrap();
+    let probe = format!("127.0.0.1:{}", free_port());
+    let mut child = up(
+        dir.path(),
+        &["--listen", "127.0.0.1:0", "--local-redis-probe", &probe],
+        &[("PATH", empty_path.path().to_str().unwrap())],
+    );
+    let status = child.wait_timeout(secs(10)).expect("up exits at once");
+    let err = stderr_of(dir.path());
+    assert!(!status.success(), "{err}");
+    assert!(err.contains("apt-get install redis-server") && err.contains("brew install redis"), "{err}");
+}
