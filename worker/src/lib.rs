@@ -123,7 +123,18 @@ pub async fn runner(config: &WorkerConfig) -> anyhow::Result<(Runner, TurnQueue)
 async fn handle_turn(job: TurnJob, lease: Lease, runner: Data<Runner>) -> Result<(), BoxDynError> {
     use tracing::Instrument as _;
     let span = tracing::info_span!("turn", run.id = %lease.id, turn.index = job.turn, attempt = job.attempt);
-    match runner.run_turn(job, &lease).instrument(span).await {
+    let result = runner.run_turn(job, &lease).instrument(span).await;
+    // Bench-only (`paceline bench` sets this on the worker processes it starts):
+    // one RPUSH per delivery — run, turn, attempt, due and leased ms (server
+    // clock), outcome — so the bench can tell requeued deliveries and measure
+    // their lateness. Unset (always, outside the bench), it costs nothing.
+    static BENCH_DELIVERIES_KEY: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    if let Some(key) = BENCH_DELIVERIES_KEY.get_or_init(|| std::env::var("PACELINE_BENCH_DELIVERIES_KEY").ok()) {
+        let outcome = result.as_ref().map_or("error", |o| o.as_str());
+        let line = format!("{} {} {} {} {} {outcome}", lease.id, job.turn, job.attempt, lease.due_ms, lease.fetched_at_ms);
+        let _: Result<(), _> = redis::cmd("RPUSH").arg(key).arg(line).query_async(&mut runner.store.connection()).await;
+    }
+    match result {
         Ok(_) => Ok(()),
         Err(error) => {
             tracing::warn!(message = "turn failed; the queue retries it", %error, run.id = %lease.id);

@@ -1,12 +1,205 @@
-//! `paceline bench` (not built yet).
+//! `paceline bench` (SPEC §7): the shared pacer against its baselines in one
+//! invocation, and the queue's throughput through the real worker. Thin: the
+//! machinery lives in `crate::bench`; this file is the flags, the order of
+//! the trials, the progress bar and the output.
+//!
+//! Runs are submitted through the API's own code path: `api::Application`
+//! in this process, `POST /v1/runs` over HTTP.
 
+use anyhow::Context as _;
+use indicatif::{ProgressBar, ProgressStyle};
+use mock_provider::{BucketMode, MockConfig};
+use std::collections::BTreeMap;
 use std::process::ExitCode;
+use std::time::{Duration, Instant};
 
-/// Arguments of this subcommand.
+use crate::bench::pacing::{self, PacingPlan};
+use crate::bench::report::{self, ConfigOut, Report};
+use crate::bench::throughput::{self, ThroughputPlan};
+use crate::bench::trial::Env;
+use crate::bench::workload::Workload;
+
+/// Which measurements to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Scenario {
+    /// The pacing comparison, then the throughput scenario.
+    All,
+    /// Each pacer of `--pacer` against the rate-limited mock, same workload.
+    Pacing,
+    /// One worker process, an instant mock without limits: turns/s and Redis commands per turn.
+    Throughput,
+}
+
+/// Arguments of `paceline bench`.
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// What to measure.
+    #[arg(long, value_enum, default_value = "all")]
+    scenario: Scenario,
+    /// Pacers to compare, in order: `shared` (the product), `local` (per-process state), `off` (reactive backoff only).
+    #[arg(long, value_delimiter = ',', default_value = "shared,local,off")]
+    pacer: Vec<shared::pacer::PacerKind>,
+    /// Worker processes per pacer.
+    #[arg(long, default_value_t = 8)]
+    workers: usize,
+    /// Slots per worker process.
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+    /// Runs per pacer.
+    #[arg(long, default_value_t = 120)]
+    runs: usize,
+    /// Turns per run (the mock answers turns - 1 tool rounds, then text).
+    #[arg(long, default_value_t = 5)]
+    turns: u32,
+    /// The mock's token bucket: tokens per window.
+    #[arg(long, default_value_t = 60_000)]
+    tpm: u64,
+    /// The mock's request bucket: requests per window.
+    #[arg(long, default_value_t = 600)]
+    rpm: u64,
+    /// The mock's window, s: 60 like OpenAI, shorter to scale a minute down.
+    #[arg(long, default_value_t = 10.0)]
+    window_s: f64,
+    /// How the mock's buckets refill.
+    #[arg(long, value_enum, default_value_t = BucketMode::Continuous)]
+    bucket: BucketMode,
+    /// The mock's latency before an admitted answer, ms.
+    #[arg(long, default_value_t = 200)]
+    latency_ms: u64,
+    /// `max_output_tokens` of each run (reserved by the pacer; charged, then refunded, by the mock).
+    #[arg(long, default_value_t = 256)]
+    max_output_tokens: u32,
+    /// Words in each run's final answer.
+    #[arg(long, default_value_t = 100)]
+    answer_tokens: u64,
+    /// Longest wait for one pacer's runs, s (then the unfinished ones are reported as such).
+    #[arg(long, default_value_t = 600)]
+    timeout_s: u64,
+    /// Throughput scenario: runs.
+    #[arg(long, default_value_t = 300)]
+    throughput_runs: usize,
+    /// Throughput scenario: turns per run.
+    #[arg(long, default_value_t = 10)]
+    throughput_turns: u32,
+    /// Throughput scenario: slots of the one worker process.
+    #[arg(long, default_value_t = 64)]
+    throughput_concurrency: usize,
+    /// Throughput scenario: no-op turns for the queue-alone figure (0 skips it).
+    #[arg(long, default_value_t = 20_000)]
+    queue_turns: usize,
+    /// Write the figures as one JSON object (SPEC §7) to this file.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+}
+
+fn pacer_name(kind: shared::pacer::PacerKind) -> String {
+    use clap::ValueEnum as _;
+    kind.to_possible_value().map(|v| v.get_name().to_owned()).unwrap_or_else(|| format!("{kind:?}").to_lowercase())
+}
 
 /// Runs the subcommand.
-pub async fn run(_args: Args) -> anyhow::Result<ExitCode> {
-    super::not_built("bench")
+pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
+    shared::telemetry::init("error");
+    anyhow::ensure!(args.workers > 0 && args.concurrency > 0, "--workers and --concurrency must be at least 1");
+    anyhow::ensure!(args.runs > 0 && args.turns > 0, "--runs and --turns must be at least 1");
+    anyhow::ensure!(args.window_s > 0.0, "--window-s must be positive");
+    let started = Instant::now();
+    let pacers: Vec<String> = {
+        let mut seen = vec![];
+        for p in args.pacer.iter().map(|k| pacer_name(*k)) {
+            if !seen.contains(&p) {
+                seen.push(p);
+            }
+        }
+        seen
+    };
+    let workload = Workload {
+        runs: args.runs,
+        turns: args.turns,
+        max_output_tokens: args.max_output_tokens,
+        answer_tokens: args.answer_tokens,
+        model: "gpt-4.1-mini".into(),
+    };
+    let plan = PacingPlan {
+        workers: args.workers,
+        concurrency: args.concurrency,
+        workload,
+        mock: MockConfig {
+            tpm: args.tpm,
+            rpm: args.rpm,
+            window: Duration::from_secs_f64(args.window_s),
+            bucket: args.bucket,
+            latency: Duration::from_millis(args.latency_ms),
+            ..MockConfig::default()
+        },
+        timeout: Duration::from_secs(args.timeout_s),
+    };
+    let env = Env::start().await?;
+    let progress = ProgressBar::new(0).with_style(
+        ProgressStyle::with_template("{spinner} {msg:>12} [{bar:40}] {pos}/{len} calls answered, {elapsed}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    progress.enable_steady_tick(Duration::from_millis(200));
+
+    let mut figures = BTreeMap::new();
+    if matches!(args.scenario, Scenario::All | Scenario::Pacing) {
+        for pacer in &pacers {
+            let f = pacing::measure(&env, &plan, pacer, &progress).await.with_context(|| format!("pacer {pacer}"))?;
+            progress.println(format!(
+                "{pacer}: makespan {:.1} s, efficiency {:.3}, {} 429s in {} calls, runs {} completed / {} failed",
+                f.makespan_s, f.efficiency, f.rate_limited, f.calls, f.runs_completed, f.runs_failed
+            ));
+            figures.insert(pacer.clone(), f);
+        }
+    }
+    let mut throughput_figures = None;
+    if matches!(args.scenario, Scenario::All | Scenario::Throughput) {
+        let tplan = ThroughputPlan {
+            runs: args.throughput_runs,
+            turns: args.throughput_turns,
+            concurrency: args.throughput_concurrency,
+            pacer: pacers.first().cloned().unwrap_or_else(|| "shared".into()),
+            timeout: Duration::from_secs(args.timeout_s),
+        };
+        let mut t = throughput::measure(&env, &tplan, &progress).await.context("throughput")?;
+        if args.queue_turns > 0 {
+            progress.set_message("queue alone");
+            let prefix = format!("benchq{}", std::process::id());
+            t.queue_only = Some(
+                super::queue_probe::queue_only(&env.redis.url(), &prefix, args.queue_turns, 16, 64)
+                    .await
+                    .context("queue alone")?,
+            );
+        }
+        throughput_figures = Some(t);
+    }
+    progress.finish_and_clear();
+
+    let report = Report {
+        config: ConfigOut {
+            workers: args.workers,
+            concurrency: args.concurrency,
+            tpm: args.tpm,
+            rpm: args.rpm,
+            window_s: args.window_s,
+            bucket: args.bucket.to_string(),
+            runs: args.runs,
+            turns: args.turns,
+            latency_ms: args.latency_ms,
+            max_output_tokens: args.max_output_tokens,
+            pacer_order: pacers,
+            submit_path: "api::Application in-process, POST /v1/runs".into(),
+            floor_formula: report::FLOOR_FORMULA.into(),
+        },
+        pacers: figures,
+        throughput: throughput_figures,
+    };
+    print!("{}", report::table(&report));
+    println!("bench took {:.0} s", started.elapsed().as_secs_f64());
+    if let Some(path) = &args.json {
+        let text = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, text + "\n").with_context(|| format!("write {}", path.display()))?;
+    }
+    Ok(ExitCode::SUCCESS)
 }

@@ -10,8 +10,12 @@
 //! `bench` measures the queue alone with one consumer process: no-op turns per
 //! second, Redis commands per turn (INFO commandstats deltas), and start
 //! lateness p50/p99 of 1 000 waiting turns. It starts a private redis-server
-//! unless `--external-redis` is given.
+//! unless `--external-redis` is given. The pieces it shares with `paceline
+//! bench` live in `crate::bench`; [`queue_only`] is also that bench's
+//! queue-alone figure.
 
+use crate::bench::redis::{CommandStats, PrivateRedis};
+use crate::bench::report::{Percentiles, QueueOnly};
 use anyhow::Context as _;
 use shared::config::RedisArgs;
 use shared::queue::apalis_core::error::BoxDynError;
@@ -152,54 +156,6 @@ async fn consume(args: ConsumeArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// A private redis-server for the bench, killed on drop.
-struct PrivateRedis {
-    child: std::process::Child,
-    dir: std::path::PathBuf,
-}
-
-impl PrivateRedis {
-    fn start() -> anyhow::Result<Self> {
-        let dir = std::env::temp_dir().join(format!("paceline-queue-bench-{}", std::process::id()));
-        std::fs::create_dir_all(&dir)?;
-        let child = std::process::Command::new("redis-server")
-            .args(["--port", "0", "--save", "", "--appendonly", "no"])
-            .arg("--unixsocket")
-            .arg(dir.join("redis.sock"))
-            .arg("--dir")
-            .arg(&dir)
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .context("start redis-server (install it: apt-get install redis-server)")?;
-        Ok(Self { child, dir })
-    }
-
-    fn url(&self) -> String {
-        format!("redis+unix://{}", self.dir.join("redis.sock").display())
-    }
-}
-
-impl Drop for PrivateRedis {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-async fn commandstats(conn: &mut redis::aio::ConnectionManager) -> anyhow::Result<std::collections::BTreeMap<String, u64>> {
-    let info: String = redis::cmd("INFO").arg("commandstats").query_async(conn).await?;
-    let mut out = std::collections::BTreeMap::new();
-    for line in info.lines() {
-        let Some(rest) = line.strip_prefix("cmdstat_") else { continue };
-        let Some((name, fields)) = rest.split_once(':') else { continue };
-        if let Some(calls) = fields.split(',').find_map(|f| f.strip_prefix("calls=")) {
-            out.insert(name.to_owned(), calls.parse().unwrap_or(0));
-        }
-    }
-    Ok(out)
-}
-
 /// Enqueues `n` turns with 64 enqueues in flight; `delay(i)` gives each one's delay.
 async fn enqueue_many(queue: &TurnQueue, tag: &str, n: usize, delay: impl Fn(usize) -> u64) -> anyhow::Result<()> {
     use futures::StreamExt;
@@ -240,83 +196,78 @@ fn spawn_consumer(redis: &RedisArgs, concurrency: usize, fetch_batch: usize, rec
     Ok(cmd.spawn()?)
 }
 
-fn percentile(sorted: &[i64], p: f64) -> i64 {
-    if sorted.is_empty() {
-        return 0;
+/// The queue alone: one no-op consumer process (`queue-probe consume`) on a
+/// fresh prefix `prefix` at `url`, `turns` turns enqueued at once (64 enqueues
+/// in flight, overlapping the consumer); turns per second until drained and
+/// Redis commands per turn. `paceline bench --scenario throughput` reports it
+/// beside the real worker's figure.
+pub async fn queue_only(url: &str, prefix: &str, turns: usize, concurrency: usize, fetch_batch: usize) -> anyhow::Result<QueueOnly> {
+    let redis = RedisArgs::new(url, prefix);
+    let queue = TurnQueue::new(&redis, QueueConfig::default())?;
+    let mut admin = shared::redis_util::manager(&redis.url).await?;
+    let mut child = spawn_consumer(&redis, concurrency, fetch_batch, false)?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while queue.list_workers().await?.is_empty() {
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            anyhow::bail!("the consumer did not register within 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[idx.min(sorted.len() - 1)]
+    let before = CommandStats::read(&mut admin).await?;
+    let t0 = Instant::now();
+    let result = async {
+        enqueue_many(&queue, "tp", turns, |_| 0).await?;
+        wait_until_drained(&queue, Duration::from_secs(600)).await
+    }
+    .await;
+    let elapsed = t0.elapsed();
+    let after = CommandStats::read(&mut admin).await;
+    let _ = child.kill();
+    let _ = child.wait();
+    result?;
+    let delta = after?.since(&before);
+    Ok(QueueOnly {
+        turns_per_s: turns as f64 / elapsed.as_secs_f64(),
+        redis_commands_per_turn: delta.total() as f64 / turns.max(1) as f64,
+        turns,
+        redis_commands_breakdown: delta.breakdown(turns as f64, 14),
+    })
 }
 
 async fn bench(args: BenchArgs) -> anyhow::Result<ExitCode> {
     shared::telemetry::init("warn");
-    let private = if args.external_redis { None } else { Some(PrivateRedis::start()?) };
+    let private = if args.external_redis { None } else { Some(PrivateRedis::start("queue-bench").await?) };
     let url = private.as_ref().map(PrivateRedis::url).unwrap_or_else(|| args.redis.url.clone());
-    let redis = RedisArgs::new(url, format!("bench{}", std::process::id()));
-    let queue = TurnQueue::new(&redis, QueueConfig::default())?;
-    // Wait for the private server to answer.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while queue.server_time_ms().await.is_err() {
-        anyhow::ensure!(Instant::now() < deadline, "redis did not answer within 10 s");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let mut admin = shared::redis_util::manager(&redis.url).await?;
+    let prefix = format!("bench{}", std::process::id());
 
     // Phase 1: throughput and commands per turn, one consumer process.
-    let mut child = spawn_consumer(&redis, args.concurrency, args.fetch_batch, false)?;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while queue.list_workers().await?.is_empty() {
-        anyhow::ensure!(Instant::now() < deadline, "consumer did not register within 10 s");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let before = commandstats(&mut admin).await?;
-    let t0 = Instant::now();
-    enqueue_many(&queue, "tp", args.turns, |_| 0).await?;
-    let enqueued = t0.elapsed();
-    wait_until_drained(&queue, Duration::from_secs(600)).await?;
-    let elapsed = t0.elapsed();
-    let after = commandstats(&mut admin).await?;
-    let mut deltas: Vec<(String, u64)> = after
-        .iter()
-        .map(|(k, v)| (k.clone(), v.saturating_sub(*before.get(k).unwrap_or(&0))))
-        .filter(|(k, v)| *v > 0 && k != "info")
-        .collect();
-    deltas.sort_by_key(|d| std::cmp::Reverse(d.1));
-    let total: u64 = deltas.iter().map(|(_, v)| v).sum();
+    let q = queue_only(&url, &prefix, args.turns, args.concurrency, args.fetch_batch).await?;
     println!("queue bench: one consumer process, concurrency {}, fetch batch {}", args.concurrency, args.fetch_batch);
-    println!(
-        "throughput: {} no-op turns in {:.3} s = {:.0} turns/s (enqueue took {:.3} s, overlapping)",
-        args.turns,
-        elapsed.as_secs_f64(),
-        args.turns as f64 / elapsed.as_secs_f64(),
-        enqueued.as_secs_f64()
-    );
+    println!("throughput: {} no-op turns, {:.0} turns/s (enqueue overlapping)", q.turns, q.turns_per_s);
     println!(
         "redis commands per turn: {:.2} (enqueue + fetch + ack + heartbeats + this bench's count polls, scripts' inner calls included)",
-        total as f64 / args.turns as f64
+        q.redis_commands_per_turn
     );
-    let breakdown: Vec<String> = deltas.iter().take(14).map(|(k, v)| format!("{k} {:.2}", *v as f64 / args.turns as f64)).collect();
-    println!("  per turn: {}", breakdown.join(", "));
-    let _ = child.kill();
-    let _ = child.wait();
+    println!("  per turn: {}", q.redis_commands_breakdown);
 
     // Phase 2: start lateness of turns waiting for their due time.
+    let redis = RedisArgs::new(url, prefix);
+    let queue = TurnQueue::new(&redis, QueueConfig::default())?;
+    let mut admin = shared::redis_util::manager(&redis.url).await?;
     let mut child = spawn_consumer(&redis, args.concurrency, args.fetch_batch, true)?;
     let spread = args.spread_ms.max(1);
     let n = args.waiting.max(1);
     // Due 1 s from now, then evenly over the spread: all of them wait first.
     enqueue_many(&queue, "late", n, |i| 1000 + spread * i as u64 / n as u64).await?;
     wait_until_drained(&queue, Duration::from_secs(120)).await?;
-    let mut late: Vec<i64> = redis::cmd("LRANGE").arg(lateness_key(&redis)).arg(0).arg(-1).query_async(&mut admin).await?;
-    late.sort_unstable();
+    let late: Vec<i64> = redis::cmd("LRANGE").arg(lateness_key(&redis)).arg(0).arg(-1).query_async(&mut admin).await?;
+    let early = late.iter().filter(|l| **l < 0).count();
+    let p = Percentiles::of(late);
     println!(
         "start lateness of {} waiting turns (due over {} ms): p50 {} ms, p99 {} ms, max {} ms, early starts: {}",
-        late.len(),
-        spread,
-        percentile(&late, 0.50),
-        percentile(&late, 0.99),
-        late.last().copied().unwrap_or(0),
-        late.iter().filter(|l| **l < 0).count()
+        p.n, spread, p.p50, p.p99, p.max, early
     );
     let _ = child.kill();
     let _ = child.wait();

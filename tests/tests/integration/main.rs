@@ -10,4 +10,5 @@ mod provider_client;
 mod run_store;
 mod worker;
 mod api;
+mod bench;
 mod up;

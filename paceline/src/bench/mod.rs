@@ -1,0 +1,20 @@
+//! The machinery of paceline's benchmarks (`paceline bench`, and the queue's
+//! own `paceline queue-probe bench`): a private Redis with command counts,
+//! worker processes of this binary, an in-process mock provider, tool
+//! endpoint and API, and the figures they yield.
+//!
+//! - `redis.rs` — a private `redis-server`; `INFO commandstats` deltas.
+//! - `fleet.rs` — `paceline worker` processes: start, peak RSS, stop.
+//! - `workload.rs` — the run bodies, the tool endpoint, the in-process API and submits.
+//! - `trial.rs` — one configuration measured on its own (fresh prefix, fresh mock).
+//! - `pacing.rs` — the pacing scenario: one trial per pacer, same workload.
+//! - `throughput.rs` — the throughput scenario: an unlimited instant mock, one worker.
+//! - `report.rs` — SPEC §7's figures, the floor's formula, the table.
+
+pub mod fleet;
+pub mod pacing;
+pub mod redis;
+pub mod report;
+pub mod throughput;
+pub mod trial;
+pub mod workload;

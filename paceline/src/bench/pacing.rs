@@ -1,0 +1,127 @@
+//! The pacing scenario: the same workload against a fresh rate-limited mock,
+//! once per pacer (`shared`, `local`, `off`), each trial on its own key prefix
+//! with its own worker processes; then the figures of SPEC §7 per pacer.
+
+use indicatif::ProgressBar;
+use mock_provider::{BucketMode, MockConfig, Stats};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use super::report::{floor_s, BucketShape, PacerFigures, Percentiles};
+use super::trial::{requeued, Env, Trial, TrialData, TrialSpec};
+use super::workload::Workload;
+
+/// What one pacing trial runs.
+#[derive(Debug, Clone)]
+pub struct PacingPlan {
+    /// Worker processes.
+    pub workers: usize,
+    /// Slots per worker process.
+    pub concurrency: usize,
+    /// The runs.
+    pub workload: Workload,
+    /// The mock: limits, window, bucket, latency (its script is set from the workload).
+    pub mock: MockConfig,
+    /// Longest wait for the runs of one trial.
+    pub timeout: Duration,
+}
+
+/// Runs the workload with workers started with `--pacer {pacer}` and returns its figures.
+pub async fn measure(env: &Env, plan: &PacingPlan, pacer: &str, progress: &ProgressBar) -> anyhow::Result<PacerFigures> {
+    let mut mock = plan.mock.clone();
+    (mock.tool_rounds, mock.output_tokens) = plan.workload.mock_script();
+    mock.keep_bodies = 64;
+    mock.log_limit = 1000;
+    let spec = TrialSpec {
+        label: pacer.to_owned(),
+        workers: plan.workers,
+        concurrency: plan.concurrency,
+        worker_args: vec!["--pacer".into(), pacer.to_owned()],
+        mock,
+        tokens: vec![],
+        log_deliveries: true,
+    };
+    let mut trial = Trial::start(env, &spec).await?;
+    let tool_url = env.tool_url();
+    let bodies = (0..plan.workload.runs).map(|i| plan.workload.body(i, &tool_url, pacer)).collect();
+    progress.set_length(plan.workload.total_turns());
+    progress.set_position(0);
+    progress.set_message(format!("pacer {pacer}"));
+    trial.submit(env, None, bodies, 16).await?;
+    let drained = trial.wait_drained(plan.timeout, |mock| progress.set_position(mock.summary().ok)).await?;
+    let data = trial.finish(drained).await?;
+    Ok(figures(plan, &data))
+}
+
+/// The figures of one trial.
+pub fn figures(plan: &PacingPlan, data: &TrialData) -> PacerFigures {
+    let stats = &data.mock;
+    let window_s = plan.mock.window.as_secs_f64();
+    let fixed_window = plan.mock.bucket == BucketMode::Window;
+    let makespan = data.makespan_s().unwrap_or(plan.timeout.as_secs_f64());
+    let requests_admitted = stats.by_status.get(&200).copied().unwrap_or(0);
+    let token_floor = floor_s(
+        BucketShape { capacity: plan.mock.tpm, window_s, fixed_window },
+        stats.tokens_admitted,
+        data.mock_offset_s,
+    );
+    let request_floor =
+        floor_s(BucketShape { capacity: plan.mock.rpm, window_s, fixed_window }, requests_admitted, data.mock_offset_s);
+    let (floor, bound) =
+        if request_floor > token_floor { (request_floor, "requests") } else { (token_floor, "tokens") };
+    let mut failures: BTreeMap<String, usize> = BTreeMap::new();
+    for run in data.runs.iter().filter(|r| r.status == shared::runs::RunStatus::Failed) {
+        *failures.entry(run.error.as_ref().map(|e| e.kind.clone()).unwrap_or_default()).or_default() += 1;
+    }
+    let completed = data.runs.iter().filter(|r| r.status == shared::runs::RunStatus::Completed).count();
+    let failed = failures.values().sum();
+    let per = |n: u64| if stats.requests == 0 { 0.0 } else { 100.0 * n as f64 / stats.requests as f64 };
+    PacerFigures {
+        makespan_s: makespan,
+        floor_s: floor,
+        efficiency: if makespan > 0.0 { floor / makespan } else { 0.0 },
+        calls: stats.requests,
+        rate_limited: stats.rate_limited,
+        rate_limited_per_100_calls: per(stats.rate_limited),
+        tokens_per_min: if makespan > 0.0 { stats.tokens_admitted as f64 / makespan * window_s } else { 0.0 },
+        limit_tokens_per_min: plan.mock.tpm as f64,
+        lateness_ms: Percentiles::of(requeued(&data.deliveries).iter().map(|d| d.lateness_ms()).collect()),
+        redis_commands_per_turn: data.commands_per_turn(),
+        worker_peak_rss_mb: data.worker_peak_rss_mb,
+        runs_completed: completed,
+        runs_failed: failed,
+        runs_unfinished: plan.workload.runs.saturating_sub(completed + failed),
+        timed_out: !data.drained,
+        failures,
+        turns_completed: data.turns_completed(),
+        tokens_admitted: stats.tokens_admitted,
+        requests_admitted,
+        floor_bound: bound.to_owned(),
+        budget_waits: data.runs.iter().map(|r| r.pacing.budget_waits).sum(),
+        lateness_all_ms: Percentiles::of(data.deliveries.iter().map(|d| d.lateness_ms()).collect()),
+        input_count_ratio: input_count_ratio(stats),
+        largest_overdraft: stats.largest_overdraft,
+        redis_commands_breakdown: data.commands.breakdown(data.turns_completed() as f64, 10),
+    }
+}
+
+/// The mock's count of input tokens over the worker's own estimate
+/// (`worker::estimate::input_tokens`, tiktoken o200k_base), summed over the
+/// request bodies the mock kept: how far the reservations are from what the
+/// provider charges.
+fn input_count_ratio(stats: &Stats) -> f64 {
+    let counted: std::collections::HashMap<u64, u64> =
+        stats.log.iter().filter(|e| e.input_tokens > 0).map(|e| (e.seq, e.input_tokens)).collect();
+    let (mut theirs, mut ours) = (0u64, 0u64);
+    for kept in &stats.bodies {
+        if let Some(n) = counted.get(&kept.seq) {
+            theirs += n;
+            ours += worker::estimate::input_tokens(&kept.body);
+        }
+    }
+    if ours == 0 {
+        0.0
+    } else {
+        theirs as f64 / ours as f64
+    }
+}

@@ -1,0 +1,144 @@
+//! The benches' Redis side: a private `redis-server` (Unix socket in a temp
+//! dir, no persistence, killed on drop) and `INFO commandstats` deltas, the
+//! measure behind every "Redis commands per turn" figure.
+
+use anyhow::Context as _;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// A private `redis-server` for a bench, killed (and its dir removed) on drop.
+#[derive(Debug)]
+pub struct PrivateRedis {
+    child: std::process::Child,
+    dir: PathBuf,
+}
+
+impl PrivateRedis {
+    /// Starts one and waits (at most 10 s) until it answers.
+    pub async fn start(label: &str) -> anyhow::Result<Self> {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().subsec_nanos();
+        let dir = std::env::temp_dir().join(format!("paceline-{label}-{}-{nanos:x}", std::process::id()));
+        std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+        let child = std::process::Command::new("redis-server")
+            .args(["--port", "0", "--save", "", "--appendonly", "no"])
+            .arg("--unixsocket")
+            .arg(dir.join("redis.sock"))
+            .arg("--dir")
+            .arg(&dir)
+            .arg("--logfile")
+            .arg(dir.join("redis.log"))
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .context("start redis-server (install it: apt-get install redis-server)")?;
+        let server = Self { child, dir };
+        let client = redis::Client::open(server.url())?;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(mut conn) = client.get_multiplexed_async_connection().await {
+                if redis::cmd("PING").query_async::<String>(&mut conn).await.is_ok() {
+                    return Ok(server);
+                }
+            }
+            anyhow::ensure!(Instant::now() < deadline, "redis-server did not answer within 10 s");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// `redis+unix://…`, for this process and the children it starts.
+    pub fn url(&self) -> String {
+        format!("redis+unix://{}", self.dir.join("redis.sock").display())
+    }
+
+    /// The server's own temp dir (logs of the bench's children go here too).
+    pub fn dir(&self) -> &std::path::Path {
+        &self.dir
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// `INFO commandstats` calls per command at one moment. Commands run inside
+/// Lua scripts are counted too (Redis counts them under their own names), so a
+/// script's inner calls cost what they cost.
+#[derive(Debug, Clone, Default)]
+pub struct CommandStats(BTreeMap<String, u64>);
+
+impl CommandStats {
+    /// Reads the server's counters now.
+    pub async fn read(conn: &mut redis::aio::ConnectionManager) -> anyhow::Result<Self> {
+        let info: String = redis::cmd("INFO").arg("commandstats").query_async(conn).await?;
+        Ok(Self::parse(&info))
+    }
+
+    /// Parses `INFO commandstats` text (`cmdstat_get:calls=3,usec=…`).
+    pub fn parse(info: &str) -> Self {
+        let mut out = BTreeMap::new();
+        for line in info.lines() {
+            let Some(rest) = line.strip_prefix("cmdstat_") else { continue };
+            let Some((name, fields)) = rest.split_once(':') else { continue };
+            if let Some(calls) = fields.split(',').find_map(|f| f.strip_prefix("calls=")) {
+                out.insert(name.to_owned(), calls.trim().parse().unwrap_or(0));
+            }
+        }
+        Self(out)
+    }
+
+    /// Calls per command since `before`, largest first, without `INFO` (the
+    /// bench's own reads).
+    pub fn since(&self, before: &Self) -> CommandDelta {
+        let mut by_command: Vec<(String, u64)> = self
+            .0
+            .iter()
+            .map(|(k, v)| (k.clone(), v.saturating_sub(*before.0.get(k).unwrap_or(&0))))
+            .filter(|(k, v)| *v > 0 && k != "info")
+            .collect();
+        by_command.sort_by_key(|(_, v)| std::cmp::Reverse(*v));
+        CommandDelta { by_command }
+    }
+}
+
+/// Commands run between two [`CommandStats`].
+#[derive(Debug, Clone, Default)]
+pub struct CommandDelta {
+    /// Calls per command, largest first.
+    pub by_command: Vec<(String, u64)>,
+}
+
+impl CommandDelta {
+    /// All calls.
+    pub fn total(&self) -> u64 {
+        self.by_command.iter().map(|(_, v)| v).sum()
+    }
+
+    /// `name 1.23, name 0.50, …` per `per` (e.g. per turn), the first `n` commands.
+    pub fn breakdown(&self, per: f64, n: usize) -> String {
+        let per = per.max(1.0);
+        self.by_command.iter().take(n).map(|(k, v)| format!("{k} {:.2}", *v as f64 / per)).collect::<Vec<_>>().join(", ")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn deltas_skip_info_and_idle_commands() {
+        let before = CommandStats::parse("# Commandstats\r\ncmdstat_get:calls=3,usec=1\r\ncmdstat_info:calls=1,usec=2\r\n");
+        let after = CommandStats::parse(
+            "cmdstat_get:calls=10,usec=1,usec_per_call=0.1\r\ncmdstat_info:calls=9\r\ncmdstat_evalsha:calls=4\r\ncmdstat_set:calls=0\r\n",
+        );
+        let d = after.since(&before);
+        assert_eq!(d.by_command, vec![("get".to_owned(), 7), ("evalsha".to_owned(), 4)]);
+        assert_eq!(d.total(), 11);
+        assert_eq!(d.breakdown(2.0, 1), "get 3.50");
+    }
+}

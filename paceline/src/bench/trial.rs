@@ -1,0 +1,320 @@
+//! One trial of a bench: one configuration measured on its own — a fresh key
+//! prefix on the bench's Redis, a fresh in-process mock provider, the API
+//! in-process, and a fleet of worker processes — then taken down, leaving
+//! what was measured. The pacing scenario runs one trial per pacer; the
+//! throughput scenario one with an unlimited mock; a fairness scenario can
+//! run its own with tenants (`TrialSpec::tokens`) and its own submits.
+
+use anyhow::Context as _;
+use mock_provider::{MockConfig, MockServer, Stats};
+use serde_json::Value;
+use shared::config::RedisArgs;
+use shared::queue::{QueueConfig, TurnQueue};
+use shared::runs::{Run, RunStore};
+use std::time::{Duration, Instant};
+
+use super::fleet::{Fleet, FleetSpec, DELIVERIES_ENV};
+use super::redis::{CommandDelta, CommandStats, PrivateRedis};
+use super::workload::{api_server, submit_all, tool_server, Served};
+
+/// What every trial of one bench invocation shares: Redis, the tool endpoint,
+/// an HTTP client.
+#[derive(Debug)]
+pub struct Env {
+    /// The private redis-server.
+    pub redis: PrivateRedis,
+    /// The tool endpoint.
+    pub tools: Served,
+    /// For submits.
+    pub http: reqwest::Client,
+    trials: std::sync::atomic::AtomicUsize,
+}
+
+impl Env {
+    /// Starts Redis and the tool endpoint.
+    pub async fn start() -> anyhow::Result<Self> {
+        let redis = PrivateRedis::start("bench").await?;
+        let tools = tool_server().await?;
+        let http = reqwest::Client::builder().pool_max_idle_per_host(64).build()?;
+        Ok(Self { redis, tools, http, trials: Default::default() })
+    }
+
+    /// The tool endpoint's URL (`POST` target of every run's tool calls).
+    pub fn tool_url(&self) -> String {
+        format!("{}/tools", self.tools.url())
+    }
+}
+
+/// One trial's configuration.
+#[derive(Debug, Clone)]
+pub struct TrialSpec {
+    /// Names the trial (key prefix, log files).
+    pub label: String,
+    /// Worker processes.
+    pub workers: usize,
+    /// Slots per worker process.
+    pub concurrency: usize,
+    /// `paceline worker` arguments beyond Redis, provider and tools (e.g. `--pacer local`).
+    pub worker_args: Vec<String>,
+    /// The mock provider.
+    pub mock: MockConfig,
+    /// API tenants (`tenant`, `token`); empty: open mode, tenant `default`.
+    pub tokens: Vec<(String, String)>,
+    /// Log every delivery (run, due, leased, outcome) for lateness figures.
+    pub log_deliveries: bool,
+}
+
+/// A trial that is up: submit into it, wait for it, then [`Trial::finish`].
+#[derive(Debug)]
+pub struct Trial {
+    /// The mock provider (read its `summary()` for progress).
+    pub mock: MockServer,
+    /// The turn queue under this trial's prefix.
+    pub queue: TurnQueue,
+    mock_started: Instant,
+    first_submit: Option<Instant>,
+    api: Served,
+    fleet: Fleet,
+    admin: redis::aio::ConnectionManager,
+    store: RunStore,
+    before: CommandStats,
+    /// Commands this bench itself sent between the snapshots (polls).
+    own_commands: u64,
+    deliveries_key: Option<String>,
+    /// (tenant, run id) of every submit.
+    submitted: Vec<(String, String)>,
+}
+
+/// One delivery of a turn, as the worker hook logged it.
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    /// Run id.
+    pub run: String,
+    /// Turn index.
+    pub turn: u32,
+    /// Due (server clock, ms).
+    pub due_ms: i64,
+    /// Leased (server clock, ms).
+    pub fetched_ms: i64,
+    /// `continued`, `completed`, `failed`, `requeued`, `stopped` or `error`.
+    pub outcome: String,
+}
+
+impl Delivery {
+    /// `run turn attempt due_ms fetched_ms outcome`, as the hook writes it.
+    fn parse(line: &str) -> Option<Self> {
+        let f: Vec<&str> = line.split(' ').collect();
+        let [run, turn, _attempt, due, fetched, outcome] = f.as_slice() else { return None };
+        Some(Self {
+            run: (*run).to_owned(),
+            turn: turn.parse().ok()?,
+            due_ms: due.parse().ok()?,
+            fetched_ms: fetched.parse().ok()?,
+            outcome: (*outcome).to_owned(),
+        })
+    }
+
+    /// Start lateness against the due time, ms.
+    pub fn lateness_ms(&self) -> i64 {
+        self.fetched_ms - self.due_ms
+    }
+}
+
+/// Deliveries that came back after a wait: those whose previous delivery of
+/// the same turn of the same run ended requeued (budget, 429, retry) or in a
+/// handler error.
+pub fn requeued(deliveries: &[Delivery]) -> Vec<&Delivery> {
+    let mut by_run: std::collections::HashMap<(&str, u32), Vec<&Delivery>> = Default::default();
+    for d in deliveries {
+        by_run.entry((d.run.as_str(), d.turn)).or_default().push(d);
+    }
+    let mut out = vec![];
+    for list in by_run.values_mut() {
+        list.sort_by_key(|d| d.fetched_ms);
+        for pair in list.windows(2) {
+            if matches!(pair[0].outcome.as_str(), "requeued" | "error") {
+                out.push(pair[1]);
+            }
+        }
+    }
+    out
+}
+
+/// What a finished trial measured.
+#[derive(Debug)]
+pub struct TrialData {
+    /// Redis commands between the snapshots, the bench's own polls and the
+    /// delivery hook's RPUSHes taken out of their rows.
+    pub commands: CommandDelta,
+    /// The mock's stats (with its log and kept bodies).
+    pub mock: Stats,
+    /// When the first submit came, on the mock's clock, s.
+    pub mock_offset_s: f64,
+    /// Every submitted run, as it ended (or stood when the bench gave up).
+    pub runs: Vec<Run>,
+    /// Every delivery (empty unless `log_deliveries`).
+    pub deliveries: Vec<Delivery>,
+    /// The largest worker peak RSS, MB.
+    pub worker_peak_rss_mb: f64,
+    /// Whether the queue drained before the timeout.
+    pub drained: bool,
+}
+
+impl TrialData {
+    /// Commands per completed turn, the bench's own taken out.
+    pub fn commands_per_turn(&self) -> f64 {
+        let turns = self.turns_completed().max(1) as f64;
+        self.commands.total() as f64 / turns
+    }
+
+    /// Turns committed over all runs.
+    pub fn turns_completed(&self) -> u64 {
+        self.runs.iter().map(|r| r.turns_completed as u64).sum()
+    }
+
+    /// First submit → last finish (Redis clock), s; `None` when no run has both.
+    pub fn makespan_s(&self) -> Option<f64> {
+        let created = self.runs.iter().filter_map(|r| parse_ms(&r.created_at)).min()?;
+        let finished = self.runs.iter().filter_map(|r| r.finished_at.as_deref().and_then(parse_ms)).max()?;
+        Some((finished - created).max(0) as f64 / 1000.0)
+    }
+}
+
+fn parse_ms(rfc3339: &str) -> Option<i64> {
+    let t = time::OffsetDateTime::parse(rfc3339, &time::format_description::well_known::Rfc3339).ok()?;
+    Some((t.unix_timestamp_nanos() / 1_000_000) as i64)
+}
+
+impl Trial {
+    /// Starts the mock, the API and the workers (waiting until every worker
+    /// has registered), then takes the "before" command snapshot.
+    pub async fn start(env: &Env, spec: &TrialSpec) -> anyhow::Result<Self> {
+        let n = env.trials.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let redis = RedisArgs::new(env.redis.url(), format!("bench{n}{}", spec.label));
+        let queue = TurnQueue::new(&redis, QueueConfig::default())?;
+        let admin = shared::redis_util::manager(&redis.url).await.context("connect to the bench's Redis")?;
+        let store = RunStore::new(admin.clone(), redis.keys(), Duration::from_secs(24 * 3600));
+        let mock_started = Instant::now();
+        let mock = MockServer::start(spec.mock.clone()).await.context("start the mock provider")?;
+        let tool_url = env.tool_url();
+        let api = api_server(redis.clone(), &tool_url, &spec.tokens).await?;
+        let deliveries_key = spec.log_deliveries.then(|| redis.keys().queue_key("bench:deliveries"));
+        let mut args: Vec<String> = vec![
+            "--redis-url".into(),
+            redis.url.clone(),
+            "--prefix".into(),
+            redis.prefix.clone(),
+            "--provider-url".into(),
+            mock.base_url(),
+            "--tool-endpoints".into(),
+            tool_url,
+            "--concurrency".into(),
+            spec.concurrency.to_string(),
+        ];
+        args.extend(spec.worker_args.iter().cloned());
+        let fleet_spec = FleetSpec {
+            workers: spec.workers,
+            args,
+            env: deliveries_key.iter().map(|k| (DELIVERIES_ENV.to_owned(), k.clone())).collect(),
+            log_dir: env.redis.dir().to_path_buf(),
+            label: format!("{n}-{}", spec.label),
+        };
+        let fleet = Fleet::start(&fleet_spec, &queue, Duration::from_secs(60)).await?;
+        let mut trial = Self {
+            mock,
+            queue,
+            mock_started,
+            first_submit: None,
+            api,
+            fleet,
+            admin,
+            store,
+            before: CommandStats::default(),
+            own_commands: 0,
+            deliveries_key,
+            submitted: vec![],
+        };
+        trial.before = CommandStats::read(&mut trial.admin).await?;
+        Ok(trial)
+    }
+
+    /// Submits `bodies` through the API as `tenant` (with its `token`; `None`
+    /// in open mode, tenant `default`), `parallel` at a time.
+    pub async fn submit(
+        &mut self,
+        env: &Env,
+        tenant: Option<(&str, &str)>,
+        bodies: Vec<Value>,
+        parallel: usize,
+    ) -> anyhow::Result<Vec<String>> {
+        self.first_submit.get_or_insert_with(Instant::now);
+        let ids = submit_all(&env.http, &self.api.url(), tenant.map(|t| t.1), bodies, parallel).await?;
+        let name = tenant.map(|t| t.0).unwrap_or("default");
+        self.submitted.extend(ids.iter().map(|id| (name.to_owned(), id.clone())));
+        Ok(ids)
+    }
+
+    /// Waits until nothing is queued or in flight (every run finished or its
+    /// turn dead), polling every 50 ms (two `ZCARD`s, counted as the bench's
+    /// own); calls `on_poll` each time. Returns false when `timeout` passed first.
+    pub async fn wait_drained(&mut self, timeout: Duration, mut on_poll: impl FnMut(&MockServer)) -> anyhow::Result<bool> {
+        let deadline = Instant::now() + timeout;
+        let keys = self.queue.keys().clone();
+        loop {
+            let (due, leased): (u64, u64) =
+                redis::pipe().zcard(&keys.due).zcard(&keys.lease).query_async(&mut self.admin).await?;
+            self.own_commands += 2;
+            on_poll(&self.mock);
+            if due + leased == 0 {
+                return Ok(true);
+            }
+            if Instant::now() >= deadline {
+                return Ok(false);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Takes the "after" snapshot and the workers' peak RSS, stops everything
+    /// and reads the runs and deliveries.
+    pub async fn finish(mut self, drained: bool) -> anyhow::Result<TrialData> {
+        let after = CommandStats::read(&mut self.admin).await?;
+        let worker_peak_rss_mb = self.fleet.peak_rss_mb();
+        self.fleet.stop(Duration::from_secs(15)).await;
+        let mut commands = after.since(&self.before);
+        let mut deliveries = vec![];
+        if let Some(key) = &self.deliveries_key {
+            let lines: Vec<String> = redis::cmd("LRANGE").arg(key).arg(0).arg(-1).query_async(&mut self.admin).await?;
+            // Each line was one RPUSH of the hook, inside the measured span.
+            deliveries = lines.iter().filter_map(|l| Delivery::parse(l)).collect();
+        }
+        // The hook's RPUSHes and our ZCARDs, taken out of their own rows too,
+        // so the breakdown shows the product's commands only.
+        for (name, n) in [("rpush", deliveries.len() as u64), ("zcard", self.own_commands)] {
+            if let Some(row) = commands.by_command.iter_mut().find(|(k, _)| k == name) {
+                row.1 = row.1.saturating_sub(n);
+            }
+        }
+        commands.by_command.retain(|(_, v)| *v > 0);
+        commands.by_command.sort_by_key(|(_, v)| std::cmp::Reverse(*v));
+        let mut runs = Vec::with_capacity(self.submitted.len());
+        for (tenant, id) in &self.submitted {
+            if let Some(run) = self.store.get(tenant, id).await? {
+                runs.push(run);
+            }
+        }
+        self.api.stop().await;
+        let mock = self.mock.stats();
+        let mock_offset_s = self.first_submit.map(|t| t.duration_since(self.mock_started).as_secs_f64()).unwrap_or(0.0);
+        self.mock.shutdown().await;
+        Ok(TrialData {
+            commands,
+            mock,
+            mock_offset_s,
+            runs,
+            deliveries,
+            worker_peak_rss_mb,
+            drained,
+        })
+    }
+}

@@ -1,0 +1,76 @@
+//! `paceline bench` through the real binary, tiny (seconds), so the command
+//! cannot rot: the JSON has every field SPEC §7 names, and every run
+//! completes under the shared pacer.
+
+use paceline_tests::paceline_bin;
+use serde_json::Value;
+use std::time::{Duration, Instant};
+
+const PACER_FIELDS: &[&str] = &[
+    "makespan_s",
+    "floor_s",
+    "efficiency",
+    "calls",
+    "rate_limited",
+    "rate_limited_per_100_calls",
+    "tokens_per_min",
+    "limit_tokens_per_min",
+    "lateness_ms",
+    "redis_commands_per_turn",
+    "worker_peak_rss_mb",
+];
+
+#[test]
+fn a_tiny_bench_writes_every_spec_field_and_completes_every_shared_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("bench.json");
+    let started = Instant::now();
+    let mut child = std::process::Command::new(paceline_bin())
+        .args(["bench", "--workers", "2", "--concurrency", "4", "--runs", "6", "--turns", "2", "--window-s", "2"])
+        .args(["--pacer", "shared,off", "--throughput-runs", "20", "--throughput-turns", "3", "--queue-turns", "500"])
+        .arg("--json")
+        .arg(&json)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start paceline bench");
+    // Bounded: a bench that hangs fails here instead of holding up CI.
+    let limit = Duration::from_secs(180);
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            panic!("paceline bench did not finish within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "bench failed: {}\n{stdout}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("efficiency"), "the table is printed: {stdout}");
+
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    for field in ["workers", "concurrency", "tpm", "window_s", "bucket", "runs", "turns"] {
+        assert!(!report["config"][field].is_null(), "config.{field} missing: {report:#}");
+    }
+    assert_eq!(report["config"]["workers"], 2);
+    assert_eq!(report["config"]["bucket"], "continuous");
+    for pacer in ["shared", "off"] {
+        let p = &report["pacers"][pacer];
+        for field in PACER_FIELDS {
+            assert!(p[field].is_number() || p[field].is_object(), "pacers.{pacer}.{field} missing: {p:#}");
+        }
+        for q in ["p50", "p99"] {
+            assert!(p["lateness_ms"][q].is_number(), "pacers.{pacer}.lateness_ms.{q} missing: {p:#}");
+        }
+        assert!(p["calls"].as_u64().unwrap() >= 12, "6 runs x 2 turns call the provider at least 12 times: {p:#}");
+        assert!(p["makespan_s"].as_f64().unwrap() > 0.0);
+    }
+    let shared = &report["pacers"]["shared"];
+    assert_eq!(shared["runs_completed"], 6, "every run completes under the shared pacer: {shared:#}");
+    assert_eq!(shared["runs_failed"], 0, "{shared:#}");
+    assert!(report["pacers"]["local"].is_null(), "only the pacers asked for are measured");
+    let t = &report["throughput"];
+    assert!(t["turns_per_s"].as_f64().unwrap() > 0.0, "{t:#}");
+    assert!(t["redis_commands_per_turn"].as_f64().unwrap() > 0.0, "{t:#}");
+    assert_eq!(t["turns"], 60, "20 runs x 3 turns: {t:#}");
+}
