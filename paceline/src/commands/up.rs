@@ -36,7 +36,7 @@ pub struct Args {
     #[arg(long, env = "PACELINE_LISTEN", default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
     /// Redis URL. Unset: the Redis on 127.0.0.1:6379 if one answers, else a private redis-server.
-    #[arg(id = "redis_url", long = "redis-url", env = "REDIS_URL")]
+    #[arg(id = "redis_url", long = "redis-url", env = "REDIS_URL", hide_env_values = true, value_name = "URL")]
     redis_url: Option<String>,
     /// Prefix of every Redis key [default: paceline; paceline-demo with --demo, so demo runs never reach real workers].
     #[arg(long = "prefix", env = "PACELINE_PREFIX")]
