@@ -81,5 +81,11 @@ pub fn set_pacer(snapshots: &[shared::pacer::BudgetSnapshot]) {
             metrics::gauge!(name::PACER_REMAINING_TOKENS, "budget" => s.budget.clone(), "model" => s.model.clone())
                 .set(remaining as f64);
         }
+        for t in &s.tenants {
+            let labels = [("budget", s.budget.clone()), ("model", s.model.clone()), ("tenant", t.tenant.clone())];
+            metrics::gauge!(name::TENANT_ADMITTED_TOKENS, &labels).set(t.admitted_tokens as f64);
+            metrics::gauge!(name::TENANT_WAITING_TOKENS, &labels).set(t.waiting_tokens as f64);
+            metrics::gauge!(name::TENANT_WAITS, &labels).set(t.waits as f64);
+        }
     }
 }

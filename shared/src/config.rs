@@ -72,9 +72,72 @@ pub struct PacerArgs {
     /// Owed time up to this (ms) is waited in place; more is a requeue.
     #[arg(long = "in-place-wait-ms", env = "PACELINE_IN_PLACE_WAIT_MS", default_value_t = 250)]
     pub in_place_wait_ms: u64,
+    /// Tenants' weights when the budget is scarce (`alpha:2,beta:1`; default 1 each).
+    #[arg(long = "tenant-weights", env = "PACELINE_TENANT_WEIGHTS", default_value = "")]
+    pub tenant_weights: String,
+    /// Tenants' caps, a share of the budget even when others are idle (`alpha:50%`).
+    #[arg(long = "tenant-caps", env = "PACELINE_TENANT_CAPS", default_value = "")]
+    pub tenant_caps: String,
+}
+
+/// Tenants' weights and caps (fair admission, SPEC §4).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TenantPolicy {
+    weights: std::collections::HashMap<String, f64>,
+    caps: std::collections::HashMap<String, f64>,
+}
+
+impl TenantPolicy {
+    /// Parses `alpha:2,beta:1` and `alpha:50%` (or `alpha:0.5`).
+    pub fn parse(weights: &str, caps: &str) -> Result<Self, String> {
+        fn pairs(s: &str, what: &str) -> Result<Vec<(String, String)>, String> {
+            s.split(',')
+                .map(str::trim)
+                .filter(|p| !p.is_empty())
+                .map(|p| {
+                    let (t, v) = p.split_once(':').ok_or_else(|| format!("{what}: `{p}` is not tenant:value"))?;
+                    Ok((t.trim().to_owned(), v.trim().to_owned()))
+                })
+                .collect()
+        }
+        let mut policy = Self::default();
+        for (t, v) in pairs(weights, "PACELINE_TENANT_WEIGHTS")? {
+            let w: f64 = v.parse().map_err(|_| format!("PACELINE_TENANT_WEIGHTS: `{v}` is not a number"))?;
+            if !(w > 0.0 && w.is_finite()) {
+                return Err(format!("PACELINE_TENANT_WEIGHTS: {t}'s weight must be positive"));
+            }
+            policy.weights.insert(t, w);
+        }
+        for (t, v) in pairs(caps, "PACELINE_TENANT_CAPS")? {
+            let cap = match v.strip_suffix('%') {
+                Some(pct) => pct.trim().parse::<f64>().map(|p| p / 100.0),
+                None => v.parse::<f64>(),
+            }
+            .map_err(|_| format!("PACELINE_TENANT_CAPS: `{v}` is not a share"))?;
+            if !(cap > 0.0 && cap <= 1.0) {
+                return Err(format!("PACELINE_TENANT_CAPS: {t}'s cap must be in (0, 100 %]"));
+            }
+            policy.caps.insert(t, cap);
+        }
+        Ok(policy)
+    }
+
+    /// `tenant` as the pacer sees it.
+    pub fn who<'a>(&self, tenant: &'a str) -> crate::pacer::Who<'a> {
+        crate::pacer::Who {
+            tenant,
+            weight: self.weights.get(tenant).copied().unwrap_or(1.0),
+            cap: self.caps.get(tenant).copied().unwrap_or(0.0),
+        }
+    }
 }
 
 impl PacerArgs {
+    /// Tenants' weights and caps from these arguments.
+    pub fn tenant_policy(&self) -> Result<TenantPolicy, String> {
+        TenantPolicy::parse(&self.tenant_weights, &self.tenant_caps)
+    }
+
     /// The pacing policy's knobs from these arguments.
     pub fn pacing_config(&self) -> crate::pacer::PacingConfig {
         crate::pacer::PacingConfig {
@@ -158,6 +221,19 @@ mod tests {
         assert!((c.floor_work - 0.05).abs() < 1e-9);
         assert!((c.floor_companion - 0.02).abs() < 1e-9, "the SPEC's default floor is 2 %");
         assert!(Cli::try_parse_from(["x", "--pacer", "fast"]).is_err());
+    }
+
+    #[test]
+    fn tenant_weights_and_caps_parse_and_refuse_nonsense() {
+        let p = TenantPolicy::parse("alpha:2, beta:1", "alpha:50%,gamma:0.25").unwrap();
+        assert_eq!(p.who("alpha").weight, 2.0);
+        assert_eq!(p.who("alpha").cap, 0.5);
+        assert_eq!(p.who("gamma").cap, 0.25);
+        assert_eq!(p.who("nobody").weight, 1.0, "default weight");
+        assert_eq!(p.who("nobody").cap, 0.0, "no cap by default");
+        for (w, c) in [("alpha", ""), ("alpha:x", ""), ("alpha:0", ""), ("", "beta:150%"), ("", "beta:-1")] {
+            assert!(TenantPolicy::parse(w, c).is_err(), "{w} / {c}");
+        }
     }
 
     #[test]

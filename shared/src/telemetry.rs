@@ -29,6 +29,12 @@ pub mod metric {
     pub const PACER_REMAINING_TOKENS: &str = "paceline_pacer_remaining_tokens";
     /// Gauge, label `state` (`ready`, `delayed`, `in_flight`, `dead`).
     pub const QUEUE_DEPTH: &str = "paceline_queue_depth";
+    /// Gauge, labels `budget`, `model`, `tenant`: tokens admitted to the tenant.
+    pub const TENANT_ADMITTED_TOKENS: &str = "paceline_tenant_admitted_tokens";
+    /// Gauge, labels `budget`, `model`, `tenant`: tokens of its turns waiting.
+    pub const TENANT_WAITING_TOKENS: &str = "paceline_tenant_waiting_tokens";
+    /// Gauge, labels `budget`, `model`, `tenant`: times its turns waited in its line.
+    pub const TENANT_WAITS: &str = "paceline_tenant_waits";
     /// Histogram (seconds): a turn from its start to its commit.
     pub const TURN_LATENCY: &str = "paceline_turn_seconds";
 }

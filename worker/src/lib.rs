@@ -79,6 +79,8 @@ impl WorkerConfig {
                 floor_pct: 2.0,
                 max_pace_ms: 90_000,
                 in_place_wait_ms: 250,
+                tenant_weights: String::new(),
+                tenant_caps: String::new(),
             },
             queue: QueueConfig::default(),
             concurrency: 16,
@@ -107,6 +109,7 @@ pub async fn runner(config: &WorkerConfig) -> anyhow::Result<(Runner, TurnQueue)
         ..TurnConfig::default()
     };
     let http = reqwest::Client::builder().connect_timeout(Duration::from_secs(10)).build()?;
+    let tenants = config.pacer.tenant_policy().map_err(anyhow::Error::msg)?;
     crate::estimate::warm_up();
     let runner = Runner {
         store,
@@ -115,6 +118,7 @@ pub async fn runner(config: &WorkerConfig) -> anyhow::Result<(Runner, TurnQueue)
         provider,
         http,
         config: Arc::new(turn_config),
+        tenants: Arc::new(tenants),
         calibration: Arc::default(),
     };
     Ok((runner, queue))

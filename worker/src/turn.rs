@@ -71,6 +71,8 @@ pub struct Runner {
     pub http: reqwest::Client,
     /// Knobs.
     pub config: Arc<TurnConfig>,
+    /// Tenants' weights and caps (fair admission).
+    pub tenants: Arc<shared::config::TenantPolicy>,
     /// Per model: how the provider's input count compares with ours, learned
     /// from reported usage, so reservations fit a provider that counts
     /// differently (a proxy, another tokenizer, the mock).
@@ -172,8 +174,9 @@ impl Runner {
         // One reservation id per call attempt: a budget wait keeps it (so the
         // turn finds its booking when it comes back), a retry gets a new one.
         let reservation = format!("{}:{}:{}", lease.id, job.turn, job.attempt);
+        let who = self.tenants.who(&ctx.tenant);
         loop {
-            match self.pacer.acquire(&spec.model, &reservation, est, spec.mode).await? {
+            match self.pacer.acquire(&spec.model, &reservation, est, spec.mode, &who).await? {
                 Decision::Clear => break,
                 Decision::Owed { ms, .. } if Duration::from_millis(ms) <= self.config.in_place_wait => {
                     tokio::time::sleep(Duration::from_millis(ms)).await;
@@ -181,14 +184,14 @@ impl Runner {
                 Decision::Owed { ms, reason, .. } => {
                     metrics::counter!(metric::BUDGET_WAITS).increment(1);
                     metrics::histogram!(metric::REQUEUE_DELAY, "reason" => "budget").record(ms as f64 / 1000.0);
-                    let reason_name = match reason {
-                        OwedReason::Budget => "budget",
-                        OwedReason::RateLimited => "window_closed",
-                        OwedReason::Probe => "probe",
+                    let (reason_name, wait_reason) = match reason {
+                        OwedReason::Budget => ("budget", WaitReason::Budget),
+                        OwedReason::RateLimited => ("window_closed", WaitReason::Budget),
+                        OwedReason::Probe => ("probe", WaitReason::Budget),
+                        OwedReason::FairShare => ("fair_share", WaitReason::FairShare),
                     };
                     let data = json!({"turn": job.turn, "owed_ms": ms, "reason": reason_name});
-                    let fence =
-                        self.store.wait(lease, job, job, ms, WaitReason::Budget, event::TURN_PACED, &data).await?;
+                    let fence = self.store.wait(lease, job, job, ms, wait_reason, event::TURN_PACED, &data).await?;
                     return Ok(settled(lease, fence, Outcome::Requeued));
                 }
             }

@@ -39,6 +39,24 @@ pub struct BudgetView {
     pub blocked_for_ms: u64,
     /// When rate-limit headers were last read (RFC 3339, Redis clock).
     pub observed_at: Option<String>,
+    /// The calling tenant's line in this budget (fair admission); other
+    /// tenants' lines are for the operator's `/metrics`, not for each other.
+    pub tenant: Option<TenantView>,
+}
+
+/// A tenant's line in a budget.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct TenantView {
+    /// The tenant.
+    pub tenant: String,
+    /// Its weight (`PACELINE_TENANT_WEIGHTS`).
+    pub weight: f64,
+    /// Tokens admitted so far (expected use).
+    pub admitted_tokens: u64,
+    /// Tokens of its turns waiting or booked, not yet sent.
+    pub waiting_tokens: u64,
+    /// Times one of its turns waited for its fair share.
+    pub waits: u64,
 }
 
 /// `GET /v1/pacer`.
@@ -103,7 +121,7 @@ pub struct WorkersView {
     ),
     security(("bearer" = []))
 )]
-pub async fn pacer(State(state): State<AppState>, _: Tenant) -> Result<Json<PacerView>, ApiError> {
+pub async fn pacer(State(state): State<AppState>, caller: Tenant) -> Result<Json<PacerView>, ApiError> {
     let snapshots = state.redis("read pacer", state.pacer.snapshot()).await?;
     crate::metrics::set_pacer(&snapshots);
     let budgets = snapshots
@@ -122,6 +140,13 @@ pub async fn pacer(State(state): State<AppState>, _: Tenant) -> Result<Json<Pace
             reserved_requests: s.reserved_requests,
             blocked_for_ms: s.blocked_for_ms,
             observed_at: s.observed_at_ms.map(rfc3339_ms),
+            tenant: s.tenants.into_iter().find(|t| t.tenant == caller.0).map(|t| TenantView {
+                tenant: t.tenant,
+                weight: t.weight,
+                admitted_tokens: t.admitted_tokens,
+                waiting_tokens: t.waiting_tokens,
+                waits: t.waits,
+            }),
         })
         .collect();
     Ok(Json(PacerView { budgets }))

@@ -58,6 +58,10 @@ pub struct PacingConfig {
     /// With no headers yet, one probe call goes first; the others wait this long
     /// (or until the probe's headers arrive) before asking again.
     pub probe_wait_ms: u64,
+    /// Fair admission: a work turn whose tenant's line puts it further out
+    /// than this is not booked on the bucket's line yet; it waits in its
+    /// tenant's line and comes back when it is closer.
+    pub fair_horizon_ms: u64,
     /// Configured limits for providers that send no headers (vLLM, Ollama).
     pub configured_tpm: Option<u64>,
     /// See `configured_tpm`.
@@ -74,6 +78,7 @@ impl Default for PacingConfig {
             jitter_max_ms: 100,
             reservation_ttl_ms: 120_000,
             probe_wait_ms: 100,
+            fair_horizon_ms: 2_000,
             configured_tpm: None,
             configured_rpm: None,
         }
@@ -242,9 +247,73 @@ pub struct PacerState {
     /// gives most of it back, and a line spaced by reservations would leave the
     /// refunds idle in the bucket until the end of the line.
     pub usage_ratio: f64,
+    /// Each tenant's line (fair admission of work turns).
+    #[serde(default)]
+    pub tenants: std::collections::BTreeMap<String, TenantLine>,
+}
+
+/// Who asks: the tenant, its weight and its optional cap (SPEC §4, fair admission).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Who<'a> {
+    /// The tenant.
+    pub tenant: &'a str,
+    /// Its weight (`PACELINE_TENANT_WEIGHTS`, default 1).
+    pub weight: f64,
+    /// Its cap as a fraction of the budget (`PACELINE_TENANT_CAPS`); 0 = none.
+    pub cap: f64,
+}
+
+impl Who<'static> {
+    /// The default tenant, weight 1, no cap.
+    pub const DEFAULT: Who<'static> = Who { tenant: "default", weight: 1.0, cap: 0.0 };
+}
+
+/// One tenant's line, in line tokens (expected use). Turns join at `next`
+/// and are admitted to the bucket's line in order; `next - served` is what is
+/// waiting in the tenant's line. While several tenants have turns waiting, a
+/// tenant's line moves at its weighted share of the refill — start-time fair
+/// queuing, kept in the pacer's state so it holds across every worker.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct TenantLine {
+    /// Where the next turn joins (cumulative line tokens registered).
+    pub next: f64,
+    /// Line tokens admitted so far (or given up by turns that never came back).
+    pub served: f64,
+    /// The tenant's weight, as last seen.
+    pub weight: f64,
+    /// With a cap: when the tenant's admitted use is paid at its capped rate.
+    pub cap_due_ms: Millis,
+    /// Tokens admitted (line cost), for `GET /v1/pacer` and `/metrics`.
+    pub admitted: f64,
+    /// Times a turn of this tenant waited in its line.
+    pub waits: f64,
+}
+
+impl TenantLine {
+    /// What is waiting in this tenant's line.
+    pub fn waiting(&self) -> f64 {
+        (self.next - self.served).max(0.0)
+    }
 }
 
 impl PacerState {
+    /// The refill share of `who` now: its weight among the tenants with turns
+    /// waiting (itself included), never above its cap.
+    pub fn tenant_rate(&self, who: &Who<'_>) -> f64 {
+        let others: f64 = self
+            .tenants
+            .iter()
+            .filter(|(name, line)| name.as_str() != who.tenant && line.waiting() > 0.5)
+            .map(|(_, line)| line.weight)
+            .sum();
+        let weight = who.weight.max(0.001);
+        let mut rate = self.tokens.rate * weight / (weight + others);
+        if who.cap > 0.0 {
+            rate = rate.min(self.tokens.rate * who.cap);
+        }
+        rate
+    }
+
     /// What a booking holds on the line: the expected use of the call (its
     /// request count in full).
     pub fn booking_cost(&self, est: Estimate) -> Estimate {
@@ -263,6 +332,8 @@ pub enum OwedReason {
     RateLimited,
     /// Nothing is known yet and a probe call is out.
     Probe,
+    /// The budget is scarce and other tenants' turns go first (their share).
+    FairShare,
 }
 
 /// The pacer's answer.
@@ -280,6 +351,9 @@ pub enum Decision {
         /// Whether budget was booked for the owed turn (present the booking when
         /// coming back; it is then clear at once).
         booked: bool,
+        /// The turn waits in its tenant's line at this position (come back with
+        /// the same reservation id: the position is kept).
+        waiting: Option<u64>,
     },
 }
 
@@ -291,25 +365,72 @@ pub fn acquire(
     now: Millis,
     est: Estimate,
     mode: Mode,
+    who: &Who<'_>,
+    waiting: Option<u64>,
     jitter_u: f64,
 ) -> Decision {
     ensure_configured(state, cfg, now);
     let floor = cfg.floor(mode);
+    // A turn back from its tenant's line keeps its place while it waits for
+    // something else (a closed window, a probe).
+    let keep_place = |d: Decision| match d {
+        Decision::Owed { ms, reason, booked, .. } => Decision::Owed { ms, reason, booked, waiting },
+        clear => clear,
+    };
     if now < state.blocked_until_ms {
         let ms = (state.blocked_until_ms - now) as f64;
-        return owed(ms, OwedReason::RateLimited, false, cfg, jitter_u);
+        return keep_place(owed(ms, OwedReason::RateLimited, false, cfg, jitter_u));
     }
     if !state.tokens.known() && !state.requests.known() {
         // Nothing known: let one probe call go and learn the headers from it.
         if now < state.probe_until_ms {
             let ms = (state.probe_until_ms - now).min(cfg.probe_wait_ms as i64) as f64;
-            return owed(ms, OwedReason::Probe, false, cfg, jitter_u);
+            return keep_place(owed(ms, OwedReason::Probe, false, cfg, jitter_u));
         }
         state.probe_until_ms = now + cfg.probe_wait_ms as i64 * 10;
         return Decision::Clear;
     }
     let tokens = est.tokens as f64;
     let requests = est.requests as f64;
+    // Fair admission (work turns): the tenant's line first. A turn with more of
+    // its tenant's line ahead than the horizon waits there (not on the
+    // bucket's line, so a change of shares re-times it when it comes back);
+    // otherwise it is admitted no earlier than its share allows.
+    let mut share_wait: f64 = 0.0;
+    if mode == Mode::Work && state.tokens.known() {
+        let lc = state.booking_cost(est).tokens as f64;
+        let rate = state.tenant_rate(who);
+        let others_waiting = state.tenants.iter().any(|(n, l)| n.as_str() != who.tenant && l.waiting() > 0.5);
+        let line = state.tenants.entry(who.tenant.to_owned()).or_default();
+        line.weight = who.weight;
+        let position = waiting.map(|p| p as f64).unwrap_or(line.next + lc);
+        let ahead = (position - lc - line.served).max(0.0);
+        let horizon = cfg.fair_horizon_ms as f64;
+        if ahead / rate > horizon {
+            if waiting.is_none() {
+                line.next = position;
+                line.waits += 1.0;
+            }
+            let reason = if others_waiting { OwedReason::FairShare } else { OwedReason::Budget };
+            return match owed(ahead / rate - horizon / 2.0, reason, false, cfg, jitter_u) {
+                Decision::Owed { ms, reason, booked, .. } => {
+                    Decision::Owed { ms, reason, booked, waiting: Some(position.round() as u64) }
+                }
+                clear => clear,
+            };
+        }
+        if waiting.is_none() {
+            line.next = position;
+        }
+        // `served` moves when the turn is sent (clear now, or its booking
+        // claimed), so the tenant's booked turns count as ahead of its next:
+        // each tenant keeps at most its share of the horizon on the bucket's
+        // line, and the line interleaves them. Within the horizon the bucket
+        // decides (so refunds are used at once); a cap is a rate of its own.
+        if who.cap > 0.0 {
+            share_wait = (line.cap_due_ms - now) as f64;
+        }
+    }
     // Clear now only if the call fits both now (the bucket holds it, booked
     // budget included) and at the last booking's due time (so taking it now
     // delays no turn that is already booked). The second condition is what lets
@@ -342,10 +463,18 @@ pub fn acquire(
             }
         }
     }
-    if fits {
+    if fits && share_wait <= 0.0 {
         wait = 0.0;
     } else {
-        wait = wait.max(1.0);
+        wait = wait.max(share_wait).max(1.0);
+    }
+    if mode == Mode::Work && who.cap > 0.0 && state.tokens.known() {
+        let lc = state.booking_cost(est).tokens as f64;
+        let capped = state.tokens.rate * who.cap;
+        if let Some(line) = state.tenants.get_mut(who.tenant) {
+            let start = now + wait.ceil() as Millis;
+            line.cap_due_ms = line.cap_due_ms.max(start) + (lc / capped).ceil() as Millis;
+        }
     }
     let line = state.booking_cost(est);
     for (bucket, cost, line_cost) in [
@@ -366,6 +495,9 @@ pub fn acquire(
         }
     }
     if wait <= 0.0 {
+        if mode == Mode::Work {
+            serve(state, who.tenant, line.tokens as f64);
+        }
         Decision::Clear
     } else {
         let decision = owed(wait, OwedReason::Budget, true, cfg, jitter_u);
@@ -387,6 +519,7 @@ pub fn claim(
     est: Estimate,
     held: Estimate,
     mode: Mode,
+    tenant: Option<&str>,
     jitter_u: f64,
 ) -> Decision {
     let floor = cfg.floor(mode);
@@ -424,12 +557,26 @@ pub fn claim(
             bucket.level -= cost - line_cost;
         }
     }
+    if let Some(tenant) = tenant {
+        serve(state, tenant, held.tokens as f64);
+    }
     Decision::Clear
+}
+
+/// A work turn of `tenant` is sent (or gives up its place): its tenant's line moves.
+fn serve(state: &mut PacerState, tenant: &str, line_tokens: f64) {
+    if let Some(line) = state.tenants.get_mut(tenant) {
+        line.served += line_tokens;
+        line.admitted += line_tokens;
+    }
 }
 
 /// A booking expired without its turn coming back (cancelled, crashed): the
 /// budget it held returns to the level.
-pub fn release_booking(state: &mut PacerState, est: Estimate, live: bool, now: Millis) {
+pub fn release_booking(state: &mut PacerState, est: Estimate, live: bool, tenant: Option<&str>, now: Millis) {
+    if let Some(tenant) = tenant {
+        release_waiting(state, tenant, est.tokens as f64);
+    }
     for (bucket, cost) in [(&mut state.tokens, est.tokens), (&mut state.requests, est.requests)] {
         if bucket.known() {
             bucket.advance(now);
@@ -440,6 +587,14 @@ pub fn release_booking(state: &mut PacerState, est: Estimate, live: bool, now: M
             }
             bucket.level = (bucket.level + cost).min(bucket.limit);
         }
+    }
+}
+
+/// A turn waiting in its tenant's line never came back (cancelled, crashed):
+/// its place is given up, so the turns behind it do not wait for a ghost.
+pub fn release_waiting(state: &mut PacerState, tenant: &str, line_tokens: f64) {
+    if let Some(line) = state.tenants.get_mut(tenant) {
+        line.served += line_tokens;
     }
 }
 
@@ -535,7 +690,7 @@ fn owed(ms: f64, reason: OwedReason, booked: bool, cfg: &PacingConfig, jitter_u:
     // waiting turns do not wake as one herd.
     let base = ms.ceil().max(1.0);
     let jitter = (base * cfg.jitter_frac).min(cfg.jitter_max_ms as f64) * jitter_u.clamp(0.0, 1.0);
-    Decision::Owed { ms: (base + jitter).ceil() as u64, reason, booked }
+    Decision::Owed { ms: (base + jitter).ceil() as u64, reason, booked, waiting: None }
 }
 
 #[cfg(test)]
@@ -567,9 +722,9 @@ mod tests {
     #[test]
     fn with_nothing_known_one_probe_goes_and_the_rest_wait_briefly() {
         let mut s = PacerState::default();
-        assert_eq!(acquire(&mut s, &cfg(), T0, est(100), Mode::Work, 0.0), Decision::Clear);
-        match acquire(&mut s, &cfg(), T0 + 1, est(100), Mode::Work, 0.0) {
-            Decision::Owed { ms, reason: OwedReason::Probe, booked: false } => assert!(ms <= 100),
+        assert_eq!(acquire(&mut s, &cfg(), T0, est(100), Mode::Work, &Who::DEFAULT, None, 0.0), Decision::Clear);
+        match acquire(&mut s, &cfg(), T0 + 1, est(100), Mode::Work, &Who::DEFAULT, None, 0.0) {
+            Decision::Owed { ms, reason: OwedReason::Probe, booked: false, .. } => assert!(ms <= 100),
             other => panic!("{other:?}"),
         }
     }
@@ -579,10 +734,10 @@ mod tests {
         let c = PacingConfig { configured_tpm: Some(6_000), ..cfg() };
         let mut s = PacerState::default();
         // 6 000 per minute = 0.1 token/ms; floor 10 % = 600.
-        assert_eq!(acquire(&mut s, &c, T0, est(5_000), Mode::Work, 0.0), Decision::Clear);
-        match acquire(&mut s, &c, T0, est(1_000), Mode::Work, 0.0) {
+        assert_eq!(acquire(&mut s, &c, T0, est(5_000), Mode::Work, &Who::DEFAULT, None, 0.0), Decision::Clear);
+        match acquire(&mut s, &c, T0, est(1_000), Mode::Work, &Who::DEFAULT, None, 0.0) {
             // level 1 000, needs 1 000 + 600: 600 short at 0.1/ms = 6 000 ms.
-            Decision::Owed { ms, reason: OwedReason::Budget, booked: true } => assert_eq!(ms, 6_000),
+            Decision::Owed { ms, reason: OwedReason::Budget, booked: true, .. } => assert_eq!(ms, 6_000),
             other => panic!("{other:?}"),
         }
     }
@@ -600,7 +755,7 @@ mod tests {
     fn owed_is_until_enough_returns_not_until_full_and_never_earlier() {
         let mut s = seen(10_000);
         // needs 20 000 + 6 000 floor = 26 000; has 10 000; 1 token/ms -> 16 000 ms.
-        match acquire(&mut s, &cfg(), T0, est(20_000), Mode::Work, 0.0) {
+        match acquire(&mut s, &cfg(), T0, est(20_000), Mode::Work, &Who::DEFAULT, None, 0.0) {
             Decision::Owed { ms, .. } => assert_eq!(ms, 16_000),
             other => panic!("{other:?}"),
         }
@@ -611,19 +766,21 @@ mod tests {
         let mut work = seen(7_000);
         let mut live = work.clone();
         // 7 000 left: work needs 1 000 + 6 000 floor (ok, exactly); then 6 000 left.
-        assert_eq!(acquire(&mut work, &cfg(), T0, est(1_000), Mode::Work, 0.0), Decision::Clear);
-        assert!(matches!(acquire(&mut work, &cfg(), T0, est(1_000), Mode::Work, 0.0), Decision::Owed { .. }));
-        assert_eq!(acquire(&mut live, &cfg(), T0, est(1_000), Mode::Work, 0.0), Decision::Clear);
+        assert_eq!(acquire(&mut work, &cfg(), T0, est(1_000), Mode::Work, &Who::DEFAULT, None, 0.0), Decision::Clear);
+        assert!(matches!(acquire(&mut work, &cfg(), T0, est(1_000), Mode::Work, &Who::DEFAULT, None, 0.0), Decision::Owed { .. }));
+        assert_eq!(acquire(&mut live, &cfg(), T0, est(1_000), Mode::Work, &Who::DEFAULT, None, 0.0), Decision::Clear);
         // The companion floor is 2 % = 1 200: 6 000 left covers 1 000 + 1 200.
-        assert_eq!(acquire(&mut live, &cfg(), T0, est(1_000), Mode::Companion, 0.0), Decision::Clear);
+        assert_eq!(acquire(&mut live, &cfg(), T0, est(1_000), Mode::Companion, &Who::DEFAULT, None, 0.0), Decision::Clear);
     }
 
     #[test]
     fn waiters_book_in_order_instead_of_waking_as_a_herd() {
         let mut s = seen(6_000); // at the floor exactly
         let mut dues = vec![];
+        // (A long fair horizon: every turn is booked on the bucket's line.)
+        let c = PacingConfig { fair_horizon_ms: 60_000, ..cfg() };
         for _ in 0..5 {
-            match acquire(&mut s, &cfg(), T0, est(1_000), Mode::Work, 0.0) {
+            match acquire(&mut s, &c, T0, est(1_000), Mode::Work, &Who::DEFAULT, None, 0.0) {
                 Decision::Owed { ms, booked: true, .. } => dues.push(ms),
                 other => panic!("{other:?}"),
             }
@@ -638,15 +795,15 @@ mod tests {
         // Work books the line: 7 000 present, each needs 2 000 + 6 000 floor.
         let mut work_dues = vec![];
         for _ in 0..3 {
-            match acquire(&mut s, &cfg(), T0, est(2_000), Mode::Work, 0.0) {
+            match acquire(&mut s, &cfg(), T0, est(2_000), Mode::Work, &Who::DEFAULT, None, 0.0) {
                 Decision::Owed { ms, .. } => work_dues.push(ms),
                 other => panic!("{other:?}"),
             }
         }
         // A live turn fits now above its 2 % floor (1 200): it goes at once.
-        assert_eq!(acquire(&mut s, &cfg(), T0, est(2_000), Mode::Companion, 0.0), Decision::Clear);
+        assert_eq!(acquire(&mut s, &cfg(), T0, est(2_000), Mode::Companion, &Who::DEFAULT, None, 0.0), Decision::Clear);
         // Another live turn is owed only what it lacks, not the work line.
-        let live_due = match acquire(&mut s, &cfg(), T0, est(4_000), Mode::Companion, 0.0) {
+        let live_due = match acquire(&mut s, &cfg(), T0, est(4_000), Mode::Companion, &Who::DEFAULT, None, 0.0) {
             Decision::Owed { ms, .. } => ms,
             other => panic!("{other:?}"),
         };
@@ -654,10 +811,30 @@ mod tests {
         // When the first work turn comes due, the live booking is not its to take.
         let held = s.booking_cost(est(2_000));
         let at = T0 + work_dues[0] as Millis;
-        assert!(matches!(claim(&mut s, &cfg(), at, est(2_000), held, Mode::Work, 0.0), Decision::Owed { .. }));
+        assert!(matches!(claim(&mut s, &cfg(), at, est(2_000), held, Mode::Work, None, 0.0), Decision::Owed { .. }));
         let live_held = s.booking_cost(est(4_000));
         let at = T0 + live_due as Millis;
-        assert_eq!(claim(&mut s, &cfg(), at, est(4_000), live_held, Mode::Companion, 0.0), Decision::Clear);
+        assert_eq!(claim(&mut s, &cfg(), at, est(4_000), live_held, Mode::Companion, None, 0.0), Decision::Clear);
+    }
+
+    #[test]
+    fn beyond_the_fair_horizon_a_turn_waits_in_its_tenants_line_not_on_the_bucket() {
+        let mut s = seen(6_000);
+        let mut answers = vec![];
+        for _ in 0..4 {
+            answers.push(acquire(&mut s, &cfg(), T0, est(1_000), Mode::Work, &Who::DEFAULT, None, 0.0));
+        }
+        // Three are booked (2 000 ms of the tenant's line ahead is the horizon) ...
+        assert!(answers[..3].iter().all(|d| matches!(d, Decision::Owed { booked: true, .. })), "{answers:?}");
+        // ... the fourth waits in the line, alone (so for budget, not fair share),
+        // and comes back when it is within half the horizon of its turn.
+        match answers[3] {
+            Decision::Owed { ms, reason: OwedReason::Budget, booked: false, waiting: Some(pos) } => {
+                assert_eq!((ms, pos), (2_000, 4_000));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(s.tokens.booked, 3_000.0, "nothing booked for the waiting turn");
     }
 
     #[test]
@@ -670,7 +847,7 @@ mod tests {
     #[test]
     fn headers_lower_the_estimate_but_never_raise_it() {
         let mut s = seen(30_000);
-        assert_eq!(acquire(&mut s, &cfg(), T0, est(10_000), Mode::Work, 0.0), Decision::Clear);
+        assert_eq!(acquire(&mut s, &cfg(), T0, est(10_000), Mode::Work, &Who::DEFAULT, None, 0.0), Decision::Clear);
         assert_eq!(s.tokens.level_at(T0), 20_000.0);
         // A stale snapshot (taken before our call was charged) shows more: ignored.
         settle(&mut s, &cfg(), T0, &Outcome { tokens: obs(60_000, 30_000, 30_000), ..Outcome::default() });
@@ -683,7 +860,7 @@ mod tests {
     #[test]
     fn a_settled_call_refunds_what_it_did_not_use() {
         let mut s = seen(30_000);
-        assert_eq!(acquire(&mut s, &cfg(), T0, est(10_000), Mode::Work, 0.0), Decision::Clear);
+        assert_eq!(acquire(&mut s, &cfg(), T0, est(10_000), Mode::Work, &Who::DEFAULT, None, 0.0), Decision::Clear);
         assert_eq!(s.tokens.in_flight, 10_000.0);
         settle(&mut s, &cfg(), T0, &Outcome { reserved: est(10_000), used_tokens: Some(4_000), ..Outcome::default() });
         assert_eq!(s.tokens.level_at(T0), 26_000.0);
@@ -693,14 +870,14 @@ mod tests {
     #[test]
     fn a_429_closes_the_window_for_everyone_and_refunds_the_refused_call() {
         let mut s = seen(30_000);
-        assert_eq!(acquire(&mut s, &cfg(), T0, est(1_000), Mode::Work, 0.0), Decision::Clear);
+        assert_eq!(acquire(&mut s, &cfg(), T0, est(1_000), Mode::Work, &Who::DEFAULT, None, 0.0), Decision::Clear);
         settle(
             &mut s,
             &cfg(),
             T0,
             &Outcome { reserved: est(1_000), rate_limited_ms: Some(3_000), ..Outcome::default() },
         );
-        match acquire(&mut s, &cfg(), T0 + 10, est(1), Mode::Companion, 0.0) {
+        match acquire(&mut s, &cfg(), T0 + 10, est(1), Mode::Companion, &Who::DEFAULT, None, 0.0) {
             Decision::Owed { ms, reason: OwedReason::RateLimited, .. } => assert_eq!(ms, 2_990),
             other => panic!("{other:?}"),
         }
@@ -710,7 +887,7 @@ mod tests {
     #[test]
     fn a_call_larger_than_the_floor_allows_waits_for_a_full_bucket_not_forever() {
         let mut s = seen(0);
-        match acquire(&mut s, &cfg(), T0, est(59_000), Mode::Work, 0.0) {
+        match acquire(&mut s, &cfg(), T0, est(59_000), Mode::Work, &Who::DEFAULT, None, 0.0) {
             Decision::Owed { ms, .. } => assert_eq!(ms, 60_000),
             other => panic!("{other:?}"),
         }
@@ -721,7 +898,7 @@ mod tests {
         let c = PacingConfig { jitter_frac: 0.02, jitter_max_ms: 100, ..PacingConfig::default() };
         for u in [0.0, 0.3, 0.999] {
             let mut s = seen(6_000);
-            match acquire(&mut s, &c, T0, est(1_000), Mode::Work, u) {
+            match acquire(&mut s, &c, T0, est(1_000), Mode::Work, &Who::DEFAULT, None, u) {
                 Decision::Owed { ms, .. } => assert!((1_000..=1_020).contains(&ms), "{ms}"),
                 other => panic!("{other:?}"),
             }
@@ -731,8 +908,8 @@ mod tests {
     #[test]
     fn a_released_booking_returns_its_budget() {
         let mut s = seen(6_000);
-        assert!(matches!(acquire(&mut s, &cfg(), T0, est(1_000), Mode::Work, 0.0), Decision::Owed { .. }));
-        release_booking(&mut s, est(1_000), false, T0);
+        assert!(matches!(acquire(&mut s, &cfg(), T0, est(1_000), Mode::Work, &Who::DEFAULT, None, 0.0), Decision::Owed { .. }));
+        release_booking(&mut s, est(1_000), false, None, T0);
         assert_eq!(s.tokens.booked, 0.0);
         assert_eq!(s.tokens.level_at(T0), 6_000.0);
     }

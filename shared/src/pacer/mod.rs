@@ -20,7 +20,7 @@ pub mod headers;
 pub mod store;
 
 pub use backoff::{next_retry, server_delay, DelaySource, GiveUp, RetryDecision, RetryPolicy};
-pub use bucket::{Decision, Estimate, Mode, Observation, OwedReason, PacingConfig};
+pub use bucket::{Decision, Estimate, Mode, Observation, OwedReason, PacingConfig, TenantLine, Who};
 pub use classify::{classify, FailedCall, FailureKind, Transport};
 pub use headers::{HeaderSnapshot, LimitSnapshot};
-pub use store::{BudgetSnapshot, CallOutcome, LocalPacer, Pacer, PacerError, PacerKind, SharedPacer};
+pub use store::{BudgetSnapshot, CallOutcome, TenantShare, LocalPacer, Pacer, PacerError, PacerKind, SharedPacer};

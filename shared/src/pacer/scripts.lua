@@ -7,17 +7,20 @@
 --
 -- KEYS[1] state hash   (t_* token bucket, r_* request bucket, blocked_until, probe_until, observed_at)
 -- KEYS[2] reservations zset: id -> expiry ms
--- KEYS[3] reservations hash: id -> "kind|tokens|requests|due|line_tokens|line_requests"
+-- KEYS[3] reservations hash: id -> "kind|tokens|requests|due|line_tokens|line_requests|tenant"
 --         (kind: f = in flight, b = booked by a work turn, l = booked by a live
 --          (companion) turn; line_* = what a booking holds on the line)
 -- ARGV[1] op: acquire | settle | snapshot
--- ARGV[2..9] config: floor, max_pace_ms, jitter_frac, jitter_max_ms, ttl_ms, probe_wait_ms, tpm, rpm
--- ARGV[10] now in ms, or '' for the server's TIME (tests pass a clock; production never does)
--- acquire: ARGV[11] id, [12] tokens, [13] requests, [14] jitter_u, [15] 'companion' | 'work'
---   -> {0} clear | {1, owed_ms, reason, booked}   reason: 1 budget, 2 rate_limited, 3 probe
--- settle:  ARGV[11] id, [12] used_tokens (-1 unknown), [13] rate_limited_ms (-1 none),
---          [14..16] token limit, remaining, reset_ms, [17..19] same for requests (-1 missing),
---          [20] headers_age_ms
+-- ARGV[2..10] config: floor, max_pace_ms, jitter_frac, jitter_max_ms, ttl_ms, probe_wait_ms,
+--          fair_horizon_ms, tpm, rpm
+-- ARGV[11] now in ms, or '' for the server's TIME (tests pass a clock; production never does)
+-- acquire: ARGV[12] id, [13] tokens, [14] requests, [15] jitter_u, [16] 'companion' | 'work',
+--          [17] tenant weight, [18] tenant cap (0 none), [19] tenant
+--   -> {0} clear | {1, owed_ms, reason, booked, waiting_position (-1 none)}
+--      reason: 1 budget, 2 rate_limited, 3 probe, 4 fair_share
+-- settle:  ARGV[12] id, [13] used_tokens (-1 unknown), [14] rate_limited_ms (-1 none),
+--          [15..17] token limit, remaining, reset_ms, [18..20] same for requests (-1 missing),
+--          [21] headers_age_ms
 -- snapshot: -> flat field list of the state, plus "now"
 
 local state, resv, resv_data = KEYS[1], KEYS[2], KEYS[3]
@@ -28,10 +31,11 @@ local jitter_frac = tonumber(ARGV[4])
 local jitter_max = tonumber(ARGV[5])
 local ttl = tonumber(ARGV[6])
 local probe_wait = tonumber(ARGV[7])
-local tpm = tonumber(ARGV[8])
-local rpm = tonumber(ARGV[9])
+local fair_horizon = tonumber(ARGV[8])
+local tpm = tonumber(ARGV[9])
+local rpm = tonumber(ARGV[10])
 
-local now = tonumber(ARGV[10])
+local now = tonumber(ARGV[11])
 if not now then
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -89,7 +93,47 @@ end
 local function owed(ms, reason, booked, u)
   local base = math.max(math.ceil(ms), 1)
   local jitter = math.min(base * jitter_frac, jitter_max) * math.min(math.max(u, 0), 1)
-  return {1, math.ceil(base + jitter), reason, booked}
+  return {1, math.ceil(base + jitter), reason, booked, -1}
+end
+
+-- Fair admission: the refill share of a tenant now — its weight among the
+-- tenants with turns waiting in their lines (itself included), capped.
+local function others_waiting(t)
+  local weights, any = 0, false
+  for k, v in pairs(S) do
+    local name = string.match(k, '^tn:(.*)$')
+    if name and name ~= t and v - get('ts:' .. name) > 0.5 then
+      weights = weights + get('tw:' .. name)
+      any = true
+    end
+  end
+  return weights, any
+end
+
+-- Records a turn waiting in its tenant's line (kind w) with its position.
+local function wait_in_line(id, r, tokens, requests, lt, pos, tenant)
+  r[5] = pos
+  local rec = 'w|' .. fmt(tokens) .. '|' .. fmt(requests) .. '|' .. string.format('%d', now + r[2]) .. '|'
+    .. fmt(lt) .. '|' .. fmt(requests) .. '|' .. string.format('%d', pos) .. '|' .. r[3] .. '|' .. tenant
+  redis.call('HSET', resv_data, id, rec)
+  redis.call('ZADD', resv, now + r[2] + ttl, id)
+  return r
+end
+
+-- A work turn of `t` is sent (clear, or its booking claimed): its line moves.
+local function serve(t, lt)
+  if t and t ~= '' and S['tn:' .. t] ~= nil then
+    S['ts:' .. t] = get('ts:' .. t) + lt
+    S['tadm:' .. t] = get('tadm:' .. t) + lt
+  end
+end
+
+local function tenant_rate(t, w, cap)
+  local others = others_waiting(t)
+  local weight = math.max(w, 0.001)
+  local rate = get('t_rate') * weight / (weight + others)
+  if cap > 0 then rate = math.min(rate, get('t_rate') * cap) end
+  return rate
 end
 
 -- A booking that expired returns its budget; an in-flight reservation that
@@ -98,10 +142,19 @@ local function expire()
   local gone = redis.call('ZRANGEBYSCORE', resv, '-inf', now, 'LIMIT', 0, 64)
   for _, id in ipairs(gone) do
     local rec = redis.call('HGET', resv_data, id)
-    if rec then
-      local kind, tk, rq, _, ltk, lrq = string.match(rec, '^(%a)|([%d.]+)|([%d.]+)|(%d+)|([%d.]+)|([%d.]+)')
+    if rec and string.sub(rec, 1, 1) == 'w' then
+      -- A turn that never came back from its tenant's line gives up its place.
+      local ltk, tenant = string.match(rec, '^w|[%d.]+|[%d.]+|%d+|([%d.]+)|[%d.]+|%d+|%d+|(.*)$')
+      if tenant then S['ts:' .. tenant] = get('ts:' .. tenant) + tonumber(ltk) end
+    elseif rec then
+      local kind, tk, rq, _, ltk, lrq, tenant =
+        string.match(rec, '^(%a)|([%d.]+)|([%d.]+)|(%d+)|([%d.]+)|([%d.]+)|(.*)$')
       local booking = kind == 'b' or kind == 'l'
       if booking then tk, rq = tonumber(ltk), tonumber(lrq) else tk, rq = tonumber(tk), tonumber(rq) end
+      if kind == 'b' and tenant ~= '' and S['tn:' .. tenant] ~= nil then
+        -- A booked work turn that never came back gives up its place.
+        S['ts:' .. tenant] = get('ts:' .. tenant) + tk
+      end
       for _, pc in ipairs({{'t_', tk}, {'r_', rq}}) do
         local p, cost = pc[1], pc[2]
         if known(p) then
@@ -153,9 +206,9 @@ local function save()
   if #flat > 0 then redis.call('HSET', state, unpack(flat)) end
 end
 
-local function reserve(id, kind, tk, rq, due, expiry, ltk, lrq)
+local function reserve(id, kind, tk, rq, due, expiry, ltk, lrq, tenant)
   redis.call('HSET', resv_data, id, kind .. '|' .. fmt(tk) .. '|' .. fmt(rq) .. '|' .. string.format('%d', due)
-    .. '|' .. fmt(ltk) .. '|' .. fmt(lrq))
+    .. '|' .. fmt(ltk) .. '|' .. fmt(lrq) .. '|' .. (tenant or ''))
   redis.call('ZADD', resv, expiry, id)
 end
 
@@ -183,20 +236,34 @@ if op == 'snapshot' then
 end
 
 if op == 'acquire' then
-  local id = ARGV[11]
-  local tokens, requests, u = tonumber(ARGV[12]), tonumber(ARGV[13]), tonumber(ARGV[14])
+  local id = ARGV[12]
+  local tokens, requests, u = tonumber(ARGV[13]), tonumber(ARGV[14]), tonumber(ARGV[15])
   ensure_configured()
   expire()
   -- A booked turn that comes back is clear once the bucket holds its whole
   -- reservation (never before its due time); otherwise it keeps its booking.
+  -- A turn back from its tenant's line asks again from its place in it.
   local rec = redis.call('HGET', resv_data, id)
+  local position = nil
+  if rec and string.sub(rec, 1, 1) == 'w' then
+    local due, pos, reason = string.match(rec, '^w|[%d.]+|[%d.]+|(%d+)|[%d.]+|[%d.]+|(%d+)|(%d+)|')
+    if now < tonumber(due) then
+      save()
+      return {1, tonumber(due) - now, tonumber(reason), 0, tonumber(pos)}
+    end
+    redis.call('HDEL', resv_data, id)
+    redis.call('ZREM', resv, id)
+    position = tonumber(pos)
+    rec = nil
+  end
   if rec then
-    local kind, tk, rq, due, ltk, lrq = string.match(rec, '^(%a)|([%d.]+)|([%d.]+)|(%d+)|([%d.]+)|([%d.]+)')
+    local kind, tk, rq, due, ltk, lrq, rtenant =
+      string.match(rec, '^(%a)|([%d.]+)|([%d.]+)|(%d+)|([%d.]+)|([%d.]+)|(.*)$')
     tk, rq, due, ltk, lrq = tonumber(tk), tonumber(rq), tonumber(due), tonumber(ltk), tonumber(lrq)
     local booking = kind == 'b' or kind == 'l'
     if booking and now < due then
       save()
-      return {1, due - now, 1, 1}
+      return {1, due - now, 1, 1, -1}
     end
     if booking then
       -- Live bookings are ahead of work turns (a live turn's own is its own).
@@ -214,7 +281,7 @@ if op == 'acquire' then
       end
       if short > 0 then
         local r = owed(short, 1, 1, u)
-        reserve(id, kind, tk, rq, now + r[2], now + r[2] + ttl, ltk, lrq)
+        reserve(id, kind, tk, rq, now + r[2], now + r[2] + ttl, ltk, lrq, rtenant)
         save()
         return r
       end
@@ -227,19 +294,27 @@ if op == 'acquire' then
           S[p .. 'level'] = get(p .. 'level') - (cost - lc)
         end
       end
+      if kind == 'b' then serve(rtenant, ltk) end
     end
-    reserve(id, 'f', tk, rq, now, now + ttl, ltk, lrq)
+    reserve(id, 'f', tk, rq, now, now + ttl, ltk, lrq, rtenant)
     save()
     return {0}
   end
-  if now < get('blocked_until') then
+  -- A turn back from its tenant's line keeps its place while it waits for
+  -- something else (a closed window, a probe).
+  local function keep_place(r)
+    if position then
+      wait_in_line(id, r, tokens, requests, line_cost(tokens), position, ARGV[19])
+    end
     save()
-    return owed(get('blocked_until') - now, 2, 0, u)
+    return r
+  end
+  if now < get('blocked_until') then
+    return keep_place(owed(get('blocked_until') - now, 2, 0, u))
   end
   if not known('t_') and not known('r_') then
     if now < get('probe_until') then
-      save()
-      return owed(math.min(get('probe_until') - now, probe_wait), 3, 0, u)
+      return keep_place(owed(math.min(get('probe_until') - now, probe_wait), 3, 0, u))
     end
     S['probe_until'] = now + probe_wait * 10
     save()
@@ -249,9 +324,39 @@ if op == 'acquire' then
   -- it delays no booked turn): refunds are then used at once.
   -- Live turns first: a companion turn ignores the work line and has only
   -- other live bookings ahead of it.
-  local live = ARGV[15] == 'companion'
-  local horizon = math.max(get('last_due'), now)
+  local live = ARGV[16] == 'companion'
+  local weight, cap, tenant = tonumber(ARGV[17]), tonumber(ARGV[18]), ARGV[19]
   local lt = line_cost(tokens)
+  -- Fair admission (work turns): the tenant's line first. A turn with more of
+  -- its tenant's line ahead than the horizon waits there and comes back when
+  -- it is closer; otherwise it is admitted no earlier than its share allows.
+  local share_wait = 0
+  if not live and known('t_') then
+    local rate = tenant_rate(tenant, weight, cap)
+    local _, others = others_waiting(tenant)
+    S['tn:' .. tenant] = get('tn:' .. tenant)
+    S['ts:' .. tenant] = get('ts:' .. tenant)
+    S['tw:' .. tenant] = weight
+    local pos = position or (get('tn:' .. tenant) + lt)
+    local ahead = math.max(pos - lt - get('ts:' .. tenant), 0)
+    if ahead / rate > fair_horizon then
+      if not position then
+        S['tn:' .. tenant] = pos
+        S['twait:' .. tenant] = get('twait:' .. tenant) + 1
+      end
+      local reason = 1
+      if others then reason = 4 end
+      local r = wait_in_line(id, owed(ahead / rate - fair_horizon / 2, reason, 0, u), tokens, requests, lt,
+        math.floor(pos + 0.5), tenant)
+      save()
+      return r
+    end
+    if not position then S['tn:' .. tenant] = pos end
+    -- served moves when the turn is sent, so booked turns count as ahead: each
+    -- tenant keeps at most its share of the horizon on the bucket's line.
+    if cap > 0 then share_wait = get('tc:' .. tenant) - now end
+  end
+  local horizon = math.max(get('last_due'), now)
   local fits = true
   local wait = 0
   for _, pc in ipairs({{'t_', tokens, lt}, {'r_', requests, requests}}) do
@@ -269,7 +374,11 @@ if op == 'acquire' then
       end
     end
   end
-  if fits then wait = 0 else wait = math.max(wait, 1) end
+  if fits and share_wait <= 0 then wait = 0 else wait = math.max(wait, share_wait, 1) end
+  if not live and cap > 0 and known('t_') then
+    local start = now + math.ceil(wait)
+    S['tc:' .. tenant] = math.max(get('tc:' .. tenant), start) + math.ceil(lt / (get('t_rate') * cap))
+  end
   for _, pc in ipairs({{'t_', tokens, lt}, {'r_', requests, requests}}) do
     local p, cost, lc = pc[1], pc[2], pc[3]
     if known(p) then
@@ -287,22 +396,23 @@ if op == 'acquire' then
   local rq = known('r_') and requests or 0
   local ltk = known('t_') and lt or 0
   if wait <= 0 then
-    reserve(id, 'f', tk, rq, now, now + ttl, ltk, rq)
+    if not live then serve(tenant, lt) end
+    reserve(id, 'f', tk, rq, now, now + ttl, ltk, rq, '')
     save()
     return {0}
   end
   local r = owed(wait, 1, 1, u)
-  local kind = 'b'
-  if live then kind = 'l' else S['last_due'] = math.max(get('last_due'), now + r[2]) end
-  reserve(id, kind, tk, rq, now + r[2], now + r[2] + ttl, ltk, rq)
+  local kind, btenant = 'b', tenant
+  if live then kind, btenant = 'l', '' else S['last_due'] = math.max(get('last_due'), now + r[2]) end
+  reserve(id, kind, tk, rq, now + r[2], now + r[2] + ttl, ltk, rq, btenant)
   save()
   return r
 end
 
 if op == 'settle' then
-  local id = ARGV[11]
-  local used = tonumber(ARGV[12])
-  local limited = tonumber(ARGV[13])
+  local id = ARGV[12]
+  local used = tonumber(ARGV[13])
+  local limited = tonumber(ARGV[14])
   ensure_configured()
   expire()
   local tk, rq = 0, 0
@@ -330,11 +440,11 @@ if op == 'settle' then
     S[p .. 'inflight'] = math.max(get(p .. 'inflight') - reserved, 0)
     S[p .. 'level'] = math.min(get(p .. 'level') + refund, math.max(get(p .. 'limit'), get(p .. 'level')))
   end
-  local age = tonumber(ARGV[20])
+  local age = tonumber(ARGV[21])
   local headers_at = now - age
-  observe('t_', tonumber(ARGV[14]), tonumber(ARGV[15]), tonumber(ARGV[16]), headers_at, refund_t)
-  observe('r_', tonumber(ARGV[17]), tonumber(ARGV[18]), tonumber(ARGV[19]), headers_at, refund_r)
-  if tonumber(ARGV[15]) >= 0 or tonumber(ARGV[18]) >= 0 then
+  observe('t_', tonumber(ARGV[15]), tonumber(ARGV[16]), tonumber(ARGV[17]), headers_at, refund_t)
+  observe('r_', tonumber(ARGV[18]), tonumber(ARGV[19]), tonumber(ARGV[20]), headers_at, refund_r)
+  if tonumber(ARGV[16]) >= 0 or tonumber(ARGV[19]) >= 0 then
     S['observed_at'] = now
     S['probe_until'] = 0
   end
@@ -342,7 +452,7 @@ if op == 'settle' then
     -- The provider says the window is closed for every worker; what is left
     -- after it is what the 429's headers say; without headers, remaining = 0.
     S['blocked_until'] = math.max(get('blocked_until'), headers_at + limited)
-    for _, pr in ipairs({{'t_', tonumber(ARGV[15])}, {'r_', tonumber(ARGV[18])}}) do
+    for _, pr in ipairs({{'t_', tonumber(ARGV[16])}, {'r_', tonumber(ARGV[19])}}) do
       local p, remaining = pr[1], pr[2]
       if known(p) and remaining < 0 then S[p .. 'level'] = math.min(get(p .. 'level'), -get(p .. 'booked')) end
     end

@@ -6,7 +6,7 @@
 //! so when it comes back after its owed time it finds its booked budget and is
 //! clear at once; `settle` with the same id refunds what the call did not use.
 
-use super::bucket::{self, Decision, Estimate, Mode, Observation, OwedReason, PacerState, PacingConfig};
+use super::bucket::{self, Decision, Estimate, Mode, Observation, OwedReason, PacerState, PacingConfig, Who};
 use crate::clock::{Clock, Millis, SystemClock};
 use crate::keys::Keys;
 use redis::aio::ConnectionManager;
@@ -75,6 +75,23 @@ pub struct BudgetSnapshot {
     pub blocked_for_ms: u64,
     /// When headers were last read (ms since the epoch, Redis clock); None if never.
     pub observed_at_ms: Option<Millis>,
+    /// Each tenant's line (fair admission).
+    pub tenants: Vec<TenantShare>,
+}
+
+/// One tenant's line in a budget (`GET /v1/pacer`, `/metrics`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TenantShare {
+    /// The tenant.
+    pub tenant: String,
+    /// Its weight, as last seen.
+    pub weight: f64,
+    /// Tokens admitted (expected use) since the state began.
+    pub admitted_tokens: u64,
+    /// Tokens of its turns waiting or booked, not yet sent.
+    pub waiting_tokens: u64,
+    /// Times one of its turns waited in its line.
+    pub waits: u64,
 }
 
 impl BudgetSnapshot {
@@ -98,6 +115,17 @@ impl BudgetSnapshot {
             reserved_requests: s.requests.in_flight.max(0.0) as u64,
             blocked_for_ms: (s.blocked_until_ms - now).max(0) as u64,
             observed_at_ms: (s.observed_at_ms > 0).then_some(s.observed_at_ms),
+            tenants: s
+                .tenants
+                .iter()
+                .map(|(tenant, line)| TenantShare {
+                    tenant: tenant.clone(),
+                    weight: line.weight,
+                    admitted_tokens: line.admitted.max(0.0) as u64,
+                    waiting_tokens: line.waiting() as u64,
+                    waits: line.waits.max(0.0) as u64,
+                })
+                .collect(),
         }
     }
 }
@@ -134,17 +162,20 @@ impl Pacer {
         }
     }
 
-    /// Asks to reserve `est` for the call of reservation `id` on `model`.
+    /// Asks to reserve `est` for the call of reservation `id` on `model`, for
+    /// `who` (its tenant's line decides the order of work turns when the
+    /// budget is scarce).
     pub async fn acquire(
         &self,
         model: &str,
         id: &str,
         est: Estimate,
         mode: Mode,
+        who: &Who<'_>,
     ) -> Result<Decision, PacerError> {
         match self {
-            Self::Shared(p) => p.acquire(model, id, est, mode).await,
-            Self::Local(p) => Ok(p.acquire(model, id, est, mode)),
+            Self::Shared(p) => p.acquire(model, id, est, mode, who).await,
+            Self::Local(p) => Ok(p.acquire(model, id, est, mode, who)),
             Self::Off => Ok(Decision::Clear),
         }
     }
@@ -225,6 +256,7 @@ impl SharedPacer {
             .arg(c.jitter_max_ms)
             .arg(c.reservation_ttl_ms)
             .arg(c.probe_wait_ms)
+            .arg(c.fair_horizon_ms)
             .arg(c.configured_tpm.unwrap_or(0))
             .arg(c.configured_rpm.unwrap_or(0))
             .arg(self.test_clock.as_ref().map(|c| c.now_ms().to_string()).unwrap_or_default());
@@ -249,7 +281,7 @@ impl SharedPacer {
     }
 
     /// See [`Pacer::acquire`].
-    pub async fn acquire(&self, model: &str, id: &str, est: Estimate, mode: Mode) -> Result<Decision, PacerError> {
+    pub async fn acquire(&self, model: &str, id: &str, est: Estimate, mode: Mode, who: &Who<'_>) -> Result<Decision, PacerError> {
         self.register(model).await?;
         let mut inv = self.invocation("acquire", model, mode);
         let jitter_u = if self.config.jitter_frac > 0.0 { rand::random::<f64>() } else { 0.0 };
@@ -257,19 +289,28 @@ impl SharedPacer {
             Mode::Work => "work",
             Mode::Companion => "companion",
         };
-        inv.arg(id).arg(est.tokens).arg(est.requests).arg(jitter_u).arg(mode_name);
+        inv.arg(id)
+            .arg(est.tokens)
+            .arg(est.requests)
+            .arg(jitter_u)
+            .arg(mode_name)
+            .arg(who.weight)
+            .arg(who.cap)
+            .arg(who.tenant);
         let mut conn = self.conn.clone();
         let reply: Vec<i64> = inv.invoke_async(&mut conn).await?;
         match reply.as_slice() {
             [0] => Ok(Decision::Clear),
-            [1, ms, reason, booked] => Ok(Decision::Owed {
+            [1, ms, reason, booked, waiting] => Ok(Decision::Owed {
                 ms: (*ms).max(0) as u64,
                 reason: match reason {
                     2 => OwedReason::RateLimited,
                     3 => OwedReason::Probe,
+                    4 => OwedReason::FairShare,
                     _ => OwedReason::Budget,
                 },
                 booked: *booked == 1,
+                waiting: (*waiting >= 0).then_some(*waiting as u64),
             }),
             other => Err(PacerError::Protocol(format!("{other:?}"))),
         }
@@ -343,13 +384,35 @@ fn state_from_fields(flat: &[String]) -> (PacerState, Millis) {
         observed_at_ms: f("observed_at") as Millis,
         last_due_ms: f("last_due") as Millis,
         usage_ratio: f("usage_ratio"),
+        tenants: map
+            .keys()
+            .filter_map(|k| k.strip_prefix("tn:"))
+            .map(|t| {
+                let g = |p: &str| map.get(format!("{p}:{t}").as_str()).copied().unwrap_or(0.0);
+                let line = bucket::TenantLine {
+                    next: g("tn"),
+                    served: g("ts"),
+                    weight: g("tw"),
+                    cap_due_ms: g("tc") as Millis,
+                    admitted: g("tadm"),
+                    waits: g("twait"),
+                };
+                (t.to_owned(), line)
+            })
+            .collect(),
     };
     (state, f("now") as Millis)
 }
 
 /// A reservation held by the local pacer (the same ledger the script keeps).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Held {
+    /// Waiting in its tenant's line (tenant, position), not yet on the bucket's line.
+    waiting: Option<(String, u64)>,
+    /// Why it waits (returned again if it comes back early).
+    reason: OwedReason,
+    /// A work turn's booking: its tenant (whose line moves when it is claimed).
+    tenant: Option<String>,
     booked: bool,
     /// A companion (live) turn's booking.
     live: bool,
@@ -407,8 +470,10 @@ impl LocalPacer {
         let gone: Vec<String> = m.held.iter().filter(|(_, h)| h.expiry <= now).map(|(k, _)| k.clone()).collect();
         for id in gone {
             if let Some(h) = m.held.remove(&id) {
-                if h.booked {
-                    bucket::release_booking(&mut m.state, h.line, h.live, now);
+                if let Some((tenant, _)) = &h.waiting {
+                    bucket::release_waiting(&mut m.state, tenant, h.line.tokens as f64);
+                } else if h.booked {
+                    bucket::release_booking(&mut m.state, h.line, h.live, h.tenant.as_deref(), now);
                 } else {
                     bucket::drop_in_flight(&mut m.state, h.est);
                 }
@@ -417,44 +482,70 @@ impl LocalPacer {
     }
 
     /// See [`Pacer::acquire`].
-    pub fn acquire(&self, model: &str, id: &str, est: Estimate, mode: Mode) -> Decision {
+    pub fn acquire(&self, model: &str, id: &str, est: Estimate, mode: Mode, who: &Who<'_>) -> Decision {
         let now = self.clock.now_ms();
         let ttl = self.config.reservation_ttl_ms as Millis;
         let mut models = self.models.lock().unwrap_or_else(|e| e.into_inner());
         let m = models.entry(model.to_owned()).or_default();
         Self::expire(m, now);
         let jitter_u = self.jitter_u();
-        if let Some(h) = m.held.get(id).copied() {
-            if h.booked && now < h.due {
-                return Decision::Owed { ms: (h.due - now) as u64, reason: OwedReason::Budget, booked: true };
+        let mut position = None;
+        if let Some(h) = m.held.get(id).cloned() {
+            if (h.booked || h.waiting.is_some()) && now < h.due {
+                // Never before its time: a wait cut short is not a wait saved.
+                let waiting = h.waiting.as_ref().map(|(_, p)| *p);
+                return Decision::Owed { ms: (h.due - now) as u64, reason: h.reason, booked: h.booked, waiting };
             }
-            if h.booked {
-                let decision = bucket::claim(&mut m.state, &self.config, now, h.est, h.line, mode, jitter_u);
-                if let Decision::Owed { ms, .. } = decision {
-                    let due = now + ms as Millis;
-                    m.held.insert(id.to_owned(), Held { due, expiry: due + ttl, ..h });
-                    return decision;
+            if let Some((_, p)) = h.waiting {
+                // Back from its tenant's line: ask again from its place in it.
+                m.held.remove(id);
+                position = Some(p);
+            } else {
+                if h.booked {
+                    let tenant = h.tenant.as_deref();
+                    let decision = bucket::claim(&mut m.state, &self.config, now, h.est, h.line, mode, tenant, jitter_u);
+                    if let Decision::Owed { ms, .. } = decision {
+                        let due = now + ms as Millis;
+                        m.held.insert(id.to_owned(), Held { due, expiry: due + ttl, ..h });
+                        return decision;
+                    }
                 }
+                m.held.insert(id.to_owned(), Held { booked: false, live: false, due: now, expiry: now + ttl, ..h });
+                return Decision::Clear;
             }
-            m.held.insert(id.to_owned(), Held { booked: false, live: false, due: now, expiry: now + ttl, ..h });
-            return Decision::Clear;
         }
         let line = m.state.booking_cost(est);
-        let decision = bucket::acquire(&mut m.state, &self.config, now, est, mode, jitter_u);
+        let decision = bucket::acquire(&mut m.state, &self.config, now, est, mode, who, position, jitter_u);
         let known = |tokens: u64, requests: u64| Estimate {
             tokens: if m.state.tokens.known() { tokens } else { 0 },
             requests: if m.state.requests.known() { requests } else { 0 },
         };
         let (charged, line) = (known(est.tokens, est.requests), known(line.tokens, line.requests));
+        let tenant = (mode == Mode::Work).then(|| who.tenant.to_owned());
+        let held = |booked, live, waiting, reason, due: Millis, expiry| Held {
+            waiting,
+            reason,
+            tenant: if booked { tenant.clone() } else { None },
+            booked,
+            live,
+            est: charged,
+            line,
+            due,
+            expiry,
+        };
         match decision {
             Decision::Clear => {
-                let held = Held { booked: false, live: false, est: charged, line, due: now, expiry: now + ttl };
-                m.held.insert(id.to_owned(), held);
+                m.held.insert(id.to_owned(), held(false, false, None, OwedReason::Budget, now, now + ttl));
             }
-            Decision::Owed { ms, booked: true, .. } => {
+            Decision::Owed { ms, reason, booked: true, .. } => {
                 let due = now + ms as Millis;
                 let live = mode == Mode::Companion;
-                m.held.insert(id.to_owned(), Held { booked: true, live, est: charged, line, due, expiry: due + ttl });
+                m.held.insert(id.to_owned(), held(true, live, None, reason, due, due + ttl));
+            }
+            Decision::Owed { ms, reason, waiting: Some(p), .. } => {
+                let due = now + ms as Millis;
+                let waiting = Some((who.tenant.to_owned(), p));
+                m.held.insert(id.to_owned(), held(false, false, waiting, reason, due, due + ttl));
             }
             Decision::Owed { .. } => {}
         }
@@ -468,7 +559,7 @@ impl LocalPacer {
         let m = models.entry(model.to_owned()).or_default();
         Self::expire(m, now);
         let reserved = match m.held.remove(id) {
-            Some(h) if !h.booked => h.est,
+            Some(h) if !h.booked && h.waiting.is_none() => h.est,
             _ => Estimate::default(),
         };
         let outcome = bucket::Outcome {

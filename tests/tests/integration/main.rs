@@ -12,3 +12,4 @@ mod worker;
 mod api;
 mod bench;
 mod up;
+mod fairness;

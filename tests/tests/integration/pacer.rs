@@ -8,7 +8,7 @@ use rand::{Rng, SeedableRng};
 use shared::clock::{Clock, ManualClock};
 use shared::keys::Keys;
 use shared::pacer::{
-    CallOutcome, Decision, Estimate, LocalPacer, Mode, Observation, OwedReason, Pacer, PacingConfig, SharedPacer,
+    CallOutcome, Decision, Estimate, LocalPacer, Mode, Observation, OwedReason, Pacer, PacingConfig, SharedPacer, Who,
 };
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -103,7 +103,7 @@ async fn thirty_two_acquirers_never_overdraw_the_bucket_and_use_most_of_it() {
                 let est = Estimate { tokens: rng.random_range(500..2_000), requests: 1 };
                 // Ask until clear; an owed turn pays its time in full, then comes back.
                 loop {
-                    match pacer.acquire("gpt-test", &id, est, Mode::Work).await.unwrap() {
+                    match pacer.acquire("gpt-test", &id, est, Mode::Work, &Who::DEFAULT).await.unwrap() {
                         Decision::Clear => break,
                         Decision::Owed { ms, .. } => tokio::time::sleep(Duration::from_millis(ms)).await,
                     }
@@ -158,13 +158,13 @@ async fn a_429_closes_the_window_for_every_worker() {
     let prefix = unique_prefix();
     let a = shared_pacer(&server, &prefix, PacingConfig::default()).await;
     let b = shared_pacer(&server, &prefix, PacingConfig::default()).await;
-    assert_eq!(a.acquire("m", "a1", Estimate { tokens: 10, requests: 1 }, Mode::Work).await.unwrap(), Decision::Clear);
+    assert_eq!(a.acquire("m", "a1", Estimate { tokens: 10, requests: 1 }, Mode::Work, &Who::DEFAULT).await.unwrap(), Decision::Clear);
     let headers = Observation { limit: Some(10_000), remaining: Some(9_000), reset_ms: Some(6_000) };
     a.settle("m", "a1", &CallOutcome { rate_limited_ms: Some(3_000), tokens: headers, ..CallOutcome::default() })
         .await
         .unwrap();
     // Another worker, on another connection, even a live turn: owed the window.
-    match b.acquire("m", "b1", Estimate { tokens: 10, requests: 1 }, Mode::Companion).await.unwrap() {
+    match b.acquire("m", "b1", Estimate { tokens: 10, requests: 1 }, Mode::Companion, &Who::DEFAULT).await.unwrap() {
         Decision::Owed { ms, reason: OwedReason::RateLimited, .. } => {
             assert!((2_900..=3_100).contains(&ms), "owed {ms} ms, not the 3 s the provider asked for")
         }
@@ -182,22 +182,22 @@ async fn a_booked_turn_is_clear_when_it_comes_back_and_not_before() {
     let headers = Observation { limit: Some(60_000), remaining: Some(6_000), reset_ms: Some(54_000) };
     pacer.settle("m", "probe", &CallOutcome { tokens: headers, ..CallOutcome::default() }).await.unwrap();
     let est = Estimate { tokens: 2_000, requests: 1 };
-    let Decision::Owed { ms: first, booked: true, .. } = pacer.acquire("m", "t1", est, Mode::Work).await.unwrap() else {
+    let Decision::Owed { ms: first, booked: true, .. } = pacer.acquire("m", "t1", est, Mode::Work, &Who::DEFAULT).await.unwrap() else {
         panic!("expected a booking")
     };
     assert_eq!(first, 2_000);
     // A second waiter is owed the time after the first, not the same instant.
-    let Decision::Owed { ms: second, .. } = pacer.acquire("m", "t2", est, Mode::Work).await.unwrap() else {
+    let Decision::Owed { ms: second, .. } = pacer.acquire("m", "t2", est, Mode::Work, &Who::DEFAULT).await.unwrap() else {
         panic!("expected a booking")
     };
     assert_eq!(second, 4_000);
     clock.advance(1_500);
-    match pacer.acquire("m", "t1", est, Mode::Work).await.unwrap() {
+    match pacer.acquire("m", "t1", est, Mode::Work, &Who::DEFAULT).await.unwrap() {
         Decision::Owed { ms, .. } => assert_eq!(ms, 500, "a wait cut short is not a wait saved"),
         Decision::Clear => panic!("cleared before its owed time"),
     }
     clock.advance(500);
-    assert_eq!(pacer.acquire("m", "t1", est, Mode::Work).await.unwrap(), Decision::Clear);
+    assert_eq!(pacer.acquire("m", "t1", est, Mode::Work, &Who::DEFAULT).await.unwrap(), Decision::Clear);
     let (state, _) = pacer.state("m").await.unwrap();
     assert_eq!(state.tokens.booked, 2_000.0, "t2 still holds its booking");
     assert_eq!(state.tokens.in_flight, 2_000.0, "t1 is now in flight");
@@ -210,7 +210,7 @@ async fn the_snapshot_lists_every_budget_and_model() {
     let pacer = shared_pacer(&server, &prefix, PacingConfig::default()).await;
     let headers = Observation { limit: Some(40_000), remaining: Some(30_000), reset_ms: Some(15_000) };
     for model in ["gpt-a", "gpt-b"] {
-        pacer.acquire(model, "x", Estimate { tokens: 1, requests: 1 }, Mode::Work).await.unwrap();
+        pacer.acquire(model, "x", Estimate { tokens: 1, requests: 1 }, Mode::Work, &Who::DEFAULT).await.unwrap();
         pacer.settle(model, "x", &CallOutcome { tokens: headers, ..CallOutcome::default() }).await.unwrap();
     }
     let snap = pacer.snapshot().await.unwrap();
@@ -243,9 +243,17 @@ async fn the_redis_script_and_the_pure_model_agree() {
             };
             let est = Estimate { tokens: rng.random_range(100..5_000), requests: 1 };
             let mode = if rng.random_bool(0.2) { Mode::Companion } else { Mode::Work };
-            let want = local.acquire("m", &id, est, mode);
-            let got = shared.acquire("m", &id, est, mode).await.unwrap();
-            assert_eq!(got, want, "step {step}: acquire {id} {est:?} {mode:?}");
+            // Three tenants: weights 2, 1, 1; the third capped at 30 %. A
+            // reservation id always belongs to one tenant.
+            let n: usize = id.trim_start_matches('r').parse::<usize>().unwrap_or(0) % 3;
+            let who = [
+                Who { tenant: "alpha", weight: 2.0, cap: 0.0 },
+                Who { tenant: "beta", weight: 1.0, cap: 0.0 },
+                Who { tenant: "gamma", weight: 1.0, cap: 0.3 },
+            ][n];
+            let want = local.acquire("m", &id, est, mode, &who);
+            let got = shared.acquire("m", &id, est, mode, &who).await.unwrap();
+            assert_eq!(got, want, "step {step}: acquire {id} {est:?} {mode:?} {who:?}");
             if !outstanding.contains(&id) {
                 outstanding.push(id);
             }
@@ -281,5 +289,13 @@ async fn the_redis_script_and_the_pure_model_agree() {
             );
         }
         assert_eq!(got.blocked_until_ms, want.blocked_until_ms, "step {step}");
+        assert_eq!(got.tenants.len(), want.tenants.len(), "step {step}");
+        for (name, w) in &want.tenants {
+            let g = &got.tenants[name];
+            assert!(
+                close(g.next, w.next) && close(g.served, w.served) && g.cap_due_ms == w.cap_due_ms,
+                "step {step}: tenant {name} differs\nscript: {g:?}\nmodel:  {w:?}"
+            );
+        }
     }
 }

@@ -1,0 +1,191 @@
+//! Fair admission under a scarce budget (SPEC §4), on the pacer's model with an
+//! injected clock: many backlogged turns per tenant ask, are owed time, come
+//! back when told, and are admitted. What each tenant got over a window shows
+//! the rules: weights hold, a lone tenant gets the whole budget, a cap holds,
+//! and a live turn overtakes waiting work.
+//!
+//! The Redis script is the same policy as this model (the differential test in
+//! `pacer.rs` checks them step by step, tenants included), so the rules hold
+//! across every worker; the last test runs the same scenario on the script.
+
+use std::collections::{BTreeMap, BinaryHeap};
+use std::sync::Arc;
+
+use paceline_tests::{unique_prefix, RedisServer};
+use shared::clock::{Clock, ManualClock, Millis};
+use shared::keys::Keys;
+use shared::pacer::{
+    CallOutcome, Decision, Estimate, LocalPacer, Mode, Observation, Pacer, PacingConfig, SharedPacer, Who,
+};
+
+const T0: Millis = 10_000_000;
+
+/// One simulated tenant: `turns` turns of `tokens` each; each asks again
+/// `think_ms` after it is admitted (0: always backlogged).
+#[derive(Clone, Copy)]
+struct Load {
+    who: Who<'static>,
+    turns: usize,
+    tokens: u64,
+    mode: Mode,
+    think_ms: Millis,
+}
+
+/// Runs the loads for `run_ms` on a bucket of 60 000 tokens per minute
+/// (1 token/ms) and returns each tenant's tokens admitted after `warm_ms`, and
+/// each turn's waits (ms from first ask to admission) per tenant.
+async fn simulate(pacer: &Pacer, clock: &ManualClock, loads: &[Load], run_ms: Millis, warm_ms: Millis)
+    -> (BTreeMap<&'static str, u64>, BTreeMap<&'static str, Vec<Millis>>)
+{
+    // Headers seen once: the bucket is empty and refills at 1 token/ms.
+    let headers = Observation { limit: Some(60_000), remaining: Some(0), reset_ms: Some(60_000) };
+    pacer.acquire("m", "seed", Estimate { tokens: 1, requests: 1 }, Mode::Work, &Who::DEFAULT).await.unwrap();
+    pacer.settle("m", "seed", &CallOutcome { tokens: headers, used_tokens: Some(1), ..CallOutcome::default() })
+        .await
+        .unwrap();
+    // Events: (time, load index, turn index, call number, first ask time).
+    let mut events = BinaryHeap::new();
+    for (l, load) in loads.iter().enumerate() {
+        for t in 0..load.turns {
+            events.push(std::cmp::Reverse((T0, l, t, 0u64, T0)));
+        }
+    }
+    let mut admitted: BTreeMap<&'static str, u64> = BTreeMap::new();
+    let mut waits: BTreeMap<&'static str, Vec<Millis>> = BTreeMap::new();
+    while let Some(std::cmp::Reverse((at, l, t, call, first))) = events.pop() {
+        if at > T0 + run_ms {
+            break;
+        }
+        clock.set(at);
+        let load = loads[l];
+        let id = format!("{}-{t}-{call}", load.who.tenant);
+        let est = Estimate { tokens: load.tokens, requests: 1 };
+        match pacer.acquire("m", &id, est, load.mode, &load.who).await.unwrap() {
+            Decision::Clear => {
+                if at >= T0 + warm_ms {
+                    *admitted.entry(load.who.tenant).or_default() += load.tokens;
+                    waits.entry(load.who.tenant).or_default().push(at - first);
+                }
+                pacer.settle("m", &id, &CallOutcome { used_tokens: Some(load.tokens), ..CallOutcome::default() })
+                    .await
+                    .unwrap();
+                // The next turn of this run asks after its think time (a call
+                // takes no time here).
+                let next = at + 1 + load.think_ms;
+                events.push(std::cmp::Reverse((next, l, t, call + 1, next)));
+            }
+            Decision::Owed { ms, .. } => events.push(std::cmp::Reverse((at + ms as Millis, l, t, call, first))),
+        }
+    }
+    (admitted, waits)
+}
+
+fn local() -> (Pacer, ManualClock) {
+    let clock = ManualClock::new(T0);
+    let config = PacingConfig { jitter_frac: 0.0, ..PacingConfig::default() };
+    (Pacer::Local(LocalPacer::with_clock("default", config, Arc::new(clock.clone()))), clock)
+}
+
+fn work(tenant: &'static str, weight: f64, turns: usize) -> Load {
+    Load { who: Who { tenant, weight, cap: 0.0 }, turns, tokens: 1_000, mode: Mode::Work, think_ms: 0 }
+}
+
+fn jain(xs: &[f64]) -> f64 {
+    let sum: f64 = xs.iter().sum();
+    let squares: f64 = xs.iter().map(|x| x * x).sum();
+    sum * sum / (xs.len() as f64 * squares)
+}
+
+#[tokio::test]
+async fn tenants_share_by_weight_not_by_how_many_turns_they_queue() {
+    let (pacer, clock) = local();
+    // alpha (weight 2) queues 40 turns, beta (weight 1) only 4.
+    let loads = [work("alpha", 2.0, 40), work("beta", 1.0, 4)];
+    let (admitted, _) = simulate(&pacer, &clock, &loads, 120_000, 20_000).await;
+    let (a, b) = (admitted["alpha"] as f64, admitted["beta"] as f64);
+    let ratio = a / b;
+    eprintln!("fairness: weights 2:1 -> admitted {a} : {b} = {ratio:.3}");
+    assert!((ratio - 2.0).abs() / 2.0 <= 0.05, "shares {ratio:.3}, not within 5 % of 2:1");
+    let used = (a + b) / 100_000.0;
+    assert!(used >= 0.95, "the budget was not used: {used:.3} of the refill");
+}
+
+#[tokio::test]
+async fn four_tenants_with_ten_to_one_backlogs_get_equal_shares() {
+    let (pacer, clock) = local();
+    let loads = [work("a", 1.0, 40), work("b", 1.0, 4), work("c", 1.0, 4), work("d", 1.0, 4)];
+    let (admitted, _) = simulate(&pacer, &clock, &loads, 120_000, 20_000).await;
+    let shares: Vec<f64> = ["a", "b", "c", "d"].iter().map(|t| admitted[t] as f64).collect();
+    let index = jain(&shares);
+    eprintln!("fairness: 10:1:1:1 backlogs -> admitted {shares:?}, Jain {index:.3}");
+    assert!(index >= 0.95, "Jain's index {index:.3}");
+}
+
+#[tokio::test]
+async fn a_lone_tenant_gets_the_whole_budget() {
+    let (pacer, clock) = local();
+    let (admitted, _) = simulate(&pacer, &clock, &[work("solo", 1.0, 30)], 60_000, 10_000).await;
+    let used = admitted["solo"] as f64 / 50_000.0;
+    eprintln!("fairness: a lone tenant used {used:.3} of the refill");
+    assert!(used >= 0.95, "work-conserving: {used:.3}");
+}
+
+#[tokio::test]
+async fn a_cap_holds_even_when_the_tenant_is_alone() {
+    let (pacer, clock) = local();
+    let capped = Load {
+        who: Who { tenant: "capped", weight: 1.0, cap: 0.3 },
+        turns: 20,
+        tokens: 1_000,
+        mode: Mode::Work,
+        think_ms: 0,
+    };
+    let (admitted, _) = simulate(&pacer, &clock, &[capped], 60_000, 10_000).await;
+    let share = admitted["capped"] as f64 / 50_000.0;
+    eprintln!("fairness: a 30 % cap, alone: {share:.3} of the refill");
+    assert!(share <= 0.33 && share >= 0.25, "the cap did not hold: {share:.3}");
+}
+
+#[tokio::test]
+async fn a_live_turn_overtakes_waiting_work() {
+    let (pacer, clock) = local();
+    // A person speaks every 4 s or so, while 80 background turns saturate the budget.
+    let live = Load {
+        who: Who { tenant: "listener", weight: 1.0, cap: 0.0 },
+        turns: 3,
+        tokens: 1_000,
+        mode: Mode::Companion,
+        think_ms: 12_000,
+    };
+    let loads = [work("bulk", 1.0, 80), live];
+    let (admitted, waits) = simulate(&pacer, &clock, &loads, 60_000, 5_000).await;
+    let live_waits = &waits["listener"];
+    let mut sorted = live_waits.clone();
+    sorted.sort_unstable();
+    let p95 = sorted[(sorted.len() * 95 / 100).min(sorted.len() - 1)];
+    eprintln!(
+        "fairness: live turn waits p95 {p95} ms over {} turns; bulk admitted {}",
+        sorted.len(),
+        admitted["bulk"]
+    );
+    assert!(p95 <= 1_000, "a live turn waited {p95} ms behind work");
+    let used = (admitted["bulk"] + admitted["listener"]) as f64 / 55_000.0;
+    assert!(used >= 0.9, "work did not get the rest of the budget: {used:.3} used");
+}
+
+#[tokio::test]
+async fn the_shared_script_keeps_the_weights_too() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(T0);
+    let conn = shared::redis_util::manager(&server.url()).await.unwrap();
+    let config = PacingConfig { jitter_frac: 0.0, ..PacingConfig::default() };
+    let pacer = Pacer::Shared(
+        SharedPacer::new(conn, Keys::new(unique_prefix()), "default", config).with_test_clock(Arc::new(clock.clone())),
+    );
+    let loads = [work("alpha", 2.0, 12), work("beta", 1.0, 3)];
+    let (admitted, _) = simulate(&pacer, &clock, &loads, 120_000, 20_000).await;
+    let ratio = admitted["alpha"] as f64 / admitted["beta"] as f64;
+    eprintln!("fairness (script): weights 2:1 -> {ratio:.3}");
+    assert!((ratio - 2.0).abs() / 2.0 <= 0.05, "shares {ratio:.3}");
+    let _ = clock.now_ms();
+}
