@@ -8,17 +8,8 @@ pub mod queue_probe;
 pub mod up;
 pub mod worker;
 
-use std::process::ExitCode;
-
-/// What a subcommand whose issue is not done yet answers: a clear line, exit 2.
-pub fn not_built(what: &str) -> anyhow::Result<ExitCode> {
-    eprintln!("paceline: `{what}` is not built yet");
-    Ok(ExitCode::from(2))
-}
-
 /// Resolves on SIGINT or SIGTERM: the shutdown future every long-running
 /// subcommand is given.
-#[allow(dead_code)] // used by the long-running subcommands as they land
 pub async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
