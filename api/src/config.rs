@@ -124,21 +124,7 @@ impl FromStr for ApiTokens {
 }
 
 /// Parses `90s`, `30m`, `12h`, `7d`, `1500ms` or a bare number of seconds.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: u64 = num.parse().map_err(|_| format!("{s:?} is not a duration like 7d, 12h, 30m, 90s"))?;
-    let secs = match unit {
-        "" | "s" => n,
-        "ms" => return Ok(Duration::from_millis(n)),
-        "m" => n * 60,
-        "h" => n * 3600,
-        "d" => n * 86_400,
-        _ => return Err(format!("{s:?} is not a duration like 7d, 12h, 30m, 90s")),
-    };
-    Ok(Duration::from_secs(secs))
-}
+pub use shared::config::parse_duration;
 
 #[cfg(test)]
 mod tests {

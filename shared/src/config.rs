@@ -161,6 +161,24 @@ impl PacerArgs {
     }
 }
 
+/// Parses `90s`, `30m`, `12h`, `7d`, `1500ms` or a bare number of seconds
+/// (`PACELINE_RETENTION` and other long durations; one parser for every process).
+pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num.parse().map_err(|_| format!("{s:?} is not a duration like 7d, 12h, 30m, 90s"))?;
+    let secs = match unit {
+        "" | "s" => n,
+        "ms" => return Ok(std::time::Duration::from_millis(n)),
+        "m" => n * 60,
+        "h" => n * 3600,
+        "d" => n * 86_400,
+        _ => return Err(format!("{s:?} is not a duration like 7d, 12h, 30m, 90s")),
+    };
+    Ok(std::time::Duration::from_secs(secs))
+}
+
 /// A secret string whose `Debug` and `Display` never show it.
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct Secret(String);

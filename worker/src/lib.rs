@@ -55,9 +55,9 @@ pub struct WorkerConfig {
     /// Allowed tool endpoints (comma-separated URL prefixes).
     #[arg(long = "tool-endpoints", env = "PACELINE_TOOL_ENDPOINTS", value_delimiter = ',', default_value = "")]
     pub tool_endpoints: Vec<String>,
-    /// How long a finished run's record, transcript and events are kept, seconds.
-    #[arg(long = "retention-s", env = "PACELINE_RETENTION", default_value_t = 7 * 24 * 3600)]
-    pub retention_s: u64,
+    /// How long a finished run's record, transcript and events are kept (`7d`, `12h`, `3600`).
+    #[arg(long = "retention", env = "PACELINE_RETENTION", default_value = "7d", value_parser = shared::config::parse_duration)]
+    pub retention: Duration,
 }
 
 impl WorkerConfig {
@@ -86,7 +86,7 @@ impl WorkerConfig {
             concurrency: 16,
             max_history: shared::runs::backpressure::DEFAULT_MAX_HISTORY,
             tool_endpoints: vec![],
-            retention_s: 7 * 24 * 3600,
+            retention: shared::runs::store::DEFAULT_RETENTION,
         }
     }
 }
@@ -97,7 +97,7 @@ pub async fn runner(config: &WorkerConfig) -> anyhow::Result<(Runner, TurnQueue)
     let conn = shared::redis_util::lazy_manager(&config.redis.url, shared::redis_util::COMMAND_TIMEOUT)
         .context("connect to Redis")?;
     let keys = config.redis.keys();
-    let store = RunStore::new(conn.clone(), keys.clone(), Duration::from_secs(config.retention_s));
+    let store = RunStore::new(conn.clone(), keys.clone(), config.retention);
     let pacer = config.pacer.build(conn, keys);
     let provider = provider::Provider::new(&config.provider)?;
     let tool_endpoints = config.tool_endpoints.iter().map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect();

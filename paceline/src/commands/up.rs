@@ -150,7 +150,7 @@ async fn serve(args: &Args, redis: RedisArgs, stop_tx: watch::Sender<bool>, stop
         concurrency: args.workers.max(1),
         max_history: args.max_history,
         tool_endpoints,
-        retention_s: args.retention.as_secs(),
+        retention: args.retention,
     };
     let app = match api::Application::build(api_config).await {
         Ok(app) => app,
