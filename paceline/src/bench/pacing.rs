@@ -24,6 +24,9 @@ pub struct PacingPlan {
     pub mock: MockConfig,
     /// Longest wait for the runs of one trial.
     pub timeout: Duration,
+    /// Where to write each trial's raw data (the mock's request log, the
+    /// deliveries), for a closer look; `None` writes nothing.
+    pub dump_dir: Option<std::path::PathBuf>,
 }
 
 /// Runs the workload with workers started with `--pacer {pacer}` and returns its figures.
@@ -31,7 +34,7 @@ pub async fn measure(env: &Env, plan: &PacingPlan, pacer: &str, progress: &Progr
     let mut mock = plan.mock.clone();
     (mock.tool_rounds, mock.output_tokens) = plan.workload.mock_script();
     mock.keep_bodies = 64;
-    mock.log_limit = 1000;
+    mock.log_limit = if plan.dump_dir.is_some() { 1_000_000 } else { 1000 };
     let spec = TrialSpec {
         label: pacer.to_owned(),
         workers: plan.workers,
@@ -47,10 +50,71 @@ pub async fn measure(env: &Env, plan: &PacingPlan, pacer: &str, progress: &Progr
     progress.set_length(plan.workload.total_turns());
     progress.set_position(0);
     progress.set_message(format!("pacer {pacer}"));
+    let trace = plan.dump_dir.as_ref().map(|_| trace_budget(&trial));
     trial.submit(env, None, bodies, 16).await?;
     let drained = trial.wait_drained(plan.timeout, |mock| progress.set_position(mock.summary().ok)).await?;
+    let trace = match trace {
+        Some((stop, task)) => {
+            let _ = stop.send(());
+            task.await.unwrap_or_default()
+        }
+        None => vec![],
+    };
     let data = trial.finish(drained).await?;
+    if let Some(dir) = &plan.dump_dir {
+        dump(dir, pacer, &data)?;
+        std::fs::write(dir.join(format!("{pacer}.budget-trace.json")), serde_json::to_string(&trace)?)?;
+    }
     Ok(figures(plan, &data))
+}
+
+/// Diagnostics (`--dump-dir` only; its reads add to the Redis commands):
+/// every 100 ms, the pacer's view of the token bucket beside the mock's own.
+fn trace_budget(trial: &Trial) -> (tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<Vec<serde_json::Value>>) {
+    let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+    let redis = trial.redis.clone();
+    let stats_url = format!("{}/_mock/stats?log=false", trial.mock.url());
+    let task = tokio::spawn(async move {
+        let mut out = vec![];
+        let Ok(conn) = shared::redis_util::manager(&redis.url).await else { return out };
+        let pacer = shared::pacer::SharedPacer::new(conn, redis.keys(), "default", shared::pacer::PacingConfig::default());
+        let http = reqwest::Client::new();
+        let t0 = std::time::Instant::now();
+        loop {
+            let theirs: serde_json::Value = match http.get(&stats_url).send().await {
+                Ok(r) => r.json().await.unwrap_or_default(),
+                Err(_) => serde_json::Value::Null,
+            };
+            let ours = pacer.snapshot().await.ok().and_then(|v| v.into_iter().next());
+            out.push(serde_json::json!({
+                "t_ms": t0.elapsed().as_millis() as u64,
+                "mock_remaining": theirs["buckets"]["tokens"]["remaining"],
+                "pacer_remaining": ours.as_ref().and_then(|b| b.remaining_tokens),
+                "pacer_reserved": ours.as_ref().map(|b| b.reserved_tokens),
+                "pacer_booked": ours.as_ref().map(|b| b.booked_tokens),
+            }));
+            tokio::select! {
+                _ = &mut stopped => return out,
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+            }
+        }
+    });
+    (stop, task)
+}
+
+/// Writes `<pacer>.mock-log.json` (every request: arrival, status, tokens
+/// charged and refunded) and `<pacer>.deliveries.json` into `dir`.
+fn dump(dir: &std::path::Path, pacer: &str, data: &TrialData) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+    std::fs::write(dir.join(format!("{pacer}.mock-log.json")), serde_json::to_string(&data.mock.log)?)?;
+    let deliveries: Vec<_> = data
+        .deliveries
+        .iter()
+        .map(|d| serde_json::json!({"run": d.run, "turn": d.turn, "due_ms": d.due_ms, "fetched_ms": d.fetched_ms, "outcome": d.outcome}))
+        .collect();
+    std::fs::write(dir.join(format!("{pacer}.deliveries.json")), serde_json::to_string(&deliveries)?)?;
+    Ok(())
 }
 
 /// The figures of one trial.

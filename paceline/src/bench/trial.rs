@@ -67,6 +67,8 @@ pub struct TrialSpec {
 /// A trial that is up: submit into it, wait for it, then [`Trial::finish`].
 #[derive(Debug)]
 pub struct Trial {
+    /// Its Redis URL and fresh prefix.
+    pub redis: RedisArgs,
     /// The mock provider (read its `summary()` for progress).
     pub mock: MockServer,
     /// The turn queue under this trial's prefix.
@@ -221,6 +223,7 @@ impl Trial {
         };
         let fleet = Fleet::start(&fleet_spec, &queue, Duration::from_secs(60)).await?;
         let mut trial = Self {
+            redis,
             mock,
             queue,
             mock_started,

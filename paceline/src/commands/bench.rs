@@ -87,6 +87,9 @@ pub struct Args {
     /// Throughput scenario: no-op turns for the queue-alone figure (0 skips it).
     #[arg(long, default_value_t = 20_000)]
     queue_turns: usize,
+    /// Write each pacer trial's raw data (the mock's request log, the deliveries) into this dir.
+    #[arg(long, hide = true)]
+    dump_dir: Option<std::path::PathBuf>,
     /// Write the figures as one JSON object (SPEC §7) to this file.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
@@ -133,6 +136,7 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
             ..MockConfig::default()
         },
         timeout: Duration::from_secs(args.timeout_s),
+        dump_dir: args.dump_dir.clone(),
     };
     let env = Env::start().await?;
     let progress = ProgressBar::new(0).with_style(
@@ -146,10 +150,11 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
     if matches!(args.scenario, Scenario::All | Scenario::Pacing) {
         for pacer in &pacers {
             let f = pacing::measure(&env, &plan, pacer, &progress).await.with_context(|| format!("pacer {pacer}"))?;
-            progress.println(format!(
-                "{pacer}: makespan {:.1} s, efficiency {:.3}, {} 429s in {} calls, runs {} completed / {} failed",
-                f.makespan_s, f.efficiency, f.rate_limited, f.calls, f.runs_completed, f.runs_failed
-            ));
+            let line = format!(
+                "{pacer}: makespan {:.1} s, efficiency {:.3}, {} 429s in {} calls, runs {} completed / {} failed / {} unfinished",
+                f.makespan_s, f.efficiency, f.rate_limited, f.calls, f.runs_completed, f.runs_failed, f.runs_unfinished
+            );
+            progress.suspend(|| eprintln!("{line}"));
             figures.insert(pacer.clone(), f);
         }
     }
