@@ -401,3 +401,22 @@ async fn four_worker_processes_share_a_tight_budget_with_almost_no_429s() {
     assert_eq!(calls, 200 + stats.rate_limited, "one call per turn, plus the 429'd ones");
     assert!(per_100 <= 1.0, "{per_100:.2} 429s per 100 calls");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_with_tools_completes_over_chat_completions_too() {
+    let mut app = App::start(MockConfig { tool_rounds: 2, ..MockConfig::default() }).await;
+    let mut config = app.config();
+    config.provider.api_style = shared::runs::ApiStyle::Chat;
+    app.spawn_worker(config);
+    let run = app.submit(tool_run(&app, "lookup")).await;
+    let run = app.wait_finished(&run.id, secs(30)).await;
+    assert_eq!(run.status, RunStatus::Completed, "{run:?}");
+    assert_eq!(run.turns_completed, 3);
+    let log = app.mock.stats().log;
+    assert!(log.iter().all(|e| e.api == Some(mock_provider::wire::Api::Chat)), "every call went to /chat/completions");
+    // The transcript keeps the Responses shape whatever the transport.
+    let tx = app.store.transcript(TENANT, &run.id).await.unwrap().unwrap();
+    assert_eq!(tx.iter().filter(|e| e.item["type"] == "function_call").count(), 2);
+    assert_eq!(tx.iter().filter(|e| e.item["type"] == "function_call_output").count(), 2);
+    app.stop_workers().await;
+}
