@@ -224,7 +224,10 @@ pub fn table(report: &Report) -> String {
         let mut row = |name: &str, f: &dyn Fn(&PacerFigures) -> String| rows.push((name.to_owned(), cols.iter().map(|p| f(p)).collect()));
         row("makespan (s)", &|p| num(p.makespan_s, 1));
         row("physical floor (s)", &|p| format!("{} ({})", num(p.floor_s, 1), p.floor_bound));
-        row("efficiency (floor / makespan)", &|p| num(p.efficiency, 3));
+        row("efficiency (floor / makespan)", &|p| {
+            let all_done = p.runs_failed + p.runs_unfinished == 0;
+            format!("{}{}", num(p.efficiency, 3), if all_done { "" } else { "*" })
+        });
         row("provider calls", &|p| p.calls.to_string());
         row("429s", &|p| p.rate_limited.to_string());
         row("429s per 100 calls", &|p| num(p.rate_limited_per_100_calls, 2));
@@ -255,6 +258,12 @@ pub fn table(report: &Report) -> String {
             let _ = writeln!(out);
         }
         let _ = writeln!(out, "{}", FLOOR_FORMULA);
+        if cols.iter().any(|p| p.runs_failed + p.runs_unfinished > 0) {
+            let _ = writeln!(
+                out,
+                "*: some runs failed or did not finish, so this pacer's floor is for less work than the others': its efficiency is not comparable"
+            );
+        }
         for p in &order {
             let f = &report.pacers[*p];
             if !f.failures.is_empty() {

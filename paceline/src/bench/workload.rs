@@ -18,10 +18,13 @@ Read the task, decide which facts you still need, and call the lookup tool for e
 Keep a short running summary of what you learned, cite the notes you used, and never invent a figure. \
 When you have enough, answer in a few plain sentences, naming what is still uncertain and why.";
 
-/// What each tool call answers (~100 tokens by the mock's count).
+/// What each tool call answers (~190 tokens by the mock's count).
 const TOOL_OUTPUT: &str = "Reference note: the scheduler keeps due times on the server clock in milliseconds, \
 a lease per delivery with a fencing epoch, and a shared token budget per model. Calls that would overdraw \
-the budget wait for exactly the time the refill needs, then go in order of their bookings.";
+the budget wait for exactly the time the refill needs, then go in order of their bookings. Workers on other \
+hosts read the same state, so a burst from one of them is seen by all before the next call goes out. \
+A call refused anyway closes the window for everyone until the provider's reset, and its turn comes back \
+after the server's delay plus a small jitter, never earlier, so the retries do not return as one herd.";
 
 /// The run's task (~100 tokens); `{i}` makes each run's text its own.
 fn task_text(i: usize) -> String {

@@ -73,7 +73,7 @@ pub struct Args {
     #[arg(long, default_value_t = 100)]
     answer_tokens: u64,
     /// Longest wait for one pacer's runs, s (then the unfinished ones are reported as such).
-    #[arg(long, default_value_t = 600)]
+    #[arg(long, default_value_t = 120)]
     timeout_s: u64,
     /// Throughput scenario: runs.
     #[arg(long, default_value_t = 300)]

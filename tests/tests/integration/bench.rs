@@ -1,6 +1,7 @@
 //! `paceline bench` through the real binary, tiny (seconds), so the command
 //! cannot rot: the JSON has every field SPEC §7 names, and every run
-//! completes under the shared pacer.
+//! completes under the shared pacer. The bucket is small enough (3 000 tokens
+//! per 2 s) that turns wait for budget, so the pacing path runs too.
 
 use paceline_tests::paceline_bin;
 use serde_json::Value;
@@ -26,7 +27,7 @@ fn a_tiny_bench_writes_every_spec_field_and_completes_every_shared_run() {
     let json = dir.path().join("bench.json");
     let started = Instant::now();
     let mut child = std::process::Command::new(paceline_bin())
-        .args(["bench", "--workers", "2", "--concurrency", "4", "--runs", "6", "--turns", "2", "--window-s", "2"])
+        .args(["bench", "--workers", "2", "--concurrency", "4", "--runs", "6", "--turns", "2", "--window-s", "2", "--tpm", "3000"])
         .args(["--pacer", "shared,off", "--throughput-runs", "20", "--throughput-turns", "3", "--queue-turns", "500"])
         .arg("--json")
         .arg(&json)
