@@ -155,7 +155,11 @@ impl PacerArgs {
         use crate::pacer::{LocalPacer, Pacer, PacerKind, SharedPacer};
         match self.kind {
             PacerKind::Shared => Pacer::Shared(SharedPacer::new(conn, keys, self.budget.clone(), self.pacing_config())),
-            PacerKind::Local => Pacer::Local(LocalPacer::new(self.budget.clone(), self.pacing_config())),
+            PacerKind::Local => {
+                // Bookings are per process here; a requeued turn comes back elsewhere.
+                let config = crate::pacer::PacingConfig { booking_grace_ms: 2_000, ..self.pacing_config() };
+                Pacer::Local(LocalPacer::new(self.budget.clone(), config))
+            }
             PacerKind::Off => Pacer::Off,
         }
     }

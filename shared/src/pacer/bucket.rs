@@ -55,6 +55,11 @@ pub struct PacingConfig {
     pub jitter_max_ms: u64,
     /// A reservation not settled within this is dropped (its worker crashed).
     pub reservation_ttl_ms: u64,
+    /// A booking (or a place in a tenant's line) not claimed this long after
+    /// its due time lapses and gives its budget back. The local baseline keeps
+    /// this short: its turns come back to other processes, where its bookings
+    /// mean nothing.
+    pub booking_grace_ms: u64,
     /// With no headers yet, one probe call goes first; the others wait this long
     /// (or until the probe's headers arrive) before asking again.
     pub probe_wait_ms: u64,
@@ -77,6 +82,7 @@ impl Default for PacingConfig {
             jitter_frac: 0.02,
             jitter_max_ms: 100,
             reservation_ttl_ms: 120_000,
+            booking_grace_ms: 10_000,
             probe_wait_ms: 100,
             fair_horizon_ms: 2_000,
             configured_tpm: None,
@@ -132,6 +138,21 @@ pub struct Bucket {
     /// alone, so a live turn's booking is never taken by background work.
     #[serde(default)]
     pub booked_live: f64,
+    /// Every refund given back so far (cumulative). A call notes it when it is
+    /// sent; at its settle, what others gave back since is credited to the
+    /// headers it brought, which could not show those refunds yet.
+    #[serde(default)]
+    pub refunded: f64,
+    /// When the provider said the bucket is full again (its reset), or 0.
+    #[serde(default)]
+    pub full_at_ms: Millis,
+    /// Net tokens charged by calls sent since the last headers (those the
+    /// reset cannot know of): at the reset the bucket holds the limit less these.
+    #[serde(default)]
+    pub charged_since: f64,
+    /// The rate comes from the headers' readings (not the per-minute default).
+    #[serde(default)]
+    pub rated: bool,
     /// Reserved by calls in flight (cleared, not yet settled).
     pub in_flight: f64,
 }
@@ -166,13 +187,32 @@ impl Bucket {
         }
     }
 
-    /// Milliseconds until the level reaches `need` (0 if it is there).
+    /// Milliseconds until the level reaches `need` (0 if it is there), and
+    /// never past the moment the provider said the bucket is full again.
     fn ms_until(&self, now: Millis, need: f64) -> f64 {
-        let short = need - self.level_at(now);
+        self.refill_ms(now, need - self.level_at(now))
+    }
+
+    /// Milliseconds until `short` tokens have returned, never past the reset.
+    fn refill_ms(&self, now: Millis, short: f64) -> f64 {
         if short <= 0.0 {
             0.0
+        } else if self.full_at_ms > now {
+            (short / self.rate).min((self.full_at_ms - now) as f64)
         } else {
             short / self.rate
+        }
+    }
+
+    /// At the provider's reset the bucket is full again, but for what was sent
+    /// since (and what is booked): the level is lifted to that. (A window bucket
+    /// refills at once at its boundary, which the continuous refill rate,
+    /// estimated mid-window, cannot foresee.)
+    fn lift(&mut self, now: Millis) {
+        if self.full_at_ms > 0 && now >= self.full_at_ms {
+            self.advance(now);
+            self.level = self.level.max(self.limit - self.charged_since - self.booked);
+            self.full_at_ms = 0;
         }
     }
 
@@ -203,9 +243,12 @@ impl Bucket {
         let remaining = (remaining as f64).min(limit);
         let missing = limit - remaining;
         // OpenAI's reset is the time until full: it gives the refill rate, when
-        // there is enough missing for the (millisecond) reset value to be precise.
-        if reset_ms >= 20 && missing >= limit * 0.005 {
+        // enough is missing for it to say something (just after a window
+        // bucket's boundary, a little missing and a long reset would make the
+        // rate look many times slower than it is).
+        if reset_ms >= 20 && missing >= limit * 0.1 {
             self.rate = missing / reset_ms as f64;
+            self.rated = true;
         } else if self.rate <= 0.0 || (self.limit - limit).abs() > f64::EPSILON {
             self.rate = limit / 60_000.0;
         }
@@ -222,6 +265,11 @@ impl Bucket {
         let theirs = (remaining + refund + self.rate * elapsed).min(limit) - self.booked;
         if theirs < self.level {
             self.level = theirs;
+        }
+        if obs.reset_ms.is_some() {
+            self.full_at_ms = headers_at + reset_ms as Millis;
+            // The calls still in flight may not be in these headers yet.
+            self.charged_since = self.in_flight;
         }
     }
 }
@@ -390,6 +438,8 @@ pub fn acquire(
         state.probe_until_ms = now + cfg.probe_wait_ms as i64 * 10;
         return Decision::Clear;
     }
+    state.tokens.lift(now);
+    state.requests.lift(now);
     let tokens = est.tokens as f64;
     let requests = est.requests as f64;
     // Fair admission (work turns): the tenant's line first. A turn with more of
@@ -456,7 +506,7 @@ pub fn acquire(
             let present = bucket.level + bucket.booked - bucket.booked_live;
             if live {
                 fits &= present >= need;
-                wait = wait.max((bucket.need(line_cost, floor) - present).max(0.0) / bucket.rate);
+                wait = wait.max(bucket.refill_ms(now, bucket.need(line_cost, floor) - present));
             } else {
                 fits &= bucket.level_at(horizon) >= need && present >= need;
                 wait = wait.max(bucket.ms_until(now, bucket.need(line_cost, floor)));
@@ -491,6 +541,7 @@ pub fn acquire(
             } else {
                 bucket.level -= cost;
                 bucket.in_flight += cost;
+                bucket.charged_since += cost;
             }
         }
     }
@@ -524,6 +575,8 @@ pub fn claim(
 ) -> Decision {
     let floor = cfg.floor(mode);
     let live = mode == Mode::Companion;
+    state.tokens.lift(now);
+    state.requests.lift(now);
     let mut short: f64 = 0.0;
     for (bucket, cost, line_cost) in [
         (&mut state.tokens, est.tokens, held.tokens as f64),
@@ -537,7 +590,7 @@ pub fn claim(
             let own = if live { line_cost } else { 0.0 };
             let truth = bucket.level + bucket.booked - bucket.booked_live + own;
             if truth < need {
-                short = short.max((need - truth) / bucket.rate);
+                short = short.max(bucket.refill_ms(now, need - truth));
             }
         }
     }
@@ -554,6 +607,7 @@ pub fn claim(
                 bucket.booked_live = (bucket.booked_live - line_cost).max(0.0);
             }
             bucket.in_flight += cost;
+            bucket.charged_since += cost;
             bucket.level -= cost - line_cost;
         }
     }
@@ -623,6 +677,8 @@ pub struct Outcome {
     pub requests: Observation,
     /// How long ago (ms) the headers were received.
     pub headers_age_ms: u64,
+    /// `refunded` of the token bucket when the call was sent (see `Bucket::refunded`).
+    pub refund_mark: Option<f64>,
 }
 
 /// Settles a finished call: refunds what it reserved beyond what it used, then
@@ -643,6 +699,8 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, outcome: 
             state.usage_ratio = 0.8 * prior + 0.2 * seen;
         }
     }
+    // What others gave back since this call was sent: its headers cannot show it.
+    let others_refunds = outcome.refund_mark.map(|m| (state.tokens.refunded - m).max(0.0)).unwrap_or(0.0);
     for (bucket, reserved, refund) in [
         (&mut state.tokens, outcome.reserved.tokens, refunded_tokens),
         (&mut state.requests, outcome.reserved.requests, refunded_requests),
@@ -650,10 +708,13 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, outcome: 
         bucket.advance(now);
         bucket.in_flight = (bucket.in_flight - reserved as f64).max(0.0);
         bucket.level = (bucket.level + refund as f64).min(bucket.limit.max(bucket.level));
+        bucket.refunded += refund as f64;
+        bucket.charged_since = (bucket.charged_since - refund as f64).max(0.0);
     }
     let headers_at = now - outcome.headers_age_ms as i64;
     let had_headers = outcome.tokens.remaining.is_some() || outcome.requests.remaining.is_some();
-    state.tokens.observe(&outcome.tokens, now, headers_at, refunded_tokens as f64, cfg.max_pace_ms);
+    let credit = refunded_tokens as f64 + others_refunds;
+    state.tokens.observe(&outcome.tokens, now, headers_at, credit, cfg.max_pace_ms);
     state.requests.observe(&outcome.requests, now, headers_at, refunded_requests as f64, cfg.max_pace_ms);
     if had_headers {
         state.observed_at_ms = now;

@@ -7,7 +7,8 @@
 --
 -- KEYS[1] state hash   (t_* token bucket, r_* request bucket, blocked_until, probe_until, observed_at)
 -- KEYS[2] reservations zset: id -> expiry ms
--- KEYS[3] reservations hash: id -> "kind|tokens|requests|due|line_tokens|line_requests|tenant"
+-- KEYS[3] reservations hash: id -> "kind|tokens|requests|due|line_tokens|line_requests|mark|tenant"
+--         (mark: the token bucket's cumulative refunds when an in-flight call was sent)
 --         (kind: f = in flight, b = booked by a work turn, l = booked by a live
 --          (companion) turn; line_* = what a booking holds on the line)
 -- ARGV[1] op: acquire | settle | snapshot
@@ -15,7 +16,7 @@
 --          fair_horizon_ms, tpm, rpm
 -- ARGV[11] now in ms, or '' for the server's TIME (tests pass a clock; production never does)
 -- acquire: ARGV[12] id, [13] tokens, [14] requests, [15] jitter_u, [16] 'companion' | 'work',
---          [17] tenant weight, [18] tenant cap (0 none), [19] tenant
+--          [17] tenant weight, [18] tenant cap (0 none), [19] tenant, [20] booking grace ms
 --   -> {0} clear | {1, owed_ms, reason, booked, waiting_position (-1 none)}
 --      reason: 1 budget, 2 rate_limited, 3 probe, 4 fair_share
 -- settle:  ARGV[12] id, [13] used_tokens (-1 unknown), [14] rate_limited_ms (-1 none),
@@ -79,10 +80,27 @@ local function ensure_configured()
   if not known('r_') and rpm > 0 then per_minute('r_', rpm) end
 end
 
-local function ms_until(p, need)
-  local short = need - level_at(p, now)
+-- Milliseconds until `short` tokens have returned, never past the reset.
+local function refill_ms(p, short)
   if short <= 0 then return 0 end
+  local full_at = get(p .. 'full_at')
+  if full_at > now then return math.min(short / get(p .. 'rate'), full_at - now) end
   return short / get(p .. 'rate')
+end
+
+local function ms_until(p, need)
+  return refill_ms(p, need - level_at(p, now))
+end
+
+-- At the provider's reset the bucket is full again but for what was sent since
+-- (and what is booked): lift the level to that (a window bucket refills at once).
+local function lift(p)
+  local full_at = get(p .. 'full_at')
+  if full_at > 0 and now >= full_at then
+    advance(p)
+    S[p .. 'level'] = math.max(get(p .. 'level'), get(p .. 'limit') - get(p .. 'charged_since') - get(p .. 'booked'))
+    S[p .. 'full_at'] = 0
+  end
 end
 
 local function need(p, cost)
@@ -116,7 +134,7 @@ local function wait_in_line(id, r, tokens, requests, lt, pos, tenant)
   local rec = 'w|' .. fmt(tokens) .. '|' .. fmt(requests) .. '|' .. string.format('%d', now + r[2]) .. '|'
     .. fmt(lt) .. '|' .. fmt(requests) .. '|' .. string.format('%d', pos) .. '|' .. r[3] .. '|' .. tenant
   redis.call('HSET', resv_data, id, rec)
-  redis.call('ZADD', resv, now + r[2] + ttl, id)
+  redis.call('ZADD', resv, now + r[2] + tonumber(ARGV[20]), id)
   return r
 end
 
@@ -148,7 +166,7 @@ local function expire()
       if tenant then S['ts:' .. tenant] = get('ts:' .. tenant) + tonumber(ltk) end
     elseif rec then
       local kind, tk, rq, _, ltk, lrq, tenant =
-        string.match(rec, '^(%a)|([%d.]+)|([%d.]+)|(%d+)|([%d.]+)|([%d.]+)|(.*)$')
+        string.match(rec, '^(%a)|([%d.]+)|([%d.]+)|(%d+)|([%d.]+)|([%d.]+)|[%d.e+-]+|(.*)$')
       local booking = kind == 'b' or kind == 'l'
       if booking then tk, rq = tonumber(ltk), tonumber(lrq) else tk, rq = tonumber(tk), tonumber(rq) end
       if kind == 'b' and tenant ~= '' and S['tn:' .. tenant] ~= nil then
@@ -177,12 +195,14 @@ end
 
 local function observe(p, limit, remaining, reset_ms, headers_at, refund)
   if limit < 0 or remaining < 0 or limit == 0 then return end
+  local has_reset = reset_ms >= 0
   if reset_ms < 0 then reset_ms = 0 end
   if reset_ms > max_pace then return end
   remaining = math.min(remaining, limit)
   local missing = limit - remaining
-  if reset_ms >= 20 and missing >= limit * 0.005 then
+  if reset_ms >= 20 and missing >= limit * 0.1 then
     S[p .. 'rate'] = missing / reset_ms
+    S[p .. 'rated'] = 1
   elseif get(p .. 'rate') <= 0 or get(p .. 'limit') ~= limit then
     S[p .. 'rate'] = limit / 60000
   end
@@ -195,6 +215,11 @@ local function observe(p, limit, remaining, reset_ms, headers_at, refund)
   local elapsed = math.max(now - headers_at, 0)
   local theirs = math.min(remaining + refund + get(p .. 'rate') * elapsed, limit) - get(p .. 'booked')
   if theirs < get(p .. 'level') then S[p .. 'level'] = theirs end
+  if has_reset then
+    S[p .. 'full_at'] = headers_at + reset_ms
+    -- The calls still in flight may not be in these headers yet.
+    S[p .. 'charged_since'] = get(p .. 'inflight')
+  end
 end
 
 local function save()
@@ -206,9 +231,9 @@ local function save()
   if #flat > 0 then redis.call('HSET', state, unpack(flat)) end
 end
 
-local function reserve(id, kind, tk, rq, due, expiry, ltk, lrq, tenant)
+local function reserve(id, kind, tk, rq, due, expiry, ltk, lrq, tenant, mark)
   redis.call('HSET', resv_data, id, kind .. '|' .. fmt(tk) .. '|' .. fmt(rq) .. '|' .. string.format('%d', due)
-    .. '|' .. fmt(ltk) .. '|' .. fmt(lrq) .. '|' .. (tenant or ''))
+    .. '|' .. fmt(ltk) .. '|' .. fmt(lrq) .. '|' .. fmt(mark or 0) .. '|' .. (tenant or ''))
   redis.call('ZADD', resv, expiry, id)
 end
 
@@ -258,7 +283,7 @@ if op == 'acquire' then
   end
   if rec then
     local kind, tk, rq, due, ltk, lrq, rtenant =
-      string.match(rec, '^(%a)|([%d.]+)|([%d.]+)|(%d+)|([%d.]+)|([%d.]+)|(.*)$')
+      string.match(rec, '^(%a)|([%d.]+)|([%d.]+)|(%d+)|([%d.]+)|([%d.]+)|[%d.e+-]+|(.*)$')
     tk, rq, due, ltk, lrq = tonumber(tk), tonumber(rq), tonumber(due), tonumber(ltk), tonumber(lrq)
     local booking = kind == 'b' or kind == 'l'
     if booking and now < due then
@@ -267,6 +292,8 @@ if op == 'acquire' then
     end
     if booking then
       -- Live bookings are ahead of work turns (a live turn's own is its own).
+      lift('t_')
+      lift('r_')
       local short = 0
       for _, pc in ipairs({{'t_', tk, ltk}, {'r_', rq, lrq}}) do
         local p, cost, lc = pc[1], pc[2], pc[3]
@@ -276,12 +303,12 @@ if op == 'acquire' then
           local own = 0
           if kind == 'l' then own = lc end
           local truth = get(p .. 'level') + get(p .. 'booked') - get(p .. 'booked_live') + own
-          if truth < n then short = math.max(short, (n - truth) / get(p .. 'rate')) end
+          if truth < n then short = math.max(short, refill_ms(p, n - truth)) end
         end
       end
       if short > 0 then
         local r = owed(short, 1, 1, u)
-        reserve(id, kind, tk, rq, now + r[2], now + r[2] + ttl, ltk, lrq, rtenant)
+        reserve(id, kind, tk, rq, now + r[2], now + r[2] + tonumber(ARGV[20]), ltk, lrq, rtenant)
         save()
         return r
       end
@@ -291,12 +318,14 @@ if op == 'acquire' then
           S[p .. 'booked'] = math.max(get(p .. 'booked') - lc, 0)
           if kind == 'l' then S[p .. 'booked_live'] = math.max(get(p .. 'booked_live') - lc, 0) end
           S[p .. 'inflight'] = get(p .. 'inflight') + cost
+        S[p .. 'charged_since'] = get(p .. 'charged_since') + cost
+          S[p .. 'charged_since'] = get(p .. 'charged_since') + cost
           S[p .. 'level'] = get(p .. 'level') - (cost - lc)
         end
       end
       if kind == 'b' then serve(rtenant, ltk) end
     end
-    reserve(id, 'f', tk, rq, now, now + ttl, ltk, lrq, rtenant)
+    reserve(id, 'f', tk, rq, now, now + ttl, ltk, lrq, rtenant, get('t_refunded'))
     save()
     return {0}
   end
@@ -324,6 +353,8 @@ if op == 'acquire' then
   -- it delays no booked turn): refunds are then used at once.
   -- Live turns first: a companion turn ignores the work line and has only
   -- other live bookings ahead of it.
+  lift('t_')
+  lift('r_')
   local live = ARGV[16] == 'companion'
   local weight, cap, tenant = tonumber(ARGV[17]), tonumber(ARGV[18]), ARGV[19]
   local lt = line_cost(tokens)
@@ -367,7 +398,7 @@ if op == 'acquire' then
       local present = get(p .. 'level') + get(p .. 'booked') - get(p .. 'booked_live')
       if live then
         if present < n then fits = false end
-        wait = math.max(wait, math.max(need(p, lc) - present, 0) / get(p .. 'rate'))
+        wait = math.max(wait, refill_ms(p, need(p, lc) - present))
       else
         if level_at(p, horizon) < n or present < n then fits = false end
         wait = math.max(wait, ms_until(p, need(p, lc)))
@@ -389,6 +420,7 @@ if op == 'acquire' then
       else
         S[p .. 'level'] = get(p .. 'level') - cost
         S[p .. 'inflight'] = get(p .. 'inflight') + cost
+        S[p .. 'charged_since'] = get(p .. 'charged_since') + cost
       end
     end
   end
@@ -397,14 +429,14 @@ if op == 'acquire' then
   local ltk = known('t_') and lt or 0
   if wait <= 0 then
     if not live then serve(tenant, lt) end
-    reserve(id, 'f', tk, rq, now, now + ttl, ltk, rq, '')
+    reserve(id, 'f', tk, rq, now, now + ttl, ltk, rq, '', get('t_refunded'))
     save()
     return {0}
   end
   local r = owed(wait, 1, 1, u)
   local kind, btenant = 'b', tenant
   if live then kind, btenant = 'l', '' else S['last_due'] = math.max(get('last_due'), now + r[2]) end
-  reserve(id, kind, tk, rq, now + r[2], now + r[2] + ttl, ltk, rq, btenant)
+  reserve(id, kind, tk, rq, now + r[2], now + r[2] + tonumber(ARGV[20]), ltk, rq, btenant)
   save()
   return r
 end
@@ -415,11 +447,15 @@ if op == 'settle' then
   local limited = tonumber(ARGV[14])
   ensure_configured()
   expire()
-  local tk, rq = 0, 0
+  local tk, rq, others = 0, 0, 0
   local rec = redis.call('HGET', resv_data, id)
   if rec then
-    local kind, a, b = string.match(rec, '^(%a)|([%d.]+)|([%d.]+)')
-    if kind == 'f' then tk, rq = tonumber(a), tonumber(b) end
+    local kind, a, b, mark = string.match(rec, '^(%a)|([%d.]+)|([%d.]+)|%d+|[%d.]+|[%d.]+|([%d.e+-]+)|')
+    if kind == 'f' then
+      tk, rq = tonumber(a), tonumber(b)
+      -- What others gave back since this call was sent: its headers cannot show it.
+      others = math.max(get('t_refunded') - tonumber(mark), 0)
+    end
     redis.call('HDEL', resv_data, id)
     redis.call('ZREM', resv, id)
   end
@@ -439,10 +475,12 @@ if op == 'settle' then
     advance(p)
     S[p .. 'inflight'] = math.max(get(p .. 'inflight') - reserved, 0)
     S[p .. 'level'] = math.min(get(p .. 'level') + refund, math.max(get(p .. 'limit'), get(p .. 'level')))
+    S[p .. 'refunded'] = get(p .. 'refunded') + refund
+    S[p .. 'charged_since'] = math.max(get(p .. 'charged_since') - refund, 0)
   end
   local age = tonumber(ARGV[21])
   local headers_at = now - age
-  observe('t_', tonumber(ARGV[15]), tonumber(ARGV[16]), tonumber(ARGV[17]), headers_at, refund_t)
+  observe('t_', tonumber(ARGV[15]), tonumber(ARGV[16]), tonumber(ARGV[17]), headers_at, refund_t + others)
   observe('r_', tonumber(ARGV[18]), tonumber(ARGV[19]), tonumber(ARGV[20]), headers_at, refund_r)
   if tonumber(ARGV[16]) >= 0 or tonumber(ARGV[19]) >= 0 then
     S['observed_at'] = now

@@ -296,7 +296,8 @@ impl SharedPacer {
             .arg(mode_name)
             .arg(who.weight)
             .arg(who.cap)
-            .arg(who.tenant);
+            .arg(who.tenant)
+            .arg(self.config.booking_grace_ms);
         let mut conn = self.conn.clone();
         let reply: Vec<i64> = inv.invoke_async(&mut conn).await?;
         match reply.as_slice() {
@@ -374,6 +375,10 @@ fn state_from_fields(flat: &[String]) -> (PacerState, Millis) {
         at_ms: f(&format!("{p}at")) as Millis,
         booked: f(&format!("{p}booked")),
         booked_live: f(&format!("{p}booked_live")),
+        refunded: f(&format!("{p}refunded")),
+        full_at_ms: f(&format!("{p}full_at")) as Millis,
+        charged_since: f(&format!("{p}charged_since")),
+        rated: f(&format!("{p}rated")) > 0.0,
         in_flight: f(&format!("{p}inflight")),
     };
     let state = PacerState {
@@ -413,6 +418,8 @@ struct Held {
     reason: OwedReason,
     /// A work turn's booking: its tenant (whose line moves when it is claimed).
     tenant: Option<String>,
+    /// In flight: the token bucket's `refunded` when it was sent.
+    mark: f64,
     booked: bool,
     /// A companion (live) turn's booking.
     live: bool,
@@ -506,11 +513,13 @@ impl LocalPacer {
                     let decision = bucket::claim(&mut m.state, &self.config, now, h.est, h.line, mode, tenant, jitter_u);
                     if let Decision::Owed { ms, .. } = decision {
                         let due = now + ms as Millis;
-                        m.held.insert(id.to_owned(), Held { due, expiry: due + ttl, ..h });
+                        let expiry = due + self.config.booking_grace_ms as Millis;
+                        m.held.insert(id.to_owned(), Held { due, expiry, ..h });
                         return decision;
                     }
                 }
-                m.held.insert(id.to_owned(), Held { booked: false, live: false, due: now, expiry: now + ttl, ..h });
+                let mark = m.state.tokens.refunded;
+                m.held.insert(id.to_owned(), Held { booked: false, live: false, mark, due: now, expiry: now + ttl, ..h });
                 return Decision::Clear;
             }
         }
@@ -526,6 +535,7 @@ impl LocalPacer {
             waiting,
             reason,
             tenant: if booked { tenant.clone() } else { None },
+            mark: 0.0,
             booked,
             live,
             est: charged,
@@ -535,17 +545,19 @@ impl LocalPacer {
         };
         match decision {
             Decision::Clear => {
-                m.held.insert(id.to_owned(), held(false, false, None, OwedReason::Budget, now, now + ttl));
+                let mark = m.state.tokens.refunded;
+                let in_flight = Held { mark, ..held(false, false, None, OwedReason::Budget, now, now + ttl) };
+                m.held.insert(id.to_owned(), in_flight);
             }
             Decision::Owed { ms, reason, booked: true, .. } => {
                 let due = now + ms as Millis;
                 let live = mode == Mode::Companion;
-                m.held.insert(id.to_owned(), held(true, live, None, reason, due, due + ttl));
+                m.held.insert(id.to_owned(), held(true, live, None, reason, due, due + self.config.booking_grace_ms as Millis));
             }
             Decision::Owed { ms, reason, waiting: Some(p), .. } => {
                 let due = now + ms as Millis;
                 let waiting = Some((who.tenant.to_owned(), p));
-                m.held.insert(id.to_owned(), held(false, false, waiting, reason, due, due + ttl));
+                m.held.insert(id.to_owned(), held(false, false, waiting, reason, due, due + self.config.booking_grace_ms as Millis));
             }
             Decision::Owed { .. } => {}
         }
@@ -558,9 +570,9 @@ impl LocalPacer {
         let mut models = self.models.lock().unwrap_or_else(|e| e.into_inner());
         let m = models.entry(model.to_owned()).or_default();
         Self::expire(m, now);
-        let reserved = match m.held.remove(id) {
-            Some(h) if !h.booked && h.waiting.is_none() => h.est,
-            _ => Estimate::default(),
+        let (reserved, mark) = match m.held.remove(id) {
+            Some(h) if !h.booked && h.waiting.is_none() => (h.est, Some(h.mark)),
+            _ => (Estimate::default(), None),
         };
         let outcome = bucket::Outcome {
             reserved,
@@ -569,6 +581,7 @@ impl LocalPacer {
             tokens: o.tokens,
             requests: o.requests,
             headers_age_ms: o.headers_age_ms,
+            refund_mark: mark,
         };
         bucket::settle(&mut m.state, &self.config, now, &outcome);
     }

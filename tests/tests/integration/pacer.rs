@@ -25,6 +25,9 @@ struct SimBucket {
     rate: f64,
     level: f64,
     at: Instant,
+    /// `Some(window)`: a fixed-window bucket that refills whole at each boundary.
+    window: Option<Duration>,
+    start: Instant,
     used: f64,
     refused: u64,
     calls: u64,
@@ -33,9 +36,27 @@ struct SimBucket {
 impl SimBucket {
     fn refill(&mut self) {
         let now = Instant::now();
-        let ms = now.duration_since(self.at).as_secs_f64() * 1000.0;
-        self.level = (self.level + self.rate * ms).min(self.limit);
+        if let Some(w) = self.window {
+            let window_of = |t: Instant| (t.duration_since(self.start).as_secs_f64() / w.as_secs_f64()).floor();
+            if window_of(now) > window_of(self.at) {
+                self.level = self.limit;
+            }
+        } else {
+            let ms = now.duration_since(self.at).as_secs_f64() * 1000.0;
+            self.level = (self.level + self.rate * ms).min(self.limit);
+        }
         self.at = now;
+    }
+
+    /// Time until the bucket is full again (OpenAI's reset).
+    fn reset_ms(&self) -> u64 {
+        match self.window {
+            Some(w) => {
+                let into = self.at.duration_since(self.start).as_secs_f64() % w.as_secs_f64();
+                if self.level >= self.limit { 0 } else { ((w.as_secs_f64() - into) * 1000.0).ceil() as u64 }
+            }
+            None => ((self.limit - self.level) / self.rate).ceil() as u64,
+        }
     }
 
     /// Charges `est` at admission, like OpenAI (input + max_output_tokens).
@@ -67,13 +88,14 @@ impl SimBucket {
         Observation {
             limit: Some(self.limit as u64),
             remaining: Some(self.level.max(0.0).floor() as u64),
-            reset_ms: Some(((self.limit - self.level) / self.rate).ceil() as u64),
+            reset_ms: Some(self.reset_ms()),
         }
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn thirty_two_acquirers_never_overdraw_the_bucket_and_use_most_of_it() {
+/// 32 acquirers on separate connections against a simulated bucket for 6 s;
+/// returns (calls, refused, utilisation).
+async fn thirty_two_acquirers(window: Option<Duration>) -> (u64, u64, f64) {
     let server = RedisServer::start();
     let prefix = unique_prefix();
     // 20 000 tokens per 2 s window, refilling continuously (10 tokens/ms).
@@ -88,6 +110,8 @@ async fn thirty_two_acquirers_never_overdraw_the_bucket_and_use_most_of_it() {
         used: 0.0,
         refused: 0,
         calls: 0,
+        window,
+        start: Instant::now(),
     }));
     let start = Instant::now();
     let mut tasks = vec![];
@@ -141,15 +165,34 @@ async fn thirty_two_acquirers_never_overdraw_the_bucket_and_use_most_of_it() {
     let allowed = limit + sim.rate * elapsed_ms;
     let utilisation = sim.used / allowed;
     eprintln!(
-        "pacer: {} calls, {} refused (overdraft), {:.0} tokens used of {:.0} allowed: {:.1} %",
+        "pacer ({}): {} calls, {} refused (overdraft), {:.0} tokens used of {:.0} allowed: {:.1} %",
+        if window.is_some() { "window" } else { "continuous" },
         sim.calls,
         sim.refused,
         sim.used,
         allowed,
         utilisation * 100.0
     );
-    assert_eq!(sim.refused, 0, "the pacer let a call into a bucket that could not hold it");
+    (sim.calls, sim.refused, utilisation)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thirty_two_acquirers_never_overdraw_the_bucket_and_use_most_of_it() {
+    let (_, refused, utilisation) = thirty_two_acquirers(None).await;
+    assert_eq!(refused, 0, "the pacer let a call into a bucket that could not hold it");
     assert!(utilisation >= 0.90, "only {:.1} % of the bucket was used", utilisation * 100.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn against_a_fixed_window_bucket_the_pacer_keeps_going() {
+    // A window bucket refills whole at its boundary; the pacer's continuous
+    // model cannot foresee that, but the reset header says when it happens.
+    // Known limit: the continuous model overstates a window bucket late in
+    // each window, so some calls are refused (and close the window for all);
+    // this test holds the pacer to liveness and a bound, not to the floor.
+    let (calls, refused, utilisation) = thirty_two_acquirers(Some(Duration::from_secs(2))).await;
+    assert!(utilisation >= 0.60, "stalled: only {:.1} % of the bucket was used", utilisation * 100.0);
+    assert!(refused * 100 <= calls * 30, "{refused} of {calls} calls refused");
 }
 
 #[tokio::test]
@@ -284,6 +327,9 @@ async fn the_redis_script_and_the_pure_model_agree() {
                 close(g.level_at(now), w.level_at(now))
                     && close(g.booked, w.booked)
                     && close(g.booked_live, w.booked_live)
+                    && close(g.refunded, w.refunded)
+                    && close(g.charged_since, w.charged_since)
+                    && g.full_at_ms == w.full_at_ms
                     && close(g.in_flight, w.in_flight),
                 "step {step}: {name} differ\nscript: {g:?}\nmodel:  {w:?}"
             );
