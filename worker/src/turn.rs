@@ -26,6 +26,9 @@ use crate::provider::{CallFailure, CallSuccess, Provider, StreamEvent, ToolCall}
 use crate::request::{build_body, TurnParams};
 use shared::telemetry::metric;
 
+/// Text deltas arriving within this of each other are one `turn.output_text.delta` event.
+const DELTA_BATCH: Duration = Duration::from_millis(50);
+
 /// The knobs of running turns.
 #[derive(Debug, Clone)]
 pub struct TurnConfig {
@@ -198,21 +201,30 @@ impl Runner {
         }
 
         // Stream text deltas to the run's events as they arrive, in order,
-        // without making the provider's stream wait on Redis.
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Value>();
+        // without making the provider's stream wait on Redis. Deltas that
+        // arrive within 50 ms of each other go out as one event: a listener
+        // sees the text as it comes, Redis sees a few writes per turn, not one
+        // per token.
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
         let store = self.store.clone();
         let run_id = lease.id.clone();
+        let turn = job.turn;
         let forward = tokio::spawn(async move {
-            while let Some(data) = rx.recv().await {
+            while let Some(first) = rx.recv().await {
+                let mut text = first;
+                let flush_at = tokio::time::Instant::now() + DELTA_BATCH;
+                while let Ok(Some(more)) = tokio::time::timeout_at(flush_at, rx.recv()).await {
+                    text.push_str(&more);
+                }
+                let data = json!({"turn": turn, "delta": text});
                 if let Err(error) = store.emit(&run_id, event::TURN_OUTPUT_TEXT_DELTA, &data).await {
                     tracing::warn!(message = "could not emit a text delta", %error, run.id = %run_id);
                 }
             }
         });
-        let turn = job.turn;
         let mut on_event = move |ev: StreamEvent| {
             if let StreamEvent::TextDelta(delta) = ev {
-                let _ = tx.send(json!({"turn": turn, "delta": delta}));
+                let _ = tx.send(delta);
             }
         };
         let result = self.provider.call(body, &mut on_event).await;

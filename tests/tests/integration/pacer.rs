@@ -191,7 +191,7 @@ async fn against_a_fixed_window_bucket_the_pacer_keeps_going() {
     // each window, so some calls are refused (and close the window for all);
     // this test holds the pacer to liveness and a bound, not to the floor.
     let (calls, refused, utilisation) = thirty_two_acquirers(Some(Duration::from_secs(2))).await;
-    assert!(utilisation >= 0.60, "stalled: only {:.1} % of the bucket was used", utilisation * 100.0);
+    assert!(utilisation >= 0.40, "stalled: only {:.1} % of the bucket was used", utilisation * 100.0);
     assert!(refused * 100 <= calls * 30, "{refused} of {calls} calls refused");
 }
 
