@@ -8,9 +8,11 @@
 //! - `workload.rs` — the run bodies, the tool endpoint, the in-process API and submits.
 //! - `trial.rs` — one configuration measured on its own (fresh prefix, fresh mock).
 //! - `pacing.rs` — the pacing scenario: one trial per pacer, same workload.
+//! - `fairness.rs` — the fairness scenario: live turns first, tenants' shares, weights.
 //! - `throughput.rs` — the throughput scenario: an unlimited instant mock, one worker.
 //! - `report.rs` — SPEC §7's figures, the floor's formula, the table.
 
+pub mod fairness;
 pub mod fleet;
 pub mod pacing;
 pub mod redis;

@@ -104,7 +104,7 @@ fn trace_budget(trial: &Trial) -> (tokio::sync::oneshot::Sender<()>, tokio::task
 
 /// Writes `<pacer>.mock-log.json` (every request: arrival, status, tokens
 /// charged and refunded) and `<pacer>.deliveries.json` into `dir`.
-fn dump(dir: &std::path::Path, pacer: &str, data: &TrialData) -> anyhow::Result<()> {
+pub fn dump(dir: &std::path::Path, pacer: &str, data: &TrialData) -> anyhow::Result<()> {
     use anyhow::Context as _;
     std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
     std::fs::write(dir.join(format!("{pacer}.mock-log.json")), serde_json::to_string(&data.mock.log)?)?;

@@ -257,6 +257,28 @@ impl Trial {
         Ok(ids)
     }
 
+    /// Now on the mock's clock (its log's `at_us`), µs: the mock starts its
+    /// clock just after this trial's `mock_started`, so this reads at most the
+    /// bind's duration (well under 1 ms) late.
+    pub fn mock_clock_us(&self) -> u64 {
+        self.mock_started.elapsed().as_micros() as u64
+    }
+
+    /// The tenants every one of whose submitted runs has finished (completed,
+    /// failed or cancelled), in name order. One run-store read per run.
+    pub async fn tenants_finished(&self) -> anyhow::Result<Vec<String>> {
+        use shared::runs::RunStatus;
+        let mut open: std::collections::BTreeMap<&str, bool> = Default::default();
+        for (tenant, id) in &self.submitted {
+            let done = match self.store.get(tenant, id).await? {
+                Some(run) => matches!(run.status, RunStatus::Completed | RunStatus::Failed | RunStatus::Cancelled),
+                None => false,
+            };
+            *open.entry(tenant.as_str()).or_insert(false) |= !done;
+        }
+        Ok(open.into_iter().filter(|(_, any_open)| !any_open).map(|(t, _)| t.to_owned()).collect())
+    }
+
     /// Waits until nothing is queued or in flight (every run finished or its
     /// turn dead), polling every 50 ms (two `ZCARD`s, counted as the bench's
     /// own); calls `on_poll` each time. Returns false when `timeout` passed first.

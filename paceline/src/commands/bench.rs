@@ -28,6 +28,18 @@ pub enum Scenario {
     Pacing,
     /// One worker process, an instant mock without limits: turns/s and Redis commands per turn.
     Throughput,
+    /// Fair admission under the shared pacer (SPEC §4), three trials: companion
+    /// runs of tenant `live` cutting into tenant `bulk`'s saturating work
+    /// (`fairness.companion.{p50_ms,p95_ms,max_ms,n}`: submit → the mock's
+    /// admission of the run's first call; `fairness.work_efficiency`: floor /
+    /// makespan over every admitted token); four tenants with `--share-runs`
+    /// runs each, backlogged (`fairness.tenants.<t>`: share of the admitted
+    /// tokens from `--share-skip-s` after the first submit until the first
+    /// tenant's last call; `fairness.jain`: Jain's index of those tokens);
+    /// two tenants equally backlogged under `--tenant-weights`
+    /// (`fairness.weights_2_1.{ratio,target,error,shares}`). JSON:
+    /// `{"config": …, "fairness": …}`.
+    Fairness,
 }
 
 /// Arguments of `paceline bench`.
@@ -87,6 +99,33 @@ pub struct Args {
     /// Throughput scenario: no-op turns for the queue-alone figure (0 skips it).
     #[arg(long, default_value_t = 20_000)]
     queue_turns: usize,
+    /// Fairness scenario: work runs of tenant `bulk` (of `--turns` turns each).
+    #[arg(long, default_value_t = 80)]
+    live_work_runs: usize,
+    /// Fairness scenario: companion runs of tenant `live` (one turn each).
+    #[arg(long, default_value_t = 10)]
+    companions: usize,
+    /// Fairness scenario: the first companion is submitted this long after the work, s.
+    #[arg(long, default_value_t = 4.0)]
+    companion_start_s: f64,
+    /// Fairness scenario: between companion submits, s.
+    #[arg(long, default_value_t = 2.0)]
+    companion_gap_s: f64,
+    /// Fairness scenario: runs of tenants a, b, c, d (equal weights), as many as listed.
+    #[arg(long, value_delimiter = ',', default_value = "40,4,4,4")]
+    share_runs: Vec<usize>,
+    /// Fairness scenario: weights of tenants a and b in the weighted trial (`a:2,b:1` on the workers).
+    #[arg(long, value_delimiter = ',', default_value = "2,1")]
+    share_weights: Vec<u32>,
+    /// Fairness scenario: runs of each tenant in the weighted trial.
+    #[arg(long, default_value_t = 8)]
+    weighted_runs: usize,
+    /// Fairness scenario: turns per run in the share trials (many, so every tenant stays backlogged).
+    #[arg(long, default_value_t = 12)]
+    share_turns: u32,
+    /// Fairness scenario: the share window opens this long after the first submit, s.
+    #[arg(long, default_value_t = 10.0)]
+    share_skip_s: f64,
     /// Write each pacer trial's raw data (the mock's request log, the deliveries) into this dir.
     #[arg(long, hide = true)]
     dump_dir: Option<std::path::PathBuf>,
@@ -146,6 +185,9 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
     );
     progress.enable_steady_tick(Duration::from_millis(200));
 
+    if args.scenario == Scenario::Fairness {
+        return fairness(&args, &plan, &env, &progress, started).await;
+    }
     let mut figures = BTreeMap::new();
     if matches!(args.scenario, Scenario::All | Scenario::Pacing) {
         for pacer in &pacers {
@@ -204,6 +246,103 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
     println!("bench took {:.0} s", started.elapsed().as_secs_f64());
     if let Some(path) = &args.json {
         let text = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, text + "\n").with_context(|| format!("write {}", path.display()))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The fairness scenario's configuration, as the JSON's `config`.
+#[derive(Debug, serde::Serialize)]
+struct FairnessConfig {
+    workers: usize,
+    concurrency: usize,
+    tpm: u64,
+    rpm: u64,
+    window_s: f64,
+    bucket: String,
+    latency_ms: u64,
+    max_output_tokens: u32,
+    pacer: &'static str,
+    live_work_runs: usize,
+    live_work_turns: u32,
+    companions: usize,
+    companion_start_s: f64,
+    companion_gap_s: f64,
+    share_runs: BTreeMap<String, usize>,
+    weighted_runs: BTreeMap<String, usize>,
+    tenant_weights: String,
+    share_turns: u32,
+    share_skip_s: f64,
+    companion_wait: &'static str,
+    share_window: &'static str,
+}
+
+/// `--scenario fairness`: its three trials, the table, `--json`.
+async fn fairness(
+    args: &Args,
+    plan: &PacingPlan,
+    env: &Env,
+    progress: &ProgressBar,
+    started: Instant,
+) -> anyhow::Result<ExitCode> {
+    use crate::bench::fairness::{self, FairnessPlan, LivePlan};
+    anyhow::ensure!(!args.share_runs.is_empty() && args.share_runs.len() <= 26, "--share-runs lists 1 to 26 tenants");
+    anyhow::ensure!(args.share_weights.len() == 2, "--share-weights takes two weights (tenants a and b)");
+    let name = |i: usize| ((b'a' + i as u8) as char).to_string();
+    let share: Vec<(String, usize)> = args.share_runs.iter().enumerate().map(|(i, n)| (name(i), *n)).collect();
+    let weighted: Vec<(String, usize, u32)> =
+        args.share_weights.iter().enumerate().map(|(i, w)| (name(i), args.weighted_runs, *w)).collect();
+    let fplan = FairnessPlan {
+        workers: args.workers,
+        concurrency: args.concurrency,
+        mock: plan.mock.clone(),
+        max_output_tokens: args.max_output_tokens,
+        answer_tokens: args.answer_tokens,
+        live: LivePlan {
+            work_runs: args.live_work_runs,
+            work_turns: args.turns,
+            companions: args.companions,
+            first_after: Duration::from_secs_f64(args.companion_start_s.max(0.0)),
+            gap: Duration::from_secs_f64(args.companion_gap_s.max(0.0)),
+        },
+        share: share.clone(),
+        weighted: weighted.clone(),
+        share_turns: args.share_turns.max(1),
+        share_skip: Duration::from_secs_f64(args.share_skip_s.max(0.0)),
+        timeout: Duration::from_secs(args.timeout_s),
+        dump_dir: args.dump_dir.clone(),
+    };
+    let figures = fairness::measure(env, &fplan, progress).await.context("fairness")?;
+    progress.finish_and_clear();
+    let config = FairnessConfig {
+        workers: args.workers,
+        concurrency: args.concurrency,
+        tpm: args.tpm,
+        rpm: args.rpm,
+        window_s: args.window_s,
+        bucket: args.bucket.to_string(),
+        latency_ms: args.latency_ms,
+        max_output_tokens: args.max_output_tokens,
+        pacer: "shared",
+        live_work_runs: args.live_work_runs,
+        live_work_turns: args.turns,
+        companions: args.companions,
+        companion_start_s: args.companion_start_s,
+        companion_gap_s: args.companion_gap_s,
+        share_runs: share.into_iter().collect(),
+        weighted_runs: weighted.iter().map(|(t, n, _)| (t.clone(), *n)).collect(),
+        tenant_weights: figures.weights_2_1.weights.clone(),
+        share_turns: fplan.share_turns,
+        share_skip_s: args.share_skip_s,
+        companion_wait: "just before POST /v1/runs (bench clock, read as the mock's) -> the mock's admission of the run's first 2xx call",
+        share_window: "from share_skip_s after the first submit until the earliest of the tenants' last admitted calls; \
+tokens = charged - refunded of the 2xx calls admitted in it, attributed by a marker in each run's input",
+    };
+    print!("{}", fairness::table(&figures));
+    println!("bench took {:.0} s", started.elapsed().as_secs_f64());
+    if let Some(path) = &args.json {
+        let out = serde_json::json!({"config": config, "fairness": figures});
+        let text = serde_json::to_string_pretty(&out)?;
         std::fs::write(path, text + "\n").with_context(|| format!("write {}", path.display()))?;
     }
     Ok(ExitCode::SUCCESS)
