@@ -1,7 +1,8 @@
 //! `paceline bench` through the real binary, tiny (seconds), so the command
 //! cannot rot: the JSON has every field SPEC §7 names, and every run
 //! completes under the shared pacer. The bucket is small enough (3 000 tokens
-//! per 2 s) that turns wait for budget, so the pacing path runs too.
+//! per 2 s) that turns wait for budget, so the pacing path runs too. The
+//! fairness scenario likewise, tiny: its JSON has the fields issue 8 names.
 
 use paceline_tests::paceline_bin;
 use serde_json::Value;
@@ -74,4 +75,54 @@ fn a_tiny_bench_writes_every_spec_field_and_completes_every_shared_run() {
     assert!(t["turns_per_s"].as_f64().unwrap() > 0.0, "{t:#}");
     assert!(t["redis_commands_per_turn"].as_f64().unwrap() > 0.0, "{t:#}");
     assert_eq!(t["turns"], 60, "20 runs x 3 turns: {t:#}");
+}
+
+/// `--scenario fairness`, tiny: the JSON has the figures issue 8 names (the
+/// targets are the real bench's business, not a few-second run's).
+#[test]
+fn a_tiny_fairness_bench_writes_its_fields() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("fairness.json");
+    let started = Instant::now();
+    let mut child = std::process::Command::new(paceline_bin())
+        .args(["bench", "--scenario", "fairness", "--workers", "2", "--concurrency", "4", "--window-s", "2", "--tpm", "3000"])
+        .args(["--turns", "2", "--live-work-runs", "6", "--companions", "2", "--companion-start-s", "0.5", "--companion-gap-s", "0.5"])
+        .args(["--share-runs", "4,1,1,1", "--weighted-runs", "2", "--share-turns", "3", "--share-skip-s", "0.5", "--timeout-s", "60"])
+        .arg("--json")
+        .arg(&json)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start paceline bench --scenario fairness");
+    let limit = Duration::from_secs(180);
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            panic!("paceline bench --scenario fairness did not finish within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "bench failed: {}\n{stdout}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("Jain"), "the table is printed: {stdout}");
+
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    for field in ["workers", "concurrency", "tpm", "window_s", "share_runs", "tenant_weights"] {
+        assert!(!report["config"][field].is_null(), "config.{field} missing: {report:#}");
+    }
+    let f = &report["fairness"];
+    for field in ["p50_ms", "p95_ms", "max_ms", "n"] {
+        assert!(f["companion"][field].is_number(), "fairness.companion.{field} missing: {f:#}");
+    }
+    assert_eq!(f["companion"]["n"], 2, "both companion runs reached the provider: {f:#}");
+    assert!(f["work_efficiency"].is_number(), "{f:#}");
+    assert!(f["jain"].is_number(), "{f:#}");
+    for tenant in ["a", "b", "c", "d"] {
+        assert!(f["tenants"][tenant].is_number(), "fairness.tenants.{tenant} missing: {f:#}");
+    }
+    assert!(f["weights_2_1"]["ratio"].is_number(), "{f:#}");
+    for tenant in ["a", "b"] {
+        assert!(f["weights_2_1"]["shares"][tenant].is_number(), "fairness.weights_2_1.shares.{tenant} missing: {f:#}");
+    }
 }
