@@ -153,6 +153,10 @@ pub struct Bucket {
     /// The rate comes from the headers' readings (not the per-minute default).
     #[serde(default)]
     pub rated: bool,
+    /// When the headers that set `full_at_ms` were sent: older headers (a
+    /// call admitted earlier that settles later) do not move it back.
+    #[serde(default)]
+    pub full_seen_ms: Millis,
     /// Reserved by calls in flight (cleared, not yet settled).
     pub in_flight: f64,
 }
@@ -266,7 +270,8 @@ impl Bucket {
         if theirs < self.level {
             self.level = theirs;
         }
-        if obs.reset_ms.is_some() {
+        if obs.reset_ms.is_some() && headers_at >= self.full_seen_ms {
+            self.full_seen_ms = headers_at;
             self.full_at_ms = headers_at + reset_ms as Millis;
             // The calls still in flight may not be in these headers yet.
             self.charged_since = self.in_flight;

@@ -215,7 +215,8 @@ local function observe(p, limit, remaining, reset_ms, headers_at, refund)
   local elapsed = math.max(now - headers_at, 0)
   local theirs = math.min(remaining + refund + get(p .. 'rate') * elapsed, limit) - get(p .. 'booked')
   if theirs < get(p .. 'level') then S[p .. 'level'] = theirs end
-  if has_reset then
+  if has_reset and headers_at >= get(p .. 'full_seen') then
+    S[p .. 'full_seen'] = headers_at
     S[p .. 'full_at'] = headers_at + reset_ms
     -- The calls still in flight may not be in these headers yet.
     S[p .. 'charged_since'] = get(p .. 'inflight')

@@ -379,6 +379,7 @@ fn state_from_fields(flat: &[String]) -> (PacerState, Millis) {
         full_at_ms: f(&format!("{p}full_at")) as Millis,
         charged_since: f(&format!("{p}charged_since")),
         rated: f(&format!("{p}rated")) > 0.0,
+        full_seen_ms: f(&format!("{p}full_seen")) as Millis,
         in_flight: f(&format!("{p}inflight")),
     };
     let state = PacerState {
