@@ -57,6 +57,8 @@ pub struct FairnessPlan {
     pub timeout: Duration,
     /// Where to write each trial's raw data (mock log, deliveries).
     pub dump_dir: Option<std::path::PathBuf>,
+    /// Which trials to run (`live`, `share`, `weights`); the others report zeros.
+    pub trials: Vec<String>,
 }
 
 /// Trial 1's shape.
@@ -279,11 +281,18 @@ impl FairnessPlan {
         }
     }
 
+    /// `--dump-dir`: the mock log and deliveries as the pacing scenario
+    /// writes them, and `fairness-<label>.calls.json`: every admitted call
+    /// with its tenant, run index, conversation length and cost.
     fn dump(&self, label: &str, data: &TrialData) -> anyhow::Result<()> {
-        match &self.dump_dir {
-            Some(dir) => pacing::dump(dir, &format!("fairness-{label}"), data),
-            None => Ok(()),
-        }
+        let Some(dir) = &self.dump_dir else { return Ok(()) };
+        pacing::dump(dir, &format!("fairness-{label}"), data)?;
+        let calls: Vec<Value> = admitted(&data.mock)
+            .iter()
+            .map(|c| serde_json::json!({"at_us": c.at_us, "tenant": c.tenant, "run": c.run, "tokens": c.tokens}))
+            .collect();
+        std::fs::write(dir.join(format!("fairness-{label}.calls.json")), serde_json::to_string(&calls)?)?;
+        Ok(())
     }
 }
 
@@ -293,11 +302,17 @@ fn token(tenant: &str) -> String {
 
 /// Runs the three trials.
 pub async fn measure(env: &Env, plan: &FairnessPlan, progress: &ProgressBar) -> anyhow::Result<FairnessFigures> {
-    let (companion, live_trial) = live(env, plan, progress).await?;
-    let share_trial = shares(env, plan, &plan.share.iter().map(|(t, n)| (t.clone(), *n)).collect::<Vec<_>>(), &[], "share", progress).await?;
+    let wants = |t: &str| plan.trials.iter().any(|x| x == t);
+    let (companion, live_trial) = if wants("live") { live(env, plan, progress).await? } else { Default::default() };
+    let share_trial =
+        if wants("share") { shares(env, plan, &plan.share, &[], "share", progress).await? } else { Default::default() };
     let weights: String = plan.weighted.iter().map(|(t, _, w)| format!("{t}:{w}")).collect::<Vec<_>>().join(",");
     let runs: Vec<(String, usize)> = plan.weighted.iter().map(|(t, n, _)| (t.clone(), *n)).collect();
-    let window = shares(env, plan, &runs, &["--tenant-weights".into(), weights.clone()], "weights", progress).await?;
+    let window = if wants("weights") {
+        shares(env, plan, &runs, &["--tenant-weights".into(), weights.clone()], "weights", progress).await?
+    } else {
+        Default::default()
+    };
     let weighted = weighted_figures(plan, window, weights);
     let tenants = share_trial.shares.clone();
     let jain = jain(&share_trial.tokens.values().map(|&t| t as f64).collect::<Vec<_>>());

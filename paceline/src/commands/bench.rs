@@ -117,8 +117,8 @@ pub struct Args {
     /// Fairness scenario: weights of tenants a and b in the weighted trial (`a:2,b:1` on the workers).
     #[arg(long, value_delimiter = ',', default_value = "2,1")]
     share_weights: Vec<u32>,
-    /// Fairness scenario: runs of each tenant in the weighted trial.
-    #[arg(long, default_value_t = 8)]
+    /// Fairness scenario: runs of each tenant in the weighted trial (enough for a ~30 s window at the default budget).
+    #[arg(long, default_value_t = 12)]
     weighted_runs: usize,
     /// Fairness scenario: turns per run in the share trials (many, so every tenant stays backlogged).
     #[arg(long, default_value_t = 12)]
@@ -126,6 +126,9 @@ pub struct Args {
     /// Fairness scenario: the share window opens this long after the first submit, s.
     #[arg(long, default_value_t = 10.0)]
     share_skip_s: f64,
+    /// Fairness scenario: which of its trials to run (diagnostics).
+    #[arg(long, hide = true, value_delimiter = ',', default_value = "live,share,weights")]
+    fairness_trials: Vec<String>,
     /// Write each pacer trial's raw data (the mock's request log, the deliveries) into this dir.
     #[arg(long, hide = true)]
     dump_dir: Option<std::path::PathBuf>,
@@ -311,6 +314,7 @@ async fn fairness(
         share_skip: Duration::from_secs_f64(args.share_skip_s.max(0.0)),
         timeout: Duration::from_secs(args.timeout_s),
         dump_dir: args.dump_dir.clone(),
+        trials: args.fairness_trials.clone(),
     };
     let figures = fairness::measure(env, &fplan, progress).await.context("fairness")?;
     progress.finish_and_clear();
