@@ -13,7 +13,8 @@ pub struct Args {
 /// Runs the subcommand.
 pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
     shared::telemetry::init("info");
+    let shutdown = super::shutdown_signal();
     let app = api::Application::build(args.config).await?;
-    app.run_until_stopped(super::shutdown_signal()).await?;
+    app.run_until_stopped(shutdown).await?;
     Ok(ExitCode::SUCCESS)
 }

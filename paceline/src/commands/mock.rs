@@ -15,6 +15,7 @@ pub struct Args {
 /// Runs the subcommand.
 pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
     shared::telemetry::init("info");
+    let shutdown = super::shutdown_signal();
     let config = args.mock.into_config().map_err(anyhow::Error::msg)?;
     let listen = config.listen;
     let server = mock_provider::MockServer::start(config.clone())
@@ -30,7 +31,7 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
     );
     // The base URL on stdout, alone, so a script can read it.
     println!("{}", server.base_url());
-    server.run_until_stopped(super::shutdown_signal()).await;
+    server.run_until_stopped(shutdown).await;
     tracing::info!(message = "mock provider stopped");
     Ok(ExitCode::SUCCESS)
 }

@@ -134,6 +134,7 @@ async fn probe_turn(payload: serde_json::Value, lease: Lease, probe: Data<Probe>
 
 async fn consume(args: ConsumeArgs) -> anyhow::Result<ExitCode> {
     shared::telemetry::init("info");
+    let signal = super::shutdown_signal();
     let queue = TurnQueue::new(&args.redis, args.queue.clone())?;
     let probe = Probe {
         conn: shared::redis_util::lazy_manager(&args.redis.url, shared::redis_util::COMMAND_TIMEOUT)?,
@@ -147,8 +148,8 @@ async fn consume(args: ConsumeArgs) -> anyhow::Result<ExitCode> {
     tracing::info!(message = "queue-probe consuming", worker.id = %name, concurrency = args.concurrency);
     let worker = WorkerBuilder::new(name.as_str()).backend(backend).data(probe).build(probe_turn);
     worker
-        .run_until(async {
-            super::shutdown_signal().await;
+        .run_until(async move {
+            signal.await;
             Ok::<(), std::io::Error>(())
         })
         .await

@@ -91,8 +91,9 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
     let (stop_tx, stop_rx) = watch::channel(false);
     {
         let stop_tx = stop_tx.clone();
+        let signal = super::shutdown_signal();
         tokio::spawn(async move {
-            super::shutdown_signal().await;
+            signal.await;
             let _ = stop_tx.send(true);
         });
     }

@@ -19,6 +19,7 @@ pub struct Args {
 /// Runs a worker until SIGINT/SIGTERM, then drains and exits 0.
 pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
     shared::telemetry::init("info");
+    let shutdown = super::shutdown_signal();
     if let Some(addr) = args.metrics_listen {
         // The same recorder (and histogram buckets) as the API's /metrics.
         let handle = api::metrics::handle();
@@ -27,6 +28,6 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
         tracing::info!(message = "worker metrics", listen = %addr);
         tokio::spawn(async move { axum::serve(listener, app).await });
     }
-    worker::run(args.config, super::shutdown_signal()).await?;
+    worker::run(args.config, shutdown).await?;
     Ok(ExitCode::SUCCESS)
 }

@@ -65,8 +65,12 @@ local function q_schedule(id, r, due_ms)
   r.flag = 'q'
   redis.call('HSET', Q_JOBS, id, q_encode(r))
   redis.call('ZREM', Q_LEASE, id)
+  -- Wake an idle worker only when this turn is due before every other queued
+  -- one: idle workers already sleep towards the earliest due time, and a
+  -- requeue for later (a budget wait) would only make them look and sleep again.
+  local first = redis.call('ZRANGE', Q_DUE, 0, 0, 'WITHSCORES')
   redis.call('ZADD', Q_DUE, due_ms, id)
-  q_wake()
+  if #first == 0 or due_ms < tonumber(first[2]) then q_wake() end
 end
 
 -- Removes leased turn `id` for good (it is done).
