@@ -112,17 +112,7 @@ fn describe(d: Duration) -> String {
 
 /// A reqwest error with its causes ("error sending request" alone says little).
 fn describe_error(error: &reqwest::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = std::error::Error::source(error);
-    while let Some(e) = source {
-        let next = e.to_string();
-        if !text.contains(&next) {
-            text.push_str(": ");
-            text.push_str(&next);
-        }
-        source = e.source();
-    }
-    text
+    crate::provider::error_chain(error)
 }
 
 /// At most [`MAX_ERROR_EXCERPT`] characters.

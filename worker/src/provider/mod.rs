@@ -588,8 +588,8 @@ fn transport_kind(error: &reqwest::Error) -> Transport {
 }
 
 /// An error and its causes, `a: b: c` (reqwest's own text is often just
-/// "error sending request").
-fn error_chain(error: &dyn std::error::Error) -> String {
+/// "error sending request"). The tool caller uses it too.
+pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(e) = source {
