@@ -253,6 +253,12 @@ impl Bucket {
         if reset_ms >= 20 && missing >= limit * 0.1 {
             self.rate = missing / reset_ms as f64;
             self.rated = true;
+        } else if reset_ms >= 20 && missing >= limit * 0.005 && (!self.rated || missing / reset_ms as f64 > self.rate) {
+            // A lightly used bucket says little, but never that the refill is
+            // slower than it is: such a reading may only raise the rate (a
+            // per-minute default is far too slow for a scaled-down window).
+            self.rate = missing / reset_ms as f64;
+            self.rated = true;
         } else if self.rate <= 0.0 || (self.limit - limit).abs() > f64::EPSILON {
             self.rate = limit / 60_000.0;
         }

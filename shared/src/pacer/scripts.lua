@@ -203,6 +203,10 @@ local function observe(p, limit, remaining, reset_ms, headers_at, refund)
   if reset_ms >= 20 and missing >= limit * 0.1 then
     S[p .. 'rate'] = missing / reset_ms
     S[p .. 'rated'] = 1
+  elseif reset_ms >= 20 and missing >= limit * 0.005 and (get(p .. 'rated') == 0 or missing / reset_ms > get(p .. 'rate')) then
+    -- A lightly used bucket's reading may only raise the rate.
+    S[p .. 'rate'] = missing / reset_ms
+    S[p .. 'rated'] = 1
   elseif get(p .. 'rate') <= 0 or get(p .. 'limit') ~= limit then
     S[p .. 'rate'] = limit / 60000
   end

@@ -189,3 +189,93 @@ async fn the_shared_script_keeps_the_weights_too() {
     assert!((ratio - 2.0).abs() / 2.0 <= 0.05, "shares {ratio:.3}");
     let _ = clock.now_ms();
 }
+
+// --- The same rules with real workers (in-process `worker::run`), the mock
+// provider and the run store: what the pacer decides reaches the provider.
+
+mod with_workers {
+    use super::super::worker::App;
+    use mock_provider::MockConfig;
+    use serde_json::json;
+    use shared::runs::{RunSpec, RunStatus, SubmitPolicy};
+    use std::time::{Duration, Instant};
+
+    fn spec(app: &App, input: &str, mode: &str, tools: bool) -> RunSpec {
+        let mut body = json!({"model": "gpt-test", "input": input, "mode": mode, "max_turns": 10, "max_output_tokens": 64});
+        if tools {
+            body["tools"] = json!([{"type": "function", "name": "lookup", "parameters": {"type": "object"}}]);
+            body["tool_endpoint"] = json!(app.tools);
+        }
+        RunSpec::from_json(&body, &SubmitPolicy { tool_endpoint_prefixes: vec![app.tools.clone()] }).unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_companion_run_overtakes_waiting_work_runs() {
+        // 4 000 tokens per 2 s: 30 work runs of 4 turns keep the budget saturated for seconds.
+        let mut app = App::start(MockConfig {
+            tpm: 4_000,
+            rpm: 10_000,
+            window: Duration::from_secs(2),
+            tool_rounds: 3,
+            latency: Duration::from_millis(20),
+            ..MockConfig::default()
+        })
+        .await;
+        app.spawn_worker(app.config());
+        let mut work = vec![];
+        for i in 0..30 {
+            work.push(app.store.create("bulk", &spec(&app, &format!("work {i}"), "work", true), None).await.unwrap().run.id);
+        }
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        let asked = Instant::now();
+        let live = app.store.create("listener", &spec(&app, "a question", "companion", false), None).await.unwrap().run;
+        let live = super::super::worker::wait_finished_for(&app, "listener", &live.id, Duration::from_secs(20)).await;
+        let waited = asked.elapsed();
+        assert_eq!(live.status, RunStatus::Completed, "{live:?}");
+        let mut unfinished = 0;
+        for id in &work {
+            if !app.store.get("bulk", id).await.unwrap().unwrap().status.is_finished() {
+                unfinished += 1;
+            }
+        }
+        eprintln!("fairness (workers): the live run took {waited:?}; {unfinished} of 30 work runs were still waiting");
+        assert!(unfinished > 0, "the work runs were not saturating the budget: the test shows nothing");
+        assert!(waited <= Duration::from_secs(2), "the live run waited {waited:?} behind work");
+        app.stop_workers().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_capped_tenant_gets_no_more_than_its_cap_even_alone() {
+        let window = Duration::from_secs(2);
+        let tpm = 6_000u64;
+        let mut app = App::start(MockConfig {
+            tpm,
+            rpm: 10_000,
+            window,
+            tool_rounds: 2,
+            latency: Duration::from_millis(20),
+            ..MockConfig::default()
+        })
+        .await;
+        let mut config = app.config();
+        config.pacer.tenant_caps = "capped:30%".into();
+        app.spawn_worker(config);
+        let started = Instant::now();
+        let mut ids = vec![];
+        for i in 0..12 {
+            ids.push(app.store.create("capped", &spec(&app, &format!("job {i}"), "work", true), None).await.unwrap().run.id);
+        }
+        for id in &ids {
+            let run = super::super::worker::wait_finished_for(&app, "capped", id, Duration::from_secs(60)).await;
+            assert_eq!(run.status, RunStatus::Completed, "{run:?}");
+        }
+        let elapsed = started.elapsed().as_secs_f64();
+        let stats = app.mock.stats();
+        // What the bucket could have given over the run: capacity + refill.
+        let allowed = tpm as f64 + tpm as f64 / window.as_secs_f64() * elapsed;
+        let share = stats.tokens_admitted as f64 / allowed;
+        eprintln!("fairness (workers): a 30 % cap alone used {share:.3} of what the bucket allowed ({elapsed:.1} s)");
+        assert!(share <= 0.40, "the cap did not hold: {share:.3}");
+        app.stop_workers().await;
+    }
+}

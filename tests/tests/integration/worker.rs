@@ -38,17 +38,17 @@ async fn tool_server() -> SocketAddr {
     addr
 }
 
-struct App {
-    redis: RedisServer,
-    prefix: String,
-    mock: MockServer,
-    store: RunStore,
-    tools: String,
+pub(crate) struct App {
+    pub(crate) redis: RedisServer,
+    pub(crate) prefix: String,
+    pub(crate) mock: MockServer,
+    pub(crate) store: RunStore,
+    pub(crate) tools: String,
     workers: Vec<(oneshot::Sender<()>, JoinHandle<()>)>,
 }
 
 impl App {
-    async fn start(mock: MockConfig) -> Self {
+    pub(crate) async fn start(mock: MockConfig) -> Self {
         shared::telemetry::init("error");
         let redis = RedisServer::start();
         let prefix = unique_prefix();
@@ -61,7 +61,7 @@ impl App {
         Self { redis, prefix, mock, store, tools, workers: vec![] }
     }
 
-    fn config(&self) -> worker::WorkerConfig {
+    pub(crate) fn config(&self) -> worker::WorkerConfig {
         let mut c = worker::WorkerConfig::new(RedisArgs::new(self.redis.url(), &self.prefix), self.mock.base_url());
         c.tool_endpoints = vec![self.tools.clone()];
         c.queue.lease_ms = 2_000;
@@ -69,7 +69,7 @@ impl App {
     }
 
     /// Starts an in-process worker (apalis runtime over the queue).
-    fn spawn_worker(&mut self, config: worker::WorkerConfig) {
+    pub(crate) fn spawn_worker(&mut self, config: worker::WorkerConfig) {
         let (tx, rx) = oneshot::channel::<()>();
         let handle = tokio::spawn(async move {
             worker::run(config, async move {
@@ -87,7 +87,7 @@ impl App {
         self.store.create(TENANT, &spec, None).await.unwrap().run
     }
 
-    async fn wait_finished(&self, id: &str, timeout: Duration) -> Run {
+    pub(crate) async fn wait_finished(&self, id: &str, timeout: Duration) -> Run {
         eventually(&format!("run {id} to finish"), timeout, || async {
             let run = self.store.get(TENANT, id).await.ok()??;
             run.status.is_finished().then_some(run)
@@ -95,7 +95,7 @@ impl App {
         .await
     }
 
-    async fn stop_workers(&mut self) {
+    pub(crate) async fn stop_workers(&mut self) {
         for (tx, handle) in self.workers.drain(..) {
             let _ = tx.send(());
             let _ = tokio::time::timeout(Duration::from_secs(15), handle).await;
@@ -419,4 +419,13 @@ async fn a_run_with_tools_completes_over_chat_completions_too() {
     assert_eq!(tx.iter().filter(|e| e.item["type"] == "function_call").count(), 2);
     assert_eq!(tx.iter().filter(|e| e.item["type"] == "function_call_output").count(), 2);
     app.stop_workers().await;
+}
+
+/// Waits (bounded) for a run of `tenant` to finish.
+pub(crate) async fn wait_finished_for(app: &App, tenant: &str, id: &str, timeout: Duration) -> Run {
+    eventually(&format!("run {id} to finish"), timeout, || async {
+        let run = app.store.get(tenant, id).await.ok()??;
+        run.status.is_finished().then_some(run)
+    })
+    .await
 }
