@@ -48,10 +48,6 @@ impl Keys {
         format!("{}:pacer:budgets", self.prefix)
     }
 
-    /// The hash tag shared by every key of the turn queue.
-    pub fn queue_tag(&self) -> String {
-        format!("{}:q:{{turns}}", self.prefix)
-    }
 
     /// The hash tag of everything that one turn-commit script touches: the
     /// prefix itself (`{paceline}`). The queue's keys carry it, and the run
@@ -76,6 +72,6 @@ mod tests {
         let k = Keys::new("pl");
         assert_eq!(k.pacer_state("default", "gpt-4.1"), "pl:pacer:{default}:state:gpt-4.1");
         assert_eq!(k.pacer_reservations("b", "m"), "pl:pacer:{b}:resv:m");
-        assert!(k.queue_tag().starts_with("pl:"));
+        assert_eq!(k.queue_key("due"), "pl:{pl}:q:due");
     }
 }

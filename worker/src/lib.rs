@@ -113,7 +113,6 @@ pub async fn runner(config: &WorkerConfig) -> anyhow::Result<(Runner, TurnQueue)
     crate::estimate::warm_up();
     let runner = Runner {
         store,
-        queue: queue.clone(),
         pacer,
         provider,
         http,

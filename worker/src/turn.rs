@@ -17,7 +17,7 @@ use shared::pacer::{
     next_retry, server_delay, CallOutcome, Decision, Estimate, FailureKind, GiveUp, Mode, OwedReason,
     Pacer, RetryDecision, RetryPolicy,
 };
-use shared::queue::{Lease, TurnQueue};
+use shared::queue::Lease;
 use shared::runs::backpressure::{clip_tool_output, prepare_context};
 use shared::runs::state::event;
 use shared::runs::{Fence, Next, RunStore, StoreError, TranscriptEntry, TurnContext, TurnJob, Usage, WaitReason};
@@ -64,8 +64,6 @@ impl Default for TurnConfig {
 pub struct Runner {
     /// Runs: record, transcript, events, fenced commits.
     pub store: RunStore,
-    /// The turn queue (for reading the server clock and counts).
-    pub queue: TurnQueue,
     /// The pacer (shared, local or off).
     pub pacer: Pacer,
     /// The provider client.

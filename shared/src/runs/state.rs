@@ -1,10 +1,11 @@
 //! A run's state machine, in one place (SPEC §2):
 //! `queued` → `running` ⇄ `waiting` → `completed` | `failed` | `cancelled`.
 //!
-//! The run store (and its commit script) applies these transitions; the API and
-//! the worker only ever ask this module whether a move is allowed. A finished
-//! run never moves again — that is what makes a late, redelivered turn harmless
-//! and what makes cancelling a finished run a 409.
+//! This table is the reference: the run store's scripts (`store.lua`) make
+//! these moves atomically in Redis, where Rust cannot be called, and its tests
+//! (`tests/integration/run_store.rs`) hold them to it. A finished run never
+//! moves again — that is what makes a late, redelivered turn harmless and what
+//! makes cancelling a finished run a 409.
 
 use serde::{Deserialize, Serialize};
 
