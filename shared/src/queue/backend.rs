@@ -52,6 +52,10 @@ struct Shared {
     /// Turns true when the shutdown grace is over: running handlers are dropped
     /// and their turns handed back.
     grace: watch::Sender<bool>,
+    /// Fetches under way. A fetch runs in a task of its own and holds what it
+    /// leased before it returns, so a worker that closes mid-fetch still knows
+    /// (and hands back) every lease Redis granted it.
+    fetching: AtomicUsize,
 }
 
 impl Shared {
@@ -126,6 +130,7 @@ impl<T> QueueBackend<T> {
                 held: Mutex::new(HashMap::new()),
                 slot_waker: AtomicWaker::new(),
                 grace,
+                fetching: AtomicUsize::new(0),
             }),
             fetcher: None,
             heartbeat: None,
@@ -176,13 +181,19 @@ impl<T: DeserializeOwned + Send + 'static> Backend for QueueBackend<T> {
         if self.closing.is_none() {
             // Handlers have all returned by now (apalis drains them first), so
             // every lease still held was fetched and never started.
+            // (A fetch under way finishes in its own task and holds what it got.)
             self.fetcher = None;
-            let unstarted: Vec<Lease> = self.shared.held.lock().expect("held lock").drain().map(|(_, l)| l).collect();
+            let shared = self.shared.clone();
             let queue = self.queue.clone();
             let identity = self.shared.identity.clone();
             let heartbeat = self.heartbeat.take();
             self.closing = Some(
                 async move {
+                    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+                    while shared.fetching.load(Ordering::SeqCst) > 0 && tokio::time::Instant::now() < deadline {
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                    let unstarted: Vec<Lease> = shared.held.lock().expect("held lock").drain().map(|(_, l)| l).collect();
                     for lease in &unstarted {
                         settle_patiently(&queue, lease, Outcome::Release).await;
                     }
@@ -217,6 +228,22 @@ impl<T: DeserializeOwned + Send + 'static> BackendConfig for QueueBackend<T> {
     }
 }
 
+/// One fetch, in a task of its own (see `Shared::fetching`).
+async fn fetch_in_task(queue: TurnQueue, shared: Arc<Shared>, want: usize) -> Result<crate::queue::Fetched, QueueError> {
+    shared.fetching.fetch_add(1, Ordering::SeqCst);
+    let task = tokio::spawn(async move {
+        let result = queue.fetch(&shared.identity, want).await;
+        if let Ok(fetched) = &result {
+            for d in &fetched.deliveries {
+                shared.hold(&d.lease);
+            }
+        }
+        shared.fetching.fetch_sub(1, Ordering::SeqCst);
+        result
+    });
+    task.await.unwrap_or_else(|error| Err(QueueError::Protocol(format!("fetch task: {error}"))))
+}
+
 /// Fetches leases into a small buffer, sized to the free slots.
 struct Fetcher<T> {
     queue: TurnQueue,
@@ -236,7 +263,7 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
             let running = self.shared.running.load(Ordering::SeqCst);
             let free = self.shared.concurrency.saturating_sub(running).max(1);
             let want = free.min(self.queue.config().fetch_batch);
-            match self.queue.fetch(&self.shared.identity, want).await {
+            match fetch_in_task(self.queue.clone(), self.shared.clone(), want).await {
                 Ok(fetched) if fetched.deliveries.is_empty() => {
                     self.failures = 0;
                     self.idle(fetched.wait_ms).await;
@@ -270,6 +297,7 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
             Err(error) => {
                 // A payload no handler can read would fail every delivery: bury it now.
                 warn!(message = "undecodable payload; turn goes dead", %error, queue.id = %lease.id);
+                self.shared.forget(&lease);
                 let reason = format!("undecodable payload: {error}");
                 if let Err(error) = self.queue.dead(&lease, &reason).await {
                     warn!(message = "could not bury an undecodable turn", %error, queue.id = %lease.id);
