@@ -171,7 +171,11 @@ impl Runner {
         let body = build_body(self.provider.api_style(), &params, &context);
         let input = crate::estimate::input_tokens(&body);
         let scaled = self.calibration(&spec.model, |c| c.apply(input));
-        let est = Estimate { tokens: scaled + spec.max_output_tokens as u64, requests: 1 };
+        let est = Estimate {
+            tokens: scaled + spec.max_output_tokens as u64,
+            requests: 1,
+            output: spec.max_output_tokens as u64,
+        };
         // One reservation id per call attempt: a budget wait keeps it (so the
         // turn finds its booking when it comes back), a retry gets a new one.
         let reservation = format!("{}:{}:{}", lease.id, job.turn, job.attempt);

@@ -108,6 +108,19 @@ pub struct Estimate {
     pub tokens: u64,
     /// Requests: 1 per call.
     pub requests: u64,
+    /// The part of `tokens` reserved for output (`max_output_tokens`), which a
+    /// call usually gives mostly back; 0 when the caller does not split (the
+    /// whole estimate is then treated as such a reservation).
+    #[serde(default)]
+    pub output: u64,
+}
+
+impl Estimate {
+    /// The input part and the output reservation, as the usage ratio sees them.
+    fn split(&self) -> (f64, f64) {
+        let output = if self.output > 0 { self.output.min(self.tokens) } else { self.tokens };
+        ((self.tokens - output) as f64, output as f64)
+    }
 }
 
 /// One bucket's view in a header snapshot: limit, remaining, time to full.
@@ -300,11 +313,14 @@ pub struct PacerState {
     pub observed_at_ms: Millis,
     /// The latest due time of any booking made (stale once past: harmless).
     pub last_due_ms: Millis,
-    /// Tokens used / tokens reserved, averaged over settled calls (0 = not yet
-    /// known, read as 1). Bookings are spaced by the expected use, not by the
-    /// reservation: a call reserves its whole `max_output_tokens` but usually
-    /// gives most of it back, and a line spaced by reservations would leave the
-    /// refunds idle in the bucket until the end of the line.
+    /// Output tokens used / output tokens reserved, averaged over settled
+    /// calls (0 = not yet known, read as 1). Bookings are spaced by the
+    /// expected use — the input plus this share of the output reservation —
+    /// not by the reservation: a call reserves its whole `max_output_tokens`
+    /// but usually gives most of it back, and a line spaced by reservations
+    /// would leave the refunds idle in the bucket until the end of the line.
+    /// (One ratio over the whole estimate would under-book calls with long
+    /// inputs and over-book short ones, tilting tenants' shares.)
     pub usage_ratio: f64,
     /// Each tenant's line (fair admission of work turns).
     #[serde(default)]
@@ -346,6 +362,13 @@ pub struct TenantLine {
     pub admitted: f64,
     /// Times a turn of this tenant waited in its line.
     pub waits: f64,
+    /// The tenant's virtual time: line tokens admitted over its weight, lifted
+    /// to the others' when it comes back from idle (so idleness earns no
+    /// credit). While tenants have turns waiting, none is admitted further
+    /// than one horizon of virtual time ahead of the furthest behind, so their
+    /// admitted tokens keep the ratio of their weights over any long window.
+    #[serde(default)]
+    pub tag: f64,
 }
 
 impl TenantLine {
@@ -356,15 +379,21 @@ impl TenantLine {
 }
 
 impl PacerState {
+    /// The other tenants with turns waiting: their weights summed and the
+    /// least virtual time among them (`None`: no one else waits).
+    fn others_waiting(&self, tenant: &str) -> (f64, Option<f64>) {
+        self.tenants
+            .iter()
+            .filter(|(name, line)| name.as_str() != tenant && line.waiting() > 0.5)
+            .fold((0.0, None), |(weights, least), (_, line)| {
+                (weights + line.weight, Some(least.map_or(line.tag, |v: f64| v.min(line.tag))))
+            })
+    }
+
     /// The refill share of `who` now: its weight among the tenants with turns
     /// waiting (itself included), never above its cap.
     pub fn tenant_rate(&self, who: &Who<'_>) -> f64 {
-        let others: f64 = self
-            .tenants
-            .iter()
-            .filter(|(name, line)| name.as_str() != who.tenant && line.waiting() > 0.5)
-            .map(|(_, line)| line.weight)
-            .sum();
+        let (others, _) = self.others_waiting(who.tenant);
         let weight = who.weight.max(0.001);
         let mut rate = self.tokens.rate * weight / (weight + others);
         if who.cap > 0.0 {
@@ -377,7 +406,8 @@ impl PacerState {
     /// request count in full).
     pub fn booking_cost(&self, est: Estimate) -> Estimate {
         let ratio = if self.usage_ratio > 0.0 { self.usage_ratio.clamp(0.05, 1.0) } else { 1.0 };
-        Estimate { tokens: (est.tokens as f64 * ratio).ceil() as u64, requests: est.requests }
+        let (input, output) = est.split();
+        Estimate { tokens: (input + output * ratio).ceil() as u64, requests: est.requests, output: 0 }
     }
 }
 
@@ -461,25 +491,42 @@ pub fn acquire(
     if mode == Mode::Work && state.tokens.known() {
         let lc = state.booking_cost(est).tokens as f64;
         let rate = state.tenant_rate(who);
-        let others_waiting = state.tenants.iter().any(|(n, l)| n.as_str() != who.tenant && l.waiting() > 0.5);
+        let (others_weight, others_least) = state.others_waiting(who.tenant);
+        let total_rate = state.tokens.rate;
         let line = state.tenants.entry(who.tenant.to_owned()).or_default();
         line.weight = who.weight;
+        let weight = who.weight.max(0.001);
+        if waiting.is_none() && line.waiting() <= 0.5 {
+            // Back from idle: no credit for the time away.
+            line.tag = line.tag.max(others_least.unwrap_or(line.tag));
+        }
         let position = waiting.map(|p| p as f64).unwrap_or(line.next + lc);
         let ahead = (position - lc - line.served).max(0.0);
         let horizon = cfg.fair_horizon_ms as f64;
-        if ahead / rate > horizon {
+        // Virtual time runs at the refill over the waiting tenants' weights;
+        // a tenant more than a quarter horizon of it ahead of the furthest
+        // behind lets the others catch up (start-time fair queuing, with the
+        // slack that lets turns come back on timers without idling the bucket).
+        let pace = total_rate / (weight + others_weight);
+        let lead = others_least.map_or(0.0, |least| line.tag - least - horizon * pace / 4.0);
+        if ahead / rate > horizon || lead > 0.0 {
             if waiting.is_none() {
                 line.next = position;
                 line.waits += 1.0;
             }
-            let reason = if others_waiting { OwedReason::FairShare } else { OwedReason::Budget };
-            return match owed(ahead / rate - horizon / 2.0, reason, false, cfg, jitter_u) {
+            let reason = if others_least.is_some() { OwedReason::FairShare } else { OwedReason::Budget };
+            let mut ms = if ahead / rate > horizon { ahead / rate - horizon / 2.0 } else { 0.0 };
+            if lead > 0.0 {
+                ms = ms.max(lead / pace).max(horizon / 16.0);
+            }
+            return match owed(ms, reason, false, cfg, jitter_u) {
                 Decision::Owed { ms, reason, booked, .. } => {
                     Decision::Owed { ms, reason, booked, waiting: Some(position.round() as u64) }
                 }
                 clear => clear,
             };
         }
+        line.tag += lc / weight;
         if waiting.is_none() {
             line.next = position;
         }
@@ -704,8 +751,9 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, outcome: 
     };
     let refunded_requests = if outcome.rate_limited_ms.is_some() { outcome.reserved.requests } else { 0 };
     if let (None, Some(used)) = (outcome.rate_limited_ms, outcome.used_tokens) {
-        if outcome.reserved.tokens > 0 {
-            let seen = (used as f64 / outcome.reserved.tokens as f64).min(1.0);
+        let (input, output) = outcome.reserved.split();
+        if output > 0.0 {
+            let seen = ((used as f64 - input) / output).clamp(0.0, 1.0);
             let prior = if state.usage_ratio > 0.0 { state.usage_ratio } else { 1.0 };
             state.usage_ratio = 0.8 * prior + 0.2 * seen;
         }
@@ -776,7 +824,7 @@ mod tests {
     }
 
     fn est(tokens: u64) -> Estimate {
-        Estimate { tokens, requests: 1 }
+        Estimate { tokens, requests: 1, output: 0 }
     }
 
     fn obs(limit: u64, remaining: u64, reset_ms: u64) -> Observation {
@@ -975,6 +1023,23 @@ mod tests {
                 other => panic!("{other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn the_line_books_the_input_in_full_and_the_output_by_its_usage() {
+        let mut s = seen(30_000);
+        // 1 000 in, 1 000 reserved for output, 200 of it used (1 200 in all).
+        let call = Estimate { tokens: 2_000, requests: 1, output: 1_000 };
+        for _ in 0..40 {
+            settle(&mut s, &cfg(), T0, &Outcome { reserved: call, used_tokens: Some(1_200), ..Outcome::default() });
+        }
+        assert!((s.usage_ratio - 0.2).abs() < 0.01, "{}", s.usage_ratio);
+        // A long input with the same output reservation is booked for its
+        // input plus a fifth of the output, not by a fifth of the whole.
+        let long = Estimate { tokens: 9_000, requests: 1, output: 1_000 };
+        assert!((8_200..=8_201).contains(&s.booking_cost(long).tokens));
+        // A caller that does not split is booked by the ratio of the whole.
+        assert!((1_800..=1_801).contains(&s.booking_cost(Estimate { output: 0, ..long }).tokens));
     }
 
     #[test]

@@ -7,8 +7,9 @@
 --
 -- KEYS[1] state hash   (t_* token bucket, r_* request bucket, blocked_until, probe_until, observed_at)
 -- KEYS[2] reservations zset: id -> expiry ms
--- KEYS[3] reservations hash: id -> "kind|tokens|requests|due|line_tokens|line_requests|mark|tenant"
---         (mark: the token bucket's cumulative refunds when an in-flight call was sent)
+-- KEYS[3] reservations hash: id -> "kind|tokens|requests|due|line_tokens|line_requests|mark|output|tenant"
+--         (mark: the token bucket's cumulative refunds when an in-flight call was sent;
+--          output: the part of tokens reserved for output)
 --         (kind: f = in flight, b = booked by a work turn, l = booked by a live
 --          (companion) turn; line_* = what a booking holds on the line)
 -- ARGV[1] op: acquire | settle | snapshot
@@ -16,7 +17,8 @@
 --          fair_horizon_ms, tpm, rpm
 -- ARGV[11] now in ms, or '' for the server's TIME (tests pass a clock; production never does)
 -- acquire: ARGV[12] id, [13] tokens, [14] requests, [15] jitter_u, [16] 'companion' | 'work',
---          [17] tenant weight, [18] tenant cap (0 none), [19] tenant, [20] booking grace ms
+--          [17] tenant weight, [18] tenant cap (0 none), [19] tenant, [20] booking grace ms,
+--          [21] output tokens reserved (part of [13]; 0: not split)
 --   -> {0} clear | {1, owed_ms, reason, booked, waiting_position (-1 none)}
 --      reason: 1 budget, 2 rate_limited, 3 probe, 4 fair_share
 -- settle:  ARGV[12] id, [13] used_tokens (-1 unknown), [14] rate_limited_ms (-1 none),
@@ -114,18 +116,19 @@ local function owed(ms, reason, booked, u)
   return {1, math.ceil(base + jitter), reason, booked, -1}
 end
 
--- Fair admission: the refill share of a tenant now — its weight among the
--- tenants with turns waiting in their lines (itself included), capped.
+-- Fair admission: the other tenants with turns waiting in their lines — their
+-- weights summed and the least virtual time among them (nil: no one else).
 local function others_waiting(t)
-  local weights, any = 0, false
+  local weights, least = 0, nil
   for k, v in pairs(S) do
     local name = string.match(k, '^tn:(.*)$')
     if name and name ~= t and v - get('ts:' .. name) > 0.5 then
       weights = weights + get('tw:' .. name)
-      any = true
+      local tag = get('tv:' .. name)
+      if least == nil or tag < least then least = tag end
     end
   end
-  return weights, any
+  return weights, least
 end
 
 -- Records a turn waiting in its tenant's line (kind w) with its position.
@@ -166,7 +169,7 @@ local function expire()
       if tenant then S['ts:' .. tenant] = get('ts:' .. tenant) + tonumber(ltk) end
     elseif rec then
       local kind, tk, rq, _, ltk, lrq, tenant =
-        string.match(rec, '^(%a)|([%d.]+)|([%d.]+)|(%d+)|([%d.]+)|([%d.]+)|[%d.e+-]+|(.*)$')
+        string.match(rec, '^(%a)|([%d.]+)|([%d.]+)|(%d+)|([%d.]+)|([%d.]+)|[%d.e+-]+|[%d.]+|(.*)$')
       local booking = kind == 'b' or kind == 'l'
       if booking then tk, rq = tonumber(ltk), tonumber(lrq) else tk, rq = tonumber(tk), tonumber(rq) end
       if kind == 'b' and tenant ~= '' and S['tn:' .. tenant] ~= nil then
@@ -236,18 +239,26 @@ local function save()
   if #flat > 0 then redis.call('HSET', state, unpack(flat)) end
 end
 
-local function reserve(id, kind, tk, rq, due, expiry, ltk, lrq, tenant, mark)
+local function reserve(id, kind, tk, rq, due, expiry, ltk, lrq, tenant, out, mark)
   redis.call('HSET', resv_data, id, kind .. '|' .. fmt(tk) .. '|' .. fmt(rq) .. '|' .. string.format('%d', due)
-    .. '|' .. fmt(ltk) .. '|' .. fmt(lrq) .. '|' .. fmt(mark or 0) .. '|' .. (tenant or ''))
+    .. '|' .. fmt(ltk) .. '|' .. fmt(lrq) .. '|' .. fmt(mark or 0) .. '|' .. fmt(out) .. '|' .. (tenant or ''))
   redis.call('ZADD', resv, expiry, id)
 end
 
+-- A call's input part and output reservation, as the usage ratio sees them.
+local function split(tokens, out)
+  if out <= 0 then return 0, tokens end
+  out = math.min(out, tokens)
+  return tokens - out, out
+end
+
 -- What a booking holds on the line: the expected use (see bucket.rs).
-local function line_cost(tokens)
+local function line_cost(tokens, out)
   local ratio = get('usage_ratio')
   if ratio <= 0 then ratio = 1 end
   ratio = math.min(math.max(ratio, 0.05), 1)
-  return math.ceil(tokens * ratio)
+  local input, output = split(tokens, out)
+  return math.ceil(input + output * ratio)
 end
 
 if op == 'snapshot' then
@@ -268,6 +279,7 @@ end
 if op == 'acquire' then
   local id = ARGV[12]
   local tokens, requests, u = tonumber(ARGV[13]), tonumber(ARGV[14]), tonumber(ARGV[15])
+  local output = tonumber(ARGV[21])
   ensure_configured()
   expire()
   -- A booked turn that comes back is clear once the bucket holds its whole
@@ -287,9 +299,9 @@ if op == 'acquire' then
     rec = nil
   end
   if rec then
-    local kind, tk, rq, due, ltk, lrq, rtenant =
-      string.match(rec, '^(%a)|([%d.]+)|([%d.]+)|(%d+)|([%d.]+)|([%d.]+)|[%d.e+-]+|(.*)$')
-    tk, rq, due, ltk, lrq = tonumber(tk), tonumber(rq), tonumber(due), tonumber(ltk), tonumber(lrq)
+    local kind, tk, rq, due, ltk, lrq, rout, rtenant =
+      string.match(rec, '^(%a)|([%d.]+)|([%d.]+)|(%d+)|([%d.]+)|([%d.]+)|[%d.e+-]+|([%d.]+)|(.*)$')
+    tk, rq, due, ltk, lrq, rout = tonumber(tk), tonumber(rq), tonumber(due), tonumber(ltk), tonumber(lrq), tonumber(rout)
     local booking = kind == 'b' or kind == 'l'
     if booking and now < due then
       save()
@@ -313,7 +325,7 @@ if op == 'acquire' then
       end
       if short > 0 then
         local r = owed(short, 1, 1, u)
-        reserve(id, kind, tk, rq, now + r[2], now + r[2] + tonumber(ARGV[20]), ltk, lrq, rtenant)
+        reserve(id, kind, tk, rq, now + r[2], now + r[2] + tonumber(ARGV[20]), ltk, lrq, rtenant, rout)
         save()
         return r
       end
@@ -323,14 +335,13 @@ if op == 'acquire' then
           S[p .. 'booked'] = math.max(get(p .. 'booked') - lc, 0)
           if kind == 'l' then S[p .. 'booked_live'] = math.max(get(p .. 'booked_live') - lc, 0) end
           S[p .. 'inflight'] = get(p .. 'inflight') + cost
-        S[p .. 'charged_since'] = get(p .. 'charged_since') + cost
           S[p .. 'charged_since'] = get(p .. 'charged_since') + cost
           S[p .. 'level'] = get(p .. 'level') - (cost - lc)
         end
       end
       if kind == 'b' then serve(rtenant, ltk) end
     end
-    reserve(id, 'f', tk, rq, now, now + ttl, ltk, lrq, rtenant, get('t_refunded'))
+    reserve(id, 'f', tk, rq, now, now + ttl, ltk, lrq, rtenant, rout, get('t_refunded'))
     save()
     return {0}
   end
@@ -338,7 +349,7 @@ if op == 'acquire' then
   -- something else (a closed window, a probe).
   local function keep_place(r)
     if position then
-      wait_in_line(id, r, tokens, requests, line_cost(tokens), position, ARGV[19])
+      wait_in_line(id, r, tokens, requests, line_cost(tokens, output), position, ARGV[19])
     end
     save()
     return r
@@ -362,31 +373,44 @@ if op == 'acquire' then
   lift('r_')
   local live = ARGV[16] == 'companion'
   local weight, cap, tenant = tonumber(ARGV[17]), tonumber(ARGV[18]), ARGV[19]
-  local lt = line_cost(tokens)
+  local lt = line_cost(tokens, output)
   -- Fair admission (work turns): the tenant's line first. A turn with more of
   -- its tenant's line ahead than the horizon waits there and comes back when
   -- it is closer; otherwise it is admitted no earlier than its share allows.
   local share_wait = 0
   if not live and known('t_') then
     local rate = tenant_rate(tenant, weight, cap)
-    local _, others = others_waiting(tenant)
+    local others_weight, least = others_waiting(tenant)
     S['tn:' .. tenant] = get('tn:' .. tenant)
     S['ts:' .. tenant] = get('ts:' .. tenant)
     S['tw:' .. tenant] = weight
+    local w = math.max(weight, 0.001)
+    if not position and get('tn:' .. tenant) - get('ts:' .. tenant) <= 0.5 and least ~= nil then
+      -- Back from idle: no credit for the time away.
+      S['tv:' .. tenant] = math.max(get('tv:' .. tenant), least)
+    end
     local pos = position or (get('tn:' .. tenant) + lt)
     local ahead = math.max(pos - lt - get('ts:' .. tenant), 0)
-    if ahead / rate > fair_horizon then
+    -- A tenant more than a quarter horizon of virtual time ahead of the
+    -- furthest behind lets the others catch up.
+    local pace = get('t_rate') / (w + others_weight)
+    local lead = 0
+    if least ~= nil then lead = get('tv:' .. tenant) - least - fair_horizon * pace / 4 end
+    if ahead / rate > fair_horizon or lead > 0 then
       if not position then
         S['tn:' .. tenant] = pos
         S['twait:' .. tenant] = get('twait:' .. tenant) + 1
       end
       local reason = 1
-      if others then reason = 4 end
-      local r = wait_in_line(id, owed(ahead / rate - fair_horizon / 2, reason, 0, u), tokens, requests, lt,
-        math.floor(pos + 0.5), tenant)
+      if least ~= nil then reason = 4 end
+      local ms = 0
+      if ahead / rate > fair_horizon then ms = ahead / rate - fair_horizon / 2 end
+      if lead > 0 then ms = math.max(ms, lead / pace, fair_horizon / 16) end
+      local r = wait_in_line(id, owed(ms, reason, 0, u), tokens, requests, lt, math.floor(pos + 0.5), tenant)
       save()
       return r
     end
+    S['tv:' .. tenant] = get('tv:' .. tenant) + lt / w
     if not position then S['tn:' .. tenant] = pos end
     -- served moves when the turn is sent, so booked turns count as ahead: each
     -- tenant keeps at most its share of the horizon on the bucket's line.
@@ -434,14 +458,14 @@ if op == 'acquire' then
   local ltk = known('t_') and lt or 0
   if wait <= 0 then
     if not live then serve(tenant, lt) end
-    reserve(id, 'f', tk, rq, now, now + ttl, ltk, rq, '', get('t_refunded'))
+    reserve(id, 'f', tk, rq, now, now + ttl, ltk, rq, '', known('t_') and output or 0, get('t_refunded'))
     save()
     return {0}
   end
   local r = owed(wait, 1, 1, u)
   local kind, btenant = 'b', tenant
   if live then kind, btenant = 'l', '' else S['last_due'] = math.max(get('last_due'), now + r[2]) end
-  reserve(id, kind, tk, rq, now + r[2], now + r[2] + tonumber(ARGV[20]), ltk, rq, btenant)
+  reserve(id, kind, tk, rq, now + r[2], now + r[2] + tonumber(ARGV[20]), ltk, rq, btenant, known('t_') and output or 0)
   save()
   return r
 end
@@ -452,22 +476,23 @@ if op == 'settle' then
   local limited = tonumber(ARGV[14])
   ensure_configured()
   expire()
-  local tk, rq, others = 0, 0, 0
+  local tk, rq, out, others = 0, 0, 0, 0
   local rec = redis.call('HGET', resv_data, id)
   if rec then
-    local kind, a, b, mark = string.match(rec, '^(%a)|([%d.]+)|([%d.]+)|%d+|[%d.]+|[%d.]+|([%d.e+-]+)|')
+    local kind, a, b, mark, o = string.match(rec, '^(%a)|([%d.]+)|([%d.]+)|%d+|[%d.]+|[%d.]+|([%d.e+-]+)|([%d.]+)|')
     if kind == 'f' then
-      tk, rq = tonumber(a), tonumber(b)
+      tk, rq, out = tonumber(a), tonumber(b), tonumber(o)
       -- What others gave back since this call was sent: its headers cannot show it.
       others = math.max(get('t_refunded') - tonumber(mark), 0)
     end
     redis.call('HDEL', resv_data, id)
     redis.call('ZREM', resv, id)
   end
-  if limited < 0 and used >= 0 and tk > 0 then
+  local input, output = split(tk, out)
+  if limited < 0 and used >= 0 and output > 0 then
     local prior = get('usage_ratio')
     if prior <= 0 then prior = 1 end
-    S['usage_ratio'] = 0.8 * prior + 0.2 * math.min(used / tk, 1)
+    S['usage_ratio'] = 0.8 * prior + 0.2 * math.min(math.max((used - input) / output, 0), 1)
   end
   local refund_t, refund_r = 0, 0
   if limited >= 0 then

@@ -297,7 +297,8 @@ impl SharedPacer {
             .arg(who.weight)
             .arg(who.cap)
             .arg(who.tenant)
-            .arg(self.config.booking_grace_ms);
+            .arg(self.config.booking_grace_ms)
+            .arg(est.output);
         let mut conn = self.conn.clone();
         let reply: Vec<i64> = inv.invoke_async(&mut conn).await?;
         match reply.as_slice() {
@@ -402,6 +403,7 @@ fn state_from_fields(flat: &[String]) -> (PacerState, Millis) {
                     cap_due_ms: g("tc") as Millis,
                     admitted: g("tadm"),
                     waits: g("twait"),
+                    tag: g("tv"),
                 };
                 (t.to_owned(), line)
             })
@@ -526,11 +528,12 @@ impl LocalPacer {
         }
         let line = m.state.booking_cost(est);
         let decision = bucket::acquire(&mut m.state, &self.config, now, est, mode, who, position, jitter_u);
-        let known = |tokens: u64, requests: u64| Estimate {
+        let known = |tokens: u64, requests: u64, output: u64| Estimate {
             tokens: if m.state.tokens.known() { tokens } else { 0 },
             requests: if m.state.requests.known() { requests } else { 0 },
+            output: if m.state.tokens.known() { output } else { 0 },
         };
-        let (charged, line) = (known(est.tokens, est.requests), known(line.tokens, line.requests));
+        let (charged, line) = (known(est.tokens, est.requests, est.output), known(line.tokens, line.requests, 0));
         let tenant = (mode == Mode::Work).then(|| who.tenant.to_owned());
         let held = |booked, live, waiting, reason, due: Millis, expiry| Held {
             waiting,

@@ -501,7 +501,7 @@ async fn pacer_queue_and_workers_show_the_shared_state() {
 
     let conn = shared::redis_util::manager(&app.redis.url()).await.unwrap();
     let pacer = SharedPacer::new(conn, Keys::new(app.prefix.clone()), "default", PacingConfig::default());
-    pacer.acquire("gpt-x", "r1", Estimate { tokens: 1000, requests: 1 }, Mode::Work, &shared::pacer::Who::DEFAULT).await.unwrap();
+    pacer.acquire("gpt-x", "r1", Estimate { tokens: 1000, requests: 1, output: 0 }, Mode::Work, &shared::pacer::Who::DEFAULT).await.unwrap();
     let seen = Observation { limit: Some(30_000), remaining: Some(20_000), reset_ms: Some(20_000) };
     pacer
         .settle("gpt-x", "r1", &CallOutcome { used_tokens: Some(900), tokens: seen, ..Default::default() })
@@ -602,7 +602,7 @@ async fn metrics_expose_the_specs_families() {
     use shared::pacer::{CallOutcome, Estimate, Mode, Observation, PacingConfig, SharedPacer};
     let conn = shared::redis_util::manager(&app.redis.url()).await.unwrap();
     let pacer = SharedPacer::new(conn, Keys::new(app.prefix.clone()), "default", PacingConfig::default());
-    pacer.acquire("gpt-m", "r1", Estimate { tokens: 10, requests: 1 }, Mode::Work, &shared::pacer::Who::DEFAULT).await.unwrap();
+    pacer.acquire("gpt-m", "r1", Estimate { tokens: 10, requests: 1, output: 0 }, Mode::Work, &shared::pacer::Who::DEFAULT).await.unwrap();
     let seen = Observation { limit: Some(1000), remaining: Some(900), reset_ms: Some(1000) };
     pacer.settle("gpt-m", "r1", &CallOutcome { tokens: seen, ..Default::default() }).await.unwrap();
     let text = app.req(reqwest::Method::GET, "/metrics", None).send().await.unwrap().text().await.unwrap();

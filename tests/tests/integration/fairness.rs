@@ -39,7 +39,7 @@ async fn simulate(pacer: &Pacer, clock: &ManualClock, loads: &[Load], run_ms: Mi
 {
     // Headers seen once: the bucket is empty and refills at 1 token/ms.
     let headers = Observation { limit: Some(60_000), remaining: Some(0), reset_ms: Some(60_000) };
-    pacer.acquire("m", "seed", Estimate { tokens: 1, requests: 1 }, Mode::Work, &Who::DEFAULT).await.unwrap();
+    pacer.acquire("m", "seed", Estimate { tokens: 1, requests: 1, output: 0 }, Mode::Work, &Who::DEFAULT).await.unwrap();
     pacer.settle("m", "seed", &CallOutcome { tokens: headers, used_tokens: Some(1), ..CallOutcome::default() })
         .await
         .unwrap();
@@ -59,7 +59,7 @@ async fn simulate(pacer: &Pacer, clock: &ManualClock, loads: &[Load], run_ms: Mi
         clock.set(at);
         let load = loads[l];
         let id = format!("{}-{t}-{call}", load.who.tenant);
-        let est = Estimate { tokens: load.tokens, requests: 1 };
+        let est = Estimate { tokens: load.tokens, requests: 1, output: 0 };
         match pacer.acquire("m", &id, est, load.mode, &load.who).await.unwrap() {
             Decision::Clear => {
                 if at >= T0 + warm_ms {
@@ -195,6 +195,7 @@ async fn the_shared_script_keeps_the_weights_too() {
 
 mod with_workers {
     use super::super::worker::App;
+    use super::{Keys, PacingConfig, SharedPacer};
     use mock_provider::MockConfig;
     use serde_json::json;
     use shared::runs::{RunSpec, RunStatus, SubmitPolicy};
@@ -277,5 +278,115 @@ mod with_workers {
         eprintln!("fairness (workers): a 30 % cap alone used {share:.3} of what the bucket allowed ({elapsed:.1} s)");
         assert!(share <= 0.40, "the cap did not hold: {share:.3}");
         app.stop_workers().await;
+    }
+
+    /// What a backlogged trial measured over its window.
+    struct Window {
+        /// Tokens the pacer admitted per tenant in the window (its own
+        /// per-tenant count, as `GET /v1/pacer` shows it).
+        admitted: std::collections::BTreeMap<String, f64>,
+        /// Tokens the provider charged (less refunds) for calls in the window.
+        provider_tokens: u64,
+        /// The window, s.
+        span_s: f64,
+        /// The budget's refill, tokens/s.
+        rate: f64,
+        /// Runs still unfinished when the window closed.
+        unfinished: usize,
+    }
+
+    /// Starts a worker on a scarce budget (6 000 tokens per 2 s), submits
+    /// `runs` long runs for each tenant, interleaved, and measures from 4 s to
+    /// `until` after the submits: what the pacer admitted per tenant and what
+    /// the provider charged in all. (Shares are read from the pacer's count,
+    /// which weighs every call by the worker's estimate; the provider's
+    /// count, four characters a token in the mock, weighs long histories of
+    /// tool calls differently from a real tokenizer, so per-tenant provider
+    /// counts would measure the estimator as much as the fairness.)
+    async fn backlogged(tenants: &[&str], runs: usize, weights: &str, until: Duration) -> Window {
+        let window = Duration::from_secs(2);
+        let tpm = 6_000u64;
+        let mut app = App::start(MockConfig {
+            tpm,
+            rpm: 10_000,
+            window,
+            tool_rounds: 60,
+            latency: Duration::from_millis(20),
+            ..MockConfig::default()
+        })
+        .await;
+        let mut config = app.config();
+        config.pacer.tenant_weights = weights.into();
+        app.spawn_worker(config);
+        let conn = shared::redis_util::manager(&app.redis.url()).await.unwrap();
+        let pacer = SharedPacer::new(conn, Keys::new(&app.prefix), "default", PacingConfig::default());
+        let admitted = || async {
+            let snap = pacer.snapshot().await.unwrap();
+            let tenants = snap.first().map(|b| b.tenants.clone()).unwrap_or_default();
+            let admitted: std::collections::BTreeMap<String, f64> =
+                tenants.into_iter().map(|t| (t.tenant, t.admitted_tokens as f64)).collect();
+            (admitted, app.mock.stats())
+        };
+        let filler = "lorem ipsum dolor sit amet ".repeat(30);
+        let mut ids = vec![];
+        let started = Instant::now();
+        for i in 0..runs {
+            for tenant in tenants {
+                let mut spec = spec(&app, &format!("[tenant {tenant}] job {i}: {filler}"), "work", true);
+                spec.max_turns = 100;
+                ids.push((tenant.to_string(), app.store.create(tenant, &spec, None).await.unwrap().run.id));
+            }
+        }
+        // The bucket starts full: its first burst is no one's share.
+        tokio::time::sleep(Duration::from_secs(4).saturating_sub(started.elapsed())).await;
+        let (before, stats_before) = admitted().await;
+        let opened = Instant::now();
+        tokio::time::sleep(until.saturating_sub(started.elapsed())).await;
+        let (after, stats_after) = admitted().await;
+        let span_s = opened.elapsed().as_secs_f64();
+        let mut unfinished = 0;
+        for (tenant, id) in &ids {
+            if !app.store.get(tenant, id).await.unwrap().unwrap().status.is_finished() {
+                unfinished += 1;
+            }
+        }
+        app.stop_workers().await;
+        let admitted = tenants
+            .iter()
+            .map(|t| {
+                let got = |m: &std::collections::BTreeMap<String, f64>| m.get(*t).copied().unwrap_or(0.0);
+                (t.to_string(), got(&after) - got(&before))
+            })
+            .collect();
+        Window {
+            admitted,
+            provider_tokens: stats_after.tokens_admitted - stats_before.tokens_admitted,
+            span_s,
+            rate: tpm as f64 / window.as_secs_f64(),
+            unfinished,
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn weights_hold_between_backlogged_tenants() {
+        let w = backlogged(&["heavy", "light"], 8, "heavy:2,light:1", Duration::from_secs(16)).await;
+        let ratio = w.admitted["heavy"] / w.admitted["light"];
+        let used = w.provider_tokens as f64 / (w.rate * w.span_s);
+        eprintln!(
+            "fairness (workers): weights 2:1 -> admitted {:?} = {ratio:.3} over {:.1} s; the provider charged {used:.3} of the refill",
+            w.admitted, w.span_s
+        );
+        assert!(w.unfinished > 0, "the runs ran out of work: the window shows nothing");
+        assert!((ratio / 2.0 - 1.0).abs() <= 0.05, "shares {ratio:.3}, not within 5 % of 2:1");
+        assert!(used >= 0.85, "work-conserving: {used:.3} of the refill");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lone_tenant_gets_the_whole_budget() {
+        let w = backlogged(&["solo"], 10, "", Duration::from_secs(12)).await;
+        let used = w.provider_tokens as f64 / (w.rate * w.span_s);
+        eprintln!("fairness (workers): a lone tenant's calls were charged {used:.3} of the refill over {:.1} s", w.span_s);
+        assert!(w.unfinished > 0, "the runs ran out of work: the window shows nothing");
+        assert!(used >= 0.85, "work-conserving: {used:.3} of the refill");
     }
 }

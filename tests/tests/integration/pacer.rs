@@ -5,7 +5,7 @@
 
 use paceline_tests::{unique_prefix, RedisServer};
 use rand::{Rng, SeedableRng};
-use shared::clock::{Clock, ManualClock};
+use shared::clock::{Clock, ManualClock, Millis};
 use shared::keys::Keys;
 use shared::pacer::{
     CallOutcome, Decision, Estimate, LocalPacer, Mode, Observation, OwedReason, Pacer, PacingConfig, SharedPacer, Who,
@@ -124,7 +124,7 @@ async fn thirty_two_acquirers(window: Option<Duration>) -> (u64, u64, f64) {
             while start.elapsed() < run_for {
                 call += 1;
                 let id = format!("w{worker}-c{call}");
-                let est = Estimate { tokens: rng.random_range(500..2_000), requests: 1 };
+                let est = Estimate { tokens: rng.random_range(500..2_000), requests: 1, output: 0 };
                 // Ask until clear; an owed turn pays its time in full, then comes back.
                 loop {
                     match pacer.acquire("gpt-test", &id, est, Mode::Work, &Who::DEFAULT).await.unwrap() {
@@ -201,13 +201,13 @@ async fn a_429_closes_the_window_for_every_worker() {
     let prefix = unique_prefix();
     let a = shared_pacer(&server, &prefix, PacingConfig::default()).await;
     let b = shared_pacer(&server, &prefix, PacingConfig::default()).await;
-    assert_eq!(a.acquire("m", "a1", Estimate { tokens: 10, requests: 1 }, Mode::Work, &Who::DEFAULT).await.unwrap(), Decision::Clear);
+    assert_eq!(a.acquire("m", "a1", Estimate { tokens: 10, requests: 1, output: 0 }, Mode::Work, &Who::DEFAULT).await.unwrap(), Decision::Clear);
     let headers = Observation { limit: Some(10_000), remaining: Some(9_000), reset_ms: Some(6_000) };
     a.settle("m", "a1", &CallOutcome { rate_limited_ms: Some(3_000), tokens: headers, ..CallOutcome::default() })
         .await
         .unwrap();
     // Another worker, on another connection, even a live turn: owed the window.
-    match b.acquire("m", "b1", Estimate { tokens: 10, requests: 1 }, Mode::Companion, &Who::DEFAULT).await.unwrap() {
+    match b.acquire("m", "b1", Estimate { tokens: 10, requests: 1, output: 0 }, Mode::Companion, &Who::DEFAULT).await.unwrap() {
         Decision::Owed { ms, reason: OwedReason::RateLimited, .. } => {
             assert!((2_900..=3_100).contains(&ms), "owed {ms} ms, not the 3 s the provider asked for")
         }
@@ -224,7 +224,7 @@ async fn a_booked_turn_is_clear_when_it_comes_back_and_not_before() {
     // 60 000 per minute (1 token/ms), 6 000 left = exactly the work floor.
     let headers = Observation { limit: Some(60_000), remaining: Some(6_000), reset_ms: Some(54_000) };
     pacer.settle("m", "probe", &CallOutcome { tokens: headers, ..CallOutcome::default() }).await.unwrap();
-    let est = Estimate { tokens: 2_000, requests: 1 };
+    let est = Estimate { tokens: 2_000, requests: 1, output: 0 };
     let Decision::Owed { ms: first, booked: true, .. } = pacer.acquire("m", "t1", est, Mode::Work, &Who::DEFAULT).await.unwrap() else {
         panic!("expected a booking")
     };
@@ -253,7 +253,7 @@ async fn the_snapshot_lists_every_budget_and_model() {
     let pacer = shared_pacer(&server, &prefix, PacingConfig::default()).await;
     let headers = Observation { limit: Some(40_000), remaining: Some(30_000), reset_ms: Some(15_000) };
     for model in ["gpt-a", "gpt-b"] {
-        pacer.acquire(model, "x", Estimate { tokens: 1, requests: 1 }, Mode::Work, &Who::DEFAULT).await.unwrap();
+        pacer.acquire(model, "x", Estimate { tokens: 1, requests: 1, output: 0 }, Mode::Work, &Who::DEFAULT).await.unwrap();
         pacer.settle(model, "x", &CallOutcome { tokens: headers, ..CallOutcome::default() }).await.unwrap();
     }
     let snap = pacer.snapshot().await.unwrap();
@@ -269,26 +269,53 @@ async fn the_snapshot_lists_every_budget_and_model() {
 #[tokio::test]
 async fn the_redis_script_and_the_pure_model_agree() {
     let server = RedisServer::start();
+    // Every path must be taken, or a difference in it goes unseen: booked
+    // turns claimed at their due time, turns back from their tenant's line.
+    let mut claimed = 0;
+    for seed in [7, 8, 9] {
+        claimed += agree(&server, seed).await;
+    }
+    assert!(claimed >= 10, "only {claimed} bookings were claimed: the claim path was hardly compared");
+}
+
+/// One random walk of the differential test; returns how many booked turns
+/// were claimed (came back and were clear).
+async fn agree(server: &RedisServer, seed: u64) -> usize {
     let clock = ManualClock::new(5_000_000);
     let config = PacingConfig { jitter_frac: 0.0, probe_wait_ms: 50, reservation_ttl_ms: 4_000, ..PacingConfig::default() };
-    let shared = shared_pacer(&server, &unique_prefix(), config.clone()).await.with_test_clock(Arc::new(clock.clone()));
+    let shared = shared_pacer(server, &unique_prefix(), config.clone()).await.with_test_clock(Arc::new(clock.clone()));
     let local = LocalPacer::with_clock("default", config, Arc::new(clock.clone()));
-    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut outstanding: Vec<String> = vec![];
+    let mut waiting: std::collections::HashMap<String, Millis> = Default::default();
+    let mut booked_ids: std::collections::HashSet<String> = Default::default();
+    let mut claimed = 0;
     for step in 0..400 {
         clock.advance(rng.random_range(0..300));
         let roll = rng.random_range(0..10);
         if roll < 6 || outstanding.is_empty() {
-            let id = if !outstanding.is_empty() && rng.random_bool(0.3) {
-                outstanding[rng.random_range(0..outstanding.len())].clone()
+            // A turn asks again only when it was owed time (a worker never
+            // asks again for a call it was cleared to send): mostly the one
+            // due first, at its due time, as the queue delivers it.
+            let next_due = waiting.iter().min_by_key(|(id, due)| (**due, (*id).clone())).map(|(id, due)| (id.clone(), *due));
+            let id = if let (Some((id, due)), true) = (next_due, rng.random_bool(0.4)) {
+                if rng.random_bool(0.8) && due > clock.now_ms() {
+                    clock.set(due);
+                }
+                id
             } else {
                 format!("r{step}")
             };
-            let est = Estimate { tokens: rng.random_range(100..5_000), requests: 1 };
-            let mode = if rng.random_bool(0.2) { Mode::Companion } else { Mode::Work };
+            let tokens = rng.random_range(100..5_000);
+            // Most calls say which part is the output reservation; some do not.
+            let output = if rng.random_bool(0.8) { rng.random_range(0..tokens) } else { 0 };
+            let est = Estimate { tokens, requests: 1, output };
             // Three tenants: weights 2, 1, 1; the third capped at 30 %. A
-            // reservation id always belongs to one tenant.
-            let n: usize = id.trim_start_matches('r').parse::<usize>().unwrap_or(0) % 3;
+            // reservation id always belongs to one tenant and one mode (a
+            // fifth of them companion turns), as a run does.
+            let number: usize = id.trim_start_matches('r').parse::<usize>().unwrap_or(0);
+            let mode = if number % 5 == 4 { Mode::Companion } else { Mode::Work };
+            let n = number % 3;
             let who = [
                 Who { tenant: "alpha", weight: 2.0, cap: 0.0 },
                 Who { tenant: "beta", weight: 1.0, cap: 0.0 },
@@ -296,12 +323,28 @@ async fn the_redis_script_and_the_pure_model_agree() {
             ][n];
             let want = local.acquire("m", &id, est, mode, &who);
             let got = shared.acquire("m", &id, est, mode, &who).await.unwrap();
-            assert_eq!(got, want, "step {step}: acquire {id} {est:?} {mode:?} {who:?}");
+            assert_eq!(got, want, "seed {seed} step {step}: acquire {id} {est:?} {mode:?} {who:?}");
+            match got {
+                Decision::Owed { booked, ms, .. } => {
+                    waiting.insert(id.clone(), clock.now_ms() + ms as i64);
+                    if booked {
+                        booked_ids.insert(id.clone());
+                    }
+                }
+                Decision::Clear => {
+                    waiting.remove(&id);
+                    if booked_ids.remove(&id) {
+                        claimed += 1;
+                    }
+                }
+            }
             if !outstanding.contains(&id) {
                 outstanding.push(id);
             }
         } else {
             let id = outstanding.swap_remove(rng.random_range(0..outstanding.len()));
+            waiting.remove(&id);
+            booked_ids.remove(&id);
             let limit = 50_000;
             let remaining = rng.random_range(0..limit);
             let outcome = CallOutcome {
@@ -339,9 +382,14 @@ async fn the_redis_script_and_the_pure_model_agree() {
         for (name, w) in &want.tenants {
             let g = &got.tenants[name];
             assert!(
-                close(g.next, w.next) && close(g.served, w.served) && g.cap_due_ms == w.cap_due_ms,
+                close(g.next, w.next)
+                    && close(g.served, w.served)
+                    && close(g.tag, w.tag)
+                    && g.cap_due_ms == w.cap_due_ms,
                 "step {step}: tenant {name} differs\nscript: {g:?}\nmodel:  {w:?}"
             );
         }
+        assert!(close(got.usage_ratio, want.usage_ratio), "step {step}: usage ratio {got:?} vs {want:?}");
     }
+    claimed
 }

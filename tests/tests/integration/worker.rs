@@ -52,7 +52,7 @@ impl App {
         shared::telemetry::init("error");
         let redis = RedisServer::start();
         let prefix = unique_prefix();
-        let mock = MockServer::start(MockConfig { listen: "127.0.0.1:0".parse().unwrap(), keep_bodies: 200, ..mock })
+        let mock = MockServer::start(MockConfig { listen: "127.0.0.1:0".parse().unwrap(), keep_bodies: mock.keep_bodies.max(200), ..mock })
             .await
             .unwrap();
         let conn = shared::redis_util::manager(&redis.url()).await.unwrap();
