@@ -322,6 +322,11 @@ pub struct PacerState {
     /// (One ratio over the whole estimate would under-book calls with long
     /// inputs and over-book short ones, tilting tenants' shares.)
     pub usage_ratio: f64,
+    /// Fair admission's system virtual time: the least virtual time among the
+    /// waiting tenants at each admission (never moving back). A tenant that
+    /// comes back from idle starts here.
+    #[serde(default)]
+    pub fair_time: f64,
     /// Each tenant's line (fair admission of work turns).
     #[serde(default)]
     pub tenants: std::collections::BTreeMap<String, TenantLine>,
@@ -363,8 +368,8 @@ pub struct TenantLine {
     /// Times a turn of this tenant waited in its line.
     pub waits: f64,
     /// The tenant's virtual time: line tokens admitted over its weight, lifted
-    /// to the others' when it comes back from idle (so idleness earns no
-    /// credit). While tenants have turns waiting, none is admitted further
+    /// to the system's (`PacerState::fair_time`) when it comes back from idle
+    /// (so idleness earns no credit). While tenants have turns waiting, none is admitted further
     /// than one horizon of virtual time ahead of the furthest behind, so their
     /// admitted tokens keep the ratio of their weights over any long window.
     #[serde(default)]
@@ -493,12 +498,14 @@ pub fn acquire(
         let rate = state.tenant_rate(who);
         let (others_weight, others_least) = state.others_waiting(who.tenant);
         let total_rate = state.tokens.rate;
+        let system_time = state.fair_time;
         let line = state.tenants.entry(who.tenant.to_owned()).or_default();
         line.weight = who.weight;
         let weight = who.weight.max(0.001);
         if waiting.is_none() && line.waiting() <= 0.5 {
-            // Back from idle: no credit for the time away.
-            line.tag = line.tag.max(others_least.unwrap_or(line.tag));
+            // Back from idle: no credit for the time away (and no debt for
+            // what it used while the others could not).
+            line.tag = line.tag.max(system_time);
         }
         let position = waiting.map(|p| p as f64).unwrap_or(line.next + lc);
         let ahead = (position - lc - line.served).max(0.0);
@@ -526,6 +533,7 @@ pub fn acquire(
                 clear => clear,
             };
         }
+        let start = line.tag;
         line.tag += lc / weight;
         if waiting.is_none() {
             line.next = position;
@@ -538,6 +546,7 @@ pub fn acquire(
         if who.cap > 0.0 {
             share_wait = (line.cap_due_ms - now) as f64;
         }
+        state.fair_time = state.fair_time.max(others_least.map_or(start, |least| least.min(start)));
     }
     // Clear now only if the call fits both now (the bucket holds it, booked
     // budget included) and at the last booking's due time (so taking it now

@@ -385,9 +385,10 @@ if op == 'acquire' then
     S['ts:' .. tenant] = get('ts:' .. tenant)
     S['tw:' .. tenant] = weight
     local w = math.max(weight, 0.001)
-    if not position and get('tn:' .. tenant) - get('ts:' .. tenant) <= 0.5 and least ~= nil then
-      -- Back from idle: no credit for the time away.
-      S['tv:' .. tenant] = math.max(get('tv:' .. tenant), least)
+    if not position and get('tn:' .. tenant) - get('ts:' .. tenant) <= 0.5 then
+      -- Back from idle: no credit for the time away (nor debt for what it
+      -- used while the others could not).
+      S['tv:' .. tenant] = math.max(get('tv:' .. tenant), get('fair_time'))
     end
     local pos = position or (get('tn:' .. tenant) + lt)
     local ahead = math.max(pos - lt - get('ts:' .. tenant), 0)
@@ -410,7 +411,10 @@ if op == 'acquire' then
       save()
       return r
     end
-    S['tv:' .. tenant] = get('tv:' .. tenant) + lt / w
+    local start = get('tv:' .. tenant)
+    S['tv:' .. tenant] = start + lt / w
+    if least ~= nil then start = math.min(start, least) end
+    S['fair_time'] = math.max(get('fair_time'), start)
     if not position then S['tn:' .. tenant] = pos end
     -- served moves when the turn is sent, so booked turns count as ahead: each
     -- tenant keeps at most its share of the horizon on the bucket's line.

@@ -391,6 +391,7 @@ fn state_from_fields(flat: &[String]) -> (PacerState, Millis) {
         observed_at_ms: f("observed_at") as Millis,
         last_due_ms: f("last_due") as Millis,
         usage_ratio: f("usage_ratio"),
+        fair_time: f("fair_time"),
         tenants: map
             .keys()
             .filter_map(|k| k.strip_prefix("tn:"))

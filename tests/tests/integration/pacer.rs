@@ -390,6 +390,7 @@ async fn agree(server: &RedisServer, seed: u64) -> usize {
             );
         }
         assert!(close(got.usage_ratio, want.usage_ratio), "step {step}: usage ratio {got:?} vs {want:?}");
+        assert!(close(got.fair_time, want.fair_time), "step {step}: fair time {got:?} vs {want:?}");
     }
     claimed
 }
