@@ -61,7 +61,7 @@ pub struct PacerArgs {
     #[arg(long = "rpm", env = "PACELINE_RPM")]
     pub rpm: Option<u64>,
     /// Headroom work turns leave in the bucket, percent of the limit.
-    #[arg(long = "work-floor-pct", env = "PACELINE_WORK_FLOOR_PCT", default_value_t = 10.0)]
+    #[arg(long = "work-floor-pct", env = "PACELINE_WORK_FLOOR_PCT", default_value_t = 5.0)]
     pub work_floor_pct: f64,
     /// Headroom companion (live) turns leave, percent of the limit.
     #[arg(long = "floor-pct", env = "PACELINE_FLOOR_PCT", default_value_t = 2.0)]

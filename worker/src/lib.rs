@@ -75,7 +75,7 @@ impl WorkerConfig {
                 budget: "default".into(),
                 tpm: None,
                 rpm: None,
-                work_floor_pct: 10.0,
+                work_floor_pct: 5.0,
                 floor_pct: 2.0,
                 max_pace_ms: 90_000,
                 in_place_wait_ms: 250,

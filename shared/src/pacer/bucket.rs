@@ -76,7 +76,7 @@ pub struct PacingConfig {
 impl Default for PacingConfig {
     fn default() -> Self {
         Self {
-            floor_work: 0.10,
+            floor_work: 0.05,
             floor_companion: 0.02,
             max_pace_ms: 90_000,
             jitter_frac: 0.02,
@@ -828,8 +828,9 @@ mod tests {
 
     const T0: Millis = 1_000_000;
 
+    /// The mechanics with round figures: a 10 % work floor.
     fn cfg() -> PacingConfig {
-        PacingConfig { jitter_frac: 0.0, ..PacingConfig::default() }
+        PacingConfig { jitter_frac: 0.0, floor_work: 0.10, ..PacingConfig::default() }
     }
 
     fn est(tokens: u64) -> Estimate {
@@ -1024,7 +1025,7 @@ mod tests {
 
     #[test]
     fn jitter_is_positive_and_bounded() {
-        let c = PacingConfig { jitter_frac: 0.02, jitter_max_ms: 100, ..PacingConfig::default() };
+        let c = PacingConfig { jitter_frac: 0.02, jitter_max_ms: 100, ..cfg() };
         for u in [0.0, 0.3, 0.999] {
             let mut s = seen(6_000);
             match acquire(&mut s, &c, T0, est(1_000), Mode::Work, &Who::DEFAULT, None, u) {

@@ -219,9 +219,9 @@ async fn a_429_closes_the_window_for_every_worker() {
 async fn a_booked_turn_is_clear_when_it_comes_back_and_not_before() {
     let server = RedisServer::start();
     let clock = ManualClock::new(1_000_000);
-    let config = PacingConfig { jitter_frac: 0.0, ..PacingConfig::default() };
+    let config = PacingConfig { jitter_frac: 0.0, floor_work: 0.10, ..PacingConfig::default() };
     let pacer = shared_pacer(&server, &unique_prefix(), config).await.with_test_clock(Arc::new(clock.clone()));
-    // 60 000 per minute (1 token/ms), 6 000 left = exactly the work floor.
+    // 60 000 per minute (1 token/ms), 6 000 left = exactly a 10 % work floor.
     let headers = Observation { limit: Some(60_000), remaining: Some(6_000), reset_ms: Some(54_000) };
     pacer.settle("m", "probe", &CallOutcome { tokens: headers, ..CallOutcome::default() }).await.unwrap();
     let est = Estimate { tokens: 2_000, requests: 1, output: 0 };
