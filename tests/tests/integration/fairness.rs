@@ -245,19 +245,28 @@ mod with_workers {
         app.stop_workers().await;
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_capped_tenant_gets_no_more_than_its_cap_even_alone() {
-        let window = Duration::from_secs(2);
-        let tpm = 6_000u64;
-        let mut app = App::start(MockConfig {
-            tpm,
+    /// The scarce budget of the tests below: 6 000 tokens per 2 s.
+    const TPM: u64 = 6_000;
+    const WINDOW: Duration = Duration::from_secs(2);
+
+    /// The app with a mock on the scarce budget, answering `tool_rounds`
+    /// rounds of tool calls before its text.
+    async fn scarce(tool_rounds: usize) -> App {
+        App::start(MockConfig {
+            tpm: TPM,
             rpm: 10_000,
-            window,
-            tool_rounds: 2,
+            window: WINDOW,
+            tool_rounds,
             latency: Duration::from_millis(20),
             ..MockConfig::default()
         })
-        .await;
+        .await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_capped_tenant_gets_no_more_than_its_cap_even_alone() {
+        let (window, tpm) = (WINDOW, TPM);
+        let mut app = scarce(2).await;
         let mut config = app.config();
         config.pacer.tenant_caps = "capped:30%".into();
         app.spawn_worker(config);
@@ -304,17 +313,7 @@ mod with_workers {
     /// tool calls differently from a real tokenizer, so per-tenant provider
     /// counts would measure the estimator as much as the fairness.)
     async fn backlogged(tenants: &[&str], runs: usize, weights: &str, until: Duration) -> Window {
-        let window = Duration::from_secs(2);
-        let tpm = 6_000u64;
-        let mut app = App::start(MockConfig {
-            tpm,
-            rpm: 10_000,
-            window,
-            tool_rounds: 60,
-            latency: Duration::from_millis(20),
-            ..MockConfig::default()
-        })
-        .await;
+        let mut app = scarce(60).await;
         let mut config = app.config();
         config.pacer.tenant_weights = weights.into();
         app.spawn_worker(config);
@@ -362,7 +361,7 @@ mod with_workers {
             admitted,
             provider_tokens: stats_after.tokens_admitted - stats_before.tokens_admitted,
             span_s,
-            rate: tpm as f64 / window.as_secs_f64(),
+            rate: TPM as f64 / WINDOW.as_secs_f64(),
             unfinished,
         }
     }
