@@ -395,18 +395,6 @@ impl PacerState {
             })
     }
 
-    /// The refill share of `who` now: its weight among the tenants with turns
-    /// waiting (itself included), never above its cap.
-    pub fn tenant_rate(&self, who: &Who<'_>) -> f64 {
-        let (others, _) = self.others_waiting(who.tenant);
-        let weight = who.weight.max(0.001);
-        let mut rate = self.tokens.rate * weight / (weight + others);
-        if who.cap > 0.0 {
-            rate = rate.min(self.tokens.rate * who.cap);
-        }
-        rate
-    }
-
     /// What a booking holds on the line: the expected use of the call (its
     /// request count in full).
     pub fn booking_cost(&self, est: Estimate) -> Estimate {
@@ -495,13 +483,19 @@ pub fn acquire(
     let mut share_wait: f64 = 0.0;
     if mode == Mode::Work && state.tokens.known() {
         let lc = state.booking_cost(est).tokens as f64;
-        let rate = state.tenant_rate(who);
         let (others_weight, others_least) = state.others_waiting(who.tenant);
-        let total_rate = state.tokens.rate;
+        let weight = who.weight.max(0.001);
+        // Virtual time runs at the refill over the waiting tenants' weights
+        // (itself included); the tenant's share of the refill is its weight's
+        // worth of it, never above its cap.
+        let pace = state.tokens.rate / (weight + others_weight);
+        let mut rate = pace * weight;
+        if who.cap > 0.0 {
+            rate = rate.min(state.tokens.rate * who.cap);
+        }
         let system_time = state.fair_time;
         let line = state.tenants.entry(who.tenant.to_owned()).or_default();
         line.weight = who.weight;
-        let weight = who.weight.max(0.001);
         if waiting.is_none() && line.waiting() <= 0.5 {
             // Back from idle: no credit for the time away (and no debt for
             // what it used while the others could not).
@@ -510,11 +504,10 @@ pub fn acquire(
         let position = waiting.map(|p| p as f64).unwrap_or(line.next + lc);
         let ahead = (position - lc - line.served).max(0.0);
         let horizon = cfg.fair_horizon_ms as f64;
-        // Virtual time runs at the refill over the waiting tenants' weights;
-        // a tenant more than a quarter horizon of it ahead of the furthest
-        // behind lets the others catch up (start-time fair queuing, with the
-        // slack that lets turns come back on timers without idling the bucket).
-        let pace = total_rate / (weight + others_weight);
+        // A tenant more than a quarter horizon of virtual time ahead of the
+        // furthest behind lets the others catch up (start-time fair queuing,
+        // with the slack that lets turns come back on timers without idling
+        // the bucket).
         let lead = others_least.map_or(0.0, |least| line.tag - least - horizon * pace / 4.0);
         if ahead / rate > horizon || lead > 0.0 {
             if waiting.is_none() {

@@ -149,14 +149,6 @@ local function serve(t, lt)
   end
 end
 
-local function tenant_rate(t, w, cap)
-  local others = others_waiting(t)
-  local weight = math.max(w, 0.001)
-  local rate = get('t_rate') * weight / (weight + others)
-  if cap > 0 then rate = math.min(rate, get('t_rate') * cap) end
-  return rate
-end
-
 -- A booking that expired returns its budget; an in-flight reservation that
 -- expired (its worker died) stays spent and returns by refill.
 local function expire()
@@ -379,12 +371,16 @@ if op == 'acquire' then
   -- it is closer; otherwise it is admitted no earlier than its share allows.
   local share_wait = 0
   if not live and known('t_') then
-    local rate = tenant_rate(tenant, weight, cap)
     local others_weight, least = others_waiting(tenant)
+    local w = math.max(weight, 0.001)
+    -- Virtual time runs at the refill over the waiting tenants' weights; the
+    -- tenant's share of the refill is its weight's worth, never above its cap.
+    local pace = get('t_rate') / (w + others_weight)
+    local rate = pace * w
+    if cap > 0 then rate = math.min(rate, get('t_rate') * cap) end
     S['tn:' .. tenant] = get('tn:' .. tenant)
     S['ts:' .. tenant] = get('ts:' .. tenant)
     S['tw:' .. tenant] = weight
-    local w = math.max(weight, 0.001)
     if not position and get('tn:' .. tenant) - get('ts:' .. tenant) <= 0.5 then
       -- Back from idle: no credit for the time away (nor debt for what it
       -- used while the others could not).
@@ -394,7 +390,6 @@ if op == 'acquire' then
     local ahead = math.max(pos - lt - get('ts:' .. tenant), 0)
     -- A tenant more than a quarter horizon of virtual time ahead of the
     -- furthest behind lets the others catch up.
-    local pace = get('t_rate') / (w + others_weight)
     local lead = 0
     if least ~= nil then lead = get('tv:' .. tenant) - least - fair_horizon * pace / 4 end
     if ahead / rate > fair_horizon or lead > 0 then
