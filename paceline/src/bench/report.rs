@@ -16,9 +16,9 @@ pub struct Report {
     pub throughput: Option<Throughput>,
 }
 
-/// The configuration, as SPEC §7 names it (plus the rest of the knobs).
+/// The fleet and the mock's budget, which every scenario's `config` reports.
 #[derive(Debug, Clone, Serialize)]
-pub struct ConfigOut {
+pub struct Setup {
     /// Worker processes.
     pub workers: usize,
     /// Slots per worker process.
@@ -31,14 +31,22 @@ pub struct ConfigOut {
     pub window_s: f64,
     /// `continuous` or `window`.
     pub bucket: String,
-    /// Runs per pacer.
-    pub runs: usize,
-    /// Turns per run.
-    pub turns: u32,
     /// The mock's latency before an admitted answer, ms.
     pub latency_ms: u64,
     /// `max_output_tokens` of each call.
     pub max_output_tokens: u32,
+}
+
+/// The configuration, as SPEC §7 names it (plus the rest of the knobs).
+#[derive(Debug, Clone, Serialize)]
+pub struct ConfigOut {
+    /// Fleet and budget.
+    #[serde(flatten)]
+    pub setup: Setup,
+    /// Runs per pacer.
+    pub runs: usize,
+    /// Turns per run.
+    pub turns: u32,
     /// The pacers, in the order run.
     pub pacer_order: Vec<String>,
     /// How runs were submitted.
@@ -211,11 +219,12 @@ fn num(v: f64, digits: usize) -> String {
 pub fn table(report: &Report) -> String {
     use std::fmt::Write as _;
     let c = &report.config;
+    let f = &c.setup;
     let mut out = String::new();
     let _ = writeln!(
         out,
         "paceline bench: {} worker processes x {} slots, {} runs x {} turns, {} bucket {} tokens / {} requests per {} s window (a scaled minute), mock latency {} ms, runs submitted via {}",
-        c.workers, c.concurrency, c.runs, c.turns, c.bucket, c.tpm, c.rpm, c.window_s, c.latency_ms, c.submit_path
+        f.workers, f.concurrency, c.runs, c.turns, f.bucket, f.tpm, f.rpm, f.window_s, f.latency_ms, c.submit_path
     );
     let order: Vec<&String> = c.pacer_order.iter().filter(|p| report.pacers.contains_key(*p)).collect();
     if !order.is_empty() {

@@ -14,7 +14,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use crate::bench::pacing::{self, PacingPlan};
-use crate::bench::report::{self, ConfigOut, Report};
+use crate::bench::report::{self, ConfigOut, Report, Setup};
 use crate::bench::throughput::{self, ThroughputPlan};
 use crate::bench::trial::Env;
 use crate::bench::workload::Workload;
@@ -137,6 +137,22 @@ pub struct Args {
     json: Option<std::path::PathBuf>,
 }
 
+impl Args {
+    /// The fleet and budget, as the JSON's `config` reports them.
+    fn setup(&self) -> Setup {
+        Setup {
+            workers: self.workers,
+            concurrency: self.concurrency,
+            tpm: self.tpm,
+            rpm: self.rpm,
+            window_s: self.window_s,
+            bucket: self.bucket.to_string(),
+            latency_ms: self.latency_ms,
+            max_output_tokens: self.max_output_tokens,
+        }
+    }
+}
+
 fn pacer_name(kind: shared::pacer::PacerKind) -> String {
     use clap::ValueEnum as _;
     kind.to_possible_value().map(|v| v.get_name().to_owned()).unwrap_or_else(|| format!("{kind:?}").to_lowercase())
@@ -228,16 +244,9 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
 
     let report = Report {
         config: ConfigOut {
-            workers: args.workers,
-            concurrency: args.concurrency,
-            tpm: args.tpm,
-            rpm: args.rpm,
-            window_s: args.window_s,
-            bucket: args.bucket.to_string(),
+            setup: args.setup(),
             runs: args.runs,
             turns: args.turns,
-            latency_ms: args.latency_ms,
-            max_output_tokens: args.max_output_tokens,
             pacer_order: pacers,
             submit_path: "api::Application in-process, POST /v1/runs".into(),
             floor_formula: report::FLOOR_FORMULA.into(),
@@ -257,14 +266,8 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
 /// The fairness scenario's configuration, as the JSON's `config`.
 #[derive(Debug, serde::Serialize)]
 struct FairnessConfig {
-    workers: usize,
-    concurrency: usize,
-    tpm: u64,
-    rpm: u64,
-    window_s: f64,
-    bucket: String,
-    latency_ms: u64,
-    max_output_tokens: u32,
+    #[serde(flatten)]
+    setup: Setup,
     pacer: &'static str,
     live_work_runs: usize,
     live_work_turns: u32,
@@ -319,14 +322,7 @@ async fn fairness(
     let figures = fairness::measure(env, &fplan, progress).await.context("fairness")?;
     progress.finish_and_clear();
     let config = FairnessConfig {
-        workers: args.workers,
-        concurrency: args.concurrency,
-        tpm: args.tpm,
-        rpm: args.rpm,
-        window_s: args.window_s,
-        bucket: args.bucket.to_string(),
-        latency_ms: args.latency_ms,
-        max_output_tokens: args.max_output_tokens,
+        setup: args.setup(),
         pacer: "shared",
         live_work_runs: args.live_work_runs,
         live_work_turns: args.turns,
