@@ -370,7 +370,7 @@ pub struct TenantLine {
     /// The tenant's virtual time: line tokens admitted over its weight, lifted
     /// to the system's (`PacerState::fair_time`) when it comes back from idle
     /// (so idleness earns no credit). While tenants have turns waiting, none is admitted further
-    /// than one horizon of virtual time ahead of the furthest behind, so their
+    /// than a quarter horizon of virtual time ahead of the furthest behind, so their
     /// admitted tokens keep the ratio of their weights over any long window.
     #[serde(default)]
     pub tag: f64,
