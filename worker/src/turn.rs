@@ -52,7 +52,7 @@ impl Default for TurnConfig {
             max_history: shared::runs::backpressure::DEFAULT_MAX_HISTORY,
             in_place_wait: Duration::from_millis(250),
             retry: RetryPolicy::default(),
-            tool_timeout: Duration::from_secs(60),
+            tool_timeout: crate::tools::DEFAULT_TOOL_TIMEOUT,
             tool_endpoints: vec![],
             budget: "default".into(),
         }

@@ -59,6 +59,16 @@ local function q_wake()
   end
 end
 
+-- Adds a new turn `id` with `payload`, due at `due_ms`, and wakes a worker;
+-- false (and nothing written) when the id is already queued, in flight or dead.
+local function q_add(id, payload, due_ms)
+  local r = {epoch = 0, deliveries = 0, flag = 'q', payload = payload}
+  if redis.call('HSETNX', Q_JOBS, id, q_encode(r)) == 0 then return false end
+  redis.call('ZADD', Q_DUE, due_ms, id)
+  q_wake()
+  return true
+end
+
 -- Puts turn `id` (record `r`, as read) in the queue, due at `due_ms` (server
 -- clock), out of any lease. Set r.payload / r.deliveries before calling to change them.
 local function q_schedule(id, r, due_ms)

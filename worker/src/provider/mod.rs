@@ -424,7 +424,7 @@ impl Provider {
                     Some("incomplete") => "response.incomplete",
                     _ => "response.completed",
                 };
-                if let Some(text) = body.get("output").and_then(Value::as_array).map(|items| responses_text(items)) {
+                if let Some(text) = body.get("output").and_then(Value::as_array).map(|items| responses::message_text(items)) {
                     if !text.is_empty() {
                         emit(StreamEvent::TextDelta(text));
                     }
@@ -493,18 +493,6 @@ impl Provider {
         );
         failure
     }
-}
-
-/// The text of a Responses output (used when a JSON answer stands in for a stream).
-fn responses_text(items: &[Value]) -> String {
-    items
-        .iter()
-        .filter(|i| i.get("type").and_then(Value::as_str) == Some("message"))
-        .filter_map(|i| i.get("content").and_then(Value::as_array))
-        .flatten()
-        .filter(|p| p.get("type").and_then(Value::as_str) == Some("output_text"))
-        .filter_map(|p| p.get("text").and_then(Value::as_str))
-        .collect()
 }
 
 /// Why reading an answer's body failed.

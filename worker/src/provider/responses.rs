@@ -128,7 +128,7 @@ fn is_message(item: &Value) -> bool {
 }
 
 /// The text of every `output_text` part of the message items, joined.
-fn message_text(output: &[Value]) -> String {
+pub(crate) fn message_text(output: &[Value]) -> String {
     output
         .iter()
         .filter(|i| is_message(i))
