@@ -18,7 +18,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::Stream;
 use shared::runs::state::event;
-use shared::runs::store::valid_id;
+use shared::runs::store::{valid_id, valid_stream_id};
 use shared::runs::{RunEvent, RunStore};
 use tokio::sync::watch;
 
@@ -36,15 +36,6 @@ const KEEP_ALIVE: Duration = Duration::from_secs(15);
 /// Whether an event ends its run's stream.
 pub fn is_terminal(kind: &str) -> bool {
     matches!(kind, event::RUN_COMPLETED | event::RUN_FAILED | event::RUN_CANCELLED)
-}
-
-/// `1732960000000-0` (or `1732960000000`).
-fn valid_stream_id(id: &str) -> bool {
-    let (ms, seq) = id.split_once('-').unwrap_or((id, "0"));
-    (1..=20).contains(&ms.len())
-        && ms.bytes().all(|b| b.is_ascii_digit())
-        && (1..=20).contains(&seq.len())
-        && seq.bytes().all(|b| b.is_ascii_digit())
 }
 
 fn to_sse(e: &RunEvent) -> Event {

@@ -355,8 +355,9 @@ impl RunStore {
         }
     }
 
-    /// Events of a run after `after` (a stream id; `None`: from the start), at
-    /// most `count`, waiting up to `block` for new ones. `None` for an unknown run.
+    /// Events of a run after `after` (a stream id, see [`valid_stream_id`];
+    /// `None`: from the start), at most `count`, waiting up to `block` for new
+    /// ones. `None` for an unknown run.
     /// Give a blocking read a connection whose timeout is longer than `block`.
     pub async fn events(
         &self,
@@ -552,9 +553,28 @@ pub fn valid_id(id: &str) -> bool {
     id.len() == 30 && id.starts_with("run_") && id[4..].chars().all(|c| c.is_ascii_alphanumeric())
 }
 
-fn valid_stream_id(id: &str) -> bool {
-    let mut parts = id.splitn(2, '-');
-    let ms = parts.next().unwrap_or("");
-    let seq = parts.next().unwrap_or("0");
-    !ms.is_empty() && ms.len() <= 20 && ms.chars().all(|c| c.is_ascii_digit()) && seq.chars().all(|c| c.is_ascii_digit())
+/// Event ids are the stream's ids: `1732960000000-0`, or the milliseconds
+/// alone (`1732960000000`). [`RunStore::events`] reads from the start after
+/// anything else; the API refuses it.
+pub fn valid_stream_id(id: &str) -> bool {
+    let (ms, seq) = id.split_once('-').unwrap_or((id, "0"));
+    (1..=20).contains(&ms.len())
+        && ms.bytes().all(|b| b.is_ascii_digit())
+        && (1..=20).contains(&seq.len())
+        && seq.bytes().all(|b| b.is_ascii_digit())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stream_ids_are_checked() {
+        for ok in ["1732960000000-0", "1-1", "1732960000000"] {
+            assert!(valid_stream_id(ok), "{ok}");
+        }
+        for bad in ["", "-1", "1-", "abc", "1-2-3", "1 -2", "99999999999999999999999-0"] {
+            assert!(!valid_stream_id(bad), "{bad}");
+        }
+    }
 }
