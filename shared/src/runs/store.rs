@@ -263,7 +263,8 @@ impl RunStore {
     }
 
     /// A page of `tenant`'s runs, newest first, optionally of one status. The
-    /// cursor is `created_ms:id` of the last run of the previous page.
+    /// cursor is `created_ms:id` of the last run of the previous page (see
+    /// [`parse_cursor`]; one it cannot read starts from the newest).
     pub async fn list(
         &self,
         tenant: &str,
@@ -272,10 +273,7 @@ impl RunStore {
         cursor: Option<&str>,
     ) -> Result<(Vec<Run>, Option<String>), StoreError> {
         let limit = limit.clamp(1, 200);
-        let mut after: Option<(i64, String)> = cursor.and_then(|c| {
-            let (ms, id) = c.split_once(':')?;
-            Some((ms.parse().ok()?, id.to_owned()))
-        });
+        let mut after: Option<(i64, String)> = cursor.and_then(parse_cursor).map(|(ms, id)| (ms, id.to_owned()));
         let mut out = vec![];
         let mut conn = self.conn.clone();
         // Scan the index in batches until the page is full (a status filter may
@@ -553,6 +551,18 @@ pub fn valid_id(id: &str) -> bool {
     id.len() == 30 && id.starts_with("run_") && id[4..].chars().all(|c| c.is_ascii_alphanumeric())
 }
 
+/// Reads a list cursor, `created_ms:run_id` (what [`RunStore::list`] hands
+/// back): `None` unless the milliseconds are 1 to 20 digits and the id is a
+/// run id. Milliseconds past `i64::MAX` (never handed out) read as the
+/// largest, which lists from the newest run like no cursor.
+pub fn parse_cursor(cursor: &str) -> Option<(i64, &str)> {
+    let (ms, id) = cursor.split_once(':')?;
+    if !(1..=20).contains(&ms.len()) || !ms.bytes().all(|b| b.is_ascii_digit()) || !valid_id(id) {
+        return None;
+    }
+    Some((ms.parse().unwrap_or(i64::MAX), id))
+}
+
 /// Event ids are the stream's ids: `1732960000000-0`, or the milliseconds
 /// alone (`1732960000000`). [`RunStore::events`] reads from the start after
 /// anything else; the API refuses it.
@@ -575,6 +585,16 @@ mod tests {
         }
         for bad in ["", "-1", "1-", "abc", "1-2-3", "1 -2", "99999999999999999999999-0"] {
             assert!(!valid_stream_id(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn cursors_are_parsed() {
+        let id = "run_01JDXXXXXXXXXXXXXXXXXXXXXX";
+        assert_eq!(parse_cursor(&format!("1732960000000:{id}")), Some((1_732_960_000_000, id)));
+        assert_eq!(parse_cursor(&format!("99999999999999999999:{id}")), Some((i64::MAX, id)));
+        for bad in ["", "1", "1:run_", "1:../../etc", "-1:run_01JDXXXXXXXXXXXXXXXXXXXXXX", "+1:run_01JDXXXXXXXXXXXXXXXXXXXXXX"] {
+            assert_eq!(parse_cursor(bad), None, "{bad}");
         }
     }
 }
