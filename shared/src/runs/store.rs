@@ -255,11 +255,7 @@ impl RunStore {
         if !valid_id(id) {
             return Ok(None);
         }
-        let f = self.fields(id).await?;
-        if f.get(field::TENANT).map(String::as_str) != Some(tenant) {
-            return Ok(None);
-        }
-        Ok(Run::from_fields(id, &f))
+        Ok(tenant_run(tenant, id, &self.fields(id).await?))
     }
 
     /// A page of `tenant`'s runs, newest first, optionally of one status. The
@@ -299,9 +295,16 @@ impl RunStore {
             if fresh.is_empty() {
                 return Ok((out, None));
             }
-            for (id, ms) in fresh {
+            // The batch's records in one round trip; the loop below may stop
+            // before it has looked at all of them.
+            let mut pipe = redis::pipe();
+            for (id, _) in &fresh {
+                pipe.hgetall(self.record_key(id));
+            }
+            let records: Vec<HashMap<String, String>> = pipe.query_async(&mut conn).await?;
+            for ((id, ms), f) in fresh.into_iter().zip(records) {
                 after = Some((ms, id.clone()));
-                match self.get(tenant, &id).await? {
+                match tenant_run(tenant, &id, &f) {
                     Some(run) if status.is_none_or(|s| s == run.status) => {
                         out.push(run);
                         if out.len() == limit {
@@ -535,6 +538,15 @@ impl RunStore {
             .arg(usage.output_tokens);
         Self::fence(&self.invoke(inv).await?)
     }
+}
+
+/// The run of record fields `f` (of run `id`) if it belongs to `tenant`;
+/// `None` for another tenant's run, a missing record or a bad id.
+fn tenant_run(tenant: &str, id: &str, f: &HashMap<String, String>) -> Option<Run> {
+    if !valid_id(id) || f.get(field::TENANT).map(String::as_str) != Some(tenant) {
+        return None;
+    }
+    Run::from_fields(id, f)
 }
 
 /// A new run id: `run_` + a ULID, monotonic within this process so that runs

@@ -106,6 +106,26 @@ async fn runs_list_newest_first_across_pages() {
 }
 
 #[tokio::test]
+async fn a_retired_run_leaves_the_list_and_the_index() {
+    let env = env().await;
+    let mut ids = vec![];
+    for i in 0..3 {
+        ids.push(env.store.create("alpha", &spec(&format!("r{i}")), None).await.unwrap().run.id);
+    }
+    // The middle run's record expires (as retention does); its index entry stays.
+    let mut conn = env.store.connection();
+    let record: Vec<String> = redis::cmd("KEYS").arg(format!("*:run:{}", ids[1])).query_async(&mut conn).await.unwrap();
+    let index: Vec<String> = redis::cmd("KEYS").arg("*:tenant:alpha:runs").query_async(&mut conn).await.unwrap();
+    assert_eq!((record.len(), index.len()), (1, 1));
+    let _: () = redis::cmd("DEL").arg(&record[0]).query_async(&mut conn).await.unwrap();
+    let (page, next) = env.store.list("alpha", None, 10, None).await.unwrap();
+    assert_eq!(page.into_iter().map(|r| r.id).collect::<Vec<_>>(), [ids[2].clone(), ids[0].clone()]);
+    assert!(next.is_none());
+    let left: u64 = redis::cmd("ZCARD").arg(&index[0]).query_async(&mut conn).await.unwrap();
+    assert_eq!(left, 2, "the retired run is dropped from the index");
+}
+
+#[tokio::test]
 async fn a_turn_commits_once_and_enqueues_the_next_atomically() {
     let env = env().await;
     let run = env.store.create("alpha", &spec("x"), None).await.unwrap().run;
