@@ -150,12 +150,9 @@ impl Follow {
             // Unknown: keep following; the next read will tell.
             _ => return,
         }
-        let last = tokio::time::timeout(
-            self.timeout,
-            self.store.events(&self.tenant, &self.id, self.after.as_deref(), None, BATCH),
-        )
-        .await;
-        if let Ok(Ok(Some(events))) = last {
+        let last =
+            tokio::time::timeout(self.timeout, self.store.read_events(&self.id, self.after.as_deref(), None, BATCH)).await;
+        if let Ok(Ok(events)) = last {
             self.pending.extend(events);
         }
         self.done = true;
@@ -192,16 +189,17 @@ impl Follow {
                     return None;
                 }
             };
-            let read = store.events(&self.tenant, &self.id, self.after.as_deref(), Some(BLOCK), BATCH);
+            // The run's tenant was checked when the stream opened; a run that
+            // is gone since reads as nothing, and `check_finished` ends the stream.
+            let read = store.read_events(&self.id, self.after.as_deref(), Some(BLOCK), BATCH);
             let mut shutdown = self.shutdown.clone();
             let result = tokio::select! {
                 _ = shutdown.wait_for(|stop| *stop) => return None,
                 r = tokio::time::timeout(BLOCK + self.timeout, read) => r,
             };
             match result {
-                Ok(Ok(Some(events))) if !events.is_empty() => self.pending.extend(events),
-                Ok(Ok(Some(_))) => self.check_finished().await,
-                Ok(Ok(None)) => return None,
+                Ok(Ok(events)) if !events.is_empty() => self.pending.extend(events),
+                Ok(Ok(_)) => self.check_finished().await,
                 Ok(Err(error)) => {
                     // The client reconnects with Last-Event-ID and resumes.
                     tracing::warn!(message = "event stream read failed; closing it", %error, run.id = %self.id);

@@ -371,6 +371,23 @@ impl RunStore {
         if self.get(tenant, id).await?.is_none() {
             return Ok(None);
         }
+        Ok(Some(self.read_events(id, after, block, count).await?))
+    }
+
+    /// [`RunStore::events`] without asking whose run it is, for a caller that
+    /// has checked the run already (an event stream checks once, when it
+    /// opens, not before every read). A run that is gone, or never was, reads
+    /// as no events.
+    pub async fn read_events(
+        &self,
+        id: &str,
+        after: Option<&str>,
+        block: Option<Duration>,
+        count: usize,
+    ) -> Result<Vec<RunEvent>, StoreError> {
+        if !valid_id(id) {
+            return Ok(vec![]);
+        }
         let after = after.filter(|a| valid_stream_id(a)).unwrap_or("0-0");
         let mut cmd = redis::cmd("XREAD");
         cmd.arg("COUNT").arg(count.max(1));
@@ -388,7 +405,7 @@ impl RunStore {
                 out.push(RunEvent { id: entry.id, kind, data: serde_json::from_str(&data).unwrap_or(Value::Null) });
             }
         }
-        Ok(Some(out))
+        Ok(out)
     }
 
     /// Appends an event outside a commit (text deltas, tool calls and results).

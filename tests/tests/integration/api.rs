@@ -492,6 +492,28 @@ async fn a_live_runs_events_are_followed_until_it_finishes() {
 }
 
 #[tokio::test]
+async fn a_live_runs_stream_ends_when_the_run_is_gone() {
+    let app = spawn_app().await;
+    let run = app.submit(ACME, &spec()).await;
+    let id = run["id"].as_str().unwrap().to_owned();
+    let resp = app.req(reqwest::Method::GET, &format!("/v1/runs/{id}/events"), Some(ACME)).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let body = tokio::spawn(async move { resp.text().await.unwrap() });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    app.store().await.emit(&id, "turn.paced", &json!({"owed_ms": 1200})).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The run's keys go (as they do when its retention ends) while the stream follows it.
+    let mut conn = app.redis.conn().await;
+    let keys: Vec<String> = redis::cmd("KEYS").arg(format!("{}*:{id}", app.prefix)).query_async(&mut conn).await.unwrap();
+    assert_eq!(keys.len(), 3, "{keys:?}");
+    let _: () = redis::cmd("DEL").arg(&keys).query_async(&mut conn).await.unwrap();
+    // It ends after its blocking read (10 s) comes back empty.
+    let text = within("the stream to close after the run is gone", Duration::from_secs(15), body).await.unwrap();
+    let kinds: Vec<String> = parse_sse(&text).into_iter().map(|(_, k, _)| k).collect();
+    assert_eq!(kinds, ["run.queued", "turn.paced"]);
+}
+
+#[tokio::test]
 async fn pacer_queue_and_workers_show_the_shared_state() {
     use shared::pacer::{CallOutcome, Estimate, Mode, Observation, PacingConfig, SharedPacer};
     let app = spawn_app().await;
