@@ -4,6 +4,7 @@
 use axum::extract::State;
 use axum::Json;
 use serde::Serialize;
+use shared::pacer::TenantShare;
 use shared::runs::record::rfc3339_ms;
 
 use crate::auth::Tenant;
@@ -41,22 +42,7 @@ pub struct BudgetView {
     pub observed_at: Option<String>,
     /// The calling tenant's line in this budget (fair admission); other
     /// tenants' lines are for the operator's `/metrics`, not for each other.
-    pub tenant: Option<TenantView>,
-}
-
-/// A tenant's line in a budget.
-#[derive(Debug, Serialize, utoipa::ToSchema)]
-pub struct TenantView {
-    /// The tenant.
-    pub tenant: String,
-    /// Its weight (`PACELINE_TENANT_WEIGHTS`).
-    pub weight: f64,
-    /// Tokens admitted so far (expected use).
-    pub admitted_tokens: u64,
-    /// Tokens of its turns waiting or booked, not yet sent.
-    pub waiting_tokens: u64,
-    /// Times one of its turns waited for its fair share.
-    pub waits: u64,
+    pub tenant: Option<TenantShare>,
 }
 
 /// `GET /v1/pacer`.
@@ -140,13 +126,7 @@ pub async fn pacer(State(state): State<AppState>, caller: Tenant) -> Result<Json
             reserved_requests: s.reserved_requests,
             blocked_for_ms: s.blocked_for_ms,
             observed_at: s.observed_at_ms.map(rfc3339_ms),
-            tenant: s.tenants.into_iter().find(|t| t.tenant == caller.0).map(|t| TenantView {
-                tenant: t.tenant,
-                weight: t.weight,
-                admitted_tokens: t.admitted_tokens,
-                waiting_tokens: t.waiting_tokens,
-                waits: t.waits,
-            }),
+            tenant: s.tenants.into_iter().find(|t| t.tenant == caller.0),
         })
         .collect();
     Ok(Json(PacerView { budgets }))

@@ -80,17 +80,19 @@ pub struct BudgetSnapshot {
 }
 
 /// One tenant's line in a budget (`GET /v1/pacer`, `/metrics`).
+// `TenantView` is its published name in the API's OpenAPI document.
 #[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema), schema(as = TenantView))]
 pub struct TenantShare {
     /// The tenant.
     pub tenant: String,
-    /// Its weight, as last seen.
+    /// Its weight (`PACELINE_TENANT_WEIGHTS`), as last seen.
     pub weight: f64,
     /// Tokens admitted (expected use) since the state began.
     pub admitted_tokens: u64,
     /// Tokens of its turns waiting or booked, not yet sent.
     pub waiting_tokens: u64,
-    /// Times one of its turns waited in its line.
+    /// Times one of its turns waited in its line (for its fair share).
     pub waits: u64,
 }
 

@@ -514,6 +514,26 @@ async fn a_live_runs_stream_ends_when_the_run_is_gone() {
 }
 
 #[tokio::test]
+async fn the_pacer_shows_the_callers_own_line_only() {
+    use shared::pacer::{CallOutcome, Estimate, Mode, Observation, PacingConfig, SharedPacer, Who};
+    let app = spawn_app().await;
+    let conn = shared::redis_util::manager(&app.redis.url()).await.unwrap();
+    let pacer = SharedPacer::new(conn, Keys::new(app.prefix.clone()), "default", PacingConfig::default());
+    let seen = Observation { limit: Some(30_000), remaining: Some(20_000), reset_ms: Some(20_000) };
+    pacer.settle("gpt-x", "r0", &CallOutcome { tokens: seen, ..Default::default() }).await.unwrap();
+    let acme = Who { tenant: "acme", weight: 2.0, cap: 0.0 };
+    pacer.acquire("gpt-x", "r1", Estimate { tokens: 1000, requests: 1, output: 0 }, Mode::Work, &acme).await.unwrap();
+    let (_, p) = app.get("/v1/pacer", ACME).await;
+    assert_eq!(
+        p["budgets"][0]["tenant"],
+        json!({"tenant": "acme", "weight": 2.0, "admitted_tokens": 1000, "waiting_tokens": 0, "waits": 0}),
+        "{p}"
+    );
+    let (_, p) = app.get("/v1/pacer", BETA).await;
+    assert_eq!(p["budgets"][0]["tenant"], Value::Null, "{p}");
+}
+
+#[tokio::test]
 async fn pacer_queue_and_workers_show_the_shared_state() {
     use shared::pacer::{CallOutcome, Estimate, Mode, Observation, PacingConfig, SharedPacer};
     let app = spawn_app().await;
