@@ -39,6 +39,25 @@ pub enum Mode {
     Companion,
 }
 
+impl Mode {
+    /// The name used in the API, in Redis and by the pacer's script (its serde name).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Work => "work",
+            Self::Companion => "companion",
+        }
+    }
+
+    /// Parses the name [`Mode::as_str`] gives.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "work" => Self::Work,
+            "companion" => Self::Companion,
+            _ => return None,
+        })
+    }
+}
+
 /// The pacing knobs (SPEC §4). All durations in milliseconds.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PacingConfig {
@@ -820,6 +839,15 @@ mod tests {
     use super::*;
 
     const T0: Millis = 1_000_000;
+
+    #[test]
+    fn a_modes_name_is_its_serde_name() {
+        for mode in [Mode::Work, Mode::Companion] {
+            assert_eq!(serde_json::to_value(mode).unwrap(), mode.as_str());
+            assert_eq!(Mode::parse(mode.as_str()), Some(mode));
+        }
+        assert_eq!(Mode::parse("Work"), None);
+    }
 
     /// The mechanics with round figures: a 10 % work floor.
     fn cfg() -> PacingConfig {

@@ -287,15 +287,11 @@ impl SharedPacer {
         self.register(model).await?;
         let mut inv = self.invocation("acquire", model, mode);
         let jitter_u = if self.config.jitter_frac > 0.0 { rand::random::<f64>() } else { 0.0 };
-        let mode_name = match mode {
-            Mode::Work => "work",
-            Mode::Companion => "companion",
-        };
         inv.arg(id)
             .arg(est.tokens)
             .arg(est.requests)
             .arg(jitter_u)
-            .arg(mode_name)
+            .arg(mode.as_str())
             .arg(who.weight)
             .arg(who.cap)
             .arg(who.tenant)

@@ -156,10 +156,7 @@ impl Run {
         let num = |k: &str| get(k).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
         let ms = |k: &str| get(k).and_then(|v| v.parse::<Millis>().ok());
         let status = RunStatus::parse(get(field::STATUS)?)?;
-        let mode = match get(field::MODE) {
-            Some("companion") => Mode::Companion,
-            _ => Mode::Work,
-        };
+        let mode = get(field::MODE).and_then(Mode::parse).unwrap_or(Mode::Work);
         let input_tokens = num(field::INPUT_TOKENS);
         let output_tokens = num(field::OUTPUT_TOKENS);
         let waiting = status == RunStatus::Waiting;

@@ -160,9 +160,7 @@ impl RunSpec {
         }
         let mode = match obj.get("mode") {
             None | Some(Value::Null) => Mode::Work,
-            Some(Value::String(m)) if m == "work" => Mode::Work,
-            Some(Value::String(m)) if m == "companion" => Mode::Companion,
-            Some(_) => return Err(err("mode", "must be \"work\" or \"companion\"")),
+            Some(m) => m.as_str().and_then(Mode::parse).ok_or_else(|| err("mode", "must be \"work\" or \"companion\""))?,
         };
         let max_turns = bounded(obj.get("max_turns"), "max_turns", DEFAULT_MAX_TURNS, MAX_MAX_TURNS)?;
         let max_output_tokens =

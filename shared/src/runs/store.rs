@@ -212,7 +212,7 @@ impl RunStore {
         let spec_json = serde_json::to_string(spec).map_err(|e| StoreError::Protocol(e.to_string()))?;
         let fields = json!({
             field::STATUS: RunStatus::Queued.as_str(),
-            field::MODE: match spec.mode { crate::pacer::Mode::Work => "work", crate::pacer::Mode::Companion => "companion" },
+            field::MODE: spec.mode.as_str(),
             field::MODEL: spec.model,
             field::SPEC: spec_json,
             field::TURNS: "0",
