@@ -155,15 +155,6 @@ pub enum Pacer {
 }
 
 impl Pacer {
-    /// Which kind this is.
-    pub fn kind(&self) -> PacerKind {
-        match self {
-            Self::Shared(_) => PacerKind::Shared,
-            Self::Local(_) => PacerKind::Local,
-            Self::Off => PacerKind::Off,
-        }
-    }
-
     /// Asks to reserve `est` for the call of reservation `id` on `model`, for
     /// `who` (its tenant's line decides the order of work turns when the
     /// budget is scarce).
