@@ -20,7 +20,7 @@ use shared::pacer::{
 use shared::queue::Lease;
 use shared::runs::backpressure::{clip_tool_output, prepare_context};
 use shared::runs::state::event;
-use shared::runs::{Fence, Next, RunStore, StoreError, TranscriptEntry, TurnContext, TurnJob, Usage, WaitReason};
+use shared::runs::{Fence, Next, RunStore, Started, StoreError, TranscriptEntry, TurnContext, TurnJob, Usage, WaitReason};
 
 use crate::provider::{CallFailure, CallSuccess, Provider, StreamEvent, ToolCall};
 use crate::request::{build_body, TurnParams};
@@ -137,14 +137,13 @@ impl Runner {
     /// Runs turn `job` of the run `lease.id`.
     pub async fn run_turn(&self, job: TurnJob, lease: &Lease) -> Result<Outcome, TurnError> {
         let started = Instant::now();
-        if let Fence::Stop(why) = self.store.start(lease, job).await? {
-            tracing::info!(message = "turn not started", run.id = %lease.id, why = %why);
-            lease.mark_settled();
-            return Ok(Outcome::Stopped);
-        }
-        let Some(ctx) = self.store.load(&lease.id).await? else {
-            lease.mark_settled();
-            return Ok(Outcome::Stopped);
+        let ctx = match self.store.start_turn(lease, job).await? {
+            Started::Run(ctx) => ctx,
+            Started::Stop(why) => {
+                tracing::info!(message = "turn not started", run.id = %lease.id, why = %why);
+                lease.mark_settled();
+                return Ok(Outcome::Stopped);
+            }
         };
         let outcome = if ctx.phase == "tools" {
             // The model's output is committed; its tool calls were interrupted.
@@ -296,10 +295,11 @@ impl Runner {
         ctx: &TurnContext,
         calls: &[ToolCall],
     ) -> Result<Outcome, TurnError> {
-        for call in calls {
-            let data = json!({"turn": job.turn, "call_id": call.call_id, "name": call.name, "arguments": call.arguments});
-            self.store.emit(&lease.id, event::TURN_TOOL_CALL, &data).await?;
-        }
+        let announced: Vec<Value> = calls
+            .iter()
+            .map(|c| json!({"turn": job.turn, "call_id": c.call_id, "name": c.name, "arguments": c.arguments}))
+            .collect();
+        self.store.emit_all(&lease.id, event::TURN_TOOL_CALL, &announced).await?;
         let endpoint = ctx.spec.tool_endpoint.as_deref().unwrap_or_default();
         let results = if shared::runs::spec::endpoint_allowed(endpoint, &self.config.tool_endpoints) {
             crate::tools::run_tools(&self.http, endpoint, &lease.id, calls, self.config.tool_timeout).await
@@ -315,15 +315,16 @@ impl Runner {
                 .collect()
         };
         let mut items = Vec::with_capacity(results.len());
+        let mut reported = Vec::with_capacity(results.len());
         for r in &results {
             // The transcript keeps the clipped text: what the API shows is what
             // the model was allowed to read — one constant, not two.
             let clipped = clip_tool_output(&r.name, &r.output);
-            let data = json!({"turn": job.turn, "call_id": r.call_id, "name": r.name, "clipped": clipped.clipped,
-                              "error": r.error, "chars": clipped.total});
-            self.store.emit(&lease.id, event::TURN_TOOL_RESULT, &data).await?;
+            reported.push(json!({"turn": job.turn, "call_id": r.call_id, "name": r.name, "clipped": clipped.clipped,
+                                 "error": r.error, "chars": clipped.total}));
             items.push(json!({"type": "function_call_output", "call_id": r.call_id, "output": clipped.text}));
         }
+        self.store.emit_all(&lease.id, event::TURN_TOOL_RESULT, &reported).await?;
         let fence = self.store.commit(lease, job, &items, Usage::default(), &Next::Continue).await?;
         Ok(settled(lease, fence, Outcome::Continued))
     }

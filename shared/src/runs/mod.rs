@@ -13,5 +13,5 @@ pub mod transcript;
 pub use record::{PacingCounters, Run, RunError, Usage};
 pub use spec::{RunSpec, SpecError, SubmitPolicy};
 pub use state::{InvalidTransition, RunStatus, Transition, WaitReason};
-pub use store::{Created, Fence, Idempotency, Next, RunEvent, RunStore, StoreError, TurnContext, TurnJob};
+pub use store::{Created, Fence, Idempotency, Next, RunEvent, RunStore, Started, StoreError, TurnContext, TurnJob};
 pub use transcript::{ApiStyle, TranscriptEntry};

@@ -13,7 +13,7 @@
 
 local RUN, TX, EV, IDX, IDEM = KEYS[7], KEYS[8], KEYS[9], KEYS[10], KEYS[11]
 local op, id = ARGV[1], ARGV[2]
-local EV_MAXLEN = 10000
+-- EV_MAXLEN (the events stream's length) is prepended by store.rs.
 
 local function event(kind, data)
   return redis.call('XADD', EV, 'MAXLEN', '~', EV_MAXLEN, '*', 'type', kind, 'data', data)
@@ -81,10 +81,7 @@ if op == 'create' then
   event('run.queued', ARGV[8])
   redis.call('ZADD', IDX, now, id)
   if fp ~= '' then redis.call('SET', IDEM, id .. '|' .. fp, 'PX', tonumber(ARGV[5])) end
-  if redis.call('HSETNX', Q_JOBS, id, '0|0|q|' .. ARGV[6]) == 1 then
-    redis.call('ZADD', Q_DUE, now, id)
-    q_wake()
-  end
+  q_add(id, ARGV[6], now)
   return {'created', id}
 end
 
@@ -115,7 +112,14 @@ if op == 'start' then
   if status ~= 'running' then
     event('turn.started', cjson.encode({turn = tonumber(ARGV[4]), attempt = tonumber(ARGV[5])}))
   end
-  return {'ok', redis.call('HGET', RUN, 'phase') or ''}
+  -- What the turn needs, in the same step: {'ok', n, n transcript entries,
+  -- the record's field/value pairs} (appended, not unpacked: a long
+  -- transcript would overflow Lua's stack).
+  local tx = redis.call('LRANGE', TX, 0, -1)
+  local out = {'ok', tostring(#tx)}
+  for i = 1, #tx do out[#out + 1] = tx[i] end
+  for _, v in ipairs(redis.call('HGETALL', RUN)) do out[#out + 1] = v end
+  return out
 end
 
 if op == 'wait' then

@@ -21,8 +21,13 @@ use super::transcript::TranscriptEntry;
 use crate::keys::Keys;
 use crate::queue::{Lease, QueueKeys, LUA_LIB};
 
-static SCRIPT: LazyLock<redis::Script> =
-    LazyLock::new(|| redis::Script::new(&format!("{LUA_LIB}\n{}", include_str!("store.lua"))));
+/// The most events a run's stream keeps (approximately): the script's
+/// appends are trimmed to it too (prepended to `store.lua` as `EV_MAXLEN`).
+const EVENTS_MAXLEN: u64 = 10_000;
+
+static SCRIPT: LazyLock<redis::Script> = LazyLock::new(|| {
+    redis::Script::new(&format!("{LUA_LIB}\nlocal EV_MAXLEN = {EVENTS_MAXLEN}\n{}", include_str!("store.lua")))
+});
 
 /// How long an `Idempotency-Key` is remembered.
 pub const IDEMPOTENCY_TTL: Duration = Duration::from_secs(24 * 3600);
@@ -100,6 +105,15 @@ pub enum Fence {
     Stop(String),
 }
 
+/// What starting a turn found.
+#[derive(Debug, Clone)]
+pub enum Started {
+    /// The turn runs, with the run as it needs it.
+    Run(TurnContext),
+    /// It does not (cancelled, finished, already committed, a stale lease, gone): why.
+    Stop(String),
+}
+
 /// How a committed turn leaves the run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Next {
@@ -119,8 +133,6 @@ pub enum Next {
 /// A run as a worker needs it to run a turn.
 #[derive(Debug, Clone)]
 pub struct TurnContext {
-    /// The run object.
-    pub run: Run,
     /// Its spec (instructions, tools, endpoint, limits).
     pub spec: RunSpec,
     /// Its tenant.
@@ -334,9 +346,7 @@ impl RunStore {
     async fn read_transcript(&self, id: &str) -> Result<Vec<TranscriptEntry>, StoreError> {
         let mut conn = self.conn.clone();
         let raw: Vec<String> = redis::cmd("LRANGE").arg(self.transcript_key(id)).arg(0).arg(-1).query_async(&mut conn).await?;
-        raw.iter()
-            .map(|s| serde_json::from_str(s).map_err(|e| StoreError::Protocol(format!("transcript entry: {e}"))))
-            .collect()
+        parse_transcript(&raw)
     }
 
     /// Cancels an unfinished run: its queued turn is removed, one in flight
@@ -408,37 +418,50 @@ impl RunStore {
         Ok(out)
     }
 
-    /// Appends an event outside a commit (text deltas, tool calls and results).
+    /// Appends an event outside a commit (text deltas).
     pub async fn emit(&self, id: &str, kind: &str, data: &Value) -> Result<(), StoreError> {
+        self.emit_all(id, kind, std::slice::from_ref(data)).await
+    }
+
+    /// Appends events of one kind outside a commit, in order, in one round
+    /// trip (a turn's tool calls, its tool results).
+    pub async fn emit_all(&self, id: &str, kind: &str, data: &[Value]) -> Result<(), StoreError> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        let mut pipe = redis::pipe();
+        for d in data {
+            pipe.cmd("XADD")
+                .arg(self.events_key(id))
+                .arg("MAXLEN")
+                .arg("~")
+                .arg(EVENTS_MAXLEN)
+                .arg("*")
+                .arg("type")
+                .arg(kind)
+                .arg("data")
+                .arg(d.to_string())
+                .ignore();
+        }
         let mut conn = self.conn.clone();
-        let _: String = redis::cmd("XADD")
-            .arg(self.events_key(id))
-            .arg("MAXLEN")
-            .arg("~")
-            .arg(10_000)
-            .arg("*")
-            .arg("type")
-            .arg(kind)
-            .arg("data")
-            .arg(data.to_string())
-            .query_async(&mut conn)
-            .await?;
+        let () = pipe.query_async(&mut conn).await?;
         Ok(())
     }
 
-    /// The run as a worker needs it (no tenant check: the worker serves all).
-    pub async fn load(&self, id: &str) -> Result<Option<TurnContext>, StoreError> {
-        let f = self.fields(id).await?;
-        let Some(run) = Run::from_fields(id, &f) else { return Ok(None) };
+    /// The run as a worker needs it, from its record's fields and transcript;
+    /// `None` when the record is not a run's (it expired).
+    fn turn_context(id: &str, f: HashMap<String, String>, transcript: Vec<TranscriptEntry>) -> Result<Option<TurnContext>, StoreError> {
+        if Run::from_fields(id, &f).is_none() {
+            return Ok(None);
+        }
         let spec: RunSpec = match f.get(field::SPEC).map(|s| serde_json::from_str(s)) {
             Some(Ok(spec)) => spec,
             _ => return Err(StoreError::Protocol(format!("run {id} has no readable spec"))),
         };
         Ok(Some(TurnContext {
-            run,
             spec,
             tenant: f.get(field::TENANT).cloned().unwrap_or_default(),
-            transcript: self.read_transcript(id).await?,
+            transcript,
             phase: f.get(field::PHASE).cloned().unwrap_or_default(),
         }))
     }
@@ -451,11 +474,33 @@ impl RunStore {
         }
     }
 
-    /// Marks the run running for `lease`'s turn (and says so in the stream).
-    pub async fn start(&self, lease: &Lease, job: TurnJob) -> Result<Fence, StoreError> {
+    /// Marks the run running for `lease`'s turn (and says so in the stream)
+    /// and reads what the turn needs — record and transcript — in the same
+    /// step (one round trip per delivery).
+    pub async fn start_turn(&self, lease: &Lease, job: TurnJob) -> Result<Started, StoreError> {
         let mut inv = self.invocation("start", &lease.id, "", None);
         inv.arg(lease.epoch).arg(job.turn).arg(job.attempt);
-        Self::fence(&self.invoke(inv).await?)
+        let reply = self.invoke(inv).await?;
+        if let Fence::Stop(why) = Self::fence(&reply)? {
+            return Ok(Started::Stop(why));
+        }
+        // {'ok', n, n transcript entries, the record's field/value pairs}
+        let bad = || StoreError::Protocol("start: malformed reply".into());
+        let n: usize = reply.get(1).and_then(|n| n.parse().ok()).ok_or_else(bad)?;
+        let transcript = parse_transcript(reply.get(2..2 + n).ok_or_else(bad)?)?;
+        let fields = reply[2 + n..].chunks_exact(2).map(|kv| (kv[0].clone(), kv[1].clone())).collect();
+        Ok(match Self::turn_context(&lease.id, fields, transcript)? {
+            Some(ctx) => Started::Run(ctx),
+            None => Started::Stop("gone".into()),
+        })
+    }
+
+    /// [`start_turn`](Self::start_turn), for the fence alone.
+    pub async fn start(&self, lease: &Lease, job: TurnJob) -> Result<Fence, StoreError> {
+        Ok(match self.start_turn(lease, job).await? {
+            Started::Run(_) => Fence::Ok,
+            Started::Stop(why) => Fence::Stop(why),
+        })
     }
 
     /// Requeues the turn for `delay_ms` (budget, 429, retry): the run shows
@@ -603,6 +648,13 @@ pub fn valid_stream_id(id: &str) -> bool {
         && seq.bytes().all(|b| b.is_ascii_digit())
 }
 
+
+/// Transcript entries as stored (JSON).
+fn parse_transcript(raw: &[String]) -> Result<Vec<TranscriptEntry>, StoreError> {
+    raw.iter()
+        .map(|s| serde_json::from_str(s).map_err(|e| StoreError::Protocol(format!("transcript entry: {e}"))))
+        .collect()
+}
 #[cfg(test)]
 mod tests {
     use super::*;
