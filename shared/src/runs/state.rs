@@ -2,8 +2,9 @@
 //! `queued` → `running` ⇄ `waiting` → `completed` | `failed` | `cancelled`.
 //!
 //! This table is the reference: the run store's scripts (`store.lua`) make
-//! these moves atomically in Redis, where Rust cannot be called, and its tests
-//! (`tests/integration/run_store.rs`) hold them to it. A finished run never
+//! these moves atomically in Redis, where Rust cannot be called, and the test
+//! `run_store::every_move_the_store_makes_is_one_the_state_table_allows` holds
+//! them to it. A finished run never
 //! moves again — that is what makes a late, redelivered turn harmless and what
 //! makes cancelling a finished run a 409.
 

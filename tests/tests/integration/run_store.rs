@@ -9,7 +9,8 @@ use shared::config::RedisArgs;
 use shared::keys::Keys;
 use shared::queue::{QueueConfig, TurnQueue};
 use shared::runs::{
-    Fence, Idempotency, Next, RunSpec, RunStatus, RunStore, StoreError, SubmitPolicy, TurnJob, Usage, WaitReason,
+    Fence, Idempotency, Next, RunSpec, RunStatus, RunStore, StoreError, SubmitPolicy, Transition, TurnJob, Usage,
+    WaitReason,
 };
 use std::time::Duration;
 
@@ -203,4 +204,74 @@ async fn cancelling_removes_the_queued_turn_and_stops_one_in_flight() {
     let tail = env.store.events("alpha", &flying.id, None, None, 50).await.unwrap().unwrap();
     assert_eq!(tail.last().map(|e| e.kind.as_str()), Some("run.cancelled"));
     let _: Value = tail.last().unwrap().data.clone();
+}
+
+/// `runs/state.rs` is the table of the run's moves; `store.lua` makes them in
+/// Redis. Every move the store makes here — start, wait, continue, complete,
+/// fail, cancel — is one the table allows, to the status the table says; and
+/// the one the table refuses (cancelling a finished run), the store refuses.
+#[tokio::test]
+async fn every_move_the_store_makes_is_one_the_state_table_allows() {
+    let env = env().await;
+    let status = |id: String| {
+        let store = env.store.clone();
+        async move { store.get("alpha", &id).await.unwrap().unwrap().status }
+    };
+    fn moved(from: RunStatus, t: Transition, to: RunStatus) {
+        assert_eq!(from.apply(t), Ok(to), "the store moved a {from:?} run to {to:?} on {t:?}");
+    }
+    let items = [json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "hi"}]})];
+    let usage = Usage::default();
+
+    // queued -> running -> waiting -> running -> (continue) -> running -> completed
+    let id = env.store.create("alpha", &spec("a"), None).await.unwrap().run.id;
+    let mut at = status(id.clone()).await;
+    assert_eq!(at, RunStatus::Queued);
+    let job = TurnJob { turn: 0, attempt: 1 };
+    let lease = env.queue.fetch("w", 1).await.unwrap().deliveries.remove(0).lease;
+    assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Ok);
+    let now = status(id.clone()).await;
+    moved(at, Transition::Start, now);
+    at = now;
+    let waited = env.store.wait(&lease, job, job, 0, WaitReason::Budget, "turn.paced", &json!({})).await.unwrap();
+    assert_eq!(waited, Fence::Ok);
+    let now = status(id.clone()).await;
+    moved(at, Transition::Wait(WaitReason::Budget), now);
+    at = now;
+    let lease = env.queue.fetch("w", 1).await.unwrap().deliveries.remove(0).lease;
+    assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Ok);
+    let now = status(id.clone()).await;
+    moved(at, Transition::Start, now);
+    at = now;
+    assert_eq!(env.store.commit(&lease, job, &items, usage, &Next::Continue).await.unwrap(), Fence::Ok);
+    let now = status(id.clone()).await;
+    moved(at, Transition::Continue, now);
+    at = now;
+    let job = TurnJob { turn: 1, attempt: 1 };
+    let lease = env.queue.fetch("w", 1).await.unwrap().deliveries.remove(0).lease;
+    assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Ok);
+    let now = status(id.clone()).await;
+    moved(at, Transition::Start, now);
+    at = now;
+    let done = Next::Complete("done".into());
+    assert_eq!(env.store.commit(&lease, job, &items, usage, &done).await.unwrap(), Fence::Ok);
+    let now = status(id.clone()).await;
+    moved(at, Transition::Complete, now);
+    assert!(now.apply(Transition::Cancel).is_err());
+    assert!(matches!(env.store.cancel("alpha", &id).await, Err(StoreError::Conflict(_))));
+
+    // queued -> running -> failed
+    let id = env.store.create("alpha", &spec("b"), None).await.unwrap().run.id;
+    let job = TurnJob { turn: 0, attempt: 1 };
+    let lease = env.queue.fetch("w", 1).await.unwrap().deliveries.remove(0).lease;
+    assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Ok);
+    let at = status(id.clone()).await;
+    assert_eq!(env.store.fail(&lease, job, "provider", "gone", usage).await.unwrap(), Fence::Ok);
+    moved(at, Transition::Fail, status(id.clone()).await);
+
+    // queued -> cancelled
+    let id = env.store.create("alpha", &spec("c"), None).await.unwrap().run.id;
+    let at = status(id.clone()).await;
+    env.store.cancel("alpha", &id).await.unwrap();
+    moved(at, Transition::Cancel, status(id.clone()).await);
 }
