@@ -43,14 +43,27 @@ pub struct ToolResult {
 }
 
 /// Calls every tool of one turn in parallel and returns their results in
-/// the order of `calls`. Never fails: a tool's failure is its output text.
-/// `timeout` bounds each call from connect to the last byte of its answer.
-pub async fn run_tools(client: &reqwest::Client, endpoint: &str, run_id: &str, calls: &[ToolCall], timeout: Duration) -> Vec<ToolResult> {
+/// the order of `calls`. Never fails: a tool's failure is its output text —
+/// also an endpoint outside `allowed` (this worker's prefixes), which is not
+/// called. `timeout` bounds each call from connect to the last byte of its answer.
+pub async fn run_tools(
+    client: &reqwest::Client,
+    endpoint: &str,
+    allowed: &[String],
+    run_id: &str,
+    calls: &[ToolCall],
+    timeout: Duration,
+) -> Vec<ToolResult> {
+    let permitted = shared::runs::spec::endpoint_allowed(endpoint, allowed);
     let futures = calls.iter().map(|call| async move {
         let started = std::time::Instant::now();
-        let result = match tokio::time::timeout(timeout, call_tool(client, endpoint, run_id, call)).await {
-            Ok(result) => result,
-            Err(_) => Err(format!("timed out after {}", describe(timeout))),
+        let result = if !permitted {
+            Err(format!("the endpoint {endpoint:?} is not allowed on this worker"))
+        } else {
+            match tokio::time::timeout(timeout, call_tool(client, endpoint, run_id, call)).await {
+                Ok(result) => result,
+                Err(_) => Err(format!("timed out after {}", describe(timeout))),
+            }
         };
         let (output, error) = match result {
             Ok(output) => (output, false),

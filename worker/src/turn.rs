@@ -301,19 +301,8 @@ impl Runner {
             .collect();
         self.store.emit_all(&lease.id, event::TURN_TOOL_CALL, &announced).await?;
         let endpoint = ctx.spec.tool_endpoint.as_deref().unwrap_or_default();
-        let results = if shared::runs::spec::endpoint_allowed(endpoint, &self.config.tool_endpoints) {
-            crate::tools::run_tools(&self.http, endpoint, &lease.id, calls, self.config.tool_timeout).await
-        } else {
-            calls
-                .iter()
-                .map(|c| crate::tools::ToolResult {
-                    call_id: c.call_id.clone(),
-                    name: c.name.clone(),
-                    output: format!("tool error: the endpoint {endpoint:?} is not allowed on this worker"),
-                    error: true,
-                })
-                .collect()
-        };
+        let allowed = &self.config.tool_endpoints;
+        let results = crate::tools::run_tools(&self.http, endpoint, allowed, &lease.id, calls, self.config.tool_timeout).await;
         let mut items = Vec::with_capacity(results.len());
         let mut reported = Vec::with_capacity(results.len());
         for r in &results {

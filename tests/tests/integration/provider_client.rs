@@ -439,7 +439,7 @@ async fn tools_run_in_parallel_and_failures_become_output_text() {
     ];
     // The two `meet` calls only finish when both are in flight: run one by
     // one, they would wait on each other until the timeout.
-    let results = within("the tools", Duration::from_secs(15), run_tools(&client, &endpoint, "run_1", &calls, Duration::from_secs(10))).await;
+    let results = within("the tools", Duration::from_secs(15), run_tools(&client, &endpoint, &[endpoint.clone()], "run_1", &calls, Duration::from_secs(10))).await;
     let ids: Vec<&str> = results.iter().map(|r| r.call_id.as_str()).collect();
     assert_eq!(ids, ["call_1", "call_2", "call_3", "call_4", "call_5", "call_6"], "results keep the calls' order");
 
@@ -463,7 +463,7 @@ async fn a_hanging_or_absent_tool_becomes_an_error_text_in_time() {
     let results = within(
         "the tools",
         Duration::from_secs(10),
-        run_tools(&client, &format!("{base}/tools"), "run_2", &calls, Duration::from_millis(300)),
+        run_tools(&client, &format!("{base}/tools"), &[base.clone()], "run_2", &calls, Duration::from_millis(300)),
     )
     .await;
     assert_eq!(results[0].output, "tool error: timed out after 300 ms");
@@ -473,6 +473,20 @@ async fn a_hanging_or_absent_tool_becomes_an_error_text_in_time() {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let gone = format!("http://{}/tools", listener.local_addr().unwrap());
     drop(listener);
-    let results = within("the tools", Duration::from_secs(10), run_tools(&client, &gone, "run_2", &calls[1..], Duration::from_secs(5))).await;
+    let results = within("the tools", Duration::from_secs(10), run_tools(&client, &gone, &[gone.clone()], "run_2", &calls[1..], Duration::from_secs(5))).await;
     assert!(results[0].error && results[0].output.starts_with("tool error: "), "{}", results[0].output);
+}
+
+#[tokio::test]
+async fn a_tool_endpoint_outside_the_workers_prefixes_is_not_called() {
+    let calls = [tool_call("call_a", "echo"), tool_call("call_b", "echo")];
+    let client = reqwest::Client::new();
+    // Nothing listens there: a call would fail with a connection error instead.
+    let endpoint = "http://127.0.0.1:9/tools";
+    let allowed = ["http://127.0.0.1:9/other".to_owned()];
+    let results = within("the tools", Duration::from_secs(5), run_tools(&client, endpoint, &allowed, "run_3", &calls, Duration::from_secs(5))).await;
+    for r in &results {
+        assert!(r.error);
+        assert_eq!(r.output, "tool error: the endpoint \"http://127.0.0.1:9/tools\" is not allowed on this worker");
+    }
 }
