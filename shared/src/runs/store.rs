@@ -655,6 +655,7 @@ fn parse_transcript(raw: &[String]) -> Result<Vec<TranscriptEntry>, StoreError> 
         .map(|s| serde_json::from_str(s).map_err(|e| StoreError::Protocol(format!("transcript entry: {e}"))))
         .collect()
 }
+
 #[cfg(test)]
 mod tests {
     use super::*;
