@@ -17,6 +17,7 @@ pub mod bucket;
 pub mod classify;
 pub mod durations;
 pub mod headers;
+pub mod sim;
 pub mod store;
 
 pub use backoff::{next_retry, server_delay, DelaySource, GiveUp, RetryDecision, RetryPolicy};

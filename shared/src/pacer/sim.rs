@@ -1,0 +1,817 @@
+//! A deterministic discrete-event simulator: a fleet of worker slots, the
+//! turn queue and an exact provider bucket around the pacer's policy, on an
+//! injected clock, seeded. The property tests drive thousands of random
+//! workloads through it and check what must hold on every one of them
+//! (STYLE §14):
+//!
+//! - **never stalls**: whenever turns wait, a slot is free and the provider's
+//!   bucket could take the head turn (its estimate above the pacer's floor),
+//!   some turn is admitted within [`STALL_BOUND_MS`];
+//! - **never overdraws**: with estimates that are right, the provider refuses
+//!   nothing; with estimates that are off, no refused call was short by more
+//!   than one request's size;
+//! - **never early**: a turn that asks again before its due time is not clear;
+//! - **stays fair** (see [`Report::jain`]) and gives a lone tenant the refill.
+//!
+//! The simulator only needs [`Policy`]: the pure model implements it, and the
+//! integration tests implement it over the Redis script, so the same workloads
+//! check both. Faults it throws in: runs cancelled while waiting (a booking
+//! that never comes back), workers that die with a call in flight (a
+//! reservation that never settles; the turn comes back later as a new
+//! attempt), turns that come back late or early, settles (headers) that arrive
+//! late and out of order, estimates too high or too low, 429s, and a learned
+//! usage ratio that moves a lot (runs whose used output differs widely).
+
+use super::{CallOutcome, Decision, Estimate, Mode, Observation, PacingConfig, Who};
+use crate::clock::Millis;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, BinaryHeap};
+
+/// The longest time the fleet may go without an admission while turns wait,
+/// a slot is free and the provider's bucket could take the head turn. It
+/// covers what the pacer cannot see at once: a waiter past its due time stops
+/// holding budget for the turns behind it only after `late_ms`
+/// (1 s by default), a settle (with its refund) may arrive up to 1 s late in
+/// the simulation, and an owed turn returns after the in-place wait or the
+/// queue's lateness.
+pub const STALL_BOUND_MS: Millis = 3_000;
+
+/// What a pacer must do for the simulator: answer asks and take settles, by
+/// reservation id, at a given time.
+pub trait Policy {
+    /// Asks to reserve `est` at `now`; `jitter_u` in [0, 1) is the caller's draw.
+    fn acquire(&mut self, now: Millis, id: &str, est: Estimate, mode: Mode, who: &Who<'_>, jitter_u: f64) -> Decision;
+    /// Settles reservation `id` at `now`.
+    fn settle(&mut self, now: Millis, id: &str, outcome: &CallOutcome);
+}
+
+/// A tenant of the workload.
+#[derive(Debug, Clone)]
+pub struct Tenant {
+    /// Its name.
+    pub name: String,
+    /// Its weight.
+    pub weight: f64,
+    /// Its cap (0: none).
+    pub cap: f64,
+}
+
+/// One run of the workload.
+#[derive(Debug, Clone)]
+pub struct RunPlan {
+    /// Index into [`Workload::tenants`].
+    pub tenant: usize,
+    /// Work or companion.
+    pub mode: Mode,
+    /// When it is submitted (ms after the start).
+    pub start_ms: Millis,
+    /// Turns it takes.
+    pub turns: u32,
+    /// Input tokens of its first turn …
+    pub input: u64,
+    /// … growing by this much per turn (the history).
+    pub growth: u64,
+    /// `max_output_tokens`.
+    pub max_output: u64,
+    /// The share of `max_output` a call really uses.
+    pub used_frac: f64,
+}
+
+/// The faults thrown in, as probabilities per event.
+#[derive(Debug, Clone, Default)]
+pub struct Faults {
+    /// A run waiting for budget is cancelled (its booking never comes back).
+    pub cancel_waiting: f64,
+    /// The worker dies with the call in flight: never settled; the turn is
+    /// delivered again 5 s later as a new attempt.
+    pub die_in_flight: f64,
+    /// A requeued turn comes back up to `late_max_ms` late.
+    pub late: f64,
+    /// See `late`.
+    pub late_max_ms: Millis,
+    /// A requeued turn is also delivered early (a redelivery): it must not be clear.
+    pub early: f64,
+    /// The worker's input estimate is off by up to this fraction either way.
+    pub est_error: f64,
+    /// A settle arrives up to this long after the call ended.
+    pub settle_delay_max_ms: Millis,
+}
+
+/// A whole simulated workload.
+#[derive(Debug, Clone)]
+pub struct Workload {
+    /// The seed of its randomness (also of the faults' draws).
+    pub seed: u64,
+    /// The provider's token limit …
+    pub limit: u64,
+    /// … refilled continuously over this period.
+    pub period_ms: Millis,
+    /// Worker slots in the fleet.
+    pub slots: usize,
+    /// Call latency, uniform in this range.
+    pub latency_ms: (Millis, Millis),
+    /// Time the tools take between turns.
+    pub tool_ms: (Millis, Millis),
+    /// The tenants.
+    pub tenants: Vec<Tenant>,
+    /// The runs.
+    pub runs: Vec<RunPlan>,
+    /// The faults.
+    pub faults: Faults,
+    /// The pacer's config.
+    pub config: PacingConfig,
+    /// The simulation stops here, finished or not.
+    pub until_ms: Millis,
+}
+
+impl Workload {
+    /// A random workload from `seed`: limits from 10 000 per minute to 2
+    /// million, per-minute and scaled-down windows, one to four tenants with
+    /// weights and caps, companion runs, and every fault at random strength.
+    pub fn random(seed: u64) -> Self {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let period_ms = *[10_000, 60_000, 60_000].get(rng.random_range(0..3)).unwrap_or(&60_000);
+        let limit = [10_000, 30_000, 40_000, 150_000, 2_000_000][rng.random_range(0..5)];
+        let n_tenants = rng.random_range(1..=4);
+        let tenants: Vec<Tenant> = (0..n_tenants)
+            .map(|i| Tenant {
+                name: format!("t{i}"),
+                weight: rng.random_range(1..=3) as f64,
+                cap: if rng.random_bool(0.15) { rng.random_range(0.2..0.6) } else { 0.0 },
+            })
+            .collect();
+        // Enough runs that the budget is scarce for a while (a few refills).
+        let max_output = [100, 300, 1_000, 2_000][rng.random_range(0..4)];
+        let n_runs = rng.random_range(5..=60);
+        let mut runs = Vec::with_capacity(n_runs);
+        for _ in 0..n_runs {
+            let input_max = (limit / 8).clamp(400, 6_000);
+            runs.push(RunPlan {
+                tenant: rng.random_range(0..n_tenants),
+                mode: if rng.random_bool(0.1) { Mode::Companion } else { Mode::Work },
+                start_ms: if rng.random_bool(0.6) { 0 } else { rng.random_range(0..20_000) },
+                turns: rng.random_range(1..=6),
+                input: rng.random_range(200..input_max),
+                growth: rng.random_range(0..300),
+                max_output: max_output.min(limit / 10),
+                used_frac: if rng.random_bool(0.5) { rng.random_range(0.0..0.3) } else { rng.random_range(0.0..1.0) },
+            });
+        }
+        let strong = rng.random_bool(0.5);
+        let p = |rng: &mut StdRng, x: f64| if strong && rng.random_bool(0.5) { x } else { 0.0 };
+        let faults = Faults {
+            cancel_waiting: p(&mut rng, 0.05),
+            die_in_flight: p(&mut rng, 0.03),
+            late: p(&mut rng, 0.1),
+            late_max_ms: 5_000,
+            early: p(&mut rng, 0.05),
+            est_error: p(&mut rng, 0.2),
+            settle_delay_max_ms: if rng.random_bool(0.5) { 1_000 } else { 50 },
+        };
+        let config = PacingConfig { jitter_frac: 0.02, ..PacingConfig::default() };
+        let total: u64 = runs
+            .iter()
+            .map(|r| (0..r.turns as u64).map(|t| r.input + r.growth * t + r.max_output).sum::<u64>())
+            .sum();
+        let refill = limit as f64 / period_ms as f64;
+        let until_ms = 60_000 + 4 * (total as f64 / refill) as Millis;
+        Self {
+            seed,
+            limit,
+            period_ms,
+            slots: [8, 16, 48, 64][rng.random_range(0..4)],
+            latency_ms: (100, rng.random_range(300..4_000)),
+            tool_ms: (0, rng.random_range(1..800)),
+            tenants,
+            runs,
+            faults,
+            config,
+            until_ms,
+        }
+    }
+
+    /// The issue's one-tenant case at a real per-minute limit: 4 × 16 slots,
+    /// 40 000 tokens per minute, 150 one-turn runs of ~2 000 characters
+    /// (500 tokens) with `max_output_tokens` 300, of which little is used.
+    pub fn one_tenant_per_minute(seed: u64) -> Self {
+        let runs = (0..150)
+            .map(|_| RunPlan {
+                tenant: 0,
+                mode: Mode::Work,
+                start_ms: 0,
+                turns: 1,
+                input: 500,
+                growth: 0,
+                max_output: 300,
+                used_frac: 0.15,
+            })
+            .collect();
+        Self {
+            seed,
+            limit: 40_000,
+            period_ms: 60_000,
+            slots: 64,
+            latency_ms: (200, 600),
+            tool_ms: (0, 50),
+            tenants: vec![Tenant { name: "alpha".into(), weight: 1.0, cap: 0.0 }],
+            runs,
+            faults: Faults { settle_delay_max_ms: 20, ..Faults::default() },
+            config: PacingConfig { jitter_frac: 0.02, ..PacingConfig::default() },
+            until_ms: 600_000,
+        }
+    }
+
+    /// Backlogged tenants with random weights sharing a scarce budget (for
+    /// the fairness property): every tenant has more runs than the budget
+    /// serves at once, all submitted at the start.
+    pub fn backlogged(seed: u64) -> Self {
+        let mut rng = StdRng::seed_from_u64(seed ^ 0xfa17);
+        let n = rng.random_range(2..=4);
+        let tenants: Vec<Tenant> = (0..n)
+            .map(|i| Tenant { name: format!("t{i}"), weight: rng.random_range(1..=3) as f64, cap: 0.0 })
+            .collect();
+        let mut runs = vec![];
+        for t in 0..n {
+            for _ in 0..30 {
+                runs.push(RunPlan {
+                    tenant: t,
+                    mode: Mode::Work,
+                    start_ms: 0,
+                    turns: 4,
+                    input: rng.random_range(400..1_200),
+                    growth: 100,
+                    max_output: 300,
+                    used_frac: rng.random_range(0.1..0.5),
+                });
+            }
+        }
+        Self {
+            seed,
+            limit: 30_000,
+            period_ms: [10_000, 60_000][rng.random_range(0..2)],
+            slots: 64,
+            latency_ms: (200, 1_500),
+            tool_ms: (0, 200),
+            tenants,
+            runs,
+            faults: Faults { settle_delay_max_ms: 50, ..Faults::default() },
+            config: PacingConfig { jitter_frac: 0.02, ..PacingConfig::default() },
+            until_ms: 3_600_000,
+        }
+    }
+}
+
+/// The exact provider bucket: charges `input + max_output` at admission,
+/// refunds the unused output when the call ends, refuses what does not fit.
+#[derive(Debug, Clone)]
+struct Provider {
+    limit: f64,
+    rate: f64,
+    level: f64,
+    at: Millis,
+}
+
+impl Provider {
+    fn level_at(&self, now: Millis) -> f64 {
+        (self.level + self.rate * (now - self.at).max(0) as f64).min(self.limit)
+    }
+
+    fn refill(&mut self, now: Millis) {
+        self.level = self.level_at(now);
+        self.at = now.max(self.at);
+    }
+
+    fn headers(&self) -> Observation {
+        Observation {
+            limit: Some(self.limit as u64),
+            remaining: Some(self.level.max(0.0).floor() as u64),
+            reset_ms: Some(((self.limit - self.level).max(0.0) / self.rate).ceil() as u64),
+        }
+    }
+
+    /// Admits a call of `charge` tokens, or says how short it was and how long
+    /// until it would fit (the 429's `retry-after`).
+    fn admit(&mut self, now: Millis, charge: f64) -> Result<Observation, (f64, u64)> {
+        self.refill(now);
+        if self.level < charge {
+            let short = charge - self.level;
+            return Err((short, (short / self.rate).ceil() as u64));
+        }
+        self.level -= charge;
+        Ok(self.headers())
+    }
+
+    fn refund(&mut self, now: Millis, tokens: f64) {
+        self.refill(now);
+        self.level = (self.level + tokens).min(self.limit);
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum RunState {
+    NotYet,
+    /// In the queue (requeued by the pacer or waiting for a slot).
+    Queued,
+    /// Holding a slot through an in-place wait.
+    InPlace,
+    /// A call is in flight (holding a slot).
+    Calling,
+    /// Between turns (tools).
+    Tools,
+    Done,
+    Cancelled,
+}
+
+#[derive(Debug, Clone)]
+struct Run {
+    plan: RunPlan,
+    state: RunState,
+    turn: u32,
+    attempt: u32,
+    /// When the pacer said it may come back (for the "never early" check).
+    due: Millis,
+    /// This turn's input as the provider counts it, and as the worker estimates it.
+    input: u64,
+    estimate: u64,
+}
+
+impl Run {
+    fn id(&self, index: usize) -> String {
+        format!("r{index}:{}:{}", self.turn, self.attempt)
+    }
+
+    fn est(&self) -> Estimate {
+        Estimate { tokens: self.estimate + self.plan.max_output, requests: 1, output: self.plan.max_output }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Event {
+    Start(usize),
+    /// An in-place wait ends: ask again (the slot is held).
+    Reask(usize),
+    /// An early redelivery of a requeued turn (a duplicate).
+    Early(usize, Millis),
+    /// The call ends: refund, free the slot, run the tools.
+    Done { run: usize, id: String, used: u64, headers: Observation, sent: Millis },
+    /// A settle reaches the pacer.
+    Settle(String, CallOutcome),
+    /// The tools are done: the next turn is queued.
+    NextTurn(usize),
+    /// A dead worker's turn is delivered again.
+    Redeliver(usize),
+    /// A liveness check.
+    Tick,
+}
+
+/// What one simulated workload did.
+#[derive(Debug, Clone, Default)]
+pub struct Report {
+    /// The workload's seed.
+    pub seed: u64,
+    /// Runs that should finish (not cancelled) …
+    pub runs: usize,
+    /// … and those that did.
+    pub completed: usize,
+    /// Calls sent to the provider.
+    pub calls: u64,
+    /// Calls the provider refused (429).
+    pub refused: u64,
+    /// The largest shortfall of a refused call.
+    pub max_shortfall: f64,
+    /// The largest single charge of the workload.
+    pub max_charge: f64,
+    /// The longest time with turns waiting, a slot free, the bucket able to
+    /// take the head turn, and no admission; and when it began.
+    pub longest_stall_ms: Millis,
+    /// See `longest_stall_ms`.
+    pub stall_at_ms: Millis,
+    /// Turns that were clear before their due time.
+    pub early_clears: u64,
+    /// Time from the first submit to the last completion.
+    pub makespan_ms: Millis,
+    /// Tokens the provider charged (net of refunds).
+    pub used_tokens: f64,
+    /// The least time the provider's bucket allows for those tokens.
+    pub floor_ms: f64,
+    /// Tokens charged per tenant while every tenant still had runs to do,
+    /// divided by its weight.
+    pub fair_shares: Vec<f64>,
+    /// Asks answered.
+    pub asks: u64,
+}
+
+impl Report {
+    /// floor / makespan.
+    pub fn efficiency(&self) -> f64 {
+        if self.makespan_ms <= 0 {
+            return 1.0;
+        }
+        (self.floor_ms / self.makespan_ms as f64).min(1.0)
+    }
+
+    /// Jain's index of the weighted shares (1 = equal).
+    pub fn jain(&self) -> f64 {
+        let n = self.fair_shares.len() as f64;
+        let sum: f64 = self.fair_shares.iter().sum();
+        let sq: f64 = self.fair_shares.iter().map(|x| x * x).sum();
+        if sq <= 0.0 {
+            return 1.0;
+        }
+        sum * sum / (n * sq)
+    }
+}
+
+/// Runs `workload` against `policy` and reports what happened.
+pub fn simulate(workload: &Workload, policy: &mut dyn Policy) -> Report {
+    let mut sim = Sim::new(workload);
+    sim.run(policy);
+    sim.report
+}
+
+struct Sim<'w> {
+    w: &'w Workload,
+    rng: StdRng,
+    now: Millis,
+    t0: Millis,
+    provider: Provider,
+    runs: Vec<Run>,
+    events: BinaryHeap<Reverse<(Millis, u64, usize)>>,
+    payloads: Vec<Option<Event>>,
+    seq: u64,
+    /// The queue: (due, seq, run).
+    ready: BTreeSet<(Millis, u64, usize)>,
+    free_slots: usize,
+    /// A 429 closed the provider until then (the pacer may legitimately wait).
+    closed_until: Millis,
+    stall_since: Option<Millis>,
+    last_done: Millis,
+    report: Report,
+}
+
+impl<'w> Sim<'w> {
+    fn new(w: &'w Workload) -> Self {
+        let t0: Millis = 1_800_000_000_000;
+        let provider = Provider {
+            limit: w.limit as f64,
+            rate: w.limit as f64 / w.period_ms as f64,
+            level: w.limit as f64,
+            at: t0,
+        };
+        let runs: Vec<Run> = w
+            .runs
+            .iter()
+            .map(|p| Run { plan: p.clone(), state: RunState::NotYet, turn: 0, attempt: 0, due: 0, input: 0, estimate: 0 })
+            .collect();
+        let max_charge = w
+            .runs
+            .iter()
+            .map(|r| ((r.input + r.growth * r.turns as u64) as f64 * (1.0 + w.faults.est_error)) + r.max_output as f64)
+            .fold(0.0, f64::max);
+        Self {
+            w,
+            rng: StdRng::seed_from_u64(w.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x5eed),
+            now: t0,
+            t0,
+            provider,
+            runs,
+            events: BinaryHeap::new(),
+            payloads: vec![],
+            seq: 0,
+            ready: BTreeSet::new(),
+            free_slots: w.slots,
+            closed_until: 0,
+            stall_since: None,
+            last_done: t0,
+            report: Report { seed: w.seed, max_charge, ..Report::default() },
+        }
+    }
+
+    fn at(&mut self, t: Millis, ev: Event) {
+        self.seq += 1;
+        self.payloads.push(Some(ev));
+        self.events.push(Reverse((t, self.seq, self.payloads.len() - 1)));
+    }
+
+    fn enqueue(&mut self, run: usize, due: Millis) {
+        self.seq += 1;
+        self.runs[run].state = RunState::Queued;
+        self.ready.insert((due, self.seq, run));
+    }
+
+    fn run(&mut self, policy: &mut dyn Policy) {
+        for i in 0..self.runs.len() {
+            let t = self.t0 + self.runs[i].plan.start_ms;
+            self.at(t, Event::Start(i));
+        }
+        let mut t = self.t0;
+        while t < self.t0 + self.w.until_ms {
+            t += 100;
+            self.at(t, Event::Tick);
+        }
+        loop {
+            let next_event = self.events.peek().map(|Reverse((t, _, _))| *t);
+            let next_due = if self.free_slots > 0 { self.ready.first().map(|(d, _, _)| (*d).max(self.now)) } else { None };
+            let t = match (next_event, next_due) {
+                (Some(e), Some(d)) => e.min(d),
+                (Some(e), None) => e,
+                (None, Some(d)) => d,
+                (None, None) => break,
+            };
+            if t >= self.t0 + self.w.until_ms {
+                break;
+            }
+            self.now = t.max(self.now);
+            if next_due == Some(t) && next_event.is_none_or(|e| t < e) {
+                let (d, s, run) = *self.ready.first().expect("a due turn");
+                self.ready.remove(&(d, s, run));
+                self.free_slots -= 1;
+                self.deliver(run, policy);
+            } else {
+                let Reverse((_, _, slot)) = self.events.pop().expect("an event");
+                let ev = self.payloads[slot].take().expect("each event once");
+                self.handle(ev, policy);
+            }
+            self.check_liveness();
+            if self.runs.iter().all(|r| matches!(r.state, RunState::Done | RunState::Cancelled)) {
+                break;
+            }
+        }
+        let r = &mut self.report;
+        r.runs = self.runs.iter().filter(|r| r.state != RunState::Cancelled).count();
+        r.completed = self.runs.iter().filter(|r| r.state == RunState::Done).count();
+        r.makespan_ms = self.last_done - self.t0;
+        r.floor_ms = ((r.used_tokens - self.w.limit as f64) / self.provider.rate).max(0.0);
+    }
+
+    fn start_turn(&mut self, run: usize) {
+        let err = self.w.faults.est_error;
+        let r = &mut self.runs[run];
+        r.input = r.plan.input + r.plan.growth * r.turn as u64;
+        let factor = if err > 0.0 { self.rng.random_range(1.0 - err..1.0 + err) } else { 1.0 };
+        r.estimate = (r.input as f64 * factor).round() as u64;
+        r.attempt = 0;
+        let now = self.now;
+        self.enqueue(run, now);
+    }
+
+    fn handle(&mut self, ev: Event, policy: &mut dyn Policy) {
+        match ev {
+            Event::Start(run) => self.start_turn(run),
+            Event::Reask(run) => self.deliver(run, policy),
+            Event::Early(run, due) => {
+                // A duplicate delivery before the turn's due time.
+                if self.runs[run].state == RunState::Queued && self.runs[run].due == due && self.now < due {
+                    let (id, est, mode) = (self.runs[run].id(run), self.runs[run].est(), self.runs[run].plan.mode);
+                    let tenant = &self.w.tenants[self.runs[run].plan.tenant];
+                    let who = Who { tenant: &tenant.name, weight: tenant.weight, cap: tenant.cap };
+                    let u = self.rng.random::<f64>();
+                    self.report.asks += 1;
+                    if policy.acquire(self.now, &id, est, mode, &who, u) == Decision::Clear {
+                        self.report.early_clears += 1;
+                    }
+                }
+            }
+            Event::Done { run, id, used, headers, sent } => {
+                let charged = (self.runs[run].input + self.runs[run].plan.max_output) as f64;
+                self.provider.refund(self.now, charged - used as f64);
+                self.report.used_tokens += used as f64;
+                self.free_slots += 1;
+                let outcome = CallOutcome {
+                    used_tokens: Some(used),
+                    rate_limited_ms: None,
+                    tokens: headers,
+                    requests: Observation::default(),
+                    headers_age_ms: (self.now - sent) as u64,
+                };
+                let delay = self.rng.random_range(0..=self.w.faults.settle_delay_max_ms);
+                let t = self.now + delay;
+                let outcome = CallOutcome { headers_age_ms: outcome.headers_age_ms + delay as u64, ..outcome };
+                self.at(t, Event::Settle(id, outcome));
+                let r = &mut self.runs[run];
+                r.turn += 1;
+                if r.turn >= r.plan.turns {
+                    r.state = RunState::Done;
+                    self.last_done = self.last_done.max(self.now);
+                } else {
+                    r.state = RunState::Tools;
+                    let (lo, hi) = self.w.tool_ms;
+                    let t = self.now + self.rng.random_range(lo..=hi);
+                    self.at(t, Event::NextTurn(run));
+                }
+            }
+            Event::Settle(id, outcome) => policy.settle(self.now, &id, &outcome),
+            Event::NextTurn(run) => self.start_turn(run),
+            Event::Redeliver(run) => {
+                let now = self.now;
+                self.enqueue(run, now);
+            }
+            Event::Tick => {}
+        }
+    }
+
+    fn deliver(&mut self, run: usize, policy: &mut dyn Policy) {
+        let (id, est, mode) = (self.runs[run].id(run), self.runs[run].est(), self.runs[run].plan.mode);
+        let tenant = &self.w.tenants[self.runs[run].plan.tenant];
+        let who = Who { tenant: &tenant.name, weight: tenant.weight, cap: tenant.cap };
+        let u = self.rng.random::<f64>();
+        self.report.asks += 1;
+        match policy.acquire(self.now, &id, est, mode, &who, u) {
+            Decision::Clear => {
+                if self.now < self.runs[run].due {
+                    self.report.early_clears += 1;
+                }
+                self.stall_since = None;
+                self.send(run, id);
+            }
+            Decision::Owed { ms, .. } if ms <= 250 => {
+                self.runs[run].state = RunState::InPlace;
+                self.runs[run].due = self.now + ms as Millis;
+                self.at(self.now + ms as Millis, Event::Reask(run));
+            }
+            Decision::Owed { ms, .. } => {
+                self.free_slots += 1;
+                let f = &self.w.faults;
+                if f.cancel_waiting > 0.0 && self.rng.random_bool(f.cancel_waiting) {
+                    self.runs[run].state = RunState::Cancelled;
+                    return;
+                }
+                let due = self.now + ms as Millis;
+                self.runs[run].due = due;
+                let mut back = due + self.rng.random_range(0..5);
+                if f.late > 0.0 && self.rng.random_bool(f.late) {
+                    back += self.rng.random_range(0..=f.late_max_ms);
+                }
+                if f.early > 0.0 && ms > 2 && self.rng.random_bool(f.early) {
+                    let t = self.now + self.rng.random_range(1..ms as Millis);
+                    self.at(t, Event::Early(run, due));
+                }
+                self.enqueue(run, back);
+            }
+        }
+    }
+
+    fn send(&mut self, run: usize, id: String) {
+        self.report.calls += 1;
+        self.runs[run].state = RunState::Calling;
+        let charge = (self.runs[run].input + self.runs[run].plan.max_output) as f64;
+        match self.provider.admit(self.now, charge) {
+            Ok(headers) => {
+                let (lo, hi) = self.w.latency_ms;
+                let latency = self.rng.random_range(lo..=hi);
+                let f = &self.w.faults;
+                if f.die_in_flight > 0.0 && self.rng.random_bool(f.die_in_flight) {
+                    // The call is made and charged, the worker dies: no settle,
+                    // the turn comes back after its lease as a new attempt.
+                    let r = &mut self.runs[run];
+                    let used = r.input + (r.plan.max_output as f64 * r.plan.used_frac) as u64;
+                    self.provider.refund(self.now + latency, charge - used as f64);
+                    self.report.used_tokens += used as f64;
+                    r.attempt += 1;
+                    self.free_slots += 1;
+                    let t = self.now + 5_000;
+                    self.at(t, Event::Redeliver(run));
+                    return;
+                }
+                let r = &self.runs[run];
+                let used = r.input + (r.plan.max_output as f64 * r.plan.used_frac).round() as u64;
+                self.count_share(run, used as f64);
+                let t = self.now + latency;
+                self.at(t, Event::Done { run, id, used, headers, sent: self.now });
+            }
+            Err((short, retry_ms)) => {
+                self.report.refused += 1;
+                self.report.max_shortfall = self.report.max_shortfall.max(short);
+                self.closed_until = self.closed_until.max(self.now + retry_ms as Millis);
+                let outcome = CallOutcome {
+                    used_tokens: None,
+                    rate_limited_ms: Some(retry_ms),
+                    tokens: self.provider.headers(),
+                    requests: Observation::default(),
+                    headers_age_ms: 0,
+                };
+                self.at(self.now + 1, Event::Settle(id, outcome));
+                self.free_slots += 1;
+                self.runs[run].attempt += 1;
+                let back = self.now + retry_ms as Millis + self.rng.random_range(1..100);
+                self.runs[run].due = 0;
+                self.enqueue(run, back);
+            }
+        }
+    }
+
+    /// Counts `tokens` to its tenant's fair share while every tenant has a
+    /// turn waiting for the pacer (all are backlogged).
+    fn count_share(&mut self, run: usize, tokens: f64) {
+        let n = self.w.tenants.len();
+        if self.report.fair_shares.len() < n {
+            self.report.fair_shares = vec![0.0; n];
+        }
+        let mut waiting = vec![false; n];
+        for (i, r) in self.runs.iter().enumerate() {
+            if i != run && matches!(r.state, RunState::Queued | RunState::InPlace) && r.plan.mode == Mode::Work {
+                waiting[r.plan.tenant] = true;
+            }
+        }
+        if waiting.iter().all(|w| *w) {
+            let t = self.runs[run].plan.tenant;
+            self.report.fair_shares[t] += tokens / self.w.tenants[t].weight;
+        }
+    }
+
+    /// Whether the fleet is held with budget available: turns wait for the
+    /// pacer, a slot is free (or in an in-place wait), no 429 closed the
+    /// provider, and its bucket holds the cheapest waiting turn above the floor.
+    fn check_liveness(&mut self) {
+        let slot = self.free_slots > 0 || self.runs.iter().any(|r| r.state == RunState::InPlace);
+        let level = self.provider.level_at(self.now);
+        let limit = self.w.limit as f64;
+        let head_fits = self.runs.iter().any(|r| {
+            matches!(r.state, RunState::Queued | RunState::InPlace)
+                && self.w.tenants[r.plan.tenant].cap == 0.0
+                && {
+                    let floor = self.w.config.floor(r.plan.mode) * limit;
+                    let need = ((r.estimate.max(r.input) + r.plan.max_output) as f64 + floor).min(limit);
+                    level >= need
+                }
+        });
+        if slot && head_fits && self.now >= self.closed_until {
+            let since = *self.stall_since.get_or_insert(self.now);
+            let stalled = self.now - since;
+            if stalled > self.report.longest_stall_ms {
+                self.report.longest_stall_ms = stalled;
+                self.report.stall_at_ms = since - self.t0;
+            }
+        } else {
+            self.stall_since = None;
+        }
+    }
+}
+
+/// The in-process pacer as a [`Policy`] (the pure model behind a clock).
+#[derive(Debug)]
+pub struct LocalPolicy {
+    pacer: super::LocalPacer,
+    clock: crate::clock::ManualClock,
+}
+
+impl LocalPolicy {
+    /// A fresh local pacer with `config`.
+    pub fn new(config: PacingConfig) -> Self {
+        let clock = crate::clock::ManualClock::new(0);
+        let config = PacingConfig { jitter_frac: 0.0, ..config };
+        Self { pacer: super::LocalPacer::with_clock("sim", config, std::sync::Arc::new(clock.clone())), clock }
+    }
+}
+
+impl Policy for LocalPolicy {
+    fn acquire(&mut self, now: Millis, id: &str, est: Estimate, mode: Mode, who: &Who<'_>, _jitter_u: f64) -> Decision {
+        self.clock.set(now);
+        self.pacer.acquire("m", id, est, mode, who)
+    }
+
+    fn settle(&mut self, now: Millis, id: &str, outcome: &CallOutcome) {
+        self.clock.set(now);
+        self.pacer.settle("m", id, outcome);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(w: &Workload) -> Report {
+        let mut policy = LocalPolicy::new(w.config.clone());
+        simulate(w, &mut policy)
+    }
+
+    #[test]
+    #[ignore = "the current pacer stalls here (issue 12); un-ignored with the new core"]
+    fn one_tenant_at_a_real_per_minute_limit() {
+        let r = check(&Workload::one_tenant_per_minute(1));
+        eprintln!("{r:?} efficiency {:.3}", r.efficiency());
+        assert_eq!(r.completed, r.runs);
+        assert!(r.longest_stall_ms <= STALL_BOUND_MS, "{r:?}");
+    }
+
+    #[test]
+    #[ignore = "the current pacer stalls here (issue 12); un-ignored with the new core"]
+    fn random_workloads_never_stall_never_overdraw() {
+        let seeds: u64 = std::env::var("PACER_SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(200);
+        let mut failures = vec![];
+        for seed in 0..seeds {
+            let w = Workload::random(seed);
+            let r = check(&w);
+            let mut why = vec![];
+            if r.completed < r.runs { why.push(format!("{} of {} runs finished", r.completed, r.runs)); }
+            if r.longest_stall_ms > STALL_BOUND_MS { why.push(format!("stalled {} ms from {} ms", r.longest_stall_ms, r.stall_at_ms)); }
+            if r.early_clears > 0 { why.push(format!("{} early clears", r.early_clears)); }
+            if w.faults.est_error == 0.0 && r.refused > 0 { why.push(format!("{} refused with exact estimates", r.refused)); }
+            if r.max_shortfall > r.max_charge { why.push(format!("short by {:.0}", r.max_shortfall)); }
+            if !why.is_empty() { failures.push(format!("seed {seed}: {}", why.join(", "))); }
+        }
+        assert!(failures.is_empty(), "{} of {seeds} seeds failed:\n{}", failures.len(), failures[..failures.len().min(20)].join("\n"));
+    }
+}
