@@ -1,6 +1,6 @@
 //! The pacer: when do we wait, and for how long?
 //!
-//! Two layers (see `../shared/seeds` design note, and SPEC §4):
+//! Two layers (see the design note behind SPEC §4):
 //! - proactive: before every call a worker asks the pacer to reserve the call's
 //!   estimated tokens; the answer is "clear" or "owed N ms". Owed time is paid in
 //!   full — a wait cut short is not a wait saved.
@@ -9,19 +9,27 @@
 //!   to wait before the next attempt.
 //!
 //! The policy is pure functions over plain data ([`durations`], [`headers`],
-//! [`classify`], [`backoff`], [`bucket`]); the shared state lives in Redis and is
-//! changed only by the atomic scripts in `scripts.lua` ([`shared`]).
+//! [`classify`], [`backoff`], and the proactive model: [`bucket`] one provider
+//! bucket, [`fair`] the line's order, [`model`] acquire and settle); the shared
+//! state lives in Redis and is changed only by the atomic script in
+//! `scripts.lua` ([`store`]); [`local`] is the per-process baseline; [`sim`]
+//! is the simulator the property tests drive the model with.
 
 pub mod backoff;
 pub mod bucket;
 pub mod classify;
 pub mod durations;
+pub mod fair;
 pub mod headers;
+pub mod local;
+pub mod model;
 pub mod sim;
 pub mod store;
 
 pub use backoff::{next_retry, server_delay, DelaySource, GiveUp, RetryDecision, RetryPolicy};
-pub use bucket::{Decision, Estimate, Mode, Observation, OwedReason, PacingConfig, TenantLine, Who};
+pub use bucket::Observation;
 pub use classify::{classify, FailedCall, FailureKind, Transport};
 pub use headers::{HeaderSnapshot, LimitSnapshot};
-pub use store::{BudgetSnapshot, CallOutcome, TenantShare, LocalPacer, Pacer, PacerError, PacerKind, SharedPacer};
+pub use local::LocalPacer;
+pub use model::{CallOutcome, Decision, Estimate, Mode, OwedReason, PacerState, PacingConfig, Who};
+pub use store::{BudgetSnapshot, Pacer, PacerError, PacerKind, SharedPacer, TenantShare};

@@ -3,15 +3,18 @@
 //! reactive backoff only). The benchmark compares the three.
 //!
 //! Every call names a reservation id. A turn keeps the same id while it waits,
-//! so when it comes back after its owed time it finds its booked budget and is
-//! clear at once; `settle` with the same id refunds what the call did not use.
+//! so when it comes back after its owed time it finds its place in line;
+//! `settle` with the same id refunds what the call did not use.
 
-use super::bucket::{self, Decision, Estimate, Mode, Observation, OwedReason, PacerState, PacingConfig, Who};
-use crate::clock::{Clock, Millis, SystemClock};
+use super::bucket;
+use super::fair::Tenant;
+use super::local::LocalPacer;
+use super::model::{CallOutcome, Decision, Estimate, Flight, Mode, OwedReason, PacerState, PacingConfig, Waiter, Who};
+use crate::clock::{Clock, Millis};
 use crate::keys::Keys;
 use redis::aio::ConnectionManager;
 use serde::Serialize;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 /// The atomic operations of the shared pacer, one script (see the file's header).
@@ -30,22 +33,6 @@ pub enum PacerKind {
     Off,
 }
 
-/// What a finished call reports to the pacer (see [`bucket::Outcome`]; the
-/// reservation is found by its id).
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct CallOutcome {
-    /// Tokens the provider reported as used.
-    pub used_tokens: Option<u64>,
-    /// The call was answered 429, and the window is closed this long.
-    pub rate_limited_ms: Option<u64>,
-    /// Token bucket headers.
-    pub tokens: Observation,
-    /// Request bucket headers.
-    pub requests: Observation,
-    /// Age of the headers when settling (ms since they were received).
-    pub headers_age_ms: u64,
-}
-
 /// One budget and model as the workers see it (`GET /v1/pacer`).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct BudgetSnapshot {
@@ -61,8 +48,14 @@ pub struct BudgetSnapshot {
     pub reset_tokens_in_ms: Option<u64>,
     /// Tokens reserved by calls in flight.
     pub reserved_tokens: u64,
-    /// Tokens booked by turns owed time.
+    /// Tokens the turns waiting in line are expected to use.
     pub booked_tokens: u64,
+    /// Turns waiting in line.
+    pub waiting_turns: u64,
+    /// How long the oldest turn in line has waited (watchdog), ms.
+    pub oldest_wait_ms: u64,
+    /// Time since a call was last cleared (watchdog), ms; None if never.
+    pub since_admission_ms: Option<u64>,
     /// Estimated requests available now.
     pub remaining_requests: Option<i64>,
     /// Request limit.
@@ -97,7 +90,8 @@ pub struct TenantShare {
 }
 
 impl BudgetSnapshot {
-    fn from_state(budget: &str, model: &str, s: &PacerState, now: Millis) -> Self {
+    /// The snapshot of `s` at `now`.
+    pub fn from_state(budget: &str, model: &str, s: &PacerState, now: Millis) -> Self {
         let level = |b: &bucket::Bucket| b.known().then(|| b.level_at(now).floor() as i64);
         let limit = |b: &bucket::Bucket| b.known().then_some(b.limit as u64);
         let reset = |b: &bucket::Bucket| {
@@ -110,7 +104,10 @@ impl BudgetSnapshot {
             limit_tokens: limit(&s.tokens),
             reset_tokens_in_ms: reset(&s.tokens),
             reserved_tokens: s.tokens.in_flight.max(0.0) as u64,
-            booked_tokens: s.tokens.booked.max(0.0) as u64,
+            booked_tokens: s.waiters.values().map(|w| w.line).sum::<f64>() as u64,
+            waiting_turns: s.waiters.len() as u64,
+            oldest_wait_ms: s.oldest_wait_ms(now) as u64,
+            since_admission_ms: (s.last_admit_ms > 0).then(|| (now - s.last_admit_ms).max(0) as u64),
             remaining_requests: level(&s.requests),
             limit_requests: limit(&s.requests),
             reset_requests_in_ms: reset(&s.requests),
@@ -120,15 +117,32 @@ impl BudgetSnapshot {
             tenants: s
                 .tenants
                 .iter()
-                .map(|(tenant, line)| TenantShare {
+                .map(|(tenant, t)| TenantShare {
                     tenant: tenant.clone(),
-                    weight: line.weight,
-                    admitted_tokens: line.admitted.max(0.0) as u64,
-                    waiting_tokens: line.waiting() as u64,
-                    waits: line.waits.max(0.0) as u64,
+                    weight: t.weight,
+                    admitted_tokens: t.admitted.max(0.0) as u64,
+                    waiting_tokens: s.waiters.values().filter(|w| &w.tenant == tenant).map(|w| w.line).sum::<f64>()
+                        as u64,
+                    waits: t.waits.max(0.0) as u64,
                 })
                 .collect(),
         }
+    }
+}
+
+impl BudgetSnapshot {
+    /// The watchdog: turns have waited longer than `after_ms` and nothing was
+    /// admitted for as long, while the token bucket is nearly full and no 429
+    /// closed the window. The pacer should never be in this state.
+    pub fn stalled(&self, after_ms: u64) -> bool {
+        let full = match (self.remaining_tokens, self.limit_tokens) {
+            (Some(r), Some(l)) => r as f64 >= 0.9 * l as f64,
+            _ => false,
+        };
+        full && self.blocked_for_ms == 0
+            && self.waiting_turns > 0
+            && self.oldest_wait_ms > after_ms
+            && self.since_admission_ms.is_none_or(|ms| ms > after_ms)
     }
 }
 
@@ -249,10 +263,11 @@ impl SharedPacer {
             .arg(c.jitter_max_ms)
             .arg(c.reservation_ttl_ms)
             .arg(c.probe_wait_ms)
-            .arg(c.fair_horizon_ms)
+            .arg(c.late_ms)
             .arg(c.configured_tpm.unwrap_or(0))
             .arg(c.configured_rpm.unwrap_or(0))
-            .arg(self.test_clock.as_ref().map(|c| c.now_ms().to_string()).unwrap_or_default());
+            .arg(self.test_clock.as_ref().map(|c| c.now_ms().to_string()).unwrap_or_default())
+            .arg(c.booking_grace_ms);
         inv
     }
 
@@ -286,23 +301,14 @@ impl SharedPacer {
             .arg(who.weight)
             .arg(who.cap)
             .arg(who.tenant)
-            .arg(self.config.booking_grace_ms)
             .arg(est.output);
         let mut conn = self.conn.clone();
         let reply: Vec<i64> = inv.invoke_async(&mut conn).await?;
         match reply.as_slice() {
             [0] => Ok(Decision::Clear),
-            [1, ms, reason, booked, waiting] => Ok(Decision::Owed {
-                ms: (*ms).max(0) as u64,
-                reason: match reason {
-                    2 => OwedReason::RateLimited,
-                    3 => OwedReason::Probe,
-                    4 => OwedReason::FairShare,
-                    _ => OwedReason::Budget,
-                },
-                booked: *booked == 1,
-                waiting: (*waiting >= 0).then_some(*waiting as u64),
-            }),
+            [1, ms, reason] => {
+                Ok(Decision::Owed { ms: (*ms).max(0) as u64, reason: OwedReason::from_code(*reason) })
+            }
             other => Err(PacerError::Protocol(format!("{other:?}"))),
         }
     }
@@ -353,18 +359,33 @@ impl SharedPacer {
     }
 }
 
-/// Reads the script's flat field list into the model's state.
+/// Reads the script's flat field list into the model's state: the state
+/// hash's fields, then each record as `rec:<id>` (see `decode_record`).
 fn state_from_fields(flat: &[String]) -> (PacerState, Millis) {
-    let map: HashMap<&str, f64> =
-        flat.chunks(2).filter_map(|kv| Some((kv[0].as_str(), kv.get(1)?.parse().ok()?))).collect();
+    let mut map: HashMap<&str, f64> = HashMap::new();
+    let mut state = PacerState::default();
+    for kv in flat.chunks(2) {
+        let [k, v] = kv else { continue };
+        if let Some(id) = k.strip_prefix("rec:") {
+            match decode_record(v) {
+                Some(Record::Waiter(w)) => {
+                    state.waiters.insert(id.to_owned(), w);
+                }
+                Some(Record::Flight(f)) => {
+                    state.flights.insert(id.to_owned(), f);
+                }
+                None => tracing::warn!(message = "unreadable pacer record", record.id = %id),
+            }
+        } else if let Ok(x) = v.parse() {
+            map.insert(k.as_str(), x);
+        }
+    }
     let f = |k: &str| map.get(k).copied().unwrap_or(0.0);
     let bucket = |p: &str| bucket::Bucket {
         limit: f(&format!("{p}limit")),
         rate: f(&format!("{p}rate")),
         level: f(&format!("{p}level")),
         at_ms: f(&format!("{p}at")) as Millis,
-        booked: f(&format!("{p}booked")),
-        booked_live: f(&format!("{p}booked_live")),
         refunded: f(&format!("{p}refunded")),
         full_at_ms: f(&format!("{p}full_at")) as Millis,
         charged_since: f(&format!("{p}charged_since")),
@@ -372,229 +393,66 @@ fn state_from_fields(flat: &[String]) -> (PacerState, Millis) {
         full_seen_ms: f(&format!("{p}full_seen")) as Millis,
         in_flight: f(&format!("{p}inflight")),
     };
-    let state = PacerState {
-        tokens: bucket("t_"),
-        requests: bucket("r_"),
-        blocked_until_ms: f("blocked_until") as Millis,
-        probe_until_ms: f("probe_until") as Millis,
-        observed_at_ms: f("observed_at") as Millis,
-        last_due_ms: f("last_due") as Millis,
-        usage_ratio: f("usage_ratio"),
-        fair_time: f("fair_time"),
-        tenants: map
-            .keys()
-            .filter_map(|k| k.strip_prefix("tn:"))
-            .map(|t| {
-                let g = |p: &str| map.get(format!("{p}:{t}").as_str()).copied().unwrap_or(0.0);
-                let line = bucket::TenantLine {
-                    next: g("tn"),
-                    served: g("ts"),
-                    weight: g("tw"),
-                    cap_due_ms: g("tc") as Millis,
-                    admitted: g("tadm"),
-                    waits: g("twait"),
-                    tag: g("tv"),
-                };
-                (t.to_owned(), line)
-            })
-            .collect(),
-    };
+    state.tokens = bucket("t_");
+    state.requests = bucket("r_");
+    state.blocked_until_ms = f("blocked_until") as Millis;
+    state.probe_until_ms = f("probe_until") as Millis;
+    state.observed_at_ms = f("observed_at") as Millis;
+    state.last_admit_ms = f("last_admit") as Millis;
+    state.usage_ratio = f("usage_ratio");
+    state.fair_time = f("fair_time");
+    state.tenants = map
+        .keys()
+        .filter_map(|k| k.strip_prefix("tw:"))
+        .map(|t| {
+            let g = |p: &str| map.get(format!("{p}:{t}").as_str()).copied().unwrap_or(0.0);
+            let tenant = Tenant {
+                weight: g("tw"),
+                finish: g("tf"),
+                cap_due_ms: g("tc") as Millis,
+                admitted: g("tadm"),
+                waits: g("twait"),
+            };
+            (t.to_owned(), tenant)
+        })
+        .collect();
     (state, f("now") as Millis)
 }
 
-/// A reservation held by the local pacer (the same ledger the script keeps).
-#[derive(Debug, Clone)]
-struct Held {
-    /// Waiting in its tenant's line (tenant, position), not yet on the bucket's line.
-    waiting: Option<(String, u64)>,
-    /// Why it waits (returned again if it comes back early).
-    reason: OwedReason,
-    /// A work turn's booking: its tenant (whose line moves when it is claimed).
-    tenant: Option<String>,
-    /// In flight: the token bucket's `refunded` when it was sent.
-    mark: f64,
-    booked: bool,
-    /// A companion (live) turn's booking.
-    live: bool,
-    est: Estimate,
-    /// What a booking holds on the line (see `PacerState::booking_cost`).
-    line: Estimate,
-    due: Millis,
-    expiry: Millis,
+/// A reservation record as the script keeps it.
+enum Record {
+    Waiter(Waiter),
+    Flight(Flight),
 }
 
-#[derive(Debug, Default)]
-struct LocalModel {
-    state: PacerState,
-    held: BTreeMap<String, Held>,
-}
-
-/// The per-process baseline: the same model as the shared pacer, kept in this
-/// process only, like a single-process client. Many processes each believe
-/// they have the whole budget.
-#[derive(Debug, Clone)]
-pub struct LocalPacer {
-    models: Arc<Mutex<HashMap<String, LocalModel>>>,
-    budget: String,
-    config: Arc<PacingConfig>,
-    clock: Arc<dyn Clock>,
-}
-
-impl LocalPacer {
-    /// A local pacer on the host clock.
-    pub fn new(budget: impl Into<String>, config: PacingConfig) -> Self {
-        Self::with_clock(budget, config, Arc::new(SystemClock))
-    }
-
-    /// A local pacer on the given clock (tests).
-    pub fn with_clock(budget: impl Into<String>, config: PacingConfig, clock: Arc<dyn Clock>) -> Self {
-        Self {
-            models: Arc::default(),
-            budget: budget.into(),
-            config: Arc::new(config),
-            clock,
+/// Reads one record of the script (`rec_encode` in `scripts.lua`):
+/// `w|order|tokens|requests|output|line|due|since|reason|tenant` or
+/// `f|tokens|requests|output|mark|expiry`.
+fn decode_record(s: &str) -> Option<Record> {
+    let mut parts = s.splitn(10, '|');
+    let kind = parts.next()?;
+    let mut num = || parts.next()?.parse::<f64>().ok();
+    match kind {
+        "w" => {
+            let order = num()?;
+            let est = Estimate { tokens: num()? as u64, requests: num()? as u64, output: num()? as u64 };
+            let (line, due, since, reason) = (num()?, num()?, num()?, num()?);
+            let tenant = parts.next()?.to_owned();
+            Some(Record::Waiter(Waiter {
+                order,
+                est,
+                line,
+                tenant,
+                due_ms: due as Millis,
+                since_ms: since as Millis,
+                reason: OwedReason::from_code(reason as i64),
+            }))
         }
-    }
-
-    /// Jitter's random draw (0 when the config has no jitter, so that tests
-    /// can compare exact answers).
-    fn jitter_u(&self) -> f64 {
-        if self.config.jitter_frac > 0.0 {
-            rand::random::<f64>()
-        } else {
-            0.0
+        "f" => {
+            let est = Estimate { tokens: num()? as u64, requests: num()? as u64, output: num()? as u64 };
+            let (mark, expiry) = (num()?, num()?);
+            Some(Record::Flight(Flight { est, mark, expiry_ms: expiry as Millis }))
         }
-    }
-
-    fn expire(m: &mut LocalModel, now: Millis) {
-        let gone: Vec<String> = m.held.iter().filter(|(_, h)| h.expiry <= now).map(|(k, _)| k.clone()).collect();
-        for id in gone {
-            if let Some(h) = m.held.remove(&id) {
-                if let Some((tenant, _)) = &h.waiting {
-                    bucket::release_waiting(&mut m.state, tenant, h.line.tokens as f64);
-                } else if h.booked {
-                    bucket::release_booking(&mut m.state, h.line, h.live, h.tenant.as_deref(), now);
-                } else {
-                    bucket::drop_in_flight(&mut m.state, h.est);
-                }
-            }
-        }
-    }
-
-    /// See [`Pacer::acquire`].
-    pub fn acquire(&self, model: &str, id: &str, est: Estimate, mode: Mode, who: &Who<'_>) -> Decision {
-        let now = self.clock.now_ms();
-        let ttl = self.config.reservation_ttl_ms as Millis;
-        let mut models = self.models.lock().unwrap_or_else(|e| e.into_inner());
-        let m = models.entry(model.to_owned()).or_default();
-        Self::expire(m, now);
-        let jitter_u = self.jitter_u();
-        let mut position = None;
-        if let Some(h) = m.held.get(id).cloned() {
-            if (h.booked || h.waiting.is_some()) && now < h.due {
-                // Never before its time: a wait cut short is not a wait saved.
-                let waiting = h.waiting.as_ref().map(|(_, p)| *p);
-                return Decision::Owed { ms: (h.due - now) as u64, reason: h.reason, booked: h.booked, waiting };
-            }
-            if let Some((_, p)) = h.waiting {
-                // Back from its tenant's line: ask again from its place in it.
-                m.held.remove(id);
-                position = Some(p);
-            } else {
-                if h.booked {
-                    let tenant = h.tenant.as_deref();
-                    let decision = bucket::claim(&mut m.state, &self.config, now, h.est, h.line, mode, tenant, jitter_u);
-                    if let Decision::Owed { ms, .. } = decision {
-                        let due = now + ms as Millis;
-                        let expiry = due + self.config.booking_grace_ms as Millis;
-                        m.held.insert(id.to_owned(), Held { due, expiry, ..h });
-                        return decision;
-                    }
-                }
-                let mark = m.state.tokens.refunded;
-                m.held.insert(id.to_owned(), Held { booked: false, live: false, mark, due: now, expiry: now + ttl, ..h });
-                return Decision::Clear;
-            }
-        }
-        let line = m.state.booking_cost(est);
-        let decision = bucket::acquire(&mut m.state, &self.config, now, est, mode, who, position, jitter_u);
-        let known = |tokens: u64, requests: u64, output: u64| Estimate {
-            tokens: if m.state.tokens.known() { tokens } else { 0 },
-            requests: if m.state.requests.known() { requests } else { 0 },
-            output: if m.state.tokens.known() { output } else { 0 },
-        };
-        let (charged, line) = (known(est.tokens, est.requests, est.output), known(line.tokens, line.requests, 0));
-        let tenant = (mode == Mode::Work).then(|| who.tenant.to_owned());
-        let held = |booked, live, waiting, reason, due: Millis, expiry| Held {
-            waiting,
-            reason,
-            tenant: if booked { tenant.clone() } else { None },
-            mark: 0.0,
-            booked,
-            live,
-            est: charged,
-            line,
-            due,
-            expiry,
-        };
-        match decision {
-            Decision::Clear => {
-                let mark = m.state.tokens.refunded;
-                let in_flight = Held { mark, ..held(false, false, None, OwedReason::Budget, now, now + ttl) };
-                m.held.insert(id.to_owned(), in_flight);
-            }
-            Decision::Owed { ms, reason, booked: true, .. } => {
-                let due = now + ms as Millis;
-                let live = mode == Mode::Companion;
-                m.held.insert(id.to_owned(), held(true, live, None, reason, due, due + self.config.booking_grace_ms as Millis));
-            }
-            Decision::Owed { ms, reason, waiting: Some(p), .. } => {
-                let due = now + ms as Millis;
-                let waiting = Some((who.tenant.to_owned(), p));
-                m.held.insert(id.to_owned(), held(false, false, waiting, reason, due, due + self.config.booking_grace_ms as Millis));
-            }
-            Decision::Owed { .. } => {}
-        }
-        decision
-    }
-
-    /// See [`Pacer::settle`].
-    pub fn settle(&self, model: &str, id: &str, o: &CallOutcome) {
-        let now = self.clock.now_ms();
-        let mut models = self.models.lock().unwrap_or_else(|e| e.into_inner());
-        let m = models.entry(model.to_owned()).or_default();
-        Self::expire(m, now);
-        let (reserved, mark) = match m.held.remove(id) {
-            Some(h) if !h.booked && h.waiting.is_none() => (h.est, Some(h.mark)),
-            _ => (Estimate::default(), None),
-        };
-        let outcome = bucket::Outcome {
-            reserved,
-            used_tokens: o.used_tokens,
-            rate_limited_ms: o.rate_limited_ms,
-            tokens: o.tokens,
-            requests: o.requests,
-            headers_age_ms: o.headers_age_ms,
-            refund_mark: mark,
-        };
-        bucket::settle(&mut m.state, &self.config, now, &outcome);
-    }
-
-    /// The state of one model (tests, differential checks).
-    pub fn state(&self, model: &str) -> PacerState {
-        let models = self.models.lock().unwrap_or_else(|e| e.into_inner());
-        models.get(model).map(|m| m.state.clone()).unwrap_or_default()
-    }
-
-    /// See [`Pacer::snapshot`].
-    pub fn snapshot(&self) -> Vec<BudgetSnapshot> {
-        let now = self.clock.now_ms();
-        let models = self.models.lock().unwrap_or_else(|e| e.into_inner());
-        let mut out: Vec<_> = models
-            .iter()
-            .map(|(model, m)| BudgetSnapshot::from_state(&self.budget, model, &m.state, now))
-            .collect();
-        out.sort_by(|a, b| a.model.cmp(&b.model));
-        out
+        _ => None,
     }
 }

@@ -1,0 +1,664 @@
+//! The pacer's policy for one budget and model: may this call go now, and if
+//! not, how long is it owed?
+//!
+//! The state is two provider buckets (`bucket.rs`), the tenants' fair tags
+//! (`fair.rs`), and two sets of records, each keyed by reservation id:
+//! - **the line**: turns owed time, each with its place (`order`), what it is
+//!   expected to use (`line`), and when it may come back (`due_ms`);
+//! - **flights**: calls cleared and not yet settled, each with its reservation.
+//!
+//! A turn is clear when the bucket holds what the turns ahead of it in line
+//! are expected to use plus its own reservation above the floor; otherwise it
+//! is owed the time until the refill brings that, and waits in line. What the
+//! turns ahead hold is *summed from the line each time*, never kept in a
+//! counter beside it, so nothing can drift (STYLE §13). A waiter that does not
+//! come back by `due + late_ms` stops holding budget for the turns behind it
+//! (it keeps its place), and leaves the line at `due + booking_grace_ms`.
+//!
+//! Liveness follows: the head of the line needs only its own reservation above
+//! the floor (never more than the limit), the level refills to the limit, and
+//! a head that does not come back stops counting after `late_ms`. The
+//! simulator (`sim.rs`) checks it over thousands of random workloads.
+//!
+//! `scripts.lua` is this model as one atomic Redis script (the shared pacer);
+//! `local.rs` runs this one in-process. The differential test in
+//! `tests/integration/pacer.rs` keeps the two one policy.
+
+use super::bucket::{Bucket, Observation};
+use super::fair::{self, Tenant};
+use crate::clock::Millis;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Who is asking: a live listener (companion) draws the budget lower than
+/// background work and goes first in line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub enum Mode {
+    /// Background work (the default).
+    Work,
+    /// A person is listening live.
+    Companion,
+}
+
+impl Mode {
+    /// The name used in the API, in Redis and by the pacer's script (its serde name).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Work => "work",
+            Self::Companion => "companion",
+        }
+    }
+
+    /// Parses the name [`Mode::as_str`] gives.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "work" => Self::Work,
+            "companion" => Self::Companion,
+            _ => return None,
+        })
+    }
+}
+
+/// The pacing knobs (SPEC §4). All durations in milliseconds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PacingConfig {
+    /// Headroom work turns leave in the bucket, as a fraction of the limit.
+    pub floor_work: f64,
+    /// Headroom companion turns leave (smaller: a live turn draws lower).
+    pub floor_companion: f64,
+    /// A reset further out than this describes something else (a daily cap,
+    /// clock skew): we do not pace on it and let the reactive layer carry the
+    /// call. Also the longest single owed time: a turn owed more comes back
+    /// then and is re-timed.
+    pub max_pace_ms: u64,
+    /// Positive jitter added to owed time, as a fraction of it …
+    pub jitter_frac: f64,
+    /// … and never more than this.
+    pub jitter_max_ms: u64,
+    /// A reservation not settled within this is dropped (its worker crashed).
+    pub reservation_ttl_ms: u64,
+    /// A turn not back this long after its due time leaves the line (its run
+    /// was cancelled, its worker died). The local baseline keeps this short:
+    /// its turns come back to other processes.
+    pub booking_grace_ms: u64,
+    /// A turn not back this long after its due time stops holding budget for
+    /// the turns behind it (it keeps its place until `booking_grace_ms`).
+    pub late_ms: u64,
+    /// The shortest recheck horizon: a turn owed longer sleeps at most this
+    /// (or a few turns' worth of refill, when that is longer) and is re-timed.
+    pub recheck_ms: u64,
+    /// With no headers yet, one probe call goes first; the others wait this long
+    /// (or until the probe's headers arrive) before asking again.
+    pub probe_wait_ms: u64,
+    /// Configured limits for providers that send no headers (vLLM, Ollama).
+    pub configured_tpm: Option<u64>,
+    /// See `configured_tpm`.
+    pub configured_rpm: Option<u64>,
+}
+
+/// How long a probe holds the other turns back at most, when it does not settle.
+pub const PROBE_HOLD_MS: Millis = 10_000;
+
+/// The default of [`PacingConfig::late_ms`].
+pub const DEFAULT_LATE_MS: u64 = 1_000;
+
+impl Default for PacingConfig {
+    fn default() -> Self {
+        Self {
+            floor_work: 0.05,
+            floor_companion: 0.02,
+            max_pace_ms: 90_000,
+            jitter_frac: 0.02,
+            jitter_max_ms: 100,
+            reservation_ttl_ms: 120_000,
+            booking_grace_ms: 10_000,
+            late_ms: DEFAULT_LATE_MS,
+            recheck_ms: 2_000,
+            probe_wait_ms: 100,
+            configured_tpm: None,
+            configured_rpm: None,
+        }
+    }
+}
+
+impl PacingConfig {
+    /// The floor for a mode, as a fraction of the limit.
+    pub fn floor(&self, mode: Mode) -> f64 {
+        match mode {
+            Mode::Work => self.floor_work,
+            Mode::Companion => self.floor_companion,
+        }
+    }
+}
+
+/// What a call is expected to cost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Estimate {
+    /// Input tokens (by a real tokenizer) plus `max_output_tokens`.
+    pub tokens: u64,
+    /// Requests: 1 per call.
+    pub requests: u64,
+    /// The part of `tokens` reserved for output (`max_output_tokens`), which a
+    /// call usually gives mostly back; 0 when the caller does not split (the
+    /// whole estimate is then treated as such a reservation).
+    #[serde(default)]
+    pub output: u64,
+}
+
+impl Estimate {
+    /// The input part and the output reservation, as the usage ratio sees them.
+    fn split(&self) -> (f64, f64) {
+        let output = if self.output > 0 { self.output.min(self.tokens) } else { self.tokens };
+        ((self.tokens - output) as f64, output as f64)
+    }
+}
+
+/// Who asks: the tenant, its weight and its optional cap (SPEC §4, fair admission).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Who<'a> {
+    /// The tenant.
+    pub tenant: &'a str,
+    /// Its weight (`PACELINE_TENANT_WEIGHTS`, default 1).
+    pub weight: f64,
+    /// Its cap as a fraction of the budget (`PACELINE_TENANT_CAPS`); 0 = none.
+    pub cap: f64,
+}
+
+impl Who<'static> {
+    /// The default tenant, weight 1, no cap.
+    pub const DEFAULT: Who<'static> = Who { tenant: "default", weight: 1.0, cap: 0.0 };
+}
+
+/// Why a turn is owed time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OwedReason {
+    /// Not enough budget (tokens or requests) yet.
+    Budget,
+    /// A 429 closed the window for every worker.
+    RateLimited,
+    /// Nothing is known yet and a probe call is out.
+    Probe,
+    /// The budget is scarce and other tenants' turns go first (their share,
+    /// or this tenant's cap).
+    FairShare,
+}
+
+impl OwedReason {
+    /// The number the script answers with.
+    pub fn code(self) -> i64 {
+        match self {
+            Self::Budget => 1,
+            Self::RateLimited => 2,
+            Self::Probe => 3,
+            Self::FairShare => 4,
+        }
+    }
+
+    /// See [`OwedReason::code`].
+    pub fn from_code(code: i64) -> Self {
+        match code {
+            2 => Self::RateLimited,
+            3 => Self::Probe,
+            4 => Self::FairShare,
+            _ => Self::Budget,
+        }
+    }
+}
+
+/// The pacer's answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    /// Send now; the estimate is reserved.
+    Clear,
+    /// Come back after `ms` with the same reservation id (the turn keeps its
+    /// place in line).
+    Owed {
+        /// Milliseconds owed, jitter included.
+        ms: u64,
+        /// Why.
+        reason: OwedReason,
+    },
+}
+
+/// A turn waiting in line.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Waiter {
+    /// Its place: companion turns first by arrival, then work turns by fair
+    /// tag (ties by reservation id, as a Redis sorted set orders them).
+    pub order: f64,
+    /// Its estimate.
+    pub est: Estimate,
+    /// What it is expected to use (input plus the learned share of the output
+    /// reservation): what it holds for the turns behind it.
+    pub line: f64,
+    /// Its tenant.
+    pub tenant: String,
+    /// When it may come back (never earlier).
+    pub due_ms: Millis,
+    /// When it first waited.
+    pub since_ms: Millis,
+    /// Why it waits.
+    pub reason: OwedReason,
+}
+
+/// A call cleared and not yet settled.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Flight {
+    /// What it reserved (zero on a bucket whose limit was unknown then).
+    pub est: Estimate,
+    /// The token bucket's `refunded` when it was sent.
+    pub mark: f64,
+    /// When the reservation lapses unsettled.
+    pub expiry_ms: Millis,
+}
+
+/// The whole pacer state for one budget and model.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct PacerState {
+    /// The token bucket.
+    pub tokens: Bucket,
+    /// The request bucket.
+    pub requests: Bucket,
+    /// A 429 closed the window until then: nothing is admitted before.
+    pub blocked_until_ms: Millis,
+    /// With nothing known yet, a probe call is out until then.
+    pub probe_until_ms: Millis,
+    /// When headers were last read.
+    pub observed_at_ms: Millis,
+    /// When a call was last cleared (the watchdog's "time since admission").
+    pub last_admit_ms: Millis,
+    /// Output tokens used / output tokens reserved, averaged over settled
+    /// calls (0 = not yet known, read as 1). A waiter holds the input plus this
+    /// share of its output reservation for the turns behind it: a call
+    /// reserves its whole `max_output_tokens` but usually gives most of it
+    /// back, and a line spaced by reservations would leave the refunds idle.
+    pub usage_ratio: f64,
+    /// Fair admission's system virtual time (see `fair.rs`).
+    pub fair_time: f64,
+    /// Each tenant's fair-admission state.
+    pub tenants: BTreeMap<String, Tenant>,
+    /// The line: turns owed time, by reservation id.
+    pub waiters: BTreeMap<String, Waiter>,
+    /// Calls in flight, by reservation id.
+    pub flights: BTreeMap<String, Flight>,
+}
+
+impl PacerState {
+    /// What a turn of `est` is expected to use (its line cost).
+    pub fn line_cost(&self, est: Estimate) -> f64 {
+        let ratio = if self.usage_ratio > 0.0 { self.usage_ratio.clamp(0.05, 1.0) } else { 1.0 };
+        let (input, output) = est.split();
+        (input + output * ratio).ceil()
+    }
+
+    /// The least work tag still in line.
+    fn least_work_tag(&self) -> Option<f64> {
+        self.waiters.values().map(|w| w.order).filter(|o| fair::is_work(*o)).min_by(f64::total_cmp)
+    }
+
+    /// What the turns ahead of `(order, id)` hold. A waiter more than
+    /// `late_ms` past its due time holds nothing.
+    fn ahead_of(&self, order: f64, id: &str, tenant: &str, now: Millis, late_ms: u64) -> Ahead {
+        let mut ahead = Ahead::default();
+        for (other, w) in &self.waiters {
+            let before = match w.order.total_cmp(&order) {
+                std::cmp::Ordering::Less => true,
+                std::cmp::Ordering::Equal => other.as_str() < id,
+                std::cmp::Ordering::Greater => false,
+            };
+            if before && other != id && now <= w.due_ms + late_ms as Millis {
+                ahead.tokens += w.line;
+                ahead.requests += w.est.requests as f64;
+                ahead.other_tenant |= fair::is_work(w.order) && w.tenant != tenant;
+                ahead.last_due_ms = ahead.last_due_ms.max(w.due_ms);
+            }
+        }
+        ahead
+    }
+
+    /// The age of the oldest waiter (watchdog), 0 when none waits.
+    pub fn oldest_wait_ms(&self, now: Millis) -> Millis {
+        self.waiters.values().map(|w| now - w.since_ms).max().unwrap_or(0).max(0)
+    }
+}
+
+/// What the turns ahead of one in line hold.
+#[derive(Debug, Clone, Copy, Default)]
+struct Ahead {
+    /// Their expected tokens.
+    tokens: f64,
+    /// Their requests.
+    requests: f64,
+    /// Another tenant's work turn is among them.
+    other_tenant: bool,
+    /// The latest due time among them (0: none).
+    last_due_ms: Millis,
+}
+
+/// Asks for `est` at `now` under reservation `id`. `jitter_u` is a uniform
+/// number in [0, 1) from the caller (Redis scripts must be deterministic, so
+/// randomness comes from outside).
+#[allow(clippy::too_many_arguments)]
+pub fn acquire(
+    state: &mut PacerState,
+    cfg: &PacingConfig,
+    now: Millis,
+    id: &str,
+    est: Estimate,
+    mode: Mode,
+    who: &Who<'_>,
+    jitter_u: f64,
+) -> Decision {
+    expire(state, cfg, now);
+    // 1. Asked again for a call already cleared (a redelivery): still clear.
+    if state.flights.contains_key(id) {
+        return Decision::Clear;
+    }
+    // 2. Back before its time: owed the rest (a wait cut short is not a wait saved).
+    if let Some(w) = state.waiters.get(id) {
+        if now < w.due_ms {
+            return Decision::Owed { ms: (w.due_ms - now) as u64, reason: w.reason };
+        }
+    }
+    ensure_configured(state, cfg, now);
+    // 3. A window a 429 closed, or a probe out: wait (a waiter keeps its place).
+    if now < state.blocked_until_ms {
+        let ms = (state.blocked_until_ms - now) as f64;
+        return hold_place(state, cfg, now, id, ms, OwedReason::RateLimited, jitter_u);
+    }
+    if !state.tokens.known() && !state.requests.known() {
+        if now < state.probe_until_ms {
+            let ms = (state.probe_until_ms - now).min(cfg.probe_wait_ms as Millis) as f64;
+            return hold_place(state, cfg, now, id, ms, OwedReason::Probe, jitter_u);
+        }
+        // The probe holds the rest until it settles (its headers show what
+        // it was charged; a second call sent before them would be charged
+        // where the model cannot see it), or until the hold lapses.
+        state.probe_until_ms = now + PROBE_HOLD_MS.min(cfg.reservation_ttl_ms as Millis);
+        return admit(state, cfg, now, id, est, mode, who.tenant, None);
+    }
+    state.tokens.lift(now);
+    state.requests.lift(now);
+    // 4. Its place in line: kept if it waited before, else given now (a
+    //    capped tenant's turn first passes its cap).
+    let line = state.line_cost(est);
+    let order = match state.waiters.get_mut(id) {
+        Some(w) => {
+            w.line = line;
+            w.order
+        }
+        None => match fresh_place(state, now, mode, who, line) {
+            Ok(order) => order,
+            // No jitter: the gate's time is exact, so a redelivery that asks
+            // before it is still held (the turn has no place in line to keep it).
+            Err(ms) => return owed(ms, OwedReason::FairShare, cfg, 0.0),
+        },
+    };
+    // 5. Clear if the bucket holds the turns ahead and this one above the floor.
+    let ahead = state.ahead_of(order, id, who.tenant, now, cfg.late_ms);
+    let floor = cfg.floor(mode);
+    let mut wait: f64 = 0.0;
+    let mut fits = true;
+    for (bucket, cost, held) in [
+        (&mut state.tokens, est.tokens as f64, ahead.tokens),
+        (&mut state.requests, est.requests as f64, ahead.requests),
+    ] {
+        if bucket.known() {
+            bucket.advance(now);
+            let short = held + bucket.need(cost, floor) - bucket.level;
+            if short > 0.0 {
+                fits = false;
+                wait = wait.max(bucket.refill_ms(now, short));
+            }
+        }
+    }
+    if fits {
+        return admit(state, cfg, now, id, est, mode, who.tenant, Some(order));
+    }
+    // 6. Otherwise wait in line until the refill brings it — or until the
+    //    turns ahead are due (plus `late_ms`), or the recheck horizon,
+    //    whichever is first. A long wait is a prediction (the line's expected
+    //    use, refunds to come, turns ahead that may never come back); a turn
+    //    that comes back on a wrong one is re-timed at once, where one that
+    //    sleeps past it leaves the bucket idle. It never sends before it is clear.
+    let reason = if ahead.other_tenant { OwedReason::FairShare } else { OwedReason::Budget };
+    let mut sleep = wait.min(recheck_ms(&state.tokens, cfg, line));
+    if ahead.last_due_ms > 0 {
+        sleep = sleep.min((ahead.last_due_ms + cfg.late_ms as Millis - now) as f64);
+    }
+    let decision = owed(sleep.max(1.0), reason, cfg, jitter_u);
+    if let Decision::Owed { ms, .. } = decision {
+        let fresh = !state.waiters.contains_key(id);
+        let w = state.waiters.entry(id.to_owned()).or_insert_with(|| Waiter {
+            order,
+            est,
+            line,
+            tenant: who.tenant.to_owned(),
+            due_ms: now,
+            since_ms: now,
+            reason,
+        });
+        w.due_ms = now + ms as Millis;
+        w.reason = reason;
+        w.est = est;
+        if fresh {
+            state.tenants.entry(who.tenant.to_owned()).or_default().waits += 1.0;
+        }
+    }
+    decision
+}
+
+/// The longest a turn in line sleeps before it is re-timed: a few turns'
+/// worth of refill (so a slow tier is not asked every second), at least
+/// `recheck_ms`, at most `max_pace_ms`.
+fn recheck_ms(tokens: &Bucket, cfg: &PacingConfig, line: f64) -> f64 {
+    let turns = if tokens.known() { RECHECK_TURNS * line / tokens.rate } else { 0.0 };
+    turns.max(cfg.recheck_ms as f64).min(cfg.max_pace_ms as f64)
+}
+
+/// See [`recheck_ms`].
+const RECHECK_TURNS: f64 = 4.0;
+
+/// A new turn's place in line, or `Err(ms)` while its tenant's cap holds it
+/// back (it does not join the line then).
+fn fresh_place(state: &mut PacerState, now: Millis, mode: Mode, who: &Who<'_>, line: f64) -> Result<f64, f64> {
+    if mode == Mode::Companion {
+        return Ok(fair::place_live(now));
+    }
+    let refill = state.tokens.rate;
+    let known = state.tokens.known();
+    let virtual_time = state.fair_time;
+    let tenant = state.tenants.entry(who.tenant.to_owned()).or_default();
+    if known {
+        if let Some(ms) = fair::cap_gate(tenant, who.cap, refill, line, now) {
+            return Err(ms);
+        }
+    }
+    Ok(fair::place_work(tenant, who.weight, virtual_time, line))
+}
+
+/// An owed answer for something other than the line (a closed window, a
+/// probe): a waiter keeps its place and comes back then; a new turn does not
+/// join.
+fn hold_place(state: &mut PacerState, cfg: &PacingConfig, now: Millis, id: &str, ms: f64, reason: OwedReason, u: f64) -> Decision {
+    // A new turn gets the exact time (no jitter): it has no place in line to
+    // hold it, so a redelivery that asks before then is held by the same cause.
+    let u = if state.waiters.contains_key(id) { u } else { 0.0 };
+    let decision = owed(ms, reason, cfg, u);
+    if let (Decision::Owed { ms, .. }, Some(w)) = (decision, state.waiters.get_mut(id)) {
+        w.due_ms = now + ms as Millis;
+        w.reason = reason;
+    }
+    decision
+}
+
+/// Clears the call: it leaves the line, its reservation is charged and in flight.
+#[allow(clippy::too_many_arguments)]
+fn admit(
+    state: &mut PacerState,
+    cfg: &PacingConfig,
+    now: Millis,
+    id: &str,
+    est: Estimate,
+    mode: Mode,
+    tenant: &str,
+    order: Option<f64>,
+) -> Decision {
+    state.waiters.remove(id);
+    let mut reserved = Estimate::default();
+    for (bucket, cost, held) in [
+        (&mut state.tokens, est.tokens, &mut reserved.tokens),
+        (&mut state.requests, est.requests, &mut reserved.requests),
+    ] {
+        if bucket.known() {
+            bucket.advance(now);
+            bucket.level -= cost as f64;
+            bucket.in_flight += cost as f64;
+            bucket.charged_since += cost as f64;
+            *held = cost;
+        }
+    }
+    if state.tokens.known() {
+        reserved.output = est.output;
+    }
+    let flight = Flight { est: reserved, mark: state.tokens.refunded, expiry_ms: now + cfg.reservation_ttl_ms as Millis };
+    state.flights.insert(id.to_owned(), flight);
+    if let (Mode::Work, Some(order)) = (mode, order) {
+        let line = state.line_cost(est);
+        state.tenants.entry(tenant.to_owned()).or_default().admitted += line;
+        let least = state.least_work_tag();
+        state.fair_time = fair::virtual_time_after(state.fair_time, order, least);
+    }
+    state.last_admit_ms = now;
+    Decision::Clear
+}
+
+/// Drops what lapsed: waiters not back by `due + grace` leave the line (the
+/// turns behind them move up by exactly their cost, as it is summed anew);
+/// reservations in flight past their expiry were never settled (their worker
+/// died): we cannot know whether the call was sent, so the tokens stay spent
+/// and return by refill.
+pub fn expire(state: &mut PacerState, cfg: &PacingConfig, now: Millis) {
+    let grace = cfg.booking_grace_ms as Millis;
+    state.waiters.retain(|_, w| w.due_ms + grace > now);
+    let gone: Vec<String> = state.flights.iter().filter(|(_, f)| f.expiry_ms <= now).map(|(k, _)| k.clone()).collect();
+    for id in gone {
+        if let Some(f) = state.flights.remove(&id) {
+            state.tokens.in_flight = (state.tokens.in_flight - f.est.tokens as f64).max(0.0);
+            state.requests.in_flight = (state.requests.in_flight - f.est.requests as f64).max(0.0);
+        }
+    }
+}
+
+/// What a finished call reports to the pacer (its reservation is found by its id).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct CallOutcome {
+    /// Tokens the provider reported as used; `None` when unknown (the
+    /// reservation then stands as the charge).
+    pub used_tokens: Option<u64>,
+    /// The call was refused with a 429: nothing of it was charged, and the
+    /// window is closed for `rate_limited_ms`.
+    pub rate_limited_ms: Option<u64>,
+    /// Token bucket headers.
+    pub tokens: Observation,
+    /// Request bucket headers.
+    pub requests: Observation,
+    /// How long ago (ms) the headers were received.
+    pub headers_age_ms: u64,
+}
+
+/// Settles reservation `id`: refunds what it reserved beyond what it used,
+/// then lowers the model to the headers (never raises it), and on a 429
+/// closes the window for every worker.
+pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, id: &str, outcome: &CallOutcome) {
+    expire(state, cfg, now);
+    ensure_configured(state, cfg, now);
+    state.waiters.remove(id);
+    let (reserved, mark) = match state.flights.remove(id) {
+        Some(f) => (f.est, Some(f.mark)),
+        None => (Estimate::default(), None),
+    };
+    if mark.is_some() {
+        // A probe (or any call) that settled: the next probe may go.
+        state.probe_until_ms = 0;
+    }
+    let refunded_tokens = match (outcome.rate_limited_ms, outcome.used_tokens) {
+        (Some(_), _) => reserved.tokens,
+        (None, Some(used)) => reserved.tokens.saturating_sub(used),
+        (None, None) => 0,
+    };
+    let refunded_requests = if outcome.rate_limited_ms.is_some() { reserved.requests } else { 0 };
+    if let (None, Some(used)) = (outcome.rate_limited_ms, outcome.used_tokens) {
+        let (input, output) = reserved.split();
+        if output > 0.0 {
+            let seen = ((used as f64 - input) / output).clamp(0.0, 1.0);
+            let prior = if state.usage_ratio > 0.0 { state.usage_ratio } else { 1.0 };
+            state.usage_ratio = 0.8 * prior + 0.2 * seen;
+        }
+    }
+    // What others gave back since this call was sent: its headers cannot show it.
+    let others_refunds = mark.map(|m| (state.tokens.refunded - m).max(0.0)).unwrap_or(0.0);
+    for (bucket, held, refund) in [
+        (&mut state.tokens, reserved.tokens, refunded_tokens),
+        (&mut state.requests, reserved.requests, refunded_requests),
+    ] {
+        bucket.advance(now);
+        bucket.in_flight = (bucket.in_flight - held as f64).max(0.0);
+        bucket.level = (bucket.level + refund as f64).min(bucket.limit.max(bucket.level));
+        // Only what the provider gave back counts for others' headers: a
+        // refused call's reservation returns to us, not to the provider.
+        if outcome.rate_limited_ms.is_none() {
+            bucket.refunded += refund as f64;
+        }
+        bucket.charged_since = (bucket.charged_since - refund as f64).max(0.0);
+    }
+    let headers_at = now - outcome.headers_age_ms as Millis;
+    let had_headers = outcome.tokens.remaining.is_some() || outcome.requests.remaining.is_some();
+    // A refused call was never charged: its headers already show that, so
+    // only a call that went through has a refund of its own to credit.
+    let own = if outcome.rate_limited_ms.is_some() { 0.0 } else { refunded_tokens as f64 };
+    let credit = own + others_refunds;
+    // Headers sent after the last call we cleared show every charge we made.
+    let current = headers_at > state.last_admit_ms;
+    state.tokens.observe(&outcome.tokens, now, headers_at, credit, cfg.max_pace_ms, current);
+    state.requests.observe(&outcome.requests, now, headers_at, 0.0, cfg.max_pace_ms, current);
+    if had_headers {
+        state.observed_at_ms = now;
+        state.probe_until_ms = 0;
+    }
+    if let Some(ms) = outcome.rate_limited_ms {
+        // The provider says the window is closed for `ms`, for everyone. What
+        // is left after it is what the 429's headers say; without headers,
+        // remaining = 0.
+        state.blocked_until_ms = state.blocked_until_ms.max(headers_at + ms as Millis);
+        for (bucket, obs) in [(&mut state.tokens, &outcome.tokens), (&mut state.requests, &outcome.requests)] {
+            if bucket.known() && obs.remaining.is_none() {
+                bucket.level = bucket.level.min(0.0);
+            }
+        }
+    }
+}
+
+fn ensure_configured(state: &mut PacerState, cfg: &PacingConfig, now: Millis) {
+    if !state.tokens.known() {
+        if let Some(tpm) = cfg.configured_tpm {
+            state.tokens = Bucket::per_minute(tpm, now);
+        }
+    }
+    if !state.requests.known() {
+        if let Some(rpm) = cfg.configured_rpm {
+            state.requests = Bucket::per_minute(rpm, now);
+        }
+    }
+}
+
+fn owed(ms: f64, reason: OwedReason, cfg: &PacingConfig, jitter_u: f64) -> Decision {
+    // Owed time is paid in full: round up, then add positive jitter so that
+    // waiting turns do not wake as one herd.
+    let base = ms.ceil().max(1.0);
+    let jitter = (base * cfg.jitter_frac).min(cfg.jitter_max_ms as f64) * jitter_u.clamp(0.0, 1.0);
+    Decision::Owed { ms: (base + jitter).ceil() as u64, reason }
+}
