@@ -28,14 +28,21 @@ impl Keys {
         format!("{}:pacer:{{{}}}:state:{}", self.prefix, budget, model)
     }
 
-    /// Outstanding reservations of one budget and model (sorted set: id → expiry ms).
-    pub fn pacer_reservations(&self, budget: &str, model: &str) -> String {
-        format!("{}:pacer:{{{}}}:resv:{}", self.prefix, budget, model)
+    /// The pacer's expiry set for one budget and model: reservation id ->
+    /// when its record lapses (a waiter's due time plus the grace, a call's TTL).
+    pub fn pacer_expiry(&self, budget: &str, model: &str) -> String {
+        format!("{}:pacer:{{{}}}:expiry:{}", self.prefix, budget, model)
     }
 
-    /// Amounts of the reservations of one budget and model (hash: id → record).
-    pub fn pacer_reservation_data(&self, budget: &str, model: &str) -> String {
-        format!("{}:pacer:{{{}}}:resvdata:{}", self.prefix, budget, model)
+    /// The pacer's records for one budget and model: reservation id -> a
+    /// waiter or a call in flight (`rec_encode` in `scripts.lua`).
+    pub fn pacer_records(&self, budget: &str, model: &str) -> String {
+        format!("{}:pacer:{{{}}}:records:{}", self.prefix, budget, model)
+    }
+
+    /// The pacer's line for one budget and model: reservation id -> its place.
+    pub fn pacer_line(&self, budget: &str, model: &str) -> String {
+        format!("{}:pacer:{{{}}}:line:{}", self.prefix, budget, model)
     }
 
     /// The set of models known under one budget (for `GET /v1/pacer`).
@@ -71,7 +78,7 @@ mod tests {
     fn keys_start_with_the_prefix_and_tag_the_budget() {
         let k = Keys::new("pl");
         assert_eq!(k.pacer_state("default", "gpt-4.1"), "pl:pacer:{default}:state:gpt-4.1");
-        assert_eq!(k.pacer_reservations("b", "m"), "pl:pacer:{b}:resv:m");
+        assert_eq!(k.pacer_line("b", "m"), "pl:pacer:{b}:line:m");
         assert_eq!(k.queue_key("due"), "pl:{pl}:q:due");
     }
 }

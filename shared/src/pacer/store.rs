@@ -254,8 +254,9 @@ impl SharedPacer {
         let c = &self.config;
         let mut inv = SCRIPT.prepare_invoke();
         inv.key(self.keys.pacer_state(&self.budget, model))
-            .key(self.keys.pacer_reservations(&self.budget, model))
-            .key(self.keys.pacer_reservation_data(&self.budget, model))
+            .key(self.keys.pacer_expiry(&self.budget, model))
+            .key(self.keys.pacer_records(&self.budget, model))
+            .key(self.keys.pacer_line(&self.budget, model))
             .arg(op)
             .arg(c.floor(mode))
             .arg(c.max_pace_ms)
@@ -267,7 +268,8 @@ impl SharedPacer {
             .arg(c.configured_tpm.unwrap_or(0))
             .arg(c.configured_rpm.unwrap_or(0))
             .arg(self.test_clock.as_ref().map(|c| c.now_ms().to_string()).unwrap_or_default())
-            .arg(c.booking_grace_ms);
+            .arg(c.booking_grace_ms)
+            .arg(c.recheck_ms);
         inv
     }
 

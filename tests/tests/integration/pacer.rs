@@ -1,6 +1,6 @@
 //! The shared pacer against real Redis: many acquirers on separate connections
 //! stay inside a bucket and use most of it; a 429 closes the window for every
-//! worker; a booked turn is clear when it comes back, and not before; the
+//! worker; a turn in line is clear when it comes back, and not before; the
 //! script and the pure model (the `local` pacer) agree step by step.
 
 use paceline_tests::{unique_prefix, RedisServer};
@@ -216,7 +216,7 @@ async fn a_429_closes_the_window_for_every_worker() {
 }
 
 #[tokio::test]
-async fn a_booked_turn_is_clear_when_it_comes_back_and_not_before() {
+async fn a_turn_in_line_is_clear_when_it_comes_back_and_not_before() {
     let server = RedisServer::start();
     let clock = ManualClock::new(1_000_000);
     let config = PacingConfig { jitter_frac: 0.0, floor_work: 0.10, ..PacingConfig::default() };
@@ -225,15 +225,18 @@ async fn a_booked_turn_is_clear_when_it_comes_back_and_not_before() {
     let headers = Observation { limit: Some(60_000), remaining: Some(6_000), reset_ms: Some(54_000) };
     pacer.settle("m", "probe", &CallOutcome { tokens: headers, ..CallOutcome::default() }).await.unwrap();
     let est = Estimate { tokens: 2_000, requests: 1, output: 0 };
-    let Decision::Owed { ms: first, booked: true, .. } = pacer.acquire("m", "t1", est, Mode::Work, &Who::DEFAULT).await.unwrap() else {
-        panic!("expected a booking")
+    let Decision::Owed { ms: first, .. } = pacer.acquire("m", "t1", est, Mode::Work, &Who::DEFAULT).await.unwrap() else {
+        panic!("expected a wait")
     };
     assert_eq!(first, 2_000);
-    // A second waiter is owed the time after the first, not the same instant.
+    // A second waiter is owed the time after the first, not the same instant:
+    // it would be clear at 4 000 ms, and comes back once the turn ahead of it
+    // is due (plus `late_ms`) to be re-timed — if that turn never came back,
+    // it would go first.
     let Decision::Owed { ms: second, .. } = pacer.acquire("m", "t2", est, Mode::Work, &Who::DEFAULT).await.unwrap() else {
-        panic!("expected a booking")
+        panic!("expected a wait")
     };
-    assert_eq!(second, 4_000);
+    assert_eq!(second, 3_000);
     clock.advance(1_500);
     match pacer.acquire("m", "t1", est, Mode::Work, &Who::DEFAULT).await.unwrap() {
         Decision::Owed { ms, .. } => assert_eq!(ms, 500, "a wait cut short is not a wait saved"),
@@ -242,8 +245,16 @@ async fn a_booked_turn_is_clear_when_it_comes_back_and_not_before() {
     clock.advance(500);
     assert_eq!(pacer.acquire("m", "t1", est, Mode::Work, &Who::DEFAULT).await.unwrap(), Decision::Clear);
     let (state, _) = pacer.state("m").await.unwrap();
-    assert_eq!(state.tokens.booked, 2_000.0, "t2 still holds its booking");
+    assert!(state.waiters.contains_key("t2"), "t2 still holds its place in line");
     assert_eq!(state.tokens.in_flight, 2_000.0, "t1 is now in flight");
+    // t2 comes back at 3 000 ms, at the head of the line: owed the rest, exactly.
+    clock.advance(1_000);
+    match pacer.acquire("m", "t2", est, Mode::Work, &Who::DEFAULT).await.unwrap() {
+        Decision::Owed { ms, .. } => assert_eq!(ms, 1_000),
+        Decision::Clear => panic!("cleared before the bucket held it"),
+    }
+    clock.advance(1_000);
+    assert_eq!(pacer.acquire("m", "t2", est, Mode::Work, &Who::DEFAULT).await.unwrap(), Decision::Clear);
 }
 
 #[tokio::test]
@@ -265,22 +276,34 @@ async fn the_snapshot_lists_every_budget_and_model() {
 
 /// The script and the pure model are the same policy written twice (Lua for
 /// atomicity, Rust for the local pacer and for reading): drive both with the
-/// same random operations on one injected clock and compare every answer.
+/// same random operations on one injected clock and compare every answer and
+/// the whole state (buckets, tenants, the line, the calls in flight).
 #[tokio::test]
 async fn the_redis_script_and_the_pure_model_agree() {
     let server = RedisServer::start();
-    // Every path must be taken, or a difference in it goes unseen: booked
-    // turns claimed at their due time, turns back from their tenant's line.
-    let mut claimed = 0;
+    // Every path must be taken, or a difference in it goes unseen.
+    let mut paths = Paths::default();
     for seed in [7, 8, 9] {
-        claimed += agree(&server, seed).await;
+        agree(&server, seed, &mut paths).await;
     }
-    assert!(claimed >= 10, "only {claimed} bookings were claimed: the claim path was hardly compared");
+    assert!(paths.back_and_clear >= 10, "only {} waiters came back clear: {paths:?}", paths.back_and_clear);
+    assert!(paths.back_and_owed >= 10, "only {} waiters came back owed again: {paths:?}", paths.back_and_owed);
+    assert!(paths.early >= 5, "only {} early returns: {paths:?}", paths.early);
+    assert!(paths.rate_limited >= 5, "only {} 429 waits: {paths:?}", paths.rate_limited);
+    assert!(paths.fair_share >= 10, "only {} fair-share waits: {paths:?}", paths.fair_share);
 }
 
-/// One random walk of the differential test; returns how many booked turns
-/// were claimed (came back and were clear).
-async fn agree(server: &RedisServer, seed: u64) -> usize {
+#[derive(Debug, Default)]
+struct Paths {
+    back_and_clear: usize,
+    back_and_owed: usize,
+    early: usize,
+    rate_limited: usize,
+    fair_share: usize,
+}
+
+/// One random walk of the differential test.
+async fn agree(server: &RedisServer, seed: u64, paths: &mut Paths) {
     let clock = ManualClock::new(5_000_000);
     let config = PacingConfig { jitter_frac: 0.0, probe_wait_ms: 50, reservation_ttl_ms: 4_000, ..PacingConfig::default() };
     let shared = shared_pacer(server, &unique_prefix(), config.clone()).await.with_test_clock(Arc::new(clock.clone()));
@@ -288,24 +311,23 @@ async fn agree(server: &RedisServer, seed: u64) -> usize {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut outstanding: Vec<String> = vec![];
     let mut waiting: std::collections::HashMap<String, Millis> = Default::default();
-    let mut booked_ids: std::collections::HashSet<String> = Default::default();
-    let mut claimed = 0;
     for step in 0..400 {
         clock.advance(rng.random_range(0..300));
         let roll = rng.random_range(0..10);
         if roll < 6 || outstanding.is_empty() {
             // A turn asks again only when it was owed time (a worker never
             // asks again for a call it was cleared to send): mostly the one
-            // due first, at its due time, as the queue delivers it.
+            // due first, at its due time, as the queue delivers it; sometimes early.
             let next_due = waiting.iter().min_by_key(|(id, due)| (**due, (*id).clone())).map(|(id, due)| (id.clone(), *due));
-            let id = if let (Some((id, due)), true) = (next_due, rng.random_bool(0.4)) {
-                if rng.random_bool(0.8) && due > clock.now_ms() {
+            let id = if let (Some((id, due)), true) = (next_due, rng.random_bool(0.5)) {
+                if rng.random_bool(0.85) && due > clock.now_ms() {
                     clock.set(due);
                 }
                 id
             } else {
                 format!("r{step}")
             };
+            let back = waiting.get(&id).copied();
             let tokens = rng.random_range(100..5_000);
             // Most calls say which part is the output reservation; some do not.
             let output = if rng.random_bool(0.8) { rng.random_range(0..tokens) } else { 0 };
@@ -315,27 +337,28 @@ async fn agree(server: &RedisServer, seed: u64) -> usize {
             // fifth of them companion turns), as a run does.
             let number: usize = id.trim_start_matches('r').parse::<usize>().unwrap_or(0);
             let mode = if number % 5 == 4 { Mode::Companion } else { Mode::Work };
-            let n = number % 3;
             let who = [
                 Who { tenant: "alpha", weight: 2.0, cap: 0.0 },
                 Who { tenant: "beta", weight: 1.0, cap: 0.0 },
                 Who { tenant: "gamma", weight: 1.0, cap: 0.3 },
-            ][n];
+            ][number % 3];
             let want = local.acquire("m", &id, est, mode, &who);
             let got = shared.acquire("m", &id, est, mode, &who).await.unwrap();
             assert_eq!(got, want, "seed {seed} step {step}: acquire {id} {est:?} {mode:?} {who:?}");
+            match (got, back) {
+                (Decision::Clear, Some(_)) => paths.back_and_clear += 1,
+                (Decision::Owed { .. }, Some(due)) if clock.now_ms() < due => paths.early += 1,
+                (Decision::Owed { .. }, Some(_)) => paths.back_and_owed += 1,
+                _ => {}
+            }
             match got {
-                Decision::Owed { booked, ms, .. } => {
+                Decision::Owed { ms, reason } => {
+                    paths.rate_limited += usize::from(reason == OwedReason::RateLimited);
+                    paths.fair_share += usize::from(reason == OwedReason::FairShare);
                     waiting.insert(id.clone(), clock.now_ms() + ms as i64);
-                    if booked {
-                        booked_ids.insert(id.clone());
-                    }
                 }
                 Decision::Clear => {
                     waiting.remove(&id);
-                    if booked_ids.remove(&id) {
-                        claimed += 1;
-                    }
                 }
             }
             if !outstanding.contains(&id) {
@@ -344,7 +367,6 @@ async fn agree(server: &RedisServer, seed: u64) -> usize {
         } else {
             let id = outstanding.swap_remove(rng.random_range(0..outstanding.len()));
             waiting.remove(&id);
-            booked_ids.remove(&id);
             let limit = 50_000;
             let remaining = rng.random_range(0..limit);
             let outcome = CallOutcome {
@@ -368,29 +390,51 @@ async fn agree(server: &RedisServer, seed: u64) -> usize {
             let now = clock.now_ms();
             assert!(
                 close(g.level_at(now), w.level_at(now))
-                    && close(g.booked, w.booked)
-                    && close(g.booked_live, w.booked_live)
+                    && close(g.limit, w.limit)
+                    && close(g.rate, w.rate)
                     && close(g.refunded, w.refunded)
                     && close(g.charged_since, w.charged_since)
                     && g.full_at_ms == w.full_at_ms
+                    && g.rated == w.rated
                     && close(g.in_flight, w.in_flight),
-                "step {step}: {name} differ\nscript: {g:?}\nmodel:  {w:?}"
+                "seed {seed} step {step}: {name} differ\nscript: {g:?}\nmodel:  {w:?}"
             );
         }
-        assert_eq!(got.blocked_until_ms, want.blocked_until_ms, "step {step}");
-        assert_eq!(got.tenants.len(), want.tenants.len(), "step {step}");
+        for (what, g, w) in [
+            ("blocked_until", got.blocked_until_ms, want.blocked_until_ms),
+            ("probe_until", got.probe_until_ms, want.probe_until_ms),
+            ("last_admit", got.last_admit_ms, want.last_admit_ms),
+            ("observed_at", got.observed_at_ms, want.observed_at_ms),
+        ] {
+            assert_eq!(g, w, "seed {seed} step {step}: {what}");
+        }
+        assert!(close(got.usage_ratio, want.usage_ratio), "seed {seed} step {step}: usage ratio");
+        assert!(close(got.fair_time, want.fair_time), "seed {seed} step {step}: fair time");
+        assert_eq!(got.tenants.len(), want.tenants.len(), "seed {seed} step {step}: {:?} vs {:?}", got.tenants, want.tenants);
         for (name, w) in &want.tenants {
             let g = &got.tenants[name];
             assert!(
-                close(g.next, w.next)
-                    && close(g.served, w.served)
-                    && close(g.tag, w.tag)
+                close(g.finish, w.finish)
+                    && close(g.weight, w.weight)
+                    && close(g.admitted, w.admitted)
+                    && close(g.waits, w.waits)
                     && g.cap_due_ms == w.cap_due_ms,
-                "step {step}: tenant {name} differs\nscript: {g:?}\nmodel:  {w:?}"
+                "seed {seed} step {step}: tenant {name} differs\nscript: {g:?}\nmodel:  {w:?}"
             );
         }
-        assert!(close(got.usage_ratio, want.usage_ratio), "step {step}: usage ratio {got:?} vs {want:?}");
-        assert!(close(got.fair_time, want.fair_time), "step {step}: fair time {got:?} vs {want:?}");
+        assert_eq!(
+            got.waiters.keys().collect::<Vec<_>>(),
+            want.waiters.keys().collect::<Vec<_>>(),
+            "seed {seed} step {step}: the lines differ"
+        );
+        for (id, w) in &want.waiters {
+            let g = &got.waiters[id];
+            assert!(
+                close(g.order, w.order) && close(g.line, w.line) && g.due_ms == w.due_ms && g.since_ms == w.since_ms
+                    && g.reason == w.reason && g.tenant == w.tenant && g.est == w.est,
+                "seed {seed} step {step}: waiter {id}\nscript: {g:?}\nmodel:  {w:?}"
+            );
+        }
+        assert_eq!(got.flights, want.flights, "seed {seed} step {step}: flights");
     }
-    claimed
 }
