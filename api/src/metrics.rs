@@ -54,6 +54,8 @@ fn register() {
     describe_counter!(name::BUDGET_WAITS, "Turns the shared pacer owed time and requeued");
     describe_histogram!(name::REQUEUE_DELAY, Unit::Seconds, "How long turns were requeued for, by reason");
     describe_gauge!(name::PACER_REMAINING_TOKENS, "The shared estimate of tokens left, per budget and model");
+    describe_gauge!(name::PACER_OLDEST_WAIT, "How long the oldest turn in line has waited, per budget and model");
+    describe_gauge!(name::PACER_SINCE_ADMISSION, "Time since the pacer last cleared a call, per budget and model");
     describe_gauge!(name::QUEUE_DEPTH, "Turns in the queue, by state");
     describe_histogram!(name::TURN_LATENCY, Unit::Seconds, "A turn from its start to its commit");
     counter!(name::TURNS, "outcome" => "completed").increment(0);
@@ -74,9 +76,32 @@ pub fn set_queue_depth(c: &shared::queue::QueueCounts) {
     }
 }
 
+/// A full bucket with turns waiting this long and nothing admitted logs a warning.
+const STALL_WARN_MS: u64 = 30_000;
+
 /// Sets the pacer gauges from a snapshot.
 pub fn set_pacer(snapshots: &[shared::pacer::BudgetSnapshot]) {
     for s in snapshots {
+        let labels = [("budget", s.budget.clone()), ("model", s.model.clone())];
+        metrics::gauge!(name::PACER_OLDEST_WAIT, &labels).set(s.oldest_wait_ms as f64 / 1000.0);
+        if let Some(ms) = s.since_admission_ms {
+            metrics::gauge!(name::PACER_SINCE_ADMISSION, &labels).set(ms as f64 / 1000.0);
+        }
+        // The watchdog: a full bucket with turns waiting and nothing admitted
+        // for a while is a pacer bug; say so with what is needed to find it.
+        if s.stalled(STALL_WARN_MS) {
+            tracing::warn!(
+                message = "pacer: turns have waited with a full bucket and nothing admitted",
+                budget = %s.budget,
+                model = %s.model,
+                remaining_tokens = ?s.remaining_tokens,
+                limit_tokens = ?s.limit_tokens,
+                waiting_turns = s.waiting_turns,
+                line_tokens = s.booked_tokens,
+                oldest_wait_ms = s.oldest_wait_ms,
+                since_admission_ms = ?s.since_admission_ms,
+            );
+        }
         if let Some(remaining) = s.remaining_tokens {
             metrics::gauge!(name::PACER_REMAINING_TOKENS, "budget" => s.budget.clone(), "model" => s.model.clone())
                 .set(remaining as f64);

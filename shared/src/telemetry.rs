@@ -27,6 +27,10 @@ pub mod metric {
     pub const REQUEUE_DELAY: &str = "paceline_requeue_delay_seconds";
     /// Gauge, labels `budget`, `model`: the shared estimate of tokens left.
     pub const PACER_REMAINING_TOKENS: &str = "paceline_pacer_remaining_tokens";
+    /// Gauge: how long the oldest turn in a budget's line has waited (watchdog).
+    pub const PACER_OLDEST_WAIT: &str = "paceline_pacer_oldest_wait_seconds";
+    /// Gauge: time since a budget last cleared a call (watchdog).
+    pub const PACER_SINCE_ADMISSION: &str = "paceline_pacer_since_admission_seconds";
     /// Gauge, label `state` (`ready`, `delayed`, `in_flight`, `dead`).
     pub const QUEUE_DEPTH: &str = "paceline_queue_depth";
     /// Gauge, labels `budget`, `model`, `tenant`: tokens admitted to the tenant.

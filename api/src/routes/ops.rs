@@ -26,8 +26,14 @@ pub struct BudgetView {
     pub reset_in_ms: Option<u64>,
     /// Tokens reserved by calls in flight.
     pub reserved_tokens: u64,
-    /// Tokens booked by turns that are owed time.
+    /// Tokens the turns waiting in line are expected to use.
     pub booked_tokens: u64,
+    /// Turns waiting in line.
+    pub waiting_turns: u64,
+    /// How long the oldest turn in line has waited, ms (watchdog).
+    pub oldest_wait_ms: u64,
+    /// Time since a call was last cleared, ms (watchdog); null if never.
+    pub since_admission_ms: Option<u64>,
     /// Estimated requests available now.
     pub remaining_requests: Option<i64>,
     /// Request limit.
@@ -120,6 +126,9 @@ pub async fn pacer(State(state): State<AppState>, caller: Tenant) -> Result<Json
             reset_in_ms: s.reset_tokens_in_ms,
             reserved_tokens: s.reserved_tokens,
             booked_tokens: s.booked_tokens,
+            waiting_turns: s.waiting_turns,
+            oldest_wait_ms: s.oldest_wait_ms,
+            since_admission_ms: s.since_admission_ms,
             remaining_requests: s.remaining_requests,
             limit_requests: s.limit_requests,
             reset_requests_in_ms: s.reset_requests_in_ms,
