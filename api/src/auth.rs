@@ -95,7 +95,14 @@ mod tests {
         let auth = Auth::new(&ApiTokens::default().with("acme", "tok-a").with("beta", "tok-b"));
         assert_eq!(auth.tenant(Some(b"Bearer tok-a")).unwrap(), "acme");
         assert_eq!(auth.tenant(Some(b"bearer tok-b")).unwrap(), "beta");
-        for bad in [None, Some(&b"Bearer "[..]), Some(b"Bearer tok-c"), Some(b"tok-a"), Some(b"Basic tok-a"), Some(b"Bearer tok-a2")] {
+        for bad in [
+            None,
+            Some(&b"Bearer "[..]),
+            Some(b"Bearer tok-c"),
+            Some(b"tok-a"),
+            Some(b"Basic tok-a"),
+            Some(b"Bearer tok-a2"),
+        ] {
             assert!(matches!(auth.tenant(bad), Err(ApiError::Unauthorized)), "{bad:?}");
         }
         assert!(!format!("{auth:?}").contains("tok"));

@@ -162,7 +162,8 @@ mod tests {
 
     #[test]
     fn flags_and_defaults() {
-        let cli = Cli::try_parse_from(["x", "--tool-endpoints", "http://a/tools,http://b/t", "--retention", "1h"]).unwrap();
+        let cli =
+            Cli::try_parse_from(["x", "--tool-endpoints", "http://a/tools,http://b/t", "--retention", "1h"]).unwrap();
         assert_eq!(cli.api.tool_endpoints.len(), 2);
         assert_eq!(cli.api.retention, Duration::from_secs(3600));
         assert_eq!(cli.api.body_limit, DEFAULT_BODY_LIMIT);

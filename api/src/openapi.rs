@@ -38,9 +38,12 @@ impl Modify for BearerAuth {
         let components = openapi.components.get_or_insert_with(Default::default);
         components.add_security_scheme(
             "bearer",
-            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).description(Some(
-                "A tenant's token from PACELINE_API_TOKENS (any value in open development mode)",
-            )).build()),
+            SecurityScheme::Http(
+                HttpBuilder::new()
+                    .scheme(HttpAuthScheme::Bearer)
+                    .description(Some("A tenant's token from PACELINE_API_TOKENS (any value in open development mode)"))
+                    .build(),
+            ),
         );
     }
 }

@@ -48,10 +48,16 @@ impl Application {
             Auth::Tokens(t) => tracing::info!(message = "bearer tokens configured", tenants = t.len()),
         }
         let policy = SubmitPolicy {
-            tool_endpoint_prefixes: config.tool_endpoints.iter().map(|p| p.trim().to_owned()).filter(|p| !p.is_empty()).collect(),
+            tool_endpoint_prefixes: config
+                .tool_endpoints
+                .iter()
+                .map(|p| p.trim().to_owned())
+                .filter(|p| !p.is_empty())
+                .collect(),
         };
         let _ = crate::metrics::handle();
-        let listener = TcpListener::bind(config.listen).await.with_context(|| format!("cannot listen on {}", config.listen))?;
+        let listener =
+            TcpListener::bind(config.listen).await.with_context(|| format!("cannot listen on {}", config.listen))?;
         let addr = listener.local_addr()?;
         let (stop, shutdown) = watch::channel(false);
         let state = AppState::new(Inner { runs, queue, pacer, conn, auth, policy, config, shutdown });

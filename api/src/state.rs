@@ -63,7 +63,11 @@ impl AppState {
 }
 
 /// [`AppState::redis`] without a state.
-pub async fn bounded<T, E>(limit: Duration, what: &'static str, fut: impl Future<Output = Result<T, E>>) -> Result<T, ApiError>
+pub async fn bounded<T, E>(
+    limit: Duration,
+    what: &'static str,
+    fut: impl Future<Output = Result<T, E>>,
+) -> Result<T, ApiError>
 where
     ApiError: From<E>,
 {

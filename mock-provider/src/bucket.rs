@@ -314,17 +314,10 @@ mod tests {
                     sum += ledger[j].1;
                     let (t1, t2) = (ledger[i].0, ledger[j].0);
                     let allowed = match mode {
-                        BucketMode::Continuous => {
-                            cap as i128 * win as i128 + cap as i128 * (t2 - t1) as i128
-                        }
-                        BucketMode::Window => {
-                            (cap as i128 * (1 + t2 / win - t1 / win) as i128) * win as i128
-                        }
+                        BucketMode::Continuous => cap as i128 * win as i128 + cap as i128 * (t2 - t1) as i128,
+                        BucketMode::Window => (cap as i128 * (1 + t2 / win - t1 / win) as i128) * win as i128,
                     };
-                    assert!(
-                        sum as i128 * win as i128 <= allowed,
-                        "{mode}: span {t1}..{t2} took {sum}"
-                    );
+                    assert!(sum as i128 * win as i128 <= allowed, "{mode}: span {t1}..{t2} took {sum}");
                 }
             }
         }

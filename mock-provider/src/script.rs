@@ -82,10 +82,9 @@ impl Answer {
     /// Output tokens the usage reports for this answer.
     pub fn output_tokens(&self) -> u64 {
         match self {
-            Answer::Calls(calls) => calls
-                .iter()
-                .map(|c| count_tokens(c.name.chars().count() + c.arguments.chars().count()))
-                .sum(),
+            Answer::Calls(calls) => {
+                calls.iter().map(|c| count_tokens(c.name.chars().count() + c.arguments.chars().count())).sum()
+            }
             Answer::Text { tokens, .. } => *tokens,
         }
     }
@@ -110,8 +109,8 @@ pub fn fnv1a(bytes: &[u8], seed: u64) -> u64 {
 }
 
 const WORDS: &[&str] = &[
-    "the", "mock", "model", "answers", "with", "exactly", "counted", "tokens", "so", "pacing",
-    "tests", "can", "check", "every", "number", "they", "see",
+    "the", "mock", "model", "answers", "with", "exactly", "counted", "tokens", "so", "pacing", "tests", "can", "check",
+    "every", "number", "they", "see",
 ];
 
 /// Decides the answer to `prompt` under `script`.
@@ -119,9 +118,8 @@ pub fn answer(prompt: &Prompt, script: &Script) -> Answer {
     if let Some(tool) = &prompt.tool {
         if prompt.tool_outputs < script.tool_rounds {
             let round = prompt.tool_outputs / script.calls_per_round.max(1) + 1;
-            let calls = (0..script.calls_per_round.max(1))
-                .map(|index| function_call(prompt, tool, round, index))
-                .collect();
+            let calls =
+                (0..script.calls_per_round.max(1)).map(|index| function_call(prompt, tool, round, index)).collect();
             return Answer::Calls(calls);
         }
     }
@@ -278,10 +276,7 @@ mod tests {
     fn no_tools_means_text_and_the_limit_cuts_it() {
         let mut p = prompt(0, false);
         p.max_output_tokens = Some(4);
-        assert_eq!(
-            answer(&p, &SCRIPT),
-            Answer::Text { text: words(42, 4), tokens: 4, truncated: true }
-        );
+        assert_eq!(answer(&p, &SCRIPT), Answer::Text { text: words(42, 4), tokens: 4, truncated: true });
     }
 
     #[test]

@@ -173,11 +173,10 @@ async fn faults(AxState(shared): AxState<Arc<Shared>>, body: Bytes) -> Response 
             st.faults.extend(list);
             Json(json!({"queued": n, "pending": st.faults.len()})).into_response()
         }
-        Err(e) => (
-            StatusCode::BAD_REQUEST,
-            Json(error_body("invalid_request_error", None, &format!("bad fault: {e}"))),
-        )
-            .into_response(),
+        Err(e) => {
+            (StatusCode::BAD_REQUEST, Json(error_body("invalid_request_error", None, &format!("bad fault: {e}"))))
+                .into_response()
+        }
     }
 }
 
@@ -385,7 +384,14 @@ impl Shared {
                 Some("insufficient_quota"),
                 "You exceeded your current quota, please check your plan and billing details. For more information on this error, read the docs: https://platform.openai.com/docs/guides/error-codes/api-errors.",
             );
-            return Err(self.refuse(&mut st, entry, StatusCode::TOO_MANY_REQUESTS, Some("insufficient_quota"), body, None));
+            return Err(self.refuse(
+                &mut st,
+                entry,
+                StatusCode::TOO_MANY_REQUESTS,
+                Some("insufficient_quota"),
+                body,
+                None,
+            ));
         }
 
         let max_out = prompt.max_output_tokens.unwrap_or_else(|| cfg.default_max_output());
@@ -393,9 +399,17 @@ impl Shared {
 
         if let Some(Fault::RateLimited { retry_after_ms }) = fault {
             let used = st.tokens.capacity() - st.tokens.remaining();
-            let msg = self.limit_message(Limit::Tokens, &prompt.model, st.tokens.capacity(), used, charge, retry_after_ms);
+            let msg =
+                self.limit_message(Limit::Tokens, &prompt.model, st.tokens.capacity(), used, charge, retry_after_ms);
             let body = error_body("tokens", Some("rate_limit_exceeded"), &msg);
-            return Err(self.refuse(&mut st, entry, StatusCode::TOO_MANY_REQUESTS, Some("rate_limit_exceeded"), body, Some(retry_after_ms * 1000)));
+            return Err(self.refuse(
+                &mut st,
+                entry,
+                StatusCode::TOO_MANY_REQUESTS,
+                Some("rate_limit_exceeded"),
+                body,
+                Some(retry_after_ms * 1000),
+            ));
         }
 
         if charge > st.tokens.capacity() {
@@ -404,7 +418,14 @@ impl Shared {
                 prompt.model, cfg.organization, self.unit(Limit::Tokens), st.tokens.capacity(), charge
             );
             let body = error_body("tokens", Some("rate_limit_exceeded"), &msg);
-            return Err(self.refuse(&mut st, entry, StatusCode::TOO_MANY_REQUESTS, Some("rate_limit_exceeded"), body, None));
+            return Err(self.refuse(
+                &mut st,
+                entry,
+                StatusCode::TOO_MANY_REQUESTS,
+                Some("rate_limit_exceeded"),
+                body,
+                None,
+            ));
         }
 
         let refused = match st.requests.try_take(now, 1) {
@@ -435,7 +456,14 @@ impl Shared {
                 Limit::Requests => "requests",
             };
             let body = error_body(kind, Some("rate_limit_exceeded"), &msg);
-            return Err(self.refuse(&mut st, entry, StatusCode::TOO_MANY_REQUESTS, Some("rate_limit_exceeded"), body, Some(wait_us)));
+            return Err(self.refuse(
+                &mut st,
+                entry,
+                StatusCode::TOO_MANY_REQUESTS,
+                Some("rate_limit_exceeded"),
+                body,
+                Some(wait_us),
+            ));
         }
 
         st.admitted += 1;
@@ -479,9 +507,7 @@ impl Shared {
         retry_us: Option<u64>,
     ) -> Response {
         entry.status = status.as_u16();
-        entry.code = code.map(str::to_string).or_else(|| {
-            body["error"]["code"].as_str().map(str::to_string)
-        });
+        entry.code = code.map(str::to_string).or_else(|| body["error"]["code"].as_str().map(str::to_string));
         *st.stats.by_status.entry(status.as_u16()).or_default() += 1;
         if status.is_success() {
             st.stats.ok += 1;
@@ -536,7 +562,14 @@ impl Shared {
             StreamError {
                 kind: "tokens".into(),
                 code: code.into(),
-                message: self.limit_message(Limit::Tokens, model, snap.limit_tokens, used, charge, snap.reset_tokens_ms),
+                message: self.limit_message(
+                    Limit::Tokens,
+                    model,
+                    snap.limit_tokens,
+                    used,
+                    charge,
+                    snap.reset_tokens_ms,
+                ),
             }
         } else {
             StreamError {
@@ -686,10 +719,8 @@ fn server_error_body(status: StatusCode) -> Value {
     match status.as_u16() {
         503 => error_body("server_error", None, "The engine is currently overloaded, please try again later."),
         529 => error_body("overloaded_error", Some("overloaded"), "Overloaded"),
-        _ => error_body(
-            "server_error",
-            None,
-            "The server had an error while processing your request. Sorry about that!",
-        ),
+        _ => {
+            error_body("server_error", None, "The server had an error while processing your request. Sorry about that!")
+        }
     }
 }

@@ -43,20 +43,15 @@ const ARG_CHARS_PER_DELTA: usize = 12;
 /// outputs, function-call arguments — plus the compact JSON of `tools`.
 pub fn parse(api: Api, body: &Value) -> Result<Request, String> {
     let obj = body.as_object().ok_or("The request body must be a JSON object.")?;
-    let model = obj
-        .get("model")
-        .and_then(Value::as_str)
-        .ok_or("you must provide a model parameter")?
-        .to_string();
+    let model = obj.get("model").and_then(Value::as_str).ok_or("you must provide a model parameter")?.to_string();
     let stream = obj.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let tool_choice = obj.get("tool_choice");
     let tools = obj.get("tools").and_then(Value::as_array).cloned().unwrap_or_default();
     // `tool_choice: "none"` offers nothing; a named function (Responses
     // `{"type":"function","name"}`, chat `{"function":{"name"}}`) is the one
     // called; otherwise the first function tool.
-    let forced = tool_choice.and_then(|c| {
-        c.get("name").or_else(|| c.get("function").and_then(|f| f.get("name"))).and_then(Value::as_str)
-    });
+    let forced = tool_choice
+        .and_then(|c| c.get("name").or_else(|| c.get("function").and_then(|f| f.get("name"))).and_then(Value::as_str));
     let tool = if tool_choice.and_then(Value::as_str) == Some("none") {
         None
     } else if let Some(name) = forced {
@@ -85,14 +80,9 @@ pub fn parse(api: Api, body: &Value) -> Result<Request, String> {
             (chars, outputs, fp, max, false)
         }
         Api::Chat => {
-            let messages = obj
-                .get("messages")
-                .and_then(Value::as_array)
-                .ok_or("Missing required parameter: 'messages'.")?;
-            let outputs = messages
-                .iter()
-                .filter(|m| m.get("role").and_then(Value::as_str) == Some("tool"))
-                .count();
+            let messages =
+                obj.get("messages").and_then(Value::as_array).ok_or("Missing required parameter: 'messages'.")?;
+            let outputs = messages.iter().filter(|m| m.get("role").and_then(Value::as_str) == Some("tool")).count();
             let chars = messages.iter().map(string_chars).sum();
             let fp = fnv1a(Value::Array(messages.clone()).to_string().as_bytes(), 0);
             let max = obj
@@ -427,9 +417,8 @@ pub fn chat_stream(r: &Reply) -> StreamPlan {
         }
         c
     };
-    let choice = |delta: Value, finish: Value| {
-        json!([{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}])
-    };
+    let choice =
+        |delta: Value, finish: Value| json!([{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}]);
     let mut chunks = Vec::new();
     let mut midpoint = None;
     let mut tokens_by_midpoint = 0;
@@ -549,7 +538,8 @@ mod tests {
         let ans = answer(&req.prompt, &SCRIPT);
         let plan = responses_stream(&Reply { request: &req, body: &body, answer: &ans, seq: 1, created: 0 });
         for (i, frame) in plan.frames.iter().enumerate() {
-            let data: Value = serde_json::from_str(frame.lines().nth(1).unwrap().strip_prefix("data: ").unwrap()).unwrap();
+            let data: Value =
+                serde_json::from_str(frame.lines().nth(1).unwrap().strip_prefix("data: ").unwrap()).unwrap();
             assert_eq!(data["sequence_number"], json!(i));
         }
         assert!(plan.frames.last().unwrap().starts_with("event: response.completed"));

@@ -67,7 +67,10 @@ pub struct Demo {
 impl Demo {
     /// Starts the mock provider and the tool endpoint.
     pub async fn start(args: &DemoArgs) -> anyhow::Result<Self> {
-        anyhow::ensure!(args.demo_window_s.is_finite() && args.demo_window_s > 0.0, "--demo-window-s must be a positive number");
+        anyhow::ensure!(
+            args.demo_window_s.is_finite() && args.demo_window_s > 0.0,
+            "--demo-window-s must be a positive number"
+        );
         anyhow::ensure!(args.demo_tpm > 0, "--demo-tpm must be at least 1");
         let mock = mock_provider::MockServer::start(mock_provider::MockConfig {
             listen: args.demo_mock_listen,
@@ -88,7 +91,10 @@ impl Demo {
             Err(_) if args.demo_tools_listen.to_string() == DEFAULT_TOOLS_LISTEN => {
                 tokio::net::TcpListener::bind("127.0.0.1:0").await.context("the demo tool endpoint")?
             }
-            Err(e) => return Err(e).with_context(|| format!("the demo tool endpoint cannot listen on {}", args.demo_tools_listen)),
+            Err(e) => {
+                return Err(e)
+                    .with_context(|| format!("the demo tool endpoint cannot listen on {}", args.demo_tools_listen))
+            }
         };
         let tools_addr = listener.local_addr()?;
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -159,7 +165,9 @@ async fn tool(axum::Json(call): axum::Json<Value>) -> (axum::http::StatusCode, a
         _ => {
             return (
                 axum::http::StatusCode::NOT_FOUND,
-                axum::Json(json!({"error": format!("the demo has no tool named {name:?} (it has search, browser__snapshot)")})),
+                axum::Json(
+                    json!({"error": format!("the demo has no tool named {name:?} (it has search, browser__snapshot)")}),
+                ),
             )
         }
     };
@@ -371,7 +379,8 @@ pub async fn drive(
     let style = ProgressStyle::with_template(&format!("{{spinner}} {{prefix:<{width}}}  {{wide_msg}}"))
         .unwrap_or_else(|_| ProgressStyle::default_spinner());
     let budget_bar = multi.add(ProgressBar::new_spinner());
-    budget_bar.set_style(ProgressStyle::with_template("  {wide_msg}").unwrap_or_else(|_| ProgressStyle::default_spinner()));
+    budget_bar
+        .set_style(ProgressStyle::with_template("  {wide_msg}").unwrap_or_else(|_| ProgressStyle::default_spinner()));
     let mut runs = Vec::new();
     for ex in examples {
         let id = api.submit(&ex.body).await.with_context(|| format!("submitting example {}", ex.name))?;
@@ -419,7 +428,7 @@ pub async fn drive(
             }
             if is_finished(&status) {
                 let mark = if status == "completed" { "✓" } else { "✗" };
-                                bar.finish_with_message(format!("{mark} {line}"));
+                bar.finish_with_message(format!("{mark} {line}"));
                 finals.insert(id.clone(), status);
             } else {
                 bar.set_message(line);
@@ -441,7 +450,8 @@ mod tests {
 
     #[test]
     fn the_built_in_examples_are_run_specs_for_the_demo_tools() {
-        let (examples, source) = load_examples(Path::new("/nonexistent-examples-dir"), "http://127.0.0.1:1/tools").unwrap();
+        let (examples, source) =
+            load_examples(Path::new("/nonexistent-examples-dir"), "http://127.0.0.1:1/tools").unwrap();
         assert_eq!(examples.len(), 4, "{source}");
         for ex in &examples {
             let spec = shared::runs::RunSpec::from_json(

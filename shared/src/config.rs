@@ -34,7 +34,12 @@ impl RedisArgs {
 #[derive(Debug, Clone, clap::Args)]
 pub struct ProviderArgs {
     /// Base URL of an OpenAI-compatible API.
-    #[arg(id = "provider_url", long = "provider-url", env = "PACELINE_PROVIDER_URL", default_value = "https://api.openai.com/v1")]
+    #[arg(
+        id = "provider_url",
+        long = "provider-url",
+        env = "PACELINE_PROVIDER_URL",
+        default_value = "https://api.openai.com/v1"
+    )]
     pub url: String,
     /// The provider's API key.
     #[arg(long = "api-key", env = "OPENAI_API_KEY", hide_env_values = true, default_value = "")]

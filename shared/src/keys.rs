@@ -55,7 +55,6 @@ impl Keys {
         format!("{}:pacer:budgets", self.prefix)
     }
 
-
     /// The hash tag of everything that one turn-commit script touches: the
     /// prefix itself (`{paceline}`). The queue's keys carry it, and the run
     /// store's keys may too, so a script can commit a turn and enqueue the next

@@ -34,10 +34,8 @@ impl RedisServer {
 
     /// Starts a server with the given options.
     pub fn start_with(opts: RedisOptions) -> Self {
-        let dir = tempfile::Builder::new()
-            .prefix("paceline-redis-")
-            .tempdir()
-            .expect("create temp dir for redis-server");
+        let dir =
+            tempfile::Builder::new().prefix("paceline-redis-").tempdir().expect("create temp dir for redis-server");
         let mut server = Self { dir, child: None, opts };
         server.spawn();
         server
@@ -60,10 +58,7 @@ impl RedisServer {
 
     /// A multiplexed async connection.
     pub async fn conn(&self) -> redis::aio::MultiplexedConnection {
-        self.client()
-            .get_multiplexed_async_connection()
-            .await
-            .expect("connect to private redis-server")
+        self.client().get_multiplexed_async_connection().await.expect("connect to private redis-server")
     }
 
     /// Kills the server (SIGKILL) and leaves it down; `restart` brings it back.
@@ -87,22 +82,27 @@ impl RedisServer {
         let dir = self.dir.path();
         let log = dir.join("redis.log");
         let mut cmd = Command::new("redis-server");
-        cmd.arg("--port").arg("0")
-            .arg("--unixsocket").arg(self.socket())
-            .arg("--unixsocketperm").arg("700")
-            .arg("--save").arg("")
-            .arg("--dir").arg(dir)
-            .arg("--logfile").arg(&log)
-            .arg("--appendonly").arg(if self.opts.aof { "yes" } else { "no" });
+        cmd.arg("--port")
+            .arg("0")
+            .arg("--unixsocket")
+            .arg(self.socket())
+            .arg("--unixsocketperm")
+            .arg("700")
+            .arg("--save")
+            .arg("")
+            .arg("--dir")
+            .arg(dir)
+            .arg("--logfile")
+            .arg(&log)
+            .arg("--appendonly")
+            .arg(if self.opts.aof { "yes" } else { "no" });
         if self.opts.aof {
             cmd.arg("--appendfsync").arg("always");
         }
         cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
         let child = match cmd.spawn() {
             Ok(child) => child,
-            Err(err) => panic!(
-                "cannot start redis-server ({err}); install it (apt-get install redis-server)"
-            ),
+            Err(err) => panic!("cannot start redis-server ({err}); install it (apt-get install redis-server)"),
         };
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -202,11 +202,8 @@ pub struct ChildGuard(pub Child);
 impl ChildGuard {
     /// Sends a signal by name (`TERM`, `KILL`, `STOP`, `CONT`) with the `kill` command.
     pub fn signal(&self, name: &str) {
-        let status = Command::new("kill")
-            .arg(format!("-{name}"))
-            .arg(self.0.id().to_string())
-            .status()
-            .expect("run kill");
+        let status =
+            Command::new("kill").arg(format!("-{name}")).arg(self.0.id().to_string()).status().expect("run kill");
         assert!(status.success(), "kill -{name} failed");
     }
 

@@ -137,10 +137,8 @@ fn value_tokens(value: &Value) -> u64 {
 
 /// An image part (Responses `input_image` or Chat `image_url`).
 fn image_tokens(part: &Value) -> u64 {
-    let detail = part
-        .get("detail")
-        .or_else(|| part.get("image_url").and_then(|u| u.get("detail")))
-        .and_then(Value::as_str);
+    let detail =
+        part.get("detail").or_else(|| part.get("image_url").and_then(|u| u.get("detail"))).and_then(Value::as_str);
     if detail == Some("low") {
         LOW_DETAIL_IMAGE_TOKENS
     } else {
@@ -238,7 +236,13 @@ mod tests {
 
     fn body_with(messages: &[&str], max: Option<u32>) -> Value {
         let ctx: Vec<Value> = messages.iter().map(|m| json!({"role": "user", "content": m})).collect();
-        let p = TurnParams { model: "m", instructions: Some("Be brief."), tools: &[], max_output_tokens: max, metadata: None };
+        let p = TurnParams {
+            model: "m",
+            instructions: Some("Be brief."),
+            tools: &[],
+            max_output_tokens: max,
+            metadata: None,
+        };
         build_body(ApiStyle::Responses, &p, &ctx)
     }
 
@@ -290,13 +294,20 @@ mod tests {
             json!({"type": "function_call", "call_id": "call_1", "name": "search", "arguments": "{\"q\":\"answer\"}"}),
             json!({"type": "function_call_output", "call_id": "call_1", "output": "the answer is 42 ".repeat(50)}),
         ];
-        let p = TurnParams { model: "m", instructions: Some("Be brief."), tools: &tools, max_output_tokens: Some(100), metadata: None };
+        let p = TurnParams {
+            model: "m",
+            instructions: Some("Be brief."),
+            tools: &tools,
+            max_output_tokens: Some(100),
+            metadata: None,
+        };
         let responses = input_tokens(&build_body(ApiStyle::Responses, &p, &ctx));
         let chat = input_tokens(&build_body(ApiStyle::Chat, &p, &ctx));
-        let text: u64 = ["Be brief.", "find the answer", "search", "{\"q\":\"answer\"}", &"the answer is 42 ".repeat(50)]
-            .iter()
-            .map(|s| count_text(s))
-            .sum();
+        let text: u64 =
+            ["Be brief.", "find the answer", "search", "{\"q\":\"answer\"}", &"the answer is 42 ".repeat(50)]
+                .iter()
+                .map(|s| count_text(s))
+                .sum();
         let tool_json = count_text(&tools[0].to_string());
         for n in [responses, chat] {
             assert!(n >= text + tool_json, "{n} < {}", text + tool_json);

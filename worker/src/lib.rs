@@ -134,7 +134,8 @@ async fn handle_turn(job: TurnJob, lease: Lease, runner: Data<Runner>) -> Result
     static BENCH_DELIVERIES_KEY: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     if let Some(key) = BENCH_DELIVERIES_KEY.get_or_init(|| std::env::var("PACELINE_BENCH_DELIVERIES_KEY").ok()) {
         let outcome = result.as_ref().map_or("error", |o| o.as_str());
-        let line = format!("{} {} {} {} {} {outcome}", lease.id, job.turn, job.attempt, lease.due_ms, lease.fetched_at_ms);
+        let line =
+            format!("{} {} {} {} {} {outcome}", lease.id, job.turn, job.attempt, lease.due_ms, lease.fetched_at_ms);
         let _: Result<(), _> = redis::cmd("RPUSH").arg(key).arg(line).query_async(&mut runner.store.connection()).await;
     }
     match result {

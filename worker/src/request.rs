@@ -82,8 +82,7 @@ pub fn provider_metadata(metadata: &Value) -> Option<Value> {
     let fits = !obj.is_empty()
         && obj.len() <= METADATA_MAX_PAIRS
         && obj.iter().all(|(k, v)| {
-            k.chars().count() <= METADATA_MAX_KEY
-                && v.as_str().is_some_and(|s| s.chars().count() <= METADATA_MAX_VALUE)
+            k.chars().count() <= METADATA_MAX_KEY && v.as_str().is_some_and(|s| s.chars().count() <= METADATA_MAX_VALUE)
         });
     fits.then(|| metadata.clone())
 }
@@ -221,8 +220,7 @@ fn chat_content(role: &str, content: Option<&Value>) -> Value {
     match content {
         Some(Value::String(s)) => Value::String(s.clone()),
         Some(Value::Array(parts)) => {
-            let has_image =
-                parts.iter().any(|p| p.get("type").and_then(Value::as_str) == Some("input_image"));
+            let has_image = parts.iter().any(|p| p.get("type").and_then(Value::as_str) == Some("input_image"));
             if has_image && role == "user" {
                 let parts: Vec<Value> = parts
                     .iter()
@@ -412,7 +410,13 @@ mod tests {
             // Two turns of calls: two assistant messages.
             (
                 vec![call("a"), call("b"), out("a"), out("b"), call("c"), out("c")],
-                vec!["assistantnull[\"a\", \"b\"]", "tool\"ok\"[]", "tool\"ok\"[]", "assistantnull[\"c\"]", "tool\"ok\"[]"],
+                vec![
+                    "assistantnull[\"a\", \"b\"]",
+                    "tool\"ok\"[]",
+                    "tool\"ok\"[]",
+                    "assistantnull[\"c\"]",
+                    "tool\"ok\"[]",
+                ],
             ),
             // A user message between closes the group; a reasoning item does not.
             (
@@ -507,7 +511,8 @@ mod tests {
             json!({"type": "function", "function": {"name": "b"}}),
             json!({"type": "web_search"}),
         ];
-        let p = TurnParams { model: "m", instructions: None, tools: &tools, max_output_tokens: Some(5), metadata: None };
+        let p =
+            TurnParams { model: "m", instructions: None, tools: &tools, max_output_tokens: Some(5), metadata: None };
         let body = build_body(ApiStyle::Chat, &p, &[]);
         assert_eq!(
             body["tools"],

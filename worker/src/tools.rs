@@ -87,9 +87,14 @@ async fn call_tool(client: &reqwest::Client, endpoint: &str, run_id: &str, call:
     let text = String::from_utf8_lossy(&bytes);
     if !status.is_success() {
         let excerpt = excerpt(text.trim());
-        return Err(if excerpt.is_empty() { format!("HTTP {}", status.as_u16()) } else { format!("HTTP {}: {excerpt}", status.as_u16()) });
+        return Err(if excerpt.is_empty() {
+            format!("HTTP {}", status.as_u16())
+        } else {
+            format!("HTTP {}: {excerpt}", status.as_u16())
+        });
     }
-    let answer: Value = serde_json::from_str(&text).map_err(|e| format!("the answer is not JSON ({e}): {}", excerpt(text.trim())))?;
+    let answer: Value =
+        serde_json::from_str(&text).map_err(|e| format!("the answer is not JSON ({e}): {}", excerpt(text.trim())))?;
     match answer.get("output") {
         Some(Value::String(s)) => Ok(s.clone()),
         // A tool that answers structured data: the model reads it as JSON text.
@@ -135,7 +140,6 @@ fn excerpt(s: &str) -> String {
         None => s.to_string(),
     }
 }
-
 
 #[cfg(test)]
 mod tests {

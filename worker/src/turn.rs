@@ -14,13 +14,15 @@ use std::time::{Duration, Instant};
 use rand::SeedableRng;
 use serde_json::{json, Value};
 use shared::pacer::{
-    next_retry, server_delay, CallOutcome, Decision, Estimate, FailureKind, GiveUp, Mode, OwedReason,
-    Pacer, RetryDecision, RetryPolicy,
+    next_retry, server_delay, CallOutcome, Decision, Estimate, FailureKind, GiveUp, Mode, OwedReason, Pacer,
+    RetryDecision, RetryPolicy,
 };
 use shared::queue::Lease;
 use shared::runs::backpressure::{clip_tool_output, prepare_context};
 use shared::runs::state::event;
-use shared::runs::{Fence, Next, RunStore, Started, StoreError, TranscriptEntry, TurnContext, TurnJob, Usage, WaitReason};
+use shared::runs::{
+    Fence, Next, RunStore, Started, StoreError, TranscriptEntry, TurnContext, TurnJob, Usage, WaitReason,
+};
 
 use crate::provider::{CallFailure, CallSuccess, Provider, StreamEvent, ToolCall};
 use crate::request::{build_body, TurnParams};
@@ -302,7 +304,8 @@ impl Runner {
         self.store.emit_all(&lease.id, event::TURN_TOOL_CALL, &announced).await?;
         let endpoint = ctx.spec.tool_endpoint.as_deref().unwrap_or_default();
         let allowed = &self.config.tool_endpoints;
-        let results = crate::tools::run_tools(&self.http, endpoint, allowed, &lease.id, calls, self.config.tool_timeout).await;
+        let results =
+            crate::tools::run_tools(&self.http, endpoint, allowed, &lease.id, calls, self.config.tool_timeout).await;
         let mut items = Vec::with_capacity(results.len());
         let mut reported = Vec::with_capacity(results.len());
         for r in &results {
@@ -382,8 +385,7 @@ impl Runner {
                 };
                 tracing::warn!(message = "call failed; the run fails", run.id = %lease.id, turn.index = job.turn,
                     attempt = job.attempt, kind = ?failure.kind, error = %message);
-                let fence =
-                    self.store.fail(lease, job, failure.kind.error_kind(), &message, Usage::default()).await?;
+                let fence = self.store.fail(lease, job, failure.kind.error_kind(), &message, Usage::default()).await?;
                 Ok(settled(lease, fence, Outcome::Failed))
             }
         }

@@ -104,9 +104,7 @@ pub async fn events(
     } else {
         follow.pending.extend(first);
     }
-    let mut response = Sse::new(follow.into_stream())
-        .keep_alive(KeepAlive::new().interval(KEEP_ALIVE))
-        .into_response();
+    let mut response = Sse::new(follow.into_stream()).keep_alive(KeepAlive::new().interval(KEEP_ALIVE)).into_response();
     let h = response.headers_mut();
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     // Tells nginx-style proxies not to buffer the stream.
@@ -151,7 +149,8 @@ impl Follow {
             _ => return,
         }
         let last =
-            tokio::time::timeout(self.timeout, self.store.read_events(&self.id, self.after.as_deref(), None, BATCH)).await;
+            tokio::time::timeout(self.timeout, self.store.read_events(&self.id, self.after.as_deref(), None, BATCH))
+                .await;
         if let Ok(Ok(events)) = last {
             self.pending.extend(events);
         }

@@ -50,11 +50,8 @@ async fn not_found() -> ApiError {
 /// 413 for a `Content-Length` over the limit, without reading the body.
 async fn reject_declared_oversize(State(state): State<AppState>, request: Request, next: Next) -> Response {
     let limit = state.config.body_limit;
-    let declared = request
-        .headers()
-        .get(CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
+    let declared =
+        request.headers().get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit as u64) {
         return ApiError::PayloadTooLarge(limit).into_response();
     }

@@ -214,7 +214,11 @@ async fn find(state: &AppState, tenant: &str, id: &str) -> Result<Run, ApiError>
     ),
     security(("bearer" = []))
 )]
-pub async fn get(State(state): State<AppState>, Tenant(tenant): Tenant, Path(id): Path<String>) -> Result<Json<Run>, ApiError> {
+pub async fn get(
+    State(state): State<AppState>,
+    Tenant(tenant): Tenant,
+    Path(id): Path<String>,
+) -> Result<Json<Run>, ApiError> {
     find(&state, &tenant, &id).await.map(Json)
 }
 
@@ -258,7 +262,11 @@ pub async fn transcript(
     ),
     security(("bearer" = []))
 )]
-pub async fn cancel(State(state): State<AppState>, Tenant(tenant): Tenant, Path(id): Path<String>) -> Result<Json<Run>, ApiError> {
+pub async fn cancel(
+    State(state): State<AppState>,
+    Tenant(tenant): Tenant,
+    Path(id): Path<String>,
+) -> Result<Json<Run>, ApiError> {
     if !valid_id(&id) {
         return Err(ApiError::NotFound(format!("no run {id}")));
     }
@@ -285,11 +293,16 @@ mod tests {
     #[test]
     fn the_same_spec_has_the_same_fingerprint_whatever_its_layout() {
         let p = shared::runs::SubmitPolicy::default();
-        let a = RunSpec::from_json(&serde_json::json!({"model": "m", "input": "hi", "metadata": {"a": 1, "b": 2}}), &p).unwrap();
-        let b = RunSpec::from_json(&serde_json::json!({"metadata": {"b": 2, "a": 1}, "input": "hi", "model": "m"}), &p).unwrap();
+        let a = RunSpec::from_json(&serde_json::json!({"model": "m", "input": "hi", "metadata": {"a": 1, "b": 2}}), &p)
+            .unwrap();
+        let b = RunSpec::from_json(&serde_json::json!({"metadata": {"b": 2, "a": 1}, "input": "hi", "model": "m"}), &p)
+            .unwrap();
         let mut h = HeaderMap::new();
         h.insert("idempotency-key", HeaderValue::from_static("k1"));
-        assert_eq!(idempotency(&h, &a).unwrap().unwrap().fingerprint, idempotency(&h, &b).unwrap().unwrap().fingerprint);
+        assert_eq!(
+            idempotency(&h, &a).unwrap().unwrap().fingerprint,
+            idempotency(&h, &b).unwrap().unwrap().fingerprint
+        );
         h.insert("idempotency-key", HeaderValue::from_static("has space"));
         assert!(matches!(idempotency(&h, &a), Err(ApiError::Invalid(e)) if e.field == "Idempotency-Key"));
     }

@@ -458,7 +458,8 @@ async fn shares(
         *tokens.entry(c.tenant.clone()).or_default() += c.tokens;
     }
     let total: u64 = tokens.values().sum();
-    let shares = tokens.iter().map(|(t, &n)| (t.clone(), if total > 0 { n as f64 / total as f64 } else { 0.0 })).collect();
+    let shares =
+        tokens.iter().map(|(t, &n)| (t.clone(), if total > 0 { n as f64 / total as f64 } else { 0.0 })).collect();
     let span_s = (end_us - start_us) as f64 / 1e6;
     let bucket = BucketShape { capacity: plan.mock.tpm, window_s: plan.mock.window.as_secs_f64(), fixed_window: false };
     Ok(ShareWindow {
@@ -483,14 +484,7 @@ fn weighted_figures(plan: &FairnessPlan, window: ShareWindow, weights: String) -
         }
         _ => (0.0, 1.0),
     };
-    Weighted {
-        ratio,
-        target,
-        error: (ratio / target - 1.0).abs(),
-        shares: window.shares.clone(),
-        window,
-        weights,
-    }
+    Weighted { ratio, target, error: (ratio / target - 1.0).abs(), shares: window.shares.clone(), window, weights }
 }
 
 /// The human table of the scenario's figures.

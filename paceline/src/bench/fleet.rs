@@ -65,7 +65,11 @@ impl Fleet {
                     anyhow::bail!("a worker process exited at start ({status}); its log:\n{}", tail(log));
                 }
             }
-            anyhow::ensure!(Instant::now() < deadline, "{up} of {} workers registered within {timeout:?}", spec.workers);
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "{up} of {} workers registered within {timeout:?}",
+                spec.workers
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
@@ -106,7 +110,10 @@ impl Drop for Fleet {
 /// `VmHWM` of a process, kB.
 fn vm_hwm_kb(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status.lines().find_map(|l| l.strip_prefix("VmHWM:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
 /// The last lines of a log file.

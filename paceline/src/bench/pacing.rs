@@ -30,7 +30,12 @@ pub struct PacingPlan {
 }
 
 /// Runs the workload with workers started with `--pacer {pacer}` and returns its figures.
-pub async fn measure(env: &Env, plan: &PacingPlan, pacer: &str, progress: &ProgressBar) -> anyhow::Result<PacerFigures> {
+pub async fn measure(
+    env: &Env,
+    plan: &PacingPlan,
+    pacer: &str,
+    progress: &ProgressBar,
+) -> anyhow::Result<PacerFigures> {
     let mut mock = plan.mock.clone();
     (mock.tool_rounds, mock.output_tokens) = plan.workload.mock_script();
     mock.keep_bodies = 64;
@@ -77,7 +82,8 @@ fn trace_budget(trial: &Trial) -> (tokio::sync::oneshot::Sender<()>, tokio::task
     let task = tokio::spawn(async move {
         let mut out = vec![];
         let Ok(conn) = shared::redis_util::manager(&redis.url).await else { return out };
-        let pacer = shared::pacer::SharedPacer::new(conn, redis.keys(), "default", shared::pacer::PacingConfig::default());
+        let pacer =
+            shared::pacer::SharedPacer::new(conn, redis.keys(), "default", shared::pacer::PacingConfig::default());
         let http = reqwest::Client::new();
         let t0 = std::time::Instant::now();
         loop {

@@ -17,7 +17,8 @@ pub struct PrivateRedis {
 impl PrivateRedis {
     /// Starts one and waits (at most 10 s) until it answers.
     pub async fn start(label: &str) -> anyhow::Result<Self> {
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().subsec_nanos();
+        let nanos =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().subsec_nanos();
         let dir = std::env::temp_dir().join(format!("paceline-{label}-{}-{nanos:x}", std::process::id()));
         std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
         let child = std::process::Command::new("redis-server")
@@ -122,7 +123,12 @@ impl CommandDelta {
     /// `name 1.23, name 0.50, …` per `per` (e.g. per turn), the first `n` commands.
     pub fn breakdown(&self, per: f64, n: usize) -> String {
         let per = per.max(1.0);
-        self.by_command.iter().take(n).map(|(k, v)| format!("{k} {:.2}", *v as f64 / per)).collect::<Vec<_>>().join(", ")
+        self.by_command
+            .iter()
+            .take(n)
+            .map(|(k, v)| format!("{k} {:.2}", *v as f64 / per))
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 }
 
@@ -132,7 +138,8 @@ mod tests {
 
     #[test]
     fn deltas_skip_info_and_idle_commands() {
-        let before = CommandStats::parse("# Commandstats\r\ncmdstat_get:calls=3,usec=1\r\ncmdstat_info:calls=1,usec=2\r\n");
+        let before =
+            CommandStats::parse("# Commandstats\r\ncmdstat_get:calls=3,usec=1\r\ncmdstat_info:calls=1,usec=2\r\n");
         let after = CommandStats::parse(
             "cmdstat_get:calls=10,usec=1,usec_per_call=0.1\r\ncmdstat_info:calls=9\r\ncmdstat_evalsha:calls=4\r\ncmdstat_set:calls=0\r\n",
         );

@@ -188,7 +188,8 @@ pub struct BucketShape {
 }
 
 /// The formula of [`floor_s`], in words (printed under the table, kept in the JSON).
-pub const FLOOR_FORMULA: &str = "floor = max over the token and request buckets of the least time from the first submit \
+pub const FLOOR_FORMULA: &str =
+    "floor = max over the token and request buckets of the least time from the first submit \
 until the bucket has let through what was admitted (A), starting full (capacity C, window W): \
 continuous: max(0, A - C) / (C / W); window: the first boundary k*W of the mock's windows by which \
 ceil(max(0, A - C) / C) refills have happened, minus the first submit's offset into the mock's clock";
@@ -230,7 +231,9 @@ pub fn table(report: &Report) -> String {
     if !order.is_empty() {
         let cols: Vec<&PacerFigures> = order.iter().map(|p| &report.pacers[*p]).collect();
         let mut rows: Vec<(String, Vec<String>)> = vec![];
-        let mut row = |name: &str, f: &dyn Fn(&PacerFigures) -> String| rows.push((name.to_owned(), cols.iter().map(|p| f(p)).collect()));
+        let mut row = |name: &str, f: &dyn Fn(&PacerFigures) -> String| {
+            rows.push((name.to_owned(), cols.iter().map(|p| f(p)).collect()))
+        };
         row("makespan (s)", &|p| num(p.makespan_s, 1));
         row("physical floor (s)", &|p| format!("{} ({})", num(p.floor_s, 1), p.floor_bound));
         row("efficiency (floor / makespan)", &|p| {
@@ -240,12 +243,20 @@ pub fn table(report: &Report) -> String {
         row("provider calls", &|p| p.calls.to_string());
         row("429s", &|p| p.rate_limited.to_string());
         row("429s per 100 calls", &|p| num(p.rate_limited_per_100_calls, 2));
-        row("tokens / min admitted (limit)", &|p| format!("{} ({})", num(p.tokens_per_min, 0), num(p.limit_tokens_per_min, 0)));
-        row("runs completed / failed / unfinished", &|p| format!("{} / {} / {}", p.runs_completed, p.runs_failed, p.runs_unfinished));
+        row("tokens / min admitted (limit)", &|p| {
+            format!("{} ({})", num(p.tokens_per_min, 0), num(p.limit_tokens_per_min, 0))
+        });
+        row("runs completed / failed / unfinished", &|p| {
+            format!("{} / {} / {}", p.runs_completed, p.runs_failed, p.runs_unfinished)
+        });
         row("turns completed", &|p| p.turns_completed.to_string());
         row("budget waits (requeues)", &|p| p.budget_waits.to_string());
         row("requeued lateness p50 / p99 (ms)", &|p| {
-            if p.lateness_ms.n == 0 { "- (none requeued)".into() } else { format!("{} / {} (n={})", p.lateness_ms.p50, p.lateness_ms.p99, p.lateness_ms.n) }
+            if p.lateness_ms.n == 0 {
+                "- (none requeued)".into()
+            } else {
+                format!("{} / {} (n={})", p.lateness_ms.p50, p.lateness_ms.p99, p.lateness_ms.n)
+            }
         });
         row("Redis commands per turn", &|p| num(p.redis_commands_per_turn, 1));
         row("worker peak RSS (MB)", &|p| num(p.worker_peak_rss_mb, 1));
@@ -292,7 +303,9 @@ pub fn table(report: &Report) -> String {
             let _ = writeln!(
                 out,
                 "queue alone (no-op consumer process): {} turns/s, {} Redis commands per turn ({} turns)",
-                num(q.turns_per_s, 0), num(q.redis_commands_per_turn, 2), q.turns
+                num(q.turns_per_s, 0),
+                num(q.redis_commands_per_turn, 2),
+                q.turns
             );
         }
     }

@@ -29,8 +29,13 @@ pub struct ThroughputPlan {
 
 /// Runs it.
 pub async fn measure(env: &Env, plan: &ThroughputPlan, progress: &ProgressBar) -> anyhow::Result<Throughput> {
-    let workload =
-        Workload { runs: plan.runs, turns: plan.turns, max_output_tokens: 16, answer_tokens: 5, model: "gpt-4.1-mini".into() };
+    let workload = Workload {
+        runs: plan.runs,
+        turns: plan.turns,
+        max_output_tokens: 16,
+        answer_tokens: 5,
+        model: "gpt-4.1-mini".into(),
+    };
     let (tool_rounds, output_tokens) = workload.mock_script();
     let mock = MockConfig {
         // Limits no workload reaches: the mock never makes a turn wait.

@@ -282,7 +282,11 @@ impl Trial {
     /// Waits until nothing is queued or in flight (every run finished or its
     /// turn dead), polling every 50 ms (two `ZCARD`s, counted as the bench's
     /// own); calls `on_poll` each time. Returns false when `timeout` passed first.
-    pub async fn wait_drained(&mut self, timeout: Duration, mut on_poll: impl FnMut(&MockServer)) -> anyhow::Result<bool> {
+    pub async fn wait_drained(
+        &mut self,
+        timeout: Duration,
+        mut on_poll: impl FnMut(&MockServer),
+    ) -> anyhow::Result<bool> {
         let deadline = Instant::now() + timeout;
         let keys = self.queue.keys().clone();
         loop {
@@ -332,14 +336,6 @@ impl Trial {
         let mock = self.mock.stats();
         let mock_offset_s = self.first_submit.map(|t| t.duration_since(self.mock_started).as_secs_f64()).unwrap_or(0.0);
         self.mock.shutdown().await;
-        Ok(TrialData {
-            commands,
-            mock,
-            mock_offset_s,
-            runs,
-            deliveries,
-            worker_peak_rss_mb,
-            drained,
-        })
+        Ok(TrialData { commands, mock, mock_offset_s, runs, deliveries, worker_peak_rss_mb, drained })
     }
 }

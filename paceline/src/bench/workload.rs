@@ -117,10 +117,8 @@ impl Drop for Served {
 
 /// The tool endpoint: `POST /tools` answers the same short note at once.
 pub async fn tool_server() -> anyhow::Result<Served> {
-    let app = axum::Router::new().route(
-        "/tools",
-        axum::routing::post(|| async { axum::Json(json!({"output": TOOL_OUTPUT})) }),
-    );
+    let app = axum::Router::new()
+        .route("/tools", axum::routing::post(|| async { axum::Json(json!({"output": TOOL_OUTPUT})) }));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.context("bind the tool endpoint")?;
     let addr = listener.local_addr()?;
     let (stop, stopped) = oneshot::channel::<()>();

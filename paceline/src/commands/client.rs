@@ -116,7 +116,8 @@ impl Client {
 
     /// Sends, and turns a non-2xx answer into one clear line.
     async fn send(&self, r: reqwest::RequestBuilder) -> anyhow::Result<reqwest::Response> {
-        let resp = r.send().await.map_err(|e| anyhow::anyhow!("cannot reach the API at {}: {}", self.base, root(&e)))?;
+        let resp =
+            r.send().await.map_err(|e| anyhow::anyhow!("cannot reach the API at {}: {}", self.base, root(&e)))?;
         if resp.status().is_success() {
             return Ok(resp);
         }
@@ -265,7 +266,9 @@ impl Progress {
                 self.until = None;
             }
             "turn.paced" => self.wait("waiting for budget", num("owed_ms")),
-            "turn.rate_limited" => self.wait(&format!("rate limited (attempt {})", num("attempt")), num("retry_after_ms")),
+            "turn.rate_limited" => {
+                self.wait(&format!("rate limited (attempt {})", num("attempt")), num("retry_after_ms"))
+            }
             "turn.retry" => {
                 let reason = data["reason"].as_str().unwrap_or("transient error").to_owned();
                 self.wait(&format!("retrying after {reason} (attempt {})", num("attempt")), num("delay_ms"))
@@ -295,7 +298,9 @@ async fn follow(client: &Client, id: &str) -> anyhow::Result<ExitCode> {
     let mut finished = false;
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     while !finished {
-        let mut r = client.request(reqwest::Method::GET, &format!("/v1/runs/{id}/events")).header("accept", "text/event-stream");
+        let mut r = client
+            .request(reqwest::Method::GET, &format!("/v1/runs/{id}/events"))
+            .header("accept", "text/event-stream");
         if let Some(l) = &last_id {
             r = r.header("Last-Event-ID", l);
         }
@@ -493,7 +498,8 @@ mod tests {
 
     #[test]
     fn api_errors_are_one_line() {
-        let body = r#"{"error":{"type":"invalid_request","message":"must be an integer from 1 to 1000","field":"max_turns"}}"#;
+        let body =
+            r#"{"error":{"type":"invalid_request","message":"must be an integer from 1 to 1000","field":"max_turns"}}"#;
         assert_eq!(api_error_line(422, body), "API 422 invalid_request (max_turns): must be an integer from 1 to 1000");
         assert_eq!(
             api_error_line(401, r#"{"error":{"type":"unauthorized","message":"missing or invalid bearer token"}}"#),

@@ -18,9 +18,8 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
     let shutdown = super::shutdown_signal();
     let config = args.mock.into_config().map_err(anyhow::Error::msg)?;
     let listen = config.listen;
-    let server = mock_provider::MockServer::start(config.clone())
-        .await
-        .with_context(|| format!("cannot listen on {listen}"))?;
+    let server =
+        mock_provider::MockServer::start(config.clone()).await.with_context(|| format!("cannot listen on {listen}"))?;
     tracing::info!(
         message = "mock provider listening",
         base_url = %server.base_url(),

@@ -186,7 +186,12 @@ async fn wait_until_drained(queue: &TurnQueue, timeout: Duration) -> anyhow::Res
     }
 }
 
-fn spawn_consumer(redis: &RedisArgs, concurrency: usize, fetch_batch: usize, record: bool) -> anyhow::Result<std::process::Child> {
+fn spawn_consumer(
+    redis: &RedisArgs,
+    concurrency: usize,
+    fetch_batch: usize,
+    record: bool,
+) -> anyhow::Result<std::process::Child> {
     let mut cmd = std::process::Command::new(std::env::current_exe()?);
     cmd.args(["queue-probe", "consume", "--redis-url", &redis.url, "--prefix", &redis.prefix])
         .args(["--concurrency", &concurrency.to_string(), "--queue-fetch-batch", &fetch_batch.to_string()])
@@ -202,7 +207,13 @@ fn spawn_consumer(redis: &RedisArgs, concurrency: usize, fetch_batch: usize, rec
 /// in flight, overlapping the consumer); turns per second until drained and
 /// Redis commands per turn. `paceline bench --scenario throughput` reports it
 /// beside the real worker's figure.
-pub async fn queue_only(url: &str, prefix: &str, turns: usize, concurrency: usize, fetch_batch: usize) -> anyhow::Result<QueueOnly> {
+pub async fn queue_only(
+    url: &str,
+    prefix: &str,
+    turns: usize,
+    concurrency: usize,
+    fetch_batch: usize,
+) -> anyhow::Result<QueueOnly> {
     let redis = RedisArgs::new(url, prefix);
     let queue = TurnQueue::new(&redis, QueueConfig::default())?;
     let mut admin = shared::redis_util::manager(&redis.url).await?;

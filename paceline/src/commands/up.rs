@@ -121,7 +121,12 @@ fn say(line: impl AsRef<str>) {
 }
 
 /// The API, the worker pool and the demo, until `stop`.
-async fn serve(args: &Args, redis: RedisArgs, stop_tx: watch::Sender<bool>, stop_rx: watch::Receiver<bool>) -> anyhow::Result<()> {
+async fn serve(
+    args: &Args,
+    redis: RedisArgs,
+    stop_tx: watch::Sender<bool>,
+    stop_rx: watch::Receiver<bool>,
+) -> anyhow::Result<()> {
     let demo = if args.demo { Some(demo::Demo::start(&args.demo_args).await?) } else { None };
     let mut tool_endpoints = args.tool_endpoints.clone();
     let mut provider = (*args.provider).clone();
@@ -229,7 +234,8 @@ async fn run_demo(args: &Args, d: &demo::Demo, addr: SocketAddr, stop: watch::Re
         started.elapsed().as_secs_f64()
     ));
     let bin = invocation();
-    let api_flag = if args.listen.to_string() == "127.0.0.1:8080" { String::new() } else { format!(" --api http://{addr}") };
+    let api_flag =
+        if args.listen.to_string() == "127.0.0.1:8080" { String::new() } else { format!(" --api http://{addr}") };
     let example_file = args.demo_args.examples.join("browse-work.json");
     let submit = if example_file.is_file() && d.tool_endpoint() == demo::EXAMPLES_TOOL_ENDPOINT {
         format!("{bin} submit {}{api_flag} --watch", example_file.display())
@@ -332,7 +338,9 @@ enum Probe {
 async fn probe(addr: SocketAddr) -> Probe {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let t = Duration::from_millis(300);
-    let Ok(Ok(mut s)) = tokio::time::timeout(t, tokio::net::TcpStream::connect(addr)).await else { return Probe::Nothing };
+    let Ok(Ok(mut s)) = tokio::time::timeout(t, tokio::net::TcpStream::connect(addr)).await else {
+        return Probe::Nothing;
+    };
     if s.write_all(b"PING\r\n").await.is_err() {
         return Probe::Nothing;
     }
@@ -361,7 +369,8 @@ impl PrivateRedis {
         let dir = dir.canonicalize().with_context(|| format!("{}", dir.display()))?;
         // A private server an earlier `up` left running (it was SIGKILLed):
         // use it rather than start a second one on the same files.
-        if let Some(port) = std::fs::read_to_string(dir.join(PORT_FILE)).ok().and_then(|s| s.trim().parse::<u16>().ok()) {
+        if let Some(port) = std::fs::read_to_string(dir.join(PORT_FILE)).ok().and_then(|s| s.trim().parse::<u16>().ok())
+        {
             if probe(SocketAddr::from(([127, 0, 0, 1], port))).await == Probe::Pong {
                 say(format!(
                     "REDIS_URL is not set and nothing answers on {probed}; using the private redis-server an earlier \
@@ -376,16 +385,26 @@ impl PrivateRedis {
             .context("finding a free port for redis-server")?
             .port();
         let mut cmd = tokio::process::Command::new("redis-server");
-        cmd.arg("--bind").arg("127.0.0.1")
-            .arg("--port").arg(port.to_string())
-            .arg("--protected-mode").arg("yes")
-            .arg("--dir").arg(&dir)
-            .arg("--appendonly").arg("yes")
-            .arg("--appendfsync").arg("everysec")
-            .arg("--save").arg("")
-            .arg("--logfile").arg(dir.join("redis.log"))
-            .arg("--pidfile").arg(dir.join("redis.pid"))
-            .arg("--daemonize").arg("no")
+        cmd.arg("--bind")
+            .arg("127.0.0.1")
+            .arg("--port")
+            .arg(port.to_string())
+            .arg("--protected-mode")
+            .arg("yes")
+            .arg("--dir")
+            .arg(&dir)
+            .arg("--appendonly")
+            .arg("yes")
+            .arg("--appendfsync")
+            .arg("everysec")
+            .arg("--save")
+            .arg("")
+            .arg("--logfile")
+            .arg(dir.join("redis.log"))
+            .arg("--pidfile")
+            .arg(dir.join("redis.pid"))
+            .arg("--daemonize")
+            .arg("no")
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
@@ -488,7 +507,8 @@ mod tests {
     #[test]
     fn the_flags_of_api_worker_and_demo_fit_in_one_command() {
         Cli::command().debug_assert();
-        let cli = Cli::try_parse_from(["up", "--concurrency", "4", "--demo", "--demo-tpm", "5000", "--tpm", "900"]).unwrap();
+        let cli =
+            Cli::try_parse_from(["up", "--concurrency", "4", "--demo", "--demo-tpm", "5000", "--tpm", "900"]).unwrap();
         assert_eq!(cli.up.workers, 4);
         assert!(cli.up.demo);
         assert_eq!(cli.up.demo_args.demo_tpm, 5000);

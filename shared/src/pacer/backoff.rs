@@ -231,7 +231,18 @@ mod tests {
     #[test]
     fn the_ladder_doubles_and_is_capped() {
         let p = RetryPolicy::default();
-        let cases = [(0, 1_000), (1, 1_000), (2, 2_000), (3, 4_000), (4, 8_000), (5, 16_000), (6, 30_000), (7, 30_000), (64, 30_000), (u32::MAX, 30_000)];
+        let cases = [
+            (0, 1_000),
+            (1, 1_000),
+            (2, 2_000),
+            (3, 4_000),
+            (4, 8_000),
+            (5, 16_000),
+            (6, 30_000),
+            (7, 30_000),
+            (64, 30_000),
+            (u32::MAX, 30_000),
+        ];
         for (attempt, want) in cases {
             assert_eq!(capped_base_ms(&p, attempt), want, "attempt {attempt}");
             assert_eq!(backoff_ms(&no_jitter(), attempt, &mut rng(1)), want, "attempt {attempt} without jitter");
@@ -283,7 +294,11 @@ mod tests {
                     if retries {
                         assert_ne!(got, RetryDecision::GiveUp(GiveUp::AttemptsExhausted), "attempt {attempt}");
                     } else {
-                        assert_eq!(got, RetryDecision::GiveUp(GiveUp::AttemptsExhausted), "attempt {attempt} {kind:?} {delay:?}");
+                        assert_eq!(
+                            got,
+                            RetryDecision::GiveUp(GiveUp::AttemptsExhausted),
+                            "attempt {attempt} {kind:?} {delay:?}"
+                        );
                     }
                 }
             }
@@ -296,7 +311,7 @@ mod tests {
         let p = RetryPolicy::default();
         // (server delay, source, attempt)
         let cases = [
-            (55_000, RetryAfter, 1),     // 55 s is honoured as ≥ 55 s, not cut to the 30 s cap
+            (55_000, RetryAfter, 1), // 55 s is honoured as ≥ 55 s, not cut to the 30 s cap
             (55_000, RetryAfterMs, 5),
             (31_000, MsRetryAfterMs, 2), // just over the cap
             (90_000, RetryAfter, 1),     // exactly max_retry_after: still honoured
@@ -336,7 +351,9 @@ mod tests {
     fn server_delays_past_max_retry_after_give_up() {
         use DelaySource::*;
         let p = RetryPolicy::default();
-        for (ms, source) in [(91_000, RetryAfter), (90_001, RetryAfterMs), (3_600_000, MessageHint), (u64::MAX, MsRetryAfterMs)] {
+        for (ms, source) in
+            [(91_000, RetryAfter), (90_001, RetryAfterMs), (3_600_000, MessageHint), (u64::MAX, MsRetryAfterMs)]
+        {
             assert_eq!(
                 next_retry(&p, 1, RateLimited, Some((ms, source)), &mut rng(0)),
                 RetryDecision::GiveUp(GiveUp::RetryAfterTooLong { delay_ms: ms }),
@@ -365,7 +382,11 @@ mod tests {
     #[test]
     fn server_delay_sources_in_order() {
         use DelaySource::*;
-        let with = |ms: Option<u64>, source: Option<DelaySource>| HeaderSnapshot { retry_after_ms: ms, retry_after_source: source, ..Default::default() };
+        let with = |ms: Option<u64>, source: Option<DelaySource>| HeaderSnapshot {
+            retry_after_ms: ms,
+            retry_after_source: source,
+            ..Default::default()
+        };
         let hint = "Rate limit reached. Please try again in 1.146s.";
         let cases = [
             (with(Some(1_200), Some(RetryAfterMs)), hint, Some((1_200, RetryAfterMs))),

@@ -68,13 +68,7 @@ pub struct Bucket {
 impl Bucket {
     /// A full bucket of `limit` per minute.
     pub fn per_minute(limit: u64, now: Millis) -> Self {
-        Self {
-            limit: limit as f64,
-            rate: limit as f64 / 60_000.0,
-            level: limit as f64,
-            at_ms: now,
-            ..Self::default()
-        }
+        Self { limit: limit as f64, rate: limit as f64 / 60_000.0, level: limit as f64, at_ms: now, ..Self::default() }
     }
 
     /// Whether we know this bucket's limit (and so pace on it).
@@ -196,4 +190,3 @@ impl Bucket {
         }
     }
 }
-

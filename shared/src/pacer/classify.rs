@@ -168,9 +168,11 @@ static TRY_AGAIN: LazyLock<Regex> = LazyLock::new(|| {
 });
 
 /// Codes and types that name a rate limit outright.
-const RATE_LIMIT_CODES: &[&str] = &["rate_limit_exceeded", "rate_limit_error", "too_many_requests", "resource_exhausted"];
+const RATE_LIMIT_CODES: &[&str] =
+    &["rate_limit_exceeded", "rate_limit_error", "too_many_requests", "resource_exhausted"];
 /// Codes and types that name a server-side failure (in a 200 stream, say).
-const TRANSIENT_CODES: &[&str] = &["server_error", "internal_error", "api_error", "overloaded_error", "service_unavailable", "timeout"];
+const TRANSIENT_CODES: &[&str] =
+    &["server_error", "internal_error", "api_error", "overloaded_error", "service_unavailable", "timeout"];
 /// Codes and types of a spend or billing hard limit.
 const SPEND_CODES: &[&str] = &["enforced_spend_limit_reached", "billing_hard_limit_reached"];
 
@@ -178,7 +180,10 @@ const SPEND_CODES: &[&str] = &["enforced_spend_limit_reached", "billing_hard_lim
 /// for the order of the rules.
 pub fn classify(call: &FailedCall<'_>) -> FailureKind {
     let code_is = |names: &[&str]| {
-        [call.code, call.error_type].into_iter().flatten().any(|c| names.iter().any(|n| c.trim().eq_ignore_ascii_case(n)))
+        [call.code, call.error_type]
+            .into_iter()
+            .flatten()
+            .any(|c| names.iter().any(|n| c.trim().eq_ignore_ascii_case(n)))
     };
     let text = call.message;
 
@@ -191,7 +196,10 @@ pub fn classify(call: &FailedCall<'_>) -> FailureKind {
     if code_is(SPEND_CODES) || SPEND_TEXT.is_match(text) {
         return FailureKind::SpendLimit;
     }
-    if code_is(&["request_too_large"]) || call.status == Some(413) || too_large(text).is_some_and(|(limit, requested)| requested > limit) {
+    if code_is(&["request_too_large"])
+        || call.status == Some(413)
+        || too_large(text).is_some_and(|(limit, requested)| requested > limit)
+    {
         return FailureKind::RequestTooLarge;
     }
 
@@ -349,7 +357,12 @@ mod tests {
             call(Some(502), None, ""),
             call(Some(503), None, "Service Unavailable"),
             call(Some(504), None, ""),
-            FailedCall { status: Some(529), error_type: Some("overloaded_error"), message: "Overloaded", ..Default::default() },
+            FailedCall {
+                status: Some(529),
+                error_type: Some("overloaded_error"),
+                message: "Overloaded",
+                ..Default::default()
+            },
             FailedCall { transport: Some(Transport::Timeout), ..Default::default() },
             FailedCall { transport: Some(Transport::ConnectionReset), ..Default::default() },
             FailedCall { transport: Some(Transport::Other), message: "connection refused", ..Default::default() },
@@ -433,7 +446,10 @@ mod tests {
     #[test]
     fn too_large_pairs() {
         let cases: &[(&str, Option<(u64, u64)>)] = &[
-            ("Request too large for gpt-4o on tokens per min (TPM): Limit 30000, Requested 45000.", Some((30_000, 45_000))),
+            (
+                "Request too large for gpt-4o on tokens per min (TPM): Limit 30000, Requested 45000.",
+                Some((30_000, 45_000)),
+            ),
             ("Limit 30,000, Requested 1,045,000.", Some((30_000, 1_045_000))),
             ("Limit: 10000, Requested: 9000", Some((10_000, 9_000))),
             ("Limit 30000, Used 25000, Requested 8000.", Some((30_000, 8_000))),

@@ -48,9 +48,7 @@ pub fn parse_duration_ms(s: &str) -> Option<u64> {
         let (int, frac, after_number) = split_number(rest)?;
         // The unit runs to the next digit or '.'; both are ASCII, so the split
         // falls on a char boundary even after a multi-byte `µ`.
-        let unit_len = after_number
-            .find(|c: char| c.is_ascii_digit() || c == '.')
-            .unwrap_or(after_number.len());
+        let unit_len = after_number.find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(after_number.len());
         let (unit, next) = after_number.split_at(unit_len);
         let term = scaled_as(int, frac, unit_as(unit)?)?;
         total_as = total_as.checked_add(term)?;
@@ -255,9 +253,38 @@ mod tests {
     #[test]
     fn anything_else_is_none() {
         let cases = [
-            "", "   ", "-1s", "-1", "+1s", "+1", "NaN", "nan", "inf", "Infinity", "1e3", "1E3s", "s", "ms",
-            ".", ".s", "1 s", "1m 30s", "1d", "1w", "1S", "1sec", "1x", "abc", "1.2.3s", "1..2s", "0x10",
-            "6m0s,", "1,5s", "１s", "1µ", "99999999999999999999999999999999999999999999h",
+            "",
+            "   ",
+            "-1s",
+            "-1",
+            "+1s",
+            "+1",
+            "NaN",
+            "nan",
+            "inf",
+            "Infinity",
+            "1e3",
+            "1E3s",
+            "s",
+            "ms",
+            ".",
+            ".s",
+            "1 s",
+            "1m 30s",
+            "1d",
+            "1w",
+            "1S",
+            "1sec",
+            "1x",
+            "abc",
+            "1.2.3s",
+            "1..2s",
+            "0x10",
+            "6m0s,",
+            "1,5s",
+            "１s",
+            "1µ",
+            "99999999999999999999999999999999999999999999h",
             "18446744073709551616ms", // u64::MAX + 1
         ];
         for input in cases {

@@ -288,7 +288,10 @@ mod tests {
         use DelaySource::*;
         type Headers<'a> = &'a [(&'a str, &'a str)];
         let cases: &[(Headers<'_>, Option<(u64, DelaySource)>)] = &[
-            (&[("retry-after", "20"), ("x-ms-retry-after-ms", "1500"), ("retry-after-ms", "1200")], Some((1_200, RetryAfterMs))),
+            (
+                &[("retry-after", "20"), ("x-ms-retry-after-ms", "1500"), ("retry-after-ms", "1200")],
+                Some((1_200, RetryAfterMs)),
+            ),
             (&[("retry-after", "20"), ("x-ms-retry-after-ms", "1500")], Some((1_500, MsRetryAfterMs))),
             (&[("retry-after", "20")], Some((20_000, RetryAfter))),
             (&[("retry-after", "1.5")], Some((1_500, RetryAfter))),
@@ -296,7 +299,10 @@ mod tests {
             (&[("retry-after", "Mon, 30 Nov 2026 09:00:00 GMT")], Some((0, RetryAfter))),
             (&[("retry-after-ms", "1500.2")], Some((1_501, RetryAfterMs))),
             // Azure's -1 is ignored: the next source counts...
-            (&[("retry-after-ms", "-1"), ("x-ms-retry-after-ms", "-1"), ("retry-after", "4")], Some((4_000, RetryAfter))),
+            (
+                &[("retry-after-ms", "-1"), ("x-ms-retry-after-ms", "-1"), ("retry-after", "4")],
+                Some((4_000, RetryAfter)),
+            ),
             (&[("retry-after-ms", "-1"), ("x-ms-retry-after-ms", "800")], Some((800, MsRetryAfterMs))),
             // ...and when every one is -1, there is no server delay at all.
             (&[("retry-after-ms", "-1"), ("x-ms-retry-after-ms", "-1"), ("retry-after", "-1")], None),
@@ -365,7 +371,7 @@ mod tests {
             (rem(Some(0), Some(0)), rem(Some(1_000), Some(1)), true),      // a zero limit is dry
             (rem(None, Some(5)), rem(Some(1_000), Some(6)), true),         // no limit: by count
             (rem(None, Some(7)), rem(None, Some(6)), false),
-            (rem(Some(100), None), rem(Some(100), Some(99)), false),       // known remaining wins
+            (rem(Some(100), None), rem(Some(100), Some(99)), false), // known remaining wins
             (rem(Some(100), None), rem(Some(100), None), true),
         ];
         for (input, output, input_chosen) in cases {
@@ -379,10 +385,7 @@ mod tests {
 
     #[test]
     fn openai_family_wins_over_anthropic_when_a_proxy_sends_both() {
-        let snap = read(&[
-            ("anthropic-ratelimit-tokens-remaining", "1"),
-            ("x-ratelimit-remaining-tokens", "500"),
-        ]);
+        let snap = read(&[("anthropic-ratelimit-tokens-remaining", "1"), ("x-ratelimit-remaining-tokens", "500")]);
         assert_eq!(snap.tokens, LimitSnapshot { remaining: Some(500), ..Default::default() });
     }
 

@@ -483,7 +483,15 @@ fn fresh_place(state: &mut PacerState, now: Millis, mode: Mode, who: &Who<'_>, l
 /// An owed answer for something other than the line (a closed window, a
 /// probe): a waiter keeps its place and comes back then; a new turn does not
 /// join.
-fn hold_place(state: &mut PacerState, cfg: &PacingConfig, now: Millis, id: &str, ms: f64, reason: OwedReason, u: f64) -> Decision {
+fn hold_place(
+    state: &mut PacerState,
+    cfg: &PacingConfig,
+    now: Millis,
+    id: &str,
+    ms: f64,
+    reason: OwedReason,
+    u: f64,
+) -> Decision {
     // A new turn gets the exact time (no jitter): it has no place in line to
     // hold it, so a redelivery that asks before then is held by the same cause.
     let u = if state.waiters.contains_key(id) { u } else { 0.0 };
@@ -524,7 +532,8 @@ fn admit(
     if state.tokens.known() {
         reserved.output = est.output;
     }
-    let flight = Flight { est: reserved, mark: state.tokens.refunded, expiry_ms: now + cfg.reservation_ttl_ms as Millis };
+    let flight =
+        Flight { est: reserved, mark: state.tokens.refunded, expiry_ms: now + cfg.reservation_ttl_ms as Millis };
     state.flights.insert(id.to_owned(), flight);
     if let (Mode::Work, Some(order)) = (mode, order) {
         let line = state.line_cost(est);

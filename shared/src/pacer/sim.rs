@@ -182,10 +182,8 @@ impl Workload {
             settle_delay_max_ms: if rng.random_bool(0.5) { 1_000 } else { 50 },
         };
         let config = PacingConfig { jitter_frac: 0.02, ..PacingConfig::default() };
-        let total: u64 = runs
-            .iter()
-            .map(|r| (0..r.turns as u64).map(|t| r.input + r.growth * t + r.max_output).sum::<u64>())
-            .sum();
+        let total: u64 =
+            runs.iter().map(|r| (0..r.turns as u64).map(|t| r.input + r.growth * t + r.max_output).sum::<u64>()).sum();
         let refill = limit as f64 / period_ms as f64;
         // Time enough for the whole budget's work, and for each capped
         // tenant's at its capped rate.
@@ -376,7 +374,13 @@ enum Event {
     /// An early redelivery of a requeued turn (a duplicate).
     Early(usize, Millis),
     /// The call ends: refund, free the slot, run the tools.
-    Done { run: usize, id: String, used: u64, headers: Observation, sent: Millis },
+    Done {
+        run: usize,
+        id: String,
+        used: u64,
+        headers: Observation,
+        sent: Millis,
+    },
     /// A settle reaches the pacer.
     Settle(String, CallOutcome),
     /// The tools are done: the next turn is queued.
@@ -488,7 +492,15 @@ impl<'w> Sim<'w> {
         let runs: Vec<Run> = w
             .runs
             .iter()
-            .map(|p| Run { plan: p.clone(), state: RunState::NotYet, turn: 0, attempt: 0, due: 0, input: 0, estimate: 0 })
+            .map(|p| Run {
+                plan: p.clone(),
+                state: RunState::NotYet,
+                turn: 0,
+                attempt: 0,
+                due: 0,
+                input: 0,
+                estimate: 0,
+            })
             .collect();
         let max_charge = w
             .runs
@@ -539,7 +551,8 @@ impl<'w> Sim<'w> {
         }
         loop {
             let next_event = self.events.peek().map(|Reverse((t, _, _))| *t);
-            let next_due = if self.free_slots > 0 { self.ready.first().map(|(d, _, _)| (*d).max(self.now)) } else { None };
+            let next_due =
+                if self.free_slots > 0 { self.ready.first().map(|(d, _, _)| (*d).max(self.now)) } else { None };
             let t = match (next_event, next_due) {
                 (Some(e), Some(d)) => e.min(d),
                 (Some(e), None) => e,
@@ -942,13 +955,30 @@ mod tests {
             let w = Workload::random(seed);
             let r = check(&w);
             let mut why = vec![];
-            if r.completed < r.runs { why.push(format!("{} of {} runs finished", r.completed, r.runs)); }
-            if r.longest_stall_ms > stall_bound(&w, &r) { why.push(format!("stalled {} ms from {} ms", r.longest_stall_ms, r.stall_at_ms)); }
-            if r.early_clears > 0 { why.push(format!("{} early clears", r.early_clears)); }
-            if w.faults.est_error == 0.0 && r.refused > 2 + r.calls / 50 { why.push(format!("{} of {} calls refused with exact estimates", r.refused, r.calls)); }
-            if r.max_shortfall > r.max_charge { why.push(format!("short by {:.0}", r.max_shortfall)); }
-            if !why.is_empty() { failures.push(format!("seed {seed}: {}", why.join(", "))); }
+            if r.completed < r.runs {
+                why.push(format!("{} of {} runs finished", r.completed, r.runs));
+            }
+            if r.longest_stall_ms > stall_bound(&w, &r) {
+                why.push(format!("stalled {} ms from {} ms", r.longest_stall_ms, r.stall_at_ms));
+            }
+            if r.early_clears > 0 {
+                why.push(format!("{} early clears", r.early_clears));
+            }
+            if w.faults.est_error == 0.0 && r.refused > 2 + r.calls / 50 {
+                why.push(format!("{} of {} calls refused with exact estimates", r.refused, r.calls));
+            }
+            if r.max_shortfall > r.max_charge {
+                why.push(format!("short by {:.0}", r.max_shortfall));
+            }
+            if !why.is_empty() {
+                failures.push(format!("seed {seed}: {}", why.join(", ")));
+            }
         }
-        assert!(failures.is_empty(), "{} of {seeds} seeds failed:\n{}", failures.len(), failures[..failures.len().min(20)].join("\n"));
+        assert!(
+            failures.is_empty(),
+            "{} of {seeds} seeds failed:\n{}",
+            failures.len(),
+            failures[..failures.len().min(20)].join("\n")
+        );
     }
 }

@@ -94,9 +94,8 @@ impl BudgetSnapshot {
     pub fn from_state(budget: &str, model: &str, s: &PacerState, now: Millis) -> Self {
         let level = |b: &bucket::Bucket| b.known().then(|| b.level_at(now).floor() as i64);
         let limit = |b: &bucket::Bucket| b.known().then_some(b.limit as u64);
-        let reset = |b: &bucket::Bucket| {
-            b.known().then(|| ((b.limit - b.level_at(now)).max(0.0) / b.rate).ceil() as u64)
-        };
+        let reset =
+            |b: &bucket::Bucket| b.known().then(|| ((b.limit - b.level_at(now)).max(0.0) / b.rate).ceil() as u64);
         Self {
             budget: budget.to_owned(),
             model: model.to_owned(),
@@ -291,7 +290,14 @@ impl SharedPacer {
     }
 
     /// See [`Pacer::acquire`].
-    pub async fn acquire(&self, model: &str, id: &str, est: Estimate, mode: Mode, who: &Who<'_>) -> Result<Decision, PacerError> {
+    pub async fn acquire(
+        &self,
+        model: &str,
+        id: &str,
+        est: Estimate,
+        mode: Mode,
+        who: &Who<'_>,
+    ) -> Result<Decision, PacerError> {
         self.register(model).await?;
         let mut inv = self.invocation("acquire", model, mode);
         let jitter_u = if self.config.jitter_frac > 0.0 { rand::random::<f64>() } else { 0.0 };
@@ -308,9 +314,7 @@ impl SharedPacer {
         let reply: Vec<i64> = inv.invoke_async(&mut conn).await?;
         match reply.as_slice() {
             [0] => Ok(Decision::Clear),
-            [1, ms, reason] => {
-                Ok(Decision::Owed { ms: (*ms).max(0) as u64, reason: OwedReason::from_code(*reason) })
-            }
+            [1, ms, reason] => Ok(Decision::Owed { ms: (*ms).max(0) as u64, reason: OwedReason::from_code(*reason) }),
             other => Err(PacerError::Protocol(format!("{other:?}"))),
         }
     }

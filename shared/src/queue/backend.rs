@@ -153,7 +153,11 @@ impl<T: DeserializeOwned + Send + 'static> Backend for QueueBackend<T> {
         Poll::Ready(Ok(()))
     }
 
-    fn poll_next(&mut self, cx: &mut Context<'_>, worker: &WorkerContext) -> Poll<Option<Result<Self::Task, Self::Error>>> {
+    fn poll_next(
+        &mut self,
+        cx: &mut Context<'_>,
+        worker: &WorkerContext,
+    ) -> Poll<Option<Result<Self::Task, Self::Error>>> {
         if self.heartbeat.is_none() {
             let hb = heartbeat_loop(self.queue.clone(), self.shared.clone(), worker.clone());
             self.heartbeat = Some(tokio::spawn(hb));
@@ -193,7 +197,8 @@ impl<T: DeserializeOwned + Send + 'static> Backend for QueueBackend<T> {
                     while shared.fetching.load(Ordering::SeqCst) > 0 && tokio::time::Instant::now() < deadline {
                         tokio::time::sleep(Duration::from_millis(5)).await;
                     }
-                    let unstarted: Vec<Lease> = shared.held.lock().expect("held lock").drain().map(|(_, l)| l).collect();
+                    let unstarted: Vec<Lease> =
+                        shared.held.lock().expect("held lock").drain().map(|(_, l)| l).collect();
                     for lease in &unstarted {
                         settle_patiently(&queue, lease, Outcome::Release).await;
                     }
@@ -229,7 +234,11 @@ impl<T: DeserializeOwned + Send + 'static> BackendConfig for QueueBackend<T> {
 }
 
 /// One fetch, in a task of its own (see `Shared::fetching`).
-async fn fetch_in_task(queue: TurnQueue, shared: Arc<Shared>, want: usize) -> Result<crate::queue::Fetched, QueueError> {
+async fn fetch_in_task(
+    queue: TurnQueue,
+    shared: Arc<Shared>,
+    want: usize,
+) -> Result<crate::queue::Fetched, QueueError> {
     shared.fetching.fetch_add(1, Ordering::SeqCst);
     let task = tokio::spawn(async move {
         let result = queue.fetch(&shared.identity, want).await;
@@ -411,7 +420,11 @@ async fn heartbeat_loop(queue: TurnQueue, shared: Arc<Shared>, worker: WorkerCon
             match queue.heartbeat(&shared.identity, Some(&info), &leases).await {
                 Ok(report) => {
                     if report.reclaimed > 0 || report.buried > 0 {
-                        info!(message = "expired leases reclaimed", reclaimed = report.reclaimed, buried = report.buried);
+                        info!(
+                            message = "expired leases reclaimed",
+                            reclaimed = report.reclaimed,
+                            buried = report.buried
+                        );
                     }
                     for id in report.lost {
                         warn!(message = "lease lost while held (this worker stalled past it); its commit will be fenced", queue.id = %id);
@@ -421,7 +434,10 @@ async fn heartbeat_loop(queue: TurnQueue, shared: Arc<Shared>, worker: WorkerCon
             }
         }
         if shutdown_seen.is_none() && worker.is_shutting_down() {
-            info!(message = "draining: no more fetches; in-flight turns get the grace period", grace_ms = grace.as_millis() as u64);
+            info!(
+                message = "draining: no more fetches; in-flight turns get the grace period",
+                grace_ms = grace.as_millis() as u64
+            );
             shutdown_seen = Some(now);
         }
         if let Some(seen) = shutdown_seen {

@@ -21,9 +21,9 @@
 
 mod backend;
 
-pub use backend::{LeaseLayer, LeaseService, QueueBackend};
 /// Re-exported so workers build on the same apalis-core as the backend.
 pub use apalis_core;
+pub use backend::{LeaseLayer, LeaseService, QueueBackend};
 
 use crate::config::RedisArgs;
 use crate::redis_util;
@@ -93,7 +93,14 @@ pub struct QueueConfig {
 
 impl Default for QueueConfig {
     fn default() -> Self {
-        Self { lease_ms: 3000, max_deliveries: 3, fetch_batch: 64, idle_ms: 2000, grace_ms: 10_000, retry_base_ms: 1000 }
+        Self {
+            lease_ms: 3000,
+            max_deliveries: 3,
+            fetch_batch: 64,
+            idle_ms: 2000,
+            grace_ms: 10_000,
+            retry_base_ms: 1000,
+        }
     }
 }
 
@@ -493,7 +500,12 @@ impl TurnQueue {
     /// Queues the turn again, due `delay_ms` after now on the server's clock
     /// (a budget wait, a retry, or the run's next turn), with `payload` when
     /// given. Its delivery count starts over. `Fenced` when `lease` is not the live one.
-    pub async fn requeue<T: Serialize>(&self, lease: &Lease, delay_ms: u64, payload: Option<&T>) -> Result<(), QueueError> {
+    pub async fn requeue<T: Serialize>(
+        &self,
+        lease: &Lease,
+        delay_ms: u64,
+        payload: Option<&T>,
+    ) -> Result<(), QueueError> {
         let payload = payload.map(serde_json::to_string).transpose()?;
         self.settle(lease, Verdict::Requeue { delay_ms, payload }).await.map(|_| ())
     }
@@ -577,7 +589,12 @@ impl TurnQueue {
     /// One heartbeat of worker `info` holding `leases` (id, epoch): registers
     /// it, renews those leases, reclaims expired leases of any worker. With
     /// `info` `None` it only reclaims (tools, tests).
-    pub async fn heartbeat(&self, identity: &str, info: Option<&WorkerInfo>, leases: &[(String, u64)]) -> Result<HeartbeatReport, QueueError> {
+    pub async fn heartbeat(
+        &self,
+        identity: &str,
+        info: Option<&WorkerInfo>,
+        leases: &[(String, u64)],
+    ) -> Result<HeartbeatReport, QueueError> {
         let info = info.map(serde_json::to_string).transpose()?.unwrap_or_default();
         let mut inv = self.invocation(&self.scripts.heartbeat);
         inv.key(&self.keys.workers)
@@ -613,7 +630,8 @@ impl TurnQueue {
 
     /// The payload of a queued, in-flight or dead turn, decoded (tests, tools).
     pub async fn payload<T: DeserializeOwned>(&self, id: &str) -> Result<Option<T>, QueueError> {
-        let rec: Option<String> = redis::cmd("HGET").arg(&self.keys.jobs).arg(id).query_async(&mut self.conn.clone()).await?;
+        let rec: Option<String> =
+            redis::cmd("HGET").arg(&self.keys.jobs).arg(id).query_async(&mut self.conn.clone()).await?;
         let Some(rec) = rec else { return Ok(None) };
         let payload = rec.splitn(4, '|').nth(3).unwrap_or("");
         Ok(Some(serde_json::from_str(payload)?))
@@ -638,7 +656,9 @@ fn parse_fetch(reply: Vec<String>, worker: &str) -> Result<Fetched, QueueError> 
     let wait: i64 = reply[1].parse().map_err(|_| bad())?;
     let mut deliveries = Vec::with_capacity((reply.len() - 2) / 5);
     let mut it = reply.into_iter().skip(2);
-    while let (Some(id), Some(epoch), Some(deliv), Some(due), Some(payload)) = (it.next(), it.next(), it.next(), it.next(), it.next()) {
+    while let (Some(id), Some(epoch), Some(deliv), Some(due), Some(payload)) =
+        (it.next(), it.next(), it.next(), it.next(), it.next())
+    {
         deliveries.push(Delivery {
             lease: Lease {
                 id,

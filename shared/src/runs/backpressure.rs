@@ -429,11 +429,8 @@ mod tests {
             e(5, assistant("done")),
         ];
         assert_eq!(elide_browser_outputs(&mut items), 2);
-        let outputs: Vec<&str> = items
-            .iter()
-            .filter(|e| is_output(&e.item))
-            .map(|e| e.item["output"].as_str().unwrap())
-            .collect();
+        let outputs: Vec<&str> =
+            items.iter().filter(|e| is_output(&e.item)).map(|e| e.item["output"].as_str().unwrap()).collect();
         assert_eq!(outputs, [BROWSER_PLACEHOLDER, "search result", BROWSER_PLACEHOLDER, "<dom 3>"]);
         assert!(!BROWSER_PLACEHOLDER.contains('\n'), "one line");
         // Idempotent.
@@ -553,11 +550,7 @@ mod tests {
                 vec!["0:task", "1:x"],
             ),
             // An output before its call does not count as an answer.
-            (
-                vec![e(0, user("task")), e(1, out("a", "")), e(1, call("a", "t"))],
-                24,
-                vec!["0:task"],
-            ),
+            (vec![e(0, user("task")), e(1, out("a", "")), e(1, call("a", "t"))], 24, vec!["0:task"]),
             // Turn 0 input with its own call/output pair is kept whole.
             (
                 vec![e(0, user("task")), e(0, call("u", "t")), e(0, out("u", "")), e(5, assistant("x"))],

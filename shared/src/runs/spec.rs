@@ -65,17 +65,8 @@ pub struct SubmitPolicy {
     pub tool_endpoint_prefixes: Vec<String>,
 }
 
-const KNOWN_FIELDS: [&str; 9] = [
-    "model",
-    "instructions",
-    "input",
-    "tools",
-    "tool_endpoint",
-    "mode",
-    "max_turns",
-    "max_output_tokens",
-    "metadata",
-];
+const KNOWN_FIELDS: [&str; 9] =
+    ["model", "instructions", "input", "tools", "tool_endpoint", "mode", "max_turns", "max_output_tokens", "metadata"];
 
 impl RunSpec {
     /// Validates a submitted JSON body.
@@ -128,7 +119,10 @@ impl RunSpec {
                     let name = match t.get("name") {
                         Some(Value::String(n)) if valid_tool_name(n) => n,
                         Some(Value::String(_)) => {
-                            return Err(err(format!("{field}.name"), "must be 1–64 characters of a-z, A-Z, 0-9, _ or -"))
+                            return Err(err(
+                                format!("{field}.name"),
+                                "must be 1–64 characters of a-z, A-Z, 0-9, _ or -",
+                            ))
                         }
                         _ => return Err(err(format!("{field}.name"), "is required")),
                     };
@@ -160,11 +154,17 @@ impl RunSpec {
         }
         let mode = match obj.get("mode") {
             None | Some(Value::Null) => Mode::Work,
-            Some(m) => m.as_str().and_then(Mode::parse).ok_or_else(|| err("mode", "must be \"work\" or \"companion\""))?,
+            Some(m) => {
+                m.as_str().and_then(Mode::parse).ok_or_else(|| err("mode", "must be \"work\" or \"companion\""))?
+            }
         };
         let max_turns = bounded(obj.get("max_turns"), "max_turns", DEFAULT_MAX_TURNS, MAX_MAX_TURNS)?;
-        let max_output_tokens =
-            bounded(obj.get("max_output_tokens"), "max_output_tokens", DEFAULT_MAX_OUTPUT_TOKENS, MAX_MAX_OUTPUT_TOKENS)?;
+        let max_output_tokens = bounded(
+            obj.get("max_output_tokens"),
+            "max_output_tokens",
+            DEFAULT_MAX_OUTPUT_TOKENS,
+            MAX_MAX_OUTPUT_TOKENS,
+        )?;
         let metadata = match obj.get("metadata") {
             None | Some(Value::Null) => Value::Object(Default::default()),
             Some(m @ Value::Object(_)) => m.clone(),

@@ -219,7 +219,12 @@ impl RunStore {
     /// `run.queued` event, the tenant's index — and enqueues its first turn,
     /// in one atomic step. With an idempotency key seen before, returns the
     /// first run instead.
-    pub async fn create(&self, tenant: &str, spec: &RunSpec, idem: Option<&Idempotency>) -> Result<Created, StoreError> {
+    pub async fn create(
+        &self,
+        tenant: &str,
+        spec: &RunSpec,
+        idem: Option<&Idempotency>,
+    ) -> Result<Created, StoreError> {
         let id = new_run_id();
         let spec_json = serde_json::to_string(spec).map_err(|e| StoreError::Protocol(e.to_string()))?;
         let fields = json!({
@@ -326,7 +331,8 @@ impl RunStore {
                     Some(_) => {}
                     None => {
                         // A retired (expired) run: drop it from the index.
-                        let _: () = redis::cmd("ZREM").arg(self.index_key(tenant)).arg(&id).query_async(&mut conn).await?;
+                        let _: () =
+                            redis::cmd("ZREM").arg(self.index_key(tenant)).arg(&id).query_async(&mut conn).await?;
                     }
                 }
             }
@@ -345,7 +351,8 @@ impl RunStore {
 
     async fn read_transcript(&self, id: &str) -> Result<Vec<TranscriptEntry>, StoreError> {
         let mut conn = self.conn.clone();
-        let raw: Vec<String> = redis::cmd("LRANGE").arg(self.transcript_key(id)).arg(0).arg(-1).query_async(&mut conn).await?;
+        let raw: Vec<String> =
+            redis::cmd("LRANGE").arg(self.transcript_key(id)).arg(0).arg(-1).query_async(&mut conn).await?;
         parse_transcript(&raw)
     }
 
@@ -450,7 +457,11 @@ impl RunStore {
 
     /// The run as a worker needs it, from its record's fields and transcript;
     /// `None` when the record is not a run's (it expired).
-    fn turn_context(id: &str, f: HashMap<String, String>, transcript: Vec<TranscriptEntry>) -> Result<Option<TurnContext>, StoreError> {
+    fn turn_context(
+        id: &str,
+        f: HashMap<String, String>,
+        transcript: Vec<TranscriptEntry>,
+    ) -> Result<Option<TurnContext>, StoreError> {
         if Run::from_fields(id, &f).is_none() {
             return Ok(None);
         }
@@ -545,7 +556,9 @@ impl RunStore {
         let mut inv = self.invocation("output", &lease.id, "", None);
         inv.arg(lease.epoch).arg(job.turn).arg(usage.input_tokens).arg(usage.output_tokens);
         for item in items {
-            inv.arg(serde_json::to_string(&TranscriptEntry { turn: job.turn + 1, item: item.clone() }).unwrap_or_default());
+            inv.arg(
+                serde_json::to_string(&TranscriptEntry { turn: job.turn + 1, item: item.clone() }).unwrap_or_default(),
+            );
         }
         Self::fence(&self.invoke(inv).await?)
     }
@@ -582,14 +595,23 @@ impl RunStore {
             .arg(data.to_string())
             .arg(self.retention_ms());
         for item in items {
-            inv.arg(serde_json::to_string(&TranscriptEntry { turn: job.turn + 1, item: item.clone() }).unwrap_or_default());
+            inv.arg(
+                serde_json::to_string(&TranscriptEntry { turn: job.turn + 1, item: item.clone() }).unwrap_or_default(),
+            );
         }
         Self::fence(&self.invoke(inv).await?)
     }
 
     /// Fails the run (fenced): `error.kind` and message; usage of a call that
     /// was answered is still counted.
-    pub async fn fail(&self, lease: &Lease, job: TurnJob, kind: &str, message: &str, usage: Usage) -> Result<Fence, StoreError> {
+    pub async fn fail(
+        &self,
+        lease: &Lease,
+        job: TurnJob,
+        kind: &str,
+        message: &str,
+        usage: Usage,
+    ) -> Result<Fence, StoreError> {
         let mut inv = self.invocation("fail", &lease.id, "", None);
         inv.arg(lease.epoch)
             .arg(job.turn)
@@ -648,7 +670,6 @@ pub fn valid_stream_id(id: &str) -> bool {
         && seq.bytes().all(|b| b.is_ascii_digit())
 }
 
-
 /// Transcript entries as stored (JSON).
 fn parse_transcript(raw: &[String]) -> Result<Vec<TranscriptEntry>, StoreError> {
     raw.iter()
@@ -675,7 +696,9 @@ mod tests {
         let id = "run_01JDXXXXXXXXXXXXXXXXXXXXXX";
         assert_eq!(parse_cursor(&format!("1732960000000:{id}")), Some((1_732_960_000_000, id)));
         assert_eq!(parse_cursor(&format!("99999999999999999999:{id}")), Some((i64::MAX, id)));
-        for bad in ["", "1", "1:run_", "1:../../etc", "-1:run_01JDXXXXXXXXXXXXXXXXXXXXXX", "+1:run_01JDXXXXXXXXXXXXXXXXXXXXXX"] {
+        for bad in
+            ["", "1", "1:run_", "1:../../etc", "-1:run_01JDXXXXXXXXXXXXXXXXXXXXXX", "+1:run_01JDXXXXXXXXXXXXXXXXXXXXXX"]
+        {
             assert_eq!(parse_cursor(bad), None, "{bad}");
         }
     }

@@ -95,7 +95,8 @@ impl TestApp {
 
     async fn key_count(&self) -> usize {
         let mut conn = self.redis.conn().await;
-        let keys: Vec<String> = redis::cmd("KEYS").arg(format!("{}*", self.prefix)).query_async(&mut conn).await.unwrap();
+        let keys: Vec<String> =
+            redis::cmd("KEYS").arg(format!("{}*", self.prefix)).query_async(&mut conn).await.unwrap();
         keys.len()
     }
 
@@ -168,7 +169,17 @@ async fn a_submitted_run_is_queued_and_readable() {
     assert_eq!(run["max_turns"], 5);
     assert_eq!(run["turns_completed"], 0);
     assert_eq!(run["metadata"], json!({"ticket": 42}));
-    for k in ["usage", "pacing", "wait_reason", "next_attempt_at", "output_text", "error", "created_at", "updated_at", "finished_at"] {
+    for k in [
+        "usage",
+        "pacing",
+        "wait_reason",
+        "next_attempt_at",
+        "output_text",
+        "error",
+        "created_at",
+        "updated_at",
+        "finished_at",
+    ] {
         assert!(run.get(k).is_some(), "the run object lacks {k}: {run}");
     }
 
@@ -242,7 +253,8 @@ async fn malformed_json_is_400_and_breaking_a_rule_is_422_naming_the_field() {
         assert_eq!(error_type(&body), "invalid_json");
     }
     let deep = "[".repeat(100_000);
-    let (status, _) = read(app.req(reqwest::Method::POST, "/v1/runs", Some(ACME)).body(deep).send().await.unwrap()).await;
+    let (status, _) =
+        read(app.req(reqwest::Method::POST, "/v1/runs", Some(ACME)).body(deep).send().await.unwrap()).await;
     assert_eq!(status, 400, "deep nesting is refused, not a crash");
 
     let cases = [
@@ -275,14 +287,17 @@ async fn malformed_json_is_400_and_breaking_a_rule_is_422_naming_the_field() {
 async fn a_body_over_the_limit_is_413_before_it_is_read() {
     let app = spawn_app().await;
     let big = json!({"model": "m", "input": "x".repeat(2 * 1024 * 1024)}).to_string();
-    let (status, body) = read(app.req(reqwest::Method::POST, "/v1/runs", Some(ACME)).body(big.clone()).send().await.unwrap()).await;
+    let (status, body) =
+        read(app.req(reqwest::Method::POST, "/v1/runs", Some(ACME)).body(big.clone()).send().await.unwrap()).await;
     assert_eq!(status, 413, "{body}");
     assert_eq!(error_type(&body), "payload_too_large");
 
     // Chunked (no Content-Length): cut off while it is read.
-    let chunks: Vec<Result<Vec<u8>, std::io::Error>> = big.into_bytes().chunks(64 * 1024).map(|c| Ok(c.to_vec())).collect();
+    let chunks: Vec<Result<Vec<u8>, std::io::Error>> =
+        big.into_bytes().chunks(64 * 1024).map(|c| Ok(c.to_vec())).collect();
     let body = reqwest::Body::wrap_stream(futures::stream::iter(chunks));
-    let (status, err) = read(app.req(reqwest::Method::POST, "/v1/runs", Some(ACME)).body(body).send().await.unwrap()).await;
+    let (status, err) =
+        read(app.req(reqwest::Method::POST, "/v1/runs", Some(ACME)).body(body).send().await.unwrap()).await;
     assert_eq!(status, 413, "{err}");
     assert_eq!(error_type(&err), "payload_too_large");
     assert_eq!(app.key_count().await, 0);
@@ -334,7 +349,11 @@ async fn cancel_is_200_then_409() {
     assert_eq!(status, 409, "{body}");
     assert_eq!(error_type(&body), "conflict");
     let (_, q) = app.get("/v1/queue", ACME).await;
-    assert_eq!(q["ready"].as_u64().unwrap() + q["delayed"].as_u64().unwrap(), 0, "the cancelled run's turn is still queued: {q}");
+    assert_eq!(
+        q["ready"].as_u64().unwrap() + q["delayed"].as_u64().unwrap(),
+        0,
+        "the cancelled run's turn is still queued: {q}"
+    );
 }
 
 #[tokio::test]
@@ -373,7 +392,13 @@ async fn runs_list_newest_first_in_pages_and_by_status() {
     let only: Vec<&str> = only["data"].as_array().unwrap().iter().map(|r| r["id"].as_str().unwrap()).collect();
     assert_eq!(only, vec![ids[1].as_str()]);
 
-    for (q, field) in [("status=done", "status"), ("limit=0", "limit"), ("limit=101", "limit"), ("limit=x", "limit"), ("cursor=zzz", "cursor")] {
+    for (q, field) in [
+        ("status=done", "status"),
+        ("limit=0", "limit"),
+        ("limit=101", "limit"),
+        ("limit=x", "limit"),
+        ("cursor=zzz", "cursor"),
+    ] {
         let (status, body) = app.get(&format!("/v1/runs?{q}"), ACME).await;
         assert_eq!(status, 422, "{q}: {body}");
         assert_eq!(body["error"]["field"], field);
@@ -504,7 +529,8 @@ async fn a_live_runs_stream_ends_when_the_run_is_gone() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     // The run's keys go (as they do when its retention ends) while the stream follows it.
     let mut conn = app.redis.conn().await;
-    let keys: Vec<String> = redis::cmd("KEYS").arg(format!("{}*:{id}", app.prefix)).query_async(&mut conn).await.unwrap();
+    let keys: Vec<String> =
+        redis::cmd("KEYS").arg(format!("{}*:{id}", app.prefix)).query_async(&mut conn).await.unwrap();
     assert_eq!(keys.len(), 3, "{keys:?}");
     let _: () = redis::cmd("DEL").arg(&keys).query_async(&mut conn).await.unwrap();
     // It ends after its blocking read (10 s) comes back empty.
@@ -543,7 +569,16 @@ async fn pacer_queue_and_workers_show_the_shared_state() {
 
     let conn = shared::redis_util::manager(&app.redis.url()).await.unwrap();
     let pacer = SharedPacer::new(conn, Keys::new(app.prefix.clone()), "default", PacingConfig::default());
-    pacer.acquire("gpt-x", "r1", Estimate { tokens: 1000, requests: 1, output: 0 }, Mode::Work, &shared::pacer::Who::DEFAULT).await.unwrap();
+    pacer
+        .acquire(
+            "gpt-x",
+            "r1",
+            Estimate { tokens: 1000, requests: 1, output: 0 },
+            Mode::Work,
+            &shared::pacer::Who::DEFAULT,
+        )
+        .await
+        .unwrap();
     let seen = Observation { limit: Some(30_000), remaining: Some(20_000), reset_ms: Some(20_000) };
     pacer
         .settle("gpt-x", "r1", &CallOutcome { used_tokens: Some(900), tokens: seen, ..Default::default() })
@@ -554,7 +589,15 @@ async fn pacer_queue_and_workers_show_the_shared_state() {
     assert_eq!(b["budget"], "default", "{p}");
     assert_eq!(b["model"], "gpt-x");
     assert_eq!(b["limit_tokens"], 30_000);
-    for k in ["remaining_tokens", "reset_in_ms", "reserved_tokens", "remaining_requests", "limit_requests", "reserved_requests", "observed_at"] {
+    for k in [
+        "remaining_tokens",
+        "reset_in_ms",
+        "reserved_tokens",
+        "remaining_requests",
+        "limit_requests",
+        "reserved_requests",
+        "observed_at",
+    ] {
         assert!(b.get(k).is_some(), "{k} missing: {b}");
     }
     // The headers lowered the estimate from a full bucket; it refills at 0.5 token/ms since.
@@ -564,7 +607,8 @@ async fn pacer_queue_and_workers_show_the_shared_state() {
 
     let (_, w) = app.get("/v1/workers", ACME).await;
     assert_eq!(w["workers"], json!([]));
-    let queue = shared::queue::TurnQueue::new(&RedisArgs::new(app.redis.url(), app.prefix.clone()), Default::default()).unwrap();
+    let queue = shared::queue::TurnQueue::new(&RedisArgs::new(app.redis.url(), app.prefix.clone()), Default::default())
+        .unwrap();
     let info = shared::queue::WorkerInfo {
         identity: "host-1-x".into(),
         host: "host".into(),
@@ -614,7 +658,9 @@ async fn the_openapi_document_lists_every_route() {
         assert!(paths.get(path).and_then(|p| p.get(method)).is_some(), "{method} {path} is missing");
     }
     let schemas = doc["components"]["schemas"].as_object().unwrap();
-    for s in ["Run", "RunStatus", "SubmitRun", "RunList", "Transcript", "PacerView", "QueueView", "WorkersView", "ErrorBody"] {
+    for s in
+        ["Run", "RunStatus", "SubmitRun", "RunList", "Transcript", "PacerView", "QueueView", "WorkersView", "ErrorBody"]
+    {
         assert!(schemas.contains_key(s), "schema {s} is missing");
     }
     assert_eq!(
@@ -644,7 +690,16 @@ async fn metrics_expose_the_specs_families() {
     use shared::pacer::{CallOutcome, Estimate, Mode, Observation, PacingConfig, SharedPacer};
     let conn = shared::redis_util::manager(&app.redis.url()).await.unwrap();
     let pacer = SharedPacer::new(conn, Keys::new(app.prefix.clone()), "default", PacingConfig::default());
-    pacer.acquire("gpt-m", "r1", Estimate { tokens: 10, requests: 1, output: 0 }, Mode::Work, &shared::pacer::Who::DEFAULT).await.unwrap();
+    pacer
+        .acquire(
+            "gpt-m",
+            "r1",
+            Estimate { tokens: 10, requests: 1, output: 0 },
+            Mode::Work,
+            &shared::pacer::Who::DEFAULT,
+        )
+        .await
+        .unwrap();
     let seen = Observation { limit: Some(1000), remaining: Some(900), reset_ms: Some(1000) };
     pacer.settle("gpt-m", "r1", &CallOutcome { tokens: seen, ..Default::default() }).await.unwrap();
     let text = app.req(reqwest::Method::GET, "/metrics", None).send().await.unwrap().text().await.unwrap();
@@ -671,11 +726,10 @@ async fn redis_going_away_is_503_never_a_hang() {
         (reqwest::Method::GET, "/readyz".to_string()),
     ] {
         let t = Instant::now();
-        let (status, body) =
-            within(&format!("{method} {path}"), Duration::from_secs(8), async {
-                read(app.req(method.clone(), &path, Some(ACME)).json(&spec()).send().await.unwrap()).await
-            })
-            .await;
+        let (status, body) = within(&format!("{method} {path}"), Duration::from_secs(8), async {
+            read(app.req(method.clone(), &path, Some(ACME)).json(&spec()).send().await.unwrap()).await
+        })
+        .await;
         assert_eq!(status, 503, "{method} {path}: {body}");
         assert_eq!(error_type(&body), "unavailable");
         assert!(t.elapsed() < Duration::from_secs(5), "{method} {path} took {:?}", t.elapsed());
@@ -752,7 +806,9 @@ async fn the_cli_submits_watches_lists_and_shows_errors_in_one_line() {
     .await;
     assert_eq!(store.start(&lease, job).await.unwrap(), Fence::Ok);
     store.emit(&id, "turn.output_text.delta", &json!({"turn": 0, "delta": "the final"})).await.unwrap();
-    let items = [json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "the final answer"}]})];
+    let items = [
+        json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "the final answer"}]}),
+    ];
     let usage = Usage { input_tokens: 100, output_tokens: 20, total_tokens: 120 };
     let done = Next::Complete("the final answer".into());
     assert_eq!(store.commit(&lease, job, &items, usage, &done).await.unwrap(), Fence::Ok);
@@ -836,7 +892,8 @@ async fn paceline_submit_watch_follows_a_real_worker_to_completion() {
 
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("spec.json");
-    std::fs::write(&file, json!({"model": "gpt-4.1-mini", "input": "say something", "max_turns": 3}).to_string()).unwrap();
+    std::fs::write(&file, json!({"model": "gpt-4.1-mini", "input": "say something", "max_turns": 3}).to_string())
+        .unwrap();
     let (code, out, err) = cli(&app, ACME, &["submit", "--watch", file.to_str().unwrap()]).await;
     assert_eq!(code, 0, "stdout: {out}\nstderr: {err}");
     let mut lines = out.lines();

@@ -28,7 +28,21 @@ fn a_tiny_bench_writes_every_spec_field_and_completes_every_shared_run() {
     let json = dir.path().join("bench.json");
     let started = Instant::now();
     let mut child = std::process::Command::new(paceline_bin())
-        .args(["bench", "--workers", "2", "--concurrency", "4", "--runs", "6", "--turns", "2", "--window-s", "2", "--tpm", "3000"])
+        .args([
+            "bench",
+            "--workers",
+            "2",
+            "--concurrency",
+            "4",
+            "--runs",
+            "6",
+            "--turns",
+            "2",
+            "--window-s",
+            "2",
+            "--tpm",
+            "3000",
+        ])
         .args(["--pacer", "shared,off", "--throughput-runs", "20", "--throughput-turns", "3", "--queue-turns", "500"])
         .arg("--json")
         .arg(&json)
@@ -85,9 +99,43 @@ fn a_tiny_fairness_bench_writes_its_fields() {
     let json = dir.path().join("fairness.json");
     let started = Instant::now();
     let mut child = std::process::Command::new(paceline_bin())
-        .args(["bench", "--scenario", "fairness", "--workers", "2", "--concurrency", "4", "--window-s", "2", "--tpm", "3000"])
-        .args(["--turns", "2", "--live-work-runs", "6", "--companions", "2", "--companion-start-s", "0.5", "--companion-gap-s", "0.5"])
-        .args(["--share-runs", "4,1,1,1", "--weighted-runs", "2", "--share-turns", "3", "--share-skip-s", "0.5", "--timeout-s", "60"])
+        .args([
+            "bench",
+            "--scenario",
+            "fairness",
+            "--workers",
+            "2",
+            "--concurrency",
+            "4",
+            "--window-s",
+            "2",
+            "--tpm",
+            "3000",
+        ])
+        .args([
+            "--turns",
+            "2",
+            "--live-work-runs",
+            "6",
+            "--companions",
+            "2",
+            "--companion-start-s",
+            "0.5",
+            "--companion-gap-s",
+            "0.5",
+        ])
+        .args([
+            "--share-runs",
+            "4,1,1,1",
+            "--weighted-runs",
+            "2",
+            "--share-turns",
+            "3",
+            "--share-skip-s",
+            "0.5",
+            "--timeout-s",
+            "60",
+        ])
         .arg("--json")
         .arg(&json)
         .stdout(std::process::Stdio::piped())

@@ -33,11 +33,17 @@ fn random_transcript(rng: &mut StdRng) -> Vec<TranscriptEntry> {
     for t in 1..=turns {
         for (id, name) in pending.drain(..) {
             let raw = random_output(rng);
-            v.push(entry(t, json!({"type": "function_call_output", "call_id": id, "output": clip_tool_output(&name, &raw).text})));
+            v.push(entry(
+                t,
+                json!({"type": "function_call_output", "call_id": id, "output": clip_tool_output(&name, &raw).text}),
+            ));
         }
         if rng.random_bool(0.5) {
-            v.push(entry(t, json!({"type": "message", "role": "assistant",
-                                   "content": [{"type": "output_text", "text": format!("turn {t}")}]})));
+            v.push(entry(
+                t,
+                json!({"type": "message", "role": "assistant",
+                                   "content": [{"type": "output_text", "text": format!("turn {t}")}]}),
+            ));
         }
         let calls: Vec<(String, String)> = (0..rng.random_range(0..4))
             .map(|i| {
@@ -53,8 +59,11 @@ fn random_transcript(rng: &mut StdRng) -> Vec<TranscriptEntry> {
         } else {
             for (id, name) in calls {
                 let raw = random_output(rng);
-                v.push(entry(t, json!({"type": "function_call_output", "call_id": id,
-                                       "output": clip_tool_output(&name, &raw).text})));
+                v.push(entry(
+                    t,
+                    json!({"type": "function_call_output", "call_id": id,
+                                       "output": clip_tool_output(&name, &raw).text}),
+                ));
             }
         }
     }
@@ -87,7 +96,10 @@ fn assert_chat_tool_messages_are_paired(messages: &[Value]) {
             "tool" => {
                 let id = m["tool_call_id"].as_str().unwrap().to_string();
                 assert!(in_tool_run, "a tool message ({id}) not right after an assistant tool_calls message");
-                let at = open.iter().position(|o| *o == id).unwrap_or_else(|| panic!("tool message {id} answers no open call"));
+                let at = open
+                    .iter()
+                    .position(|o| *o == id)
+                    .unwrap_or_else(|| panic!("tool message {id} answers no open call"));
                 open.remove(at);
             }
             role => {
@@ -107,7 +119,13 @@ fn assert_chat_tool_messages_are_paired(messages: &[Value]) {
 #[test]
 fn bounded_contexts_make_valid_bodies_in_both_formats() {
     let tools = tools();
-    let params = TurnParams { model: "m", instructions: Some("Work."), tools: &tools, max_output_tokens: Some(512), metadata: None };
+    let params = TurnParams {
+        model: "m",
+        instructions: Some("Work."),
+        tools: &tools,
+        max_output_tokens: Some(512),
+        metadata: None,
+    };
     for seed in 0..300u64 {
         let mut rng = StdRng::seed_from_u64(seed);
         let transcript = random_transcript(&mut rng);
@@ -122,7 +140,10 @@ fn bounded_contexts_make_valid_bodies_in_both_formats() {
         for (i, item) in input.iter().enumerate() {
             if item["type"] == "function_call_output" {
                 let id = &item["call_id"];
-                assert!(input[..i].iter().any(|c| c["type"] == "function_call" && &c["call_id"] == id), "seed {seed}: orphan {id}");
+                assert!(
+                    input[..i].iter().any(|c| c["type"] == "function_call" && &c["call_id"] == id),
+                    "seed {seed}: orphan {id}"
+                );
             }
         }
 
@@ -149,7 +170,10 @@ fn a_long_browsing_run_sends_one_view_and_a_bounded_history() {
         let page = format!("<page {t}> {}", "word ".repeat(20_000));
         let stored = clip_tool_output("browser__snapshot", &page);
         assert!(stored.clipped);
-        transcript.push(entry(t, json!({"type": "function_call", "call_id": id, "name": "browser__snapshot", "arguments": "{}"})));
+        transcript.push(entry(
+            t,
+            json!({"type": "function_call", "call_id": id, "name": "browser__snapshot", "arguments": "{}"}),
+        ));
         transcript.push(entry(t, json!({"type": "function_call_output", "call_id": id, "output": stored.text})));
     }
     let context = prepare_context(&transcript, DEFAULT_MAX_HISTORY);
@@ -162,7 +186,8 @@ fn a_long_browsing_run_sends_one_view_and_a_bounded_history() {
     assert!(newest.chars().count() <= BROWSER_TOOL_OUTPUT_CAP);
 
     let tools = tools();
-    let params = TurnParams { model: "m", instructions: None, tools: &tools, max_output_tokens: Some(1000), metadata: None };
+    let params =
+        TurnParams { model: "m", instructions: None, tools: &tools, max_output_tokens: Some(1000), metadata: None };
     let chat = build_body(ApiStyle::Chat, &params, &context);
     let last_tool = chat["messages"].as_array().unwrap().iter().rev().find(|m| m["role"] == "tool").unwrap();
     assert_eq!(last_tool["content"].as_str(), Some(*newest), "Chat sends the same clipped text");
@@ -204,8 +229,13 @@ fn calibrated_estimates_cover_what_the_mock_charges() {
     use mock_provider::wire::{parse, Api};
     use worker::estimate::{input_tokens, Calibration};
     let tools = tools();
-    let params = TurnParams { model: "m", instructions: Some("You are a careful research agent."), tools: &tools,
-                              max_output_tokens: Some(512), metadata: None };
+    let params = TurnParams {
+        model: "m",
+        instructions: Some("You are a careful research agent."),
+        tools: &tools,
+        max_output_tokens: Some(512),
+        metadata: None,
+    };
     for (style, api) in [(ApiStyle::Responses, Api::Responses), (ApiStyle::Chat, Api::Chat)] {
         let mut calibration = Calibration::new();
         let mut ratios = vec![];
@@ -225,7 +255,10 @@ fn calibrated_estimates_cover_what_the_mock_charges() {
         }
         let worst = ratios.iter().copied().fold(f64::INFINITY, f64::min);
         let mean = ratios.iter().sum::<f64>() / ratios.len() as f64;
-        eprintln!("{style:?}: calibration ratio {:.3}, calibrated/mock mean {mean:.3}, worst {worst:.3}", calibration.ratio());
+        eprintln!(
+            "{style:?}: calibration ratio {:.3}, calibrated/mock mean {mean:.3}, worst {worst:.3}",
+            calibration.ratio()
+        );
         assert!(worst > 0.93, "{style:?}: {worst}");
         assert!(mean > 0.98 && mean < 1.1, "{style:?}: {mean}");
     }

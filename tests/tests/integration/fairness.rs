@@ -34,13 +34,21 @@ struct Load {
 /// Runs the loads for `run_ms` on a bucket of 60 000 tokens per minute
 /// (1 token/ms) and returns each tenant's tokens admitted after `warm_ms`, and
 /// each turn's waits (ms from first ask to admission) per tenant.
-async fn simulate(pacer: &Pacer, clock: &ManualClock, loads: &[Load], run_ms: Millis, warm_ms: Millis)
-    -> (BTreeMap<&'static str, u64>, BTreeMap<&'static str, Vec<Millis>>)
-{
+async fn simulate(
+    pacer: &Pacer,
+    clock: &ManualClock,
+    loads: &[Load],
+    run_ms: Millis,
+    warm_ms: Millis,
+) -> (BTreeMap<&'static str, u64>, BTreeMap<&'static str, Vec<Millis>>) {
     // Headers seen once: the bucket is empty and refills at 1 token/ms.
     let headers = Observation { limit: Some(60_000), remaining: Some(0), reset_ms: Some(60_000) };
-    pacer.acquire("m", "seed", Estimate { tokens: 1, requests: 1, output: 0 }, Mode::Work, &Who::DEFAULT).await.unwrap();
-    pacer.settle("m", "seed", &CallOutcome { tokens: headers, used_tokens: Some(1), ..CallOutcome::default() })
+    pacer
+        .acquire("m", "seed", Estimate { tokens: 1, requests: 1, output: 0 }, Mode::Work, &Who::DEFAULT)
+        .await
+        .unwrap();
+    pacer
+        .settle("m", "seed", &CallOutcome { tokens: headers, used_tokens: Some(1), ..CallOutcome::default() })
         .await
         .unwrap();
     // Events: (time, load index, turn index, call number, first ask time).
@@ -66,7 +74,8 @@ async fn simulate(pacer: &Pacer, clock: &ManualClock, loads: &[Load], run_ms: Mi
                     *admitted.entry(load.who.tenant).or_default() += load.tokens;
                     waits.entry(load.who.tenant).or_default().push(at - first);
                 }
-                pacer.settle("m", &id, &CallOutcome { used_tokens: Some(load.tokens), ..CallOutcome::default() })
+                pacer
+                    .settle("m", &id, &CallOutcome { used_tokens: Some(load.tokens), ..CallOutcome::default() })
                     .await
                     .unwrap();
                 // The next turn of this run asks after its think time (a call
@@ -163,11 +172,7 @@ async fn a_live_turn_overtakes_waiting_work() {
     let mut sorted = live_waits.clone();
     sorted.sort_unstable();
     let p95 = sorted[(sorted.len() * 95 / 100).min(sorted.len() - 1)];
-    eprintln!(
-        "fairness: live turn waits p95 {p95} ms over {} turns; bulk admitted {}",
-        sorted.len(),
-        admitted["bulk"]
-    );
+    eprintln!("fairness: live turn waits p95 {p95} ms over {} turns; bulk admitted {}", sorted.len(), admitted["bulk"]);
     assert!(p95 <= 1_000, "a live turn waited {p95} ms behind work");
     let used = (admitted["bulk"] + admitted["listener"]) as f64 / 55_000.0;
     assert!(used >= 0.9, "work did not get the rest of the budget: {used:.3} used");
@@ -202,7 +207,8 @@ mod with_workers {
     use std::time::{Duration, Instant};
 
     fn spec(app: &App, input: &str, mode: &str, tools: bool) -> RunSpec {
-        let mut body = json!({"model": "gpt-test", "input": input, "mode": mode, "max_turns": 10, "max_output_tokens": 64});
+        let mut body =
+            json!({"model": "gpt-test", "input": input, "mode": mode, "max_turns": 10, "max_output_tokens": 64});
         if tools {
             body["tools"] = json!([{"type": "function", "name": "lookup", "parameters": {"type": "object"}}]);
             body["tool_endpoint"] = json!(app.tools);
@@ -225,7 +231,9 @@ mod with_workers {
         app.spawn_worker(app.config());
         let mut work = vec![];
         for i in 0..30 {
-            work.push(app.store.create("bulk", &spec(&app, &format!("work {i}"), "work", true), None).await.unwrap().run.id);
+            work.push(
+                app.store.create("bulk", &spec(&app, &format!("work {i}"), "work", true), None).await.unwrap().run.id,
+            );
         }
         tokio::time::sleep(Duration::from_millis(1_500)).await;
         let asked = Instant::now();
@@ -273,7 +281,9 @@ mod with_workers {
         let started = Instant::now();
         let mut ids = vec![];
         for i in 0..12 {
-            ids.push(app.store.create("capped", &spec(&app, &format!("job {i}"), "work", true), None).await.unwrap().run.id);
+            ids.push(
+                app.store.create("capped", &spec(&app, &format!("job {i}"), "work", true), None).await.unwrap().run.id,
+            );
         }
         for id in &ids {
             let run = super::super::worker::wait_finished_for(&app, "capped", id, Duration::from_secs(60)).await;
@@ -384,7 +394,10 @@ mod with_workers {
     async fn a_lone_tenant_gets_the_whole_budget() {
         let w = backlogged(&["solo"], 10, "", Duration::from_secs(12)).await;
         let used = w.provider_tokens as f64 / (w.rate * w.span_s);
-        eprintln!("fairness (workers): a lone tenant's calls were charged {used:.3} of the refill over {:.1} s", w.span_s);
+        eprintln!(
+            "fairness (workers): a lone tenant's calls were charged {used:.3} of the refill over {:.1} s",
+            w.span_s
+        );
         assert!(w.unfinished > 0, "the runs ran out of work: the window shows nothing");
         assert!(used >= 0.85, "work-conserving: {used:.3} of the refill");
     }

@@ -1,15 +1,15 @@
 //! paceline's integration tests: one binary, one module per area. Each test owns
 //! a private redis-server and a unique key prefix (see the harness in `src/lib.rs`).
 
+mod api;
+mod bench;
+mod context;
+mod fairness;
 mod harness;
 mod mock_provider;
 mod pacer;
-mod queue;
-mod context;
 mod provider_client;
+mod queue;
 mod run_store;
-mod worker;
-mod api;
-mod bench;
 mod up;
-mod fairness;
+mod worker;

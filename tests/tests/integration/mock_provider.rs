@@ -84,10 +84,7 @@ impl Sse {
 /// A tiny SSE parser: frames end with a blank line; `event:` and `data:` lines
 /// (several `data:` lines join with newlines); comments and other fields are skipped.
 async fn read_sse(resp: reqwest::Response) -> Vec<Sse> {
-    assert!(
-        header(resp.headers(), "content-type").starts_with("text/event-stream"),
-        "not an event stream"
-    );
+    assert!(header(resp.headers(), "content-type").starts_with("text/event-stream"), "not an event stream");
     let mut stream = resp.bytes_stream();
     let mut buf = String::new();
     let mut events = Vec::new();
@@ -195,10 +192,7 @@ async fn hammer(bucket: BucketMode) {
             loop {
                 let resp = client.post(&url).json(&body).send().await.expect("send");
                 let status = resp.status().as_u16();
-                let wait = resp
-                    .headers()
-                    .get("retry-after-ms")
-                    .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+                let wait = resp.headers().get("retry-after-ms").and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
                 let _ = resp.bytes().await;
                 match status {
                     200 => return true,
@@ -321,7 +315,8 @@ async fn over_the_limit_answers_429_like_openai() {
     // Tokens: 451 taken, then 51 + 10 more do not fit in the 49 left.
     let big = json!({"model": "gpt-test", "input": "hi", "max_output_tokens": 450});
     assert_eq!(post_json(&server, "/responses", &big).await.0, 200);
-    let chat = json!({"model": "gpt-test", "messages": [{"role": "user", "content": "a".repeat(200)}], "max_tokens": 10});
+    let chat =
+        json!({"model": "gpt-test", "messages": [{"role": "user", "content": "a".repeat(200)}], "max_tokens": 10});
     let (status, h, body) = post_json(&server, "/chat/completions", &chat).await;
     assert_eq!(status, 429);
     assert_eq!(body["error"]["type"], "tokens");
@@ -361,7 +356,9 @@ async fn over_the_limit_answers_429_like_openai() {
 async fn a_retry_after_the_given_delay_is_admitted() {
     // 1000 tokens per second, continuous.
     // An answer longer than the limit asked for: nothing is refunded.
-    let server = start(MockConfig { tpm: 1000, window: Duration::from_secs(1), output_tokens: 1000, ..MockConfig::default() }).await;
+    let server =
+        start(MockConfig { tpm: 1000, window: Duration::from_secs(1), output_tokens: 1000, ..MockConfig::default() })
+            .await;
     let body = json!({"model": "gpt-test", "input": "x", "max_output_tokens": 700});
     assert_eq!(post_json(&server, "/responses", &body).await.0, 200);
     let (status, h, _) = post_json(&server, "/responses", &body).await;
@@ -377,8 +374,13 @@ async fn a_retry_after_the_given_delay_is_admitted() {
 #[tokio::test]
 async fn a_responses_stream_is_the_real_event_sequence() {
     let server = start(MockConfig { output_tokens: 30, ..MockConfig::default() }).await;
-    let resp = post(&server, "/responses", &json!({"model": "gpt-test", "instructions": "be brief",
-        "input": [{"role": "user", "content": "hello"}], "stream": true, "max_output_tokens": 64})).await;
+    let resp = post(
+        &server,
+        "/responses",
+        &json!({"model": "gpt-test", "instructions": "be brief",
+        "input": [{"role": "user", "content": "hello"}], "stream": true, "max_output_tokens": 64}),
+    )
+    .await;
     assert_eq!(resp.status(), 200);
     assert!(resp.headers().get("x-ratelimit-remaining-tokens").is_some(), "streams carry the headers");
     let events = read_sse(resp).await;
@@ -397,7 +399,8 @@ async fn a_responses_stream_is_the_real_event_sequence() {
         kinds[n - 4..],
         ["response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed"]
     );
-    let deltas: Vec<&Sse> = events.iter().filter(|e| e.event.as_deref() == Some("response.output_text.delta")).collect();
+    let deltas: Vec<&Sse> =
+        events.iter().filter(|e| e.event.as_deref() == Some("response.output_text.delta")).collect();
     assert!(deltas.len() >= 3, "the answer comes as several deltas");
     assert_eq!(deltas.len(), n - 8);
     let text: String = deltas.iter().map(|e| e.json()["delta"].as_str().unwrap().to_string()).collect();
@@ -419,7 +422,8 @@ async fn a_responses_stream_is_the_real_event_sequence() {
 #[tokio::test]
 async fn an_output_limit_below_the_answer_makes_it_incomplete() {
     let server = start(MockConfig { output_tokens: 30, ..MockConfig::default() }).await;
-    let resp = post(&server, "/responses", &json!({"model": "m", "input": "x", "stream": true, "max_output_tokens": 9})).await;
+    let resp =
+        post(&server, "/responses", &json!({"model": "m", "input": "x", "stream": true, "max_output_tokens": 9})).await;
     let events = read_sse(resp).await;
     let last = events.last().unwrap();
     assert_eq!(last.event.as_deref(), Some("response.incomplete"));
@@ -507,7 +511,8 @@ async fn a_retried_turn_gets_the_same_call_ids() {
 
 #[tokio::test]
 async fn chat_completions_stream_tool_call_deltas_usage_and_done() {
-    let server = start(MockConfig { tool_rounds: 1, calls_per_round: 2, output_tokens: 10, ..MockConfig::default() }).await;
+    let server =
+        start(MockConfig { tool_rounds: 1, calls_per_round: 2, output_tokens: 10, ..MockConfig::default() }).await;
     let mut messages = vec![json!({"role": "user", "content": "find things"})];
     let body = json!({"model": "gpt-test", "messages": messages, "tools": [chat_tool("search")],
                       "stream": true, "stream_options": {"include_usage": true}, "max_completion_tokens": 100});
@@ -560,32 +565,35 @@ async fn chat_completions_stream_tool_call_deltas_usage_and_done() {
     let events = read_sse(post(&server, "/chat/completions", &body).await).await;
     assert_eq!(events.last().unwrap().data, "[DONE]");
     let chunks: Vec<Value> = events[..events.len() - 1].iter().map(Sse::json).collect();
-    let text: String = chunks
-        .iter()
-        .filter_map(|c| c["choices"].get(0)?["delta"]["content"].as_str().map(str::to_string))
-        .collect();
+    let text: String =
+        chunks.iter().filter_map(|c| c["choices"].get(0)?["delta"]["content"].as_str().map(str::to_string)).collect();
     assert_eq!(text.split(' ').count(), 10);
     let usage = &chunks.last().unwrap()["usage"];
     assert_eq!(usage["completion_tokens"], 10);
-    assert_eq!(
-        usage["total_tokens"].as_u64().unwrap(),
-        usage["prompt_tokens"].as_u64().unwrap() + 10
-    );
+    assert_eq!(usage["total_tokens"].as_u64().unwrap(), usage["prompt_tokens"].as_u64().unwrap() + 10);
     assert!(chunks.iter().any(|c| c["choices"].get(0).is_some_and(|ch| ch["finish_reason"] == "stop")));
 }
 
 #[tokio::test]
 async fn chat_completions_json_answers_with_usage() {
     let server = start(MockConfig { output_tokens: 7, ..MockConfig::default() }).await;
-    let (status, _, body) = post_json(&server, "/chat/completions", &json!({"model": "gpt-test",
-        "messages": [{"role": "system", "content": "abcd"}, {"role": "user", "content": "efgh"}]})).await;
+    let (status, _, body) = post_json(
+        &server,
+        "/chat/completions",
+        &json!({"model": "gpt-test",
+        "messages": [{"role": "system", "content": "abcd"}, {"role": "user", "content": "efgh"}]}),
+    )
+    .await;
     assert_eq!(status, 200);
     assert_eq!(body["object"], "chat.completion");
     assert_eq!(body["choices"][0]["finish_reason"], "stop");
     assert_eq!(body["choices"][0]["message"]["role"], "assistant");
     // "system" + "abcd" + "user" + "efgh" = 18 chars -> 5 tokens.
-    assert_eq!(body["usage"], json!({"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12,
-        "prompt_tokens_details": {"cached_tokens": 0}, "completion_tokens_details": {"reasoning_tokens": 0}}));
+    assert_eq!(
+        body["usage"],
+        json!({"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12,
+        "prompt_tokens_details": {"cached_tokens": 0}, "completion_tokens_details": {"reasoning_tokens": 0}})
+    );
 }
 
 #[tokio::test]
@@ -673,17 +681,14 @@ async fn a_daily_cap_reports_a_reset_hours_away() {
 
 #[tokio::test]
 async fn a_stall_pauses_a_stream_after_some_text() {
-    let server = start(MockConfig { stall: Duration::from_millis(400), output_tokens: 40, ..MockConfig::default() }).await;
+    let server =
+        start(MockConfig { stall: Duration::from_millis(400), output_tokens: 40, ..MockConfig::default() }).await;
     let started = Instant::now();
     let resp = post(&server, "/responses", &json!({"model": "m", "input": "x", "stream": true})).await;
     let events = read_sse(resp).await;
     assert!(started.elapsed() >= Duration::from_millis(400));
-    let (gap_at, gap) = events
-        .windows(2)
-        .enumerate()
-        .map(|(i, w)| (i, w[1].at - w[0].at))
-        .max_by_key(|(_, gap)| *gap)
-        .unwrap();
+    let (gap_at, gap) =
+        events.windows(2).enumerate().map(|(i, w)| (i, w[1].at - w[0].at)).max_by_key(|(_, gap)| *gap).unwrap();
     // The sender sleeps 400 ms between two frames; a loaded machine may read
     // the first of them late, so the gap seen here can be somewhat shorter.
     assert!(gap >= Duration::from_millis(200), "longest gap {gap:?}");
@@ -698,7 +703,9 @@ async fn a_stall_pauses_a_stream_after_some_text() {
 #[tokio::test]
 async fn a_midstream_error_ends_a_stream_after_text() {
     let server = start(MockConfig { midstream_error_rate: 1.0, output_tokens: 40, ..MockConfig::default() }).await;
-    let resp = post(&server, "/responses", &json!({"model": "m", "input": "x", "stream": true, "max_output_tokens": 100})).await;
+    let resp =
+        post(&server, "/responses", &json!({"model": "m", "input": "x", "stream": true, "max_output_tokens": 100}))
+            .await;
     assert_eq!(resp.status(), 200, "the failure comes inside a 200");
     let events = read_sse(resp).await;
     let last = events.last().unwrap();
@@ -709,8 +716,13 @@ async fn a_midstream_error_ends_a_stream_after_text() {
     assert!(events.iter().any(|e| e.event.as_deref() == Some("response.output_text.delta")));
     assert!(!events.iter().any(|e| e.event.as_deref() == Some("response.completed")));
 
-    let resp = post(&server, "/chat/completions", &json!({"model": "m", "stream": true,
-        "messages": [{"role": "user", "content": "x"}]})).await;
+    let resp = post(
+        &server,
+        "/chat/completions",
+        &json!({"model": "m", "stream": true,
+        "messages": [{"role": "user", "content": "x"}]}),
+    )
+    .await;
     let events = read_sse(resp).await;
     assert!(events.last().unwrap().json()["error"]["message"].is_string());
     assert!(events.iter().all(|e| e.data != "[DONE]"));
@@ -721,7 +733,10 @@ async fn a_midstream_error_ends_a_stream_after_text() {
     let data = read_sse(resp).await.last().unwrap().json();
     assert_eq!(data["type"], "error");
     assert_eq!(data["error"]["code"], "rate_limit_exceeded");
-    assert!(data["error"]["message"].as_str().unwrap().starts_with("Rate limit reached for m in organization org-mock"));
+    assert!(data["error"]["message"]
+        .as_str()
+        .unwrap()
+        .starts_with("Rate limit reached for m in organization org-mock"));
 
     // A JSON answer is not a stream: unaffected.
     assert_eq!(post_json(&server, "/responses", &json!({"model": "m", "input": "x"})).await.0, 200);
@@ -778,14 +793,7 @@ async fn stats_over_http_match_the_server_and_reset_zeroes_them() {
     for i in 0..3 {
         post_json(&server, "/responses", &json!({"model": "m", "input": format!("request {i}")})).await;
     }
-    let http: Stats = client()
-        .get(format!("{}/_mock/stats", server.url()))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let http: Stats = client().get(format!("{}/_mock/stats", server.url())).send().await.unwrap().json().await.unwrap();
     let local = server.stats();
     assert_eq!(http.requests, 3);
     assert_eq!(http.ok, local.ok);
@@ -796,7 +804,8 @@ async fn stats_over_http_match_the_server_and_reset_zeroes_them() {
     assert_eq!(http.bodies[1].body["input"], "request 2");
     assert_eq!(http.bodies[1].seq, http.log[2].seq);
 
-    let raw: Value = client().get(format!("{}/_mock/stats?log=false", server.url())).send().await.unwrap().json().await.unwrap();
+    let raw: Value =
+        client().get(format!("{}/_mock/stats?log=false", server.url())).send().await.unwrap().json().await.unwrap();
     assert_eq!(raw["2xx"], 3);
     assert_eq!(raw["largest_overdraft"], 0);
     assert_eq!(raw["log"], json!([]));
@@ -817,9 +826,22 @@ async fn the_subcommand_lists_its_knobs_serves_and_stops_on_sigterm() {
     assert!(help.status.success());
     let help = String::from_utf8_lossy(&help.stdout);
     for flag in [
-        "--listen", "--tpm", "--rpm", "--window-s", "--bucket", "--latency-ms", "--tool-rounds",
-        "--output-tokens", "--fail-rate", "--quota-after", "--daily-cap", "--stall-ms", "--no-headers",
-        "--seed", "--midstream-error-rate", "--keep-bodies",
+        "--listen",
+        "--tpm",
+        "--rpm",
+        "--window-s",
+        "--bucket",
+        "--latency-ms",
+        "--tool-rounds",
+        "--output-tokens",
+        "--fail-rate",
+        "--quota-after",
+        "--daily-cap",
+        "--stall-ms",
+        "--no-headers",
+        "--seed",
+        "--midstream-error-rate",
+        "--keep-bodies",
     ] {
         assert!(help.contains(flag), "--help lacks {flag}:\n{help}");
     }

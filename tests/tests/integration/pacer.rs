@@ -53,7 +53,11 @@ impl SimBucket {
         match self.window {
             Some(w) => {
                 let into = self.at.duration_since(self.start).as_secs_f64() % w.as_secs_f64();
-                if self.level >= self.limit { 0 } else { ((w.as_secs_f64() - into) * 1000.0).ceil() as u64 }
+                if self.level >= self.limit {
+                    0
+                } else {
+                    ((w.as_secs_f64() - into) * 1000.0).ceil() as u64
+                }
             }
             None => ((self.limit - self.level) / self.rate).ceil() as u64,
         }
@@ -201,13 +205,20 @@ async fn a_429_closes_the_window_for_every_worker() {
     let prefix = unique_prefix();
     let a = shared_pacer(&server, &prefix, PacingConfig::default()).await;
     let b = shared_pacer(&server, &prefix, PacingConfig::default()).await;
-    assert_eq!(a.acquire("m", "a1", Estimate { tokens: 10, requests: 1, output: 0 }, Mode::Work, &Who::DEFAULT).await.unwrap(), Decision::Clear);
+    assert_eq!(
+        a.acquire("m", "a1", Estimate { tokens: 10, requests: 1, output: 0 }, Mode::Work, &Who::DEFAULT).await.unwrap(),
+        Decision::Clear
+    );
     let headers = Observation { limit: Some(10_000), remaining: Some(9_000), reset_ms: Some(6_000) };
     a.settle("m", "a1", &CallOutcome { rate_limited_ms: Some(3_000), tokens: headers, ..CallOutcome::default() })
         .await
         .unwrap();
     // Another worker, on another connection, even a live turn: owed the window.
-    match b.acquire("m", "b1", Estimate { tokens: 10, requests: 1, output: 0 }, Mode::Companion, &Who::DEFAULT).await.unwrap() {
+    match b
+        .acquire("m", "b1", Estimate { tokens: 10, requests: 1, output: 0 }, Mode::Companion, &Who::DEFAULT)
+        .await
+        .unwrap()
+    {
         Decision::Owed { ms, reason: OwedReason::RateLimited, .. } => {
             assert!((2_900..=3_100).contains(&ms), "owed {ms} ms, not the 3 s the provider asked for")
         }
@@ -225,7 +236,8 @@ async fn a_turn_in_line_is_clear_when_it_comes_back_and_not_before() {
     let headers = Observation { limit: Some(60_000), remaining: Some(6_000), reset_ms: Some(54_000) };
     pacer.settle("m", "probe", &CallOutcome { tokens: headers, ..CallOutcome::default() }).await.unwrap();
     let est = Estimate { tokens: 2_000, requests: 1, output: 0 };
-    let Decision::Owed { ms: first, .. } = pacer.acquire("m", "t1", est, Mode::Work, &Who::DEFAULT).await.unwrap() else {
+    let Decision::Owed { ms: first, .. } = pacer.acquire("m", "t1", est, Mode::Work, &Who::DEFAULT).await.unwrap()
+    else {
         panic!("expected a wait")
     };
     assert_eq!(first, 2_000);
@@ -233,7 +245,8 @@ async fn a_turn_in_line_is_clear_when_it_comes_back_and_not_before() {
     // it would be clear at 4 000 ms, and comes back once the turn ahead of it
     // is due (plus `late_ms`) to be re-timed — if that turn never came back,
     // it would go first.
-    let Decision::Owed { ms: second, .. } = pacer.acquire("m", "t2", est, Mode::Work, &Who::DEFAULT).await.unwrap() else {
+    let Decision::Owed { ms: second, .. } = pacer.acquire("m", "t2", est, Mode::Work, &Who::DEFAULT).await.unwrap()
+    else {
         panic!("expected a wait")
     };
     assert_eq!(second, 3_000);
@@ -264,7 +277,10 @@ async fn the_snapshot_lists_every_budget_and_model() {
     let pacer = shared_pacer(&server, &prefix, PacingConfig::default()).await;
     let headers = Observation { limit: Some(40_000), remaining: Some(30_000), reset_ms: Some(15_000) };
     for model in ["gpt-a", "gpt-b"] {
-        pacer.acquire(model, "x", Estimate { tokens: 1, requests: 1, output: 0 }, Mode::Work, &Who::DEFAULT).await.unwrap();
+        pacer
+            .acquire(model, "x", Estimate { tokens: 1, requests: 1, output: 0 }, Mode::Work, &Who::DEFAULT)
+            .await
+            .unwrap();
         pacer.settle(model, "x", &CallOutcome { tokens: headers, ..CallOutcome::default() }).await.unwrap();
     }
     let snap = pacer.snapshot().await.unwrap();
@@ -305,7 +321,8 @@ struct Paths {
 /// One random walk of the differential test.
 async fn agree(server: &RedisServer, seed: u64, paths: &mut Paths) {
     let clock = ManualClock::new(5_000_000);
-    let config = PacingConfig { jitter_frac: 0.0, probe_wait_ms: 50, reservation_ttl_ms: 4_000, ..PacingConfig::default() };
+    let config =
+        PacingConfig { jitter_frac: 0.0, probe_wait_ms: 50, reservation_ttl_ms: 4_000, ..PacingConfig::default() };
     let shared = shared_pacer(server, &unique_prefix(), config.clone()).await.with_test_clock(Arc::new(clock.clone()));
     let local = LocalPacer::with_clock("default", config, Arc::new(clock.clone()));
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -318,7 +335,8 @@ async fn agree(server: &RedisServer, seed: u64, paths: &mut Paths) {
             // A turn asks again only when it was owed time (a worker never
             // asks again for a call it was cleared to send): mostly the one
             // due first, at its due time, as the queue delivers it; sometimes early.
-            let next_due = waiting.iter().min_by_key(|(id, due)| (**due, (*id).clone())).map(|(id, due)| (id.clone(), *due));
+            let next_due =
+                waiting.iter().min_by_key(|(id, due)| (**due, (*id).clone())).map(|(id, due)| (id.clone(), *due));
             let id = if let (Some((id, due)), true) = (next_due, rng.random_bool(0.5)) {
                 if rng.random_bool(0.85) && due > clock.now_ms() {
                     clock.set(due);
@@ -377,7 +395,11 @@ async fn agree(server: &RedisServer, seed: u64, paths: &mut Paths) {
                     remaining: Some(remaining),
                     reset_ms: Some((limit - remaining) * 60_000 / limit),
                 },
-                requests: Observation { limit: Some(500), remaining: Some(rng.random_range(0..500)), reset_ms: Some(700) },
+                requests: Observation {
+                    limit: Some(500),
+                    remaining: Some(rng.random_range(0..500)),
+                    reset_ms: Some(700),
+                },
                 headers_age_ms: rng.random_range(0..50),
             };
             local.settle("m", &id, &outcome);
@@ -410,7 +432,13 @@ async fn agree(server: &RedisServer, seed: u64, paths: &mut Paths) {
         }
         assert!(close(got.usage_ratio, want.usage_ratio), "seed {seed} step {step}: usage ratio");
         assert!(close(got.fair_time, want.fair_time), "seed {seed} step {step}: fair time");
-        assert_eq!(got.tenants.len(), want.tenants.len(), "seed {seed} step {step}: {:?} vs {:?}", got.tenants, want.tenants);
+        assert_eq!(
+            got.tenants.len(),
+            want.tenants.len(),
+            "seed {seed} step {step}: {:?} vs {:?}",
+            got.tenants,
+            want.tenants
+        );
         for (name, w) in &want.tenants {
             let g = &got.tenants[name];
             assert!(
@@ -430,8 +458,13 @@ async fn agree(server: &RedisServer, seed: u64, paths: &mut Paths) {
         for (id, w) in &want.waiters {
             let g = &got.waiters[id];
             assert!(
-                close(g.order, w.order) && close(g.line, w.line) && g.due_ms == w.due_ms && g.since_ms == w.since_ms
-                    && g.reason == w.reason && g.tenant == w.tenant && g.est == w.est,
+                close(g.order, w.order)
+                    && close(g.line, w.line)
+                    && g.due_ms == w.due_ms
+                    && g.since_ms == w.since_ms
+                    && g.reason == w.reason
+                    && g.tenant == w.tenant
+                    && g.est == w.est,
                 "seed {seed} step {step}: waiter {id}\nscript: {g:?}\nmodel:  {w:?}"
             );
         }

@@ -113,7 +113,9 @@ async fn text_deltas_arrive_in_order_with_usage_and_headers() {
         assert_eq!(ok.output_text.split_whitespace().count(), 40);
         assert_eq!(
             ok.output,
-            vec![json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": ok.output_text}]})]
+            vec![
+                json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": ok.output_text}]})
+            ]
         );
         assert!(ok.tool_calls.is_empty());
         assert_eq!(ok.status, 200);
@@ -133,7 +135,10 @@ async fn text_deltas_arrive_in_order_with_usage_and_headers() {
     for kept in &stats.bodies {
         assert_eq!(kept.body["stream"], json!(true), "the client asks for a stream");
     }
-    assert!(stats.bodies.iter().any(|b| b.body["stream_options"]["include_usage"] == json!(true)), "chat asks for usage");
+    assert!(
+        stats.bodies.iter().any(|b| b.body["stream_options"]["include_usage"] == json!(true)),
+        "chat asks for usage"
+    );
 }
 
 #[tokio::test]
@@ -173,7 +178,12 @@ async fn tool_calls_come_back_as_responses_function_call_items() {
     let mut next = body(ApiStyle::Responses, true);
     let input = next["input"].as_array_mut().unwrap();
     input.extend(first.output.iter().cloned());
-    input.extend(first.tool_calls.iter().map(|c| json!({"type": "function_call_output", "call_id": c.call_id, "output": "found"})));
+    input.extend(
+        first
+            .tool_calls
+            .iter()
+            .map(|c| json!({"type": "function_call_output", "call_id": c.call_id, "output": "found"})),
+    );
     let (_, second) = call(&p, next).await;
     let second = success(ApiStyle::Responses, second);
     assert!(second.tool_calls.is_empty());
@@ -342,7 +352,8 @@ async fn canned(State(seen): State<Seen>, headers: HeaderMap) -> impl IntoRespon
 }
 
 async fn cut_short() -> impl IntoResponse {
-    let body = "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"Hel\"}\n\n";
+    let body =
+        "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"Hel\"}\n\n";
     ([("content-type", "text/event-stream")], body)
 }
 
@@ -378,10 +389,12 @@ async fn the_key_is_a_bearer_header_and_omitted_when_empty() {
 
 /// A chat server that ignores `stream: true` and answers one JSON body.
 async fn chat_json() -> impl IntoResponse {
-    Json(json!({"id": "chatcmpl-1", "object": "chat.completion", "choices": [{"index": 0, "finish_reason": "tool_calls",
+    Json(
+        json!({"id": "chatcmpl-1", "object": "chat.completion", "choices": [{"index": 0, "finish_reason": "tool_calls",
         "message": {"role": "assistant", "content": null,
                     "tool_calls": [{"id": "call_j", "type": "function", "function": {"name": "search", "arguments": "{\"query\":\"q\"}"}}]}}],
-        "usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}}))
+        "usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}}),
+    )
 }
 
 #[tokio::test]
@@ -390,7 +403,10 @@ async fn a_server_that_does_not_stream_is_read_all_the_same() {
     let p = provider_at(&format!("{base}/v1"), "", ApiStyle::Chat);
     let (events, result) = call(&p, body(ApiStyle::Chat, true)).await;
     let ok = success(ApiStyle::Chat, result);
-    assert_eq!(ok.output, vec![json!({"type": "function_call", "call_id": "call_j", "name": "search", "arguments": "{\"query\":\"q\"}"})]);
+    assert_eq!(
+        ok.output,
+        vec![json!({"type": "function_call", "call_id": "call_j", "name": "search", "arguments": "{\"query\":\"q\"}"})]
+    );
     assert_eq!(events.len(), 1);
     assert_eq!(ok.usage.map(|u| u.total_tokens), Some(15));
 }
@@ -439,7 +455,12 @@ async fn tools_run_in_parallel_and_failures_become_output_text() {
     ];
     // The two `meet` calls only finish when both are in flight: run one by
     // one, they would wait on each other until the timeout.
-    let results = within("the tools", Duration::from_secs(15), run_tools(&client, &endpoint, &[endpoint.clone()], "run_1", &calls, Duration::from_secs(10))).await;
+    let results = within(
+        "the tools",
+        Duration::from_secs(15),
+        run_tools(&client, &endpoint, &[endpoint.clone()], "run_1", &calls, Duration::from_secs(10)),
+    )
+    .await;
     let ids: Vec<&str> = results.iter().map(|r| r.call_id.as_str()).collect();
     assert_eq!(ids, ["call_1", "call_2", "call_3", "call_4", "call_5", "call_6"], "results keep the calls' order");
 
@@ -449,7 +470,11 @@ async fn tools_run_in_parallel_and_failures_become_output_text() {
     assert_eq!((results[1].output.as_str(), results[2].output.as_str()), ("met", "met"));
     assert!(results[3].error);
     assert_eq!(results[3].output, "tool error: HTTP 500: boom");
-    assert!(results[4].error && results[4].output.starts_with("tool error: the answer is not JSON"), "{}", results[4].output);
+    assert!(
+        results[4].error && results[4].output.starts_with("tool error: the answer is not JSON"),
+        "{}",
+        results[4].output
+    );
     assert_eq!((results[5].output.as_str(), results[5].error), (r#"{"rows":[1,2]}"#, false));
 }
 
@@ -473,7 +498,12 @@ async fn a_hanging_or_absent_tool_becomes_an_error_text_in_time() {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let gone = format!("http://{}/tools", listener.local_addr().unwrap());
     drop(listener);
-    let results = within("the tools", Duration::from_secs(10), run_tools(&client, &gone, &[gone.clone()], "run_2", &calls[1..], Duration::from_secs(5))).await;
+    let results = within(
+        "the tools",
+        Duration::from_secs(10),
+        run_tools(&client, &gone, &[gone.clone()], "run_2", &calls[1..], Duration::from_secs(5)),
+    )
+    .await;
     assert!(results[0].error && results[0].output.starts_with("tool error: "), "{}", results[0].output);
 }
 
@@ -484,7 +514,12 @@ async fn a_tool_endpoint_outside_the_workers_prefixes_is_not_called() {
     // Nothing listens there: a call would fail with a connection error instead.
     let endpoint = "http://127.0.0.1:9/tools";
     let allowed = ["http://127.0.0.1:9/other".to_owned()];
-    let results = within("the tools", Duration::from_secs(5), run_tools(&client, endpoint, &allowed, "run_3", &calls, Duration::from_secs(5))).await;
+    let results = within(
+        "the tools",
+        Duration::from_secs(5),
+        run_tools(&client, endpoint, &allowed, "run_3", &calls, Duration::from_secs(5)),
+    )
+    .await;
     for r in &results {
         assert!(r.error);
         assert_eq!(r.output, "tool error: the endpoint \"http://127.0.0.1:9/tools\" is not allowed on this worker");

@@ -122,7 +122,11 @@ async fn record_turn(_payload: Value, lease: Lease, state: Data<HandlerState>) -
 }
 
 /// Runs an apalis worker over the queue in this process until the returned sender fires.
-fn run_worker(queue: &TurnQueue, concurrency: usize, state: HandlerState) -> (tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
+fn run_worker(
+    queue: &TurnQueue,
+    concurrency: usize,
+    state: HandlerState,
+) -> (tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
     let backend = queue.backend::<Value>(concurrency);
     let name = backend.identity().to_owned();
     let worker = WorkerBuilder::new(name.as_str()).backend(backend).data(state).build(record_turn);
@@ -164,7 +168,8 @@ async fn counts_are_exact_and_enqueue_is_idempotent_by_id() {
 async fn turns_never_start_before_their_due_time() {
     let env = Env::start(QueueConfig::default());
     let seen = Seen::default();
-    let (stop, worker) = run_worker(&env.queue, 8, HandlerState { seen: seen.clone(), queue: env.queue.clone(), fail: false });
+    let (stop, worker) =
+        run_worker(&env.queue, 8, HandlerState { seen: seen.clone(), queue: env.queue.clone(), fail: false });
     for i in 0..100u64 {
         env.queue.enqueue(&format!("run_{i}"), &json!({}), 50 + i * 10).await.unwrap();
     }
@@ -203,7 +208,11 @@ async fn ten_thousand_turns_due_at_once_are_all_served() {
     assert_eq!(c.dead, 0);
     let _ = stop1.send(());
     let _ = stop2.send(());
-    within("workers to stop", secs(10), async { w1.await.unwrap(); w2.await.unwrap() }).await;
+    within("workers to stop", secs(10), async {
+        w1.await.unwrap();
+        w2.await.unwrap()
+    })
+    .await;
 }
 
 #[tokio::test]
@@ -302,10 +311,12 @@ async fn a_commit_script_built_on_the_lua_library_is_fenced_atomically() {
 async fn a_failing_turn_goes_dead_after_three_deliveries_with_its_error() {
     let env = Env::start(QueueConfig { retry_base_ms: 10, ..QueueConfig::default() });
     let seen = Seen::default();
-    let (stop, worker) = run_worker(&env.queue, 4, HandlerState { seen: seen.clone(), queue: env.queue.clone(), fail: true });
+    let (stop, worker) =
+        run_worker(&env.queue, 4, HandlerState { seen: seen.clone(), queue: env.queue.clone(), fail: true });
     env.queue.enqueue("run_poison", &json!({"turn": 1}), 0).await.unwrap();
     let q = &env.queue;
-    eventually("the failing turn to go dead", secs(10), || async { (q.counts().await.ok()?.dead == 1).then_some(()) }).await;
+    eventually("the failing turn to go dead", secs(10), || async { (q.counts().await.ok()?.dead == 1).then_some(()) })
+        .await;
     assert_eq!(seen.all().iter().map(|s| s.deliveries).collect::<Vec<_>>(), vec![1, 2, 3]);
     let dead = q.list_dead(10).await.unwrap();
     assert_eq!(dead.len(), 1);
@@ -380,7 +391,8 @@ async fn a_redis_restart_mid_load_loses_nothing_and_needs_no_process_restart() {
     let mut env = Env::start_with(RedisOptions { aof: true }, QueueConfig::default());
     let mut worker = env.spawn_probe(&["--concurrency", "8", "--record"]);
     env.enqueue_many("before", 300, json!({"sleep_ms": 20}), 0).await;
-    eventually("some turns to be done", secs(10), || async { (env.probe_done().await.len() >= 50).then_some(()) }).await;
+    eventually("some turns to be done", secs(10), || async { (env.probe_done().await.len() >= 50).then_some(()) })
+        .await;
 
     env.server.restart();
 
@@ -440,7 +452,10 @@ async fn sigterm_hands_back_turns_still_running_after_the_grace() {
     let q = &env.queue;
     let mut worker = env.spawn_probe(&["--concurrency", "4", "--queue-grace-ms", "300"]);
     env.enqueue_many("run", 2, json!({"sleep_ms": 600_000}), 0).await;
-    eventually("the worker to take both turns", secs(10), || async { (q.counts().await.ok()?.in_flight == 2).then_some(()) }).await;
+    eventually("the worker to take both turns", secs(10), || async {
+        (q.counts().await.ok()?.in_flight == 2).then_some(())
+    })
+    .await;
 
     worker.signal("TERM");
     let status = worker.wait_timeout(secs(5)).expect("the worker exits after its grace");

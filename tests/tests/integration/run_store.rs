@@ -67,15 +67,16 @@ async fn an_idempotency_key_returns_the_first_run_even_when_racing() {
     let env = env().await;
     let key = Idempotency { key: "k1".into(), fingerprint: "body-a".into() };
     let body = spec("x");
-    let (a, b) = tokio::join!(
-        env.store.create("alpha", &body, Some(&key)),
-        env.store.create("alpha", &body, Some(&key)),
-    );
+    let (a, b) =
+        tokio::join!(env.store.create("alpha", &body, Some(&key)), env.store.create("alpha", &body, Some(&key)),);
     let (a, b) = (a.unwrap(), b.unwrap());
     assert_eq!(a.run.id, b.run.id, "two concurrent submits with one key make one run");
     assert!(a.replayed != b.replayed);
     let other_body = Idempotency { key: "k1".into(), fingerprint: "body-b".into() };
-    assert!(matches!(env.store.create("alpha", &spec("x"), Some(&other_body)).await, Err(StoreError::IdempotencyMismatch)));
+    assert!(matches!(
+        env.store.create("alpha", &spec("x"), Some(&other_body)).await,
+        Err(StoreError::IdempotencyMismatch)
+    ));
     // Keys are per tenant.
     let beta = env.store.create("beta", &spec("x"), Some(&key)).await.unwrap();
     assert_ne!(beta.run.id, a.run.id);
@@ -158,9 +159,19 @@ async fn a_turn_commits_once_and_enqueues_the_next_atomically() {
     assert!(run_now.finished_at.is_some());
     let c = env.queue.counts().await.unwrap();
     assert_eq!((c.ready, c.delayed, c.in_flight), (0, 0, 0));
-    let kinds: Vec<String> =
-        env.store.events("alpha", &run.id, None, None, 50).await.unwrap().unwrap().into_iter().map(|e| e.kind).collect();
-    assert_eq!(kinds, ["run.queued", "turn.started", "turn.completed", "turn.started", "turn.completed", "run.completed"]);
+    let kinds: Vec<String> = env
+        .store
+        .events("alpha", &run.id, None, None, 50)
+        .await
+        .unwrap()
+        .unwrap()
+        .into_iter()
+        .map(|e| e.kind)
+        .collect();
+    assert_eq!(
+        kinds,
+        ["run.queued", "turn.started", "turn.completed", "turn.started", "turn.completed", "run.completed"]
+    );
     assert!(matches!(env.store.cancel("alpha", &run.id).await, Err(StoreError::Conflict(s)) if s == "completed"));
 }
 

@@ -25,7 +25,14 @@ fn up(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> ChildGuard {
     let err = std::fs::File::create(dir.join("up.err")).unwrap();
     let mut cmd = Command::new(paceline_bin());
     cmd.arg("up").args(args).current_dir(dir);
-    for var in ["REDIS_URL", "PACELINE_PREFIX", "PACELINE_LISTEN", "PACELINE_API_TOKENS", "PACELINE_DATA_DIR", "PACELINE_TOOL_ENDPOINTS"] {
+    for var in [
+        "REDIS_URL",
+        "PACELINE_PREFIX",
+        "PACELINE_LISTEN",
+        "PACELINE_API_TOKENS",
+        "PACELINE_DATA_DIR",
+        "PACELINE_TOOL_ENDPOINTS",
+    ] {
         cmd.env_remove(var);
     }
     cmd.envs(env.iter().copied()).env("RUST_LOG", "warn").stdin(Stdio::null()).stdout(Stdio::null()).stderr(err);
@@ -47,7 +54,8 @@ async fn get(http: &reqwest::Client, url: impl reqwest::IntoUrl) -> Option<Value
 /// SIGTERM, then a clean exit (0) within `timeout`.
 fn stop_cleanly(child: &mut ChildGuard, dir: &Path, timeout: Duration) {
     child.signal("TERM");
-    let status = child.wait_timeout(timeout).unwrap_or_else(|| panic!("up did not stop in {timeout:?}:\n{}", stderr_of(dir)));
+    let status =
+        child.wait_timeout(timeout).unwrap_or_else(|| panic!("up did not stop in {timeout:?}:\n{}", stderr_of(dir)));
     assert!(status.success(), "up exited {status}:\n{}", stderr_of(dir));
 }
 
@@ -63,8 +71,19 @@ async fn up_demo_brings_the_sample_runs_to_completed_and_stops_on_sigterm() {
     let mut child = up(
         dir.path(),
         &[
-            "--demo", "--listen", &listen, "--prefix", &prefix, "--workers", "8",
-            "--demo-tools-listen", "127.0.0.1:0", "--demo-tpm", "400000", "--demo-latency-ms", "20",
+            "--demo",
+            "--listen",
+            &listen,
+            "--prefix",
+            &prefix,
+            "--workers",
+            "8",
+            "--demo-tools-listen",
+            "127.0.0.1:0",
+            "--demo-tpm",
+            "400000",
+            "--demo-latency-ms",
+            "20",
         ],
         &[("REDIS_URL", &redis.url())],
     );
@@ -74,7 +93,8 @@ async fn up_demo_brings_the_sample_runs_to_completed_and_stops_on_sigterm() {
     let runs = eventually("the 4 demo runs completed", secs(30), || async {
         let page = get(&http, &format!("{base}/v1/runs?limit=20")).await?;
         let runs = page["data"].as_array()?.clone();
-        let done = runs.len() == 4 && runs.iter().all(|r| matches!(r["status"].as_str(), Some("completed" | "failed" | "cancelled")));
+        let done = runs.len() == 4
+            && runs.iter().all(|r| matches!(r["status"].as_str(), Some("completed" | "failed" | "cancelled")));
         done.then_some(runs)
     })
     .await;
@@ -87,7 +107,8 @@ async fn up_demo_brings_the_sample_runs_to_completed_and_stops_on_sigterm() {
     }
     // The browsing run's big pages reached the model clipped.
     let browse = runs.iter().find(|r| r["metadata"]["example"] == "browse-work").expect("browse-work ran");
-    let transcript = get(&http, &format!("{base}/v1/runs/{}/transcript", browse["id"].as_str().unwrap())).await.unwrap();
+    let transcript =
+        get(&http, &format!("{base}/v1/runs/{}/transcript", browse["id"].as_str().unwrap())).await.unwrap();
     let longest = transcript.to_string().len();
     assert!(longest < 2 * 60_000, "two 60 000-character pages were not clipped ({longest} bytes of transcript)");
     let err = eventually("the demo's summary", secs(5), || async {
@@ -140,7 +161,10 @@ async fn without_redis_url_up_starts_a_private_redis_server_and_stops_it_on_exit
     stop_cleanly(&mut child, dir.path(), secs(20));
     let err = stderr_of(dir.path());
     assert!(err.contains("the private redis-server stopped"), "{err}");
-    assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_err(), "the private redis-server still listens on {port}");
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
+        "the private redis-server still listens on {port}"
+    );
 }
 
 #[test]

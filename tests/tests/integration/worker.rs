@@ -52,9 +52,13 @@ impl App {
         shared::telemetry::init("error");
         let redis = RedisServer::start();
         let prefix = unique_prefix();
-        let mock = MockServer::start(MockConfig { listen: "127.0.0.1:0".parse().unwrap(), keep_bodies: mock.keep_bodies.max(200), ..mock })
-            .await
-            .unwrap();
+        let mock = MockServer::start(MockConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            keep_bodies: mock.keep_bodies.max(200),
+            ..mock
+        })
+        .await
+        .unwrap();
         let conn = shared::redis_util::manager(&redis.url()).await.unwrap();
         let store = RunStore::new(conn, Keys::new(&prefix), Duration::from_secs(600));
         let tools = format!("http://{}/tools", tool_server().await);
@@ -301,8 +305,8 @@ async fn a_cancelled_run_makes_no_further_provider_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sigkilled_worker_process_loses_no_run_and_doubles_no_turn() {
-    let app = App::start(MockConfig { tool_rounds: 2, latency: Duration::from_millis(150), ..MockConfig::default() })
-        .await;
+    let app =
+        App::start(MockConfig { tool_rounds: 2, latency: Duration::from_millis(150), ..MockConfig::default() }).await;
     let spawn = |extra: &[&str]| {
         let mut cmd = std::process::Command::new(paceline_tests::paceline_bin());
         cmd.arg("worker")

@@ -84,7 +84,8 @@ impl ChatDecoder {
                 self.text.push_str(text);
                 emit(StreamEvent::TextDelta(text.to_string()));
             }
-            for (position, frag) in delta.get("tool_calls").and_then(Value::as_array).into_iter().flatten().enumerate() {
+            for (position, frag) in delta.get("tool_calls").and_then(Value::as_array).into_iter().flatten().enumerate()
+            {
                 self.tool_call_fragment(position, frag);
             }
         }
@@ -150,7 +151,11 @@ impl ChatDecoder {
         }
         for call in &tool_calls {
             output.push(json!({"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments}));
-            emit(StreamEvent::ToolCall { call_id: call.call_id.clone(), name: call.name.clone(), arguments: call.arguments.clone() });
+            emit(StreamEvent::ToolCall {
+                call_id: call.call_id.clone(),
+                name: call.name.clone(),
+                arguments: call.arguments.clone(),
+            });
         }
         let incomplete_reason = match self.finish_reason.as_deref() {
             Some("length") => Some("max_output_tokens".to_string()),
@@ -191,7 +196,8 @@ mod tests {
             chunk(json!({"content": "Hello"}), Value::Null),
             chunk(json!({"content": " there"}), Value::Null),
             chunk(json!({}), json!("stop")),
-            json!({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11}}).to_string(),
+            json!({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11}})
+                .to_string(),
             "[DONE]".to_string(),
         ];
         let frames: Vec<&str> = frames.iter().map(String::as_str).collect();
@@ -206,10 +212,19 @@ mod tests {
     #[test]
     fn tool_call_fragments_are_joined_by_index_even_interleaved() {
         let frames = [
-            chunk(json!({"tool_calls": [{"index": 0, "id": "call_a", "type": "function", "function": {"name": "search", "arguments": ""}}]}), Value::Null),
-            chunk(json!({"tool_calls": [{"index": 1, "id": "call_b", "type": "function", "function": {"name": "fetch", "arguments": "{\"u"}}]}), Value::Null),
+            chunk(
+                json!({"tool_calls": [{"index": 0, "id": "call_a", "type": "function", "function": {"name": "search", "arguments": ""}}]}),
+                Value::Null,
+            ),
+            chunk(
+                json!({"tool_calls": [{"index": 1, "id": "call_b", "type": "function", "function": {"name": "fetch", "arguments": "{\"u"}}]}),
+                Value::Null,
+            ),
             chunk(json!({"tool_calls": [{"index": 0, "function": {"arguments": "{\"q\":"}}]}), Value::Null),
-            chunk(json!({"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}, {"index": 1, "function": {"arguments": "\":2}"}}]}), Value::Null),
+            chunk(
+                json!({"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}, {"index": 1, "function": {"arguments": "\":2}"}}]}),
+                Value::Null,
+            ),
             chunk(json!({}), json!("tool_calls")),
             // vLLM's usage chunk: choices null.
             json!({"choices": null, "usage": {"prompt_tokens": 3, "completion_tokens": 4}}).to_string(),
@@ -251,14 +266,19 @@ mod tests {
         let text = chunk(json!({"content": "Hi"}), Value::Null);
         assert_eq!(run(&[&text], true).1, Outcome::Pending);
         let fin = chunk(json!({}), json!("stop"));
-        assert!(matches!(run(&[&text, &fin], true).1, Outcome::Finished(d) if d.output_text == "Hi" && d.usage.is_none()));
+        assert!(
+            matches!(run(&[&text, &fin], true).1, Outcome::Finished(d) if d.output_text == "Hi" && d.usage.is_none())
+        );
     }
 
     #[test]
     fn a_length_cut_drops_broken_arguments_and_missing_ids_are_made_up() {
         let frames = [
             chunk(json!({"tool_calls": [{"index": 0, "function": {"name": "ok", "arguments": ""}}]}), Value::Null),
-            chunk(json!({"tool_calls": [{"index": 1, "id": "call_b", "function": {"name": "cut", "arguments": "{\"q\": \"ab"}}]}), Value::Null),
+            chunk(
+                json!({"tool_calls": [{"index": 1, "id": "call_b", "function": {"name": "cut", "arguments": "{\"q\": \"ab"}}]}),
+                Value::Null,
+            ),
             chunk(json!({}), json!("length")),
             "[DONE]".to_string(),
         ];
@@ -275,15 +295,22 @@ mod tests {
     #[test]
     fn fragments_without_index_and_a_repeated_name() {
         let frames = [
-            chunk(json!({"tool_calls": [{"id": "call_x", "function": {"name": "f", "arguments": "{\"a\""}}]}), Value::Null),
-            chunk(json!({"tool_calls": [{"id": "call_x", "function": {"name": "f", "arguments": ":1}"}}]}), Value::Null),
+            chunk(
+                json!({"tool_calls": [{"id": "call_x", "function": {"name": "f", "arguments": "{\"a\""}}]}),
+                Value::Null,
+            ),
+            chunk(
+                json!({"tool_calls": [{"id": "call_x", "function": {"name": "f", "arguments": ":1}"}}]}),
+                Value::Null,
+            ),
             chunk(json!({"tool_calls": [{"id": "call_y", "function": {"name": "g", "arguments": "{}"}}]}), Value::Null),
             "[DONE]".to_string(),
         ];
         let frames: Vec<&str> = frames.iter().map(String::as_str).collect();
         let (_, out) = run(&frames, false);
         let Outcome::Finished(d) = out else { panic!("{out:?}") };
-        let got: Vec<_> = d.tool_calls.iter().map(|c| (c.call_id.as_str(), c.name.as_str(), c.arguments.as_str())).collect();
+        let got: Vec<_> =
+            d.tool_calls.iter().map(|c| (c.call_id.as_str(), c.name.as_str(), c.arguments.as_str())).collect();
         assert_eq!(got, vec![("call_x", "f", "{\"a\":1}"), ("call_y", "g", "{}")]);
     }
 }

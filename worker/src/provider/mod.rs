@@ -22,8 +22,8 @@ mod decode;
 mod responses;
 pub mod sse;
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
@@ -151,7 +151,13 @@ pub struct CallFailure {
 
 impl CallFailure {
     /// A failure, classified by [`shared::pacer::classify`].
-    fn new(status: Option<u16>, error: ErrorBody, transport: Option<Transport>, headers: HeaderSnapshot, headers_received: Option<Instant>) -> Self {
+    fn new(
+        status: Option<u16>,
+        error: ErrorBody,
+        transport: Option<Transport>,
+        headers: HeaderSnapshot,
+        headers_received: Option<Instant>,
+    ) -> Self {
         let kind = classify(&FailedCall {
             status,
             code: error.code.as_deref(),
@@ -219,7 +225,8 @@ impl Provider {
     /// Fails on a URL that is not http(s) or a key that cannot be a header.
     pub fn new(args: &ProviderArgs) -> anyhow::Result<Self> {
         let base_url = args.url.trim().trim_end_matches('/').to_string();
-        let parsed = reqwest::Url::parse(&base_url).with_context(|| format!("provider URL {base_url:?} is not a URL"))?;
+        let parsed =
+            reqwest::Url::parse(&base_url).with_context(|| format!("provider URL {base_url:?} is not a URL"))?;
         anyhow::ensure!(matches!(parsed.scheme(), "http" | "https"), "provider URL {base_url:?} is not http(s)");
         let auth = if args.api_key.is_empty() {
             None
@@ -277,7 +284,11 @@ impl Provider {
     /// `on_event` sees text deltas and finished tool calls as they arrive.
     /// Headers are read on every answer (2xx, 429, other errors). Nothing is
     /// retried: every failure comes back at once, classified.
-    pub async fn call(&self, mut body: Value, on_event: &mut (dyn FnMut(StreamEvent) + Send)) -> Result<CallSuccess, CallFailure> {
+    pub async fn call(
+        &self,
+        mut body: Value,
+        on_event: &mut (dyn FnMut(StreamEvent) + Send),
+    ) -> Result<CallSuccess, CallFailure> {
         let Some(obj) = body.as_object_mut() else {
             let error = ErrorBody { message: "the request body is not a JSON object".into(), ..ErrorBody::default() };
             // No request was sent: terminal, whatever classify would guess.
@@ -306,7 +317,9 @@ impl Provider {
                 let message = format!("no response headers within {} ms", self.between_events.as_millis());
                 return Err(self.failed(CallFailure::transport(Transport::Timeout, message, None)));
             }
-            Ok(Err(error)) => return Err(self.failed(CallFailure::transport(transport_kind(&error), error_chain(&error), None))),
+            Ok(Err(error)) => {
+                return Err(self.failed(CallFailure::transport(transport_kind(&error), error_chain(&error), None)))
+            }
             Ok(Ok(response)) => response,
         };
         let headers_received = Instant::now();
@@ -318,7 +331,10 @@ impl Provider {
             let body = match self.read_body(response, MAX_ERROR_BODY).await {
                 Ok(bytes) => ErrorBody::from_body(&bytes),
                 // The status alone still classifies the failure.
-                Err(_) => ErrorBody { message: format!("HTTP {status} (the error body could not be read)"), ..ErrorBody::default() },
+                Err(_) => ErrorBody {
+                    message: format!("HTTP {status} (the error body could not be read)"),
+                    ..ErrorBody::default()
+                },
             };
             return Err(self.failed(CallFailure::new(Some(status), body, None, headers, Some(headers_received))));
         }
@@ -367,7 +383,11 @@ impl Provider {
     }
 
     /// Reads the event stream until its terminal event.
-    async fn read_stream(&self, response: reqwest::Response, emit: &mut (dyn FnMut(StreamEvent) + Send)) -> Result<Decoded, StreamFailure> {
+    async fn read_stream(
+        &self,
+        response: reqwest::Response,
+        emit: &mut (dyn FnMut(StreamEvent) + Send),
+    ) -> Result<Decoded, StreamFailure> {
         let mut decoder = Decoder::new(self.style);
         let mut parser = SseParser::new();
         let mut stream = response.bytes_stream();
@@ -377,7 +397,9 @@ impl Provider {
                     let message = format!("no stream event for {} ms", self.between_events.as_millis());
                     return Err(StreamFailure::Transport(Transport::Timeout, message));
                 }
-                Ok(Some(Err(error))) => return Err(StreamFailure::Transport(transport_kind(&error), error_chain(&error))),
+                Ok(Some(Err(error))) => {
+                    return Err(StreamFailure::Transport(transport_kind(&error), error_chain(&error)))
+                }
                 Ok(Some(Ok(chunk))) => chunk,
                 Ok(None) => {
                     if let Some(event) = parser.finish() {
@@ -409,7 +431,11 @@ impl Provider {
 
     /// Reads a plain JSON answer (a server that does not stream) through the
     /// same decoder, as if it were one terminal event.
-    async fn read_json_answer(&self, response: reqwest::Response, emit: &mut (dyn FnMut(StreamEvent) + Send)) -> Result<Decoded, StreamFailure> {
+    async fn read_json_answer(
+        &self,
+        response: reqwest::Response,
+        emit: &mut (dyn FnMut(StreamEvent) + Send),
+    ) -> Result<Decoded, StreamFailure> {
         let bytes = self.read_body(response, MAX_JSON_BODY).await?;
         let body: Value = serde_json::from_slice(&bytes)
             .map_err(|e| StreamFailure::Transport(Transport::Other, format!("unreadable JSON answer: {e}")))?;
@@ -424,7 +450,9 @@ impl Provider {
                     Some("incomplete") => "response.incomplete",
                     _ => "response.completed",
                 };
-                if let Some(text) = body.get("output").and_then(Value::as_array).map(|items| responses::message_text(items)) {
+                if let Some(text) =
+                    body.get("output").and_then(Value::as_array).map(|items| responses::message_text(items))
+                {
                     if !text.is_empty() {
                         emit(StreamEvent::TextDelta(text));
                     }
@@ -467,7 +495,9 @@ impl Provider {
         loop {
             match tokio::time::timeout(self.between_events, stream.next()).await {
                 Err(_) => return Err(StreamFailure::Transport(Transport::Timeout, "the body stalled".into())),
-                Ok(Some(Err(error))) => return Err(StreamFailure::Transport(transport_kind(&error), error_chain(&error))),
+                Ok(Some(Err(error))) => {
+                    return Err(StreamFailure::Transport(transport_kind(&error), error_chain(&error)))
+                }
                 Ok(Some(Ok(chunk))) => {
                     let room = limit.saturating_sub(body.len());
                     body.extend_from_slice(&chunk[..chunk.len().min(room)]);
@@ -630,7 +660,11 @@ mod tests {
 
     #[test]
     fn a_failure_is_classified_once() {
-        let quota = ErrorBody { code: Some("insufficient_quota".into()), error_type: None, message: "You exceeded your current quota".into() };
+        let quota = ErrorBody {
+            code: Some("insufficient_quota".into()),
+            error_type: None,
+            message: "You exceeded your current quota".into(),
+        };
         let f = CallFailure::new(Some(429), quota, None, HeaderSnapshot::default(), None);
         assert_eq!(f.kind, FailureKind::Quota);
         assert!(f.to_string().contains("HTTP 429"));

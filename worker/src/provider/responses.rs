@@ -55,7 +55,11 @@ impl ResponsesDecoder {
             "response.output_item.done" => {
                 if let Some(item) = data.get("item") {
                     if let Some(call) = function_call(item) {
-                        emit(StreamEvent::ToolCall { call_id: call.call_id, name: call.name, arguments: call.arguments });
+                        emit(StreamEvent::ToolCall {
+                            call_id: call.call_id,
+                            name: call.name,
+                            arguments: call.arguments,
+                        });
                     }
                     self.items.push(item.clone());
                 }
@@ -74,7 +78,10 @@ impl ResponsesDecoder {
                 let error = data.get("response").and_then(|r| r.get("error")).filter(|e| e.is_object());
                 Outcome::Failed(match error {
                     Some(e) => ErrorBody::from_object(e),
-                    None => ErrorBody { message: "the response failed without an error object".into(), ..ErrorBody::default() },
+                    None => ErrorBody {
+                        message: "the response failed without an error object".into(),
+                        ..ErrorBody::default()
+                    },
                 })
             }
             "error" => {
@@ -112,7 +119,11 @@ impl ResponsesDecoder {
         let usage = response.and_then(|r| r.get("usage")).filter(|u| u.is_object()).map(|u| {
             let input_tokens = count(u, "input_tokens").unwrap_or(0);
             let output_tokens = count(u, "output_tokens").unwrap_or(0);
-            Usage { input_tokens, output_tokens, total_tokens: count(u, "total_tokens").unwrap_or(input_tokens + output_tokens) }
+            Usage {
+                input_tokens,
+                output_tokens,
+                total_tokens: count(u, "total_tokens").unwrap_or(input_tokens + output_tokens),
+            }
         });
         Decoded { output, output_text, tool_calls, usage, incomplete_reason }
     }
@@ -171,8 +182,12 @@ fn resendable(item: &Value) -> Option<Value> {
                 .into_iter()
                 .flatten()
                 .filter_map(|p| match str_field(p, "type")? {
-                    "output_text" => Some(json!({"type": "output_text", "text": str_field(p, "text").unwrap_or_default()})),
-                    "refusal" => Some(json!({"type": "refusal", "refusal": str_field(p, "refusal").unwrap_or_default()})),
+                    "output_text" => {
+                        Some(json!({"type": "output_text", "text": str_field(p, "text").unwrap_or_default()}))
+                    }
+                    "refusal" => {
+                        Some(json!({"type": "refusal", "refusal": str_field(p, "refusal").unwrap_or_default()}))
+                    }
                     _ => None,
                 })
                 .collect();
@@ -184,7 +199,9 @@ fn resendable(item: &Value) -> Option<Value> {
         }
         "function_call" => {
             let call = function_call(item)?;
-            Some(json!({"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments}))
+            Some(
+                json!({"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments}),
+            )
         }
         "reasoning" => {
             let encrypted = str_field(item, "encrypted_content").filter(|e| !e.is_empty())?;
@@ -263,7 +280,11 @@ mod tests {
         let call = ToolCall { call_id: "call_1".into(), name: "search".into(), arguments: r#"{"q":"x"}"#.into() };
         assert_eq!(
             seen,
-            vec![StreamEvent::ToolCall { call_id: call.call_id.clone(), name: call.name.clone(), arguments: call.arguments.clone() }]
+            vec![StreamEvent::ToolCall {
+                call_id: call.call_id.clone(),
+                name: call.name.clone(),
+                arguments: call.arguments.clone()
+            }]
         );
         let Outcome::Finished(d) = out else { panic!("{out:?}") };
         assert_eq!(
@@ -304,12 +325,19 @@ mod tests {
             })
         );
         let (_, out) = run(&[json!({"type": "error", "code": "server_error", "message": "boom", "param": null})]);
-        assert_eq!(out, Outcome::Failed(ErrorBody { code: Some("server_error".into()), error_type: None, message: "boom".into() }));
+        assert_eq!(
+            out,
+            Outcome::Failed(ErrorBody { code: Some("server_error".into()), error_type: None, message: "boom".into() })
+        );
         let (_, out) = run(&[json!({"type": "response.failed", "response": {"status": "failed",
             "error": {"code": "server_error", "message": "The model failed"}}})]);
         assert_eq!(
             out,
-            Outcome::Failed(ErrorBody { code: Some("server_error".into()), error_type: None, message: "The model failed".into() })
+            Outcome::Failed(ErrorBody {
+                code: Some("server_error".into()),
+                error_type: None,
+                message: "The model failed".into()
+            })
         );
     }
 
@@ -342,7 +370,9 @@ mod tests {
     #[test]
     fn reasoning_is_kept_only_with_encrypted_content() {
         assert_eq!(resendable(&json!({"type": "reasoning", "id": "rs_1", "summary": []})), None);
-        let kept = resendable(&json!({"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAA", "status": null}));
+        let kept = resendable(
+            &json!({"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAA", "status": null}),
+        );
         assert_eq!(kept, Some(json!({"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAA"})));
         assert_eq!(resendable(&json!({"type": "web_search_call", "id": "ws_1"})), None);
     }
