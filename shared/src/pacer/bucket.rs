@@ -120,14 +120,13 @@ impl Bucket {
         (cost + floor * self.limit).min(self.limit)
     }
 
-    /// Takes a header observation into the model. Lowers the level, and raises
-    /// it only when the headers are `current`.
+    /// Takes a header observation into the model. Only ever lowers the level:
+    /// a call we cleared may reach the provider after these headers were sent,
+    /// so headers that show more than we think can never be trusted to raise
+    /// it (a rule that did, when no call was cleared after the headers, let
+    /// real worker processes into 429s: clearance and receipt are not one instant).
     /// `refund` is what the observed call gave back after its headers were sent
     /// (the unused part of its reservation), which the headers cannot show yet.
-    /// `current`: no call was cleared after these headers were sent, so they
-    /// show every charge we made: the level is set to them, up as well as down
-    /// (this heals what the model could not know, such as what a call whose
-    /// worker died really used).
     pub(crate) fn observe(
         &mut self,
         obs: &Observation,
@@ -135,7 +134,6 @@ impl Bucket {
         headers_at: Millis,
         refund: f64,
         max_pace_ms: u64,
-        current: bool,
     ) {
         let (Some(limit), Some(remaining)) = (obs.limit, obs.remaining) else {
             return;
@@ -179,7 +177,7 @@ impl Bucket {
         // (which it could not show), and the refill since.
         let elapsed = (now - headers_at).max(0) as f64;
         let theirs = (remaining + refund + self.rate * elapsed).min(limit);
-        if theirs < self.level || current {
+        if theirs < self.level {
             self.level = theirs;
         }
         if obs.reset_ms.is_some() && headers_at >= self.full_seen_ms {

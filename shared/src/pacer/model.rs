@@ -630,10 +630,8 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, id: &str,
     // only a call that went through has a refund of its own to credit.
     let own = if outcome.rate_limited_ms.is_some() { 0.0 } else { refunded_tokens as f64 };
     let credit = own + others_refunds;
-    // Headers sent after the last call we cleared show every charge we made.
-    let current = headers_at > state.last_admit_ms;
-    state.tokens.observe(&outcome.tokens, now, headers_at, credit, cfg.max_pace_ms, current);
-    state.requests.observe(&outcome.requests, now, headers_at, 0.0, cfg.max_pace_ms, current);
+    state.tokens.observe(&outcome.tokens, now, headers_at, credit, cfg.max_pace_ms);
+    state.requests.observe(&outcome.requests, now, headers_at, 0.0, cfg.max_pace_ms);
     if had_headers {
         state.observed_at_ms = now;
         state.probe_until_ms = 0;

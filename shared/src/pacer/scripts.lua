@@ -165,7 +165,7 @@ local function ensure_configured()
   end
 end
 
-local function observe(p, limit, remaining, reset_ms, headers_at, refund, current)
+local function observe(p, limit, remaining, reset_ms, headers_at, refund)
   if limit < 0 or remaining < 0 or limit == 0 then return end
   local has_reset = reset_ms >= 0
   if reset_ms < 0 then reset_ms = 0 end
@@ -192,7 +192,7 @@ local function observe(p, limit, remaining, reset_ms, headers_at, refund, curren
   advance(p)
   local elapsed = math.max(now - headers_at, 0)
   local theirs = math.min(remaining + refund + get(p .. 'rate') * elapsed, limit)
-  if theirs < get(p .. 'level') or current then S[p .. 'level'] = theirs end
+  if theirs < get(p .. 'level') then S[p .. 'level'] = theirs end
   if has_reset and headers_at >= get(p .. 'full_seen') then
     S[p .. 'full_seen'] = headers_at
     S[p .. 'full_at'] = headers_at + reset_ms
@@ -443,9 +443,8 @@ if op == 'settle' then
   local headers_at = now - tonumber(ARGV[23])
   local own = refund_t
   if limited >= 0 then own = 0 end
-  local current = headers_at > get('last_admit')
-  observe('t_', tonumber(ARGV[17]), tonumber(ARGV[18]), tonumber(ARGV[19]), headers_at, own + others, current)
-  observe('r_', tonumber(ARGV[20]), tonumber(ARGV[21]), tonumber(ARGV[22]), headers_at, 0, current)
+  observe('t_', tonumber(ARGV[17]), tonumber(ARGV[18]), tonumber(ARGV[19]), headers_at, own + others)
+  observe('r_', tonumber(ARGV[20]), tonumber(ARGV[21]), tonumber(ARGV[22]), headers_at, 0)
   if tonumber(ARGV[18]) >= 0 or tonumber(ARGV[21]) >= 0 then
     S['observed_at'] = now
     S['probe_until'] = 0

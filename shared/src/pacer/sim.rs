@@ -39,6 +39,9 @@ use std::collections::{BTreeSet, BinaryHeap};
 /// queue's lateness.
 pub const STALL_BOUND_MS: Millis = 4_000;
 
+/// How long a cleared call takes to reach the provider.
+const SEND_DELAY_MS: std::ops::RangeInclusive<Millis> = 1..=40;
+
 /// What a pacer must do for the simulator: answer asks and take settles, by
 /// reservation id, at a given time.
 pub trait Policy {
@@ -369,6 +372,9 @@ impl Run {
 #[derive(Debug, Clone)]
 enum Event {
     Start(usize),
+    /// A cleared call reaches the provider (a clearance and the provider's
+    /// receipt are never one instant: the worker builds and sends the request).
+    Arrive(usize, String),
     /// An in-place wait ends: ask again (the slot is held).
     Reask(usize),
     /// An early redelivery of a requeued turn (a duplicate).
@@ -600,6 +606,7 @@ impl<'w> Sim<'w> {
         match ev {
             Event::Start(run) => self.start_turn(run),
             Event::Reask(run) => self.deliver(run, policy),
+            Event::Arrive(run, id) => self.send(run, id),
             Event::Early(run, due) => {
                 // A duplicate delivery before the turn's due time.
                 if self.runs[run].state == RunState::Queued && self.runs[run].due == due && self.now < due {
@@ -692,7 +699,9 @@ impl<'w> Sim<'w> {
                     self.report.early_clears += 1;
                 }
                 self.stall_since = None;
-                self.send(run, id);
+                self.runs[run].state = RunState::Calling;
+                let t = self.now + self.rng.random_range(SEND_DELAY_MS);
+                self.at(t, Event::Arrive(run, id));
             }
             Decision::Owed { ms, .. } if ms <= 250 => {
                 self.runs[run].state = RunState::InPlace;
