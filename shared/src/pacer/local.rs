@@ -2,7 +2,7 @@
 //! shared pacer, kept in this process only, like a single-process client.
 //! Many processes each believe they have the whole budget.
 
-use super::model::{self, CallOutcome, Decision, Estimate, Mode, PacerState, PacingConfig, Who};
+use super::model::{self, Ask, CallOutcome, Decision, Estimate, Mode, PacerState, PacingConfig, Who};
 use super::store::BudgetSnapshot;
 use crate::clock::{Clock, SystemClock};
 use std::collections::HashMap;
@@ -44,7 +44,7 @@ impl LocalPacer {
         let u = self.jitter_u();
         let mut models = self.models.lock().unwrap_or_else(|e| e.into_inner());
         let state = models.entry(model.to_owned()).or_default();
-        model::acquire(state, &self.config, now, id, est, mode, who, u)
+        model::acquire(state, &self.config, now, &Ask { id, est, mode, who: *who }, u)
     }
 
     /// See [`super::Pacer::settle`].

@@ -31,5 +31,5 @@ pub use bucket::Observation;
 pub use classify::{classify, FailedCall, FailureKind, Transport};
 pub use headers::{HeaderSnapshot, LimitSnapshot};
 pub use local::LocalPacer;
-pub use model::{CallOutcome, Decision, Estimate, Mode, OwedReason, PacerState, PacingConfig, Who};
+pub use model::{Ask, CallOutcome, Decision, Estimate, Mode, OwedReason, PacerState, PacingConfig, Who};
 pub use store::{BudgetSnapshot, Pacer, PacerError, PacerKind, SharedPacer, TenantShare};

@@ -338,20 +338,24 @@ struct Ahead {
     last_due_ms: Millis,
 }
 
-/// Asks for `est` at `now` under reservation `id`. `jitter_u` is a uniform
+/// One ask: a call of `est` under reservation `id`, in `mode`, for `who`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Ask<'a> {
+    /// The reservation id (a turn keeps it while it waits).
+    pub id: &'a str,
+    /// What the call is expected to cost.
+    pub est: Estimate,
+    /// Work or companion.
+    pub mode: Mode,
+    /// Its tenant, weight and cap.
+    pub who: Who<'a>,
+}
+
+/// Asks for `ask.est` at `now`. `jitter_u` is a uniform
 /// number in [0, 1) from the caller (Redis scripts must be deterministic, so
 /// randomness comes from outside).
-#[allow(clippy::too_many_arguments)]
-pub fn acquire(
-    state: &mut PacerState,
-    cfg: &PacingConfig,
-    now: Millis,
-    id: &str,
-    est: Estimate,
-    mode: Mode,
-    who: &Who<'_>,
-    jitter_u: f64,
-) -> Decision {
+pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &Ask<'_>, jitter_u: f64) -> Decision {
+    let Ask { id, est, mode, who } = *ask;
     expire(state, cfg, now);
     // 1. Asked again for a call already cleared (a redelivery): still clear.
     if state.flights.contains_key(id) {
@@ -378,7 +382,7 @@ pub fn acquire(
         // it was charged; a second call sent before them would be charged
         // where the model cannot see it), or until the hold lapses.
         state.probe_until_ms = now + PROBE_HOLD_MS.min(cfg.reservation_ttl_ms as Millis);
-        return admit(state, cfg, now, id, est, mode, who.tenant, None);
+        return admit(state, cfg, now, ask, None);
     }
     state.tokens.lift(now);
     state.requests.lift(now);
@@ -390,7 +394,7 @@ pub fn acquire(
             w.line = line;
             w.order
         }
-        None => match fresh_place(state, now, mode, who, line) {
+        None => match fresh_place(state, now, mode, &who, line) {
             Ok(order) => order,
             // No jitter: the gate's time is exact, so a redelivery that asks
             // before it is still held (the turn has no place in line to keep it).
@@ -416,7 +420,7 @@ pub fn acquire(
         }
     }
     if fits {
-        return admit(state, cfg, now, id, est, mode, who.tenant, Some(order));
+        return admit(state, cfg, now, ask, Some((order, line)));
     }
     // 6. Otherwise wait in line until the refill brings it — or until the
     //    turns ahead are due (plus `late_ms`), or the recheck horizon,
@@ -503,18 +507,17 @@ fn hold_place(
     decision
 }
 
-/// Clears the call: it leaves the line, its reservation is charged and in flight.
-#[allow(clippy::too_many_arguments)]
+/// Clears the call: it leaves the line, its reservation is charged and in
+/// flight. `place` is its order and line cost when it stood in line (none for
+/// a probe, which no tenant's share is charged for).
 fn admit(
     state: &mut PacerState,
     cfg: &PacingConfig,
     now: Millis,
-    id: &str,
-    est: Estimate,
-    mode: Mode,
-    tenant: &str,
-    order: Option<f64>,
+    ask: &Ask<'_>,
+    place: Option<(f64, f64)>,
 ) -> Decision {
+    let Ask { id, est, mode, who } = *ask;
     state.waiters.remove(id);
     let mut reserved = Estimate::default();
     for (bucket, cost, held) in [
@@ -535,9 +538,8 @@ fn admit(
     let flight =
         Flight { est: reserved, mark: state.tokens.refunded, expiry_ms: now + cfg.reservation_ttl_ms as Millis };
     state.flights.insert(id.to_owned(), flight);
-    if let (Mode::Work, Some(order)) = (mode, order) {
-        let line = state.line_cost(est);
-        state.tenants.entry(tenant.to_owned()).or_default().admitted += line;
+    if let (Mode::Work, Some((order, line))) = (mode, place) {
+        state.tenants.entry(who.tenant.to_owned()).or_default().admitted += line;
         let least = state.least_work_tag();
         state.fair_time = fair::virtual_time_after(state.fair_time, order, least);
     }

@@ -274,7 +274,9 @@ if op == 'acquire' then
   end
   ensure_configured()
 
-  local function admit(order)
+  -- Clears the call; `order` and `line` are its place and line cost when it
+  -- stood in line (nil for a probe, which no tenant's share is charged for).
+  local function admit(order, line)
     local r = {kind = 'f', tokens = 0, requests = 0, output = 0, mark = get('t_refunded'), expiry = now + ttl}
     for _, pc in ipairs({{'t_', tokens, 'tokens'}, {'r_', requests, 'requests'}}) do
       local p, cost, field = pc[1], pc[2], pc[3]
@@ -292,7 +294,7 @@ if op == 'acquire' then
     redis.call('ZADD', expiry, r.expiry, id)
     if not live and order then
       tenant_entry(tenant)
-      S['tadm:' .. tenant] = get('tadm:' .. tenant) + line_cost(tokens, output)
+      S['tadm:' .. tenant] = get('tadm:' .. tenant) + line
       local least = redis.call('ZRANGEBYSCORE', line_key, 0, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
       local v = order
       if #least > 0 then v = math.min(tonumber(least[2]), order) end
@@ -325,7 +327,7 @@ if op == 'acquire' then
       return hold_place(math.min(get('probe_until') - now, probe_wait), 3)
     end
     S['probe_until'] = now + math.min(PROBE_HOLD_MS, ttl)
-    return admit(nil)
+    return admit(nil, nil)
   end
   lift('t_')
   lift('r_')
@@ -380,7 +382,7 @@ if op == 'acquire' then
       end
     end
   end
-  if fits then return admit(order) end
+  if fits then return admit(order, line) end
   -- 6. Otherwise wait in line until the refill brings it, the turns ahead are
   --    due (plus late_ms), or the recheck horizon, whichever is first.
   local reason = 1

@@ -482,6 +482,8 @@ struct Sim<'w> {
     stall_since: Option<Millis>,
     /// A settle reached the pacer (it knows the limits from then on).
     settled: bool,
+    /// `PACER_SIM_TRACE` is set: print every ask, settle and refusal.
+    trace: bool,
     last_done: Millis,
     report: Report,
 }
@@ -528,6 +530,7 @@ impl<'w> Sim<'w> {
             closed_until: 0,
             stall_since: None,
             settled: false,
+            trace: std::env::var_os("PACER_SIM_TRACE").is_some(),
             last_done: t0,
             report: Report { seed: w.seed, max_charge, ..Report::default() },
         }
@@ -610,13 +613,9 @@ impl<'w> Sim<'w> {
             Event::Early(run, due) => {
                 // A duplicate delivery before the turn's due time.
                 if self.runs[run].state == RunState::Queued && self.runs[run].due == due && self.now < due {
-                    let (id, est, mode) = (self.runs[run].id(run), self.runs[run].est(), self.runs[run].plan.mode);
-                    let tenant = &self.w.tenants[self.runs[run].plan.tenant];
-                    let who = Who { tenant: &tenant.name, weight: tenant.weight, cap: tenant.cap };
-                    let u = self.rng.random::<f64>();
-                    self.report.asks += 1;
-                    if policy.acquire(self.now, &id, est, mode, &who, u) == Decision::Clear {
-                        if std::env::var("PACER_SIM_TRACE").is_ok() {
+                    let (id, decision) = self.ask(run, policy);
+                    if decision == Decision::Clear {
+                        if self.trace {
                             eprintln!("{:>8} EARLY CLEAR {id} due {}", self.now - self.t0, due - self.t0);
                         }
                         self.report.early_clears += 1;
@@ -654,7 +653,7 @@ impl<'w> Sim<'w> {
             Event::Settle(id, outcome) => {
                 policy.settle(self.now, &id, &outcome);
                 self.settled = true;
-                if std::env::var("PACER_SIM_TRACE").is_ok() {
+                if self.trace {
                     eprintln!(
                         "{:>8} settle {id:<9} used {:?} 429 {:?} remaining {:?} age {} provider {:.0} | {}",
                         self.now - self.t0,
@@ -677,14 +676,21 @@ impl<'w> Sim<'w> {
         }
     }
 
-    fn deliver(&mut self, run: usize, policy: &mut dyn Policy) {
-        let (id, est, mode) = (self.runs[run].id(run), self.runs[run].est(), self.runs[run].plan.mode);
-        let tenant = &self.w.tenants[self.runs[run].plan.tenant];
+    /// Asks the pacer for run `run`'s current turn.
+    fn ask(&mut self, run: usize, policy: &mut dyn Policy) -> (String, Decision) {
+        let r = &self.runs[run];
+        let (id, est, mode) = (r.id(run), r.est(), r.plan.mode);
+        let tenant = &self.w.tenants[r.plan.tenant];
         let who = Who { tenant: &tenant.name, weight: tenant.weight, cap: tenant.cap };
         let u = self.rng.random::<f64>();
         self.report.asks += 1;
         let decision = policy.acquire(self.now, &id, est, mode, &who, u);
-        if std::env::var("PACER_SIM_TRACE").is_ok() {
+        (id, decision)
+    }
+
+    fn deliver(&mut self, run: usize, policy: &mut dyn Policy) {
+        let (id, decision) = self.ask(run, policy);
+        if self.trace {
             eprintln!(
                 "{:>8} ask {id:<12} {decision:?} provider {:.0} free {} | {}",
                 self.now - self.t0,
@@ -759,7 +765,7 @@ impl<'w> Sim<'w> {
                 self.at(t, Event::Done { run, id, used, headers, sent: self.now });
             }
             Err((short, retry_ms)) => {
-                if std::env::var("PACER_SIM_TRACE").is_ok() {
+                if self.trace {
                     eprintln!("{:>8} REFUSED {id} short {short:.0}", self.now - self.t0);
                 }
                 self.report.refused += 1;
@@ -866,7 +872,8 @@ impl ModelPolicy {
 
 impl Policy for ModelPolicy {
     fn acquire(&mut self, now: Millis, id: &str, est: Estimate, mode: Mode, who: &Who<'_>, jitter_u: f64) -> Decision {
-        super::model::acquire(&mut self.state, &self.config, now, id, est, mode, who, jitter_u)
+        let ask = super::model::Ask { id, est, mode, who: *who };
+        super::model::acquire(&mut self.state, &self.config, now, &ask, jitter_u)
     }
 
     fn settle(&mut self, now: Millis, id: &str, outcome: &CallOutcome) {
