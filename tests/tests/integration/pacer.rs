@@ -8,7 +8,8 @@ use rand::{Rng, SeedableRng};
 use shared::clock::{Clock, ManualClock, Millis};
 use shared::keys::Keys;
 use shared::pacer::{
-    CallOutcome, Decision, Estimate, LocalPacer, Mode, Observation, OwedReason, Pacer, PacingConfig, SharedPacer, Who,
+    sim, CallOutcome, Decision, Estimate, LocalPacer, Mode, Observation, OwedReason, Pacer, PacingConfig, SharedPacer,
+    Who,
 };
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -470,4 +471,65 @@ async fn agree(server: &RedisServer, seed: u64, paths: &mut Paths) {
         }
         assert_eq!(got.flights, want.flights, "seed {seed} step {step}: flights");
     }
+}
+
+/// The simulator's workloads through the Redis script, in lockstep with the
+/// pure model: every answer of the script must be the model's, so the
+/// properties the model holds over 10 000 workloads (`pacer::sim` in
+/// `shared`) hold for the script on these.
+struct Lockstep {
+    script: SharedPacer,
+    model: sim::ModelPolicy,
+    clock: ManualClock,
+    handle: tokio::runtime::Handle,
+    seed: u64,
+}
+
+impl sim::Policy for Lockstep {
+    fn acquire(&mut self, now: Millis, id: &str, est: Estimate, mode: Mode, who: &Who<'_>, jitter_u: f64) -> Decision {
+        self.clock.set(now);
+        let want = self.model.acquire(now, id, est, mode, who, jitter_u);
+        let got = tokio::task::block_in_place(|| self.handle.block_on(self.script.acquire("m", id, est, mode, who)))
+            .expect("script");
+        assert_eq!(got, want, "seed {}: acquire {id} at {now}", self.seed);
+        got
+    }
+
+    fn settle(&mut self, now: Millis, id: &str, outcome: &CallOutcome) {
+        self.clock.set(now);
+        self.model.settle(now, id, outcome);
+        tokio::task::block_in_place(|| self.handle.block_on(self.script.settle("m", id, outcome))).expect("script");
+    }
+
+    fn head(&self, now: Millis) -> Option<String> {
+        self.model.head(now)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_simulators_workloads_hold_through_the_redis_script() {
+    const SEEDS: u64 = 40;
+    let server = RedisServer::start();
+    let mut asks = 0;
+    for seed in 0..SEEDS {
+        let mut workload = sim::Workload::random(seed);
+        // Jitter is drawn inside the shared pacer; without it both are exact.
+        workload.config.jitter_frac = 0.0;
+        let clock = ManualClock::new(0);
+        let script = shared_pacer(&server, &unique_prefix(), workload.config.clone())
+            .await
+            .with_test_clock(Arc::new(clock.clone()));
+        let mut policy = Lockstep {
+            script,
+            model: sim::ModelPolicy::new(workload.config.clone()),
+            clock,
+            handle: tokio::runtime::Handle::current(),
+            seed,
+        };
+        let report = sim::simulate(&workload, &mut policy);
+        assert_eq!(report.completed, report.runs, "seed {seed}: {report:?}");
+        asks += report.asks;
+    }
+    eprintln!("pacer: {SEEDS} simulated workloads, {asks} asks, script and model agreed on every one");
+    assert!(asks >= 1_000, "only {asks} asks: the workloads hardly ran");
 }
