@@ -259,6 +259,7 @@ impl Runner {
         });
         let outcome = CallOutcome {
             used_tokens: usage.map(|u| u.total_tokens),
+            input_tokens: usage.map(|u| u.input_tokens),
             rate_limited_ms: None,
             tokens: success.headers.tokens.into(),
             requests: success.headers.requests.into(),
@@ -340,6 +341,7 @@ impl Runner {
         // for every worker, for the server's delay (or until its reset).
         let outcome = CallOutcome {
             used_tokens: None,
+            input_tokens: None,
             rate_limited_ms: rate_limited.then(|| delay.map(|(ms, _)| ms).unwrap_or(1_000)),
             tokens: failure.headers.tokens.into(),
             requests: failure.headers.requests.into(),

@@ -42,6 +42,8 @@ pub struct FairnessPlan {
     pub max_output_tokens: u32,
     /// Words of a final answer.
     pub answer_tokens: u64,
+    /// Characters of each run's input (0: the task alone).
+    pub input_chars: usize,
     /// Trial 1.
     pub live: LivePlan,
     /// Trial 2: `(tenant, runs)`, equal weights.
@@ -264,6 +266,7 @@ impl FairnessPlan {
             max_output_tokens: self.max_output_tokens,
             answer_tokens: self.answer_tokens,
             model: "gpt-4.1-mini".into(),
+            input_chars: self.input_chars,
         }
     }
 

@@ -35,6 +35,8 @@ pub struct Setup {
     pub latency_ms: u64,
     /// `max_output_tokens` of each call.
     pub max_output_tokens: u32,
+    /// Characters of each run's input (0: the task alone).
+    pub input_chars: usize,
 }
 
 /// The configuration, as SPEC §7 names it (plus the rest of the knobs).

@@ -35,6 +35,7 @@ pub async fn measure(env: &Env, plan: &ThroughputPlan, progress: &ProgressBar) -
         max_output_tokens: 16,
         answer_tokens: 5,
         model: "gpt-4.1-mini".into(),
+        input_chars: 0,
     };
     let (tool_rounds, output_tokens) = workload.mock_script();
     let mock = MockConfig {

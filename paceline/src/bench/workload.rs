@@ -35,6 +35,11 @@ fn task_text(i: usize) -> String {
     )
 }
 
+/// Padding for runs whose input is longer than their task (`--input-chars`).
+const BACKGROUND: &str = " Background: the team runs many long agent sessions at once on one provider account, \
+each turn resending its instructions, its history and every tool result, so the account's tokens-per-minute \
+budget is what every process competes for.";
+
 /// The shape of the runs a bench submits.
 #[derive(Debug, Clone)]
 pub struct Workload {
@@ -48,6 +53,9 @@ pub struct Workload {
     pub answer_tokens: u64,
     /// The model name.
     pub model: String,
+    /// Characters of each run's input: its task padded with background text
+    /// (0: the task alone, ~100 tokens).
+    pub input_chars: usize,
 }
 
 impl Workload {
@@ -61,12 +69,24 @@ impl Workload {
         (self.turns.saturating_sub(1) as usize, self.answer_tokens)
     }
 
+    /// Run `i`'s input: its task, padded to `input_chars`.
+    fn input(&self, i: usize) -> String {
+        let mut text = task_text(i);
+        while text.len() < self.input_chars {
+            text.push_str(BACKGROUND);
+        }
+        if text.len() > self.input_chars.max(task_text(i).len()) {
+            text.truncate(self.input_chars); // ASCII: any length is a char boundary
+        }
+        text
+    }
+
     /// The `POST /v1/runs` body of run `i`.
     pub fn body(&self, i: usize, tool_endpoint: &str, label: &str) -> Value {
         json!({
             "model": self.model,
             "instructions": INSTRUCTIONS,
-            "input": task_text(i),
+            "input": self.input(i),
             "tools": [{
                 "type": "function",
                 "name": "lookup",

@@ -81,6 +81,9 @@ pub struct Args {
     /// `max_output_tokens` of each run (reserved by the pacer; charged, then refunded, by the mock).
     #[arg(long, default_value_t = 256)]
     max_output_tokens: u32,
+    /// Characters of each run's input: its task padded with background text (0: the task alone, ~100 tokens).
+    #[arg(long, default_value_t = 0)]
+    input_chars: usize,
     /// Words in each run's final answer.
     #[arg(long, default_value_t = 100)]
     answer_tokens: u64,
@@ -149,6 +152,7 @@ impl Args {
             bucket: self.bucket.to_string(),
             latency_ms: self.latency_ms,
             max_output_tokens: self.max_output_tokens,
+            input_chars: self.input_chars,
         }
     }
 }
@@ -180,6 +184,7 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
         max_output_tokens: args.max_output_tokens,
         answer_tokens: args.answer_tokens,
         model: "gpt-4.1-mini".into(),
+        input_chars: args.input_chars,
     };
     let plan = PacingPlan {
         workers: args.workers,
@@ -304,6 +309,7 @@ async fn fairness(
         mock: plan.mock.clone(),
         max_output_tokens: args.max_output_tokens,
         answer_tokens: args.answer_tokens,
+        input_chars: args.input_chars,
         live: LivePlan {
             work_runs: args.live_work_runs,
             work_turns: args.turns,

@@ -236,8 +236,11 @@ pub struct Waiter {
     pub line: f64,
     /// Its tenant.
     pub tenant: String,
-    /// When it may come back (never earlier).
+    /// When it may come back (never earlier): a checkpoint, at most when it
+    /// is predicted clear.
     pub due_ms: Millis,
+    /// When it is predicted clear (the refill it needs), as of its last ask.
+    pub clear_ms: Millis,
     /// When it first waited.
     pub since_ms: Millis,
     /// Why it waits.
@@ -249,6 +252,9 @@ pub struct Waiter {
 pub struct Flight {
     /// What it reserved (zero on a bucket whose limit was unknown then).
     pub est: Estimate,
+    /// The worker's own estimate of its input (before the input ratio; 0
+    /// when the estimate did not split input and output), to learn the ratio from.
+    pub input: u64,
     /// The token bucket's `refunded` when it was sent.
     pub mark: f64,
     /// When the reservation lapses unsettled.
@@ -276,6 +282,15 @@ pub struct PacerState {
     /// reserves its whole `max_output_tokens` but usually gives most of it
     /// back, and a line spaced by reservations would leave the refunds idle.
     pub usage_ratio: f64,
+    /// Input tokens the provider counted / input tokens estimated, learned
+    /// at every settle (0 = not yet known, read as 1). Each process's worker
+    /// estimates with its own tokenizer; the provider charges by its own
+    /// count. Asks are charged by the provider's count: a model that charged
+    /// less than the provider would sit below it after every header seen while
+    /// such a call was in flight, for good (headers only lower the level).
+    /// Shared by every process, and taught by the probe before the first wave.
+    #[serde(default)]
+    pub input_ratio: f64,
     /// Fair admission's system virtual time (see `fair.rs`).
     pub fair_time: f64,
     /// Each tenant's fair-admission state.
@@ -287,6 +302,17 @@ pub struct PacerState {
 }
 
 impl PacerState {
+    /// What the provider will charge for `est`: its input part at the
+    /// learned input ratio (an estimate that does not split is taken as is).
+    pub fn charged(&self, est: Estimate) -> Estimate {
+        if self.input_ratio <= 0.0 || est.output == 0 {
+            return est;
+        }
+        let output = est.output.min(est.tokens);
+        let input = (est.tokens - output) as f64;
+        Estimate { tokens: (input * self.input_ratio).ceil() as u64 + output, ..est }
+    }
+
     /// What a turn of `est` is expected to use (its line cost).
     pub fn line_cost(&self, est: Estimate) -> f64 {
         let ratio = if self.usage_ratio > 0.0 { self.usage_ratio.clamp(0.05, 1.0) } else { 1.0 };
@@ -313,7 +339,7 @@ impl PacerState {
                 ahead.tokens += w.line;
                 ahead.requests += w.est.requests as f64;
                 ahead.other_tenant |= fair::is_work(w.order) && w.tenant != tenant;
-                ahead.last_due_ms = ahead.last_due_ms.max(w.due_ms);
+                ahead.last_clear_ms = ahead.last_clear_ms.max(w.clear_ms);
             }
         }
         ahead
@@ -334,8 +360,8 @@ struct Ahead {
     requests: f64,
     /// Another tenant's work turn is among them.
     other_tenant: bool,
-    /// The latest due time among them (0: none).
-    last_due_ms: Millis,
+    /// The latest predicted clear time among them (0: none).
+    last_clear_ms: Millis,
 }
 
 /// One ask: a call of `est` under reservation `id`, in `mode`, for `who`.
@@ -355,6 +381,9 @@ pub struct Ask<'a> {
 /// number in [0, 1) from the caller (Redis scripts must be deterministic, so
 /// randomness comes from outside).
 pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &Ask<'_>, jitter_u: f64) -> Decision {
+    // Everything below charges what the provider will charge.
+    let raw_input = if ask.est.output > 0 { ask.est.tokens - ask.est.output.min(ask.est.tokens) } else { 0 };
+    let ask = &Ask { est: state.charged(ask.est), ..*ask };
     let Ask { id, est, mode, who } = *ask;
     expire(state, cfg, now);
     // 1. Asked again for a call already cleared (a redelivery): still clear.
@@ -382,7 +411,7 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
         // it was charged; a second call sent before them would be charged
         // where the model cannot see it), or until the hold lapses.
         state.probe_until_ms = now + PROBE_HOLD_MS.min(cfg.reservation_ttl_ms as Millis);
-        return admit(state, cfg, now, ask, None);
+        return admit(state, cfg, now, ask, raw_input, None);
     }
     state.tokens.lift(now);
     state.requests.lift(now);
@@ -420,18 +449,24 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
         }
     }
     if fits {
-        return admit(state, cfg, now, ask, Some((order, line)));
+        return admit(state, cfg, now, ask, raw_input, Some((order, line)));
     }
-    // 6. Otherwise wait in line until the refill brings it — or until the
-    //    turns ahead are due (plus `late_ms`), or the recheck horizon,
-    //    whichever is first. A long wait is a prediction (the line's expected
-    //    use, refunds to come, turns ahead that may never come back); a turn
-    //    that comes back on a wrong one is re-timed at once, where one that
-    //    sleeps past it leaves the bucket idle. It never sends before it is clear.
+    // 6. Otherwise wait in line until the refill brings it — for at most half
+    //    of that, or a few turns' refill when that is longer. A long wait is a
+    //    prediction (the line's expected use, refunds to come, turns ahead that
+    //    may never come back): a turn asked back early is re-timed with what
+    //    is known then, where one that sleeps past a pessimistic prediction
+    //    leaves the bucket idle. Halving keeps the asks of a deep line few (a
+    //    logarithm of its wait). It never sends before it is clear.
     let reason = if ahead.other_tenant { OwedReason::FairShare } else { OwedReason::Budget };
-    let mut sleep = wait.min(recheck_ms(&state.tokens, cfg, line));
-    if ahead.last_due_ms > 0 {
-        sleep = sleep.min((ahead.last_due_ms + cfg.late_ms as Millis - now) as f64);
+    let mut sleep = wait.min((wait / 2.0).max(recheck_ms(&state.tokens, cfg, line))).min(cfg.max_pace_ms as f64);
+    // The turns ahead are predicted clear by `last_clear_ms`; one that never
+    // comes back (its run cancelled, its worker dead) stops counting by then
+    // plus `late_ms`: be back then to take its place. (Their checkpoints are
+    // not the mark: waking with every one of them would make a deep line ask
+    // as often as its head.)
+    if ahead.last_clear_ms > 0 {
+        sleep = sleep.min((ahead.last_clear_ms + cfg.late_ms as Millis - now) as f64);
     }
     let decision = owed(sleep.max(1.0), reason, cfg, jitter_u);
     if let Decision::Owed { ms, .. } = decision {
@@ -442,10 +477,12 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
             line,
             tenant: who.tenant.to_owned(),
             due_ms: now,
+            clear_ms: now,
             since_ms: now,
             reason,
         });
         w.due_ms = now + ms as Millis;
+        w.clear_ms = now + (wait.ceil() as Millis).max(ms as Millis);
         w.reason = reason;
         w.est = est;
         if fresh {
@@ -455,9 +492,9 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
     decision
 }
 
-/// The longest a turn in line sleeps before it is re-timed: a few turns'
-/// worth of refill (so a slow tier is not asked every second), at least
-/// `recheck_ms`, at most `max_pace_ms`.
+/// The shortest sleep of a turn owed longer: a few turns' worth of refill (so
+/// a slow tier is not asked every second), at least `recheck_ms`, at most
+/// `max_pace_ms`. A turn owed more sleeps half its wait, then is re-timed.
 fn recheck_ms(tokens: &Bucket, cfg: &PacingConfig, line: f64) -> f64 {
     let turns = if tokens.known() { RECHECK_TURNS * line / tokens.rate } else { 0.0 };
     turns.max(cfg.recheck_ms as f64).min(cfg.max_pace_ms as f64)
@@ -502,6 +539,7 @@ fn hold_place(
     let decision = owed(ms, reason, cfg, u);
     if let (Decision::Owed { ms, .. }, Some(w)) = (decision, state.waiters.get_mut(id)) {
         w.due_ms = now + ms as Millis;
+        w.clear_ms = w.clear_ms.max(w.due_ms);
         w.reason = reason;
     }
     decision
@@ -509,12 +547,14 @@ fn hold_place(
 
 /// Clears the call: it leaves the line, its reservation is charged and in
 /// flight. `place` is its order and line cost when it stood in line (none for
-/// a probe, which no tenant's share is charged for).
+/// a probe, which no tenant's share is charged for); `input` is the worker's
+/// own input estimate, kept to learn the input ratio from.
 fn admit(
     state: &mut PacerState,
     cfg: &PacingConfig,
     now: Millis,
     ask: &Ask<'_>,
+    input: u64,
     place: Option<(f64, f64)>,
 ) -> Decision {
     let Ask { id, est, mode, who } = *ask;
@@ -536,7 +576,7 @@ fn admit(
         reserved.output = est.output;
     }
     let flight =
-        Flight { est: reserved, mark: state.tokens.refunded, expiry_ms: now + cfg.reservation_ttl_ms as Millis };
+        Flight { est: reserved, input, mark: state.tokens.refunded, expiry_ms: now + cfg.reservation_ttl_ms as Millis };
     state.flights.insert(id.to_owned(), flight);
     if let (Mode::Work, Some((order, line))) = (mode, place) {
         state.tenants.entry(who.tenant.to_owned()).or_default().admitted += line;
@@ -570,6 +610,11 @@ pub struct CallOutcome {
     /// Tokens the provider reported as used; `None` when unknown (the
     /// reservation then stands as the charge).
     pub used_tokens: Option<u64>,
+    /// The part of `used_tokens` the provider counted as input. The provider
+    /// charged that plus the output reserved, so what it gave back after the
+    /// headers is the reserved output less the output used — whatever our own
+    /// estimate of the input was.
+    pub input_tokens: Option<u64>,
     /// The call was refused with a 429: nothing of it was charged, and the
     /// window is closed for `rate_limited_ms`.
     pub rate_limited_ms: Option<u64>,
@@ -588,9 +633,9 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, id: &str,
     expire(state, cfg, now);
     ensure_configured(state, cfg, now);
     state.waiters.remove(id);
-    let (reserved, mark) = match state.flights.remove(id) {
-        Some(f) => (f.est, Some(f.mark)),
-        None => (Estimate::default(), None),
+    let (reserved, estimated_input, mark) = match state.flights.remove(id) {
+        Some(f) => (f.est, f.input, Some(f.mark)),
+        None => (Estimate::default(), 0, None),
     };
     if mark.is_some() {
         // A probe (or any call) that settled: the next probe may go.
@@ -602,8 +647,27 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, id: &str,
         (None, None) => 0,
     };
     let refunded_requests = if outcome.rate_limited_ms.is_some() { reserved.requests } else { 0 };
+    // What the provider gave back after its headers were sent: its charge (the
+    // input it counted plus the output reserved) less what was used. Crediting
+    // our own refund instead (our estimate less what was used) would leave the
+    // model below the provider by the estimate's error on every call, for good.
+    let (input, output) = reserved.split();
+    let given_back = match (outcome.rate_limited_ms, outcome.used_tokens, outcome.input_tokens) {
+        (None, Some(used), Some(counted)) if reserved.output > 0 => (counted as f64 + output - used as f64).max(0.0),
+        (None, _, _) => refunded_tokens as f64,
+        (Some(_), _, _) => 0.0,
+    };
+    if let (None, Some(counted)) = (outcome.rate_limited_ms, outcome.input_tokens) {
+        if estimated_input > 0 {
+            // The first count is taken whole (the probe's answer teaches the
+            // first wave); later ones weigh 30 %.
+            let seen = (counted as f64 / estimated_input as f64).clamp(0.25, 4.0);
+            let prior = if state.input_ratio > 0.0 { state.input_ratio } else { seen };
+            state.input_ratio = 0.7 * prior + 0.3 * seen;
+        }
+    }
     if let (None, Some(used)) = (outcome.rate_limited_ms, outcome.used_tokens) {
-        let (input, output) = reserved.split();
+        let input = outcome.input_tokens.map_or(input, |counted| counted as f64);
         if output > 0.0 {
             let seen = ((used as f64 - input) / output).clamp(0.0, 1.0);
             let prior = if state.usage_ratio > 0.0 { state.usage_ratio } else { 1.0 };
@@ -612,26 +676,21 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, id: &str,
     }
     // What others gave back since this call was sent: its headers cannot show it.
     let others_refunds = mark.map(|m| (state.tokens.refunded - m).max(0.0)).unwrap_or(0.0);
-    for (bucket, held, refund) in [
-        (&mut state.tokens, reserved.tokens, refunded_tokens),
-        (&mut state.requests, reserved.requests, refunded_requests),
+    for (bucket, held, refund, provider_refund) in [
+        (&mut state.tokens, reserved.tokens, refunded_tokens, given_back),
+        (&mut state.requests, reserved.requests, refunded_requests, 0.0),
     ] {
         bucket.advance(now);
         bucket.in_flight = (bucket.in_flight - held as f64).max(0.0);
         bucket.level = (bucket.level + refund as f64).min(bucket.limit.max(bucket.level));
-        // Only what the provider gave back counts for others' headers: a
-        // refused call's reservation returns to us, not to the provider.
-        if outcome.rate_limited_ms.is_none() {
-            bucket.refunded += refund as f64;
-        }
+        // Only what the provider gave back counts for others' headers (a
+        // refused call's reservation returns to us, not to the provider).
+        bucket.refunded += provider_refund;
         bucket.charged_since = (bucket.charged_since - refund as f64).max(0.0);
     }
     let headers_at = now - outcome.headers_age_ms as Millis;
     let had_headers = outcome.tokens.remaining.is_some() || outcome.requests.remaining.is_some();
-    // A refused call was never charged: its headers already show that, so
-    // only a call that went through has a refund of its own to credit.
-    let own = if outcome.rate_limited_ms.is_some() { 0.0 } else { refunded_tokens as f64 };
-    let credit = own + others_refunds;
+    let credit = given_back + others_refunds;
     state.tokens.observe(&outcome.tokens, now, headers_at, credit, cfg.max_pace_ms);
     state.requests.observe(&outcome.requests, now, headers_at, 0.0, cfg.max_pace_ms);
     if had_headers {

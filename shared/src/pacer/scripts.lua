@@ -11,13 +11,16 @@
 --   <p>refunded (cumulative provider refunds), <p>full_at (the provider's reset),
 --   <p>charged_since (net charges since the headers that set full_at),
 --   <p>rated (1: the rate came from headers), <p>full_seen (when those headers were sent);
---   blocked_until, probe_until, observed_at, last_admit, usage_ratio, fair_time;
+--   blocked_until, probe_until, observed_at, last_admit, usage_ratio, input_ratio
+--   (the provider's input count / the workers' estimate), fair_time;
 --   per tenant t: tw:<t> weight, tf:<t> finish tag, tc:<t> cap due (ms),
 --   tadm:<t> expected tokens admitted, twait:<t> turns that waited.
 -- KEYS[2] expiry zset: reservation id -> when its record lapses
 -- KEYS[3] records hash: reservation id -> rec_encode(record)
---   waiter: w|order|tokens|requests|output|line|due|since|reason|tenant
---   flight: f|tokens|requests|output|mark|expiry
+--   waiter: w|order|tokens|requests|output|line|due|clear|since|reason|tenant
+--     (due: when it may come back, a checkpoint; clear: when it is predicted clear)
+--   flight: f|tokens|requests|output|mark|expiry|input
+--     (input: the worker's own input estimate, to learn input_ratio from)
 -- KEYS[4] line zset: waiter id -> order (companion turns < 0 <= work tags)
 -- ARGV[1] op: acquire | settle | snapshot
 -- ARGV[2..13] config: floor, max_pace_ms, jitter_frac, jitter_max_ms, ttl_ms, probe_wait_ms,
@@ -27,7 +30,7 @@
 --   -> {0} clear | {1, owed_ms, reason}   reason: 1 budget, 2 rate_limited, 3 probe, 4 fair_share
 -- settle:  ARGV[14] id, [15] used_tokens (-1 unknown), [16] rate_limited_ms (-1 none),
 --          [17..19] token limit, remaining, reset_ms, [20..22] same for requests (-1 missing),
---          [23] headers_age_ms
+--          [23] headers_age_ms, [24] input tokens the provider counted (-1 unknown)
 -- snapshot: -> flat field list of the state, 'now', and 'rec:<id>' -> record for each record
 
 local state, expiry, records, line_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
@@ -76,25 +79,27 @@ end
 local function rec_encode(r)
   if r.kind == 'w' then
     return table.concat({'w', fmt(r.order), fmt(r.tokens), fmt(r.requests), fmt(r.output), fmt(r.line),
-      fmt(r.due), fmt(r.since), fmt(r.reason), r.tenant}, '|')
+      fmt(r.due), fmt(r.clear), fmt(r.since), fmt(r.reason), r.tenant}, '|')
   end
-  return table.concat({'f', fmt(r.tokens), fmt(r.requests), fmt(r.output), fmt(r.mark), fmt(r.expiry)}, '|')
+  return table.concat({'f', fmt(r.tokens), fmt(r.requests), fmt(r.output), fmt(r.mark), fmt(r.expiry),
+    fmt(r.input)}, '|')
 end
 
 local function rec_decode(s)
   if not s then return nil end
   local kind = string.sub(s, 1, 1)
   if kind == 'w' then
-    local o, tk, rq, out, ln, due, since, reason, tenant =
-      string.match(s, '^w|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|(.*)$')
+    local o, tk, rq, out, ln, due, clear, since, reason, tenant =
+      string.match(s, '^w|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|(.*)$')
     if not o then return nil end
     return {kind = 'w', order = tonumber(o), tokens = tonumber(tk), requests = tonumber(rq), output = tonumber(out),
-      line = tonumber(ln), due = tonumber(due), since = tonumber(since), reason = tonumber(reason), tenant = tenant}
+      line = tonumber(ln), due = tonumber(due), clear = tonumber(clear), since = tonumber(since),
+      reason = tonumber(reason), tenant = tenant}
   elseif kind == 'f' then
-    local tk, rq, out, mark, exp = string.match(s, '^f|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
+    local tk, rq, out, mark, exp, input = string.match(s, '^f|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
     if not tk then return nil end
     return {kind = 'f', tokens = tonumber(tk), requests = tonumber(rq), output = tonumber(out),
-      mark = tonumber(mark), expiry = tonumber(exp)}
+      mark = tonumber(mark), expiry = tonumber(exp), input = tonumber(input)}
   end
   return nil
 end
@@ -258,6 +263,15 @@ if op == 'acquire' then
   local weight, cap, tenant = tonumber(ARGV[19]), tonumber(ARGV[20]), ARGV[21]
   local output = tonumber(ARGV[22])
   local fl = floor
+  -- Everything below charges what the provider will charge: the input part
+  -- at the learned input ratio (an estimate that does not split is taken as is).
+  local raw_input = 0
+  if output > 0 then
+    raw_input = tokens - math.min(output, tokens)
+    if get('input_ratio') > 0 then
+      tokens = math.ceil(raw_input * get('input_ratio')) + math.min(output, tokens)
+    end
+  end
   expire()
   local rec = rec_decode(redis.call('HGET', records, id))
   -- 1. Asked again for a call already cleared (a redelivery): still clear.
@@ -277,7 +291,8 @@ if op == 'acquire' then
   -- Clears the call; `order` and `line` are its place and line cost when it
   -- stood in line (nil for a probe, which no tenant's share is charged for).
   local function admit(order, line)
-    local r = {kind = 'f', tokens = 0, requests = 0, output = 0, mark = get('t_refunded'), expiry = now + ttl}
+    local r = {kind = 'f', tokens = 0, requests = 0, output = 0, mark = get('t_refunded'), expiry = now + ttl,
+      input = raw_input}
     for _, pc in ipairs({{'t_', tokens, 'tokens'}, {'r_', requests, 'requests'}}) do
       local p, cost, field = pc[1], pc[2], pc[3]
       if known(p) then
@@ -311,6 +326,7 @@ if op == 'acquire' then
     local r = owed(ms, reason, uu)
     if waiter then
       waiter.due = now + r[2]
+      waiter.clear = math.max(waiter.clear, waiter.due)
       waiter.reason = reason
       put_waiter(id, waiter)
     end
@@ -356,7 +372,7 @@ if op == 'acquire' then
   -- 5. Clear if the bucket holds the turns ahead and this one above the floor.
   redis.call('ZADD', line_key, order, id)
   local rank = redis.call('ZRANK', line_key, id)
-  local a_tokens, a_requests, other, last_due = 0, 0, false, 0
+  local a_tokens, a_requests, other, last_clear = 0, 0, false, 0
   if rank > 0 then
     local ids = redis.call('ZRANGE', line_key, 0, rank - 1)
     local recs = redis.call('HMGET', records, unpack(ids))
@@ -366,7 +382,7 @@ if op == 'acquire' then
         a_tokens = a_tokens + w.line
         a_requests = a_requests + w.requests
         if w.order >= 0 and w.tenant ~= tenant then other = true end
-        last_due = math.max(last_due, w.due)
+        last_clear = math.max(last_clear, w.clear)
       end
     end
   end
@@ -383,14 +399,16 @@ if op == 'acquire' then
     end
   end
   if fits then return admit(order, line) end
-  -- 6. Otherwise wait in line until the refill brings it, the turns ahead are
-  --    due (plus late_ms), or the recheck horizon, whichever is first.
+  -- 6. Otherwise wait in line until the refill brings it — for at most half
+  --    of that, or a few turns' refill when that is longer — and no later
+  --    than the turns ahead are predicted clear (plus late_ms).
   local reason = 1
   if other then reason = 4 end
   local turns = 0
   if known('t_') then turns = RECHECK_TURNS * line / get('t_rate') end
-  local sleep = math.min(wait, math.min(math.max(turns, recheck_min), max_pace))
-  if last_due > 0 then sleep = math.min(sleep, last_due + late_ms - now) end
+  local recheck = math.min(math.max(turns, recheck_min), max_pace)
+  local sleep = math.min(math.min(wait, math.max(wait / 2, recheck)), max_pace)
+  if last_clear > 0 then sleep = math.min(sleep, last_clear + late_ms - now) end
   local r = owed(math.max(sleep, 1), reason, u)
   if not waiter then
     waiter = {kind = 'w', order = order, line = line, tenant = tenant, since = now}
@@ -399,6 +417,7 @@ if op == 'acquire' then
   end
   waiter.tokens, waiter.requests, waiter.output = tokens, requests, output
   waiter.due = now + r[2]
+  waiter.clear = now + math.max(math.ceil(wait), r[2])
   waiter.reason = reason
   put_waiter(id, waiter)
   save()
@@ -409,43 +428,61 @@ if op == 'settle' then
   local id = ARGV[14]
   local used = tonumber(ARGV[15])
   local limited = tonumber(ARGV[16])
+  local counted = tonumber(ARGV[24])
   expire()
   ensure_configured()
-  local tk, rq, out, mark = 0, 0, 0, nil
+  local tk, rq, out, mark, estimated_input = 0, 0, 0, nil, 0
   local rec = rec_decode(redis.call('HGET', records, id))
   if rec and rec.kind == 'f' then
-    tk, rq, out, mark = rec.tokens, rec.requests, rec.output, rec.mark
+    tk, rq, out, mark, estimated_input = rec.tokens, rec.requests, rec.output, rec.mark, rec.input
   end
   drop(id)
   if mark then S['probe_until'] = 0 end
-  local output = tk
-  if out > 0 then output = math.min(out, tk) end
-  local input = tk - output
-  if limited < 0 and used >= 0 and output > 0 then
-    local prior = get('usage_ratio')
-    if prior <= 0 then prior = 1 end
-    S['usage_ratio'] = 0.8 * prior + 0.2 * math.min(math.max((used - input) / output, 0), 1)
-  end
   local refund_t, refund_r = 0, 0
   if limited >= 0 then
     refund_t, refund_r = tk, rq
   elseif used >= 0 then
     refund_t = math.max(tk - used, 0)
   end
+  local output = tk
+  if out > 0 then output = math.min(out, tk) end
+  local input = tk - output
+  -- What the provider gave back after its headers: its charge (the input it
+  -- counted plus the output reserved) less what was used.
+  local given_back = 0
+  if limited < 0 then
+    if used >= 0 and counted >= 0 and out > 0 then
+      given_back = math.max(counted + output - used, 0)
+    else
+      given_back = refund_t
+    end
+  end
+  if limited < 0 and counted >= 0 and estimated_input > 0 then
+    local seen = math.min(math.max(counted / estimated_input, 0.25), 4)
+    local prior = get('input_ratio')
+    if prior <= 0 then prior = seen end
+    S['input_ratio'] = 0.7 * prior + 0.3 * seen
+  end
+  if limited < 0 and used >= 0 then
+    if counted >= 0 then input = counted end
+    if output > 0 then
+      local prior = get('usage_ratio')
+      if prior <= 0 then prior = 1 end
+      S['usage_ratio'] = 0.8 * prior + 0.2 * math.min(math.max((used - input) / output, 0), 1)
+    end
+  end
   local others = 0
   if mark then others = math.max(get('t_refunded') - mark, 0) end
-  for _, x in ipairs({{'t_', tk, refund_t}, {'r_', rq, refund_r}}) do
-    local p, held, refund = x[1], x[2], x[3]
+  for _, x in ipairs({{'t_', tk, refund_t, given_back}, {'r_', rq, refund_r, 0}}) do
+    local p, held, refund, provider_refund = x[1], x[2], x[3], x[4]
     advance(p)
     S[p .. 'inflight'] = math.max(get(p .. 'inflight') - held, 0)
     S[p .. 'level'] = math.min(get(p .. 'level') + refund, math.max(get(p .. 'limit'), get(p .. 'level')))
-    if limited < 0 then S[p .. 'refunded'] = get(p .. 'refunded') + refund end
+    S[p .. 'refunded'] = get(p .. 'refunded') + provider_refund
     S[p .. 'charged_since'] = math.max(get(p .. 'charged_since') - refund, 0)
   end
   local headers_at = now - tonumber(ARGV[23])
-  local own = refund_t
-  if limited >= 0 then own = 0 end
-  observe('t_', tonumber(ARGV[17]), tonumber(ARGV[18]), tonumber(ARGV[19]), headers_at, own + others)
+  observe('t_', tonumber(ARGV[17]), tonumber(ARGV[18]), tonumber(ARGV[19]), headers_at, given_back + others)
   observe('r_', tonumber(ARGV[20]), tonumber(ARGV[21]), tonumber(ARGV[22]), headers_at, 0)
   if tonumber(ARGV[18]) >= 0 or tonumber(ARGV[21]) >= 0 then
     S['observed_at'] = now

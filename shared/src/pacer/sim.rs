@@ -109,6 +109,9 @@ pub struct Faults {
     pub early: f64,
     /// The worker's input estimate is off by up to this fraction either way.
     pub est_error: f64,
+    /// … and systematically this fraction low (a tokenizer that counts fewer
+    /// tokens than the provider; 0.18 is tiktoken against a chars/4 count).
+    pub est_low: f64,
     /// A settle arrives up to this long after the call ended.
     pub settle_delay_max_ms: Millis,
 }
@@ -182,6 +185,7 @@ impl Workload {
             late_max_ms: 5_000,
             early: p(&mut rng, 0.05),
             est_error: p(&mut rng, 0.2),
+            est_low: p(&mut rng, 0.18),
             settle_delay_max_ms: if rng.random_bool(0.5) { 1_000 } else { 50 },
         };
         let config = PacingConfig { jitter_frac: 0.02, ..PacingConfig::default() };
@@ -239,7 +243,9 @@ impl Workload {
             tool_ms: (0, 50),
             tenants: vec![Tenant { name: "alpha".into(), weight: 1.0, cap: 0.0 }],
             runs,
-            faults: Faults { settle_delay_max_ms: 20, ..Faults::default() },
+            // The worker's estimate 18 % low, as the bench measured it (a
+            // calibration per process corrects it in a real worker; not here).
+            faults: Faults { settle_delay_max_ms: 20, est_low: 0.18, ..Faults::default() },
             config: PacingConfig { jitter_frac: 0.02, ..PacingConfig::default() },
             until_ms: 600_000,
         }
@@ -354,6 +360,8 @@ struct Run {
     attempt: u32,
     /// When the pacer said it may come back (for the "never early" check).
     due: Millis,
+    /// When the queue delivers it (past `due` when the `late` fault hit it).
+    back: Millis,
     /// This turn's input as the provider counts it, and as the worker estimates it.
     input: u64,
     estimate: u64,
@@ -506,6 +514,7 @@ impl<'w> Sim<'w> {
                 turn: 0,
                 attempt: 0,
                 due: 0,
+                back: 0,
                 input: 0,
                 estimate: 0,
             })
@@ -545,6 +554,7 @@ impl<'w> Sim<'w> {
     fn enqueue(&mut self, run: usize, due: Millis) {
         self.seq += 1;
         self.runs[run].state = RunState::Queued;
+        self.runs[run].back = due;
         self.ready.insert((due, self.seq, run));
     }
 
@@ -599,7 +609,7 @@ impl<'w> Sim<'w> {
         let r = &mut self.runs[run];
         r.input = r.plan.input + r.plan.growth * r.turn as u64;
         let factor = if err > 0.0 { self.rng.random_range(1.0 - err..1.0 + err) } else { 1.0 };
-        r.estimate = (r.input as f64 * factor).round() as u64;
+        r.estimate = (r.input as f64 * factor * (1.0 - self.w.faults.est_low)).round() as u64;
         r.attempt = 0;
         let now = self.now;
         self.enqueue(run, now);
@@ -629,6 +639,7 @@ impl<'w> Sim<'w> {
                 self.free_slots += 1;
                 let outcome = CallOutcome {
                     used_tokens: Some(used),
+                    input_tokens: Some(self.runs[run].input),
                     rate_limited_ms: None,
                     tokens: headers,
                     requests: Observation::default(),
@@ -773,6 +784,7 @@ impl<'w> Sim<'w> {
                 self.closed_until = self.closed_until.max(self.now + retry_ms as Millis);
                 let outcome = CallOutcome {
                     used_tokens: None,
+                    input_tokens: None,
                     rate_limited_ms: Some(retry_ms),
                     tokens: self.provider.headers(),
                     requests: Observation::default(),
@@ -816,11 +828,25 @@ impl<'w> Sim<'w> {
         let slot = self.free_slots > 0 || self.runs.iter().any(|r| r.state == RunState::InPlace);
         let level = self.provider.level_at(self.now);
         let limit = self.w.limit as f64;
+        // The head "fits" when the bucket holds it whatever the estimate's
+        // error: its input as the provider counts it, or as the pacer may
+        // (the estimate, corrected for a systematic bias, at its worst noise).
+        let f = &self.w.faults;
         let fits = |r: &Run| {
             let floor = self.w.config.floor(r.plan.mode) * limit;
-            level >= ((r.estimate.max(r.input) + r.plan.max_output) as f64 + floor).min(limit)
+            let corrected = r.estimate as f64 / (1.0 - f.est_low);
+            let input = (r.input as f64).max(corrected) * (1.0 + f.est_error);
+            level >= (input + r.plan.max_output as f64 + floor).min(limit)
         };
-        let waiting = |r: &&Run| matches!(r.state, RunState::Queued | RunState::InPlace);
+        // Waiting for the pacer: in an in-place wait, or queued — but not a
+        // turn the `late` fault holds past its due time (it is not there to
+        // be admitted; the turns behind it take its place after `late_ms`).
+        let now = self.now;
+        let waiting = |r: &&Run| match r.state {
+            RunState::InPlace => true,
+            RunState::Queued => !(r.due <= now && now < r.back),
+            _ => false,
+        };
         // The head the policy names, when it is a live turn of this workload;
         // else every waiting turn must fit (capped tenants' turns may wait).
         let head = policy
@@ -896,10 +922,11 @@ impl Policy for ModelPolicy {
         let head: Vec<String> =
             line.iter().take(4).map(|(id, w)| format!("{id}@{}+{:.0}", w.due_ms - now, w.line)).collect();
         format!(
-            "level {:.0} flights {} ratio {:.2} line {} [{}]",
+            "level {:.0} flights {} ratio {:.2}/{:.2} line {} [{}]",
             self.state.tokens.level_at(now),
             self.state.flights.len(),
             self.state.usage_ratio,
+            self.state.input_ratio,
             line.len(),
             head.join(" ")
         )
@@ -915,17 +942,19 @@ mod tests {
         simulate(w, &mut policy)
     }
 
-    /// The stated bound: [`STALL_BOUND_MS`] plus the refill time of the
-    /// largest turn (a turn ahead that never comes back, or a reservation whose
-    /// worker died, is held for about that long before the model sees it).
+    /// The stated bound: [`STALL_BOUND_MS`] plus twice the refill time of the
+    /// largest turn. Turns ahead that never come back (cancelled runs, dead
+    /// workers) count in the predictions of the turns sleeping behind them
+    /// until the last of them was predicted clear; with 5 % of waits cancelled
+    /// and 10 % of returns up to 5 s late, two in a row happen.
     fn stall_bound(w: &Workload, r: &Report) -> Millis {
-        STALL_BOUND_MS + (r.max_charge * w.period_ms as f64 / w.limit as f64) as Millis
+        STALL_BOUND_MS + 2 * (r.max_charge * w.period_ms as f64 / w.limit as f64) as Millis
     }
 
     #[test]
     fn one_tenant_at_a_real_per_minute_limit() {
         let r = check(&Workload::one_tenant_per_minute(1));
-        eprintln!("{r:?} efficiency {:.3}", r.efficiency());
+        eprintln!("{r:?} efficiency {:.3}, {:.1} asks per call", r.efficiency(), r.asks as f64 / r.calls as f64);
         assert_eq!(r.completed, r.runs);
         assert!(r.longest_stall_ms <= STALL_BOUND_MS, "{r:?}");
         assert_eq!(r.refused, 0, "{r:?}");
@@ -980,7 +1009,7 @@ mod tests {
             if r.early_clears > 0 {
                 why.push(format!("{} early clears", r.early_clears));
             }
-            if w.faults.est_error == 0.0 && r.refused > 2 + r.calls / 50 {
+            if w.faults.est_error == 0.0 && w.faults.est_low == 0.0 && r.refused > 2 + r.calls / 50 {
                 why.push(format!("{} of {} calls refused with exact estimates", r.refused, r.calls));
             }
             if r.max_shortfall > r.max_charge {

@@ -332,7 +332,8 @@ impl SharedPacer {
             .arg(opt(o.requests.limit))
             .arg(opt(o.requests.remaining))
             .arg(opt(o.requests.reset_ms))
-            .arg(o.headers_age_ms);
+            .arg(o.headers_age_ms)
+            .arg(opt(o.input_tokens));
         let mut conn = self.conn.clone();
         let _: Vec<i64> = inv.invoke_async(&mut conn).await?;
         Ok(())
@@ -406,6 +407,7 @@ fn state_from_fields(flat: &[String]) -> (PacerState, Millis) {
     state.observed_at_ms = f("observed_at") as Millis;
     state.last_admit_ms = f("last_admit") as Millis;
     state.usage_ratio = f("usage_ratio");
+    state.input_ratio = f("input_ratio");
     state.fair_time = f("fair_time");
     state.tenants = map
         .keys()
@@ -432,17 +434,17 @@ enum Record {
 }
 
 /// Reads one record of the script (`rec_encode` in `scripts.lua`):
-/// `w|order|tokens|requests|output|line|due|since|reason|tenant` or
-/// `f|tokens|requests|output|mark|expiry`.
+/// `w|order|tokens|requests|output|line|due|clear|since|reason|tenant` or
+/// `f|tokens|requests|output|mark|expiry|input`.
 fn decode_record(s: &str) -> Option<Record> {
-    let mut parts = s.splitn(10, '|');
+    let mut parts = s.splitn(11, '|');
     let kind = parts.next()?;
     let mut num = || parts.next()?.parse::<f64>().ok();
     match kind {
         "w" => {
             let order = num()?;
             let est = Estimate { tokens: num()? as u64, requests: num()? as u64, output: num()? as u64 };
-            let (line, due, since, reason) = (num()?, num()?, num()?, num()?);
+            let (line, due, clear, since, reason) = (num()?, num()?, num()?, num()?, num()?);
             let tenant = parts.next()?.to_owned();
             Some(Record::Waiter(Waiter {
                 order,
@@ -450,14 +452,15 @@ fn decode_record(s: &str) -> Option<Record> {
                 line,
                 tenant,
                 due_ms: due as Millis,
+                clear_ms: clear as Millis,
                 since_ms: since as Millis,
                 reason: OwedReason::from_code(reason as i64),
             }))
         }
         "f" => {
             let est = Estimate { tokens: num()? as u64, requests: num()? as u64, output: num()? as u64 };
-            let (mark, expiry) = (num()?, num()?);
-            Some(Record::Flight(Flight { est, mark, expiry_ms: expiry as Millis }))
+            let (mark, expiry, input) = (num()?, num()?, num()?);
+            Some(Record::Flight(Flight { est, input: input as u64, mark, expiry_ms: expiry as Millis }))
         }
         _ => None,
     }

@@ -388,8 +388,11 @@ async fn agree(server: &RedisServer, seed: u64, paths: &mut Paths) {
             waiting.remove(&id);
             let limit = 50_000;
             let remaining = rng.random_range(0..limit);
+            let used = rng.random_bool(0.8).then(|| rng.random_range(0..3_000));
             let outcome = CallOutcome {
-                used_tokens: rng.random_bool(0.8).then(|| rng.random_range(0..3_000)),
+                used_tokens: used,
+                // Mostly the provider's input count too (below what was used).
+                input_tokens: used.filter(|_| rng.random_bool(0.8)).map(|u| u * rng.random_range(20..=100) / 100),
                 rate_limited_ms: rng.random_bool(0.05).then(|| rng.random_range(100..2_000)),
                 tokens: Observation {
                     limit: Some(limit),
@@ -432,6 +435,7 @@ async fn agree(server: &RedisServer, seed: u64, paths: &mut Paths) {
             assert_eq!(g, w, "seed {seed} step {step}: {what}");
         }
         assert!(close(got.usage_ratio, want.usage_ratio), "seed {seed} step {step}: usage ratio");
+        assert!(close(got.input_ratio, want.input_ratio), "seed {seed} step {step}: input ratio");
         assert!(close(got.fair_time, want.fair_time), "seed {seed} step {step}: fair time");
         assert_eq!(
             got.tenants.len(),
