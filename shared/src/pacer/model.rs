@@ -451,15 +451,18 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
     if fits {
         return admit(state, cfg, now, ask, raw_input, Some((order, line)));
     }
-    // 6. Otherwise wait in line until the refill brings it — for at most half
-    //    of that, or a few turns' refill when that is longer. A long wait is a
-    //    prediction (the line's expected use, refunds to come, turns ahead that
-    //    may never come back): a turn asked back early is re-timed with what
-    //    is known then, where one that sleeps past a pessimistic prediction
-    //    leaves the bucket idle. Halving keeps the asks of a deep line few (a
-    //    logarithm of its wait). It never sends before it is clear.
+    // 6. Otherwise wait in line until the refill brings it — for at most
+    //    three quarters of that, or a few turns' refill when that is longer. A
+    //    long wait is a prediction (the line's expected use, refunds to come,
+    //    turns ahead that may never come back): a turn asked back early is
+    //    re-timed with what is known then, where one that sleeps past a
+    //    pessimistic prediction leaves the bucket idle. Shrinking the rest by
+    //    four each time keeps the asks of a deep line few (a logarithm of its
+    //    wait); a prediction up to a quarter too pessimistic costs nothing.
+    //    It never sends before it is clear.
     let reason = if ahead.other_tenant { OwedReason::FairShare } else { OwedReason::Budget };
-    let mut sleep = wait.min((wait / 2.0).max(recheck_ms(&state.tokens, cfg, line))).min(cfg.max_pace_ms as f64);
+    let recheck = recheck_ms(&state.tokens, cfg, line);
+    let mut sleep = wait.min((wait * RECHECK_SHARE).max(recheck)).min(cfg.max_pace_ms as f64);
     // The turns ahead are predicted clear by `last_clear_ms`; one that never
     // comes back (its run cancelled, its worker dead) stops counting by then
     // plus `late_ms`: be back then to take its place. (Their checkpoints are
@@ -494,7 +497,8 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
 
 /// The shortest sleep of a turn owed longer: a few turns' worth of refill (so
 /// a slow tier is not asked every second), at least `recheck_ms`, at most
-/// `max_pace_ms`. A turn owed more sleeps half its wait, then is re-timed.
+/// `max_pace_ms`. A turn owed more sleeps [`RECHECK_SHARE`] of its wait,
+/// then is re-timed.
 fn recheck_ms(tokens: &Bucket, cfg: &PacingConfig, line: f64) -> f64 {
     let turns = if tokens.known() { RECHECK_TURNS * line / tokens.rate } else { 0.0 };
     turns.max(cfg.recheck_ms as f64).min(cfg.max_pace_ms as f64)
@@ -502,6 +506,9 @@ fn recheck_ms(tokens: &Bucket, cfg: &PacingConfig, line: f64) -> f64 {
 
 /// See [`recheck_ms`].
 const RECHECK_TURNS: f64 = 4.0;
+
+/// The share of a long predicted wait a turn sleeps before it is re-timed.
+const RECHECK_SHARE: f64 = 0.75;
 
 /// A new turn's place in line, or `Err(ms)` while its tenant's cap holds it
 /// back (it does not join the line then).
@@ -670,7 +677,9 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, id: &str,
         let input = outcome.input_tokens.map_or(input, |counted| counted as f64);
         if output > 0.0 {
             let seen = ((used as f64 - input) / output).clamp(0.0, 1.0);
-            let prior = if state.usage_ratio > 0.0 { state.usage_ratio } else { 1.0 };
+            // The first call's use is taken whole (the probe's answer sets the
+            // line's spacing for the first wave); later ones weigh 20 %.
+            let prior = if state.usage_ratio > 0.0 { state.usage_ratio } else { seen.max(0.05) };
             state.usage_ratio = 0.8 * prior + 0.2 * seen;
         }
     }

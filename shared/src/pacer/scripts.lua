@@ -55,6 +55,7 @@ local recheck_min = tonumber(ARGV[13])
 local LIVE_BASE = -1e13
 local PROBE_HOLD_MS = 10000
 local RECHECK_TURNS = 4
+local RECHECK_SHARE = 0.75
 
 local function fmt(x) return string.format('%.17g', x) end
 
@@ -399,15 +400,15 @@ if op == 'acquire' then
     end
   end
   if fits then return admit(order, line) end
-  -- 6. Otherwise wait in line until the refill brings it — for at most half
-  --    of that, or a few turns' refill when that is longer — and no later
+  -- 6. Otherwise wait in line until the refill brings it — for at most three
+  --    quarters of that, or a few turns' refill when that is longer — and no later
   --    than the turns ahead are predicted clear (plus late_ms).
   local reason = 1
   if other then reason = 4 end
   local turns = 0
   if known('t_') then turns = RECHECK_TURNS * line / get('t_rate') end
   local recheck = math.min(math.max(turns, recheck_min), max_pace)
-  local sleep = math.min(math.min(wait, math.max(wait / 2, recheck)), max_pace)
+  local sleep = math.min(math.min(wait, math.max(wait * RECHECK_SHARE, recheck)), max_pace)
   if last_clear > 0 then sleep = math.min(sleep, last_clear + late_ms - now) end
   local r = owed(math.max(sleep, 1), reason, u)
   if not waiter then
@@ -466,9 +467,10 @@ if op == 'settle' then
   if limited < 0 and used >= 0 then
     if counted >= 0 then input = counted end
     if output > 0 then
+      local seen = math.min(math.max((used - input) / output, 0), 1)
       local prior = get('usage_ratio')
-      if prior <= 0 then prior = 1 end
-      S['usage_ratio'] = 0.8 * prior + 0.2 * math.min(math.max((used - input) / output, 0), 1)
+      if prior <= 0 then prior = math.max(seen, 0.05) end
+      S['usage_ratio'] = 0.8 * prior + 0.2 * seen
     end
   end
   local others = 0
