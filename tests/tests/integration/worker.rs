@@ -85,6 +85,19 @@ impl App {
         self.workers.push((tx, handle));
     }
 
+    /// A `paceline worker` process on this app's Redis, mock and tools, with
+    /// `args` after the common ones (killed when dropped).
+    fn worker_process(&self, args: &[&str], rust_log: &str) -> ChildGuard {
+        let mut cmd = std::process::Command::new(paceline_tests::paceline_bin());
+        cmd.arg("worker")
+            .args(["--redis-url", &self.redis.url(), "--prefix", &self.prefix])
+            .args(["--provider-url", &self.mock.base_url(), "--tool-endpoints", &self.tools])
+            .args(args)
+            .env("RUST_LOG", rust_log)
+            .stdout(std::process::Stdio::null());
+        ChildGuard(cmd.spawn().expect("start paceline worker"))
+    }
+
     async fn submit(&self, body: Value) -> Run {
         let policy = SubmitPolicy { tool_endpoint_prefixes: vec![self.tools.clone()] };
         let spec = RunSpec::from_json(&body, &policy).expect("valid spec");
@@ -307,18 +320,8 @@ async fn a_cancelled_run_makes_no_further_provider_request() {
 async fn a_sigkilled_worker_process_loses_no_run_and_doubles_no_turn() {
     let app =
         App::start(MockConfig { tool_rounds: 2, latency: Duration::from_millis(150), ..MockConfig::default() }).await;
-    let spawn = |extra: &[&str]| {
-        let mut cmd = std::process::Command::new(paceline_tests::paceline_bin());
-        cmd.arg("worker")
-            .args(["--redis-url", &app.redis.url(), "--prefix", &app.prefix])
-            .args(["--provider-url", &app.mock.base_url(), "--tool-endpoints", &app.tools])
-            .args(["--queue-lease-ms", "1500", "--concurrency", "8"])
-            .args(extra)
-            .env("RUST_LOG", "warn")
-            .stdout(std::process::Stdio::null());
-        ChildGuard(cmd.spawn().expect("start paceline worker"))
-    };
-    let mut doomed = spawn(&[]);
+    let spawn = || app.worker_process(&["--queue-lease-ms", "1500", "--concurrency", "8"], "warn");
+    let mut doomed = spawn();
     let mut ids = vec![];
     for i in 0..8 {
         let mut body = tool_run(&app, "lookup");
@@ -330,7 +333,7 @@ async fn a_sigkilled_worker_process_loses_no_run_and_doubles_no_turn() {
     doomed.signal("KILL");
     let _ = doomed.wait_timeout(secs(5));
     let started = Instant::now();
-    let _rescuer = spawn(&[]);
+    let _rescuer = spawn();
     for id in &ids {
         let run = app.wait_finished(id, secs(40)).await;
         assert_eq!(run.status, RunStatus::Completed, "{run:?}");
@@ -362,17 +365,7 @@ async fn four_worker_processes_share_a_tight_budget_with_almost_no_429s() {
         ..MockConfig::default()
     })
     .await;
-    let spawn = || {
-        let mut cmd = std::process::Command::new(paceline_tests::paceline_bin());
-        cmd.arg("worker")
-            .args(["--redis-url", &app.redis.url(), "--prefix", &app.prefix])
-            .args(["--provider-url", &app.mock.base_url(), "--tool-endpoints", &app.tools])
-            .args(["--concurrency", "16"])
-            .env("RUST_LOG", "error")
-            .stdout(std::process::Stdio::null());
-        ChildGuard(cmd.spawn().expect("start paceline worker"))
-    };
-    let _workers: Vec<ChildGuard> = (0..4).map(|_| spawn()).collect();
+    let _workers: Vec<ChildGuard> = (0..4).map(|_| app.worker_process(&["--concurrency", "16"], "error")).collect();
     let started = Instant::now();
     let mut ids = vec![];
     for i in 0..40 {
@@ -403,6 +396,88 @@ async fn four_worker_processes_share_a_tight_budget_with_almost_no_429s() {
         stats.largest_overdraft
     );
     assert_eq!(calls, 200 + stats.rate_limited, "one call per turn, plus the 429'd ones");
+    assert!(per_100 <= 1.0, "{per_100:.2} 429s per 100 calls");
+}
+
+/// The workload that once stalled the fleet with a full bucket (issue: "the
+/// pacer never stalls"), scaled from 10 s to a 2 s window: three worker
+/// processes × 16 slots; tenant `alpha` submits 40 work runs of 5 turns
+/// (~2 000 characters of input, `max_output_tokens` 300, one tool, little of
+/// the output used, so the learned usage ratio falls far below 1); from 1 s
+/// on, tenant `beta` submits a companion run every 0.4 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_and_companion_runs_all_finish_with_a_full_bucket_never_idle() {
+    let window = Duration::from_secs(2);
+    let tpm = 30_000u64;
+    let app = App::start(MockConfig {
+        tpm,
+        rpm: 10_000,
+        window,
+        tool_rounds: 4,
+        output_tokens: 40,
+        latency: Duration::from_millis(50),
+        log_limit: 10_000,
+        ..MockConfig::default()
+    })
+    .await;
+    let _workers: Vec<ChildGuard> = (0..3).map(|_| app.worker_process(&["--concurrency", "16"], "error")).collect();
+    let policy = SubmitPolicy { tool_endpoint_prefixes: vec![app.tools.clone()] };
+    let background = "Background: the team runs many long agent sessions on one account. ".repeat(30);
+    let started = Instant::now();
+    let mut work = vec![];
+    for i in 0..40 {
+        let mut body = tool_run(&app, "lookup");
+        body["input"] = json!(format!("task {i}. {background}"));
+        body["max_output_tokens"] = json!(300);
+        let spec = RunSpec::from_json(&body, &policy).expect("valid spec");
+        work.push(app.store.create("alpha", &spec, None).await.unwrap().run.id);
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut live_waits = vec![];
+    for i in 0..8 {
+        let body = json!({"model": "gpt-test", "input": format!("a question {i}"), "mode": "companion",
+                          "max_turns": 2, "max_output_tokens": 300});
+        let spec = RunSpec::from_json(&body, &policy).expect("valid spec");
+        let asked = Instant::now();
+        let run = app.store.create("beta", &spec, None).await.unwrap().run;
+        let run = wait_finished_for(&app, "beta", &run.id, secs(20)).await;
+        assert_eq!(run.status, RunStatus::Completed, "{run:?}");
+        live_waits.push(asked.elapsed());
+        tokio::time::sleep(Duration::from_millis(400).saturating_sub(asked.elapsed())).await;
+    }
+    let mut unfinished_when_live_done = 0;
+    for id in &work {
+        if !app.store.get("alpha", id).await.unwrap().unwrap().status.is_finished() {
+            unfinished_when_live_done += 1;
+        }
+    }
+    for id in &work {
+        let run = wait_finished_for(&app, "alpha", id, secs(120)).await;
+        assert_eq!(run.status, RunStatus::Completed, "{run:?}");
+        assert_eq!(run.turns_completed, 5);
+    }
+    let makespan = started.elapsed().as_secs_f64();
+    let stats = app.mock.stats();
+    let per_100 = stats.rate_limited as f64 * 100.0 / stats.requests as f64;
+    let floor = (stats.tokens_admitted as f64 - tpm as f64).max(0.0) / (tpm as f64 / window.as_secs_f64());
+    live_waits.sort();
+    let p95 = live_waits[live_waits.len() * 95 / 100 - 1];
+    eprintln!(
+        "worker: 40 work runs x 5 turns + 8 companion runs, 3 processes x 16: {} calls, {} 429s, {} tokens \
+         admitted, makespan {makespan:.1} s, floor {floor:.1} s, efficiency {:.2}; companion submit -> done \
+         p95 {p95:?} (max {:?}); {unfinished_when_live_done} work runs still waiting when the last companion finished",
+        stats.requests,
+        stats.rate_limited,
+        stats.tokens_admitted,
+        floor / makespan,
+        live_waits.last().unwrap(),
+    );
+    assert!(unfinished_when_live_done > 0, "the work runs were not saturating the budget: the test shows nothing");
+    assert!(p95 <= Duration::from_secs(1), "companion runs waited {live_waits:?}");
+    // 0.93 measured here (debug workers); the release bench trial of this
+    // workload reaches 0.99. The margin is for a loaded CI machine; a stall
+    // shows as a small fraction.
+    assert!(floor / makespan >= 0.85, "efficiency {:.2}: the fleet idled with budget free", floor / makespan);
     assert!(per_100 <= 1.0, "{per_100:.2} 429s per 100 calls");
 }
 
