@@ -187,17 +187,8 @@ pub enum OwedReason {
 }
 
 impl OwedReason {
-    /// The number the script answers with.
-    pub fn code(self) -> i64 {
-        match self {
-            Self::Budget => 1,
-            Self::RateLimited => 2,
-            Self::Probe => 3,
-            Self::FairShare => 4,
-        }
-    }
-
-    /// See [`OwedReason::code`].
+    /// Reads the number the script answers with (`scripts.lua`: 1 budget,
+    /// 2 rate_limited, 3 probe, 4 fair_share).
     pub fn from_code(code: i64) -> Self {
         match code {
             2 => Self::RateLimited,
