@@ -263,6 +263,11 @@ pub struct PacerState {
     pub blocked_until_ms: Millis,
     /// With nothing known yet, a probe call is out until then.
     pub probe_until_ms: Millis,
+    /// A call was answered without rate-limit headers while nothing was known
+    /// or configured: no proactive pacing (every call is clear) until headers
+    /// arrive.
+    #[serde(default)]
+    pub headerless: bool,
     /// When headers were last read.
     pub observed_at_ms: Millis,
     /// When a call was last cleared (the watchdog's "time since admission").
@@ -394,6 +399,11 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
         return hold_place(state, cfg, now, id, ms, OwedReason::RateLimited, jitter_u);
     }
     if !state.tokens.known() && !state.requests.known() {
+        if state.headerless {
+            // No headers and no configured limits: no proactive pacing at all
+            // (SPEC §4); 429s still close the window above.
+            return admit(state, cfg, now, ask, raw_input, None);
+        }
         if now < state.probe_until_ms {
             let ms = (state.probe_until_ms - now).min(cfg.probe_wait_ms as Millis) as f64;
             return hold_place(state, cfg, now, id, ms, OwedReason::Probe, jitter_u);
@@ -696,6 +706,12 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, id: &str,
     if had_headers {
         state.observed_at_ms = now;
         state.probe_until_ms = 0;
+        state.headerless = false;
+    } else if mark.is_some() && !state.tokens.known() && !state.requests.known() {
+        // A call answered without rate-limit headers, and nothing is
+        // configured: the provider has none to give (vLLM, Ollama). Probing on
+        // would hold the fleet to one call at a time.
+        state.headerless = true;
     }
     if let Some(ms) = outcome.rate_limited_ms {
         // The provider says the window is closed for `ms`, for everyone. What
@@ -729,4 +745,31 @@ fn owed(ms: f64, reason: OwedReason, cfg: &PacingConfig, jitter_u: f64) -> Decis
     let base = ms.ceil().max(1.0);
     let jitter = (base * cfg.jitter_frac).min(cfg.jitter_max_ms as f64) * jitter_u.clamp(0.0, 1.0);
     Decision::Owed { ms: (base + jitter).ceil() as u64, reason }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const T0: Millis = 1_000_000;
+
+    fn ask(id: &str) -> Ask<'_> {
+        Ask { id, est: Estimate { tokens: 1_000, requests: 1, output: 200 }, mode: Mode::Work, who: Who::DEFAULT }
+    }
+
+    #[test]
+    fn a_provider_without_headers_is_probed_once_then_not_paced() {
+        let (mut s, cfg) = (PacerState::default(), PacingConfig::default());
+        assert_eq!(acquire(&mut s, &cfg, T0, &ask("a"), 0.0), Decision::Clear, "the probe");
+        assert!(matches!(acquire(&mut s, &cfg, T0, &ask("b"), 0.0), Decision::Owed { reason: OwedReason::Probe, .. }));
+        settle(&mut s, &cfg, T0 + 300, "a", &CallOutcome { used_tokens: Some(900), ..CallOutcome::default() });
+        for id in ["b", "c", "d"] {
+            assert_eq!(acquire(&mut s, &cfg, T0 + 300, &ask(id), 0.0), Decision::Clear, "{id}");
+        }
+        // Headers, once they come, bring the pacing back.
+        let headers = Observation { limit: Some(10_000), remaining: Some(0), reset_ms: Some(60_000) };
+        settle(&mut s, &cfg, T0 + 400, "b", &CallOutcome { tokens: headers, ..CallOutcome::default() });
+        assert!(!s.headerless);
+        assert!(matches!(acquire(&mut s, &cfg, T0 + 400, &ask("e"), 0.0), Decision::Owed { .. }));
+    }
 }

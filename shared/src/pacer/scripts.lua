@@ -11,7 +11,8 @@
 --   <p>refunded (cumulative provider refunds), <p>full_at (the provider's reset),
 --   <p>charged_since (net charges since the headers that set full_at),
 --   <p>rated (1: the rate came from headers), <p>full_seen (when those headers were sent);
---   blocked_until, probe_until, observed_at, last_admit, usage_ratio, input_ratio
+--   blocked_until, probe_until, headerless (1: answers carry no headers and nothing
+--   is configured: no proactive pacing), observed_at, last_admit, usage_ratio, input_ratio
 --   (the provider's input count / the workers' estimate), fair_time;
 --   per tenant t: tw:<t> weight, tf:<t> finish tag, tc:<t> cap due (ms),
 --   tadm:<t> expected tokens admitted, twait:<t> turns that waited.
@@ -340,6 +341,7 @@ if op == 'acquire' then
     return hold_place(get('blocked_until') - now, 2)
   end
   if not known('t_') and not known('r_') then
+    if get('headerless') == 1 then return admit(nil, nil) end
     if now < get('probe_until') then
       return hold_place(math.min(get('probe_until') - now, probe_wait), 3)
     end
@@ -489,6 +491,10 @@ if op == 'settle' then
   if tonumber(ARGV[18]) >= 0 or tonumber(ARGV[21]) >= 0 then
     S['observed_at'] = now
     S['probe_until'] = 0
+    S['headerless'] = 0
+  elseif mark and not known('t_') and not known('r_') then
+    -- Answered without headers and nothing configured: no proactive pacing.
+    S['headerless'] = 1
   end
   if limited >= 0 then
     S['blocked_until'] = math.max(get('blocked_until'), headers_at + limited)

@@ -404,6 +404,7 @@ fn state_from_fields(flat: &[String]) -> (PacerState, Millis) {
     state.requests = bucket("r_");
     state.blocked_until_ms = f("blocked_until") as Millis;
     state.probe_until_ms = f("probe_until") as Millis;
+    state.headerless = f("headerless") > 0.0;
     state.observed_at_ms = f("observed_at") as Millis;
     state.last_admit_ms = f("last_admit") as Millis;
     state.usage_ratio = f("usage_ratio");

@@ -308,6 +308,7 @@ async fn the_redis_script_and_the_pure_model_agree() {
     assert!(paths.early >= 5, "only {} early returns: {paths:?}", paths.early);
     assert!(paths.rate_limited >= 5, "only {} 429 waits: {paths:?}", paths.rate_limited);
     assert!(paths.fair_share >= 10, "only {} fair-share waits: {paths:?}", paths.fair_share);
+    assert!(paths.headerless >= 5, "only {} clears without headers: {paths:?}", paths.headerless);
 }
 
 #[derive(Debug, Default)]
@@ -317,6 +318,8 @@ struct Paths {
     early: usize,
     rate_limited: usize,
     fair_share: usize,
+    /// Clear answers while the provider was taken to send no headers.
+    headerless: usize,
 }
 
 /// One random walk of the differential test.
@@ -378,6 +381,7 @@ async fn agree(server: &RedisServer, seed: u64, paths: &mut Paths) {
                 }
                 Decision::Clear => {
                     waiting.remove(&id);
+                    paths.headerless += usize::from(local.state("m").headerless);
                 }
             }
             if !outstanding.contains(&id) {
@@ -406,6 +410,13 @@ async fn agree(server: &RedisServer, seed: u64, paths: &mut Paths) {
                 },
                 headers_age_ms: rng.random_range(0..50),
             };
+            // Seed 9 starts against a provider that sends no headers (its first
+            // settles carry none), then headers appear.
+            let outcome = if seed == 9 && step < 120 {
+                CallOutcome { tokens: Observation::default(), requests: Observation::default(), ..outcome }
+            } else {
+                outcome
+            };
             local.settle("m", &id, &outcome);
             shared.settle("m", &id, &outcome).await.unwrap();
         }
@@ -429,6 +440,7 @@ async fn agree(server: &RedisServer, seed: u64, paths: &mut Paths) {
         for (what, g, w) in [
             ("blocked_until", got.blocked_until_ms, want.blocked_until_ms),
             ("probe_until", got.probe_until_ms, want.probe_until_ms),
+            ("headerless", got.headerless as i64, want.headerless as i64),
             ("last_admit", got.last_admit_ms, want.last_admit_ms),
             ("observed_at", got.observed_at_ms, want.observed_at_ms),
         ] {

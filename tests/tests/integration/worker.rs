@@ -481,6 +481,34 @@ async fn work_and_companion_runs_all_finish_with_a_full_bucket_never_idle() {
     assert!(per_100 <= 1.0, "{per_100:.2} 429s per 100 calls");
 }
 
+/// A provider without rate-limit headers (vLLM, Ollama) and no configured
+/// limits: no proactive pacing (SPEC §4). The first answer shows there are no
+/// headers; from then on nothing waits for a probe, so 32 one-call runs on 16
+/// slots take about two latencies, not one latency each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_without_headers_is_not_paced_at_all() {
+    let latency = Duration::from_millis(300);
+    let mut app = App::start(MockConfig { headers: false, tool_rounds: 0, latency, ..MockConfig::default() }).await;
+    app.spawn_worker(app.config());
+    let started = Instant::now();
+    let mut ids = vec![];
+    for i in 0..32 {
+        let mut body = tool_run(&app, "lookup");
+        body["input"] = json!(format!("question {i}"));
+        ids.push(app.submit(body).await.id);
+    }
+    for id in &ids {
+        let run = app.wait_finished(id, secs(60)).await;
+        assert_eq!(run.status, RunStatus::Completed, "{run:?}");
+    }
+    let took = started.elapsed();
+    eprintln!("worker: 32 one-call runs against a provider without headers took {took:?}");
+    // One at a time would take 32 x 300 ms = 9.6 s.
+    assert!(took < Duration::from_secs(4), "the fleet crawled: {took:?}");
+    assert_eq!(app.mock.stats().rate_limited, 0);
+    app.stop_workers().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_with_tools_completes_over_chat_completions_too() {
     let mut app = App::start(MockConfig { tool_rounds: 2, ..MockConfig::default() }).await;
