@@ -37,6 +37,27 @@ impl std::fmt::Display for BucketMode {
     }
 }
 
+/// What the provider does with the unused part of a call's output reservation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum ChargeMode {
+    /// Gives it back when the answer is done (the charge ends up as the usage).
+    #[default]
+    Refund,
+    /// Keeps it: a call costs its input plus its whole `max_output_tokens`
+    /// (OpenAI's documented admission rule, and several gateways').
+    Keep,
+}
+
+impl std::fmt::Display for ChargeMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Refund => "refund",
+            Self::Keep => "keep",
+        })
+    }
+}
+
 /// Why a bucket refused a charge.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refusal {

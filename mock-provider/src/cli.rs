@@ -3,7 +3,7 @@
 //! It lives here, not in the binary, so the benchmark can start the same mock
 //! from the same flags.
 
-use crate::bucket::BucketMode;
+use crate::bucket::{BucketMode, ChargeMode};
 use crate::config::MockConfig;
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -26,6 +26,10 @@ pub struct MockArgs {
     /// How the buckets refill: continuously at capacity/window, or fully at each window boundary.
     #[arg(long, env = "MOCK_BUCKET", value_enum, default_value_t = BucketMode::Continuous)]
     pub bucket: BucketMode,
+    /// What happens to a call's unused output reservation: given back after the answer
+    /// (`refund`), or kept (`keep`, OpenAI's documented admission rule).
+    #[arg(long, env = "MOCK_CHARGE", value_enum, default_value_t = ChargeMode::Refund)]
+    pub charge: ChargeMode,
     /// Delay before the first byte of an admitted answer, in ms (429s answer at once).
     #[arg(long, env = "MOCK_LATENCY_MS", default_value_t = 0)]
     pub latency_ms: u64,
@@ -97,6 +101,7 @@ impl MockArgs {
             rpm: self.rpm,
             window: Duration::from_secs_f64(self.window_s),
             bucket: self.bucket,
+            charge: self.charge,
             latency: Duration::from_millis(self.latency_ms),
             tool_rounds: self.tool_rounds,
             calls_per_round: self.calls_per_round.max(1),
@@ -154,6 +159,8 @@ mod tests {
             "1.5",
             "--bucket",
             "window",
+            "--charge",
+            "keep",
             "--latency-ms",
             "5",
             "--tool-rounds",
@@ -181,6 +188,7 @@ mod tests {
         assert_eq!(cfg.rpm, 10);
         assert_eq!(cfg.window, Duration::from_millis(1500));
         assert_eq!(cfg.bucket, BucketMode::Window);
+        assert_eq!(cfg.charge, ChargeMode::Keep);
         assert_eq!(cfg.latency, Duration::from_millis(5));
         assert_eq!(cfg.tool_rounds, 3);
         assert_eq!(cfg.output_tokens, 7);

@@ -45,6 +45,8 @@ pub struct MockConfig {
     pub stall: Duration,
     /// Send the `x-ratelimit-*` headers (false behaves like vLLM or Ollama).
     pub headers: bool,
+    /// Whether the unused output reservation is given back after the answer.
+    pub charge: crate::bucket::ChargeMode,
     /// Seed of the fault dice, so a faulty run is repeatable.
     pub seed: u64,
     /// How many of the latest request bodies `/_mock/stats` keeps.
@@ -68,6 +70,7 @@ impl Default for MockConfig {
             calls_per_round: 1,
             output_tokens: 200,
             default_max_output_tokens: None,
+            charge: crate::bucket::ChargeMode::Refund,
             fail_rate: 0.0,
             midstream_error_rate: 0.0,
             midstream_error_code: "server_error".to_string(),

@@ -113,7 +113,7 @@ pub mod server;
 pub mod stats;
 pub mod wire;
 
-pub use bucket::BucketMode;
+pub use bucket::{BucketMode, ChargeMode};
 pub use cli::MockArgs;
 pub use config::MockConfig;
 pub use fault::Fault;

@@ -593,8 +593,10 @@ impl Shared {
         insert(headers, "x-ratelimit-reset-tokens", go_duration(snap.reset_tokens_ms));
     }
 
-    /// Gives back the unused output and notes the end of the answer.
+    /// Gives back the unused output (unless the provider keeps the charge)
+    /// and notes the end of the answer.
     fn refund(&self, seq: u64, amount: u64, midstream_error: bool) {
+        let amount = if self.cfg.charge == crate::bucket::ChargeMode::Keep { 0 } else { amount };
         let mut st = self.lock();
         let now = self.now_us();
         st.tokens.give_back(now, amount);

@@ -31,6 +31,8 @@ pub struct Setup {
     pub window_s: f64,
     /// `continuous` or `window`.
     pub bucket: String,
+    /// `refund` or `keep`: what the mock does with the unused output reservation.
+    pub charge: String,
     /// The mock's latency before an admitted answer, ms.
     pub latency_ms: u64,
     /// `max_output_tokens` of each call.
@@ -226,8 +228,8 @@ pub fn table(report: &Report) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "paceline bench: {} worker processes x {} slots, {} runs x {} turns, {} bucket {} tokens / {} requests per {} s window (a scaled minute), mock latency {} ms, runs submitted via {}",
-        f.workers, f.concurrency, c.runs, c.turns, f.bucket, f.tpm, f.rpm, f.window_s, f.latency_ms, c.submit_path
+        "paceline bench: {} worker processes x {} slots, {} runs x {} turns, {} bucket {} tokens / {} requests per {} s window (a scaled minute), charge {}, mock latency {} ms, runs submitted via {}",
+        f.workers, f.concurrency, c.runs, c.turns, f.bucket, f.tpm, f.rpm, f.window_s, f.charge, f.latency_ms, c.submit_path
     );
     let order: Vec<&String> = c.pacer_order.iter().filter(|p| report.pacers.contains_key(*p)).collect();
     if !order.is_empty() {

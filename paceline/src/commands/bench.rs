@@ -75,6 +75,9 @@ pub struct Args {
     /// How the mock's buckets refill.
     #[arg(long, value_enum, default_value_t = BucketMode::Continuous)]
     bucket: BucketMode,
+    /// Whether the mock gives a call's unused output reservation back (`refund`) or keeps it (`keep`).
+    #[arg(long, value_enum, default_value_t = mock_provider::ChargeMode::Refund)]
+    charge: mock_provider::ChargeMode,
     /// The mock's latency before an admitted answer, ms.
     #[arg(long, default_value_t = 200)]
     latency_ms: u64,
@@ -150,6 +153,7 @@ impl Args {
             rpm: self.rpm,
             window_s: self.window_s,
             bucket: self.bucket.to_string(),
+            charge: self.charge.to_string(),
             latency_ms: self.latency_ms,
             max_output_tokens: self.max_output_tokens,
             input_chars: self.input_chars,
@@ -195,6 +199,7 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
             rpm: args.rpm,
             window: Duration::from_secs_f64(args.window_s),
             bucket: args.bucket,
+            charge: args.charge,
             latency: Duration::from_millis(args.latency_ms),
             ..MockConfig::default()
         },

@@ -269,6 +269,30 @@ async fn headers_agree_with_the_bucket() {
 }
 
 #[tokio::test]
+async fn a_keep_charge_provider_never_gives_the_output_reservation_back() {
+    let server = start(MockConfig {
+        tpm: 10_000,
+        window: Duration::from_secs(600),
+        bucket: BucketMode::Window,
+        output_tokens: 20,
+        charge: mock_provider::ChargeMode::Keep,
+        ..MockConfig::default()
+    })
+    .await;
+    let body = json!({"model": "gpt-test", "input": "y".repeat(400), "max_output_tokens": 100});
+    for _ in 0..2 {
+        let (status, _, answer) = post_json(&server, "/responses", &body).await;
+        assert_eq!(status, 200);
+        assert_eq!(answer["usage"]["total_tokens"], 120, "usage is what was used, whatever was charged");
+    }
+    let (_, h, _) = post_json(&server, "/responses", &body).await;
+    assert_eq!(header_u64(&h, "x-ratelimit-remaining-tokens"), 10_000 - 3 * 200, "input + max_output, kept");
+    let stats = server.stats();
+    assert_eq!((stats.tokens_charged, stats.tokens_refunded, stats.tokens_admitted), (600, 0, 600));
+    assert_eq!(stats.largest_overdraft, 0);
+}
+
+#[tokio::test]
 async fn a_continuous_bucket_reports_the_time_until_full() {
     // 100 tokens per second.
     let server = start(MockConfig { tpm: 6000, window: Duration::from_secs(60), ..MockConfig::default() }).await;
