@@ -253,6 +253,10 @@ mod with_workers {
         app.stop_workers().await;
     }
 
+    /// When the measured window opens: the full bucket's first burst, and the
+    /// line it leaves behind, are no one's share.
+    const OPEN: Duration = Duration::from_secs(10);
+
     /// The scarce budget of the tests below: 6 000 tokens per 2 s.
     const TPM: u64 = 6_000;
     const WINDOW: Duration = Duration::from_secs(2);
@@ -315,7 +319,7 @@ mod with_workers {
     }
 
     /// Starts a worker on a scarce budget (6 000 tokens per 2 s), submits
-    /// `runs` long runs for each tenant, interleaved, and measures from 4 s to
+    /// `runs` long runs for each tenant, interleaved, and measures from `OPEN` to
     /// `until` after the submits: what the pacer admitted per tenant and what
     /// the provider charged in all. (Shares are read from the pacer's count,
     /// which weighs every call by the worker's estimate; the provider's
@@ -347,7 +351,7 @@ mod with_workers {
             }
         }
         // The bucket starts full: its first burst is no one's share.
-        tokio::time::sleep(Duration::from_secs(4).saturating_sub(started.elapsed())).await;
+        tokio::time::sleep(OPEN.saturating_sub(started.elapsed())).await;
         let (before, stats_before) = admitted().await;
         let opened = Instant::now();
         tokio::time::sleep(until.saturating_sub(started.elapsed())).await;
@@ -381,7 +385,7 @@ mod with_workers {
         // A 24 s window: start-time fair queuing holds each tenant within one
         // turn of its share at any moment, and one ~1 200-token turn is 5 %
         // of a 12 s window's light share (12 s measured 2.05-2.18, 24 s 2.06).
-        let w = backlogged(&["heavy", "light"], 8, "heavy:2,light:1", Duration::from_secs(28)).await;
+        let w = backlogged(&["heavy", "light"], 8, "heavy:2,light:1", OPEN + Duration::from_secs(24)).await;
         let ratio = w.admitted["heavy"] / w.admitted["light"];
         let used = w.provider_tokens as f64 / (w.rate * w.span_s);
         eprintln!(
@@ -395,7 +399,7 @@ mod with_workers {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_lone_tenant_gets_the_whole_budget() {
-        let w = backlogged(&["solo"], 10, "", Duration::from_secs(12)).await;
+        let w = backlogged(&["solo"], 10, "", OPEN + Duration::from_secs(8)).await;
         let used = w.provider_tokens as f64 / (w.rate * w.span_s);
         eprintln!(
             "fairness (workers): a lone tenant's calls were charged {used:.3} of the refill over {:.1} s",
