@@ -46,6 +46,9 @@ pub struct BudgetView {
     pub blocked_for_ms: u64,
     /// When rate-limit headers were last read (RFC 3339, Redis clock).
     pub observed_at: Option<String>,
+    /// The share of a call's unused output the provider gives back, learned
+    /// from its headers (1 refunds, 0 keeps, as OpenAI documents); null until learned.
+    pub refund_share: Option<f64>,
     /// The calling tenant's line in this budget (fair admission); other
     /// tenants' lines are for the operator's `/metrics`, not for each other.
     pub tenant: Option<TenantShare>,
@@ -135,6 +138,7 @@ pub async fn pacer(State(state): State<AppState>, caller: Tenant) -> Result<Json
             reserved_requests: s.reserved_requests,
             blocked_for_ms: s.blocked_for_ms,
             observed_at: s.observed_at_ms.map(rfc3339_ms),
+            refund_share: s.refund_share,
             tenant: s.tenants.into_iter().find(|t| t.tenant == caller.0),
         })
         .collect();

@@ -473,12 +473,13 @@ pub async fn pacer(args: PacerArgs) -> anyhow::Result<ExitCode> {
     }
     let n = |x: &Value| if x.is_null() { "-".to_owned() } else { x.to_string() };
     println!(
-        "{:<12}  {:<20}  {:>18}  {:>10}  {:>9}  {:>14}  {:>9}  OBSERVED",
-        "BUDGET", "MODEL", "TOKENS LEFT/LIMIT", "RESERVED", "RESET MS", "REQS LEFT/LIM", "BLOCKED"
+        "{:<12}  {:<20}  {:>18}  {:>10}  {:>9}  {:>14}  {:>9}  {:>6}  OBSERVED",
+        "BUDGET", "MODEL", "TOKENS LEFT/LIMIT", "RESERVED", "RESET MS", "REQS LEFT/LIM", "BLOCKED", "REFUND"
     );
     for b in budgets {
+        let refund = b["refund_share"].as_f64().map_or("-".to_owned(), |x| format!("{x:.2}"));
         println!(
-            "{:<12}  {:<20}  {:>18}  {:>10}  {:>9}  {:>14}  {:>9}  {}",
+            "{:<12}  {:<20}  {:>18}  {:>10}  {:>9}  {:>14}  {:>9}  {:>6}  {}",
             truncate(b["budget"].as_str().unwrap_or(""), 12),
             truncate(b["model"].as_str().unwrap_or(""), 20),
             format!("{}/{}", n(&b["remaining_tokens"]), n(&b["limit_tokens"])),
@@ -486,6 +487,7 @@ pub async fn pacer(args: PacerArgs) -> anyhow::Result<ExitCode> {
             n(&b["reset_in_ms"]),
             format!("{}/{}", n(&b["remaining_requests"]), n(&b["limit_requests"])),
             n(&b["blocked_for_ms"]),
+            refund,
             b["observed_at"].as_str().unwrap_or("-"),
         );
     }

@@ -63,6 +63,17 @@ pub struct Bucket {
     pub full_seen_ms: Millis,
     /// Reserved by calls in flight (cleared, not yet settled).
     pub in_flight: f64,
+    /// Every charge cleared so far (cumulative), corrected at each settle to
+    /// what the provider charged (its input count; nothing for a 429): the
+    /// ledger the refund learner reads (`refund.rs`).
+    #[serde(default)]
+    pub sent: f64,
+    /// Unused output settled while the refund share was not known (none of
+    /// it credited), since the model last met the provider (a header lowered
+    /// it): a refunding provider holds the level plus this, never above its
+    /// limit. Credited at the learned share as the headers confirm it.
+    #[serde(default)]
+    pub withheld: f64,
 }
 
 impl Bucket {
@@ -87,6 +98,19 @@ impl Bucket {
             self.level = self.level_at(now);
             self.at_ms = now;
         }
+        self.cap_withheld();
+    }
+
+    /// A provider that gave back what we withheld would have filled up to its
+    /// limit and no further: what passes it was never ours to credit.
+    pub(crate) fn cap_withheld(&mut self) {
+        self.withheld = self.withheld.min((self.limit - self.level).max(0.0));
+    }
+
+    /// Credits (or, negative, takes back) `tokens` given back to the bucket.
+    pub(crate) fn credit(&mut self, tokens: f64) {
+        self.level = (self.level + tokens).min(self.limit.max(self.level));
+        self.charged_since = (self.charged_since - tokens).max(0.0);
     }
 
     /// Milliseconds until `short` tokens have returned, never past the reset.
@@ -179,6 +203,8 @@ impl Bucket {
         let theirs = (remaining + refund + self.rate * elapsed).min(limit);
         if theirs < self.level {
             self.level = theirs;
+            // The model meets the provider: nothing withheld before is owed.
+            self.withheld = 0.0;
         }
         if obs.reset_ms.is_some() && headers_at >= self.full_seen_ms {
             self.full_seen_ms = headers_at;

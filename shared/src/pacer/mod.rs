@@ -23,6 +23,7 @@ pub mod fair;
 pub mod headers;
 pub mod local;
 pub mod model;
+pub mod refund;
 pub mod sim;
 pub mod store;
 

@@ -26,6 +26,7 @@
 
 use super::bucket::{Bucket, Observation};
 use super::fair::{self, Tenant};
+use super::refund::{RefundShare, Snapshot};
 use crate::clock::Millis;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -100,6 +101,11 @@ pub struct PacingConfig {
 
 /// How long a probe holds the other turns back at most, when it does not settle.
 pub const PROBE_HOLD_MS: Millis = 10_000;
+
+/// Calls cleared closer together than this form a burst: any of them may
+/// reach the provider first, so their headers do not say which of the others
+/// they include (see [`Flight::alone`]).
+pub const BURST_GAP_MS: Millis = 60;
 
 /// The default of [`PacingConfig::late_ms`].
 pub const DEFAULT_LATE_MS: u64 = 1_000;
@@ -248,6 +254,14 @@ pub struct Flight {
     pub input: u64,
     /// The token bucket's `refunded` when it was sent.
     pub mark: f64,
+    /// The token bucket's `sent` when it was sent (its own charge included).
+    #[serde(default)]
+    pub sent: f64,
+    /// No other call was cleared within [`BURST_GAP_MS`] of it: its headers
+    /// and its `sent` see the same calls (in a burst, calls cleared after it
+    /// may reach the provider before it), so the refund learner may read them.
+    #[serde(default)]
+    pub alone: bool,
     /// When the reservation lapses unsettled.
     pub expiry_ms: Millis,
 }
@@ -272,6 +286,9 @@ pub struct PacerState {
     pub observed_at_ms: Millis,
     /// When a call was last cleared (the watchdog's "time since admission").
     pub last_admit_ms: Millis,
+    /// Which call that was (a call cleared right after it is not alone, nor is it).
+    #[serde(default)]
+    pub last_admit_id: String,
     /// Output tokens used / output tokens reserved, averaged over settled
     /// calls (0 = not yet known, read as 1). A waiter holds the input plus this
     /// share of its output reservation for the turns behind it: a call
@@ -287,6 +304,10 @@ pub struct PacerState {
     /// Shared by every process, and taught by the probe before the first wave.
     #[serde(default)]
     pub input_ratio: f64,
+    /// Whether, and how much of, the unused output the provider gives back
+    /// (`refund.rs`), learned from the headers.
+    #[serde(default)]
+    pub refunds: RefundShare,
     /// Fair admission's system virtual time (see `fair.rs`).
     pub fair_time: f64,
     /// Each tenant's fair-admission state.
@@ -309,11 +330,21 @@ impl PacerState {
         Estimate { tokens: (input * self.input_ratio).ceil() as u64 + output, ..est }
     }
 
-    /// What a turn of `est` is expected to use (its line cost).
+    /// The share of unused output the provider gives back, credited to the
+    /// level: none until learned (the documented rule, which cannot overdraw).
+    pub fn refund_share(&self) -> f64 {
+        self.refunds.share(self.tokens.limit).unwrap_or(0.0)
+    }
+
+    /// What a turn of `est` is expected to use (its line cost): its input,
+    /// the output it uses, and the unused output the provider keeps.
     pub fn line_cost(&self, est: Estimate) -> f64 {
         let ratio = if self.usage_ratio > 0.0 { self.usage_ratio.clamp(0.05, 1.0) } else { 1.0 };
+        // A prediction: until the share is learned, the refunds are assumed.
+        let share = self.refunds.share(self.tokens.limit).unwrap_or(1.0);
+        let kept = ratio + (1.0 - ratio) * (1.0 - share);
         let (input, output) = est.split();
-        (input + output * ratio).ceil()
+        (input + output * kept).ceil()
     }
 
     /// The least work tag still in line.
@@ -577,14 +608,27 @@ fn admit(
             bucket.level -= cost as f64;
             bucket.in_flight += cost as f64;
             bucket.charged_since += cost as f64;
+            bucket.sent += cost as f64;
             *held = cost;
         }
     }
     if state.tokens.known() {
         reserved.output = est.output;
     }
-    let flight =
-        Flight { est: reserved, input, mark: state.tokens.refunded, expiry_ms: now + cfg.reservation_ttl_ms as Millis };
+    let alone = now - state.last_admit_ms >= BURST_GAP_MS;
+    if !alone {
+        if let Some(previous) = state.flights.get_mut(&state.last_admit_id) {
+            previous.alone = false;
+        }
+    }
+    let flight = Flight {
+        est: reserved,
+        input,
+        mark: state.tokens.refunded,
+        sent: state.tokens.sent,
+        alone,
+        expiry_ms: now + cfg.reservation_ttl_ms as Millis,
+    };
     state.flights.insert(id.to_owned(), flight);
     if let (Mode::Work, Some((order, line))) = (mode, place) {
         state.tenants.entry(who.tenant.to_owned()).or_default().admitted += line;
@@ -592,6 +636,7 @@ fn admit(
         state.fair_time = fair::virtual_time_after(state.fair_time, order, least);
     }
     state.last_admit_ms = now;
+    state.last_admit_id = id.to_owned();
     Decision::Clear
 }
 
@@ -641,40 +686,39 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, id: &str,
     expire(state, cfg, now);
     ensure_configured(state, cfg, now);
     state.waiters.remove(id);
-    let (reserved, estimated_input, mark) = match state.flights.remove(id) {
-        Some(f) => (f.est, f.input, Some(f.mark)),
-        None => (Estimate::default(), 0, None),
-    };
-    if mark.is_some() {
+    let flight = state.flights.remove(id);
+    if flight.is_some() {
         // A probe (or any call) that settled: the next probe may go.
         state.probe_until_ms = 0;
     }
-    let refunded_tokens = match (outcome.rate_limited_ms, outcome.used_tokens) {
-        (Some(_), _) => reserved.tokens,
-        (None, Some(used)) => reserved.tokens.saturating_sub(used),
-        (None, None) => 0,
-    };
-    let refunded_requests = if outcome.rate_limited_ms.is_some() { reserved.requests } else { 0 };
-    // What the provider gave back after its headers were sent: its charge (the
-    // input it counted plus the output reserved) less what was used. Crediting
-    // our own refund instead (our estimate less what was used) would leave the
-    // model below the provider by the estimate's error on every call, for good.
+    let reserved = flight.map(|f| f.est).unwrap_or_default();
+    let limited = outcome.rate_limited_ms.is_some();
+    // What the call's reservation was off by. Its input part: the provider
+    // charged the input it counted, not our estimate. Its output part: what
+    // the call left unused, which the provider gives back in its learned share
+    // (`refund.rs`) after its headers were sent — whatever our own estimate of
+    // the input was. (Crediting our own refund, the estimate less what was
+    // used, would leave the model off the provider by the estimate's error on
+    // every call, for good.) A refused call was charged nothing.
     let (input, output) = reserved.split();
-    let given_back = match (outcome.rate_limited_ms, outcome.used_tokens, outcome.input_tokens) {
-        (None, Some(used), Some(counted)) if reserved.output > 0 => (counted as f64 + output - used as f64).max(0.0),
-        (None, _, _) => refunded_tokens as f64,
-        (Some(_), _, _) => 0.0,
+    let (input_fix, unused) = match (outcome.used_tokens, outcome.input_tokens) {
+        _ if limited => (0.0, 0.0),
+        (Some(used), Some(counted)) if reserved.output > 0 => {
+            (input - counted as f64, (counted as f64 + output - used as f64).max(0.0))
+        }
+        (Some(used), _) => (0.0, reserved.tokens.saturating_sub(used) as f64),
+        (None, _) => (0.0, 0.0),
     };
-    if let (None, Some(counted)) = (outcome.rate_limited_ms, outcome.input_tokens) {
-        if estimated_input > 0 {
+    if let (false, Some(counted), Some(f)) = (limited, outcome.input_tokens, flight) {
+        if f.input > 0 {
             // The first count is taken whole (the probe's answer teaches the
             // first wave); later ones weigh 30 %.
-            let seen = (counted as f64 / estimated_input as f64).clamp(0.25, 4.0);
+            let seen = (counted as f64 / f.input as f64).clamp(0.25, 4.0);
             let prior = if state.input_ratio > 0.0 { state.input_ratio } else { seen };
             state.input_ratio = 0.7 * prior + 0.3 * seen;
         }
     }
-    if let (None, Some(used)) = (outcome.rate_limited_ms, outcome.used_tokens) {
+    if let (false, Some(used)) = (limited, outcome.used_tokens) {
         let input = outcome.input_tokens.map_or(input, |counted| counted as f64);
         if output > 0.0 {
             let seen = ((used as f64 - input) / output).clamp(0.0, 1.0);
@@ -684,30 +728,37 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, id: &str,
             state.usage_ratio = 0.8 * prior + 0.2 * seen;
         }
     }
-    // What others gave back since this call was sent: its headers cannot show it.
-    let others_refunds = mark.map(|m| (state.tokens.refunded - m).max(0.0)).unwrap_or(0.0);
-    for (bucket, held, refund, provider_refund) in [
-        (&mut state.tokens, reserved.tokens, refunded_tokens, given_back),
-        (&mut state.requests, reserved.requests, refunded_requests, 0.0),
+    let share = state.refund_share();
+    let share_known = state.refunds.share(state.tokens.limit).is_some();
+    // What others left unused since this call was sent: its headers cannot show it.
+    let others_unused = flight.map(|f| (state.tokens.refunded - f.mark).max(0.0)).unwrap_or(0.0);
+    for (bucket, held, fix, unused) in [
+        (&mut state.tokens, reserved.tokens as f64, input_fix, unused),
+        (&mut state.requests, reserved.requests as f64, 0.0, 0.0),
     ] {
         bucket.advance(now);
-        bucket.in_flight = (bucket.in_flight - held as f64).max(0.0);
-        bucket.level = (bucket.level + refund as f64).min(bucket.limit.max(bucket.level));
-        // Only what the provider gave back counts for others' headers (a
-        // refused call's reservation returns to us, not to the provider).
-        bucket.refunded += provider_refund;
-        bucket.charged_since = (bucket.charged_since - refund as f64).max(0.0);
+        bucket.in_flight = (bucket.in_flight - held).max(0.0);
+        // A refused call's whole reservation comes back, to us and to the ledger.
+        let fix = if limited { held } else { fix };
+        bucket.credit(fix + share * unused);
+        bucket.sent -= fix;
+        bucket.refunded += unused;
+        if !share_known {
+            bucket.withheld += unused;
+        }
+        bucket.cap_withheld();
     }
     let headers_at = now - outcome.headers_age_ms as Millis;
     let had_headers = outcome.tokens.remaining.is_some() || outcome.requests.remaining.is_some();
-    let credit = given_back + others_refunds;
+    let credit = share * (unused + others_unused);
     state.tokens.observe(&outcome.tokens, now, headers_at, credit, cfg.max_pace_ms);
     state.requests.observe(&outcome.requests, now, headers_at, 0.0, cfg.max_pace_ms);
+    learn_refund_share(state, cfg, now, flight, outcome, headers_at, unused);
     if had_headers {
         state.observed_at_ms = now;
         state.probe_until_ms = 0;
         state.headerless = false;
-    } else if mark.is_some() && !state.tokens.known() && !state.requests.known() {
+    } else if flight.is_some() && !state.tokens.known() && !state.requests.known() {
         // A call answered without rate-limit headers, and nothing is
         // configured: the provider has none to give (vLLM, Ollama). Probing on
         // would hold the fleet to one call at a time.
@@ -724,6 +775,71 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, id: &str,
             }
         }
     }
+}
+
+/// Feeds an answered call's token headers to the refund learner. Once the
+/// share is known, the refunds withheld while it was not are credited at that
+/// share as the headers confirm them: never above what these headers allow —
+/// what they said remained, the refill since, this call's own refund (given
+/// after them), less what was cleared after this call. (Others' refunds may
+/// already be in the headers, so they are left out: the bound must not be high.)
+fn learn_refund_share(
+    state: &mut PacerState,
+    cfg: &PacingConfig,
+    now: Millis,
+    flight: Option<Flight>,
+    outcome: &CallOutcome,
+    headers_at: Millis,
+    own_unused: f64,
+) {
+    let obs = &outcome.tokens;
+    let (None, Some(f), Some(limit), Some(remaining)) = (outcome.rate_limited_ms, flight, obs.limit, obs.remaining)
+    else {
+        return;
+    };
+    let tokens = &state.tokens;
+    if !tokens.known() || limit as f64 != tokens.limit || obs.reset_ms.unwrap_or(0) > cfg.max_pace_ms {
+        return;
+    }
+    let remaining = remaining.min(limit) as f64;
+    let newest = headers_at > state.refunds.seen_ms;
+    state.refunds.seen_ms = state.refunds.seen_ms.max(headers_at);
+    if f.alone {
+        let snap = Snapshot { at_ms: headers_at, remaining, sent: f.sent, refunded: f.mark };
+        state.refunds.learn(snap, tokens.limit, tokens.rate, cfg.max_pace_ms);
+    }
+    let Some(share) = state.refunds.share(state.tokens.limit) else {
+        return;
+    };
+    if share <= 0.0 {
+        state.tokens.withheld = 0.0;
+    }
+    if !newest || state.tokens.withheld <= 0.0 {
+        // (Not the newest headers: calls received after them settled
+        // already, and the bound below cannot see them.)
+        return;
+    }
+    state.tokens.advance(now);
+    let elapsed = (now - headers_at).max(0) as f64;
+    // Calls still in flight may have given their refunds already (the
+    // provider's level may hold them; the model's will at their settles), and
+    // those cleared before this one may have reached the provider after its
+    // headers (clearance and receipt are not one instant): neither is in the
+    // bound.
+    let pending: f64 = state
+        .flights
+        .values()
+        .map(|other| if other.sent < f.sent { other.est.tokens } else { other.est.output } as f64)
+        .sum();
+    let tokens = &mut state.tokens;
+    let theirs = (remaining + share * own_unused + tokens.rate * elapsed).min(tokens.limit)
+        - (tokens.sent - f.sent).max(0.0)
+        - pending;
+    let owed = (share * tokens.withheld).min((theirs - tokens.level).max(0.0));
+    // Not `credit`: these refunds came before the headers that set the
+    // provider's reset, so the reset already counts them.
+    tokens.level = (tokens.level + owed).min(tokens.limit.max(tokens.level));
+    tokens.withheld = (tokens.withheld - owed / share).max(0.0);
 }
 
 fn ensure_configured(state: &mut PacerState, cfg: &PacingConfig, now: Millis) {

@@ -10,18 +10,25 @@
 --   <p>limit, <p>rate (per ms), <p>level, <p>at (ms), <p>inflight,
 --   <p>refunded (cumulative provider refunds), <p>full_at (the provider's reset),
 --   <p>charged_since (net charges since the headers that set full_at),
---   <p>rated (1: the rate came from headers), <p>full_seen (when those headers were sent);
+--   <p>rated (1: the rate came from headers), <p>full_seen (when those headers were sent),
+--   <p>sent (cumulative charges, corrected at settle), <p>withheld (unused output settled
+--   and not credited since the model last met the provider);
 --   blocked_until, probe_until, headerless (1: answers carry no headers and nothing
 --   is configured: no proactive pacing), observed_at, last_admit, usage_ratio, input_ratio
 --   (the provider's input count / the workers' estimate), fair_time;
+--   the refund learner (refund.rs): rs_given, rs_unused, rs_pairs, its last snapshot
+--   rs_at, rs_remaining, rs_sent, rs_refunded, and rs_seen (the newest headers seen);
+--   last_admit_id (a string, outside the numbers: the call cleared last);
 --   per tenant t: tw:<t> weight, tf:<t> finish tag, tc:<t> cap due (ms),
 --   tadm:<t> expected tokens admitted, twait:<t> turns that waited.
 -- KEYS[2] expiry zset: reservation id -> when its record lapses
 -- KEYS[3] records hash: reservation id -> rec_encode(record)
 --   waiter: w|order|tokens|requests|output|line|due|clear|since|reason|tenant
 --     (due: when it may come back, a checkpoint; clear: when it is predicted clear)
---   flight: f|tokens|requests|output|mark|expiry|input
---     (input: the worker's own input estimate, to learn input_ratio from)
+--   flight: f|tokens|requests|output|mark|expiry|input|sent|alone
+--     (input: the worker's own input estimate, to learn input_ratio from;
+--      mark, sent: t_refunded and t_sent when it was cleared;
+--      alone: 1 when no other call was cleared within BURST_GAP_MS of it)
 -- KEYS[4] line zset: waiter id -> order (companion turns < 0 <= work tags)
 -- ARGV[1] op: acquire | settle | snapshot
 -- ARGV[2..13] config: floor, max_pace_ms, jitter_frac, jitter_max_ms, ttl_ms, probe_wait_ms,
@@ -57,6 +64,7 @@ local LIVE_BASE = -1e13
 local PROBE_HOLD_MS = 10000
 local RECHECK_TURNS = 4
 local RECHECK_SHARE = 0.75
+local BURST_GAP_MS = 60
 
 local function fmt(x) return string.format('%.17g', x) end
 
@@ -64,7 +72,9 @@ local function fmt(x) return string.format('%.17g', x) end
 local S = {}
 do
   local raw = redis.call('HGETALL', state)
-  for i = 1, #raw, 2 do S[raw[i]] = tonumber(raw[i + 1]) end
+  for i = 1, #raw, 2 do
+    if raw[i] ~= 'last_admit_id' then S[raw[i]] = tonumber(raw[i + 1]) end
+  end
 end
 local function get(k) return S[k] or 0 end
 
@@ -84,7 +94,7 @@ local function rec_encode(r)
       fmt(r.due), fmt(r.clear), fmt(r.since), fmt(r.reason), r.tenant}, '|')
   end
   return table.concat({'f', fmt(r.tokens), fmt(r.requests), fmt(r.output), fmt(r.mark), fmt(r.expiry),
-    fmt(r.input)}, '|')
+    fmt(r.input), fmt(r.sent), fmt(r.alone)}, '|')
 end
 
 local function rec_decode(s)
@@ -98,10 +108,12 @@ local function rec_decode(s)
       line = tonumber(ln), due = tonumber(due), clear = tonumber(clear), since = tonumber(since),
       reason = tonumber(reason), tenant = tenant}
   elseif kind == 'f' then
-    local tk, rq, out, mark, exp, input = string.match(s, '^f|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
+    local tk, rq, out, mark, exp, input, sent, alone =
+      string.match(s, '^f|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
     if not tk then return nil end
     return {kind = 'f', tokens = tonumber(tk), requests = tonumber(rq), output = tonumber(out),
-      mark = tonumber(mark), expiry = tonumber(exp), input = tonumber(input)}
+      mark = tonumber(mark), expiry = tonumber(exp), input = tonumber(input), sent = tonumber(sent),
+      alone = tonumber(alone)}
   end
   return nil
 end
@@ -126,11 +138,23 @@ local function level_at(p, at)
   return math.min(get(p .. 'level') + get(p .. 'rate') * elapsed, get(p .. 'limit'))
 end
 
+-- A provider that gave back what we withheld would fill to its limit, no further.
+local function cap_withheld(p)
+  S[p .. 'withheld'] = math.min(get(p .. 'withheld'), math.max(get(p .. 'limit') - get(p .. 'level'), 0))
+end
+
 local function advance(p)
   if now > get(p .. 'at') then
     S[p .. 'level'] = level_at(p, now)
     S[p .. 'at'] = now
   end
+  cap_withheld(p)
+end
+
+-- Credits (or, negative, takes back) tokens given back to the bucket.
+local function credit(p, x)
+  S[p .. 'level'] = math.min(get(p .. 'level') + x, math.max(get(p .. 'limit'), get(p .. 'level')))
+  S[p .. 'charged_since'] = math.max(get(p .. 'charged_since') - x, 0)
 end
 
 local function refill_ms(p, short)
@@ -164,10 +188,12 @@ end
 local function ensure_configured()
   if not known('t_') and tpm > 0 then
     S['t_refunded'], S['t_full_at'], S['t_charged_since'], S['t_rated'], S['t_full_seen'], S['t_inflight'] = 0, 0, 0, 0, 0, 0
+    S['t_sent'], S['t_withheld'] = 0, 0
     per_minute('t_', tpm)
   end
   if not known('r_') and rpm > 0 then
     S['r_refunded'], S['r_full_at'], S['r_charged_since'], S['r_rated'], S['r_full_seen'], S['r_inflight'] = 0, 0, 0, 0, 0, 0
+    S['r_sent'], S['r_withheld'] = 0, 0
     per_minute('r_', rpm)
   end
 end
@@ -199,12 +225,49 @@ local function observe(p, limit, remaining, reset_ms, headers_at, refund)
   advance(p)
   local elapsed = math.max(now - headers_at, 0)
   local theirs = math.min(remaining + refund + get(p .. 'rate') * elapsed, limit)
-  if theirs < get(p .. 'level') then S[p .. 'level'] = theirs end
+  if theirs < get(p .. 'level') then
+    S[p .. 'level'] = theirs
+    S[p .. 'withheld'] = 0
+  end
   if has_reset and headers_at >= get(p .. 'full_seen') then
     S[p .. 'full_seen'] = headers_at
     S[p .. 'full_at'] = headers_at + reset_ms
     S[p .. 'charged_since'] = get(p .. 'inflight')
   end
+end
+
+-- refund.rs: the share of unused output the provider gives back; `unknown` until learned
+-- (0 where it is credited, 1 where it spaces the line).
+local function refund_share(unknown)
+  local limit = get('t_limit')
+  local unused = get('rs_unused')
+  if get('rs_pairs') < 4 or unused < 0.1 * limit or unused <= 0 then return unknown end
+  local share = math.min(math.max(get('rs_given') / unused, 0), 1)
+  if share < 0.15 then return 0 end
+  if share > 0.85 then return 1 end
+  return share
+end
+
+local function refund_learn(at, remaining, sent, refunded)
+  local limit, rate = get('t_limit'), get('t_rate')
+  if at <= get('rs_at') or limit <= 0 then return end
+  if get('rs_at') > 0 then
+    local span = at - get('rs_at')
+    local unused = math.max(refunded - get('rs_refunded'), 0)
+    local top = get('rs_remaining') + rate * span + unused
+    if unused > 0 and span <= max_pace and top < 0.98 * limit then
+      S['rs_given'] = get('rs_given') + remaining - get('rs_remaining') - rate * span + (sent - get('rs_sent'))
+      S['rs_unused'] = get('rs_unused') + unused
+      S['rs_pairs'] = get('rs_pairs') + 1
+      local horizon = 2 * limit
+      if get('rs_unused') > horizon then
+        local scale = horizon / get('rs_unused')
+        S['rs_given'] = get('rs_given') * scale
+        S['rs_unused'] = get('rs_unused') * scale
+      end
+    end
+  end
+  S['rs_at'], S['rs_remaining'], S['rs_sent'], S['rs_refunded'] = at, remaining, sent, refunded
 end
 
 -- model.rs
@@ -227,7 +290,8 @@ local function line_cost(tokens, out)
   local input, output = tokens, tokens
   if out > 0 then output = math.min(out, tokens) end
   input = tokens - output
-  return math.ceil(input + output * ratio)
+  local kept = ratio + (1 - ratio) * (1 - refund_share(1))
+  return math.ceil(input + output * kept)
 end
 
 local function owed(ms, reason, u)
@@ -294,7 +358,19 @@ if op == 'acquire' then
   -- stood in line (nil for a probe, which no tenant's share is charged for).
   local function admit(order, line)
     local r = {kind = 'f', tokens = 0, requests = 0, output = 0, mark = get('t_refunded'), expiry = now + ttl,
-      input = raw_input}
+      input = raw_input, sent = 0, alone = 1}
+    -- A call cleared within BURST_GAP_MS of the last one: neither is alone.
+    if now - get('last_admit') < BURST_GAP_MS then
+      r.alone = 0
+      local prev_id = redis.call('HGET', state, 'last_admit_id')
+      if prev_id then
+        local prev = rec_decode(redis.call('HGET', records, prev_id))
+        if prev and prev.kind == 'f' and prev.alone == 1 then
+          prev.alone = 0
+          redis.call('HSET', records, prev_id, rec_encode(prev))
+        end
+      end
+    end
     for _, pc in ipairs({{'t_', tokens, 'tokens'}, {'r_', requests, 'requests'}}) do
       local p, cost, field = pc[1], pc[2], pc[3]
       if known(p) then
@@ -302,10 +378,12 @@ if op == 'acquire' then
         S[p .. 'level'] = get(p .. 'level') - cost
         S[p .. 'inflight'] = get(p .. 'inflight') + cost
         S[p .. 'charged_since'] = get(p .. 'charged_since') + cost
+        S[p .. 'sent'] = get(p .. 'sent') + cost
         r[field] = cost
       end
     end
     if known('t_') then r.output = output end
+    r.sent = get('t_sent')
     redis.call('ZREM', line_key, id)
     redis.call('HSET', records, id, rec_encode(r))
     redis.call('ZADD', expiry, r.expiry, id)
@@ -318,6 +396,7 @@ if op == 'acquire' then
       S['fair_time'] = math.max(get('fair_time'), v)
     end
     S['last_admit'] = now
+    redis.call('HSET', state, 'last_admit_id', id)
     save()
     return {0}
   end
@@ -434,30 +513,24 @@ if op == 'settle' then
   local counted = tonumber(ARGV[24])
   expire()
   ensure_configured()
-  local tk, rq, out, mark, estimated_input = 0, 0, 0, nil, 0
+  local tk, rq, out, mark, estimated_input, sent_mark = 0, 0, 0, nil, 0, 0
   local rec = rec_decode(redis.call('HGET', records, id))
   if rec and rec.kind == 'f' then
-    tk, rq, out, mark, estimated_input = rec.tokens, rec.requests, rec.output, rec.mark, rec.input
+    tk, rq, out, mark, estimated_input, sent_mark = rec.tokens, rec.requests, rec.output, rec.mark, rec.input, rec.sent
   end
   drop(id)
   if mark then S['probe_until'] = 0 end
-  local refund_t, refund_r = 0, 0
-  if limited >= 0 then
-    refund_t, refund_r = tk, rq
-  elseif used >= 0 then
-    refund_t = math.max(tk - used, 0)
-  end
   local output = tk
   if out > 0 then output = math.min(out, tk) end
   local input = tk - output
-  -- What the provider gave back after its headers: its charge (the input it
-  -- counted plus the output reserved) less what was used.
-  local given_back = 0
-  if limited < 0 then
-    if used >= 0 and counted >= 0 and out > 0 then
-      given_back = math.max(counted + output - used, 0)
+  -- What the reservation was off by: its input part (the provider charged the
+  -- input it counted), and the output left unused (given back in the learned share).
+  local input_fix, unused = 0, 0
+  if limited < 0 and used >= 0 then
+    if counted >= 0 and out > 0 then
+      input_fix, unused = input - counted, math.max(counted + output - used, 0)
     else
-      given_back = refund_t
+      unused = math.max(tk - used, 0)
     end
   end
   if limited < 0 and counted >= 0 and estimated_input > 0 then
@@ -475,19 +548,58 @@ if op == 'settle' then
       S['usage_ratio'] = 0.8 * prior + 0.2 * seen
     end
   end
+  local share = refund_share(0)
+  local share_known = refund_share(-1) >= 0
   local others = 0
   if mark then others = math.max(get('t_refunded') - mark, 0) end
-  for _, x in ipairs({{'t_', tk, refund_t, given_back}, {'r_', rq, refund_r, 0}}) do
-    local p, held, refund, provider_refund = x[1], x[2], x[3], x[4]
+  for _, x in ipairs({{'t_', tk, input_fix, unused}, {'r_', rq, 0, 0}}) do
+    local p, held, fix, u = x[1], x[2], x[3], x[4]
     advance(p)
     S[p .. 'inflight'] = math.max(get(p .. 'inflight') - held, 0)
-    S[p .. 'level'] = math.min(get(p .. 'level') + refund, math.max(get(p .. 'limit'), get(p .. 'level')))
-    S[p .. 'refunded'] = get(p .. 'refunded') + provider_refund
-    S[p .. 'charged_since'] = math.max(get(p .. 'charged_since') - refund, 0)
+    -- A refused call's whole reservation comes back, to us and to the ledger.
+    if limited >= 0 then fix = held end
+    credit(p, fix + share * u)
+    S[p .. 'sent'] = get(p .. 'sent') - fix
+    S[p .. 'refunded'] = get(p .. 'refunded') + u
+    if not share_known then S[p .. 'withheld'] = get(p .. 'withheld') + u end
+    cap_withheld(p)
   end
   local headers_at = now - tonumber(ARGV[23])
-  observe('t_', tonumber(ARGV[17]), tonumber(ARGV[18]), tonumber(ARGV[19]), headers_at, given_back + others)
+  observe('t_', tonumber(ARGV[17]), tonumber(ARGV[18]), tonumber(ARGV[19]), headers_at, share * (unused + others))
   observe('r_', tonumber(ARGV[20]), tonumber(ARGV[21]), tonumber(ARGV[22]), headers_at, 0)
+  -- The refund learner takes the answer's token headers (from a call cleared
+  -- alone); once the share is known, the refunds withheld while it was not are
+  -- credited as the newest headers confirm them (model.rs, learn_refund_share).
+  local t_limit, t_remaining, t_reset = tonumber(ARGV[17]), tonumber(ARGV[18]), tonumber(ARGV[19])
+  if limited < 0 and mark and t_limit >= 0 and t_remaining >= 0 and known('t_') and t_limit == get('t_limit')
+    and t_reset <= max_pace then
+    local remaining = math.min(t_remaining, t_limit)
+    local newest = headers_at > get('rs_seen')
+    S['rs_seen'] = math.max(get('rs_seen'), headers_at)
+    if rec.alone == 1 then refund_learn(headers_at, remaining, sent_mark, mark) end
+    local known_share = refund_share(-1)
+    if known_share >= 0 then
+      if known_share <= 0 then S['t_withheld'] = 0 end
+      if newest and get('t_withheld') > 0 then
+        advance('t_')
+        local elapsed = math.max(now - headers_at, 0)
+        local pending = 0
+        local raw = redis.call('HVALS', records)
+        for i = 1, #raw do
+          local o = rec_decode(raw[i])
+          if o and o.kind == 'f' then
+            if o.sent < sent_mark then pending = pending + o.tokens else pending = pending + o.output end
+          end
+        end
+        local theirs = math.min(remaining + known_share * unused + get('t_rate') * elapsed, get('t_limit'))
+          - math.max(get('t_sent') - sent_mark, 0) - pending
+        local owed_credit = math.min(known_share * get('t_withheld'), math.max(theirs - get('t_level'), 0))
+        -- Not credit(): these refunds came before the headers that set the reset.
+        S['t_level'] = math.min(get('t_level') + owed_credit, math.max(get('t_limit'), get('t_level')))
+        S['t_withheld'] = math.max(get('t_withheld') - owed_credit / known_share, 0)
+      end
+    end
+  end
   if tonumber(ARGV[18]) >= 0 or tonumber(ARGV[21]) >= 0 then
     S['observed_at'] = now
     S['probe_until'] = 0

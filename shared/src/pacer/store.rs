@@ -10,6 +10,7 @@ use super::bucket;
 use super::fair::Tenant;
 use super::local::LocalPacer;
 use super::model::{CallOutcome, Decision, Estimate, Flight, Mode, OwedReason, PacerState, PacingConfig, Waiter, Who};
+use super::refund::RefundShare;
 use crate::clock::{Clock, Millis};
 use crate::keys::Keys;
 use redis::aio::ConnectionManager;
@@ -68,6 +69,9 @@ pub struct BudgetSnapshot {
     pub blocked_for_ms: u64,
     /// When headers were last read (ms since the epoch, Redis clock); None if never.
     pub observed_at_ms: Option<Millis>,
+    /// The share of a call's unused output the provider gives back, as learned
+    /// from its headers (1 refunds, 0 keeps); None until learned.
+    pub refund_share: Option<f64>,
     /// Each tenant's line (fair admission).
     pub tenants: Vec<TenantShare>,
 }
@@ -113,6 +117,7 @@ impl BudgetSnapshot {
             reserved_requests: s.requests.in_flight.max(0.0) as u64,
             blocked_for_ms: (s.blocked_until_ms - now).max(0) as u64,
             observed_at_ms: (s.observed_at_ms > 0).then_some(s.observed_at_ms),
+            refund_share: s.refunds.share(s.tokens.limit),
             tenants: s
                 .tenants
                 .iter()
@@ -399,6 +404,8 @@ fn state_from_fields(flat: &[String]) -> (PacerState, Millis) {
         rated: f(&format!("{p}rated")) > 0.0,
         full_seen_ms: f(&format!("{p}full_seen")) as Millis,
         in_flight: f(&format!("{p}inflight")),
+        sent: f(&format!("{p}sent")),
+        withheld: f(&format!("{p}withheld")),
     };
     state.tokens = bucket("t_");
     state.requests = bucket("r_");
@@ -409,6 +416,16 @@ fn state_from_fields(flat: &[String]) -> (PacerState, Millis) {
     state.last_admit_ms = f("last_admit") as Millis;
     state.usage_ratio = f("usage_ratio");
     state.input_ratio = f("input_ratio");
+    state.refunds = RefundShare {
+        given: f("rs_given"),
+        unused: f("rs_unused"),
+        pairs: f("rs_pairs"),
+        at_ms: f("rs_at") as Millis,
+        remaining: f("rs_remaining"),
+        sent: f("rs_sent"),
+        refunded: f("rs_refunded"),
+        seen_ms: f("rs_seen") as Millis,
+    };
     state.fair_time = f("fair_time");
     state.tenants = map
         .keys()
@@ -436,7 +453,7 @@ enum Record {
 
 /// Reads one record of the script (`rec_encode` in `scripts.lua`):
 /// `w|order|tokens|requests|output|line|due|clear|since|reason|tenant` or
-/// `f|tokens|requests|output|mark|expiry|input`.
+/// `f|tokens|requests|output|mark|expiry|input|sent|alone`.
 fn decode_record(s: &str) -> Option<Record> {
     let mut parts = s.splitn(11, '|');
     let kind = parts.next()?;
@@ -460,8 +477,15 @@ fn decode_record(s: &str) -> Option<Record> {
         }
         "f" => {
             let est = Estimate { tokens: num()? as u64, requests: num()? as u64, output: num()? as u64 };
-            let (mark, expiry, input) = (num()?, num()?, num()?);
-            Some(Record::Flight(Flight { est, input: input as u64, mark, expiry_ms: expiry as Millis }))
+            let (mark, expiry, input, sent, alone) = (num()?, num()?, num()?, num()?, num()?);
+            Some(Record::Flight(Flight {
+                est,
+                input: input as u64,
+                mark,
+                sent,
+                alone: alone > 0.0,
+                expiry_ms: expiry as Millis,
+            }))
         }
         _ => None,
     }

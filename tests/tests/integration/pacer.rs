@@ -309,6 +309,12 @@ async fn the_redis_script_and_the_pure_model_agree() {
     assert!(paths.rate_limited >= 5, "only {} 429 waits: {paths:?}", paths.rate_limited);
     assert!(paths.fair_share >= 10, "only {} fair-share waits: {paths:?}", paths.fair_share);
     assert!(paths.headerless >= 5, "only {} clears without headers: {paths:?}", paths.headerless);
+    assert!(
+        paths.refund_share_known >= 20,
+        "the refund share was known at {} settles: {paths:?}",
+        paths.refund_share_known
+    );
+    assert!(paths.withheld_released >= 1, "withheld refunds released {} times: {paths:?}", paths.withheld_released);
 }
 
 #[derive(Debug, Default)]
@@ -320,6 +326,10 @@ struct Paths {
     fair_share: usize,
     /// Clear answers while the provider was taken to send no headers.
     headerless: usize,
+    /// Settles with the refund share learned.
+    refund_share_known: usize,
+    /// Settles that credited refunds withheld while the share was not known.
+    withheld_released: usize,
 }
 
 /// One random walk of the differential test.
@@ -417,8 +427,14 @@ async fn agree(server: &RedisServer, seed: u64, paths: &mut Paths) {
             } else {
                 outcome
             };
+            let before = local.state("m");
             local.settle("m", &id, &outcome);
             shared.settle("m", &id, &outcome).await.unwrap();
+            let after = local.state("m");
+            if after.refunds.share(after.tokens.limit).is_some() {
+                paths.refund_share_known += 1;
+                paths.withheld_released += usize::from(after.tokens.withheld + 1.0 < before.tokens.withheld);
+            }
         }
         let (got, _) = shared.state("m").await.unwrap();
         let want = local.state("m");
@@ -431,6 +447,8 @@ async fn agree(server: &RedisServer, seed: u64, paths: &mut Paths) {
                     && close(g.rate, w.rate)
                     && close(g.refunded, w.refunded)
                     && close(g.charged_since, w.charged_since)
+                    && close(g.sent, w.sent)
+                    && close(g.withheld, w.withheld)
                     && g.full_at_ms == w.full_at_ms
                     && g.rated == w.rated
                     && close(g.in_flight, w.in_flight),
@@ -448,6 +466,17 @@ async fn agree(server: &RedisServer, seed: u64, paths: &mut Paths) {
         }
         assert!(close(got.usage_ratio, want.usage_ratio), "seed {seed} step {step}: usage ratio");
         assert!(close(got.input_ratio, want.input_ratio), "seed {seed} step {step}: input ratio");
+        let (g, w) = (&got.refunds, &want.refunds);
+        assert!(
+            close(g.given, w.given)
+                && close(g.unused, w.unused)
+                && g.pairs == w.pairs
+                && g.at_ms == w.at_ms
+                && g.seen_ms == w.seen_ms
+                && close(g.sent, w.sent)
+                && close(g.refunded, w.refunded),
+            "seed {seed} step {step}: refund learner\nscript: {g:?}\nmodel:  {w:?}"
+        );
         assert!(close(got.fair_time, want.fair_time), "seed {seed} step {step}: fair time");
         assert_eq!(
             got.tenants.len(),
