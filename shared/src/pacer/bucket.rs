@@ -1,16 +1,27 @@
 //! One provider bucket (tokens or requests) as the pacer models it: owed time
 //! from a snapshot.
 //!
-//! OpenAI's buckets refill continuously: `x-ratelimit-reset-tokens` is the time
-//! until the bucket is *full* again, so the refill rate is
-//! `(limit - remaining) / reset`, and a call that needs `n` tokens waits only
-//! until `n` (plus the floor) have returned — not until the bucket is full, and
-//! never less.
+//! Providers refill their buckets in one of two shapes, and the model learns
+//! which from the headers (`vote`):
+//! - **continuous** (OpenAI, Anthropic): `x-ratelimit-reset-tokens` is the time
+//!   until the bucket is *full* again, so the refill rate is
+//!   `(limit - remaining) / reset`, and a call that needs `n` tokens waits only
+//!   until `n` (plus the floor) have returned — not until the bucket is full,
+//!   and never less;
+//! - **fixed window** (Azure-style windows, many gateways): nothing returns until
+//!   the window's boundary, where the bucket is full at once; the reset counts
+//!   down to that boundary. A call that does not fit waits for the boundary.
+//!
+//! The two tell themselves apart in any two snapshots of one period in which
+//! more went missing: a continuous bucket's reset grows with what is missing,
+//! a window's shrinks as its boundary comes closer. Until the votes say
+//! otherwise a bucket is taken as continuous.
 //!
 //! The model keeps a *level*: what the provider's bucket holds minus what we
-//! have sent and not yet seen settled. It rises with the refill rate and never
-//! above the limit. Turns waiting in line hold nothing here: what they hold
-//! for each other is derived from the line itself (`model.rs`).
+//! have sent and not yet seen settled. It rises with the refill rate (a window
+//! bucket: only at its boundary) and never above the limit. Turns waiting in
+//! line hold nothing here: what they hold for each other is derived from the
+//! line itself (`model.rs`).
 //!
 //! Header snapshots only ever *lower* the level (min of ours and theirs):
 //! headers lag the calls still in flight, so a snapshot that shows more than we
@@ -29,6 +40,43 @@ pub struct Observation {
     pub remaining: Option<u64>,
     /// `x-ratelimit-reset-*`, in ms from when the headers were sent.
     pub reset_ms: Option<u64>,
+}
+
+/// How a provider's bucket gets its budget back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Refill {
+    /// Not known yet (a bucket whose headers carry a reset, before the votes
+    /// decide): paced as continuous, its refill counted apart so that it can
+    /// be taken back if the votes say window; its waits are the sooner of the
+    /// two shapes' and short (re-timed once the shape is known).
+    #[default]
+    Unknown,
+    /// Continuously, at `rate` (OpenAI, Anthropic; configured limits; headers
+    /// without a reset).
+    Continuous,
+    /// Whole at window boundaries: nothing returns before the boundary.
+    Window,
+}
+
+impl Refill {
+    /// Its number in the pacer's script (`<p>refill`).
+    pub fn code(self) -> f64 {
+        match self {
+            Self::Unknown => 0.0,
+            Self::Continuous => 1.0,
+            Self::Window => 2.0,
+        }
+    }
+
+    /// Reads [`Refill::code`].
+    pub fn from_code(code: f64) -> Self {
+        match code as i64 {
+            1 => Self::Continuous,
+            2 => Self::Window,
+            _ => Self::Unknown,
+        }
+    }
 }
 
 /// One bucket of the model (tokens or requests).
@@ -74,12 +122,76 @@ pub struct Bucket {
     /// limit. Credited at the learned share as the headers confirm it.
     #[serde(default)]
     pub withheld: f64,
+    /// Evidence on the bucket's shape from pairs of snapshots (`vote`): up for
+    /// a fixed window, down for a continuous refill, within ±[`MAX_VOTES`].
+    #[serde(default)]
+    pub votes: f64,
+    /// How the bucket refills, as far as the votes tell.
+    #[serde(default)]
+    pub refill: Refill,
+    /// The longest reset seen, ms: a window is at least this long.
+    #[serde(default)]
+    pub max_reset_ms: f64,
+    /// The last snapshot with a reset taken in, for the votes: when its
+    /// headers were sent (0: none yet), what it said was missing, and its reset.
+    #[serde(default)]
+    pub obs_at_ms: Millis,
+    /// See `obs_at_ms`.
+    #[serde(default)]
+    pub obs_missing: f64,
+    /// See `obs_at_ms`.
+    #[serde(default)]
+    pub obs_reset_ms: f64,
+    /// A window bucket: the last boundary the level was lifted at (0: none).
+    #[serde(default)]
+    pub boundary_ms: Millis,
+    /// A window bucket: when a call last went to find the next boundary
+    /// (`may_probe`).
+    #[serde(default)]
+    pub probed_ms: Millis,
+    /// The refill counted while the shape was unknown: taken back if the
+    /// votes say window (which gives nothing back before its boundary).
+    #[serde(default)]
+    pub unknown_credit: f64,
 }
+
+/// Net votes that make a bucket a window (or continuous again).
+pub const SHAPE_VOTES: f64 = 2.0;
+
+/// Votes are kept within ± this, so a change of shape is seen within a few pairs.
+pub const MAX_VOTES: f64 = 4.0;
+
+/// The shortest window the guesses assume (`may_probe`): no provider refills
+/// a window more often than every second.
+const MIN_WINDOW_MS: f64 = 1_000.0;
+
+/// A pair votes only when each snapshot misses, and they differ by, at least
+/// this share of the limit (less is rounding) …
+const VOTE_MISSING: f64 = 0.01;
+
+/// … and both resets are at least this long (providers round them to the ms).
+const MIN_VOTE_RESET_MS: f64 = 20.0;
+
+/// Two ratios of reset to missing within this share of each other agree
+/// (resets come rounded to the ms, or to the second past a minute: `6m0s`).
+const VOTE_AGREE: f64 = 0.03;
 
 impl Bucket {
     /// A full bucket of `limit` per minute.
     pub fn per_minute(limit: u64, now: Millis) -> Self {
-        Self { limit: limit as f64, rate: limit as f64 / 60_000.0, level: limit as f64, at_ms: now, ..Self::default() }
+        Self {
+            limit: limit as f64,
+            rate: limit as f64 / 60_000.0,
+            level: limit as f64,
+            at_ms: now,
+            refill: Refill::Continuous,
+            ..Self::default()
+        }
+    }
+
+    /// Whether the bucket is known to refill whole at window boundaries.
+    pub fn windowed(&self) -> bool {
+        self.refill == Refill::Window
     }
 
     /// Whether we know this bucket's limit (and so pace on it).
@@ -90,12 +202,69 @@ impl Bucket {
     /// The level at `now`: refilled since `at_ms`, never above the limit.
     pub fn level_at(&self, now: Millis) -> f64 {
         let elapsed = (now - self.at_ms).max(0) as f64;
-        (self.level + self.rate * elapsed).min(self.limit)
+        (self.level + self.refill_rate() * elapsed).min(self.limit)
+    }
+
+    /// The continuous refill counted on, per ms: none for a window bucket,
+    /// which refills only at its boundary (`lift`). A bucket whose shape is
+    /// not known yet counts it and keeps the count (`unknown_credit`), to
+    /// take it back if the votes say window.
+    pub fn refill_rate(&self) -> f64 {
+        if self.windowed() {
+            0.0
+        } else {
+            self.rate
+        }
+    }
+
+    /// The average refill, per ms, for what spaces turns rather than admits
+    /// them (a tenant's cap, the recheck horizon). While the shape is not
+    /// known, a rate read off a window's headers can be many times too slow;
+    /// the faster of the two readings leaves a cap loose for a while rather
+    /// than hold its tenant for a window.
+    pub fn share_rate(&self) -> f64 {
+        match self.refill {
+            Refill::Unknown => self.rate.max(self.limit / self.window_ms()),
+            _ => self.rate,
+        }
+    }
+
+    /// A window bucket's length as far as it is known (for predictions only:
+    /// the level is lifted at boundaries the headers name, never at one
+    /// reckoned from this).
+    fn window_ms(&self) -> f64 {
+        self.max_reset_ms.max(1.0)
+    }
+
+    /// A window bucket whose next boundary no headers have named yet: the
+    /// window after the last lift, as far as its length is known.
+    fn guessed_boundary(&self, now: Millis) -> Option<Millis> {
+        if self.refill == Refill::Continuous || self.full_at_ms > now || self.boundary_ms <= 0 {
+            return None;
+        }
+        let window = self.window_ms().max(MIN_WINDOW_MS);
+        let passed = ((now - self.boundary_ms) as f64 / window).floor() + 1.0;
+        Some(self.boundary_ms + (passed * window).ceil() as Millis)
+    }
+
+    /// A window bucket that cannot say when it refills (no headers named its
+    /// next reset, and the level is too low to send the call that would bring
+    /// them): the head of the line may go, once per window, to find out. The
+    /// provider answers it or refuses it with the reset; either way the next
+    /// lift is known. Without this such a bucket could hold the fleet with
+    /// budget available (SPEC §4, liveness).
+    pub(crate) fn may_probe(&self, now: Millis) -> bool {
+        let window = self.window_ms().max(MIN_WINDOW_MS) as Millis;
+        self.windowed() && self.full_at_ms <= now && now - self.boundary_ms >= window && now - self.probed_ms >= window
     }
 
     pub(crate) fn advance(&mut self, now: Millis) {
         if now > self.at_ms {
-            self.level = self.level_at(now);
+            let level = self.level_at(now);
+            if self.refill == Refill::Unknown {
+                self.unknown_credit += (level - self.level).max(0.0);
+            }
+            self.level = level;
             self.at_ms = now;
         }
         self.cap_withheld();
@@ -114,9 +283,30 @@ impl Bucket {
     }
 
     /// Milliseconds until `short` tokens have returned, never past the reset.
+    /// A window bucket: at its boundary it holds its limit again, and one more
+    /// limit at each boundary after (a prediction; the turn is re-timed).
     pub(crate) fn refill_ms(&self, now: Millis, short: f64) -> f64 {
         if short <= 0.0 {
             0.0
+        } else if self.refill == Refill::Unknown {
+            // Either shape may come true: be back when the sooner would bring
+            // it (the level counts no refill until the votes say continuous,
+            // so a turn back early is only re-timed).
+            let as_window = Bucket { refill: Refill::Window, ..*self }.refill_ms(now, short);
+            as_window.min(short / self.share_rate())
+        } else if self.refill == Refill::Window {
+            let window = self.window_ms();
+            if self.full_at_ms > now {
+                let beyond = short + self.level - self.limit;
+                let more = if beyond > 0.0 { (beyond / self.limit).ceil() } else { 0.0 };
+                (self.full_at_ms - now) as f64 + more * window
+            } else if let Some(guess) = self.guessed_boundary(now) {
+                // No headers named the next boundary yet: the window after the
+                // last one, where the head may go to find it (`may_probe`).
+                (guess - now) as f64
+            } else {
+                short * window / self.limit
+            }
         } else if self.full_at_ms > now {
             (short / self.rate).min((self.full_at_ms - now) as f64)
         } else {
@@ -125,15 +315,54 @@ impl Bucket {
     }
 
     /// At the provider's reset the bucket is full again, but for what was sent
-    /// since: the level is lifted to that. (A window bucket
-    /// refills at once at its boundary, which the continuous refill rate,
-    /// estimated mid-window, cannot foresee.)
-    pub(crate) fn lift(&mut self, now: Millis) {
+    /// since: the level is lifted to that. A continuous bucket (or one not
+    /// known yet): less the charges since the headers that set the reset (a
+    /// call we cleared may reach the provider after them). A window bucket
+    /// refills whole at its boundary: less only `recent`, what was cleared so
+    /// shortly before the boundary that the provider may have received it
+    /// after (calls before were charged to the window that ended).
+    pub(crate) fn lift(&mut self, now: Millis, recent: f64) {
         if self.full_at_ms > 0 && now >= self.full_at_ms {
             self.advance(now);
-            self.level = self.level.max(self.limit - self.charged_since);
+            let charged = if self.windowed() { recent } else { self.charged_since };
+            self.level = self.level.max(self.limit - charged);
+            if self.windowed() {
+                self.charged_since = 0.0;
+            }
+            self.boundary_ms = self.full_at_ms;
             self.full_at_ms = 0;
         }
+    }
+
+    /// Takes one snapshot's shape evidence against the one before it (in
+    /// whatever order they arrive). A continuous bucket's reset is the time
+    /// its refill needs for what is missing, so reset / missing is one number
+    /// (1 / rate) in every snapshot; a window's reset is the time to its
+    /// boundary, which shrinks while more goes missing. So two snapshots whose
+    /// ratios agree vote continuous, and two whose resets moved against what
+    /// is missing vote window.
+    fn vote(&mut self, at: Millis, missing: f64, reset_ms: f64, limit: f64) {
+        self.max_reset_ms = self.max_reset_ms.max(reset_ms);
+        let (missing1, reset1) = (self.obs_missing, self.obs_reset_ms);
+        let readable = |m: f64, r: f64| m >= VOTE_MISSING * limit && r >= MIN_VOTE_RESET_MS;
+        if self.obs_at_ms > 0
+            && readable(missing, reset_ms)
+            && readable(missing1, reset1)
+            && (missing - missing1).abs() >= VOTE_MISSING * limit
+        {
+            let (a, b) = (reset_ms * missing1, reset1 * missing);
+            if (a - b).abs() <= VOTE_AGREE * a.max(b) {
+                self.votes = (self.votes - 1.0).max(-MAX_VOTES);
+            } else if (missing - missing1) * (reset_ms - reset1) < 0.0 {
+                self.votes = (self.votes + 1.0).min(MAX_VOTES);
+            }
+            if self.votes >= SHAPE_VOTES {
+                self.refill = Refill::Window;
+            } else if self.votes <= -SHAPE_VOTES {
+                self.refill = Refill::Continuous;
+            }
+        }
+        (self.obs_at_ms, self.obs_missing, self.obs_reset_ms) = (at.max(1), missing, reset_ms);
     }
 
     /// What a call of `cost` needs in the bucket before it may go: the cost plus
@@ -149,16 +378,11 @@ impl Bucket {
     /// so headers that show more than we think can never be trusted to raise
     /// it (a rule that did, when no call was cleared after the headers, let
     /// real worker processes into 429s: clearance and receipt are not one instant).
-    /// `refund` is what the observed call gave back after its headers were sent
-    /// (the unused part of its reservation), which the headers cannot show yet.
-    pub(crate) fn observe(
-        &mut self,
-        obs: &Observation,
-        now: Millis,
-        headers_at: Millis,
-        refund: f64,
-        max_pace_ms: u64,
-    ) {
+    /// `since` is what changed at the provider after the headers were sent,
+    /// which they cannot show: what was given back since (the observed
+    /// call's unused reservation, others' refunds) less what was cleared after
+    /// the observed call (a call cleared later reaches the provider later).
+    pub(crate) fn observe(&mut self, obs: &Observation, now: Millis, headers_at: Millis, since: f64, max_pace_ms: u64) {
         let (Some(limit), Some(remaining)) = (obs.limit, obs.remaining) else {
             return;
         };
@@ -173,11 +397,23 @@ impl Bucket {
         let limit = limit as f64;
         let remaining = (remaining as f64).min(limit);
         let missing = limit - remaining;
+        let was_unknown = self.refill == Refill::Unknown;
+        if obs.reset_ms.is_some() {
+            self.vote(headers_at, missing, reset_ms as f64, limit);
+        }
         // OpenAI's reset is the time until full: it gives the refill rate, when
         // enough is missing for it to say something (just after a window
         // bucket's boundary, a little missing and a long reset would make the
-        // rate look many times slower than it is).
-        if reset_ms >= 20 && missing >= limit * 0.1 {
+        // rate look many times slower than it is). A window's rate is its
+        // limit per window, for the predictions that need one.
+        if obs.reset_ms.is_none() {
+            // Nothing says when it refills: a per-minute limit refilling continuously.
+            self.refill = Refill::Continuous;
+        }
+        if self.windowed() {
+            self.rate = limit / self.window_ms();
+            self.rated = true;
+        } else if reset_ms >= 20 && missing >= limit * 0.1 {
             self.rate = missing / reset_ms as f64;
             self.rated = true;
         } else if reset_ms >= 20 && missing >= limit * 0.005 && (!self.rated || missing / reset_ms as f64 > self.rate) {
@@ -197,14 +433,30 @@ impl Bucket {
             self.limit = limit;
         }
         self.advance(now);
-        // What the provider holds now: what it said, what was given back since
+        if was_unknown && self.refill != Refill::Unknown {
+            if self.windowed() {
+                // A window gave nothing back before its boundary.
+                self.level -= self.unknown_credit;
+            }
+            self.unknown_credit = 0.0;
+        }
+        // A window bucket's headers from before a boundary that has passed
+        // since describe the window that ended.
+        if self.windowed() && obs.reset_ms.is_some() && headers_at + reset_ms as Millis <= now {
+            return;
+        }
+        // What the provider holds now: what it said, what changed since
         // (which it could not show), and the refill since.
         let elapsed = (now - headers_at).max(0) as f64;
-        let theirs = (remaining + refund + self.rate * elapsed).min(limit);
+        let theirs = (remaining + since + self.refill_rate() * elapsed).min(limit);
         if theirs < self.level {
             self.level = theirs;
             // The model meets the provider: nothing withheld before is owed.
             self.withheld = 0.0;
+            if self.refill == Refill::Unknown {
+                // Of the level now, only the refill since these headers was counted.
+                self.unknown_credit = self.rate * elapsed;
+            }
         }
         if obs.reset_ms.is_some() && headers_at >= self.full_seen_ms {
             self.full_seen_ms = headers_at;

@@ -24,7 +24,7 @@
 //! `local.rs` runs this one in-process. The differential test in
 //! `tests/integration/pacer.rs` keeps the two one policy.
 
-use super::bucket::{Bucket, Observation};
+use super::bucket::{Bucket, Observation, Refill};
 use super::fair::{self, Tenant};
 use super::refund::{RefundShare, Snapshot};
 use crate::clock::Millis;
@@ -445,8 +445,7 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
         state.probe_until_ms = now + PROBE_HOLD_MS.min(cfg.reservation_ttl_ms as Millis);
         return admit(state, cfg, now, ask, raw_input, None);
     }
-    state.tokens.lift(now);
-    state.requests.lift(now);
+    lift(state, cfg, now);
     // 4. Its place in line: kept if it waited before, else given now (a
     //    capped tenant's turn first passes its cap).
     let line = state.line_cost(est);
@@ -467,6 +466,12 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
     let floor = cfg.floor(mode);
     let mut wait: f64 = 0.0;
     let mut fits = true;
+    // The head may go to find a window's next boundary when nothing else
+    // holds it and no call cleared since the last boundary will bring it.
+    let ttl = cfg.reservation_ttl_ms as Millis;
+    let since_boundary = |b: &Bucket| state.flights.values().any(|f| f.expiry_ms - ttl >= b.boundary_ms);
+    let head = ahead.tokens <= 0.0 && ahead.requests <= 0.0;
+    let mut probe = head && !since_boundary(&state.tokens) && !since_boundary(&state.requests);
     for (bucket, cost, held) in [
         (&mut state.tokens, est.tokens as f64, ahead.tokens),
         (&mut state.requests, est.requests as f64, ahead.requests),
@@ -477,8 +482,17 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
             if short > 0.0 {
                 fits = false;
                 wait = wait.max(bucket.refill_ms(now, short));
+                probe &= bucket.may_probe(now);
             }
         }
+    }
+    if !fits && probe {
+        for bucket in [&mut state.tokens, &mut state.requests] {
+            if bucket.known() && bucket.may_probe(now) {
+                bucket.probed_ms = now;
+            }
+        }
+        fits = true;
     }
     if fits {
         return admit(state, cfg, now, ask, raw_input, Some((order, line)));
@@ -495,6 +509,12 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
     let reason = if ahead.other_tenant { OwedReason::FairShare } else { OwedReason::Budget };
     let recheck = recheck_ms(&state.tokens, cfg, line);
     let mut sleep = wait.min((wait * RECHECK_SHARE).max(recheck)).min(cfg.max_pace_ms as f64);
+    // A wait predicted before the bucket's shape is known is only as good as
+    // the shape guessed (none refills before its reset): be back within the
+    // recheck horizon, when the votes may have decided.
+    if [&state.tokens, &state.requests].iter().any(|b| b.known() && b.refill == Refill::Unknown) {
+        sleep = sleep.min(recheck);
+    }
     // The turns ahead are predicted clear by `last_clear_ms`; one that never
     // comes back (its run cancelled, its worker dead) stops counting by then
     // plus `late_ms`: be back then to take its place. (Their checkpoints are
@@ -532,7 +552,7 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
 /// `max_pace_ms`. A turn owed more sleeps [`RECHECK_SHARE`] of its wait,
 /// then is re-timed.
 fn recheck_ms(tokens: &Bucket, cfg: &PacingConfig, line: f64) -> f64 {
-    let turns = if tokens.known() { RECHECK_TURNS * line / tokens.rate } else { 0.0 };
+    let turns = if tokens.known() { RECHECK_TURNS * line / tokens.share_rate() } else { 0.0 };
     turns.max(cfg.recheck_ms as f64).min(cfg.max_pace_ms as f64)
 }
 
@@ -548,7 +568,7 @@ fn fresh_place(state: &mut PacerState, now: Millis, mode: Mode, who: &Who<'_>, l
     if mode == Mode::Companion {
         return Ok(fair::place_live(now));
     }
-    let refill = state.tokens.rate;
+    let refill = state.tokens.share_rate();
     let known = state.tokens.known();
     let virtual_time = state.fair_time;
     let tenant = state.tenants.entry(who.tenant.to_owned()).or_default();
@@ -640,6 +660,22 @@ fn admit(
     Decision::Clear
 }
 
+/// Lifts both buckets at their provider's reset. A window bucket's lift
+/// subtracts what was cleared within `late_ms` before its boundary: the
+/// provider may have received those calls after it.
+fn lift(state: &mut PacerState, cfg: &PacingConfig, now: Millis) {
+    let ttl = cfg.reservation_ttl_ms as Millis;
+    let recent = |boundary: Millis, charge: fn(&Flight) -> u64| -> f64 {
+        let since = boundary - cfg.late_ms as Millis;
+        state.flights.values().filter(|f| f.expiry_ms - ttl >= since).map(|f| charge(f) as f64).sum()
+    };
+    let lifts = |b: &Bucket| b.windowed() && b.full_at_ms > 0 && now >= b.full_at_ms;
+    let tokens = if lifts(&state.tokens) { recent(state.tokens.full_at_ms, |f| f.est.tokens) } else { 0.0 };
+    let requests = if lifts(&state.requests) { recent(state.requests.full_at_ms, |f| f.est.requests) } else { 0.0 };
+    state.tokens.lift(now, tokens);
+    state.requests.lift(now, requests);
+}
+
 /// Drops what lapsed: waiters not back by `due + grace` leave the line (the
 /// turns behind them move up by exactly their cost, as it is summed anew);
 /// reservations in flight past their expiry were never settled (their worker
@@ -728,10 +764,24 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, id: &str,
             state.usage_ratio = 0.8 * prior + 0.2 * seen;
         }
     }
+    // A reset that passed since the last ask is lifted before these headers
+    // name the next one (or the window that began would be skipped).
+    lift(state, cfg, now);
     let share = state.refund_share();
     let share_known = state.refunds.share(state.tokens.limit).is_some();
-    // What others left unused since this call was sent: its headers cannot show it.
+    // What others left unused since this call was sent, and what was cleared
+    // after it: its headers cannot show either.
     let others_unused = flight.map(|f| (state.tokens.refunded - f.mark).max(0.0)).unwrap_or(0.0);
+    // (Calls cleared within a burst of it may reach the provider before it:
+    // only those cleared later than that are surely not in its headers.)
+    let (after_tokens, after_requests) = match flight {
+        Some(f) => state
+            .flights
+            .values()
+            .filter(|g| g.expiry_ms - f.expiry_ms > BURST_GAP_MS)
+            .fold((0.0, 0.0), |(t, r), g| (t + g.est.tokens as f64, r + g.est.requests as f64)),
+        None => (0.0, 0.0),
+    };
     for (bucket, held, fix, unused) in [
         (&mut state.tokens, reserved.tokens as f64, input_fix, unused),
         (&mut state.requests, reserved.requests as f64, 0.0, 0.0),
@@ -750,9 +800,9 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, id: &str,
     }
     let headers_at = now - outcome.headers_age_ms as Millis;
     let had_headers = outcome.tokens.remaining.is_some() || outcome.requests.remaining.is_some();
-    let credit = share * (unused + others_unused);
-    state.tokens.observe(&outcome.tokens, now, headers_at, credit, cfg.max_pace_ms);
-    state.requests.observe(&outcome.requests, now, headers_at, 0.0, cfg.max_pace_ms);
+    let since = share * (unused + others_unused) - after_tokens;
+    state.tokens.observe(&outcome.tokens, now, headers_at, since, cfg.max_pace_ms);
+    state.requests.observe(&outcome.requests, now, headers_at, -after_requests, cfg.max_pace_ms);
     learn_refund_share(state, cfg, now, flight, outcome, headers_at, unused);
     if had_headers {
         state.observed_at_ms = now;
@@ -805,8 +855,15 @@ fn learn_refund_share(
     let newest = headers_at > state.refunds.seen_ms;
     state.refunds.seen_ms = state.refunds.seen_ms.max(headers_at);
     if f.alone {
-        let snap = Snapshot { at_ms: headers_at, remaining, sent: f.sent, refunded: f.mark };
-        state.refunds.learn(snap, tokens.limit, tokens.rate, cfg.max_pace_ms);
+        // A pair must not span the reset these headers name, unless the
+        // bucket is known to refill continuously (the learner sees itself
+        // whether it could have filled): past it a window refilled whole.
+        let until_ms = match (tokens.refill, obs.reset_ms) {
+            (Refill::Continuous, _) | (_, None) => 0,
+            (_, Some(reset)) => headers_at + reset as Millis,
+        };
+        let snap = Snapshot { at_ms: headers_at, remaining, sent: f.sent, refunded: f.mark, until_ms };
+        state.refunds.learn(snap, tokens.limit, tokens.refill_rate(), cfg.max_pace_ms);
     }
     let Some(share) = state.refunds.share(state.tokens.limit) else {
         return;
@@ -832,7 +889,7 @@ fn learn_refund_share(
         .map(|other| if other.sent < f.sent { other.est.tokens } else { other.est.output } as f64)
         .sum();
     let tokens = &mut state.tokens;
-    let theirs = (remaining + share * own_unused + tokens.rate * elapsed).min(tokens.limit)
+    let theirs = (remaining + share * own_unused + tokens.refill_rate() * elapsed).min(tokens.limit)
         - (tokens.sent - f.sent).max(0.0)
         - pending;
     let owed = (share * tokens.withheld).min((theirs - tokens.level).max(0.0));

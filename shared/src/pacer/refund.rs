@@ -63,6 +63,10 @@ pub struct RefundShare {
     /// cleared alone).
     #[serde(default)]
     pub seen_ms: i64,
+    /// The last snapshot's window ends then (a window bucket's boundary; 0:
+    /// a continuous bucket): a pair that spans it says nothing.
+    #[serde(default)]
+    pub until_ms: i64,
 }
 
 /// The sums are scaled down past this many limits of unused output, so the
@@ -94,6 +98,8 @@ pub struct Snapshot {
     pub sent: f64,
     /// `Bucket::refunded` when the call was cleared.
     pub refunded: f64,
+    /// A window bucket's boundary after these headers (0: continuous).
+    pub until_ms: i64,
 }
 
 impl RefundShare {
@@ -118,7 +124,7 @@ impl RefundShare {
         if snap.at_ms <= self.at_ms || limit <= 0.0 {
             return;
         }
-        if self.at_ms > 0 {
+        if self.at_ms > 0 && (self.until_ms == 0 || snap.at_ms < self.until_ms) {
             let span = (snap.at_ms - self.at_ms) as f64;
             let unused = (snap.refunded - self.refunded).max(0.0);
             let top = self.remaining + rate * span + unused;
@@ -134,8 +140,14 @@ impl RefundShare {
                 }
             }
         }
-        *self =
-            Self { at_ms: snap.at_ms, remaining: snap.remaining, sent: snap.sent, refunded: snap.refunded, ..*self };
+        *self = Self {
+            at_ms: snap.at_ms,
+            remaining: snap.remaining,
+            sent: snap.sent,
+            refunded: snap.refunded,
+            until_ms: snap.until_ms,
+            ..*self
+        };
     }
 }
 
@@ -165,7 +177,12 @@ mod tests {
             if level >= 1_000.0 {
                 level -= 800.0;
                 sent += 800.0;
-                learner.learn(Snapshot { at_ms: t, remaining: level, sent, refunded }, limit, rate, 90_000);
+                learner.learn(
+                    Snapshot { at_ms: t, remaining: level, sent, refunded, until_ms: 0 },
+                    limit,
+                    rate,
+                    90_000,
+                );
                 pending.push((t + 400, 255.0));
             }
         }
@@ -183,7 +200,13 @@ mod tests {
     fn nothing_is_known_from_a_full_bucket() {
         let mut learner = RefundShare::default();
         for i in 0..50 {
-            let snap = Snapshot { at_ms: 1 + i * 1_000, remaining: 39_500.0, sent: 500.0 * i as f64, refunded: 0.0 };
+            let snap = Snapshot {
+                at_ms: 1 + i * 1_000,
+                remaining: 39_500.0,
+                sent: 500.0 * i as f64,
+                refunded: 0.0,
+                until_ms: 0,
+            };
             learner.learn(snap, 40_000.0, 40_000.0 / 60_000.0, 90_000);
         }
         assert_eq!(learner.share(40_000.0), None);

@@ -13,11 +13,16 @@
 --   <p>rated (1: the rate came from headers), <p>full_seen (when those headers were sent),
 --   <p>sent (cumulative charges, corrected at settle), <p>withheld (unused output settled
 --   and not credited since the model last met the provider);
+--   the bucket's shape (bucket.rs): <p>refill (0 unknown, 1 continuous, 2 window), <p>votes,
+--   <p>max_reset (the longest reset seen), <p>obs_at, <p>obs_missing, <p>obs_reset (the last
+--   snapshot voted on), <p>boundary (the last reset lifted at), <p>probed (the last probe
+--   sent to find the next reset), <p>unknown_credit (the refill counted while the shape was unknown);
 --   blocked_until, probe_until, headerless (1: answers carry no headers and nothing
 --   is configured: no proactive pacing), observed_at, last_admit, usage_ratio, input_ratio
 --   (the provider's input count / the workers' estimate), fair_time;
 --   the refund learner (refund.rs): rs_given, rs_unused, rs_pairs, its last snapshot
---   rs_at, rs_remaining, rs_sent, rs_refunded, and rs_seen (the newest headers seen);
+--   rs_at, rs_remaining, rs_sent, rs_refunded, rs_until (the reset it named, 0: none), and
+--   rs_seen (the newest headers seen);
 --   last_admit_id (a string, outside the numbers: the call cleared last);
 --   per tenant t: tw:<t> weight, tf:<t> finish tag, tc:<t> cap due (ms),
 --   tadm:<t> expected tokens admitted, twait:<t> turns that waited.
@@ -65,6 +70,12 @@ local PROBE_HOLD_MS = 10000
 local RECHECK_TURNS = 4
 local RECHECK_SHARE = 0.75
 local BURST_GAP_MS = 60
+local SHAPE_VOTES = 2
+local MAX_VOTES = 4
+local MIN_WINDOW_MS = 1000
+local VOTE_MISSING = 0.01
+local MIN_VOTE_RESET_MS = 20
+local VOTE_AGREE = 0.03
 
 local function fmt(x) return string.format('%.17g', x) end
 
@@ -133,9 +144,38 @@ end
 -- bucket.rs
 local function known(p) return get(p .. 'limit') > 0 and get(p .. 'rate') > 0 end
 
+-- The continuous refill counted on: none for a window, nor while the shape is unknown.
+local function refill_rate(p)
+  if get(p .. 'refill') == 2 then return 0 end
+  return get(p .. 'rate')
+end
+
+local function window_ms(p) return math.max(get(p .. 'max_reset'), 1) end
+
+-- The average refill for what spaces turns (caps, the recheck horizon).
+local function share_rate(p)
+  if get(p .. 'refill') == 0 then return math.max(get(p .. 'rate'), get(p .. 'limit') / window_ms(p)) end
+  return get(p .. 'rate')
+end
+
 local function level_at(p, at)
   local elapsed = math.max(at - get(p .. 'at'), 0)
-  return math.min(get(p .. 'level') + get(p .. 'rate') * elapsed, get(p .. 'limit'))
+  return math.min(get(p .. 'level') + refill_rate(p) * elapsed, get(p .. 'limit'))
+end
+
+-- A bucket without continuous refill whose next reset no headers named: the window after the last lift.
+local function guessed_boundary(p)
+  if get(p .. 'refill') == 1 or get(p .. 'full_at') > now or get(p .. 'boundary') <= 0 then return nil end
+  local window = math.max(window_ms(p), MIN_WINDOW_MS)
+  local passed = math.floor((now - get(p .. 'boundary')) / window) + 1
+  return get(p .. 'boundary') + math.ceil(passed * window)
+end
+
+-- The head may go to find the next reset, once per window.
+local function may_probe(p)
+  local window = math.floor(math.max(window_ms(p), MIN_WINDOW_MS))
+  return get(p .. 'refill') == 2 and get(p .. 'full_at') <= now and now - get(p .. 'boundary') >= window
+    and now - get(p .. 'probed') >= window
 end
 
 -- A provider that gave back what we withheld would fill to its limit, no further.
@@ -145,7 +185,11 @@ end
 
 local function advance(p)
   if now > get(p .. 'at') then
-    S[p .. 'level'] = level_at(p, now)
+    local level = level_at(p, now)
+    if get(p .. 'refill') == 0 then
+      S[p .. 'unknown_credit'] = get(p .. 'unknown_credit') + math.max(level - get(p .. 'level'), 0)
+    end
+    S[p .. 'level'] = level
     S[p .. 'at'] = now
   end
   cap_withheld(p)
@@ -157,20 +201,69 @@ local function credit(p, x)
   S[p .. 'charged_since'] = math.max(get(p .. 'charged_since') - x, 0)
 end
 
+local function window_refill_ms(p, short)
+  local window = window_ms(p)
+  local full_at = get(p .. 'full_at')
+  if full_at > now then
+    local beyond = short + get(p .. 'level') - get(p .. 'limit')
+    local more = 0
+    if beyond > 0 then more = math.ceil(beyond / get(p .. 'limit')) end
+    return (full_at - now) + more * window
+  end
+  local guess = guessed_boundary(p)
+  if guess then return guess - now end
+  return short * window / get(p .. 'limit')
+end
+
 local function refill_ms(p, short)
   if short <= 0 then return 0 end
+  local shape = get(p .. 'refill')
+  if shape == 0 then
+    return math.min(window_refill_ms(p, short), short / share_rate(p))
+  elseif shape == 2 then
+    return window_refill_ms(p, short)
+  end
   local full_at = get(p .. 'full_at')
   if full_at > now then return math.min(short / get(p .. 'rate'), full_at - now) end
   return short / get(p .. 'rate')
 end
 
-local function lift(p)
+-- At the reset the bucket is full again but for what was sent since: a window
+-- less only `recent` (cleared just before its boundary), else less charged_since.
+local function lift(p, recent)
   local full_at = get(p .. 'full_at')
   if full_at > 0 and now >= full_at then
     advance(p)
-    S[p .. 'level'] = math.max(get(p .. 'level'), get(p .. 'limit') - get(p .. 'charged_since'))
+    local charged = get(p .. 'charged_since')
+    if get(p .. 'refill') == 2 then charged = recent end
+    S[p .. 'level'] = math.max(get(p .. 'level'), get(p .. 'limit') - charged)
+    if get(p .. 'refill') == 2 then S[p .. 'charged_since'] = 0 end
+    S[p .. 'boundary'] = full_at
     S[p .. 'full_at'] = 0
   end
+end
+
+-- A snapshot's shape evidence against the last one: ratios of reset to missing
+-- that agree vote continuous, resets that moved against what is missing vote window.
+local function vote(p, at, missing, reset_ms, limit)
+  S[p .. 'max_reset'] = math.max(get(p .. 'max_reset'), reset_ms)
+  local missing1, reset1 = get(p .. 'obs_missing'), get(p .. 'obs_reset')
+  local function readable(m, r) return m >= VOTE_MISSING * limit and r >= MIN_VOTE_RESET_MS end
+  if get(p .. 'obs_at') > 0 and readable(missing, reset_ms) and readable(missing1, reset1)
+    and math.abs(missing - missing1) >= VOTE_MISSING * limit then
+    local a, b = reset_ms * missing1, reset1 * missing
+    if math.abs(a - b) <= VOTE_AGREE * math.max(a, b) then
+      S[p .. 'votes'] = math.max(get(p .. 'votes') - 1, -MAX_VOTES)
+    elseif (missing - missing1) * (reset_ms - reset1) < 0 then
+      S[p .. 'votes'] = math.min(get(p .. 'votes') + 1, MAX_VOTES)
+    end
+    if get(p .. 'votes') >= SHAPE_VOTES then
+      S[p .. 'refill'] = 2
+    elseif get(p .. 'votes') <= -SHAPE_VOTES then
+      S[p .. 'refill'] = 1
+    end
+  end
+  S[p .. 'obs_at'], S[p .. 'obs_missing'], S[p .. 'obs_reset'] = math.max(at, 1), missing, reset_ms
 end
 
 local function need(p, cost, fl)
@@ -183,29 +276,43 @@ local function per_minute(p, limit)
   S[p .. 'rate'] = limit / 60000
   S[p .. 'level'] = limit
   S[p .. 'at'] = now
+  S[p .. 'refill'] = 1
 end
 
 local function ensure_configured()
   if not known('t_') and tpm > 0 then
     S['t_refunded'], S['t_full_at'], S['t_charged_since'], S['t_rated'], S['t_full_seen'], S['t_inflight'] = 0, 0, 0, 0, 0, 0
     S['t_sent'], S['t_withheld'] = 0, 0
+    S['t_votes'], S['t_max_reset'], S['t_obs_at'], S['t_obs_missing'], S['t_obs_reset'] = 0, 0, 0, 0, 0
+    S['t_boundary'], S['t_probed'], S['t_unknown_credit'] = 0, 0, 0
     per_minute('t_', tpm)
   end
   if not known('r_') and rpm > 0 then
     S['r_refunded'], S['r_full_at'], S['r_charged_since'], S['r_rated'], S['r_full_seen'], S['r_inflight'] = 0, 0, 0, 0, 0, 0
     S['r_sent'], S['r_withheld'] = 0, 0
+    S['r_votes'], S['r_max_reset'], S['r_obs_at'], S['r_obs_missing'], S['r_obs_reset'] = 0, 0, 0, 0, 0
+    S['r_boundary'], S['r_probed'], S['r_unknown_credit'] = 0, 0, 0
     per_minute('r_', rpm)
   end
 end
 
-local function observe(p, limit, remaining, reset_ms, headers_at, refund)
+-- since: what changed at the provider after the headers that they cannot show
+-- (refunds given back since, less what was cleared after the observed call).
+local function observe(p, limit, remaining, reset_ms, headers_at, since)
   if limit < 0 or remaining < 0 or limit == 0 then return end
   local has_reset = reset_ms >= 0
   if reset_ms < 0 then reset_ms = 0 end
   if reset_ms > max_pace then return end
   remaining = math.min(remaining, limit)
   local missing = limit - remaining
-  if reset_ms >= 20 and missing >= limit * 0.1 then
+  local was_unknown = get(p .. 'refill') == 0
+  if has_reset then vote(p, headers_at, missing, reset_ms, limit) end
+  -- Nothing says when it refills: a per-minute limit refilling continuously.
+  if not has_reset then S[p .. 'refill'] = 1 end
+  if get(p .. 'refill') == 2 then
+    S[p .. 'rate'] = limit / window_ms(p)
+    S[p .. 'rated'] = 1
+  elseif reset_ms >= 20 and missing >= limit * 0.1 then
     S[p .. 'rate'] = missing / reset_ms
     S[p .. 'rated'] = 1
   elseif reset_ms >= 20 and missing >= limit * 0.005 and (get(p .. 'rated') == 0 or missing / reset_ms > get(p .. 'rate')) then
@@ -223,11 +330,19 @@ local function observe(p, limit, remaining, reset_ms, headers_at, refund)
     S[p .. 'limit'] = limit
   end
   advance(p)
+  if was_unknown and get(p .. 'refill') ~= 0 then
+    -- A window gave nothing back before its boundary: take back the refill counted while unknown.
+    if get(p .. 'refill') == 2 then S[p .. 'level'] = get(p .. 'level') - get(p .. 'unknown_credit') end
+    S[p .. 'unknown_credit'] = 0
+  end
+  -- A window's headers from before a boundary that has passed since describe the window that ended.
+  if get(p .. 'refill') == 2 and has_reset and headers_at + reset_ms <= now then return end
   local elapsed = math.max(now - headers_at, 0)
-  local theirs = math.min(remaining + refund + get(p .. 'rate') * elapsed, limit)
+  local theirs = math.min(remaining + since + refill_rate(p) * elapsed, limit)
   if theirs < get(p .. 'level') then
     S[p .. 'level'] = theirs
     S[p .. 'withheld'] = 0
+    if get(p .. 'refill') == 0 then S[p .. 'unknown_credit'] = get(p .. 'rate') * elapsed end
   end
   if has_reset and headers_at >= get(p .. 'full_seen') then
     S[p .. 'full_seen'] = headers_at
@@ -248,10 +363,10 @@ local function refund_share(unknown)
   return share
 end
 
-local function refund_learn(at, remaining, sent, refunded)
-  local limit, rate = get('t_limit'), get('t_rate')
+local function refund_learn(at, remaining, sent, refunded, until_ms)
+  local limit, rate = get('t_limit'), refill_rate('t_')
   if at <= get('rs_at') or limit <= 0 then return end
-  if get('rs_at') > 0 then
+  if get('rs_at') > 0 and (get('rs_until') == 0 or at < get('rs_until')) then
     local span = at - get('rs_at')
     local unused = math.max(refunded - get('rs_refunded'), 0)
     local top = get('rs_remaining') + rate * span + unused
@@ -268,6 +383,7 @@ local function refund_learn(at, remaining, sent, refunded)
     end
   end
   S['rs_at'], S['rs_remaining'], S['rs_sent'], S['rs_refunded'] = at, remaining, sent, refunded
+  S['rs_until'] = until_ms
 end
 
 -- model.rs
@@ -281,6 +397,30 @@ local function expire()
     end
     drop(id)
   end
+end
+
+-- Lifts both buckets at their reset; a window's lift subtracts what was
+-- cleared within late_ms before its boundary (it may have arrived after).
+local function lift_all()
+  local recent = {t_ = 0, r_ = 0}
+  local lifts = {}
+  for _, p in ipairs({'t_', 'r_'}) do
+    lifts[p] = get(p .. 'refill') == 2 and get(p .. 'full_at') > 0 and now >= get(p .. 'full_at')
+  end
+  if lifts['t_'] or lifts['r_'] then
+    local raw = redis.call('HVALS', records)
+    for i = 1, #raw do
+      local f = rec_decode(raw[i])
+      if f and f.kind == 'f' then
+        for _, pc in ipairs({{'t_', f.tokens}, {'r_', f.requests}}) do
+          local p = pc[1]
+          if lifts[p] and f.expiry - ttl >= get(p .. 'full_at') - late_ms then recent[p] = recent[p] + pc[2] end
+        end
+      end
+    end
+  end
+  lift('t_', recent['t_'])
+  lift('r_', recent['r_'])
 end
 
 local function line_cost(tokens, out)
@@ -427,8 +567,7 @@ if op == 'acquire' then
     S['probe_until'] = now + math.min(PROBE_HOLD_MS, ttl)
     return admit(nil, nil)
   end
-  lift('t_')
-  lift('r_')
+  lift_all()
   -- 4. Its place in line.
   local line = line_cost(tokens, output)
   local order
@@ -439,13 +578,13 @@ if op == 'acquire' then
     order = LIVE_BASE + now
   else
     tenant_entry(tenant)
-    if known('t_') and cap > 0 and get('t_rate') > 0 then
+    if known('t_') and cap > 0 and share_rate('t_') > 0 then
       local due = get('tc:' .. tenant)
       if due > now then
         save()
         return owed(due - now, 4, 0)
       end
-      S['tc:' .. tenant] = now + math.ceil(line / (get('t_rate') * cap))
+      S['tc:' .. tenant] = now + math.ceil(line / (share_rate('t_') * cap))
     end
     S['tw:' .. tenant] = weight
     order = math.max(get('fair_time'), get('tf:' .. tenant))
@@ -469,6 +608,18 @@ if op == 'acquire' then
     end
   end
   local wait, fits = 0, true
+  -- The head may go to find a window's next reset when nothing else holds it
+  -- and no call cleared since the last reset will bring it.
+  local probe = a_tokens <= 0 and a_requests <= 0
+  if probe then
+    local raw = redis.call('HVALS', records)
+    for i = 1, #raw do
+      local f = rec_decode(raw[i])
+      if f and f.kind == 'f' and (f.expiry - ttl >= get('t_boundary') or f.expiry - ttl >= get('r_boundary')) then
+        probe = false
+      end
+    end
+  end
   for _, pc in ipairs({{'t_', tokens, a_tokens}, {'r_', requests, a_requests}}) do
     local p, cost, held = pc[1], pc[2], pc[3]
     if known(p) then
@@ -477,8 +628,15 @@ if op == 'acquire' then
       if short > 0 then
         fits = false
         wait = math.max(wait, refill_ms(p, short))
+        probe = probe and may_probe(p)
       end
     end
+  end
+  if not fits and probe then
+    for _, p in ipairs({'t_', 'r_'}) do
+      if known(p) and may_probe(p) then S[p .. 'probed'] = now end
+    end
+    fits = true
   end
   if fits then return admit(order, line) end
   -- 6. Otherwise wait in line until the refill brings it — for at most three
@@ -487,9 +645,13 @@ if op == 'acquire' then
   local reason = 1
   if other then reason = 4 end
   local turns = 0
-  if known('t_') then turns = RECHECK_TURNS * line / get('t_rate') end
+  if known('t_') then turns = RECHECK_TURNS * line / share_rate('t_') end
   local recheck = math.min(math.max(turns, recheck_min), max_pace)
   local sleep = math.min(math.min(wait, math.max(wait * RECHECK_SHARE, recheck)), max_pace)
+  -- A wait predicted before the shape is known: be back within the recheck horizon.
+  if (known('t_') and get('t_refill') == 0) or (known('r_') and get('r_refill') == 0) then
+    sleep = math.min(sleep, recheck)
+  end
   if last_clear > 0 then sleep = math.min(sleep, last_clear + late_ms - now) end
   local r = owed(math.max(sleep, 1), reason, u)
   if not waiter then
@@ -548,10 +710,24 @@ if op == 'settle' then
       S['usage_ratio'] = 0.8 * prior + 0.2 * seen
     end
   end
+  -- A reset that passed since the last ask is lifted before these headers name the next one.
+  lift_all()
   local share = refund_share(0)
   local share_known = refund_share(-1) >= 0
-  local others = 0
-  if mark then others = math.max(get('t_refunded') - mark, 0) end
+  -- What others left unused since this call was sent, and what was cleared after it.
+  -- (Only calls cleared later than a burst of it are surely not in its headers.)
+  local others, after_t, after_r = 0, 0, 0
+  if mark then
+    others = math.max(get('t_refunded') - mark, 0)
+    local raw = redis.call('HVALS', records)
+    for i = 1, #raw do
+      local g = rec_decode(raw[i])
+      if g and g.kind == 'f' and g.expiry - rec.expiry > BURST_GAP_MS then
+        after_t = after_t + g.tokens
+        after_r = after_r + g.requests
+      end
+    end
+  end
   for _, x in ipairs({{'t_', tk, input_fix, unused}, {'r_', rq, 0, 0}}) do
     local p, held, fix, u = x[1], x[2], x[3], x[4]
     advance(p)
@@ -565,8 +741,8 @@ if op == 'settle' then
     cap_withheld(p)
   end
   local headers_at = now - tonumber(ARGV[23])
-  observe('t_', tonumber(ARGV[17]), tonumber(ARGV[18]), tonumber(ARGV[19]), headers_at, share * (unused + others))
-  observe('r_', tonumber(ARGV[20]), tonumber(ARGV[21]), tonumber(ARGV[22]), headers_at, 0)
+  observe('t_', tonumber(ARGV[17]), tonumber(ARGV[18]), tonumber(ARGV[19]), headers_at, share * (unused + others) - after_t)
+  observe('r_', tonumber(ARGV[20]), tonumber(ARGV[21]), tonumber(ARGV[22]), headers_at, -after_r)
   -- The refund learner takes the answer's token headers (from a call cleared
   -- alone); once the share is known, the refunds withheld while it was not are
   -- credited as the newest headers confirm them (model.rs, learn_refund_share).
@@ -576,7 +752,12 @@ if op == 'settle' then
     local remaining = math.min(t_remaining, t_limit)
     local newest = headers_at > get('rs_seen')
     S['rs_seen'] = math.max(get('rs_seen'), headers_at)
-    if rec.alone == 1 then refund_learn(headers_at, remaining, sent_mark, mark) end
+    if rec.alone == 1 then
+      -- A pair must not span the reset these headers name, unless the bucket is known continuous.
+      local until_ms = 0
+      if get('t_refill') ~= 1 and t_reset >= 0 then until_ms = headers_at + t_reset end
+      refund_learn(headers_at, remaining, sent_mark, mark, until_ms)
+    end
     local known_share = refund_share(-1)
     if known_share >= 0 then
       if known_share <= 0 then S['t_withheld'] = 0 end
@@ -591,7 +772,7 @@ if op == 'settle' then
             if o.sent < sent_mark then pending = pending + o.tokens else pending = pending + o.output end
           end
         end
-        local theirs = math.min(remaining + known_share * unused + get('t_rate') * elapsed, get('t_limit'))
+        local theirs = math.min(remaining + known_share * unused + refill_rate('t_') * elapsed, get('t_limit'))
           - math.max(get('t_sent') - sent_mark, 0) - pending
         local owed_credit = math.min(known_share * get('t_withheld'), math.max(theirs - get('t_level'), 0))
         -- Not credit(): these refunds came before the headers that set the reset.

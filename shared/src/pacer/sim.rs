@@ -9,7 +9,8 @@
 //!   some turn is admitted within [`STALL_BOUND_MS`];
 //! - **never overdraws**: no call the pacer cleared found the provider's bucket
 //!   short by more than one request's size, and with estimates that are right
-//!   none is refused at all;
+//!   none is refused at all (against a fixed-window provider, at most one per
+//!   window: while the shape is learned, or a boundary is found);
 //! - **never early**: a turn that asks again before its due time is not clear;
 //! - **stays fair** (see [`Report::jain`]) and gives a lone tenant the refill.
 //!
@@ -126,8 +127,11 @@ pub struct Workload {
     /// answer is done: 1 refunds it (our mock's default), 0 keeps it
     /// (OpenAI's documented admission rule).
     pub refund_share: f64,
-    /// … refilled continuously over this period.
+    /// … refilled over this period: continuously, or whole at its boundaries.
     pub period_ms: Millis,
+    /// The provider's bucket refills whole at window boundaries (Azure-style
+    /// and many gateways) instead of continuously (OpenAI).
+    pub window: bool,
     /// Worker slots in the fleet.
     pub slots: usize,
     /// Call latency, uniform in this range.
@@ -155,6 +159,7 @@ impl Workload {
         let period_ms = *[10_000, 60_000, 60_000].get(rng.random_range(0..3)).unwrap_or(&60_000);
         let limit = [10_000, 30_000, 40_000, 150_000, 2_000_000][rng.random_range(0..5)];
         let refund_share = [1.0, 1.0, 0.0, 0.5][rng.random_range(0..4)];
+        let window = rng.random_bool(0.25);
         let n_tenants = rng.random_range(1..=4);
         let tenants: Vec<Tenant> = (0..n_tenants)
             .map(|i| Tenant {
@@ -212,6 +217,7 @@ impl Workload {
             limit,
             refund_share,
             period_ms,
+            window,
             slots: [8, 16, 48, 64][rng.random_range(0..4)],
             latency_ms: (100, rng.random_range(300..4_000)),
             tool_ms: (0, rng.random_range(1..800)),
@@ -244,6 +250,7 @@ impl Workload {
             limit: 40_000,
             refund_share: 1.0,
             period_ms: 60_000,
+            window: false,
             slots: 64,
             latency_ms: (200, 600),
             tool_ms: (0, 50),
@@ -286,6 +293,7 @@ impl Workload {
             limit: 30_000,
             refund_share: 1.0,
             period_ms: [10_000, 60_000][rng.random_range(0..2)],
+            window: false,
             slots: 64,
             latency_ms: (200, 1_500),
             tool_ms: (0, 200),
@@ -300,17 +308,35 @@ impl Workload {
 
 /// The exact provider bucket: charges `input + max_output` at admission,
 /// refunds the unused output when the call ends, refuses what does not fit.
+/// It refills continuously, or (`window`) whole at `origin + k · period`, as the
+/// mock does; its reset header is the time until it is full again, which for
+/// a window is the time to the next boundary.
 #[derive(Debug, Clone)]
 struct Provider {
     limit: f64,
     rate: f64,
     level: f64,
     at: Millis,
+    window: Option<(Millis, Millis)>,
 }
 
 impl Provider {
+    /// The start of the window `t` falls in.
+    fn window_start(origin: Millis, period: Millis, t: Millis) -> Millis {
+        origin + (t - origin).div_euclid(period) * period
+    }
+
     fn level_at(&self, now: Millis) -> f64 {
-        (self.level + self.rate * (now - self.at).max(0) as f64).min(self.limit)
+        match self.window {
+            Some((origin, period)) => {
+                if Self::window_start(origin, period, now) > Self::window_start(origin, period, self.at) {
+                    self.limit
+                } else {
+                    self.level
+                }
+            }
+            None => (self.level + self.rate * (now - self.at).max(0) as f64).min(self.limit),
+        }
     }
 
     fn refill(&mut self, now: Millis) {
@@ -318,11 +344,22 @@ impl Provider {
         self.at = now.max(self.at);
     }
 
+    /// Milliseconds from the last refill until `need` tokens are there.
+    fn wait_for(&self, need: f64) -> f64 {
+        if self.level >= need {
+            return 0.0;
+        }
+        match self.window {
+            Some((origin, period)) => (Self::window_start(origin, period, self.at) + period - self.at) as f64,
+            None => (need - self.level) / self.rate,
+        }
+    }
+
     fn headers(&self) -> Observation {
         Observation {
             limit: Some(self.limit as u64),
             remaining: Some(self.level.max(0.0).floor() as u64),
-            reset_ms: Some(((self.limit - self.level).max(0.0) / self.rate).ceil() as u64),
+            reset_ms: Some(self.wait_for(self.limit).ceil() as u64),
         }
     }
 
@@ -332,7 +369,7 @@ impl Provider {
         self.refill(now);
         if self.level < charge {
             let short = charge - self.level;
-            return Err((short, (short / self.rate).ceil() as u64));
+            return Err((short, self.wait_for(charge).ceil() as u64));
         }
         self.level -= charge;
         Ok(self.headers())
@@ -495,6 +532,8 @@ struct Sim<'w> {
     /// A 429 closed the provider until then (the pacer may legitimately wait).
     closed_until: Millis,
     stall_since: Option<Millis>,
+    /// A window provider: the start of the window of the last admission.
+    admitted_window: Millis,
     /// A settle reached the pacer (it knows the limits from then on).
     settled: bool,
     /// `PACER_SIM_TRACE` is set: print every ask, settle and refusal.
@@ -506,11 +545,14 @@ struct Sim<'w> {
 impl<'w> Sim<'w> {
     fn new(w: &'w Workload) -> Self {
         let t0: Millis = 1_800_000_000_000;
+        // A window's boundaries fall at a random phase of the start.
+        let phase = (w.seed.wrapping_mul(0x2545_f491_4f6c_dd1d) % w.period_ms as u64) as Millis;
         let provider = Provider {
             limit: w.limit as f64,
             rate: w.limit as f64 / w.period_ms as f64,
             level: w.limit as f64,
             at: t0,
+            window: w.window.then_some((t0 - phase, w.period_ms)),
         };
         let runs: Vec<Run> = w
             .runs
@@ -545,6 +587,7 @@ impl<'w> Sim<'w> {
             free_slots: w.slots,
             closed_until: 0,
             stall_since: None,
+            admitted_window: 0,
             settled: false,
             trace: std::env::var_os("PACER_SIM_TRACE").is_some(),
             last_done: t0,
@@ -608,7 +651,16 @@ impl<'w> Sim<'w> {
         r.runs = self.runs.iter().filter(|r| r.state != RunState::Cancelled).count();
         r.completed = self.runs.iter().filter(|r| r.state == RunState::Done).count();
         r.makespan_ms = self.last_done - self.t0;
-        r.floor_ms = ((r.used_tokens - self.w.limit as f64) / self.provider.rate).max(0.0);
+        let beyond = r.used_tokens - self.w.limit as f64;
+        r.floor_ms = match self.provider.window {
+            // The first boundary after the start, then one window per limit.
+            Some((origin, period)) if beyond > 0.0 => {
+                let first = Provider::window_start(origin, period, self.t0) + period - self.t0;
+                (first + ((beyond / self.w.limit as f64).ceil() as Millis - 1) * period) as f64
+            }
+            Some(_) => 0.0,
+            None => (beyond / self.provider.rate).max(0.0),
+        };
     }
 
     fn start_turn(&mut self, run: usize) {
@@ -724,6 +776,9 @@ impl<'w> Sim<'w> {
                     self.report.early_clears += 1;
                 }
                 self.stall_since = None;
+                if let Some((origin, period)) = self.provider.window {
+                    self.admitted_window = Provider::window_start(origin, period, self.now);
+                }
                 self.runs[run].state = RunState::Calling;
                 let t = self.now + self.rng.random_range(SEND_DELAY_MS);
                 self.at(t, Event::Arrive(run, id));
@@ -874,9 +929,16 @@ impl<'w> Sim<'w> {
                 }) && any
             }
         };
+        // A window provider's level between boundaries is known only as far
+        // as the headers show it: what the pacer must not miss is a boundary.
+        // Its stall clock runs while a window has begun with no admission yet.
+        let boundary_passed = match self.provider.window {
+            Some((origin, period)) => Provider::window_start(origin, period, self.now) > self.admitted_window,
+            None => true,
+        };
         // Before the first settle nothing is known: the pacer holds the fleet
         // for its probe's headers by design (cold start).
-        if slot && head_fits && self.now >= self.closed_until && self.settled {
+        if slot && head_fits && boundary_passed && self.now >= self.closed_until && self.settled {
             let since = *self.stall_since.get_or_insert(self.now);
             let stalled = self.now - since;
             if stalled > self.report.longest_stall_ms {
@@ -930,8 +992,19 @@ impl Policy for ModelPolicy {
         line.sort_by(|a, b| a.1.order.total_cmp(&b.1.order).then(a.0.cmp(b.0)));
         let head: Vec<String> =
             line.iter().take(4).map(|(id, w)| format!("{id}@{}+{:.0}", w.due_ms - now, w.line)).collect();
+        let t = &self.state.tokens;
+        let shape = match t.refill {
+            super::bucket::Refill::Window => "W",
+            super::bucket::Refill::Continuous => "C",
+            super::bucket::Refill::Unknown => "?",
+        };
         format!(
-            "level {:.0} withheld {:.0} flights {} ratio {:.2}/{:.2} refund {:.2} ({:.0}/{:.0}, {}) line {} [{}]",
+            "{shape}{:+} rate {:.3} full {} bnd {} maxr {:.0} | level {:.0} withheld {:.0} flights {} ratio {:.2}/{:.2} refund {:.2} ({:.0}/{:.0}, {}) line {} [{}]",
+            t.votes,
+            t.rate,
+            if t.full_at_ms > 0 { t.full_at_ms - now } else { 0 },
+            if t.boundary_ms > 0 { t.boundary_ms - now } else { 0 },
+            t.max_reset_ms,
             self.state.tokens.level_at(now),
             self.state.tokens.withheld,
             self.state.flights.len(),
@@ -972,9 +1045,11 @@ mod tests {
         assert_eq!(r.completed, r.runs);
         assert!(r.longest_stall_ms <= STALL_BOUND_MS, "{r:?}");
         assert_eq!(r.refused, 0, "{r:?}");
-        // 0.940 here: the 5 % work floor keeps 2 000 tokens (3 s of refill at
-        // this tier) that the physical floor counts as usable.
-        assert!(r.efficiency() >= 0.93, "efficiency {:.3}: {r:?}", r.efficiency());
+        // 0.927 here (0.924 on average over seeds 1-20, none below 0.918):
+        // the 5 % work floor keeps 2 000 tokens (3 s of refill at this tier)
+        // that the physical floor counts as usable, and until the first
+        // answers show the bucket refills continuously no refill is counted.
+        assert!(r.efficiency() >= 0.92, "efficiency {:.3}: {r:?}", r.efficiency());
     }
 
     /// The same against a provider that keeps the unused output (OpenAI's
@@ -990,6 +1065,28 @@ mod tests {
         assert_eq!(r.refused, 0, "{r:?}");
         assert_eq!(policy.state.refunds.share(40_000.0), Some(0.0));
         assert!(r.efficiency() >= 0.93, "efficiency {:.3}: {r:?}", r.efficiency());
+    }
+
+    /// The same against a fixed-window provider (its bucket refills whole
+    /// each minute): the pacer tells the shape from the headers, spends each
+    /// window and waits for the boundary, and sends at most one call per
+    /// window that the provider refuses.
+    #[test]
+    fn one_tenant_against_a_window_provider() {
+        let base = Workload::one_tenant_per_minute(1);
+        let runs = [base.runs.clone(), base.runs.clone()].concat();
+        let w = Workload { window: true, runs, ..base };
+        let mut policy = ModelPolicy::new(w.config.clone());
+        let r = simulate(&w, &mut policy);
+        let windows = r.makespan_ms / w.period_ms + 1;
+        eprintln!("{r:?} efficiency {:.3}, {windows} windows, shape {:?}", r.efficiency(), policy.state.tokens.refill);
+        assert_eq!(r.completed, r.runs);
+        assert_eq!(policy.state.tokens.refill, super::super::bucket::Refill::Window);
+        assert!(r.refused <= windows as u64, "{} refused in {windows} windows: {r:?}", r.refused);
+        // 0.625: this provider gives back unused output, and in a window the
+        // calls go out as one burst at each boundary, so no call is cleared
+        // alone for the refund learner to read: no refund is credited.
+        assert!(r.efficiency() >= 0.6, "efficiency {:.3}: {r:?}", r.efficiency());
     }
 
     #[test]
@@ -1034,14 +1131,23 @@ mod tests {
             if r.early_clears > 0 {
                 why.push(format!("{} early clears", r.early_clears));
             }
-            if w.faults.est_error == 0.0 && w.faults.est_low == 0.0 && r.refused > 0 {
+            // A window provider may refuse one call per window: while the
+            // pacer learns the bucket's shape from the first answers, or when
+            // the head goes to find a boundary no headers named.
+            let allowed = if w.window { (r.makespan_ms / w.period_ms + 1) as u64 } else { 0 };
+            if w.faults.est_error == 0.0 && w.faults.est_low == 0.0 && r.refused > allowed {
                 why.push(format!("{} of {} calls refused with exact estimates", r.refused, r.calls));
             }
             if r.max_shortfall > r.max_charge {
                 why.push(format!("short by {:.0}", r.max_shortfall));
             }
             if !why.is_empty() {
-                failures.push(format!("seed {seed} (refund share {}): {}", w.refund_share, why.join(", ")));
+                failures.push(format!(
+                    "seed {seed} ({}, refund share {}): {}",
+                    if w.window { "window" } else { "continuous" },
+                    w.refund_share,
+                    why.join(", ")
+                ));
             }
         }
         assert!(

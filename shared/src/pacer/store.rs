@@ -406,6 +406,15 @@ fn state_from_fields(flat: &[String]) -> (PacerState, Millis) {
         in_flight: f(&format!("{p}inflight")),
         sent: f(&format!("{p}sent")),
         withheld: f(&format!("{p}withheld")),
+        votes: f(&format!("{p}votes")),
+        refill: bucket::Refill::from_code(f(&format!("{p}refill"))),
+        max_reset_ms: f(&format!("{p}max_reset")),
+        obs_at_ms: f(&format!("{p}obs_at")) as Millis,
+        obs_missing: f(&format!("{p}obs_missing")),
+        obs_reset_ms: f(&format!("{p}obs_reset")),
+        boundary_ms: f(&format!("{p}boundary")) as Millis,
+        probed_ms: f(&format!("{p}probed")) as Millis,
+        unknown_credit: f(&format!("{p}unknown_credit")),
     };
     state.tokens = bucket("t_");
     state.requests = bucket("r_");
@@ -425,6 +434,7 @@ fn state_from_fields(flat: &[String]) -> (PacerState, Millis) {
         sent: f("rs_sent"),
         refunded: f("rs_refunded"),
         seen_ms: f("rs_seen") as Millis,
+        until_ms: f("rs_until") as Millis,
     };
     state.fair_time = f("fair_time");
     state.tenants = map

@@ -41,16 +41,22 @@ async fn simulate(
     run_ms: Millis,
     warm_ms: Millis,
 ) -> (BTreeMap<&'static str, u64>, BTreeMap<&'static str, Vec<Millis>>) {
-    // Headers seen once: the bucket is empty and refills at 1 token/ms.
-    let headers = Observation { limit: Some(60_000), remaining: Some(0), reset_ms: Some(60_000) };
-    pacer
-        .acquire("m", "seed", Estimate { tokens: 1, requests: 1, output: 0 }, Mode::Work, &Who::DEFAULT)
-        .await
-        .unwrap();
-    pacer
-        .settle("m", "seed", &CallOutcome { tokens: headers, used_tokens: Some(1), ..CallOutcome::default() })
-        .await
-        .unwrap();
+    // Headers seen three times: the bucket is empty and refills at 1 token/ms
+    // (resets that grow with what is missing at one rate say it refills
+    // continuously).
+    for (i, remaining) in [20_000, 10_000, 0].into_iter().enumerate() {
+        let headers =
+            Observation { limit: Some(60_000), remaining: Some(remaining), reset_ms: Some(60_000 - remaining) };
+        let id = format!("seed{i}");
+        pacer
+            .acquire("m", &id, Estimate { tokens: 1, requests: 1, output: 0 }, Mode::Work, &Who::DEFAULT)
+            .await
+            .unwrap();
+        pacer
+            .settle("m", &id, &CallOutcome { tokens: headers, used_tokens: Some(1), ..CallOutcome::default() })
+            .await
+            .unwrap();
+    }
     // Events: (time, load index, turn index, call number, first ask time).
     let mut events = BinaryHeap::new();
     for (l, load) in loads.iter().enumerate() {

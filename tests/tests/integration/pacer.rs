@@ -234,8 +234,14 @@ async fn a_turn_in_line_is_clear_when_it_comes_back_and_not_before() {
     let config = PacingConfig { jitter_frac: 0.0, floor_work: 0.10, ..PacingConfig::default() };
     let pacer = shared_pacer(&server, &unique_prefix(), config).await.with_test_clock(Arc::new(clock.clone()));
     // 60 000 per minute (1 token/ms), 6 000 left = exactly a 10 % work floor.
-    let headers = Observation { limit: Some(60_000), remaining: Some(6_000), reset_ms: Some(54_000) };
-    pacer.settle("m", "probe", &CallOutcome { tokens: headers, ..CallOutcome::default() }).await.unwrap();
+    // Three answers whose resets grow with what is missing at that one rate
+    // say the bucket refills continuously (until then no refill is counted on).
+    for remaining in [18_000, 12_000, 6_000] {
+        let headers =
+            Observation { limit: Some(60_000), remaining: Some(remaining), reset_ms: Some(60_000 - remaining) };
+        pacer.settle("m", "probe", &CallOutcome { tokens: headers, ..CallOutcome::default() }).await.unwrap();
+    }
+    assert_eq!(pacer.state("m").await.unwrap().0.tokens.refill, shared::pacer::bucket::Refill::Continuous);
     let est = Estimate { tokens: 2_000, requests: 1, output: 0 };
     let Decision::Owed { ms: first, .. } = pacer.acquire("m", "t1", est, Mode::Work, &Who::DEFAULT).await.unwrap()
     else {
@@ -408,10 +414,16 @@ async fn agree(server: &RedisServer, seed: u64, paths: &mut Paths) {
                 // Mostly the provider's input count too (below what was used).
                 input_tokens: used.filter(|_| rng.random_bool(0.8)).map(|u| u * rng.random_range(20..=100) / 100),
                 rate_limited_ms: rng.random_bool(0.05).then(|| rng.random_range(100..2_000)),
+                // Odd seeds answer like a fixed-window bucket (the reset counts
+                // down to a 10 s boundary), even ones like a continuous one.
                 tokens: Observation {
                     limit: Some(limit),
                     remaining: Some(remaining),
-                    reset_ms: Some((limit - remaining) * 60_000 / limit),
+                    reset_ms: Some(if seed % 2 == 1 {
+                        10_000 - (clock.now_ms() % 10_000) as u64
+                    } else {
+                        (limit - remaining) * 60_000 / limit
+                    }),
                 },
                 requests: Observation {
                     limit: Some(500),
@@ -449,6 +461,15 @@ async fn agree(server: &RedisServer, seed: u64, paths: &mut Paths) {
                     && close(g.charged_since, w.charged_since)
                     && close(g.sent, w.sent)
                     && close(g.withheld, w.withheld)
+                    && g.refill == w.refill
+                    && close(g.votes, w.votes)
+                    && close(g.max_reset_ms, w.max_reset_ms)
+                    && g.obs_at_ms == w.obs_at_ms
+                    && close(g.obs_missing, w.obs_missing)
+                    && close(g.obs_reset_ms, w.obs_reset_ms)
+                    && g.boundary_ms == w.boundary_ms
+                    && g.probed_ms == w.probed_ms
+                    && close(g.unknown_credit, w.unknown_credit)
                     && g.full_at_ms == w.full_at_ms
                     && g.rated == w.rated
                     && close(g.in_flight, w.in_flight),
@@ -473,6 +494,7 @@ async fn agree(server: &RedisServer, seed: u64, paths: &mut Paths) {
                 && g.pairs == w.pairs
                 && g.at_ms == w.at_ms
                 && g.seen_ms == w.seen_ms
+                && g.until_ms == w.until_ms
                 && close(g.sent, w.sent)
                 && close(g.refunded, w.refunded),
             "seed {seed} step {step}: refund learner\nscript: {g:?}\nmodel:  {w:?}"
