@@ -144,9 +144,9 @@ impl Bucket {
         }
     }
 
-    /// Takes `amount` at `now_us`, or says why not. Nothing is taken on refusal.
-    pub fn try_take(&mut self, now_us: u64, amount: u64) -> Result<(), Refusal> {
-        self.refill(now_us);
+    /// Whether `amount` could be taken at the last refill, without taking it:
+    /// a request that needs several buckets asks each before it takes any.
+    pub fn check(&self, amount: u64) -> Result<(), Refusal> {
         if amount > self.capacity {
             return Err(Refusal::TooLarge);
         }
@@ -154,7 +154,14 @@ impl Bucket {
         if self.level < need {
             return Err(Refusal::Wait { wait_us: self.wait_for(need) });
         }
-        self.level -= need;
+        Ok(())
+    }
+
+    /// Takes `amount` at `now_us`, or says why not. Nothing is taken on refusal.
+    pub fn try_take(&mut self, now_us: u64, amount: u64) -> Result<(), Refusal> {
+        self.refill(now_us);
+        self.check(amount)?;
+        self.level -= amount as i128 * self.window_us as i128;
         // The admission rule above makes this 0 by construction; it is computed
         // from the level anyway so that the stats report what happened, not what
         // was meant to happen.

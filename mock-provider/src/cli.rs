@@ -5,6 +5,7 @@
 
 use crate::bucket::{BucketMode, ChargeMode};
 use crate::config::MockConfig;
+use crate::shape::{HeaderStyle, LimitsMode};
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -17,6 +18,12 @@ pub struct MockArgs {
     /// Token bucket capacity per window (tokens per minute with the default 60 s window).
     #[arg(long, env = "MOCK_TPM", default_value_t = 40_000)]
     pub tpm: u64,
+    /// Input token bucket per window, with --headers anthropic [default: --tpm].
+    #[arg(long, env = "MOCK_ITPM")]
+    pub itpm: Option<u64>,
+    /// Output token bucket per window, with --headers anthropic [default: --tpm / 5].
+    #[arg(long, env = "MOCK_OTPM")]
+    pub otpm: Option<u64>,
     /// Request bucket capacity per window (requests per minute with the default window).
     #[arg(long, env = "MOCK_RPM", default_value_t = 600)]
     pub rpm: u64,
@@ -30,6 +37,15 @@ pub struct MockArgs {
     /// (`refund`), or kept (`keep`, OpenAI's documented admission rule).
     #[arg(long, env = "MOCK_CHARGE", value_enum, default_value_t = ChargeMode::Refund)]
     pub charge: ChargeMode,
+    /// Whose rate-limit headers and 429 retry hints to speak; `anthropic` also splits the
+    /// token bucket into --itpm and --otpm, `none` puts the delay only in the 429's body
+    /// [default: openai].
+    #[arg(long, env = "MOCK_HEADERS", value_enum)]
+    pub headers: Option<HeaderStyle>,
+    /// Enforce the buckets, or admit every request and send no rate-limit headers
+    /// (`none`, like vLLM, Ollama or TGI).
+    #[arg(long, env = "MOCK_LIMITS", value_enum, default_value_t = LimitsMode::Enforced)]
+    pub limits: LimitsMode,
     /// Delay before the first byte of an admitted answer, in ms (429s answer at once).
     #[arg(long, env = "MOCK_LATENCY_MS", default_value_t = 0)]
     pub latency_ms: u64,
@@ -64,8 +80,8 @@ pub struct MockArgs {
     /// Pause every streamed answer this many ms mid-way, after some text.
     #[arg(long, env = "MOCK_STALL_MS", default_value_t = 0)]
     pub stall_ms: u64,
-    /// Send no x-ratelimit-* headers, like vLLM or Ollama.
-    #[arg(long, env = "MOCK_NO_HEADERS")]
+    /// The old spelling of --headers none (hidden); --headers or MOCK_HEADERS wins over it.
+    #[arg(long, env = "MOCK_NO_HEADERS", hide = true)]
     pub no_headers: bool,
     /// Seed of the fault dice (--fail-rate, --midstream-error-rate), so a run is repeatable.
     #[arg(long, env = "MOCK_SEED", default_value_t = 0)]
@@ -92,12 +108,17 @@ impl MockArgs {
                 return Err(format!("{name} must be between 0 and 1, not {rate}"));
             }
         }
-        if self.tpm == 0 || self.rpm == 0 {
-            return Err("--tpm and --rpm must be at least 1".to_string());
+        if [Some(self.tpm), Some(self.rpm), self.itpm, self.otpm].contains(&Some(0)) {
+            return Err("--tpm, --rpm, --itpm and --otpm must be at least 1".to_string());
         }
+        // `--no-headers` only changes the default, so an explicit style (flag
+        // or env) still decides.
+        let headers = self.headers.unwrap_or(if self.no_headers { HeaderStyle::None } else { HeaderStyle::default() });
         Ok(MockConfig {
             listen: self.listen,
             tpm: self.tpm,
+            itpm: self.itpm,
+            otpm: self.otpm,
             rpm: self.rpm,
             window: Duration::from_secs_f64(self.window_s),
             bucket: self.bucket,
@@ -113,7 +134,8 @@ impl MockArgs {
             quota_after: self.quota_after,
             daily_cap: self.daily_cap,
             stall: Duration::from_millis(self.stall_ms),
-            headers: !self.no_headers,
+            headers,
+            limits: self.limits,
             seed: self.seed,
             keep_bodies: self.keep_bodies,
             log_limit: self.log_limit,
@@ -161,6 +183,14 @@ mod tests {
             "window",
             "--charge",
             "keep",
+            "--headers",
+            "anthropic",
+            "--itpm",
+            "800",
+            "--otpm",
+            "90",
+            "--limits",
+            "none",
             "--latency-ms",
             "5",
             "--tool-rounds",
@@ -174,7 +204,6 @@ mod tests {
             "--daily-cap",
             "--stall-ms",
             "9",
-            "--no-headers",
             "--seed",
             "11",
             "--midstream-error-rate",
@@ -196,18 +225,43 @@ mod tests {
         assert_eq!(cfg.quota_after, Some(4));
         assert!(cfg.daily_cap);
         assert_eq!(cfg.stall, Duration::from_millis(9));
-        assert!(!cfg.headers);
+        assert_eq!(cfg.headers, HeaderStyle::Anthropic);
+        assert_eq!(cfg.limits, LimitsMode::None);
+        assert_eq!((cfg.input_capacity(), cfg.output_capacity()), (800, 90));
         assert_eq!(cfg.seed, 11);
         assert_eq!(cfg.midstream_error_code, "rate_limit_exceeded");
         assert_eq!(cfg.default_max_output(), 7);
     }
 
     #[test]
+    fn the_defaults_are_an_enforcing_openai_provider() {
+        let cfg = Cli::try_parse_from(["mock", "--tpm", "1000"]).unwrap().mock.into_config().unwrap();
+        assert_eq!((cfg.headers, cfg.limits), (HeaderStyle::OpenAi, LimitsMode::Enforced));
+        assert_eq!((cfg.input_capacity(), cfg.output_capacity()), (1000, 200), "--itpm is --tpm, --otpm a fifth");
+    }
+
+    #[test]
+    fn no_headers_is_headers_none_unless_a_style_is_named() {
+        let style = |args: &[&str]| {
+            let cli = Cli::try_parse_from(std::iter::once("mock").chain(args.iter().copied())).unwrap();
+            cli.mock.into_config().unwrap().headers
+        };
+        assert_eq!(style(&["--no-headers"]), HeaderStyle::None);
+        assert_eq!(style(&["--headers", "none"]), HeaderStyle::None);
+        assert_eq!(style(&["--headers", "azure"]), HeaderStyle::Azure);
+        assert_eq!(style(&["--no-headers", "--headers", "openai"]), HeaderStyle::OpenAi);
+        let help = Cli::command().render_help().to_string();
+        assert!(!help.contains("--no-headers"), "the old spelling is hidden");
+    }
+
+    #[test]
     fn nonsense_is_refused() {
-        for bad in [["--window-s", "0"], ["--fail-rate", "1.5"], ["--tpm", "0"]] {
+        for bad in [["--window-s", "0"], ["--fail-rate", "1.5"], ["--tpm", "0"], ["--itpm", "0"], ["--otpm", "0"]] {
             let cli = Cli::try_parse_from(["mock", bad[0], bad[1]]).unwrap();
             assert!(cli.mock.into_config().is_err(), "{bad:?}");
         }
-        assert!(Cli::try_parse_from(["mock", "--bucket", "leaky"]).is_err());
+        for bad in [["--bucket", "leaky"], ["--headers", "gemini"], ["--limits", "some"], ["--itpm", "-1"]] {
+            assert!(Cli::try_parse_from(["mock", bad[0], bad[1]]).is_err(), "{bad:?}");
+        }
     }
 }

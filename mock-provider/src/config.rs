@@ -2,17 +2,27 @@
 //! (`cli.rs`) and the tests build it, the server reads it.
 
 use crate::bucket::BucketMode;
+use crate::shape::{HeaderStyle, LimitsMode};
 use std::net::SocketAddr;
 use std::time::Duration;
 
-/// How the mock behaves. `Default` is a quiet provider on a free port:
-/// 40 000 TPM, 600 RPM, continuous buckets, no faults, no latency.
+/// The default output bucket of the Anthropic shape is `tpm / OUTPUT_SHARE`:
+/// Anthropic's tiers give output about a fifth of the input budget.
+pub const OUTPUT_SHARE: u64 = 5;
+
+/// How the mock behaves. `Default` is a quiet OpenAI-shaped provider on a free
+/// port: 40 000 TPM, 600 RPM, continuous buckets, no faults, no latency.
 #[derive(Debug, Clone)]
 pub struct MockConfig {
     /// Address to bind; port 0 picks a free one (see `MockServer::local_addr`).
     pub listen: SocketAddr,
     /// Token bucket capacity per window (tokens per minute when the window is 60 s).
     pub tpm: u64,
+    /// The Anthropic shape's input token bucket per window; `None` means `tpm`.
+    pub itpm: Option<u64>,
+    /// The Anthropic shape's output token bucket per window; `None` means
+    /// `tpm / OUTPUT_SHARE`.
+    pub otpm: Option<u64>,
     /// Request bucket capacity per window.
     pub rpm: u64,
     /// The bucket window: 60 s like OpenAI, or shorter to scale a minute down for tests.
@@ -43,8 +53,11 @@ pub struct MockConfig {
     pub daily_cap: bool,
     /// A streamed answer pauses this long mid-way, after some text.
     pub stall: Duration,
-    /// Send the `x-ratelimit-*` headers (false behaves like vLLM or Ollama).
-    pub headers: bool,
+    /// Whose rate-limit headers and retry hints to send; Anthropic's also splits
+    /// the token bucket into input and output buckets.
+    pub headers: HeaderStyle,
+    /// Whether the buckets are enforced at all (`None`: like vLLM or Ollama).
+    pub limits: LimitsMode,
     /// Whether the unused output reservation is given back after the answer.
     pub charge: crate::bucket::ChargeMode,
     /// Seed of the fault dice, so a faulty run is repeatable.
@@ -62,6 +75,8 @@ impl Default for MockConfig {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             tpm: 40_000,
+            itpm: None,
+            otpm: None,
             rpm: 600,
             window: Duration::from_secs(60),
             bucket: BucketMode::Continuous,
@@ -77,7 +92,8 @@ impl Default for MockConfig {
             quota_after: None,
             daily_cap: false,
             stall: Duration::ZERO,
-            headers: true,
+            headers: HeaderStyle::OpenAi,
+            limits: LimitsMode::Enforced,
             seed: 0,
             keep_bodies: 32,
             log_limit: 100_000,
@@ -90,5 +106,15 @@ impl MockConfig {
     /// Output tokens charged when a request sets no limit.
     pub fn default_max_output(&self) -> u64 {
         self.default_max_output_tokens.unwrap_or(self.output_tokens)
+    }
+
+    /// The Anthropic shape's input bucket capacity per window.
+    pub fn input_capacity(&self) -> u64 {
+        self.itpm.unwrap_or(self.tpm)
+    }
+
+    /// The Anthropic shape's output bucket capacity per window (at least 1).
+    pub fn output_capacity(&self) -> u64 {
+        self.otpm.unwrap_or((self.tpm / OUTPUT_SHARE).max(1))
     }
 }

@@ -1,6 +1,7 @@
 //! An OpenAI-compatible provider simulator for paceline's tests, demo and
-//! benchmark: exact rate-limit buckets, OpenAI's headers and errors, a
-//! scripted model, and fault knobs. Nothing in production depends on it.
+//! benchmark: exact rate-limit buckets, the rate-limit headers and 429s of
+//! several providers (OpenAI, Anthropic, Azure, none), a scripted model, and
+//! fault knobs. Nothing in production depends on it.
 //!
 //! # Starting it
 //!
@@ -51,24 +52,46 @@
 //! A token bucket of `tpm` and a request bucket of `rpm` per `window`;
 //! `continuous` refills at capacity/window all the time, `window` refills fully
 //! at multiples of the window since start. Admission is decided under one lock,
-//! in integer arithmetic, both buckets or neither. A request is charged its
+//! in integer arithmetic, on every bucket or none: each is asked before any is
+//! taken from. A request is charged its
 //! input tokens plus its output limit (`max_output_tokens`; chat:
 //! `max_completion_tokens`, else `max_tokens`; none set: `--default-max-output-tokens`,
 //! which defaults to `--output-tokens`), and the unused part of that limit is
-//! refunded when the answer is done. Input tokens are `ceil(chars / 4)` over
+//! refunded when the answer is done (unless `--charge keep`). Input tokens are `ceil(chars / 4)` over
 //! every string value of `instructions` and `input` (chat: `messages`) —
 //! text, tool outputs, function-call arguments — plus the compact JSON of
 //! `tools`; one word of output is one token.
 //!
-//! Every answer (200, 429, 5xx, 400) carries `x-ratelimit-{limit,remaining,reset}-{requests,tokens}`
-//! (unless `--no-headers`) describing the buckets right after the decision;
-//! resets are the time until the bucket is full, in Go's shape (`6m0s`,
-//! `1.5s`, `13ms`). Over a limit: 429, `retry-after` (seconds, rounded up),
-//! `retry-after-ms`, and `{"error":{"message":"Rate limit reached for MODEL in
+//! With `--headers anthropic` the token bucket is split, as Anthropic's limits
+//! are: an input bucket of `--itpm` (default `--tpm`) charged the input (never
+//! given back) and an output bucket of `--otpm` (default `--tpm / 5`) charged
+//! the output limit, whose unused part comes back at the end of the answer.
+//! `--limits none` keeps no buckets at all: every request is admitted (as by
+//! vLLM, Ollama or TGI) and no answer carries rate-limit headers; usage and
+//! the stats' token counts are still reported.
+//!
+//! # Provider shapes (`--headers`)
+//!
+//! Every answer (200, 429, 5xx, 400) carries the chosen style's headers
+//! describing the buckets right after the decision, and a 429 over a limit
+//! says when to retry in that style's way:
+//!
+//! | style | on every answer | a 429's wait |
+//! | --- | --- | --- |
+//! | `openai` (default) | `x-ratelimit-{limit,remaining,reset}-{requests,tokens}`, resets as Go durations (`6m0s`, `1.5s`, `13ms`) until full | `retry-after` (s, rounded up), `retry-after-ms` |
+//! | `anthropic` | `anthropic-ratelimit-{requests,input-tokens,output-tokens,tokens}-{limit,remaining,reset}`, resets as RFC 3339 instants (`2026-12-01T20:00:05.123Z`) when full; `tokens-*` is whichever of input and output has the smaller share left | `retry-after` (s, rounded up, at least 1) |
+//! | `azure` | `x-ratelimit-remaining-{requests,tokens}` only | `retry-after` (s, rounded up), `retry-after-ms` |
+//! | `none` | nothing | only in the body: the message, and `"details": [{"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "1.500s"}]` |
+//!
+//! `--no-headers` is a hidden old spelling of `--headers none`. Over a limit
+//! the body is OpenAI's (whichever the style):
+//! `{"error":{"message":"Rate limit reached for MODEL in
 //! organization org-mock on tokens per min (TPM): Limit L, Used U, Requested R.
 //! Please try again in 1.146s. …","type":"tokens","param":null,"code":"rate_limit_exceeded"}}`
-//! (`requests` / RPM for the request bucket). The wait is exact: a retry after
-//! it is admitted if nothing else took the budget. More than the whole limit:
+//! (`requests` / RPM for the request bucket; the Anthropic shape names `input
+//! tokens per minute (ITPM)` or `output tokens per minute (OTPM)`). When several
+//! buckets refuse, the wait is the longest of theirs, and it is exact: a retry after
+//! it is admitted if nothing else took the budget. More than a bucket's whole limit:
 //! 429 "Request too large for MODEL … Limit L, Requested R." without a retry-after.
 //!
 //! # The scripted model
@@ -88,15 +111,18 @@
 //! `--midstream-error-code server_error|rate_limit_exceeded`),
 //! `--quota-after N` (429 `insufficient_quota` after N admitted requests),
 //! `--daily-cap` (`--tpm` becomes a cap per fixed 24 h window: resets and
-//! retry-afters hours away, messages say TPD), `--stall-ms N` (every stream
-//! pauses after some text), `--latency-ms N` (before the first byte of an
-//! admitted answer), `--no-headers` (no `x-ratelimit-*`, like vLLM).
+//! retry-afters hours away, messages say TPD; with `--headers anthropic` both
+//! token buckets are daily), `--stall-ms N` (every stream pauses after some
+//! text), `--latency-ms N` (before the first byte of an admitted answer).
 //!
 //! # Stats
 //!
 //! Counts (requests, `2xx`, by status, 429s by code, mid-stream errors, stalls),
-//! tokens charged / refunded / admitted, `largest_overdraft` (computed from the
-//! bucket levels; 0 unless admission is broken), both buckets now, a log of
+//! tokens charged / refunded / admitted and the admitted input and output
+//! apart (what an input and an output bucket let through),
+//! `largest_overdraft` (computed from every bucket's level; 0 unless
+//! admission is broken), the buckets now (`input` and `output` too when they
+//! exist) with the header style and limits mode, a log of
 //! the latest `--log-limit` requests (arrival in µs and ms since start, status,
 //! code, tokens charged and refunded and when) and the latest `--keep-bodies`
 //! request bodies, so a test can see what the mock was sent.
@@ -108,8 +134,10 @@ pub mod cli;
 pub mod config;
 pub mod duration;
 pub mod fault;
+pub mod limits;
 pub mod script;
 pub mod server;
+pub mod shape;
 pub mod stats;
 pub mod wire;
 
@@ -118,4 +146,5 @@ pub use cli::MockArgs;
 pub use config::MockConfig;
 pub use fault::Fault;
 pub use server::MockServer;
+pub use shape::{HeaderStyle, LimitsMode};
 pub use stats::{LogEntry, Stats};

@@ -2,11 +2,13 @@
 //! is decided, so two concurrent requests can never both spend the same budget.
 //! The lock is never held across an `.await`; answers are written after it.
 
-use crate::bucket::{Bucket, Refusal};
+use crate::bucket::{Bucket, ChargeMode};
 use crate::config::MockConfig;
 use crate::duration::{ceil_ms, go_duration};
 use crate::fault::Fault;
+use crate::limits::{Charge, Level, Limit, RateLimits, Refused, Snapshot};
 use crate::script::{self, Script};
+use crate::shape::{self, HeaderStyle, LimitsMode};
 use crate::stats::{BucketView, Buckets, KeptBody, LogEntry, Stats};
 use crate::wire::{self, error_body, Api, Reply, Request, StreamError};
 use axum::body::{Body, Bytes};
@@ -28,8 +30,6 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::ReceiverStream;
 
-/// A daily cap's window: a fixed day, so nothing returns until it ends.
-const DAY_US: u64 = 86_400 * 1_000_000;
 /// Bodies are agentic histories: allow far more than axum's 2 MB default.
 const BODY_LIMIT: usize = 64 * 1024 * 1024;
 
@@ -96,7 +96,7 @@ impl MockServer {
         self.shared.lock().faults.push_back(fault);
     }
 
-    /// Zeroes the counters and logs, refills both buckets, forgets queued
+    /// Zeroes the counters and logs, refills the buckets, forgets queued
     /// faults and re-seeds the dice (as `POST /_mock/reset`).
     pub fn reset(&self) {
         self.shared.reset();
@@ -195,8 +195,8 @@ struct Shared {
 
 #[derive(Debug)]
 struct State {
-    tokens: Bucket,
-    requests: Bucket,
+    /// The buckets; `None` under `--limits none`.
+    limits: Option<RateLimits>,
     rng: StdRng,
     /// Request numbers are never reused (not even after a reset), so response ids stay unique.
     seq: u64,
@@ -209,17 +209,6 @@ struct State {
     faults: VecDeque<Fault>,
 }
 
-/// The `x-ratelimit-*` values right after a decision.
-#[derive(Debug, Clone, Copy)]
-struct RateSnapshot {
-    limit_requests: u64,
-    remaining_requests: u64,
-    reset_requests_ms: u64,
-    limit_tokens: u64,
-    remaining_tokens: u64,
-    reset_tokens_ms: u64,
-}
-
 /// An admitted request, on its way to be answered.
 #[derive(Debug)]
 struct Admission {
@@ -227,16 +216,10 @@ struct Admission {
     request: Request,
     body: Value,
     max_out: u64,
-    snapshot: RateSnapshot,
+    /// The rate-limit headers as of the admission.
+    rate_headers: Vec<(String, String)>,
     midstream: Option<StreamError>,
     stall: Duration,
-}
-
-/// Which bucket refused.
-#[derive(Debug, Clone, Copy)]
-enum Limit {
-    Tokens,
-    Requests,
 }
 
 impl Shared {
@@ -263,8 +246,7 @@ impl Shared {
         // A fresh bucket starts at time 0; bring it to now so a continuous
         // bucket does not credit itself the time before the reset.
         let now = self.now_us();
-        st.tokens.refill(now);
-        st.requests.refill(now);
+        st.refill(now);
     }
 
     fn script(&self) -> Script {
@@ -278,12 +260,13 @@ impl Shared {
     fn stats(&self, with_log: bool) -> Stats {
         let mut st = self.lock();
         let now = self.now_us();
-        st.tokens.refill(now);
-        st.requests.refill(now);
+        st.refill(now);
         let mut stats = st.stats.clone();
         stats.tokens_admitted = stats.tokens_charged.saturating_sub(stats.tokens_refunded);
-        stats.largest_overdraft = st.tokens.largest_overdraft().max(st.requests.largest_overdraft());
-        stats.buckets = Buckets { tokens: view(&st.tokens), requests: view(&st.requests) };
+        // Input is never given back, so the refunds are all output.
+        stats.output_tokens_admitted = stats.tokens_admitted.saturating_sub(stats.input_tokens_admitted);
+        stats.largest_overdraft = st.limits.as_ref().map_or(0, RateLimits::largest_overdraft);
+        stats.buckets = self.bucket_views(&st);
         if with_log {
             stats.log = st.log.iter().cloned().collect();
             stats.bodies = st.bodies.iter().cloned().collect();
@@ -311,8 +294,8 @@ impl Shared {
     }
 
     /// Every decision about one request, made under the lock: parse errors,
-    /// injected and random faults, the quota, then both buckets (atomically:
-    /// a request refused by the token bucket gets its request slot back).
+    /// injected and random faults, the quota, then the buckets (all of them
+    /// or none: see `RateLimits::admit`).
     // The refusal is returned once per request and answered at once: boxing it buys nothing.
     #[allow(clippy::result_large_err)]
     fn admit(&self, api: Api, body: Value, parsed: Result<Request, String>) -> Result<Admission, Response> {
@@ -331,8 +314,7 @@ impl Shared {
             }
             st.bodies.push_back(KeptBody { seq, body: body.clone() });
         }
-        st.tokens.refill(now);
-        st.requests.refill(now);
+        st.refill(now);
         let mut entry = LogEntry {
             seq,
             at_us: now,
@@ -395,13 +377,14 @@ impl Shared {
         }
 
         let max_out = prompt.max_output_tokens.unwrap_or_else(|| cfg.default_max_output());
-        let charge = prompt.input_tokens + max_out;
+        let charge = Charge { input: prompt.input_tokens, output: max_out };
 
         if let Some(Fault::RateLimited { retry_after_ms }) = fault {
-            let used = st.tokens.capacity() - st.tokens.remaining();
+            let tokens = st.snapshot().map(|snap| snap.tokens).unwrap_or_default();
+            let used = tokens.limit - tokens.remaining;
             let msg =
-                self.limit_message(Limit::Tokens, &prompt.model, st.tokens.capacity(), used, charge, retry_after_ms);
-            let body = error_body("tokens", Some("rate_limit_exceeded"), &msg);
+                self.limit_message(Limit::Tokens, &prompt.model, tokens.limit, used, charge.total(), retry_after_ms);
+            let body = self.rate_limit_body(Limit::Tokens, &msg, retry_after_ms);
             return Err(self.refuse(
                 &mut st,
                 entry,
@@ -412,68 +395,49 @@ impl Shared {
             ));
         }
 
-        if charge > st.tokens.capacity() {
-            let msg = format!(
-                "Request too large for {} in organization {} on {}: Limit {}, Requested {}. The input or output tokens must be reduced in order to run successfully. Visit https://platform.openai.com/account/rate-limits to learn more.",
-                prompt.model, cfg.organization, self.unit(Limit::Tokens), st.tokens.capacity(), charge
-            );
-            let body = error_body("tokens", Some("rate_limit_exceeded"), &msg);
-            return Err(self.refuse(
-                &mut st,
-                entry,
-                StatusCode::TOO_MANY_REQUESTS,
-                Some("rate_limit_exceeded"),
-                body,
-                None,
-            ));
-        }
-
-        let refused = match st.requests.try_take(now, 1) {
-            Err(Refusal::Wait { wait_us }) => Some((Limit::Requests, wait_us, 1)),
-            Err(Refusal::TooLarge) => Some((Limit::Requests, st.requests.window_us(), 1)),
-            Ok(()) => match st.tokens.try_take(now, charge) {
-                Ok(()) => None,
-                Err(refusal) => {
-                    // Both buckets or neither: hand the request slot back.
-                    st.requests.give_back(now, 1);
-                    let wait_us = match refusal {
-                        Refusal::Wait { wait_us } => wait_us,
-                        Refusal::TooLarge => st.tokens.window_us(),
-                    };
-                    Some((Limit::Tokens, wait_us, charge))
-                }
-            },
-        };
-        if let Some((limit, wait_us, requested)) = refused {
-            let bucket = match limit {
-                Limit::Tokens => &st.tokens,
-                Limit::Requests => &st.requests,
-            };
-            let used = bucket.capacity() - bucket.remaining();
-            let msg = self.limit_message(limit, &prompt.model, bucket.capacity(), used, requested, ceil_ms(wait_us));
-            let kind = match limit {
-                Limit::Tokens => "tokens",
-                Limit::Requests => "requests",
-            };
-            let body = error_body(kind, Some("rate_limit_exceeded"), &msg);
-            return Err(self.refuse(
-                &mut st,
-                entry,
-                StatusCode::TOO_MANY_REQUESTS,
-                Some("rate_limit_exceeded"),
-                body,
-                Some(wait_us),
-            ));
+        let decision = st.limits.as_mut().map_or(Ok(()), |limits| limits.admit(now, charge));
+        match decision {
+            Ok(()) => {}
+            Err(Refused::TooLarge { limit, capacity, requested }) => {
+                let msg = format!(
+                    "Request too large for {} in organization {} on {}: Limit {capacity}, Requested {requested}. The input or output tokens must be reduced in order to run successfully. Visit https://platform.openai.com/account/rate-limits to learn more.",
+                    prompt.model, cfg.organization, self.unit(limit)
+                );
+                let body = error_body(kind(limit), Some("rate_limit_exceeded"), &msg);
+                return Err(self.refuse(
+                    &mut st,
+                    entry,
+                    StatusCode::TOO_MANY_REQUESTS,
+                    Some("rate_limit_exceeded"),
+                    body,
+                    None,
+                ));
+            }
+            Err(Refused::Wait { limit, wait_us, capacity, used, requested }) => {
+                let wait_ms = ceil_ms(wait_us);
+                let msg = self.limit_message(limit, &prompt.model, capacity, used, requested, wait_ms);
+                let body = self.rate_limit_body(limit, &msg, wait_ms);
+                return Err(self.refuse(
+                    &mut st,
+                    entry,
+                    StatusCode::TOO_MANY_REQUESTS,
+                    Some("rate_limit_exceeded"),
+                    body,
+                    Some(wait_us),
+                ));
+            }
         }
 
         st.admitted += 1;
-        st.stats.tokens_charged += charge;
+        st.stats.tokens_charged += charge.total();
+        st.stats.input_tokens_admitted += charge.input;
         st.stats.ok += 1;
         *st.stats.by_status.entry(200).or_default() += 1;
         entry.status = 200;
-        entry.charged = charge;
+        entry.charged = charge.total();
         self.push_log(&mut st, entry);
-        let snapshot = snapshot(&st);
+        let snapshot = st.snapshot();
+        let rate_headers = self.rate_headers(snapshot.as_ref());
 
         let midstream = if !request.stream {
             None
@@ -485,18 +449,18 @@ impl Shared {
                 _ if midstream_roll < cfg.midstream_error_rate => Some(cfg.midstream_error_code.clone()),
                 _ => None,
             };
-            code.map(|code| self.stream_error(&code, &prompt.model, &snapshot, charge))
+            code.map(|code| self.stream_error(&code, &prompt.model, snapshot.as_ref(), charge.total()))
         };
         let stall = match &fault {
             Some(Fault::Stall { ms }) => Duration::from_millis(*ms),
             _ => cfg.stall,
         };
         drop(st);
-        Ok(Admission { seq, request, body, max_out, snapshot, midstream, stall })
+        Ok(Admission { seq, request, body, max_out, rate_headers, midstream, stall })
     }
 
     /// Records a refused request and builds its answer: the error body, the
-    /// rate-limit headers, and `retry-after`/`retry-after-ms` when there is a wait.
+    /// rate-limit headers, and the shape's retry headers when there is a wait.
     fn refuse(
         &self,
         st: &mut State,
@@ -520,11 +484,11 @@ impl Shared {
         let seq = entry.seq;
         self.push_log(st, entry);
         let mut headers = HeaderMap::new();
-        self.common_headers(&mut headers, seq, &snapshot(st));
+        self.common_headers(&mut headers, seq, &self.rate_headers(st.snapshot().as_ref()));
         if let Some(us) = retry_us {
-            let ms = ceil_ms(us).max(1);
-            insert(&mut headers, "retry-after", ms.div_ceil(1000).to_string());
-            insert(&mut headers, "retry-after-ms", ms.to_string());
+            for (name, value) in shape::retry_headers(self.cfg.headers, us) {
+                insert(&mut headers, &name, value);
+            }
         }
         (status, headers, Json(body)).into_response()
     }
@@ -540,10 +504,51 @@ impl Shared {
     }
 
     fn unit(&self, limit: Limit) -> &'static str {
-        match limit {
-            Limit::Tokens if self.cfg.daily_cap => "tokens per day (TPD)",
-            Limit::Tokens => "tokens per min (TPM)",
-            Limit::Requests => "requests per min (RPM)",
+        match (limit, self.cfg.daily_cap) {
+            (Limit::Tokens, true) => "tokens per day (TPD)",
+            (Limit::Tokens, false) => "tokens per min (TPM)",
+            (Limit::InputTokens, true) => "input tokens per day (ITPD)",
+            (Limit::InputTokens, false) => "input tokens per minute (ITPM)",
+            (Limit::OutputTokens, true) => "output tokens per day (OTPD)",
+            (Limit::OutputTokens, false) => "output tokens per minute (OTPM)",
+            (Limit::Requests, _) => "requests per min (RPM)",
+        }
+    }
+
+    /// A rate-limit 429's body: OpenAI's error, plus (for a headerless
+    /// provider, whose only channel is the body) a `RetryInfo` detail.
+    fn rate_limit_body(&self, limit: Limit, message: &str, wait_ms: u64) -> Value {
+        let mut body = error_body(kind(limit), Some("rate_limit_exceeded"), message);
+        if self.cfg.headers == HeaderStyle::None {
+            body["error"]["details"] = shape::retry_details(wait_ms.max(1));
+        }
+        body
+    }
+
+    /// The rate-limit headers describing `snap` in the configured style; none
+    /// without buckets.
+    fn rate_headers(&self, snap: Option<&Snapshot>) -> Vec<(String, String)> {
+        snap.map(|snap| shape::rate_headers(self.cfg.headers, snap, SystemTime::now())).unwrap_or_default()
+    }
+
+    fn bucket_views(&self, st: &State) -> Buckets {
+        let (headers, limits) = (self.cfg.headers, self.cfg.limits);
+        let Some(rate) = &st.limits else {
+            let none = BucketView {
+                window_us: self.cfg.window.as_micros().max(1) as u64,
+                mode: self.cfg.bucket,
+                ..BucketView::default()
+            };
+            return Buckets { tokens: none.clone(), requests: none, input: None, output: None, headers, limits };
+        };
+        let view_of = |limit| rate.bucket(limit).map(view);
+        Buckets {
+            tokens: view_of(Limit::Tokens).unwrap_or_default(),
+            requests: view_of(Limit::Requests).unwrap_or_default(),
+            input: view_of(Limit::InputTokens),
+            output: view_of(Limit::OutputTokens),
+            headers,
+            limits,
         }
     }
 
@@ -556,20 +561,14 @@ impl Shared {
         )
     }
 
-    fn stream_error(&self, code: &str, model: &str, snap: &RateSnapshot, charge: u64) -> StreamError {
+    fn stream_error(&self, code: &str, model: &str, snap: Option<&Snapshot>, charge: u64) -> StreamError {
         if code == "rate_limit_exceeded" {
-            let used = snap.limit_tokens - snap.remaining_tokens;
+            let tokens: Level = snap.map(|snap| snap.tokens).unwrap_or_default();
+            let used = tokens.limit - tokens.remaining;
             StreamError {
                 kind: "tokens".into(),
                 code: code.into(),
-                message: self.limit_message(
-                    Limit::Tokens,
-                    model,
-                    snap.limit_tokens,
-                    used,
-                    charge,
-                    snap.reset_tokens_ms,
-                ),
+                message: self.limit_message(Limit::Tokens, model, tokens.limit, used, charge, ceil_ms(tokens.reset_us)),
             }
         } else {
             StreamError {
@@ -580,26 +579,22 @@ impl Shared {
         }
     }
 
-    fn common_headers(&self, headers: &mut HeaderMap, seq: u64, snap: &RateSnapshot) {
+    fn common_headers(&self, headers: &mut HeaderMap, seq: u64, rate: &[(String, String)]) {
         insert(headers, "x-request-id", format!("req_{:016x}", script::fnv1a(&seq.to_le_bytes(), 3)));
-        if !self.cfg.headers {
-            return;
+        for (name, value) in rate {
+            insert(headers, name, value.clone());
         }
-        insert(headers, "x-ratelimit-limit-requests", snap.limit_requests.to_string());
-        insert(headers, "x-ratelimit-remaining-requests", snap.remaining_requests.to_string());
-        insert(headers, "x-ratelimit-reset-requests", go_duration(snap.reset_requests_ms));
-        insert(headers, "x-ratelimit-limit-tokens", snap.limit_tokens.to_string());
-        insert(headers, "x-ratelimit-remaining-tokens", snap.remaining_tokens.to_string());
-        insert(headers, "x-ratelimit-reset-tokens", go_duration(snap.reset_tokens_ms));
     }
 
     /// Gives back the unused output (unless the provider keeps the charge)
     /// and notes the end of the answer.
     fn refund(&self, seq: u64, amount: u64, midstream_error: bool) {
-        let amount = if self.cfg.charge == crate::bucket::ChargeMode::Keep { 0 } else { amount };
+        let amount = if self.cfg.charge == ChargeMode::Keep { 0 } else { amount };
         let mut st = self.lock();
         let now = self.now_us();
-        st.tokens.give_back(now, amount);
+        if let Some(limits) = st.limits.as_mut() {
+            limits.give_back(now, amount);
+        }
         st.stats.tokens_refunded += amount;
         if midstream_error {
             st.stats.midstream_errors += 1;
@@ -623,7 +618,7 @@ impl Shared {
         let created = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
         let reply = Reply { request: &adm.request, body: &adm.body, answer: &answer, seq: adm.seq, created };
         let mut headers = HeaderMap::new();
-        self.common_headers(&mut headers, adm.seq, &adm.snapshot);
+        self.common_headers(&mut headers, adm.seq, &adm.rate_headers);
         let output = answer.output_tokens();
 
         if !adm.request.stream {
@@ -670,15 +665,12 @@ impl Shared {
 
 impl State {
     fn new(cfg: &MockConfig) -> Self {
-        let window_us = cfg.window.as_micros().max(1) as u64;
-        let tokens = if cfg.daily_cap {
-            Bucket::new(cfg.tpm, DAY_US, crate::bucket::BucketMode::Window)
-        } else {
-            Bucket::new(cfg.tpm, window_us, cfg.bucket)
+        let limits = match cfg.limits {
+            LimitsMode::Enforced => Some(RateLimits::new(cfg)),
+            LimitsMode::None => None,
         };
         Self {
-            tokens,
-            requests: Bucket::new(cfg.rpm, window_us, cfg.bucket),
+            limits,
             rng: StdRng::seed_from_u64(cfg.seed),
             seq: 0,
             admitted: 0,
@@ -688,16 +680,25 @@ impl State {
             faults: VecDeque::new(),
         }
     }
+
+    fn refill(&mut self, now_us: u64) {
+        if let Some(limits) = self.limits.as_mut() {
+            limits.refill(now_us);
+        }
+    }
+
+    /// The buckets as of the last refill; `None` without buckets.
+    fn snapshot(&self) -> Option<Snapshot> {
+        self.limits.as_ref().map(RateLimits::snapshot)
+    }
 }
 
-fn snapshot(st: &State) -> RateSnapshot {
-    RateSnapshot {
-        limit_requests: st.requests.capacity(),
-        remaining_requests: st.requests.remaining(),
-        reset_requests_ms: ceil_ms(st.requests.reset_us()),
-        limit_tokens: st.tokens.capacity(),
-        remaining_tokens: st.tokens.remaining(),
-        reset_tokens_ms: ceil_ms(st.tokens.reset_us()),
+/// The error body's `type` for a bucket: OpenAI's `tokens` or `requests`
+/// (the Anthropic shape still answers in OpenAI's words; its message names the bucket).
+fn kind(limit: Limit) -> &'static str {
+    match limit {
+        Limit::Requests => "requests",
+        Limit::Tokens | Limit::InputTokens | Limit::OutputTokens => "tokens",
     }
 }
 
@@ -711,9 +712,9 @@ fn view(b: &Bucket) -> BucketView {
     }
 }
 
-fn insert(headers: &mut HeaderMap, name: &'static str, value: String) {
-    if let Ok(value) = HeaderValue::from_str(&value) {
-        headers.insert(HeaderName::from_static(name), value);
+fn insert(headers: &mut HeaderMap, name: &str, value: String) {
+    if let (Ok(name), Ok(value)) = (HeaderName::from_bytes(name.as_bytes()), HeaderValue::from_str(&value)) {
+        headers.insert(name, value);
     }
 }
 

@@ -3,6 +3,7 @@
 //! ways, so tests read it in-process or over HTTP alike.
 
 use crate::bucket::BucketMode;
+use crate::shape::{HeaderStyle, LimitsMode};
 use crate::wire::Api;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -26,13 +27,23 @@ pub struct Stats {
     pub midstream_errors: u64,
     /// Streams that stalled.
     pub stalls: u64,
-    /// Tokens charged at admission (input + output limit).
+    /// Tokens charged at admission (input + output limit; with split input
+    /// and output buckets, both together). Under `--limits none` nothing is
+    /// enforced, but the counts still say what the requests would have cost.
     pub tokens_charged: u64,
     /// Unused output tokens given back after the answer.
     pub tokens_refunded: u64,
     /// Charged minus refunded: what the admitted requests cost the bucket.
     pub tokens_admitted: u64,
-    /// The largest overdraft either bucket ever reached, from its level; 0 unless admission is broken.
+    /// The input part of `tokens_admitted` (input is never given back): what
+    /// the input bucket let through, when there is one.
+    #[serde(default)]
+    pub input_tokens_admitted: u64,
+    /// The output part of `tokens_admitted` (output limits charged minus
+    /// refunded): what the output bucket let through, when there is one.
+    #[serde(default)]
+    pub output_tokens_admitted: u64,
+    /// The largest overdraft any bucket ever reached, from its level; 0 unless admission is broken.
     pub largest_overdraft: u64,
     /// The buckets now.
     pub buckets: Buckets,
@@ -44,13 +55,30 @@ pub struct Stats {
     pub bodies: Vec<KeptBody>,
 }
 
-/// Both buckets.
+/// The buckets, and the shape that decides them.
+///
+/// Under `--limits none` there are no buckets: `tokens` and `requests` are
+/// zero views (limit 0) that keep only the configured window and mode.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Buckets {
-    /// The token bucket.
+    /// The token bucket. With split input and output buckets (`--headers
+    /// anthropic`), the one with the smaller share left, as Anthropic's
+    /// `anthropic-ratelimit-tokens-*` headers describe it.
     pub tokens: BucketView,
     /// The request bucket.
     pub requests: BucketView,
+    /// The input token bucket, when input and output are split.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input: Option<BucketView>,
+    /// The output token bucket, when input and output are split.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<BucketView>,
+    /// Whose headers the mock speaks.
+    #[serde(default)]
+    pub headers: HeaderStyle,
+    /// Whether the buckets are enforced.
+    #[serde(default)]
+    pub limits: LimitsMode,
 }
 
 /// One bucket as the headers would describe it now.

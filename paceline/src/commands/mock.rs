@@ -27,6 +27,8 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
         rpm = config.rpm,
         window_s = config.window.as_secs_f64(),
         bucket = %config.bucket,
+        headers = %config.headers,
+        limits = %config.limits,
     );
     // The base URL on stdout, alone, so a script can read it.
     println!("{}", server.base_url());

@@ -3,10 +3,11 @@
 //! buckets never let more through than they are configured to.
 
 use futures::StreamExt;
-use mock_provider::{BucketMode, Fault, MockConfig, MockServer, Stats};
+use mock_provider::{BucketMode, ChargeMode, Fault, HeaderStyle, LimitsMode, MockConfig, MockServer, Stats};
 use paceline_tests::{paceline_bin, within, ChildGuard};
 use serde_json::{json, Value};
-use std::time::{Duration, Instant};
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant, SystemTime};
 
 // ------------------------------------------------------------------ helpers
 
@@ -125,23 +126,57 @@ fn chat_tool(name: &str) -> Value {
            "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}})
 }
 
-/// Walks the log like a ledger (+charged at admission, -refunded at the
-/// refund) and checks every span [t1, t2]: what the bucket let through is at
-/// most its capacity plus what it refilled in the span.
-fn assert_no_span_overdraws(stats: &Stats) {
-    let view = &stats.buckets.tokens;
-    let (cap, win) = (view.limit as i128, view.window_us as i128);
-    let mut ledger: Vec<(u64, i128)> = Vec::new();
-    for e in &stats.log {
-        if e.status == 200 {
-            ledger.push((e.at_us, e.charged as i128));
-            if let Some(at) = e.refunded_at_us {
-                ledger.push((at, -(e.refunded as i128)));
-            }
+/// One of the mock's buckets, as the stats log describes what it took.
+#[derive(Debug, Clone, Copy)]
+enum Part {
+    /// The one token bucket (input + output limit, refunds given back).
+    Tokens,
+    /// The Anthropic shape's input bucket (input tokens, never given back).
+    Input,
+    /// The Anthropic shape's output bucket (output limit, refunds given back).
+    Output,
+    /// The request bucket (one per admitted request).
+    Requests,
+}
+
+/// What `part` took (+) and got back (-) over time, from the log.
+fn ledger(stats: &Stats, part: Part) -> Vec<(u64, i128)> {
+    let mut ledger = Vec::new();
+    for e in stats.log.iter().filter(|e| e.status == 200) {
+        let (taken, refunded) = match part {
+            Part::Tokens => (e.charged, e.refunded),
+            Part::Input => (e.input_tokens, 0),
+            Part::Output => (e.charged - e.input_tokens, e.refunded),
+            Part::Requests => (1, 0),
+        };
+        ledger.push((e.at_us, taken as i128));
+        if let (Some(at), true) = (e.refunded_at_us, refunded > 0) {
+            ledger.push((at, -(refunded as i128)));
         }
     }
     ledger.sort_by_key(|(t, _)| *t);
-    assert!(!ledger.is_empty());
+    ledger
+}
+
+/// Walks every bucket's log like a ledger (+charged at admission, -refunded
+/// at the refund) and checks every span [t1, t2]: what the bucket let through
+/// is at most its capacity plus what it refilled in the span.
+fn assert_no_span_overdraws(stats: &Stats) {
+    let b = &stats.buckets;
+    let mut parts = vec![(Part::Requests, &b.requests)];
+    match (&b.input, &b.output) {
+        (Some(input), Some(output)) => parts.extend([(Part::Input, input), (Part::Output, output)]),
+        _ => parts.push((Part::Tokens, &b.tokens)),
+    }
+    for (part, view) in parts {
+        let ledger = ledger(stats, part);
+        assert!(!ledger.is_empty());
+        assert_bucket_held(view, &ledger, part);
+    }
+}
+
+fn assert_bucket_held(view: &mock_provider::stats::BucketView, ledger: &[(u64, i128)], part: Part) {
+    let (cap, win) = (view.limit as i128, view.window_us as i128);
     for i in 0..ledger.len() {
         // A span starts with all the events at its first instant.
         if i > 0 && ledger[i - 1].0 == ledger[i].0 {
@@ -160,9 +195,67 @@ fn assert_no_span_overdraws(stats: &Stats) {
             };
             assert!(
                 sum * win <= allowed,
-                "span {t1}..{t2} µs let {sum} tokens through; the bucket allows {}",
+                "{part:?}: span {t1}..{t2} µs let {sum} through; the bucket allows {}",
                 allowed / win
             );
+        }
+    }
+}
+
+/// The names of the rate-limit and retry headers of an answer.
+fn rate_header_names(headers: &reqwest::header::HeaderMap) -> BTreeSet<String> {
+    headers
+        .keys()
+        .map(|k| k.as_str().to_string())
+        .filter(|k| ["x-ratelimit-", "anthropic-", "retry-after", "x-ms-"].iter().any(|p| k.starts_with(p)))
+        .collect()
+}
+
+/// The rate-limit and retry headers `style` sends: on every answer, plus the
+/// retry headers on a 429 that asks for a wait.
+fn expected_headers(style: HeaderStyle, limits: LimitsMode, wait: bool) -> BTreeSet<String> {
+    let mut names: Vec<String> = Vec::new();
+    if limits == LimitsMode::Enforced {
+        match style {
+            HeaderStyle::OpenAi => {
+                for kind in ["limit", "remaining", "reset"] {
+                    for unit in ["requests", "tokens"] {
+                        names.push(format!("x-ratelimit-{kind}-{unit}"));
+                    }
+                }
+            }
+            HeaderStyle::Anthropic => {
+                for family in ["requests", "input-tokens", "output-tokens", "tokens"] {
+                    for kind in ["limit", "remaining", "reset"] {
+                        names.push(format!("anthropic-ratelimit-{family}-{kind}"));
+                    }
+                }
+            }
+            HeaderStyle::Azure => {
+                names.extend(["x-ratelimit-remaining-requests".into(), "x-ratelimit-remaining-tokens".into()]);
+            }
+            HeaderStyle::None => {}
+        }
+    }
+    if wait {
+        match style {
+            HeaderStyle::OpenAi | HeaderStyle::Azure => names.extend(["retry-after".into(), "retry-after-ms".into()]),
+            HeaderStyle::Anthropic => names.push("retry-after".into()),
+            HeaderStyle::None => {}
+        }
+    }
+    names.into_iter().collect()
+}
+
+/// The delay a rate-limit 429 asks for, where `style` puts it: `retry-after-ms`,
+/// `retry-after` (whole seconds), or the body's `RetryInfo` detail.
+fn advertised_delay(style: HeaderStyle, headers: &reqwest::header::HeaderMap, body: &Value) -> Duration {
+    match style {
+        HeaderStyle::OpenAi | HeaderStyle::Azure => Duration::from_millis(header_u64(headers, "retry-after-ms")),
+        HeaderStyle::Anthropic => Duration::from_secs(header_u64(headers, "retry-after")),
+        HeaderStyle::None => {
+            let delay = body["error"]["details"][0]["retryDelay"].as_str().expect("a RetryInfo detail");
+            Duration::from_secs_f64(delay.strip_suffix('s').expect("an s suffix").parse().expect("seconds"))
         }
     }
 }
@@ -391,6 +484,376 @@ async fn a_retry_after_the_given_delay_is_admitted() {
     assert!(wait > 0 && wait <= 1000, "{wait}");
     tokio::time::sleep(Duration::from_millis(wait)).await;
     assert_eq!(post_json(&server, "/responses", &body).await.0, 200, "the retry-after was honest");
+}
+
+// ------------------------------------------------------------------ provider shapes
+
+/// 40 clients for 1.3 s (across a window boundary) against a 3000-tokens-per-second bucket of `config`'s
+/// shape: both endpoints, streamed and not, inputs of 1 to 120 tokens, output
+/// limits of 10 to 150 (or none), each retrying a 429 soon after the delay
+/// its shape advertised. Every answer must carry exactly its shape's headers.
+async fn crowd(config: MockConfig) -> Stats {
+    let (style, limits) = (config.headers, config.limits);
+    // Anthropic's input bucket is cut to about the output bucket's default
+    // (a fifth of --tpm), so that both buckets bind in turn.
+    let server = start(MockConfig {
+        tpm: 3000,
+        itpm: Some(700),
+        rpm: 400,
+        window: Duration::from_secs(1),
+        output_tokens: 30,
+        ..config
+    })
+    .await;
+    let base = server.base_url();
+    let client = client();
+    let deadline = Instant::now() + Duration::from_millis(1300);
+    let tasks = (0..40u64).map(|i| {
+        let (client, base) = (client.clone(), base.clone());
+        tokio::spawn(async move {
+            let mut dice = i.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            while Instant::now() < deadline {
+                dice ^= dice << 13;
+                dice ^= dice >> 7;
+                dice ^= dice << 17;
+                let text = "w".repeat(4 * (1 + dice as usize % 120));
+                let max_out = (dice % 5 != 0).then_some(10 + (dice >> 8) % 141);
+                let stream = dice >> 16 & 1 == 1;
+                let (path, body) = if dice >> 17 & 1 == 1 {
+                    let mut b = json!({"model": "m", "input": text, "stream": stream});
+                    if let Some(n) = max_out {
+                        b["max_output_tokens"] = json!(n);
+                    }
+                    ("responses", b)
+                } else {
+                    let mut b =
+                        json!({"model": "m", "messages": [{"role": "user", "content": text}], "stream": stream});
+                    if let Some(n) = max_out {
+                        b["max_tokens"] = json!(n);
+                    }
+                    ("chat/completions", b)
+                };
+                let resp = client.post(format!("{base}/{path}")).json(&body).send().await.expect("send");
+                let status = resp.status().as_u16();
+                let headers = resp.headers().clone();
+                let bytes = resp.bytes().await.expect("the whole answer");
+                assert_eq!(rate_header_names(&headers), expected_headers(style, limits, status == 429), "{status}");
+                match status {
+                    200 => {}
+                    429 => {
+                        let body: Value = serde_json::from_slice(&bytes).expect("a JSON error");
+                        assert_eq!(body["error"]["code"], "rate_limit_exceeded");
+                        let wait = advertised_delay(style, &headers, &body);
+                        assert!(wait > Duration::ZERO);
+                        tokio::time::sleep(wait.min(Duration::from_millis(50)) + Duration::from_millis(i % 7)).await;
+                    }
+                    other => panic!("unexpected status {other}"),
+                }
+            }
+        })
+    });
+    for task in within("40 clients", Duration::from_secs(20), futures::future::join_all(tasks)).await {
+        task.expect("a client panicked");
+    }
+    // A stream's refund comes just after its last frame: wait for them all.
+    let stats = within("the last refunds", Duration::from_secs(5), async {
+        loop {
+            let stats = server.stats();
+            if stats.log.iter().all(|e| e.status != 200 || e.refunded_at_us.is_some()) {
+                return stats;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    server.shutdown().await;
+    stats
+}
+
+/// What every crowd must show, whatever the shape.
+fn assert_the_crowd_was_served_honestly(stats: &Stats, label: &str) {
+    assert_eq!(stats.largest_overdraft, 0, "{label}");
+    assert!(stats.ok >= 5, "{label}: only {} admitted", stats.ok);
+    assert_eq!(stats.requests, stats.ok + stats.rate_limited, "{label}");
+    // The counters agree with the log they summarise.
+    let admitted: Vec<_> = stats.log.iter().filter(|e| e.status == 200).collect();
+    let input: u64 = admitted.iter().map(|e| e.input_tokens).sum();
+    let output: u64 = admitted.iter().map(|e| e.charged - e.input_tokens - e.refunded).sum();
+    assert_eq!((stats.input_tokens_admitted, stats.output_tokens_admitted), (input, output), "{label}");
+    assert_eq!(stats.tokens_admitted, input + output, "{label}");
+}
+
+/// Every bucket mode and charge mode of one header style under a crowd.
+async fn a_crowd_never_overdraws(style: HeaderStyle) {
+    let mut shapes = Vec::new();
+    for bucket in [BucketMode::Continuous, BucketMode::Window] {
+        for charge in [ChargeMode::Refund, ChargeMode::Keep] {
+            shapes.push(MockConfig { headers: style, bucket, charge, ..MockConfig::default() });
+        }
+    }
+    let labels: Vec<String> = shapes.iter().map(|c| format!("{style} {} {}", c.bucket, c.charge)).collect();
+    let crowds = futures::future::join_all(shapes.into_iter().map(crowd)).await;
+    for (stats, label) in crowds.iter().zip(&labels) {
+        assert_the_crowd_was_served_honestly(stats, label);
+        assert!(stats.rate_limited > 0, "{label}: 40 clients never hit the limit");
+        assert_no_span_overdraws(stats);
+        assert_eq!(stats.buckets.headers, style);
+        assert_eq!(stats.buckets.input.is_some(), style == HeaderStyle::Anthropic, "{label}");
+        if label.ends_with("keep") {
+            assert_eq!(stats.tokens_refunded, 0, "{label}");
+        } else {
+            assert!(stats.tokens_refunded > 0, "{label}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_crowd_never_overdraws_the_openai_shape() {
+    a_crowd_never_overdraws(HeaderStyle::OpenAi).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_crowd_never_overdraws_the_anthropic_shape() {
+    a_crowd_never_overdraws(HeaderStyle::Anthropic).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_crowd_never_overdraws_the_azure_shape() {
+    a_crowd_never_overdraws(HeaderStyle::Azure).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_crowd_never_overdraws_the_headerless_shape() {
+    a_crowd_never_overdraws(HeaderStyle::None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_crowd_is_all_admitted_without_limits() {
+    for style in [HeaderStyle::OpenAi, HeaderStyle::Anthropic] {
+        let stats = crowd(MockConfig { headers: style, limits: LimitsMode::None, ..MockConfig::default() }).await;
+        let label = format!("{style} without limits");
+        assert_the_crowd_was_served_honestly(&stats, &label);
+        assert_eq!(stats.rate_limited, 0, "{label}");
+        assert_eq!(stats.buckets.limits, LimitsMode::None);
+        assert_eq!(stats.buckets.tokens.limit, 0, "{label}: no bucket");
+    }
+}
+
+/// A 60 s fixed window with one request per window: the second request is
+/// refused on the request bucket, whatever the token buckets say.
+fn one_request_per_minute(headers: HeaderStyle) -> MockConfig {
+    MockConfig {
+        headers,
+        rpm: 1,
+        tpm: 1000,
+        window: Duration::from_secs(60),
+        bucket: BucketMode::Window,
+        output_tokens: 20,
+        ..MockConfig::default()
+    }
+}
+
+#[tokio::test]
+async fn each_header_style_sends_exactly_its_headers() {
+    for style in [HeaderStyle::OpenAi, HeaderStyle::Anthropic, HeaderStyle::Azure, HeaderStyle::None] {
+        let server = start(one_request_per_minute(style)).await;
+        let body = json!({"model": "m", "input": "x", "max_output_tokens": 100});
+        let (status, h, _) = post_json(&server, "/responses", &body).await;
+        assert_eq!(status, 200);
+        assert_eq!(rate_header_names(&h), expected_headers(style, LimitsMode::Enforced, false), "{style} 200");
+        let (status, h, body) = post_json(&server, "/responses", &body).await;
+        assert_eq!((status, body["error"]["type"].as_str()), (429, Some("requests")));
+        assert_eq!(rate_header_names(&h), expected_headers(style, LimitsMode::Enforced, true), "{style} 429");
+        assert_eq!(server.stats().buckets.headers, style);
+    }
+}
+
+/// Parses an Anthropic reset: RFC 3339, UTC, exactly millisecond precision.
+fn rfc3339(value: &str) -> SystemTime {
+    let fraction = value.strip_suffix('Z').expect("UTC").rsplit('.').next().unwrap();
+    assert_eq!(fraction.len(), 3, "millisecond precision: {value}");
+    let t = time::OffsetDateTime::parse(value, &time::format_description::well_known::Rfc3339).expect(value);
+    SystemTime::UNIX_EPOCH + Duration::from_nanos(t.unix_timestamp_nanos() as u64)
+}
+
+#[tokio::test]
+async fn anthropic_headers_describe_each_bucket_with_reset_instants() {
+    // 60 s continuous: input refills 100 tokens/s, output 10/s, requests one per 1.2 s.
+    let server = start(MockConfig {
+        headers: HeaderStyle::Anthropic,
+        itpm: Some(6000),
+        otpm: Some(600),
+        rpm: 50,
+        window: Duration::from_secs(60),
+        output_tokens: 20,
+        ..MockConfig::default()
+    })
+    .await;
+    let before = SystemTime::now();
+    let body = json!({"model": "m", "input": "a".repeat(400), "max_output_tokens": 100});
+    let (status, h, answer) = post_json(&server, "/responses", &body).await;
+    let after = SystemTime::now();
+    assert_eq!(status, 200);
+    assert_eq!(answer["usage"]["input_tokens"], 100);
+    assert_eq!(header_u64(&h, "anthropic-ratelimit-input-tokens-limit"), 6000);
+    assert_eq!(header_u64(&h, "anthropic-ratelimit-input-tokens-remaining"), 5900, "charged its input");
+    assert_eq!(header_u64(&h, "anthropic-ratelimit-output-tokens-limit"), 600);
+    assert_eq!(header_u64(&h, "anthropic-ratelimit-output-tokens-remaining"), 500, "charged max_output_tokens");
+    assert_eq!(header_u64(&h, "anthropic-ratelimit-requests-remaining"), 49);
+    // 500/600 left is scarcer than 5900/6000: the tokens headers describe output.
+    for kind in ["limit", "remaining", "reset"] {
+        assert_eq!(
+            header(&h, &format!("anthropic-ratelimit-tokens-{kind}")),
+            header(&h, &format!("anthropic-ratelimit-output-tokens-{kind}"))
+        );
+    }
+    for (family, full_in) in [("input-tokens", 1.0), ("output-tokens", 10.0), ("requests", 1.2)] {
+        let reset = rfc3339(header(&h, &format!("anthropic-ratelimit-{family}-reset")));
+        let earliest = before + Duration::from_secs_f64(full_in) - Duration::from_millis(2);
+        let latest = after + Duration::from_secs_f64(full_in) + Duration::from_millis(2);
+        assert!(reset >= earliest && reset <= latest, "{family}: full again at {reset:?}, not in {full_in} s");
+    }
+}
+
+#[tokio::test]
+async fn anthropic_gives_back_unused_output_but_never_input() {
+    for charge in [ChargeMode::Refund, ChargeMode::Keep] {
+        let server = start(MockConfig { charge, ..one_request_per_minute(HeaderStyle::Anthropic) }).await;
+        let body = json!({"model": "m", "input": "a".repeat(400), "max_output_tokens": 100});
+        let (status, _, answer) = post_json(&server, "/responses", &body).await;
+        assert_eq!((status, answer["usage"]["output_tokens"].as_u64()), (200, Some(20)));
+        let stats = server.stats();
+        let (input, output) = (stats.buckets.input.unwrap(), stats.buckets.output.unwrap());
+        assert_eq!((input.limit, output.limit), (1000, 200), "--itpm is --tpm, --otpm a fifth");
+        assert_eq!(input.remaining, 900, "{charge}: input is never given back");
+        let kept = if charge == ChargeMode::Keep { 100 } else { 20 };
+        assert_eq!(output.remaining, 200 - kept, "{charge}");
+        assert_eq!((stats.input_tokens_admitted, stats.output_tokens_admitted), (100, kept));
+        assert_eq!(stats.tokens_admitted, 100 + kept);
+    }
+}
+
+#[tokio::test]
+async fn a_tight_output_bucket_refuses_on_output_while_input_has_room() {
+    let server = start(MockConfig {
+        headers: HeaderStyle::Anthropic,
+        itpm: Some(10_000),
+        otpm: Some(100),
+        window: Duration::from_secs(60),
+        bucket: BucketMode::Window,
+        output_tokens: 1000,
+        ..MockConfig::default()
+    })
+    .await;
+    let body = |max: u64| json!({"model": "m", "input": "a".repeat(40), "max_output_tokens": max});
+    assert_eq!(post_json(&server, "/responses", &body(80)).await.0, 200);
+    let (status, h, err) = post_json(&server, "/responses", &body(50)).await;
+    assert_eq!(status, 429);
+    let msg = err["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("on output tokens per minute (OTPM): Limit 100, Used 80, Requested 50. Please try again in "),
+        "{msg}"
+    );
+    assert_eq!(header_u64(&h, "anthropic-ratelimit-input-tokens-remaining"), 9990, "input had room");
+    assert_eq!(header_u64(&h, "anthropic-ratelimit-output-tokens-remaining"), 20);
+    assert!(header_u64(&h, "retry-after") >= 1);
+    assert!(h.get("retry-after-ms").is_none(), "Anthropic sends whole seconds only");
+    // More than the whole output bucket: too large, no wait helps.
+    let (status, h, err) = post_json(&server, "/responses", &body(101)).await;
+    assert_eq!(status, 429);
+    assert!(err["error"]["message"].as_str().unwrap().starts_with(
+        "Request too large for m in organization org-mock on output tokens per minute (OTPM): Limit 100, Requested 101."
+    ));
+    assert!(h.get("retry-after").is_none());
+}
+
+#[tokio::test]
+async fn a_tight_input_bucket_refuses_on_input_while_output_has_room() {
+    let server = start(MockConfig {
+        headers: HeaderStyle::Anthropic,
+        itpm: Some(100),
+        otpm: Some(10_000),
+        window: Duration::from_secs(60),
+        bucket: BucketMode::Window,
+        output_tokens: 5,
+        ..MockConfig::default()
+    })
+    .await;
+    // 320 characters are 80 input tokens.
+    let body = json!({"model": "m", "input": "a".repeat(320), "max_output_tokens": 10});
+    assert_eq!(post_json(&server, "/responses", &body).await.0, 200);
+    let (status, h, err) = post_json(
+        &server,
+        "/chat/completions",
+        &json!({"model": "m", "max_tokens": 10,
+        "messages": [{"role": "user", "content": "a".repeat(316)}]}),
+    )
+    .await;
+    assert_eq!(status, 429);
+    let msg = err["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("on input tokens per minute (ITPM): Limit 100, Used 80, Requested 80."), "{msg}");
+    assert_eq!(err["error"]["type"], "tokens");
+    assert_eq!(header_u64(&h, "anthropic-ratelimit-output-tokens-remaining"), 10_000 - 5, "output had room");
+    assert_eq!(header_u64(&h, "anthropic-ratelimit-input-tokens-remaining"), 20);
+    assert_eq!(header_u64(&h, "anthropic-ratelimit-tokens-remaining"), 20, "the scarcer bucket is input");
+}
+
+#[tokio::test]
+async fn azure_sends_what_remains_and_a_429_with_both_retry_headers() {
+    let server = start(one_request_per_minute(HeaderStyle::Azure)).await;
+    let body = json!({"model": "m", "input": "x", "max_output_tokens": 100});
+    let (_, h, _) = post_json(&server, "/responses", &body).await;
+    assert_eq!(header_u64(&h, "x-ratelimit-remaining-requests"), 0);
+    assert_eq!(header_u64(&h, "x-ratelimit-remaining-tokens"), 1000 - 101);
+    let (status, h, err) = post_json(&server, "/responses", &body).await;
+    assert_eq!(status, 429);
+    assert_eq!(err["error"]["code"], "rate_limit_exceeded");
+    let ms = header_u64(&h, "retry-after-ms");
+    assert!(ms > 50_000 && ms <= 60_000, "the window ends within a minute: {ms}");
+    assert_eq!(header_u64(&h, "retry-after"), ms.div_ceil(1000), "whole seconds, rounded up");
+}
+
+#[tokio::test]
+async fn a_headerless_429_carries_its_delay_in_the_body() {
+    let server = start(one_request_per_minute(HeaderStyle::None)).await;
+    let body = json!({"model": "m", "input": "x"});
+    assert_eq!(post_json(&server, "/responses", &body).await.0, 200);
+    let (status, h, err) = post_json(&server, "/responses", &body).await;
+    assert_eq!(status, 429);
+    assert!(rate_header_names(&h).is_empty(), "{h:?}");
+    let msg = err["error"]["message"].as_str().unwrap();
+    let hint = msg.split("Please try again in ").nth(1).unwrap().split(". ").next().unwrap();
+    let detail = &err["error"]["details"][0];
+    assert_eq!(detail["@type"], "type.googleapis.com/google.rpc.RetryInfo");
+    let delay = advertised_delay(HeaderStyle::None, &h, &err);
+    assert!(delay > Duration::from_secs(50) && delay <= Duration::from_secs(60), "{detail}");
+    assert!((go_ms(hint) - delay.as_millis() as f64).abs() <= 1.0, "hint {hint} vs {detail}");
+
+    server.inject(Fault::RateLimited { retry_after_ms: 1500 });
+    let (status, h, err) = post_json(&server, "/responses", &body).await;
+    assert_eq!(status, 429);
+    assert!(rate_header_names(&h).is_empty());
+    assert!(err["error"]["message"].as_str().unwrap().contains("Please try again in 1.5s."));
+    assert_eq!(err["error"]["details"][0]["retryDelay"], "1.500s");
+}
+
+#[tokio::test]
+async fn without_limits_a_burst_far_over_the_tpm_is_admitted() {
+    let server =
+        start(MockConfig { tpm: 100, rpm: 1, limits: LimitsMode::None, output_tokens: 20, ..MockConfig::default() })
+            .await;
+    let body = json!({"model": "m", "input": "a".repeat(400), "max_output_tokens": 50});
+    let burst = (0..30).map(|_| post_json(&server, "/responses", &body));
+    for (status, h, answer) in futures::future::join_all(burst).await {
+        assert_eq!(status, 200);
+        assert!(rate_header_names(&h).is_empty(), "no limits, no rate-limit headers: {h:?}");
+        assert_eq!(answer["usage"]["input_tokens"], 100, "usage is still reported");
+        assert_eq!(answer["usage"]["output_tokens"], 20);
+    }
+    let stats = server.stats();
+    assert_eq!((stats.ok, stats.rate_limited, stats.largest_overdraft), (30, 0, 0));
+    assert_eq!(stats.tokens_admitted, 30 * 120, "36 times the --tpm, in one burst");
+    assert_eq!(stats.buckets.limits, LimitsMode::None);
 }
 
 // ------------------------------------------------------------------ wire formats
@@ -772,7 +1235,7 @@ async fn a_midstream_error_ends_a_stream_after_text() {
 
 #[tokio::test]
 async fn no_headers_behaves_like_vllm() {
-    let server = start(MockConfig { headers: false, ..MockConfig::default() }).await;
+    let server = start(MockConfig { headers: HeaderStyle::None, ..MockConfig::default() }).await;
     let (status, h, _) = post_json(&server, "/responses", &json!({"model": "m", "input": "x"})).await;
     assert_eq!(status, 200);
     assert!(h.keys().all(|k| !k.as_str().starts_with("x-ratelimit-")), "{h:?}");
@@ -833,6 +1296,11 @@ async fn stats_over_http_match_the_server_and_reset_zeroes_them() {
     assert_eq!(raw["2xx"], 3);
     assert_eq!(raw["largest_overdraft"], 0);
     assert_eq!(raw["log"], json!([]));
+    assert_eq!(
+        (raw["buckets"]["headers"].as_str(), raw["buckets"]["limits"].as_str()),
+        (Some("openai"), Some("enforced"))
+    );
+    assert!(raw["buckets"].get("input").is_none(), "one token bucket: no input or output entries");
 
     let resp = client().post(format!("{}/_mock/reset", server.url())).send().await.unwrap();
     assert_eq!(resp.status(), 200);
@@ -862,7 +1330,11 @@ async fn the_subcommand_lists_its_knobs_serves_and_stops_on_sigterm() {
         "--quota-after",
         "--daily-cap",
         "--stall-ms",
-        "--no-headers",
+        "--headers",
+        "--limits",
+        "--itpm",
+        "--otpm",
+        "--charge",
         "--seed",
         "--midstream-error-rate",
         "--keep-bodies",

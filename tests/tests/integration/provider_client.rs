@@ -11,7 +11,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::{Json, Router};
-use mock_provider::{Fault, MockConfig, MockServer};
+use mock_provider::{Fault, HeaderStyle, MockConfig, MockServer};
 use paceline_tests::within;
 use serde_json::{json, Value};
 use shared::config::{ProviderArgs, Secret};
@@ -208,7 +208,7 @@ async fn an_answer_cut_by_max_output_tokens_is_an_incomplete_success() {
 
 #[tokio::test]
 async fn no_headers_give_an_empty_snapshot() {
-    let server = mock(MockConfig { headers: false, ..MockConfig::default() }).await;
+    let server = mock(MockConfig { headers: HeaderStyle::None, ..MockConfig::default() }).await;
     for style in STYLES {
         let (_, result) = call(&provider(&server, style), body(style, false)).await;
         let ok = success(style, result);

@@ -8,7 +8,7 @@ use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use mock_provider::{Fault, MockConfig, MockServer};
+use mock_provider::{Fault, HeaderStyle, MockConfig, MockServer};
 use paceline_tests::{eventually, unique_prefix, ChildGuard, RedisServer};
 use serde_json::{json, Value};
 use shared::config::RedisArgs;
@@ -490,7 +490,8 @@ async fn work_and_companion_runs_all_finish_with_a_full_bucket_never_idle() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_provider_without_headers_is_not_paced_at_all() {
     let latency = Duration::from_millis(300);
-    let mut app = App::start(MockConfig { headers: false, tool_rounds: 0, latency, ..MockConfig::default() }).await;
+    let mut app =
+        App::start(MockConfig { headers: HeaderStyle::None, tool_rounds: 0, latency, ..MockConfig::default() }).await;
     app.spawn_worker(app.config());
     let started = Instant::now();
     let mut ids = vec![];
