@@ -107,6 +107,10 @@ pub const PROBE_HOLD_MS: Millis = 10_000;
 /// they include (see [`Flight::alone`]).
 pub const BURST_GAP_MS: Millis = 60;
 
+/// A call in flight this many `late_ms` is no longer waited for to name a
+/// window's next boundary (`may_probe`).
+const PROBE_AFTER_LATE: Millis = 4;
+
 /// The default of [`PacingConfig::late_ms`].
 pub const DEFAULT_LATE_MS: u64 = 1_000;
 
@@ -467,24 +471,52 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
     let mut wait: f64 = 0.0;
     let mut fits = true;
     // The head may go to find a window's next boundary when nothing else
-    // holds it and no call cleared since the last boundary will bring it.
+    // holds it and no call cleared since the last boundary will bring it (one
+    // in flight for longer than a few `late_ms` may never: its worker died).
     let ttl = cfg.reservation_ttl_ms as Millis;
-    let since_boundary = |b: &Bucket| state.flights.values().any(|f| f.expiry_ms - ttl >= b.boundary_ms);
+    let answering = now - PROBE_AFTER_LATE * cfg.late_ms as Millis;
+    let since_boundary = |b: &Bucket| state.flights.values().any(|f| f.expiry_ms - ttl >= b.boundary_ms.max(answering));
     let head = ahead.tokens <= 0.0 && ahead.requests <= 0.0;
     let mut probe = head && !since_boundary(&state.tokens) && !since_boundary(&state.requests);
-    for (bucket, cost, held) in [
+    let idle = state.flights.is_empty() && now - state.last_admit_ms >= BURST_GAP_MS;
+    let share_known = state.refunds.share(state.tokens.limit).is_some();
+    let mut shorts = [0.0; 2];
+    for (i, (bucket, cost, held)) in [
         (&mut state.tokens, est.tokens as f64, ahead.tokens),
         (&mut state.requests, est.requests as f64, ahead.requests),
-    ] {
+    ]
+    .into_iter()
+    .enumerate()
+    {
         if bucket.known() {
             bucket.advance(now);
             let short = held + bucket.need(cost, floor) - bucket.level;
             if short > 0.0 {
                 fits = false;
+                shorts[i] = short;
                 wait = wait.max(bucket.refill_ms(now, short));
                 probe &= bucket.may_probe(now);
             }
         }
+    }
+    // A window bucket whose refunds are not known yet and whose head is held
+    // only by them: once per window, when every call has settled, the head
+    // goes alone, so that its headers tell (against the window's start) how
+    // much came back. A provider that keeps the charge refuses it: one 429 a
+    // window until the share is learned.
+    let t = &state.tokens;
+    let refund_probe = head
+        && idle
+        && !share_known
+        && t.windowed()
+        && t.full_at_ms > now
+        && t.probed_ms < t.boundary_ms
+        && shorts[0] > 0.0
+        && shorts[0] <= t.withheld
+        && shorts[1] <= 0.0;
+    if !fits && refund_probe {
+        state.tokens.probed_ms = now;
+        fits = true;
     }
     if !fits && probe {
         for bucket in [&mut state.tokens, &mut state.requests] {
@@ -514,6 +546,17 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
     // recheck horizon, when the votes may have decided.
     if [&state.tokens, &state.requests].iter().any(|b| b.known() && b.refill == Refill::Unknown) {
         sleep = sleep.min(recheck);
+    }
+    // A window gives nothing back before its boundary but refunds: when the
+    // calls in flight are expected to give back what the turn is short of,
+    // be back within the recheck horizon rather than at the boundary.
+    let share = state.refund_share();
+    if state.tokens.windowed() && share > 0.0 && shorts[0] > 0.0 && shorts[1] <= 0.0 {
+        let kept = if state.usage_ratio > 0.0 { state.usage_ratio.clamp(0.0, 1.0) } else { 1.0 };
+        let coming: f64 = state.flights.values().map(|f| f.est.output as f64 * (1.0 - kept) * share).sum();
+        if coming >= shorts[0] {
+            sleep = sleep.min(recheck);
+        }
     }
     // The turns ahead are predicted clear by `last_clear_ms`; one that never
     // comes back (its run cancelled, its worker dead) stops counting by then
@@ -670,10 +713,24 @@ fn lift(state: &mut PacerState, cfg: &PacingConfig, now: Millis) {
         state.flights.values().filter(|f| f.expiry_ms - ttl >= since).map(|f| charge(f) as f64).sum()
     };
     let lifts = |b: &Bucket| b.windowed() && b.full_at_ms > 0 && now >= b.full_at_ms;
-    let tokens = if lifts(&state.tokens) { recent(state.tokens.full_at_ms, |f| f.est.tokens) } else { 0.0 };
+    let window_lift = lifts(&state.tokens);
+    let tokens = if window_lift { recent(state.tokens.full_at_ms, |f| f.est.tokens) } else { 0.0 };
     let requests = if lifts(&state.requests) { recent(state.requests.full_at_ms, |f| f.est.requests) } else { 0.0 };
     state.tokens.lift(now, tokens);
     state.requests.lift(now, requests);
+    if window_lift {
+        // The refund learner's pair starts at the boundary (`window_start`).
+        let t = &state.tokens;
+        let until_ms = t.boundary_ms + t.max_reset_ms as Millis;
+        let snap = Snapshot {
+            at_ms: t.boundary_ms,
+            remaining: t.limit - tokens,
+            sent: t.sent,
+            refunded: t.refunded,
+            until_ms,
+        };
+        state.refunds.window_start(snap);
+    }
 }
 
 /// Drops what lapsed: waiters not back by `due + grace` leave the line (the
@@ -843,10 +900,10 @@ fn learn_refund_share(
     own_unused: f64,
 ) {
     let obs = &outcome.tokens;
-    let (None, Some(f), Some(limit), Some(remaining)) = (outcome.rate_limited_ms, flight, obs.limit, obs.remaining)
-    else {
+    let (Some(f), Some(limit), Some(remaining)) = (flight, obs.limit, obs.remaining) else {
         return;
     };
+    let limited = outcome.rate_limited_ms.is_some();
     let tokens = &state.tokens;
     if !tokens.known() || limit as f64 != tokens.limit || obs.reset_ms.unwrap_or(0) > cfg.max_pace_ms {
         return;
@@ -862,8 +919,13 @@ fn learn_refund_share(
             (Refill::Continuous, _) | (_, None) => 0,
             (_, Some(reset)) => headers_at + reset as Millis,
         };
-        let snap = Snapshot { at_ms: headers_at, remaining, sent: f.sent, refunded: f.mark, until_ms };
+        // A refused call was charged nothing: its own charge is not in its headers.
+        let sent = if limited { f.sent - f.est.tokens as f64 } else { f.sent };
+        let snap = Snapshot { at_ms: headers_at, remaining, sent, refunded: f.mark, until_ms };
         state.refunds.learn(snap, tokens.limit, tokens.refill_rate(), cfg.max_pace_ms);
+    }
+    if limited {
+        return;
     }
     let Some(share) = state.refunds.share(state.tokens.limit) else {
         return;

@@ -67,6 +67,11 @@ pub struct RefundShare {
     /// a continuous bucket): a pair that spans it says nothing.
     #[serde(default)]
     pub until_ms: i64,
+    /// The last snapshot is a window's start (`window_start`): the bucket
+    /// was full, so refunds after it can only have been clamped where
+    /// charges had not made room yet, which only lowers what is learned.
+    #[serde(default)]
+    pub full: bool,
 }
 
 /// The sums are scaled down past this many limits of unused output, so the
@@ -76,8 +81,12 @@ const HORIZON_LIMITS: f64 = 2.0;
 /// Not known before this share of the limit in unused output has been seen …
 const MIN_UNUSED_OF_LIMIT: f64 = 0.1;
 
-/// … over at least this many pairs.
+/// … over at least this many pairs (or two, when they saw this share of the
+/// limit in unused output).
 const MIN_PAIRS: f64 = 4.0;
+
+/// See `MIN_PAIRS`.
+const FEW_PAIRS_UNUSED_OF_LIMIT: f64 = 0.25;
 
 /// A bucket that may have touched its limit says nothing: the margin below it.
 const CLAMP_MARGIN: f64 = 0.02;
@@ -105,7 +114,10 @@ pub struct Snapshot {
 impl RefundShare {
     /// The share of unused output the provider gives back, once known.
     pub fn share(&self, limit: f64) -> Option<f64> {
-        if self.pairs < MIN_PAIRS || self.unused < MIN_UNUSED_OF_LIMIT * limit || self.unused <= 0.0 {
+        // Few pairs do when they saw much unused output (a window's pair
+        // spans all of a window's refunds).
+        let enough = self.pairs >= MIN_PAIRS || (self.pairs >= 2.0 && self.unused >= FEW_PAIRS_UNUSED_OF_LIMIT * limit);
+        if !enough || self.unused < MIN_UNUSED_OF_LIMIT * limit || self.unused <= 0.0 {
             return None;
         }
         let share = (self.given / self.unused).clamp(0.0, 1.0);
@@ -128,10 +140,12 @@ impl RefundShare {
             let span = (snap.at_ms - self.at_ms) as f64;
             let unused = (snap.refunded - self.refunded).max(0.0);
             let top = self.remaining + rate * span + unused;
-            if unused > 0.0 && span <= max_pace_ms as f64 && top < (1.0 - CLAMP_MARGIN) * limit {
+            if unused > 0.0 && span <= max_pace_ms as f64 && (self.full || top < (1.0 - CLAMP_MARGIN) * limit) {
                 self.given += snap.remaining - self.remaining - rate * span + (snap.sent - self.sent);
                 self.unused += unused;
-                self.pairs += 1.0;
+                // A window's pair spans all of a window's refunds, exactly
+                // (no refill between): it counts as two.
+                self.pairs += if self.full { 2.0 } else { 1.0 };
                 let horizon = HORIZON_LIMITS * limit;
                 if self.unused > horizon {
                     let scale = horizon / self.unused;
@@ -146,6 +160,27 @@ impl RefundShare {
             sent: snap.sent,
             refunded: snap.refunded,
             until_ms: snap.until_ms,
+            full: false,
+            ..*self
+        };
+    }
+
+    /// A window bucket's boundary: the bucket holds `snap.remaining` (its
+    /// limit, less what may have arrived after the boundary) with the ledgers
+    /// as they are now. It starts the next pair: in a window the calls go
+    /// out as one burst at the boundary, none alone, and the first call
+    /// cleared alone afterwards pairs with this.
+    pub fn window_start(&mut self, snap: Snapshot) {
+        if snap.at_ms <= self.at_ms {
+            return;
+        }
+        *self = Self {
+            at_ms: snap.at_ms,
+            remaining: snap.remaining,
+            sent: snap.sent,
+            refunded: snap.refunded,
+            until_ms: snap.until_ms,
+            full: true,
             ..*self
         };
     }

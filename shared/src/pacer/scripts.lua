@@ -21,8 +21,8 @@
 --   is configured: no proactive pacing), observed_at, last_admit, usage_ratio, input_ratio
 --   (the provider's input count / the workers' estimate), fair_time;
 --   the refund learner (refund.rs): rs_given, rs_unused, rs_pairs, its last snapshot
---   rs_at, rs_remaining, rs_sent, rs_refunded, rs_until (the reset it named, 0: none), and
---   rs_seen (the newest headers seen);
+--   rs_at, rs_remaining, rs_sent, rs_refunded, rs_until (the reset it named, 0: none), rs_full
+--   (1: it is a window's start), and rs_seen (the newest headers seen);
 --   last_admit_id (a string, outside the numbers: the call cleared last);
 --   per tenant t: tw:<t> weight, tf:<t> finish tag, tc:<t> cap due (ms),
 --   tadm:<t> expected tokens admitted, twait:<t> turns that waited.
@@ -76,6 +76,7 @@ local MIN_WINDOW_MS = 1000
 local VOTE_MISSING = 0.01
 local MIN_VOTE_RESET_MS = 20
 local VOTE_AGREE = 0.03
+local PROBE_AFTER_LATE = 4
 
 local function fmt(x) return string.format('%.17g', x) end
 
@@ -356,7 +357,8 @@ end
 local function refund_share(unknown)
   local limit = get('t_limit')
   local unused = get('rs_unused')
-  if get('rs_pairs') < 4 or unused < 0.1 * limit or unused <= 0 then return unknown end
+  local enough = get('rs_pairs') >= 4 or (get('rs_pairs') >= 2 and unused >= 0.25 * limit)
+  if not enough or unused < 0.1 * limit or unused <= 0 then return unknown end
   local share = math.min(math.max(get('rs_given') / unused, 0), 1)
   if share < 0.15 then return 0 end
   if share > 0.85 then return 1 end
@@ -370,10 +372,11 @@ local function refund_learn(at, remaining, sent, refunded, until_ms)
     local span = at - get('rs_at')
     local unused = math.max(refunded - get('rs_refunded'), 0)
     local top = get('rs_remaining') + rate * span + unused
-    if unused > 0 and span <= max_pace and top < 0.98 * limit then
+    if unused > 0 and span <= max_pace and (get('rs_full') == 1 or top < 0.98 * limit) then
       S['rs_given'] = get('rs_given') + remaining - get('rs_remaining') - rate * span + (sent - get('rs_sent'))
       S['rs_unused'] = get('rs_unused') + unused
-      S['rs_pairs'] = get('rs_pairs') + 1
+      -- A window's pair spans all of a window's refunds, exactly: it counts as two.
+      if get('rs_full') == 1 then S['rs_pairs'] = get('rs_pairs') + 2 else S['rs_pairs'] = get('rs_pairs') + 1 end
       local horizon = 2 * limit
       if get('rs_unused') > horizon then
         local scale = horizon / get('rs_unused')
@@ -383,7 +386,14 @@ local function refund_learn(at, remaining, sent, refunded, until_ms)
     end
   end
   S['rs_at'], S['rs_remaining'], S['rs_sent'], S['rs_refunded'] = at, remaining, sent, refunded
-  S['rs_until'] = until_ms
+  S['rs_until'], S['rs_full'] = until_ms, 0
+end
+
+-- A window's boundary starts the refund learner's next pair (refund.rs, window_start).
+local function refund_window_start(at, remaining, sent, refunded, until_ms)
+  if at <= get('rs_at') then return end
+  S['rs_at'], S['rs_remaining'], S['rs_sent'], S['rs_refunded'] = at, remaining, sent, refunded
+  S['rs_until'], S['rs_full'] = until_ms, 1
 end
 
 -- model.rs
@@ -421,6 +431,10 @@ local function lift_all()
   end
   lift('t_', recent['t_'])
   lift('r_', recent['r_'])
+  if lifts['t_'] then
+    refund_window_start(get('t_boundary'), get('t_limit') - recent['t_'], get('t_sent'), get('t_refunded'),
+      get('t_boundary') + math.floor(get('t_max_reset')))
+  end
 end
 
 local function line_cost(tokens, out)
@@ -609,17 +623,31 @@ if op == 'acquire' then
   end
   local wait, fits = 0, true
   -- The head may go to find a window's next reset when nothing else holds it
-  -- and no call cleared since the last reset will bring it.
-  local probe = a_tokens <= 0 and a_requests <= 0
-  if probe then
-    local raw = redis.call('HVALS', records)
-    for i = 1, #raw do
-      local f = rec_decode(raw[i])
-      if f and f.kind == 'f' and (f.expiry - ttl >= get('t_boundary') or f.expiry - ttl >= get('r_boundary')) then
+  -- and no call cleared since the last reset will bring it (one in flight for
+  -- longer than a few late_ms may never: its worker died).
+  local head = a_tokens <= 0 and a_requests <= 0
+  local probe = head
+  local answering = now - PROBE_AFTER_LATE * late_ms
+  local flights_n, coming = 0, 0
+  local raw_all = redis.call('HVALS', records)
+  local kept = get('usage_ratio')
+  if kept <= 0 then kept = 1 end
+  kept = math.min(math.max(kept, 0), 1)
+  local share_now = refund_share(0)
+  for i = 1, #raw_all do
+    local f = rec_decode(raw_all[i])
+    if f and f.kind == 'f' then
+      flights_n = flights_n + 1
+      coming = coming + f.output * (1 - kept) * share_now
+      local cleared = f.expiry - ttl
+      if cleared >= math.max(get('t_boundary'), answering) or cleared >= math.max(get('r_boundary'), answering) then
         probe = false
       end
     end
   end
+  local idle = flights_n == 0 and now - get('last_admit') >= BURST_GAP_MS
+  local share_known = refund_share(-1) >= 0
+  local shorts = {t_ = 0, r_ = 0}
   for _, pc in ipairs({{'t_', tokens, a_tokens}, {'r_', requests, a_requests}}) do
     local p, cost, held = pc[1], pc[2], pc[3]
     if known(p) then
@@ -627,6 +655,7 @@ if op == 'acquire' then
       local short = held + need(p, cost, fl) - get(p .. 'level')
       if short > 0 then
         fits = false
+        shorts[p] = short
         wait = math.max(wait, refill_ms(p, short))
         probe = probe and may_probe(p)
       end
@@ -636,6 +665,14 @@ if op == 'acquire' then
     for _, p in ipairs({'t_', 'r_'}) do
       if known(p) and may_probe(p) then S[p .. 'probed'] = now end
     end
+    fits = true
+  end
+  -- A window whose refunds are not known and whose head is held only by
+  -- them: once per window, when every call has settled, the head goes alone.
+  if not fits and head and idle and not share_known and get('t_refill') == 2 and get('t_full_at') > now
+    and get('t_probed') < get('t_boundary') and shorts['t_'] > 0 and shorts['t_'] <= get('t_withheld')
+    and shorts['r_'] <= 0 then
+    S['t_probed'] = now
     fits = true
   end
   if fits then return admit(order, line) end
@@ -650,6 +687,11 @@ if op == 'acquire' then
   local sleep = math.min(math.min(wait, math.max(wait * RECHECK_SHARE, recheck)), max_pace)
   -- A wait predicted before the shape is known: be back within the recheck horizon.
   if (known('t_') and get('t_refill') == 0) or (known('r_') and get('r_refill') == 0) then
+    sleep = math.min(sleep, recheck)
+  end
+  -- A window gives nothing back before its boundary but refunds: when the calls
+  -- in flight are expected to give back what the turn is short of, be back soon.
+  if get('t_refill') == 2 and share_now > 0 and shorts['t_'] > 0 and shorts['r_'] <= 0 and coming >= shorts['t_'] then
     sleep = math.min(sleep, recheck)
   end
   if last_clear > 0 then sleep = math.min(sleep, last_clear + late_ms - now) end
@@ -747,7 +789,7 @@ if op == 'settle' then
   -- alone); once the share is known, the refunds withheld while it was not are
   -- credited as the newest headers confirm them (model.rs, learn_refund_share).
   local t_limit, t_remaining, t_reset = tonumber(ARGV[17]), tonumber(ARGV[18]), tonumber(ARGV[19])
-  if limited < 0 and mark and t_limit >= 0 and t_remaining >= 0 and known('t_') and t_limit == get('t_limit')
+  if mark and t_limit >= 0 and t_remaining >= 0 and known('t_') and t_limit == get('t_limit')
     and t_reset <= max_pace then
     local remaining = math.min(t_remaining, t_limit)
     local newest = headers_at > get('rs_seen')
@@ -756,10 +798,13 @@ if op == 'settle' then
       -- A pair must not span the reset these headers name, unless the bucket is known continuous.
       local until_ms = 0
       if get('t_refill') ~= 1 and t_reset >= 0 then until_ms = headers_at + t_reset end
-      refund_learn(headers_at, remaining, sent_mark, mark, until_ms)
+      -- A refused call was charged nothing: its own charge is not in its headers.
+      local sent = sent_mark
+      if limited >= 0 then sent = sent_mark - tk end
+      refund_learn(headers_at, remaining, sent, mark, until_ms)
     end
     local known_share = refund_share(-1)
-    if known_share >= 0 then
+    if limited < 0 and known_share >= 0 then
       if known_share <= 0 then S['t_withheld'] = 0 end
       if newest and get('t_withheld') > 0 then
         advance('t_')

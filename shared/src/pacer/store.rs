@@ -435,6 +435,7 @@ fn state_from_fields(flat: &[String]) -> (PacerState, Millis) {
         refunded: f("rs_refunded"),
         seen_ms: f("rs_seen") as Millis,
         until_ms: f("rs_until") as Millis,
+        full: f("rs_full") > 0.0,
     };
     state.fair_time = f("fair_time");
     state.tenants = map
