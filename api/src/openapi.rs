@@ -21,6 +21,7 @@ use crate::routes::{events, health, ops, runs};
         shared::runs::Run, shared::runs::RunStatus, shared::runs::WaitReason, shared::runs::Usage,
         shared::runs::PacingCounters, shared::runs::RunError, shared::runs::TranscriptEntry, shared::pacer::Mode,
         ops::PacerView, ops::BudgetView, ops::QueueView, ops::WorkersView, ops::WorkerView,
+        shared::pacer::BudgetShape, shared::pacer::bucket::Refill,
         health::Health, crate::error::ErrorBody, crate::error::ErrorDetail,
     )),
     modifiers(&BearerAuth),

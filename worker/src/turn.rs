@@ -263,6 +263,8 @@ impl Runner {
             rate_limited_ms: None,
             tokens: success.headers.tokens.into(),
             requests: success.headers.requests.into(),
+            input: success.headers.input_tokens.into(),
+            output: success.headers.output_tokens.into(),
             headers_age_ms: success.headers_received.elapsed().as_millis() as u64,
         };
         self.settle_pacer(&ctx.spec.model, reservation, &outcome).await;
@@ -345,6 +347,8 @@ impl Runner {
             rate_limited_ms: rate_limited.then(|| delay.map(|(ms, _)| ms).unwrap_or(1_000)),
             tokens: failure.headers.tokens.into(),
             requests: failure.headers.requests.into(),
+            input: failure.headers.input_tokens.into(),
+            output: failure.headers.output_tokens.into(),
             headers_age_ms: failure.headers_received.map(|t| t.elapsed().as_millis() as u64).unwrap_or(0),
         };
         self.settle_pacer(&ctx.spec.model, reservation, &outcome).await;

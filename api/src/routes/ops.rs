@@ -4,7 +4,7 @@
 use axum::extract::State;
 use axum::Json;
 use serde::Serialize;
-use shared::pacer::TenantShare;
+use shared::pacer::{BudgetShape, TenantShare};
 use shared::runs::record::rfc3339_ms;
 
 use crate::auth::Tenant;
@@ -52,6 +52,9 @@ pub struct BudgetView {
     /// The calling tenant's line in this budget (fair admission); other
     /// tenants' lines are for the operator's `/metrics`, not for each other.
     pub tenant: Option<TenantShare>,
+    /// What the pacer learned of the provider's buckets (refill shape,
+    /// separate input and output buckets).
+    pub shape: BudgetShape,
 }
 
 /// `GET /v1/pacer`.
@@ -140,6 +143,7 @@ pub async fn pacer(State(state): State<AppState>, caller: Tenant) -> Result<Json
             observed_at: s.observed_at_ms.map(rfc3339_ms),
             refund_share: s.refund_share,
             tenant: s.tenants.into_iter().find(|t| t.tenant == caller.0),
+            shape: s.shape,
         })
         .collect();
     Ok(Json(PacerView { budgets }))

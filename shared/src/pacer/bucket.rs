@@ -45,6 +45,7 @@ pub struct Observation {
 /// How a provider's bucket gets its budget back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub enum Refill {
     /// Not known yet (a bucket whose headers carry a reset, before the votes
     /// decide): paced as continuous, its refill counted apart so that it can
@@ -153,6 +154,10 @@ pub struct Bucket {
     /// votes say window (which gives nothing back before its boundary).
     #[serde(default)]
     pub unknown_credit: f64,
+    /// The limit was inferred from `remaining` alone (no limit header, none
+    /// configured): it may grow as larger readings show more.
+    #[serde(default)]
+    pub assumed: bool,
 }
 
 /// Net votes that make a bucket a window (or continuous again).
@@ -282,6 +287,18 @@ impl Bucket {
         self.charged_since = (self.charged_since - tokens).max(0.0);
     }
 
+    /// Credits a refund the provider gave when an answer was done, which may
+    /// have been before the settle brings it: a provider that was full then
+    /// kept only what fitted. The calls still in flight (`occupied`: of a
+    /// window, those charged to it) were charged then and not given back, so
+    /// the bucket held at most its limit less theirs.
+    pub(crate) fn credit_refund(&mut self, tokens: f64, occupied: f64) {
+        let room = (self.limit - occupied - self.level).max(0.0);
+        let credited = tokens.min(room).max(0.0);
+        self.level += credited;
+        self.charged_since = (self.charged_since - credited).max(0.0);
+    }
+
     /// Milliseconds until `short` tokens have returned, never past the reset.
     /// A window bucket: at its boundary it holds its limit again, and one more
     /// limit at each boundary after (a prediction; the turn is re-timed).
@@ -378,15 +395,42 @@ impl Bucket {
     /// so headers that show more than we think can never be trusted to raise
     /// it (a rule that did, when no call was cleared after the headers, let
     /// real worker processes into 429s: clearance and receipt are not one instant).
-    /// `since` is what changed at the provider after the headers were sent,
+    /// `settled_after` is what calls cleared after the observed one were
+    /// charged and have settled already (they are not in these headers, nor in
+    /// flight). `since` is what changed at the provider after the headers were sent,
     /// which they cannot show: what was given back since (the observed
     /// call's unused reservation, others' refunds) less what was cleared after
     /// the observed call (a call cleared later reaches the provider later).
-    pub(crate) fn observe(&mut self, obs: &Observation, now: Millis, headers_at: Millis, since: f64, max_pace_ms: u64) {
-        let (Some(limit), Some(remaining)) = (obs.limit, obs.remaining) else {
+    pub(crate) fn observe(
+        &mut self,
+        obs: &Observation,
+        now: Millis,
+        headers_at: Millis,
+        since: f64,
+        own: f64,
+        settled_after: f64,
+        max_pace_ms: u64,
+    ) {
+        let Some(remaining) = obs.remaining else {
             return;
         };
-        if limit == 0 {
+        let limit = match obs.limit {
+            Some(0) => return,
+            Some(limit) => {
+                self.assumed = false;
+                limit as f64
+            }
+            // `remaining` alone (Azure OpenAI): the limit is at least what
+            // remained plus the observed call's own charge — exactly that when
+            // it went into a full bucket, as the first call after a start
+            // does — unless a limit is configured or was read before.
+            None if self.known() && !self.assumed => self.limit,
+            None => {
+                self.assumed = true;
+                self.limit.max(remaining as f64 + own)
+            }
+        };
+        if limit <= 0.0 {
             return;
         }
         let reset_ms = obs.reset_ms.unwrap_or(0);
@@ -394,7 +438,6 @@ impl Bucket {
             // A far-away reset is a daily cap or clock skew: not ours to pace on.
             return;
         }
-        let limit = limit as f64;
         let remaining = (remaining as f64).min(limit);
         let missing = limit - remaining;
         let was_unknown = self.refill == Refill::Unknown;
@@ -461,8 +504,9 @@ impl Bucket {
         if obs.reset_ms.is_some() && headers_at >= self.full_seen_ms {
             self.full_seen_ms = headers_at;
             self.full_at_ms = headers_at + reset_ms as Millis;
-            // The calls still in flight may not be in these headers yet.
-            self.charged_since = self.in_flight;
+            // The calls still in flight may not be in these headers yet, nor
+            // those cleared after the observed call and settled already.
+            self.charged_since = self.in_flight + settled_after;
         }
     }
 }

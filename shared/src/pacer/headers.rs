@@ -54,6 +54,12 @@ pub struct HeaderSnapshot {
     pub tokens: LimitSnapshot,
     /// The request bucket.
     pub requests: LimitSnapshot,
+    /// A separate input token bucket (`anthropic-ratelimit-input-tokens-*`).
+    #[serde(default)]
+    pub input_tokens: LimitSnapshot,
+    /// A separate output token bucket (`anthropic-ratelimit-output-tokens-*`).
+    #[serde(default)]
+    pub output_tokens: LimitSnapshot,
     /// The server's own delay: the first valid of `retry-after-ms`,
     /// `x-ms-retry-after-ms`, `retry-after` (SPEC §4, "Delay sources, in order").
     pub retry_after_ms: Option<u64>,
@@ -151,16 +157,30 @@ impl HeaderSnapshot {
         // A response that carries both OpenAI-style and Anthropic headers (a
         // proxy) is read as OpenAI: one family is used whole, never mixed field
         // by field, so limit, remaining and reset always describe one bucket.
+        let openai = family(Family::OpenAiTokens).is_some() || family(Family::OpenAiRequests).is_some();
+        // Anthropic's separate input and output buckets are paced each on its
+        // own; its combined `tokens-*` family then only repeats the scarcer of
+        // the two (a bucket whose limit changes between answers), and is read
+        // only where the separate ones are missing.
+        let (input_tokens, output_tokens) =
+            if openai { (None, None) } else { (family(Family::AnthropicInput), family(Family::AnthropicOutput)) };
+        let split = input_tokens.is_some() || output_tokens.is_some();
         let tokens = family(Family::OpenAiTokens)
-            .or_else(|| family(Family::AnthropicTokens))
-            .or_else(|| most_restrictive(family(Family::AnthropicInput), family(Family::AnthropicOutput)))
+            .or_else(|| if split { None } else { family(Family::AnthropicTokens) })
             .unwrap_or_default();
         let requests = family(Family::OpenAiRequests).or_else(|| family(Family::AnthropicRequests)).unwrap_or_default();
 
         let sources = [DelaySource::RetryAfterMs, DelaySource::MsRetryAfterMs, DelaySource::RetryAfter];
         let retry = delays.iter().zip(sources).find_map(|(d, source)| d.map(|ms| (ms, source)));
 
-        Self { tokens, requests, retry_after_ms: retry.map(|r| r.0), retry_after_source: retry.map(|r| r.1) }
+        Self {
+            tokens,
+            requests,
+            input_tokens: input_tokens.unwrap_or_default(),
+            output_tokens: output_tokens.unwrap_or_default(),
+            retry_after_ms: retry.map(|r| r.0),
+            retry_after_source: retry.map(|r| r.1),
+        }
     }
 
     /// No rate-limit header was read (vLLM, Ollama, or only unreadable values).
@@ -172,33 +192,6 @@ impl HeaderSnapshot {
 /// A count header (`limit`, `remaining`): a plain non-negative integer.
 fn parse_count(value: &str) -> Option<u64> {
     value.trim().parse().ok()
-}
-
-/// Anthropic without a combined `tokens-*` family: input and output tokens are
-/// separate buckets, but the pacer keeps one token bucket and reserves input +
-/// output against it. We pace on the family that runs out first — the smaller
-/// share left (`remaining / limit`; a family without a limit is compared by
-/// `remaining` alone, and one without `remaining` loses to one with it) — and
-/// take its limit, remaining and reset together. Reserving both kinds of tokens
-/// against the scarcer bucket is conservative, never optimistic: it can hold a
-/// call that would have fit, but never sends one into a bucket it knew was dry.
-fn most_restrictive(input: Option<LimitSnapshot>, output: Option<LimitSnapshot>) -> Option<LimitSnapshot> {
-    let (a, b) = match (input, output) {
-        (Some(a), Some(b)) => (a, b),
-        (one, other) => return one.or(other),
-    };
-    let a_scarcer = match (a.remaining, b.remaining) {
-        (Some(ra), Some(rb)) => match (a.limit, b.limit) {
-            // ra/la <= rb/lb, cross-multiplied in u128 (no float, no overflow);
-            // a limit of 0 makes any share "nothing left".
-            (Some(la), Some(lb)) => u128::from(ra) * u128::from(lb) <= u128::from(rb) * u128::from(la),
-            _ => ra <= rb,
-        },
-        (Some(_), None) => true,
-        (None, Some(_)) => false,
-        (None, None) => true,
-    };
-    Some(if a_scarcer { a } else { b })
 }
 
 #[cfg(test)]
@@ -331,56 +324,34 @@ mod tests {
             ("anthropic-ratelimit-tokens-limit", "80000"),
             ("anthropic-ratelimit-tokens-remaining", "1000"),
             ("anthropic-ratelimit-tokens-reset", "2026-11-30T10:00:05.250Z"),
-            ("anthropic-ratelimit-input-tokens-limit", "40000"),
-            ("anthropic-ratelimit-input-tokens-remaining", "40000"),
-            ("anthropic-ratelimit-input-tokens-reset", "2026-11-30T10:00:00Z"),
         ]);
-        // The combined `tokens-*` family wins over input/output when present.
+        // Without separate input and output families the combined one is the bucket.
         assert_eq!(snap.tokens, limit(80_000, 1_000, 5_250));
         assert_eq!(snap.requests, limit(50, 49, 1_000));
+        assert!(snap.input_tokens.is_empty() && snap.output_tokens.is_empty());
     }
 
     #[test]
-    fn anthropic_input_and_output_combine_to_the_scarcer_family() {
-        let input = [
+    fn anthropic_input_and_output_are_separate_buckets() {
+        let snap = read(&[
             ("anthropic-ratelimit-input-tokens-limit", "400000"),
-            ("anthropic-ratelimit-input-tokens-remaining", "40000"), // 10 % left
+            ("anthropic-ratelimit-input-tokens-remaining", "40000"),
             ("anthropic-ratelimit-input-tokens-reset", "2026-11-30T10:00:06Z"),
-        ];
-        let output = [
             ("anthropic-ratelimit-output-tokens-limit", "80000"),
-            ("anthropic-ratelimit-output-tokens-remaining", "20000"), // 25 % left, but fewer tokens
+            ("anthropic-ratelimit-output-tokens-remaining", "20000"),
             ("anthropic-ratelimit-output-tokens-reset", "2026-11-30T10:00:02Z"),
-        ];
-        let both: Vec<_> = output.iter().chain(input.iter()).copied().collect();
-        // Scarcer share wins, not the smaller count; the family is taken whole.
-        assert_eq!(read(&both).tokens, limit(400_000, 40_000, 6_000));
-        // One family alone is used as it is.
-        assert_eq!(read(&output).tokens, limit(80_000, 20_000, 2_000));
-        assert_eq!(read(&input).tokens, limit(400_000, 40_000, 6_000));
-    }
-
-    #[test]
-    fn most_restrictive_rule() {
-        let rem = |limit: Option<u64>, remaining: Option<u64>| Some(LimitSnapshot { limit, remaining, reset_ms: None });
-        let cases = [
-            // (input, output, expect input chosen)
-            (rem(Some(100), Some(10)), rem(Some(1_000), Some(500)), true),
-            (rem(Some(1_000), Some(500)), rem(Some(100), Some(10)), false),
-            (rem(Some(100), Some(50)), rem(Some(1_000), Some(500)), true), // equal share: input
-            (rem(Some(0), Some(0)), rem(Some(1_000), Some(1)), true),      // a zero limit is dry
-            (rem(None, Some(5)), rem(Some(1_000), Some(6)), true),         // no limit: by count
-            (rem(None, Some(7)), rem(None, Some(6)), false),
-            (rem(Some(100), None), rem(Some(100), Some(99)), false), // known remaining wins
-            (rem(Some(100), None), rem(Some(100), None), true),
-        ];
-        for (input, output, input_chosen) in cases {
-            let want = if input_chosen { input } else { output };
-            assert_eq!(most_restrictive(input, output), want, "{input:?} vs {output:?}");
-        }
-        assert_eq!(most_restrictive(None, rem(Some(1), Some(1))), rem(Some(1), Some(1)));
-        assert_eq!(most_restrictive(rem(Some(2), Some(1)), None), rem(Some(2), Some(1)));
-        assert_eq!(most_restrictive(None, None), None);
+            // The combined family repeats the scarcer of the two: not a bucket of its own.
+            ("anthropic-ratelimit-tokens-limit", "400000"),
+            ("anthropic-ratelimit-tokens-remaining", "40000"),
+            ("anthropic-ratelimit-tokens-reset", "2026-11-30T10:00:06Z"),
+        ]);
+        assert_eq!(snap.input_tokens, limit(400_000, 40_000, 6_000));
+        assert_eq!(snap.output_tokens, limit(80_000, 20_000, 2_000));
+        assert!(snap.tokens.is_empty(), "{:?}", snap.tokens);
+        // One of them alone is still read as a separate bucket.
+        let output = read(&[("anthropic-ratelimit-output-tokens-remaining", "7")]);
+        assert_eq!(output.output_tokens.remaining, Some(7));
+        assert!(output.tokens.is_empty());
     }
 
     #[test]

@@ -33,4 +33,4 @@ pub use classify::{classify, FailedCall, FailureKind, Transport};
 pub use headers::{HeaderSnapshot, LimitSnapshot};
 pub use local::LocalPacer;
 pub use model::{Ask, CallOutcome, Decision, Estimate, Mode, OwedReason, PacerState, PacingConfig, Who};
-pub use store::{BudgetSnapshot, Pacer, PacerError, PacerKind, SharedPacer, TenantShare};
+pub use store::{BudgetShape, BudgetSnapshot, Pacer, PacerError, PacerKind, SharedPacer, TenantShare};

@@ -158,6 +158,13 @@ pub struct Estimate {
 }
 
 impl Estimate {
+    /// What the call costs in each bucket, in [`PacerState::buckets`] order:
+    /// the whole estimate, one request, its input part, its output reservation.
+    fn costs(&self) -> [f64; BUCKETS] {
+        let output = self.output.min(self.tokens);
+        [self.tokens as f64, self.requests as f64, (self.tokens - output) as f64, output as f64]
+    }
+
     /// The input part and the output reservation, as the usage ratio sees them.
     fn split(&self) -> (f64, f64) {
         let output = if self.output > 0 { self.output.min(self.tokens) } else { self.tokens };
@@ -261,6 +268,20 @@ pub struct Flight {
     /// The token bucket's `sent` when it was sent (its own charge included).
     #[serde(default)]
     pub sent: f64,
+    /// What it reserved on the separate input and output buckets (where the
+    /// provider reports them: Anthropic), 0 where they are not known.
+    #[serde(default)]
+    pub held_input: u64,
+    /// See `held_input`.
+    #[serde(default)]
+    pub held_output: u64,
+    /// The output bucket's `refunded` when it was sent.
+    #[serde(default)]
+    pub omark: f64,
+    /// The `sent` ledgers of the request, input and output buckets when it
+    /// was sent (the token bucket's is `sent`).
+    #[serde(default)]
+    pub marks: [f64; 3],
     /// No other call was cleared within [`BURST_GAP_MS`] of it: its headers
     /// and its `sent` see the same calls (in a burst, calls cleared after it
     /// may reach the provider before it), so the refund learner may read them.
@@ -270,6 +291,13 @@ pub struct Flight {
     pub expiry_ms: Millis,
 }
 
+impl Flight {
+    /// What it holds of each bucket, in [`PacerState::buckets`] order.
+    fn held(&self) -> [f64; BUCKETS] {
+        [self.est.tokens as f64, self.est.requests as f64, self.held_input as f64, self.held_output as f64]
+    }
+}
+
 /// The whole pacer state for one budget and model.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct PacerState {
@@ -277,6 +305,16 @@ pub struct PacerState {
     pub tokens: Bucket,
     /// The request bucket.
     pub requests: Bucket,
+    /// A separate input token bucket, where the provider reports one
+    /// (`anthropic-ratelimit-input-tokens-*`): charged a call's input.
+    #[serde(default)]
+    pub input: Bucket,
+    /// A separate output token bucket (`anthropic-ratelimit-output-tokens-*`):
+    /// charged a call's output reservation, its unused part given back when
+    /// the answer is done (Anthropic estimates output from `max_tokens` and
+    /// corrects it at the end, as documented).
+    #[serde(default)]
+    pub output: Bucket,
     /// A 429 closed the window until then: nothing is admitted before.
     pub blocked_until_ms: Millis,
     /// With nothing known yet, a probe call is out until then.
@@ -322,7 +360,36 @@ pub struct PacerState {
     pub flights: BTreeMap<String, Flight>,
 }
 
+/// The buckets a budget may know, in one order: the combined token bucket,
+/// requests, and the separate input and output token buckets.
+const BUCKETS: usize = 4;
+
 impl PacerState {
+    /// Every bucket, in the order of [`Estimate::costs`].
+    pub fn buckets(&self) -> [&Bucket; BUCKETS] {
+        [&self.tokens, &self.requests, &self.input, &self.output]
+    }
+
+    /// See [`PacerState::buckets`].
+    fn buckets_mut(&mut self) -> [&mut Bucket; BUCKETS] {
+        [&mut self.tokens, &mut self.requests, &mut self.input, &mut self.output]
+    }
+
+    /// Whether any bucket's limit is known (and so the budget is paced).
+    pub fn any_known(&self) -> bool {
+        self.buckets().iter().any(|b| b.known())
+    }
+
+    /// The share of its output reservation a call is expected to keep on the
+    /// output bucket (which gives the unused part back).
+    fn output_kept(&self) -> f64 {
+        if self.usage_ratio > 0.0 {
+            self.usage_ratio.clamp(0.05, 1.0)
+        } else {
+            1.0
+        }
+    }
+
     /// What the provider will charge for `est`: its input part at the
     /// learned input ratio (an estimate that does not split is taken as is).
     pub fn charged(&self, est: Estimate) -> Estimate {
@@ -360,6 +427,7 @@ impl PacerState {
     /// `late_ms` past its due time holds nothing.
     fn ahead_of(&self, order: f64, id: &str, tenant: &str, now: Millis, late_ms: u64) -> Ahead {
         let mut ahead = Ahead::default();
+        let kept = self.output_kept();
         for (other, w) in &self.waiters {
             let before = match w.order.total_cmp(&order) {
                 std::cmp::Ordering::Less => true,
@@ -367,8 +435,11 @@ impl PacerState {
                 std::cmp::Ordering::Greater => false,
             };
             if before && other != id && now <= w.due_ms + late_ms as Millis {
-                ahead.tokens += w.line;
-                ahead.requests += w.est.requests as f64;
+                let costs = w.est.costs();
+                ahead.held[0] += w.line;
+                ahead.held[1] += costs[1];
+                ahead.held[2] += costs[2];
+                ahead.held[3] += costs[3] * kept;
                 ahead.other_tenant |= fair::is_work(w.order) && w.tenant != tenant;
                 ahead.last_clear_ms = ahead.last_clear_ms.max(w.clear_ms);
             }
@@ -385,10 +456,9 @@ impl PacerState {
 /// What the turns ahead of one in line hold.
 #[derive(Debug, Clone, Copy, Default)]
 struct Ahead {
-    /// Their expected tokens.
-    tokens: f64,
-    /// Their requests.
-    requests: f64,
+    /// What they are expected to use of each bucket ([`PacerState::buckets`]
+    /// order): their line cost, their requests, their input, the output they keep.
+    held: [f64; BUCKETS],
     /// Another tenant's work turn is among them.
     other_tenant: bool,
     /// The latest predicted clear time among them (0: none).
@@ -433,7 +503,7 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
         let ms = (state.blocked_until_ms - now) as f64;
         return hold_place(state, cfg, now, id, ms, OwedReason::RateLimited, jitter_u);
     }
-    if !state.tokens.known() && !state.requests.known() {
+    if !state.any_known() {
         if state.headerless {
             // No headers and no configured limits: no proactive pacing at all
             // (SPEC §4); 429s still close the window above.
@@ -475,22 +545,18 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
     // in flight for longer than a few `late_ms` may never: its worker died).
     let ttl = cfg.reservation_ttl_ms as Millis;
     let answering = now - PROBE_AFTER_LATE * cfg.late_ms as Millis;
-    let since_boundary = |b: &Bucket| state.flights.values().any(|f| f.expiry_ms - ttl >= b.boundary_ms.max(answering));
-    let head = ahead.tokens <= 0.0 && ahead.requests <= 0.0;
-    let mut probe = head && !since_boundary(&state.tokens) && !since_boundary(&state.requests);
+    let since_boundary =
+        |b: &Bucket| b.known() && state.flights.values().any(|f| f.expiry_ms - ttl >= b.boundary_ms.max(answering));
+    let head = ahead.held.iter().all(|h| *h <= 0.0);
+    let mut probe = head && !state.buckets().iter().any(|b| since_boundary(b));
     let idle = state.flights.is_empty() && now - state.last_admit_ms >= BURST_GAP_MS;
     let share_known = state.refunds.share(state.tokens.limit).is_some();
-    let mut shorts = [0.0; 2];
-    for (i, (bucket, cost, held)) in [
-        (&mut state.tokens, est.tokens as f64, ahead.tokens),
-        (&mut state.requests, est.requests as f64, ahead.requests),
-    ]
-    .into_iter()
-    .enumerate()
-    {
+    let costs = est.costs();
+    let mut shorts = [0.0; BUCKETS];
+    for (i, bucket) in state.buckets_mut().into_iter().enumerate() {
         if bucket.known() {
             bucket.advance(now);
-            let short = held + bucket.need(cost, floor) - bucket.level;
+            let short = ahead.held[i] + bucket.need(costs[i], floor) - bucket.level;
             if short > 0.0 {
                 fits = false;
                 shorts[i] = short;
@@ -499,6 +565,8 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
             }
         }
     }
+    // Only the token bucket holds the turn.
+    let tokens_only = shorts[0] > 0.0 && shorts[1..].iter().all(|s| *s <= 0.0);
     // A window bucket whose refunds are not known yet and whose head is held
     // only by them: once per window, when every call has settled, the head
     // goes alone, so that its headers tell (against the window's start) how
@@ -511,15 +579,14 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
         && t.windowed()
         && t.full_at_ms > now
         && t.probed_ms < t.boundary_ms
-        && shorts[0] > 0.0
-        && shorts[0] <= t.withheld
-        && shorts[1] <= 0.0;
+        && tokens_only
+        && shorts[0] <= t.withheld;
     if !fits && refund_probe {
         state.tokens.probed_ms = now;
         fits = true;
     }
     if !fits && probe {
-        for bucket in [&mut state.tokens, &mut state.requests] {
+        for bucket in state.buckets_mut() {
             if bucket.known() && bucket.may_probe(now) {
                 bucket.probed_ms = now;
             }
@@ -544,14 +611,27 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
     // A wait predicted before the bucket's shape is known is only as good as
     // the shape guessed (none refills before its reset): be back within the
     // recheck horizon, when the votes may have decided.
-    if [&state.tokens, &state.requests].iter().any(|b| b.known() && b.refill == Refill::Unknown) {
+    // So is one predicted before any call has settled (the line's costs are
+    // then the whole reservations; the first answers say how much is used).
+    if state.usage_ratio <= 0.0 || state.buckets().iter().any(|b| b.known() && b.refill == Refill::Unknown) {
         sleep = sleep.min(recheck);
     }
     // A window gives nothing back before its boundary but refunds: when the
     // calls in flight are expected to give back what the turn is short of,
     // be back within the recheck horizon rather than at the boundary.
+    // Likewise a window bucket short of no more than the calls in flight hold
+    // on it: their settles may give it back (refunds, or a call the lift
+    // charged to the new window that went into the old one).
+    for (i, bucket) in state.buckets().into_iter().enumerate() {
+        if bucket.windowed() && shorts[i] > 0.0 {
+            let holding: f64 = state.flights.values().map(|f| f.held()[i]).sum();
+            if holding >= shorts[i] {
+                sleep = sleep.min(recheck);
+            }
+        }
+    }
     let share = state.refund_share();
-    if state.tokens.windowed() && share > 0.0 && shorts[0] > 0.0 && shorts[1] <= 0.0 {
+    if state.tokens.windowed() && share > 0.0 && tokens_only {
         let kept = if state.usage_ratio > 0.0 { state.usage_ratio.clamp(0.0, 1.0) } else { 1.0 };
         let coming: f64 = state.flights.values().map(|f| f.est.output as f64 * (1.0 - kept) * share).sum();
         if coming >= shorts[0] {
@@ -611,8 +691,10 @@ fn fresh_place(state: &mut PacerState, now: Millis, mode: Mode, who: &Who<'_>, l
     if mode == Mode::Companion {
         return Ok(fair::place_live(now));
     }
-    let refill = state.tokens.share_rate();
-    let known = state.tokens.known();
+    // A cap is a share of the token bucket (or, split, of the input bucket).
+    let cap_bucket = if state.tokens.known() { &state.tokens } else { &state.input };
+    let refill = cap_bucket.share_rate();
+    let known = cap_bucket.known();
     let virtual_time = state.fair_time;
     let tenant = state.tenants.entry(who.tenant.to_owned()).or_default();
     if known {
@@ -661,20 +743,19 @@ fn admit(
 ) -> Decision {
     let Ask { id, est, mode, who } = *ask;
     state.waiters.remove(id);
-    let mut reserved = Estimate::default();
-    for (bucket, cost, held) in [
-        (&mut state.tokens, est.tokens, &mut reserved.tokens),
-        (&mut state.requests, est.requests, &mut reserved.requests),
-    ] {
+    let costs = est.costs();
+    let mut held = [0.0; BUCKETS];
+    for (i, bucket) in state.buckets_mut().into_iter().enumerate() {
         if bucket.known() {
             bucket.advance(now);
-            bucket.level -= cost as f64;
-            bucket.in_flight += cost as f64;
-            bucket.charged_since += cost as f64;
-            bucket.sent += cost as f64;
-            *held = cost;
+            bucket.level -= costs[i];
+            bucket.in_flight += costs[i];
+            bucket.charged_since += costs[i];
+            bucket.sent += costs[i];
+            held[i] = costs[i];
         }
     }
+    let mut reserved = Estimate { tokens: held[0] as u64, requests: held[1] as u64, output: 0 };
     if state.tokens.known() {
         reserved.output = est.output;
     }
@@ -689,6 +770,10 @@ fn admit(
         input,
         mark: state.tokens.refunded,
         sent: state.tokens.sent,
+        held_input: held[2] as u64,
+        held_output: held[3] as u64,
+        omark: state.output.refunded,
+        marks: [state.requests.sent, state.input.sent, state.output.sent],
         alone,
         expiry_ms: now + cfg.reservation_ttl_ms as Millis,
     };
@@ -708,23 +793,28 @@ fn admit(
 /// provider may have received those calls after it.
 fn lift(state: &mut PacerState, cfg: &PacingConfig, now: Millis) {
     let ttl = cfg.reservation_ttl_ms as Millis;
-    let recent = |boundary: Millis, charge: fn(&Flight) -> u64| -> f64 {
-        let since = boundary - cfg.late_ms as Millis;
-        state.flights.values().filter(|f| f.expiry_ms - ttl >= since).map(|f| charge(f) as f64).sum()
-    };
     let lifts = |b: &Bucket| b.windowed() && b.full_at_ms > 0 && now >= b.full_at_ms;
-    let window_lift = lifts(&state.tokens);
-    let tokens = if window_lift { recent(state.tokens.full_at_ms, |f| f.est.tokens) } else { 0.0 };
-    let requests = if lifts(&state.requests) { recent(state.requests.full_at_ms, |f| f.est.requests) } else { 0.0 };
-    state.tokens.lift(now, tokens);
-    state.requests.lift(now, requests);
+    let boundaries: Vec<Option<Millis>> =
+        state.buckets().iter().map(|b| lifts(b).then_some(b.full_at_ms - cfg.late_ms as Millis)).collect();
+    let mut recent = [0.0; BUCKETS];
+    for f in state.flights.values() {
+        for (i, held) in f.held().into_iter().enumerate() {
+            if boundaries[i].is_some_and(|since| f.expiry_ms - ttl >= since) {
+                recent[i] += held;
+            }
+        }
+    }
+    let window_lift = boundaries[0].is_some();
+    for (i, bucket) in state.buckets_mut().into_iter().enumerate() {
+        bucket.lift(now, recent[i]);
+    }
     if window_lift {
         // The refund learner's pair starts at the boundary (`window_start`).
         let t = &state.tokens;
         let until_ms = t.boundary_ms + t.max_reset_ms as Millis;
         let snap = Snapshot {
             at_ms: t.boundary_ms,
-            remaining: t.limit - tokens,
+            remaining: t.limit - recent[0],
             sent: t.sent,
             refunded: t.refunded,
             until_ms,
@@ -744,8 +834,9 @@ pub fn expire(state: &mut PacerState, cfg: &PacingConfig, now: Millis) {
     let gone: Vec<String> = state.flights.iter().filter(|(_, f)| f.expiry_ms <= now).map(|(k, _)| k.clone()).collect();
     for id in gone {
         if let Some(f) = state.flights.remove(&id) {
-            state.tokens.in_flight = (state.tokens.in_flight - f.est.tokens as f64).max(0.0);
-            state.requests.in_flight = (state.requests.in_flight - f.est.requests as f64).max(0.0);
+            for (bucket, held) in state.buckets_mut().into_iter().zip(f.held()) {
+                bucket.in_flight = (bucket.in_flight - held).max(0.0);
+            }
         }
     }
 }
@@ -768,6 +859,10 @@ pub struct CallOutcome {
     pub tokens: Observation,
     /// Request bucket headers.
     pub requests: Observation,
+    /// Separate input token bucket headers (Anthropic's `input-tokens`).
+    pub input: Observation,
+    /// Separate output token bucket headers (Anthropic's `output-tokens`).
+    pub output: Observation,
     /// How long ago (ms) the headers were received.
     pub headers_age_ms: u64,
 }
@@ -812,6 +907,12 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, id: &str,
         }
     }
     if let (false, Some(used)) = (limited, outcome.used_tokens) {
+        // The output reservation: on the combined bucket, or (split, the
+        // combined bucket unknown) on the output bucket.
+        let (input, output) = match flight {
+            Some(f) if reserved.tokens == 0 && f.held_output > 0 => (f.held_input as f64, f.held_output as f64),
+            _ => (input, output),
+        };
         let input = outcome.input_tokens.map_or(input, |counted| counted as f64);
         if output > 0.0 {
             let seen = ((used as f64 - input) / output).clamp(0.0, 1.0);
@@ -829,43 +930,135 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, id: &str,
     // What others left unused since this call was sent, and what was cleared
     // after it: its headers cannot show either.
     let others_unused = flight.map(|f| (state.tokens.refunded - f.mark).max(0.0)).unwrap_or(0.0);
+    let others_output = flight.map(|f| (state.output.refunded - f.omark).max(0.0)).unwrap_or(0.0);
     // (Calls cleared within a burst of it may reach the provider before it:
     // only those cleared later than that are surely not in its headers.)
-    let (after_tokens, after_requests) = match flight {
-        Some(f) => state
-            .flights
-            .values()
-            .filter(|g| g.expiry_ms - f.expiry_ms > BURST_GAP_MS)
-            .fold((0.0, 0.0), |(t, r), g| (t + g.est.tokens as f64, r + g.est.requests as f64)),
-        None => (0.0, 0.0),
+    let mut after = [0.0; BUCKETS];
+    // And what was cleared after it and has settled already: its charge is in
+    // the ledger since this call's mark, but no longer in flight.
+    let mut settled_after = [0.0; BUCKETS];
+    if let Some(f) = flight {
+        let mut later = [0.0; BUCKETS];
+        for g in state.flights.values() {
+            for (i, held) in g.held().into_iter().enumerate() {
+                if g.expiry_ms - f.expiry_ms > BURST_GAP_MS {
+                    after[i] += held;
+                }
+                if g.expiry_ms > f.expiry_ms {
+                    later[i] += held;
+                }
+            }
+        }
+        let marks = [f.sent, f.marks[0], f.marks[1], f.marks[2]];
+        for (i, bucket) in state.buckets().into_iter().enumerate() {
+            settled_after[i] = (bucket.sent - marks[i] - later[i]).max(0.0);
+        }
+    }
+    // The separate input and output buckets (Anthropic): the input charged
+    // as the provider counted it; the output reservation's unused part given
+    // back when the answer is done.
+    let held = flight.map(|f| f.held()).unwrap_or_default();
+    let counted_input = outcome.input_tokens.map(|c| c as f64);
+    let input_bucket_fix = match counted_input {
+        Some(counted) if held[2] > 0.0 => held[2] - counted,
+        _ => 0.0,
     };
-    for (bucket, held, fix, unused) in [
-        (&mut state.tokens, reserved.tokens as f64, input_fix, unused),
-        (&mut state.requests, reserved.requests as f64, 0.0, 0.0),
-    ] {
+    let output_unused = match (outcome.used_tokens, counted_input) {
+        _ if limited => 0.0,
+        (Some(used), Some(counted)) if held[3] > 0.0 => (held[3] - (used as f64 - counted)).max(0.0),
+        _ => 0.0,
+    };
+    // Per bucket: what it held, the input fix, the unused output and the share
+    // of it credited (the combined bucket's learned share; the output bucket
+    // gives it all back, as Anthropic documents), and whether it is withheld.
+    let per_bucket = [
+        (held[0], input_fix, unused, share, !share_known),
+        (held[1], 0.0, 0.0, 0.0, false),
+        (held[2], input_bucket_fix, 0.0, 0.0, false),
+        (held[3], 0.0, output_unused, 1.0, false),
+    ];
+    let headers_at = now - outcome.headers_age_ms as Millis;
+    let observed = [&outcome.tokens, &outcome.requests, &outcome.input, &outcome.output];
+    // A call cleared just before a window's boundary was charged to the new
+    // window at its lift (`recent`); its headers tell which window it went
+    // into: the one that ended, when the boundary they name is that one.
+    let cleared_ms = flight.map(|f| f.expiry_ms - cfg.reservation_ttl_ms as Millis);
+    // A window whose boundary went by while no headers named it (so it was
+    // not lifted at): the first headers from the window that began name the
+    // next boundary, a window later. The bucket was full at the one between,
+    // less what was cleared since (this call among them).
+    let ttl = cfg.reservation_ttl_ms as Millis;
+    for (i, obs) in observed.iter().enumerate() {
+        let b = state.buckets()[i];
+        let (true, Some(reset)) = (b.windowed(), obs.reset_ms) else {
+            continue;
+        };
+        let window = b.max_reset_ms;
+        let start = headers_at + reset as Millis - window as Millis;
+        if window > 0.0 && b.full_at_ms <= now && start <= now && start as f64 > b.boundary_ms as f64 + window / 2.0 {
+            let since = start - cfg.late_ms as Millis;
+            let mut recent: f64 =
+                state.flights.values().filter(|f| f.expiry_ms - ttl >= since).map(|f| f.held()[i]).sum();
+            if cleared_ms.is_some_and(|c| c >= since) {
+                recent += held[i];
+            }
+            let bucket = state.buckets_mut().into_iter().nth(i).expect("a bucket");
+            bucket.advance(now);
+            bucket.level = bucket.level.max(bucket.limit - recent);
+            bucket.boundary_ms = start;
+            bucket.charged_since = 0.0;
+        }
+    }
+    // What the calls still in flight hold of each bucket (of a window: those
+    // charged to it), which no refund can have made room for.
+    let mut occupied = [0.0; BUCKETS];
+    for (i, b) in state.buckets().into_iter().enumerate() {
+        let since = if b.windowed() { b.boundary_ms - cfg.late_ms as Millis } else { Millis::MIN };
+        occupied[i] = state.flights.values().filter(|f| f.expiry_ms - ttl >= since).map(|f| f.held()[i]).sum();
+    }
+    let mut old_window = [false; BUCKETS];
+    for (i, (bucket, obs)) in state.buckets().into_iter().zip(observed).enumerate() {
+        if let (true, Some(cleared), Some(reset)) = (bucket.windowed(), cleared_ms, obs.reset_ms) {
+            let counted_new = cleared < bucket.boundary_ms && cleared >= bucket.boundary_ms - cfg.late_ms as Millis;
+            old_window[i] = counted_new
+                && ((headers_at + reset as Millis) as f64) < bucket.boundary_ms as f64 + bucket.max_reset_ms / 2.0;
+        }
+    }
+    for (i, (bucket, (held, fix, unused, share, withhold))) in
+        state.buckets_mut().into_iter().zip(per_bucket).enumerate()
+    {
+        if old_window[i] && !limited {
+            bucket.level = (bucket.level + held).min(bucket.limit.max(bucket.level));
+        }
         bucket.advance(now);
         bucket.in_flight = (bucket.in_flight - held).max(0.0);
         // A refused call's whole reservation comes back, to us and to the ledger.
         let fix = if limited { held } else { fix };
-        bucket.credit(fix + share * unused);
+        bucket.credit(fix);
+        bucket.credit_refund(share * unused, occupied[i]);
         bucket.sent -= fix;
         bucket.refunded += unused;
-        if !share_known {
+        if withhold {
             bucket.withheld += unused;
         }
         bucket.cap_withheld();
     }
-    let headers_at = now - outcome.headers_age_ms as Millis;
-    let had_headers = outcome.tokens.remaining.is_some() || outcome.requests.remaining.is_some();
-    let since = share * (unused + others_unused) - after_tokens;
-    state.tokens.observe(&outcome.tokens, now, headers_at, since, cfg.max_pace_ms);
-    state.requests.observe(&outcome.requests, now, headers_at, -after_requests, cfg.max_pace_ms);
+    let had_headers = observed.iter().any(|o| o.remaining.is_some());
+    // What changed at each provider bucket since the headers were sent.
+    let since =
+        [share * (unused + others_unused) - after[0], -after[1], -after[2], output_unused + others_output - after[3]];
+    // What this call itself was charged on each (a limit inferred from
+    // `remaining` alone is at least that plus its charge).
+    let own = if limited { [0.0; BUCKETS] } else { held };
+    for (i, (bucket, obs)) in state.buckets_mut().into_iter().zip(observed).enumerate() {
+        bucket.observe(obs, now, headers_at, since[i], own[i], settled_after[i], cfg.max_pace_ms);
+    }
     learn_refund_share(state, cfg, now, flight, outcome, headers_at, unused);
     if had_headers {
         state.observed_at_ms = now;
         state.probe_until_ms = 0;
         state.headerless = false;
-    } else if flight.is_some() && !state.tokens.known() && !state.requests.known() {
+    } else if flight.is_some() && !state.any_known() {
         // A call answered without rate-limit headers, and nothing is
         // configured: the provider has none to give (vLLM, Ollama). Probing on
         // would hold the fleet to one call at a time.
@@ -876,7 +1069,7 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, id: &str,
         // is left after it is what the 429's headers say; without headers,
         // remaining = 0.
         state.blocked_until_ms = state.blocked_until_ms.max(headers_at + ms as Millis);
-        for (bucket, obs) in [(&mut state.tokens, &outcome.tokens), (&mut state.requests, &outcome.requests)] {
+        for (bucket, obs) in state.buckets_mut().into_iter().zip(observed) {
             if bucket.known() && obs.remaining.is_none() {
                 bucket.level = bucket.level.min(0.0);
             }
@@ -900,15 +1093,22 @@ fn learn_refund_share(
     own_unused: f64,
 ) {
     let obs = &outcome.tokens;
-    let (Some(f), Some(limit), Some(remaining)) = (flight, obs.limit, obs.remaining) else {
+    let (Some(f), Some(remaining)) = (flight, obs.remaining) else {
         return;
     };
     let limited = outcome.rate_limited_ms.is_some();
     let tokens = &state.tokens;
-    if !tokens.known() || limit as f64 != tokens.limit || obs.reset_ms.unwrap_or(0) > cfg.max_pace_ms {
+    // A limit inferred from `remaining` alone (Azure) is a lower bound, and
+    // so is its per-minute refill: what the provider refilled beyond it
+    // would read as refunds. Such a bucket learns nothing here (and credits
+    // no refund: Azure counts each request's estimate when it arrives).
+    let Some(limit) = obs.limit.map(|l| l as f64) else {
+        return;
+    };
+    if !tokens.known() || limit != tokens.limit || obs.reset_ms.unwrap_or(0) > cfg.max_pace_ms {
         return;
     }
-    let remaining = remaining.min(limit) as f64;
+    let remaining = (remaining as f64).min(limit);
     let newest = headers_at > state.refunds.seen_ms;
     state.refunds.seen_ms = state.refunds.seen_ms.max(headers_at);
     if f.alone {

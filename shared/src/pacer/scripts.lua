@@ -6,7 +6,8 @@
 -- clock (TIME), in milliseconds, so workers on different hosts agree. The steps
 -- and their names follow model.rs; the differential test keeps the two one policy.
 --
--- KEYS[1] state hash. Fields (t_ = token bucket, r_ = request bucket):
+-- KEYS[1] state hash. Fields (t_ = token bucket, r_ = request bucket, i_ and o_ = separate input
+--   and output token buckets where the provider reports them, as Anthropic does):
 --   <p>limit, <p>rate (per ms), <p>level, <p>at (ms), <p>inflight,
 --   <p>refunded (cumulative provider refunds), <p>full_at (the provider's reset),
 --   <p>charged_since (net charges since the headers that set full_at),
@@ -16,7 +17,8 @@
 --   the bucket's shape (bucket.rs): <p>refill (0 unknown, 1 continuous, 2 window), <p>votes,
 --   <p>max_reset (the longest reset seen), <p>obs_at, <p>obs_missing, <p>obs_reset (the last
 --   snapshot voted on), <p>boundary (the last reset lifted at), <p>probed (the last probe
---   sent to find the next reset), <p>unknown_credit (the refill counted while the shape was unknown);
+--   sent to find the next reset), <p>unknown_credit (the refill counted while the shape was unknown),
+--   <p>assumed (1: the limit was inferred from `remaining` alone);
 --   blocked_until, probe_until, headerless (1: answers carry no headers and nothing
 --   is configured: no proactive pacing), observed_at, last_admit, usage_ratio, input_ratio
 --   (the provider's input count / the workers' estimate), fair_time;
@@ -30,9 +32,11 @@
 -- KEYS[3] records hash: reservation id -> rec_encode(record)
 --   waiter: w|order|tokens|requests|output|line|due|clear|since|reason|tenant
 --     (due: when it may come back, a checkpoint; clear: when it is predicted clear)
---   flight: f|tokens|requests|output|mark|expiry|input|sent|alone
+--   flight: f|tokens|requests|output|mark|expiry|input|sent|alone|ih|oh|omark|rsent|isent|osent
 --     (input: the worker's own input estimate, to learn input_ratio from;
---      mark, sent: t_refunded and t_sent when it was cleared;
+--      mark, sent: t_refunded and t_sent when it was cleared; ih, oh: what it holds of the input
+--      and output buckets; omark: o_refunded when it was cleared; rsent, isent, osent: the r_, i_
+--      and o_ sent ledgers when it was cleared;
 --      alone: 1 when no other call was cleared within BURST_GAP_MS of it)
 -- KEYS[4] line zset: waiter id -> order (companion turns < 0 <= work tags)
 -- ARGV[1] op: acquire | settle | snapshot
@@ -43,7 +47,8 @@
 --   -> {0} clear | {1, owed_ms, reason}   reason: 1 budget, 2 rate_limited, 3 probe, 4 fair_share
 -- settle:  ARGV[14] id, [15] used_tokens (-1 unknown), [16] rate_limited_ms (-1 none),
 --          [17..19] token limit, remaining, reset_ms, [20..22] same for requests (-1 missing),
---          [23] headers_age_ms, [24] input tokens the provider counted (-1 unknown)
+--          [23] headers_age_ms, [24] input tokens the provider counted (-1 unknown),
+--          [25..27] input bucket limit, remaining, reset_ms, [28..30] same for the output bucket
 -- snapshot: -> flat field list of the state, 'now', and 'rec:<id>' -> record for each record
 
 local state, expiry, records, line_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
@@ -80,6 +85,9 @@ local PROBE_AFTER_LATE = 4
 
 local function fmt(x) return string.format('%.17g', x) end
 
+-- model.rs's buckets, in one order: tokens, requests, input, output.
+local BUCKETS = {'t_', 'r_', 'i_', 'o_'}
+
 -- The state as a table of numbers.
 local S = {}
 do
@@ -106,7 +114,8 @@ local function rec_encode(r)
       fmt(r.due), fmt(r.clear), fmt(r.since), fmt(r.reason), r.tenant}, '|')
   end
   return table.concat({'f', fmt(r.tokens), fmt(r.requests), fmt(r.output), fmt(r.mark), fmt(r.expiry),
-    fmt(r.input), fmt(r.sent), fmt(r.alone)}, '|')
+    fmt(r.input), fmt(r.sent), fmt(r.alone), fmt(r.ih), fmt(r.oh), fmt(r.omark), fmt(r.rsent), fmt(r.isent),
+    fmt(r.osent)}, '|')
 end
 
 local function rec_decode(s)
@@ -120,12 +129,11 @@ local function rec_decode(s)
       line = tonumber(ln), due = tonumber(due), clear = tonumber(clear), since = tonumber(since),
       reason = tonumber(reason), tenant = tenant}
   elseif kind == 'f' then
-    local tk, rq, out, mark, exp, input, sent, alone =
-      string.match(s, '^f|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
-    if not tk then return nil end
-    return {kind = 'f', tokens = tonumber(tk), requests = tonumber(rq), output = tonumber(out),
-      mark = tonumber(mark), expiry = tonumber(exp), input = tonumber(input), sent = tonumber(sent),
-      alone = tonumber(alone)}
+    local f = {}
+    for x in string.gmatch(string.sub(s, 3), '([^|]+)') do f[#f + 1] = tonumber(x) end
+    if #f < 14 then return nil end
+    return {kind = 'f', tokens = f[1], requests = f[2], output = f[3], mark = f[4], expiry = f[5], input = f[6],
+      sent = f[7], alone = f[8], ih = f[9], oh = f[10], omark = f[11], rsent = f[12], isent = f[13], osent = f[14]}
   end
   return nil
 end
@@ -202,6 +210,15 @@ local function credit(p, x)
   S[p .. 'charged_since'] = math.max(get(p .. 'charged_since') - x, 0)
 end
 
+-- Credits a refund given when an answer was done (perhaps before its settle): a provider
+-- then full kept only what fitted, the calls still in flight charged and not given back.
+local function credit_refund(p, x, occupied)
+  local room = math.max(get(p .. 'limit') - occupied - get(p .. 'level'), 0)
+  local credited = math.max(math.min(x, room), 0)
+  S[p .. 'level'] = get(p .. 'level') + credited
+  S[p .. 'charged_since'] = math.max(get(p .. 'charged_since') - credited, 0)
+end
+
 local function window_refill_ms(p, short)
   local window = window_ms(p)
   local full_at = get(p .. 'full_at')
@@ -272,12 +289,20 @@ local function need(p, cost, fl)
   return math.min(cost + fl * limit, limit)
 end
 
+local function any_known()
+  for _, p in ipairs(BUCKETS) do
+    if known(p) then return true end
+  end
+  return false
+end
+
 local function per_minute(p, limit)
   S[p .. 'limit'] = limit
   S[p .. 'rate'] = limit / 60000
   S[p .. 'level'] = limit
   S[p .. 'at'] = now
   S[p .. 'refill'] = 1
+  S[p .. 'assumed'] = 0
 end
 
 local function ensure_configured()
@@ -285,22 +310,35 @@ local function ensure_configured()
     S['t_refunded'], S['t_full_at'], S['t_charged_since'], S['t_rated'], S['t_full_seen'], S['t_inflight'] = 0, 0, 0, 0, 0, 0
     S['t_sent'], S['t_withheld'] = 0, 0
     S['t_votes'], S['t_max_reset'], S['t_obs_at'], S['t_obs_missing'], S['t_obs_reset'] = 0, 0, 0, 0, 0
-    S['t_boundary'], S['t_probed'], S['t_unknown_credit'] = 0, 0, 0
+    S['t_boundary'], S['t_probed'], S['t_unknown_credit'], S['t_assumed'] = 0, 0, 0, 0
     per_minute('t_', tpm)
   end
   if not known('r_') and rpm > 0 then
     S['r_refunded'], S['r_full_at'], S['r_charged_since'], S['r_rated'], S['r_full_seen'], S['r_inflight'] = 0, 0, 0, 0, 0, 0
     S['r_sent'], S['r_withheld'] = 0, 0
     S['r_votes'], S['r_max_reset'], S['r_obs_at'], S['r_obs_missing'], S['r_obs_reset'] = 0, 0, 0, 0, 0
-    S['r_boundary'], S['r_probed'], S['r_unknown_credit'] = 0, 0, 0
+    S['r_boundary'], S['r_probed'], S['r_unknown_credit'], S['r_assumed'] = 0, 0, 0, 0
     per_minute('r_', rpm)
   end
 end
 
 -- since: what changed at the provider after the headers that they cannot show
 -- (refunds given back since, less what was cleared after the observed call).
-local function observe(p, limit, remaining, reset_ms, headers_at, since)
-  if limit < 0 or remaining < 0 or limit == 0 then return end
+-- own: what the observed call itself was charged here; settled_after: what calls cleared
+-- after it were charged and have settled already (not in these headers, nor in flight).
+local function observe(p, limit, remaining, reset_ms, headers_at, since, own, settled_after)
+  if remaining < 0 or limit == 0 then return end
+  if limit > 0 then
+    S[p .. 'assumed'] = 0
+  elseif known(p) and get(p .. 'assumed') == 0 then
+    -- remaining alone (Azure OpenAI): the limit configured or read before
+    limit = get(p .. 'limit')
+  else
+    -- ... or at least what remained plus the observed call's own charge
+    S[p .. 'assumed'] = 1
+    limit = math.max(get(p .. 'limit'), remaining + own)
+  end
+  if limit <= 0 then return end
   local has_reset = reset_ms >= 0
   if reset_ms < 0 then reset_ms = 0 end
   if reset_ms > max_pace then return end
@@ -348,7 +386,7 @@ local function observe(p, limit, remaining, reset_ms, headers_at, since)
   if has_reset and headers_at >= get(p .. 'full_seen') then
     S[p .. 'full_seen'] = headers_at
     S[p .. 'full_at'] = headers_at + reset_ms
-    S[p .. 'charged_since'] = get(p .. 'inflight')
+    S[p .. 'charged_since'] = get(p .. 'inflight') + settled_after
   end
 end
 
@@ -402,8 +440,8 @@ local function expire()
   for _, id in ipairs(gone) do
     local r = rec_decode(redis.call('HGET', records, id))
     if r and r.kind == 'f' then
-      S['t_inflight'] = math.max(get('t_inflight') - r.tokens, 0)
-      S['r_inflight'] = math.max(get('r_inflight') - r.requests, 0)
+      local held = {r.tokens, r.requests, r.ih, r.oh}
+      for i, p in ipairs(BUCKETS) do S[p .. 'inflight'] = math.max(get(p .. 'inflight') - held[i], 0) end
     end
     drop(id)
   end
@@ -412,25 +450,25 @@ end
 -- Lifts both buckets at their reset; a window's lift subtracts what was
 -- cleared within late_ms before its boundary (it may have arrived after).
 local function lift_all()
-  local recent = {t_ = 0, r_ = 0}
-  local lifts = {}
-  for _, p in ipairs({'t_', 'r_'}) do
+  local recent = {t_ = 0, r_ = 0, i_ = 0, o_ = 0}
+  local lifts, any = {}, false
+  for _, p in ipairs(BUCKETS) do
     lifts[p] = get(p .. 'refill') == 2 and get(p .. 'full_at') > 0 and now >= get(p .. 'full_at')
+    any = any or lifts[p]
   end
-  if lifts['t_'] or lifts['r_'] then
+  if any then
     local raw = redis.call('HVALS', records)
     for i = 1, #raw do
       local f = rec_decode(raw[i])
       if f and f.kind == 'f' then
-        for _, pc in ipairs({{'t_', f.tokens}, {'r_', f.requests}}) do
-          local p = pc[1]
-          if lifts[p] and f.expiry - ttl >= get(p .. 'full_at') - late_ms then recent[p] = recent[p] + pc[2] end
+        local held = {f.tokens, f.requests, f.ih, f.oh}
+        for j, p in ipairs(BUCKETS) do
+          if lifts[p] and f.expiry - ttl >= get(p .. 'full_at') - late_ms then recent[p] = recent[p] + held[j] end
         end
       end
     end
   end
-  lift('t_', recent['t_'])
-  lift('r_', recent['r_'])
+  for _, p in ipairs(BUCKETS) do lift(p, recent[p]) end
   if lifts['t_'] then
     refund_window_start(get('t_boundary'), get('t_limit') - recent['t_'], get('t_sent'), get('t_refunded'),
       get('t_boundary') + math.floor(get('t_max_reset')))
@@ -507,12 +545,16 @@ if op == 'acquire' then
     return {1, waiter.due - now, waiter.reason}
   end
   ensure_configured()
+  -- What the call costs in each bucket: the whole estimate, a request, its input, its output reservation.
+  local out_part = math.min(output, tokens)
+  local costs = {tokens, requests, tokens - out_part, out_part}
 
   -- Clears the call; `order` and `line` are its place and line cost when it
   -- stood in line (nil for a probe, which no tenant's share is charged for).
   local function admit(order, line)
     local r = {kind = 'f', tokens = 0, requests = 0, output = 0, mark = get('t_refunded'), expiry = now + ttl,
-      input = raw_input, sent = 0, alone = 1}
+      input = raw_input, sent = 0, alone = 1, ih = 0, oh = 0, omark = get('o_refunded'), rsent = 0, isent = 0,
+      osent = 0}
     -- A call cleared within BURST_GAP_MS of the last one: neither is alone.
     if now - get('last_admit') < BURST_GAP_MS then
       r.alone = 0
@@ -525,19 +567,21 @@ if op == 'acquire' then
         end
       end
     end
-    for _, pc in ipairs({{'t_', tokens, 'tokens'}, {'r_', requests, 'requests'}}) do
-      local p, cost, field = pc[1], pc[2], pc[3]
+    local fields = {'tokens', 'requests', 'ih', 'oh'}
+    for i, p in ipairs(BUCKETS) do
       if known(p) then
+        local cost = costs[i]
         advance(p)
         S[p .. 'level'] = get(p .. 'level') - cost
         S[p .. 'inflight'] = get(p .. 'inflight') + cost
         S[p .. 'charged_since'] = get(p .. 'charged_since') + cost
         S[p .. 'sent'] = get(p .. 'sent') + cost
-        r[field] = cost
+        r[fields[i]] = cost
       end
     end
     if known('t_') then r.output = output end
     r.sent = get('t_sent')
+    r.rsent, r.isent, r.osent = get('r_sent'), get('i_sent'), get('o_sent')
     redis.call('ZREM', line_key, id)
     redis.call('HSET', records, id, rec_encode(r))
     redis.call('ZADD', expiry, r.expiry, id)
@@ -573,7 +617,7 @@ if op == 'acquire' then
   if now < get('blocked_until') then
     return hold_place(get('blocked_until') - now, 2)
   end
-  if not known('t_') and not known('r_') then
+  if not any_known() then
     if get('headerless') == 1 then return admit(nil, nil) end
     if now < get('probe_until') then
       return hold_place(math.min(get('probe_until') - now, probe_wait), 3)
@@ -592,13 +636,16 @@ if op == 'acquire' then
     order = LIVE_BASE + now
   else
     tenant_entry(tenant)
-    if known('t_') and cap > 0 and share_rate('t_') > 0 then
+    -- A cap is a share of the token bucket (or, split, of the input bucket).
+    local cb = 't_'
+    if not known('t_') then cb = 'i_' end
+    if known(cb) and cap > 0 and share_rate(cb) > 0 then
       local due = get('tc:' .. tenant)
       if due > now then
         save()
         return owed(due - now, 4, 0)
       end
-      S['tc:' .. tenant] = now + math.ceil(line / (share_rate('t_') * cap))
+      S['tc:' .. tenant] = now + math.ceil(line / (share_rate(cb) * cap))
     end
     S['tw:' .. tenant] = weight
     order = math.max(get('fair_time'), get('tf:' .. tenant))
@@ -607,15 +654,23 @@ if op == 'acquire' then
   -- 5. Clear if the bucket holds the turns ahead and this one above the floor.
   redis.call('ZADD', line_key, order, id)
   local rank = redis.call('ZRANK', line_key, id)
-  local a_tokens, a_requests, other, last_clear = 0, 0, false, 0
+  -- What the turns ahead hold of each bucket: their line cost, their requests,
+  -- their input, the output they keep.
+  local okept = get('usage_ratio')
+  if okept > 0 then okept = math.min(math.max(okept, 0.05), 1) else okept = 1 end
+  local ahead = {0, 0, 0, 0}
+  local other, last_clear = false, 0
   if rank > 0 then
     local ids = redis.call('ZRANGE', line_key, 0, rank - 1)
     local recs = redis.call('HMGET', records, unpack(ids))
     for i = 1, #ids do
       local w = rec_decode(recs[i])
       if w and w.kind == 'w' and now <= w.due + late_ms then
-        a_tokens = a_tokens + w.line
-        a_requests = a_requests + w.requests
+        local wout = math.min(w.output, w.tokens)
+        ahead[1] = ahead[1] + w.line
+        ahead[2] = ahead[2] + w.requests
+        ahead[3] = ahead[3] + (w.tokens - wout)
+        ahead[4] = ahead[4] + wout * okept
         if w.order >= 0 and w.tenant ~= tenant then other = true end
         last_clear = math.max(last_clear, w.clear)
       end
@@ -625,10 +680,11 @@ if op == 'acquire' then
   -- The head may go to find a window's next reset when nothing else holds it
   -- and no call cleared since the last reset will bring it (one in flight for
   -- longer than a few late_ms may never: its worker died).
-  local head = a_tokens <= 0 and a_requests <= 0
+  local head = ahead[1] <= 0 and ahead[2] <= 0 and ahead[3] <= 0 and ahead[4] <= 0
   local probe = head
   local answering = now - PROBE_AFTER_LATE * late_ms
   local flights_n, coming = 0, 0
+  local holding = {0, 0, 0, 0}
   local raw_all = redis.call('HVALS', records)
   local kept = get('usage_ratio')
   if kept <= 0 then kept = 1 end
@@ -639,40 +695,42 @@ if op == 'acquire' then
     if f and f.kind == 'f' then
       flights_n = flights_n + 1
       coming = coming + f.output * (1 - kept) * share_now
+      local fh = {f.tokens, f.requests, f.ih, f.oh}
       local cleared = f.expiry - ttl
-      if cleared >= math.max(get('t_boundary'), answering) or cleared >= math.max(get('r_boundary'), answering) then
-        probe = false
+      for j, p in ipairs(BUCKETS) do
+        holding[j] = holding[j] + fh[j]
+        if known(p) and cleared >= math.max(get(p .. 'boundary'), answering) then probe = false end
       end
     end
   end
   local idle = flights_n == 0 and now - get('last_admit') >= BURST_GAP_MS
   local share_known = refund_share(-1) >= 0
-  local shorts = {t_ = 0, r_ = 0}
-  for _, pc in ipairs({{'t_', tokens, a_tokens}, {'r_', requests, a_requests}}) do
-    local p, cost, held = pc[1], pc[2], pc[3]
+  local shorts = {0, 0, 0, 0}
+  for i, p in ipairs(BUCKETS) do
     if known(p) then
       advance(p)
-      local short = held + need(p, cost, fl) - get(p .. 'level')
+      local short = ahead[i] + need(p, costs[i], fl) - get(p .. 'level')
       if short > 0 then
         fits = false
-        shorts[p] = short
+        shorts[i] = short
         wait = math.max(wait, refill_ms(p, short))
         probe = probe and may_probe(p)
       end
     end
   end
-  if not fits and probe then
-    for _, p in ipairs({'t_', 'r_'}) do
-      if known(p) and may_probe(p) then S[p .. 'probed'] = now end
-    end
-    fits = true
-  end
+  -- Only the token bucket holds the turn.
+  local tokens_only = shorts[1] > 0 and shorts[2] <= 0 and shorts[3] <= 0 and shorts[4] <= 0
   -- A window whose refunds are not known and whose head is held only by
   -- them: once per window, when every call has settled, the head goes alone.
   if not fits and head and idle and not share_known and get('t_refill') == 2 and get('t_full_at') > now
-    and get('t_probed') < get('t_boundary') and shorts['t_'] > 0 and shorts['t_'] <= get('t_withheld')
-    and shorts['r_'] <= 0 then
+    and get('t_probed') < get('t_boundary') and tokens_only and shorts[1] <= get('t_withheld') then
     S['t_probed'] = now
+    fits = true
+  end
+  if not fits and probe then
+    for _, p in ipairs(BUCKETS) do
+      if known(p) and may_probe(p) then S[p .. 'probed'] = now end
+    end
     fits = true
   end
   if fits then return admit(order, line) end
@@ -685,13 +743,20 @@ if op == 'acquire' then
   if known('t_') then turns = RECHECK_TURNS * line / share_rate('t_') end
   local recheck = math.min(math.max(turns, recheck_min), max_pace)
   local sleep = math.min(math.min(wait, math.max(wait * RECHECK_SHARE, recheck)), max_pace)
-  -- A wait predicted before the shape is known: be back within the recheck horizon.
-  if (known('t_') and get('t_refill') == 0) or (known('r_') and get('r_refill') == 0) then
-    sleep = math.min(sleep, recheck)
+  -- A wait predicted before the shape is known, or before any call settled:
+  -- be back within the recheck horizon.
+  local unknown_shape = get('usage_ratio') <= 0
+  for _, p in ipairs(BUCKETS) do
+    if known(p) and get(p .. 'refill') == 0 then unknown_shape = true end
+  end
+  if unknown_shape then sleep = math.min(sleep, recheck) end
+  -- Likewise a window short of no more than the calls in flight hold on it.
+  for i, p in ipairs(BUCKETS) do
+    if get(p .. 'refill') == 2 and shorts[i] > 0 and holding[i] >= shorts[i] then sleep = math.min(sleep, recheck) end
   end
   -- A window gives nothing back before its boundary but refunds: when the calls
   -- in flight are expected to give back what the turn is short of, be back soon.
-  if get('t_refill') == 2 and share_now > 0 and shorts['t_'] > 0 and shorts['r_'] <= 0 and coming >= shorts['t_'] then
+  if get('t_refill') == 2 and share_now > 0 and tokens_only and coming >= shorts[1] then
     sleep = math.min(sleep, recheck)
   end
   if last_clear > 0 then sleep = math.min(sleep, last_clear + late_ms - now) end
@@ -718,9 +783,11 @@ if op == 'settle' then
   expire()
   ensure_configured()
   local tk, rq, out, mark, estimated_input, sent_mark = 0, 0, 0, nil, 0, 0
+  local held = {0, 0, 0, 0}
   local rec = rec_decode(redis.call('HGET', records, id))
   if rec and rec.kind == 'f' then
     tk, rq, out, mark, estimated_input, sent_mark = rec.tokens, rec.requests, rec.output, rec.mark, rec.input, rec.sent
+    held = {rec.tokens, rec.requests, rec.ih, rec.oh}
   end
   drop(id)
   if mark then S['probe_until'] = 0 end
@@ -744,9 +811,12 @@ if op == 'settle' then
     S['input_ratio'] = 0.7 * prior + 0.3 * seen
   end
   if limited < 0 and used >= 0 then
-    if counted >= 0 then input = counted end
-    if output > 0 then
-      local seen = math.min(math.max((used - input) / output, 0), 1)
+    -- The output reservation: on the combined bucket, or (split) on the output bucket.
+    local u_input, u_output = input, output
+    if mark and tk == 0 and held[4] > 0 then u_input, u_output = held[3], held[4] end
+    if counted >= 0 then u_input = counted end
+    if u_output > 0 then
+      local seen = math.min(math.max((used - u_input) / u_output, 0), 1)
       local prior = get('usage_ratio')
       if prior <= 0 then prior = math.max(seen, 0.05) end
       S['usage_ratio'] = 0.8 * prior + 0.2 * seen
@@ -756,41 +826,135 @@ if op == 'settle' then
   lift_all()
   local share = refund_share(0)
   local share_known = refund_share(-1) >= 0
-  -- What others left unused since this call was sent, and what was cleared after it.
-  -- (Only calls cleared later than a burst of it are surely not in its headers.)
-  local others, after_t, after_r = 0, 0, 0
+  -- What others left unused since this call was sent, and what was cleared after it
+  -- (only calls cleared later than a burst of it are surely not in its headers), and
+  -- what was cleared after it and has settled already (in the ledgers, no longer in flight).
+  local others, others_out = 0, 0
+  local after, settled_after = {0, 0, 0, 0}, {0, 0, 0, 0}
   if mark then
     others = math.max(get('t_refunded') - mark, 0)
+    others_out = math.max(get('o_refunded') - rec.omark, 0)
+    local later = {0, 0, 0, 0}
     local raw = redis.call('HVALS', records)
     for i = 1, #raw do
       local g = rec_decode(raw[i])
-      if g and g.kind == 'f' and g.expiry - rec.expiry > BURST_GAP_MS then
-        after_t = after_t + g.tokens
-        after_r = after_r + g.requests
+      if g and g.kind == 'f' then
+        local gh = {g.tokens, g.requests, g.ih, g.oh}
+        for j = 1, 4 do
+          if g.expiry - rec.expiry > BURST_GAP_MS then after[j] = after[j] + gh[j] end
+          if g.expiry > rec.expiry then later[j] = later[j] + gh[j] end
+        end
+      end
+    end
+    local marks = {rec.sent, rec.rsent, rec.isent, rec.osent}
+    for j, p in ipairs(BUCKETS) do
+      settled_after[j] = math.max(get(p .. 'sent') - marks[j] - later[j], 0)
+    end
+  end
+  -- The separate input and output buckets: the input charged as the provider counted
+  -- it; the output reservation's unused part given back when the answer is done.
+  local in_fix, out_unused = 0, 0
+  if counted >= 0 and held[3] > 0 then in_fix = held[3] - counted end
+  if limited < 0 and used >= 0 and counted >= 0 and held[4] > 0 then
+    out_unused = math.max(held[4] - (used - counted), 0)
+  end
+  local headers_at = now - tonumber(ARGV[23])
+  local obs = {
+    {tonumber(ARGV[17]), tonumber(ARGV[18]), tonumber(ARGV[19])},
+    {tonumber(ARGV[20]), tonumber(ARGV[21]), tonumber(ARGV[22])},
+    {tonumber(ARGV[25]), tonumber(ARGV[26]), tonumber(ARGV[27])},
+    {tonumber(ARGV[28]), tonumber(ARGV[29]), tonumber(ARGV[30])},
+  }
+  -- A window whose boundary went by while no headers named it: the first headers from
+  -- the window that began name the next boundary, a window later; the bucket was full
+  -- at the one between, less what was cleared since (this call among them).
+  local cleared_at = nil
+  if mark then cleared_at = rec.expiry - ttl end
+  local raw_f = redis.call('HVALS', records)
+  local flights = {}
+  for i = 1, #raw_f do
+    local g = rec_decode(raw_f[i])
+    if g and g.kind == 'f' then flights[#flights + 1] = g end
+  end
+  for j, p in ipairs(BUCKETS) do
+    local reset = obs[j][3]
+    local window = get(p .. 'max_reset')
+    if get(p .. 'refill') == 2 and reset >= 0 then
+      local start = headers_at + reset - math.floor(window)
+      if window > 0 and get(p .. 'full_at') <= now and start <= now and start > get(p .. 'boundary') + window / 2 then
+        local since = start - late_ms
+        local recent = 0
+        for _, g in ipairs(flights) do
+          local gh = {g.tokens, g.requests, g.ih, g.oh}
+          if g.expiry - ttl >= since then recent = recent + gh[j] end
+        end
+        if cleared_at and cleared_at >= since then recent = recent + held[j] end
+        advance(p)
+        S[p .. 'level'] = math.max(get(p .. 'level'), get(p .. 'limit') - recent)
+        S[p .. 'boundary'] = start
+        S[p .. 'charged_since'] = 0
       end
     end
   end
-  for _, x in ipairs({{'t_', tk, input_fix, unused}, {'r_', rq, 0, 0}}) do
-    local p, held, fix, u = x[1], x[2], x[3], x[4]
+  -- What the calls still in flight hold of each bucket (of a window: those charged to it).
+  local occupied = {0, 0, 0, 0}
+  for j, p in ipairs(BUCKETS) do
+    local since = -1e18
+    if get(p .. 'refill') == 2 then since = get(p .. 'boundary') - late_ms end
+    for _, g in ipairs(flights) do
+      local gh = {g.tokens, g.requests, g.ih, g.oh}
+      if g.expiry - ttl >= since then occupied[j] = occupied[j] + gh[j] end
+    end
+  end
+  -- A call cleared just before a window's boundary was charged to the new window at
+  -- its lift; its headers tell which window it went into.
+  local old_window = {false, false, false, false}
+  if mark then
+    local cleared = rec.expiry - ttl
+    for j, p in ipairs(BUCKETS) do
+      local b = get(p .. 'boundary')
+      if get(p .. 'refill') == 2 and obs[j][3] >= 0 and cleared < b and cleared >= b - late_ms
+        and headers_at + obs[j][3] < b + get(p .. 'max_reset') / 2 then
+        old_window[j] = true
+      end
+    end
+  end
+  -- Per bucket: what it held, the input fix, the unused output, the share of it
+  -- credited (the output bucket gives it all back), and whether it is withheld.
+  local per = {
+    {held[1], input_fix, unused, share, not share_known},
+    {held[2], 0, 0, 0, false},
+    {held[3], in_fix, 0, 0, false},
+    {held[4], 0, out_unused, 1, false},
+  }
+  for j, p in ipairs(BUCKETS) do
+    local h, fix, u, sh, withhold = per[j][1], per[j][2], per[j][3], per[j][4], per[j][5]
+    if old_window[j] and limited < 0 then
+      S[p .. 'level'] = math.min(get(p .. 'level') + h, math.max(get(p .. 'limit'), get(p .. 'level')))
+    end
     advance(p)
-    S[p .. 'inflight'] = math.max(get(p .. 'inflight') - held, 0)
+    S[p .. 'inflight'] = math.max(get(p .. 'inflight') - h, 0)
     -- A refused call's whole reservation comes back, to us and to the ledger.
-    if limited >= 0 then fix = held end
-    credit(p, fix + share * u)
+    if limited >= 0 then fix = h end
+    credit(p, fix)
+    credit_refund(p, sh * u, occupied[j])
     S[p .. 'sent'] = get(p .. 'sent') - fix
     S[p .. 'refunded'] = get(p .. 'refunded') + u
-    if not share_known then S[p .. 'withheld'] = get(p .. 'withheld') + u end
+    if withhold then S[p .. 'withheld'] = get(p .. 'withheld') + u end
     cap_withheld(p)
   end
-  local headers_at = now - tonumber(ARGV[23])
-  observe('t_', tonumber(ARGV[17]), tonumber(ARGV[18]), tonumber(ARGV[19]), headers_at, share * (unused + others) - after_t)
-  observe('r_', tonumber(ARGV[20]), tonumber(ARGV[21]), tonumber(ARGV[22]), headers_at, -after_r)
+  local since = {share * (unused + others) - after[1], -after[2], -after[3], out_unused + others_out - after[4]}
+  for j, p in ipairs(BUCKETS) do
+    local own = held[j]
+    if limited >= 0 then own = 0 end
+    observe(p, obs[j][1], obs[j][2], obs[j][3], headers_at, since[j], own, settled_after[j])
+  end
   -- The refund learner takes the answer's token headers (from a call cleared
   -- alone); once the share is known, the refunds withheld while it was not are
   -- credited as the newest headers confirm them (model.rs, learn_refund_share).
-  local t_limit, t_remaining, t_reset = tonumber(ARGV[17]), tonumber(ARGV[18]), tonumber(ARGV[19])
-  if mark and t_limit >= 0 and t_remaining >= 0 and known('t_') and t_limit == get('t_limit')
-    and t_reset <= max_pace then
+  -- (A limit inferred from remaining alone learns nothing here.)
+  local t_limit, t_remaining, t_reset = obs[1][1], obs[1][2], obs[1][3]
+  if mark and t_limit >= 0 and t_remaining >= 0 and known('t_') and t_limit == get('t_limit') and t_reset <= max_pace then
     local remaining = math.min(t_remaining, t_limit)
     local newest = headers_at > get('rs_seen')
     S['rs_seen'] = math.max(get('rs_seen'), headers_at)
@@ -826,19 +990,18 @@ if op == 'settle' then
       end
     end
   end
-  if tonumber(ARGV[18]) >= 0 or tonumber(ARGV[21]) >= 0 then
+  if obs[1][2] >= 0 or obs[2][2] >= 0 or obs[3][2] >= 0 or obs[4][2] >= 0 then
     S['observed_at'] = now
     S['probe_until'] = 0
     S['headerless'] = 0
-  elseif mark and not known('t_') and not known('r_') then
+  elseif mark and not any_known() then
     -- Answered without headers and nothing configured: no proactive pacing.
     S['headerless'] = 1
   end
   if limited >= 0 then
     S['blocked_until'] = math.max(get('blocked_until'), headers_at + limited)
-    for _, pr in ipairs({{'t_', tonumber(ARGV[18])}, {'r_', tonumber(ARGV[21])}}) do
-      local p, remaining = pr[1], pr[2]
-      if known(p) and remaining < 0 then S[p .. 'level'] = math.min(get(p .. 'level'), 0) end
+    for j, p in ipairs(BUCKETS) do
+      if known(p) and obs[j][2] < 0 then S[p .. 'level'] = math.min(get(p .. 'level'), 0) end
     end
   end
   save()

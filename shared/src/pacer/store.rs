@@ -74,6 +74,31 @@ pub struct BudgetSnapshot {
     pub refund_share: Option<f64>,
     /// Each tenant's line (fair admission).
     pub tenants: Vec<TenantShare>,
+    /// What the pacer learned of the provider's buckets.
+    pub shape: BudgetShape,
+}
+
+/// What the pacer learned of a budget's buckets from the headers (SPEC §4,
+/// provider shapes).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct BudgetShape {
+    /// How the token bucket refills: `continuous`, `window` (whole at its
+    /// boundaries) or `unknown` (not decided yet); for separate input and
+    /// output buckets, the input bucket's.
+    pub refill: bucket::Refill,
+    /// The token limit was inferred from `remaining` alone (Azure): at least
+    /// what remained plus a call's own charge, refilling per minute.
+    pub limit_assumed: bool,
+    /// Separate input and output buckets (Anthropic): estimated tokens left
+    /// and the limit of each; null where the provider has no such bucket.
+    pub remaining_input_tokens: Option<i64>,
+    /// See `remaining_input_tokens`.
+    pub limit_input_tokens: Option<u64>,
+    /// See `remaining_input_tokens`.
+    pub remaining_output_tokens: Option<i64>,
+    /// See `remaining_input_tokens`.
+    pub limit_output_tokens: Option<u64>,
 }
 
 /// One tenant's line in a budget (`GET /v1/pacer`, `/metrics`).
@@ -118,6 +143,14 @@ impl BudgetSnapshot {
             blocked_for_ms: (s.blocked_until_ms - now).max(0) as u64,
             observed_at_ms: (s.observed_at_ms > 0).then_some(s.observed_at_ms),
             refund_share: s.refunds.share(s.tokens.limit),
+            shape: BudgetShape {
+                refill: if s.tokens.known() || !s.input.known() { s.tokens.refill } else { s.input.refill },
+                limit_assumed: s.tokens.assumed,
+                remaining_input_tokens: level(&s.input),
+                limit_input_tokens: limit(&s.input),
+                remaining_output_tokens: level(&s.output),
+                limit_output_tokens: limit(&s.output),
+            },
             tenants: s
                 .tenants
                 .iter()
@@ -338,7 +371,13 @@ impl SharedPacer {
             .arg(opt(o.requests.remaining))
             .arg(opt(o.requests.reset_ms))
             .arg(o.headers_age_ms)
-            .arg(opt(o.input_tokens));
+            .arg(opt(o.input_tokens))
+            .arg(opt(o.input.limit))
+            .arg(opt(o.input.remaining))
+            .arg(opt(o.input.reset_ms))
+            .arg(opt(o.output.limit))
+            .arg(opt(o.output.remaining))
+            .arg(opt(o.output.reset_ms));
         let mut conn = self.conn.clone();
         let _: Vec<i64> = inv.invoke_async(&mut conn).await?;
         Ok(())
@@ -415,9 +454,12 @@ fn state_from_fields(flat: &[String]) -> (PacerState, Millis) {
         boundary_ms: f(&format!("{p}boundary")) as Millis,
         probed_ms: f(&format!("{p}probed")) as Millis,
         unknown_credit: f(&format!("{p}unknown_credit")),
+        assumed: f(&format!("{p}assumed")) > 0.0,
     };
     state.tokens = bucket("t_");
     state.requests = bucket("r_");
+    state.input = bucket("i_");
+    state.output = bucket("o_");
     state.blocked_until_ms = f("blocked_until") as Millis;
     state.probe_until_ms = f("probe_until") as Millis;
     state.headerless = f("headerless") > 0.0;
@@ -464,9 +506,11 @@ enum Record {
 
 /// Reads one record of the script (`rec_encode` in `scripts.lua`):
 /// `w|order|tokens|requests|output|line|due|clear|since|reason|tenant` or
-/// `f|tokens|requests|output|mark|expiry|input|sent|alone`.
+/// `f|tokens|requests|output|mark|expiry|input|sent|alone|held_input|held_output|omark|rsent|isent|osent`.
 fn decode_record(s: &str) -> Option<Record> {
-    let mut parts = s.splitn(11, '|');
+    // A waiter's last field, its tenant, is the rest of the record.
+    let fields = if s.starts_with("w|") { 11 } else { 16 };
+    let mut parts = s.splitn(fields, '|');
     let kind = parts.next()?;
     let mut num = || parts.next()?.parse::<f64>().ok();
     match kind {
@@ -489,11 +533,17 @@ fn decode_record(s: &str) -> Option<Record> {
         "f" => {
             let est = Estimate { tokens: num()? as u64, requests: num()? as u64, output: num()? as u64 };
             let (mark, expiry, input, sent, alone) = (num()?, num()?, num()?, num()?, num()?);
+            let (held_input, held_output, omark) = (num()?, num()?, num()?);
+            let marks = [num()?, num()?, num()?];
             Some(Record::Flight(Flight {
                 est,
                 input: input as u64,
                 mark,
                 sent,
+                held_input: held_input as u64,
+                held_output: held_output as u64,
+                omark,
+                marks,
                 alone: alone > 0.0,
                 expiry_ms: expiry as Millis,
             }))

@@ -306,7 +306,9 @@ async fn the_redis_script_and_the_pure_model_agree() {
     let server = RedisServer::start();
     // Every path must be taken, or a difference in it goes unseen.
     let mut paths = Paths::default();
-    for seed in [7, 8, 9] {
+    // 7, 9: a fixed window; 8: continuous; 9 starts without headers; 10:
+    // separate input and output buckets (Anthropic); 11: `remaining` alone (Azure).
+    for seed in [7, 8, 9, 10, 11] {
         agree(&server, seed, &mut paths).await;
     }
     assert!(paths.back_and_clear >= 10, "only {} waiters came back clear: {paths:?}", paths.back_and_clear);
@@ -430,7 +432,36 @@ async fn agree(server: &RedisServer, seed: u64, paths: &mut Paths) {
                     remaining: Some(rng.random_range(0..500)),
                     reset_ms: Some(700),
                 },
+                input: Observation::default(),
+                output: Observation::default(),
                 headers_age_ms: rng.random_range(0..50),
+            };
+            let outcome = match seed {
+                // Anthropic: separate input and output buckets, no combined one.
+                10 => {
+                    let (input_remaining, output_remaining) = (rng.random_range(0..40_000), rng.random_range(0..8_000));
+                    CallOutcome {
+                        tokens: Observation::default(),
+                        input: Observation {
+                            limit: Some(40_000),
+                            remaining: Some(input_remaining),
+                            reset_ms: Some((40_000 - input_remaining) * 60_000 / 40_000),
+                        },
+                        output: Observation {
+                            limit: Some(8_000),
+                            remaining: Some(output_remaining),
+                            reset_ms: Some((8_000 - output_remaining) * 60_000 / 8_000),
+                        },
+                        ..outcome
+                    }
+                }
+                // Azure: remaining alone.
+                11 => CallOutcome {
+                    tokens: Observation { remaining: outcome.tokens.remaining, ..Observation::default() },
+                    requests: Observation { remaining: outcome.requests.remaining, ..Observation::default() },
+                    ..outcome
+                },
+                _ => outcome,
             };
             // Seed 9 starts against a provider that sends no headers (its first
             // settles carry none), then headers appear.
@@ -451,7 +482,12 @@ async fn agree(server: &RedisServer, seed: u64, paths: &mut Paths) {
         let (got, _) = shared.state("m").await.unwrap();
         let want = local.state("m");
         let close = |a: f64, b: f64| (a - b).abs() <= 1e-6 * a.abs().max(b.abs()).max(1.0);
-        for (name, g, w) in [("tokens", &got.tokens, &want.tokens), ("requests", &got.requests, &want.requests)] {
+        for (name, g, w) in [
+            ("tokens", &got.tokens, &want.tokens),
+            ("requests", &got.requests, &want.requests),
+            ("input", &got.input, &want.input),
+            ("output", &got.output, &want.output),
+        ] {
             let now = clock.now_ms();
             assert!(
                 close(g.level_at(now), w.level_at(now))
@@ -470,6 +506,7 @@ async fn agree(server: &RedisServer, seed: u64, paths: &mut Paths) {
                     && g.boundary_ms == w.boundary_ms
                     && g.probed_ms == w.probed_ms
                     && close(g.unknown_credit, w.unknown_credit)
+                    && g.assumed == w.assumed
                     && g.full_at_ms == w.full_at_ms
                     && g.rated == w.rated
                     && close(g.in_flight, w.in_flight),
@@ -495,6 +532,7 @@ async fn agree(server: &RedisServer, seed: u64, paths: &mut Paths) {
                 && g.at_ms == w.at_ms
                 && g.seen_ms == w.seen_ms
                 && g.until_ms == w.until_ms
+                && g.full == w.full
                 && close(g.sent, w.sent)
                 && close(g.refunded, w.refunded),
             "seed {seed} step {step}: refund learner\nscript: {g:?}\nmodel:  {w:?}"
