@@ -385,6 +385,7 @@ async fn live(env: &Env, plan: &FairnessPlan, progress: &ProgressBar) -> anyhow:
         mock: spec.mock.clone(),
         timeout: plan.timeout,
         dump_dir: None,
+        worker_args: vec![],
     };
     let f = pacing::figures(&pacing_plan, &data);
     let work = LiveWork {

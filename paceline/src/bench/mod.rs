@@ -8,6 +8,7 @@
 //! - `workload.rs` — the run bodies, the tool endpoint, the in-process API and submits.
 //! - `trial.rs` — one configuration measured on its own (fresh prefix, fresh mock).
 //! - `pacing.rs` — the pacing scenario: one trial per pacer, same workload.
+//! - `shapes.rs` — the provider shapes `--shape` runs the pacing scenario against.
 //! - `fairness.rs` — the fairness scenario: live turns first, tenants' shares, weights.
 //! - `throughput.rs` — the throughput scenario: an unlimited instant mock, one worker.
 //! - `report.rs` — SPEC §7's figures, the floor's formula, the table.
@@ -17,6 +18,7 @@ pub mod fleet;
 pub mod pacing;
 pub mod redis;
 pub mod report;
+pub mod shapes;
 pub mod throughput;
 pub mod trial;
 pub mod workload;

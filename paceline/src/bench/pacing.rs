@@ -3,7 +3,7 @@
 //! with its own worker processes; then the figures of SPEC §7 per pacer.
 
 use indicatif::ProgressBar;
-use mock_provider::{BucketMode, MockConfig, Stats};
+use mock_provider::{BucketMode, LimitsMode, MockConfig, Stats};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -27,6 +27,8 @@ pub struct PacingPlan {
     /// Where to write each trial's raw data (the mock's request log, the
     /// deliveries), for a closer look; `None` writes nothing.
     pub dump_dir: Option<std::path::PathBuf>,
+    /// `paceline worker` flags beyond the pacer's (a shape's configured limits).
+    pub worker_args: Vec<String>,
 }
 
 /// Runs the workload with workers started with `--pacer {pacer}` and returns its figures.
@@ -44,7 +46,7 @@ pub async fn measure(
         label: pacer.to_owned(),
         workers: plan.workers,
         concurrency: plan.concurrency,
-        worker_args: vec!["--pacer".into(), pacer.to_owned()],
+        worker_args: [vec!["--pacer".into(), pacer.to_owned()], plan.worker_args.clone()].concat(),
         mock,
         tokens: vec![],
         log_deliveries: true,
@@ -130,15 +132,30 @@ pub fn figures(plan: &PacingPlan, data: &TrialData) -> PacerFigures {
     let fixed_window = plan.mock.bucket == BucketMode::Window;
     let makespan = data.makespan_s().unwrap_or(plan.timeout.as_secs_f64());
     let requests_admitted = stats.by_status.get(&200).copied().unwrap_or(0);
-    let token_floor = floor_s(
-        BucketShape { capacity: plan.mock.tpm, window_s, fixed_window },
-        stats.tokens_admitted,
-        data.mock_offset_s,
-    );
+    let tokens = |capacity: u64, admitted: u64| {
+        floor_s(BucketShape { capacity, window_s, fixed_window }, admitted, data.mock_offset_s)
+    };
+    // Separate input and output buckets (Anthropic): the later of the two.
+    let token_floor = if plan.mock.headers.splits_tokens() {
+        tokens(plan.mock.input_capacity(), stats.input_tokens_admitted)
+            .max(tokens(plan.mock.output_capacity(), stats.output_tokens_admitted))
+    } else {
+        tokens(plan.mock.tpm, stats.tokens_admitted)
+    };
     let request_floor =
         floor_s(BucketShape { capacity: plan.mock.rpm, window_s, fixed_window }, requests_admitted, data.mock_offset_s);
-    let (floor, bound) =
-        if request_floor > token_floor { (request_floor, "requests") } else { (token_floor, "tokens") };
+    let (floor, bound) = if plan.mock.limits == LimitsMode::None {
+        // No limits: the least time the workers' slots and the mock's latency
+        // allow, every run's turns one after another, the runs in waves of
+        // all the slots.
+        let slots = (plan.workers * plan.concurrency).max(1);
+        let waves = plan.workload.runs.div_ceil(slots) as f64;
+        (waves * plan.workload.turns as f64 * plan.mock.latency.as_secs_f64(), "latency")
+    } else if request_floor > token_floor {
+        (request_floor, "requests")
+    } else {
+        (token_floor, "tokens")
+    };
     let mut failures: BTreeMap<String, usize> = BTreeMap::new();
     for run in data.runs.iter().filter(|r| r.status == shared::runs::RunStatus::Failed) {
         *failures.entry(run.error.as_ref().map(|e| e.kind.clone()).unwrap_or_default()).or_default() += 1;

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use crate::bench::pacing::{self, PacingPlan};
 use crate::bench::report::{self, ConfigOut, Report, Setup};
+use crate::bench::shapes::Shape;
 use crate::bench::throughput::{self, ThroughputPlan};
 use crate::bench::trial::Env;
 use crate::bench::workload::Workload;
@@ -138,9 +139,27 @@ pub struct Args {
     /// Write each pacer trial's raw data (the mock's request log, the deliveries) into this dir.
     #[arg(long, hide = true)]
     dump_dir: Option<std::path::PathBuf>,
+    /// Run the pacing comparison against these provider shapes (comma-separated, or `all`):
+    /// continuous, keep, window, anthropic, azure, headerless, configured, unlimited. Each shape
+    /// is the mock at its own default limits (from --tpm, --rpm, --window-s); one table row per
+    /// shape and pacer; JSON `shapes.<name>.pacers.<pacer>`.
+    #[arg(long, value_delimiter = ',', value_parser = parse_shape)]
+    shape: Vec<Vec<Shape>>,
     /// Write the figures as one JSON object (SPEC §7) to this file.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
+}
+
+/// `--shape`: a shape's name, or `all`.
+fn parse_shape(s: &str) -> Result<Vec<Shape>, String> {
+    use clap::ValueEnum as _;
+    if s == "all" {
+        return Ok(Shape::ALL.to_vec());
+    }
+    Shape::from_str(s, false).map(|shape| vec![shape]).map_err(|_| {
+        let names: Vec<String> = Shape::ALL.iter().map(|s| s.name()).collect();
+        format!("unknown shape `{s}` (one of {}, or all)", names.join(", "))
+    })
 }
 
 impl Args {
@@ -205,6 +224,7 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
         },
         timeout: Duration::from_secs(args.timeout_s),
         dump_dir: args.dump_dir.clone(),
+        worker_args: vec![],
     };
     let env = Env::start().await?;
     let progress = ProgressBar::new(0).with_style(
@@ -216,6 +236,11 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
 
     if args.scenario == Scenario::Fairness {
         return fairness(&args, &plan, &env, &progress, started).await;
+    }
+    let mut shapes: Vec<Shape> = args.shape.iter().flatten().copied().collect();
+    shapes.dedup();
+    if !shapes.is_empty() {
+        return shape_matrix(&args, &plan, &pacers, &shapes, &env, &progress, started).await;
     }
     let mut figures = BTreeMap::new();
     if matches!(args.scenario, Scenario::All | Scenario::Pacing) {
@@ -357,4 +382,180 @@ tokens = charged - refunded of the 2xx calls admitted in it, attributed by a mar
         std::fs::write(path, text + "\n").with_context(|| format!("write {}", path.display()))?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// One shape's configuration and figures (`shapes.<name>` in the JSON).
+#[derive(Debug, serde::Serialize)]
+struct ShapeReport {
+    /// The mock as the shape runs it.
+    mock: ShapeMock,
+    /// `paceline worker` flags the shape adds (configured limits).
+    worker_args: Vec<String>,
+    /// Figures per pacer, SPEC §7's names.
+    pacers: BTreeMap<String, report::PacerFigures>,
+}
+
+/// The mock of one shape.
+#[derive(Debug, serde::Serialize)]
+struct ShapeMock {
+    headers: String,
+    limits: String,
+    bucket: String,
+    charge: String,
+    tpm: u64,
+    rpm: u64,
+    itpm: Option<u64>,
+    otpm: Option<u64>,
+    window_s: f64,
+}
+
+/// `--shape`: the pacing comparison against each provider shape, one table
+/// row per shape and pacer, and the issue's bars checked on `shared`.
+#[allow(clippy::too_many_arguments)]
+async fn shape_matrix(
+    args: &Args,
+    plan: &PacingPlan,
+    pacers: &[String],
+    shapes: &[Shape],
+    env: &Env,
+    progress: &ProgressBar,
+    started: Instant,
+) -> anyhow::Result<ExitCode> {
+    let mut out: BTreeMap<String, ShapeReport> = BTreeMap::new();
+    for shape in shapes {
+        let (mock, worker_args) = shape.mock(&plan.mock);
+        let shape_plan = PacingPlan {
+            mock: mock.clone(),
+            worker_args: worker_args.clone(),
+            timeout: shape.timeout(plan.timeout),
+            ..plan.clone()
+        };
+        let mut figures = BTreeMap::new();
+        for pacer in pacers {
+            progress.set_message(format!("{} {pacer}", shape.name()));
+            let f = pacing::measure(env, &shape_plan, pacer, progress)
+                .await
+                .with_context(|| format!("shape {} pacer {pacer}", shape.name()))?;
+            let line = format!(
+                "{} / {pacer}: makespan {:.1} s, efficiency {:.3}, {} 429s in {} calls, runs {} completed / {} failed / {} unfinished",
+                shape.name(), f.makespan_s, f.efficiency, f.rate_limited, f.calls, f.runs_completed, f.runs_failed, f.runs_unfinished
+            );
+            progress.suspend(|| eprintln!("{line}"));
+            figures.insert(pacer.clone(), f);
+        }
+        let view = ShapeMock {
+            headers: format!("{:?}", mock.headers).to_lowercase(),
+            limits: format!("{:?}", mock.limits).to_lowercase(),
+            bucket: mock.bucket.to_string(),
+            charge: mock.charge.to_string(),
+            tpm: mock.tpm,
+            rpm: mock.rpm,
+            itpm: mock.headers.splits_tokens().then(|| mock.input_capacity()),
+            otpm: mock.headers.splits_tokens().then(|| mock.output_capacity()),
+            window_s: mock.window.as_secs_f64(),
+        };
+        out.insert(shape.name(), ShapeReport { mock: view, worker_args, pacers: figures });
+    }
+    progress.finish_and_clear();
+    print!("{}", shape_table(args, pacers, shapes, &out));
+    println!("bench took {:.0} s", started.elapsed().as_secs_f64());
+    if let Some(path) = &args.json {
+        let json = serde_json::json!({
+            "config": {"setup": args.setup(), "runs": args.runs, "turns": args.turns, "pacer_order": pacers,
+                       "floor_formula": report::FLOOR_FORMULA},
+            "shapes": out,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&json)? + "\n")
+            .with_context(|| format!("write {}", path.display()))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The shape matrix as a table, and the bars of "the pacer fits every
+/// provider's bucket" checked on `shared`.
+fn shape_table(args: &Args, pacers: &[String], shapes: &[Shape], out: &BTreeMap<String, ShapeReport>) -> String {
+    use std::fmt::Write as _;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "paceline bench --shape: {} worker processes x {} slots, {} runs x {} turns, max_output_tokens {}, mock latency {} ms",
+        args.workers, args.concurrency, args.runs, args.turns, args.max_output_tokens, args.latency_ms
+    );
+    let _ = writeln!(
+        s,
+        "{:<11} {:<7} {:>10} {:>9} {:>11} {:>7} {:>6} {:>7} {:>10}  mock",
+        "shape", "pacer", "makespan s", "floor s", "efficiency", "calls", "429s", "/100", "runs c/f/u"
+    );
+    for shape in shapes {
+        let r = &out[&shape.name()];
+        let m = &r.mock;
+        let limits = match (m.itpm, m.otpm) {
+            (Some(i), Some(o)) => format!("{i}in+{o}out/{}rq per {}s", m.rpm, m.window_s),
+            _ if m.limits == "none" => "no limits".to_string(),
+            _ => format!("{}tok/{}rq per {}s", m.tpm, m.rpm, m.window_s),
+        };
+        let mock = format!("{} {} {} {}", m.headers, m.bucket, m.charge, limits);
+        for pacer in pacers {
+            let Some(f) = r.pacers.get(pacer) else { continue };
+            let runs = format!("{}/{}/{}", f.runs_completed, f.runs_failed, f.runs_unfinished);
+            let _ = writeln!(
+                s,
+                "{:<11} {:<7} {:>10.1} {:>9.1} {:>11.3} {:>7} {:>6} {:>7.2} {:>10}  {mock}",
+                shape.name(),
+                pacer,
+                f.makespan_s,
+                f.floor_s,
+                f.efficiency,
+                f.calls,
+                f.rate_limited,
+                f.rate_limited_per_100_calls,
+                runs
+            );
+        }
+    }
+    // The bars, on `shared`.
+    let _ = writeln!(s, "bars (shared):");
+    for shape in shapes {
+        let r = &out[&shape.name()];
+        let Some(shared) = r.pacers.get("shared") else { continue };
+        let mut notes = vec![];
+        let all_done = shared.runs_failed + shared.runs_unfinished == 0;
+        notes.push(format!("every run completed: {}", if all_done { "yes" } else { "NO" }));
+        if shape.paced() {
+            let ok = shared.rate_limited_per_100_calls <= 0.5;
+            notes.push(format!("429s/100 {:.2} <= 0.5: {}", shared.rate_limited_per_100_calls, yes(ok)));
+        }
+        let bar = match shape {
+            Shape::Window => Some(0.9),
+            Shape::Headerless => None,
+            Shape::Unlimited => None,
+            _ => Some(0.95),
+        };
+        if let Some(bar) = bar {
+            notes.push(format!("efficiency {:.3} >= {bar}: {}", shared.efficiency, yes(shared.efficiency >= bar)));
+        }
+        if *shape == Shape::Unlimited {
+            notes.push(format!(
+                "makespan {:.1} s against {:.1} s of latency alone (efficiency {:.3})",
+                shared.makespan_s, shared.floor_s, shared.efficiency
+            ));
+        }
+        for other in ["local", "off"] {
+            if let Some(o) = r.pacers.get(other) {
+                let (a, b) = (shared.rate_limited, o.rate_limited);
+                let ok = b == 0 && a == 0 || (a as f64) * 10.0 <= b as f64;
+                notes.push(format!("{a} vs {other} {b} 429s (>= 10x fewer): {}", yes(ok)));
+            }
+        }
+        let _ = writeln!(s, "  {:<11} {}", shape.name(), notes.join("; "));
+    }
+    s
+}
+
+fn yes(ok: bool) -> &'static str {
+    if ok {
+        "yes"
+    } else {
+        "NO"
+    }
 }
