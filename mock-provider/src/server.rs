@@ -131,6 +131,7 @@ fn router(shared: Arc<Shared>) -> Router {
     Router::new()
         .route("/v1/responses", post(responses))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/messages", post(messages))
         .route("/_mock/stats", get(stats))
         .route("/_mock/reset", post(reset))
         .route("/_mock/faults", post(faults))
@@ -145,6 +146,10 @@ async fn responses(AxState(shared): AxState<Arc<Shared>>, body: Bytes) -> Respon
 
 async fn chat_completions(AxState(shared): AxState<Arc<Shared>>, body: Bytes) -> Response {
     shared.handle(Api::Chat, body).await
+}
+
+async fn messages(AxState(shared): AxState<Arc<Shared>>, body: Bytes) -> Response {
+    shared.handle(Api::Messages, body).await
 }
 
 #[derive(Debug, serde::Deserialize)]
@@ -360,7 +365,22 @@ impl Shared {
             return Err(self.refuse(&mut st, entry, status, None, server_error_body(status), None));
         }
 
+        if let Some(Fault::InvalidRequest { message }) = &fault {
+            let message = message.as_deref().unwrap_or("prompt is too long: 210000 tokens > 200000 maximum");
+            let body = error_body("invalid_request_error", None, message);
+            return Err(self.refuse(&mut st, entry, StatusCode::BAD_REQUEST, None, body, None));
+        }
+
         if matches!(fault, Some(Fault::Quota)) || cfg.quota_after.is_some_and(|n| st.admitted >= n) {
+            if api == Api::Messages {
+                // Anthropic's billing stop is a 400, in its own words.
+                let body = error_body(
+                    "invalid_request_error",
+                    None,
+                    "Your credit balance is too low to access the Anthropic API. Please go to Plans & Billing to upgrade or purchase credits.",
+                );
+                return Err(self.refuse(&mut st, entry, StatusCode::BAD_REQUEST, Some("credit_balance"), body, None));
+            }
             let body = error_body(
                 "insufficient_quota",
                 Some("insufficient_quota"),
@@ -472,6 +492,12 @@ impl Shared {
     ) -> Response {
         entry.status = status.as_u16();
         entry.code = code.map(str::to_string).or_else(|| body["error"]["code"].as_str().map(str::to_string));
+        // The same refusal, in the shape of the endpoint it came in on.
+        let body = if entry.api == Some(Api::Messages) {
+            crate::messages::from_openai_error(status.as_u16(), &body)
+        } else {
+            body
+        };
         *st.stats.by_status.entry(status.as_u16()).or_default() += 1;
         if status.is_success() {
             st.stats.ok += 1;
@@ -619,12 +645,17 @@ impl Shared {
         let reply = Reply { request: &adm.request, body: &adm.body, answer: &answer, seq: adm.seq, created };
         let mut headers = HeaderMap::new();
         self.common_headers(&mut headers, adm.seq, &adm.rate_headers);
-        let output = answer.output_tokens();
+        let output = match adm.request.api {
+            // Anthropic counts thinking as output.
+            Api::Messages => crate::messages::output_tokens(&reply),
+            Api::Responses | Api::Chat => answer.output_tokens(),
+        };
 
         if !adm.request.stream {
             let body = match adm.request.api {
                 Api::Responses => wire::responses_json(&reply),
                 Api::Chat => wire::chat_json(&reply),
+                Api::Messages => crate::messages::messages_json(&reply),
             };
             self.refund(adm.seq, adm.max_out.saturating_sub(output), false);
             return (StatusCode::OK, headers, Json(body)).into_response();
@@ -633,6 +664,7 @@ impl Shared {
         let plan = match adm.request.api {
             Api::Responses => wire::responses_stream(&reply),
             Api::Chat => wire::chat_stream(&reply),
+            Api::Messages => crate::messages::messages_stream(&reply),
         };
         let (tx, rx) = mpsc::channel::<Result<Bytes, Infallible>>(16);
         let shared = self.clone();

@@ -809,7 +809,7 @@ async fn the_cli_submits_watches_lists_and_shows_errors_in_one_line() {
     let items = [
         json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "the final answer"}]}),
     ];
-    let usage = Usage { input_tokens: 100, output_tokens: 20, total_tokens: 120 };
+    let usage = Usage { input_tokens: 100, output_tokens: 20, total_tokens: 120, ..Usage::default() };
     let done = Next::Complete("the final answer".into());
     assert_eq!(store.commit(&lease, job, &items, usage, &done).await.unwrap(), Fence::Ok);
     let out = within("paceline watch to exit", Duration::from_secs(15), watch.wait_with_output()).await.unwrap();

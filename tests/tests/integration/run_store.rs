@@ -137,7 +137,7 @@ async fn a_turn_commits_once_and_enqueues_the_next_atomically() {
     assert_eq!(env.store.get("alpha", &run.id).await.unwrap().unwrap().status, RunStatus::Running);
 
     let items = [json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "hi"}]})];
-    let usage = Usage { input_tokens: 10, output_tokens: 2, total_tokens: 12 };
+    let usage = Usage { input_tokens: 10, output_tokens: 2, total_tokens: 12, ..Usage::default() };
     assert_eq!(env.store.commit(&lease, job, &items, usage, &Next::Continue).await.unwrap(), Fence::Ok);
     // The same commit again (a redelivery, a retry after a lost reply) writes nothing.
     assert!(matches!(env.store.commit(&lease, job, &items, usage, &Next::Continue).await.unwrap(), Fence::Stop(_)));

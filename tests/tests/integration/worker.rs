@@ -99,7 +99,7 @@ impl App {
     }
 
     async fn submit(&self, body: Value) -> Run {
-        let policy = SubmitPolicy { tool_endpoint_prefixes: vec![self.tools.clone()] };
+        let policy = SubmitPolicy { tool_endpoint_prefixes: vec![self.tools.clone()], ..SubmitPolicy::default() };
         let spec = RunSpec::from_json(&body, &policy).expect("valid spec");
         self.store.create(TENANT, &spec, None).await.unwrap().run
     }
@@ -421,7 +421,7 @@ async fn work_and_companion_runs_all_finish_with_a_full_bucket_never_idle() {
     })
     .await;
     let _workers: Vec<ChildGuard> = (0..3).map(|_| app.worker_process(&["--concurrency", "16"], "error")).collect();
-    let policy = SubmitPolicy { tool_endpoint_prefixes: vec![app.tools.clone()] };
+    let policy = SubmitPolicy { tool_endpoint_prefixes: vec![app.tools.clone()], ..SubmitPolicy::default() };
     let background = "Background: the team runs many long agent sessions on one account. ".repeat(30);
     let started = Instant::now();
     let mut work = vec![];

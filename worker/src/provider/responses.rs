@@ -119,10 +119,14 @@ impl ResponsesDecoder {
         let usage = response.and_then(|r| r.get("usage")).filter(|u| u.is_object()).map(|u| {
             let input_tokens = count(u, "input_tokens").unwrap_or(0);
             let output_tokens = count(u, "output_tokens").unwrap_or(0);
+            let detail = |outer: &str, inner: &str| u.get(outer).and_then(|d| count(d, inner)).unwrap_or(0);
             Usage {
                 input_tokens,
                 output_tokens,
                 total_tokens: count(u, "total_tokens").unwrap_or(input_tokens + output_tokens),
+                reasoning_tokens: detail("output_tokens_details", "reasoning_tokens"),
+                cached_input_tokens: detail("input_tokens_details", "cached_tokens"),
+                charged_input_tokens: input_tokens,
             }
         });
         Decoded { output, output_text, tool_calls, usage, incomplete_reason }
@@ -264,7 +268,7 @@ mod tests {
         let Outcome::Finished(d) = out else { panic!("{out:?}") };
         assert_eq!(d.output, vec![assistant_message("Hello world")]);
         assert_eq!(d.output_text, "Hello world");
-        assert_eq!(d.usage, Some(Usage { input_tokens: 10, output_tokens: 5, total_tokens: 15 }));
+        assert_eq!(d.usage, Some(Usage::new(10, 5)));
         assert_eq!(d.incomplete_reason, None);
     }
 
