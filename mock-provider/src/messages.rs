@@ -93,6 +93,9 @@ pub fn parse(body: &Value) -> Result<Request, String> {
         stream,
         include_usage: false,
         thinking,
+        // Anthropic counts thinking as output and reports no part of it apart.
+        reasoning_tokens: 0,
+        cached_tokens: 0,
     })
 }
 

@@ -648,7 +648,7 @@ impl Shared {
         let output = match adm.request.api {
             // Anthropic counts thinking as output.
             Api::Messages => crate::messages::output_tokens(&reply),
-            Api::Responses | Api::Chat => answer.output_tokens(),
+            Api::Responses | Api::Chat => reply.output_tokens(),
         };
 
         if !adm.request.stream {

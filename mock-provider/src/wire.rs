@@ -32,6 +32,24 @@ pub struct Request {
     /// Anthropic `thinking: {"type": "enabled"}`: the answer starts with a
     /// signed thinking block.
     pub thinking: bool,
+    /// Reasoning tokens the answer reports (Responses `reasoning.effort`,
+    /// chat `reasoning_effort`): part of the output, as with OpenAI.
+    pub reasoning_tokens: u64,
+    /// Input tokens the answer reports as read from the prompt cache: half
+    /// the input when the request names a `prompt_cache_key` (a stand-in for
+    /// a cache that holds the conversation's earlier part), else none.
+    pub cached_tokens: u64,
+}
+
+/// The reasoning tokens the mock reports for an effort.
+pub fn reasoning_tokens(effort: Option<&str>) -> u64 {
+    match effort {
+        Some("minimal") => 8,
+        Some("low") => 16,
+        Some("medium") => 32,
+        Some("high") => 64,
+        _ => 0,
+    }
 }
 
 /// Words per text delta in a stream: several deltas for any answer longer
@@ -63,6 +81,12 @@ pub fn parse(api: Api, body: &Value) -> Result<Request, String> {
     let tool = pick_tool(&tools, tool_choice.and_then(Value::as_str) == Some("none"), forced);
     let tools_chars = if tools.is_empty() { 0 } else { Value::Array(tools).to_string().chars().count() };
 
+    let effort = match api {
+        Api::Chat => obj.get("reasoning_effort"),
+        _ => obj.get("reasoning").and_then(|r| r.get("effort")),
+    };
+    let reasoning = reasoning_tokens(effort.and_then(Value::as_str));
+    let cache = obj.get("prompt_cache_key").is_some_and(Value::is_string);
     let (text_chars, tool_outputs, fingerprint, max_output_tokens, include_usage) = match api {
         Api::Responses => {
             let input = obj.get("input").ok_or("Missing required parameter: 'input'.")?;
@@ -100,11 +124,12 @@ pub fn parse(api: Api, body: &Value) -> Result<Request, String> {
         }
         Api::Messages => unreachable!("read by messages::parse"),
     };
+    let input_tokens = count_tokens(text_chars + tools_chars).max(1);
     Ok(Request {
         api,
         prompt: Prompt {
             model,
-            input_tokens: count_tokens(text_chars + tools_chars).max(1),
+            input_tokens,
             tool_outputs,
             tool,
             max_output_tokens,
@@ -113,6 +138,8 @@ pub fn parse(api: Api, body: &Value) -> Result<Request, String> {
         stream,
         include_usage,
         thinking: false,
+        reasoning_tokens: reasoning,
+        cached_tokens: if cache { input_tokens / 2 } else { 0 },
     })
 }
 
@@ -214,8 +241,9 @@ impl Reply<'_> {
     pub(crate) fn input_tokens(&self) -> u64 {
         self.request.prompt.input_tokens
     }
+    /// The answer's output tokens, reasoning included.
     pub(crate) fn output_tokens(&self) -> u64 {
-        self.answer.output_tokens()
+        self.answer.output_tokens() + self.request.reasoning_tokens
     }
     pub(crate) fn truncated(&self) -> bool {
         matches!(self.answer, Answer::Text { truncated: true, .. })
@@ -233,9 +261,9 @@ impl Reply<'_> {
 fn responses_usage(r: &Reply) -> Value {
     json!({
         "input_tokens": r.input_tokens(),
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": r.request.cached_tokens},
         "output_tokens": r.output_tokens(),
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": r.request.reasoning_tokens},
         "total_tokens": r.input_tokens() + r.output_tokens(),
     })
 }
@@ -389,8 +417,8 @@ fn chat_usage(r: &Reply) -> Value {
         "prompt_tokens": r.input_tokens(),
         "completion_tokens": r.output_tokens(),
         "total_tokens": r.input_tokens() + r.output_tokens(),
-        "prompt_tokens_details": {"cached_tokens": 0},
-        "completion_tokens_details": {"reasoning_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": r.request.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": r.request.reasoning_tokens},
     })
 }
 

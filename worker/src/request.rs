@@ -518,6 +518,101 @@ mod tests {
         }
     }
 
+    fn generation(v: Value, tools: &[&str]) -> Generation {
+        Generation::from_json(v.as_object().unwrap(), tools).unwrap()
+    }
+
+    /// Every parameter, as a user of each SDK would write it.
+    fn every_parameter() -> Generation {
+        generation(
+            json!({"temperature": 0.4, "top_p": 0.9, "reasoning": {"effort": "high"},
+                   "text": {"format": {"type": "json_schema", "name": "verdict", "strict": true,
+                                       "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}}}}},
+                   "tool_choice": {"type": "function", "name": "search"}, "parallel_tool_calls": false,
+                   "stop": ["END"], "seed": 42, "service_tier": "flex", "prompt_cache_key": "run-7",
+                   "store": true, "truncation": "auto"}),
+            &["search"],
+        )
+    }
+
+    #[test]
+    fn responses_takes_the_parameters_in_its_own_names() {
+        let tools = tools();
+        let g = every_parameter();
+        let p = TurnParams { generation: Some(&g), ..params(&tools, None) };
+        let body = build_body(ApiStyle::Responses, &p, &tool_turn());
+        assert_eq!(body["temperature"], json!(0.4));
+        assert_eq!(body["top_p"], json!(0.9));
+        assert_eq!(body["reasoning"], json!({"effort": "high"}));
+        assert_eq!(
+            body["text"],
+            json!({"format": {"type": "json_schema", "name": "verdict", "strict": true,
+                              "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}}}}})
+        );
+        assert_eq!(body["tool_choice"], json!({"type": "function", "name": "search"}));
+        assert_eq!(body["parallel_tool_calls"], json!(false));
+        assert_eq!(body["service_tier"], "flex");
+        assert_eq!(body["prompt_cache_key"], "run-7");
+        assert_eq!(body["store"], json!(true));
+        assert_eq!(body["truncation"], "auto");
+        assert!(body.get("include").is_none(), "a stored response needs no encrypted reasoning");
+        assert!(body.get("stop").is_none() && body.get("seed").is_none(), "Responses has neither");
+        // Not stored (the default), reasoning comes back encrypted for the next turn.
+        let g = generation(json!({"reasoning": {"effort": "minimal"}, "tool_choice": "required"}), &["search"]);
+        let body = build_body(ApiStyle::Responses, &TurnParams { generation: Some(&g), ..params(&tools, None) }, &[]);
+        assert_eq!(body["include"], json!(["reasoning.encrypted_content"]));
+        assert_eq!((body["store"].clone(), body["tool_choice"].clone()), (json!(false), json!("required")));
+        // A tool choice without tools is not sent.
+        let g = generation(json!({"tool_choice": "none"}), &[]);
+        let body = build_body(ApiStyle::Responses, &TurnParams { generation: Some(&g), ..params(&[], None) }, &[]);
+        assert!(body.get("tool_choice").is_none() && body.get("parallel_tool_calls").is_none());
+    }
+
+    #[test]
+    fn chat_takes_the_parameters_in_its_own_names() {
+        let tools = tools();
+        let g = every_parameter();
+        let p = TurnParams { generation: Some(&g), ..params(&tools, None) };
+        let body = build_body(ApiStyle::Chat, &p, &tool_turn());
+        assert_eq!(body["temperature"], json!(0.4));
+        assert_eq!(body["top_p"], json!(0.9));
+        assert_eq!(body["reasoning_effort"], "high");
+        assert_eq!(
+            body["response_format"],
+            json!({"type": "json_schema", "json_schema": {"name": "verdict", "strict": true,
+                   "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}}}}})
+        );
+        assert_eq!(body["tool_choice"], json!({"type": "function", "function": {"name": "search"}}));
+        assert_eq!(body["parallel_tool_calls"], json!(false));
+        assert_eq!(body["stop"], json!(["END"]));
+        assert_eq!(body["seed"], json!(42));
+        assert_eq!(body["service_tier"], "flex");
+        assert_eq!(body["prompt_cache_key"], "run-7");
+        assert_eq!(body["store"], json!(true));
+        assert!(body.get("truncation").is_none() && body.get("reasoning").is_none() && body.get("text").is_none());
+        for (choice, want) in [("auto", json!("auto")), ("required", json!("required")), ("none", json!("none"))] {
+            let g = generation(json!({"tool_choice": choice, "text": {"format": {"type": "json_object"}}}), &["s"]);
+            let body = build_body(ApiStyle::Chat, &TurnParams { generation: Some(&g), ..params(&tools, None) }, &[]);
+            assert_eq!(body["tool_choice"], want);
+            assert_eq!(body["response_format"], json!({"type": "json_object"}));
+        }
+        // Unset, nothing new is sent: a vLLM server sees the body it saw before.
+        let body = build_body(ApiStyle::Chat, &params(&tools, None), &[]);
+        for absent in ["tool_choice", "parallel_tool_calls", "store", "temperature", "response_format", "stop"] {
+            assert!(body.get(absent).is_none(), "{absent}");
+        }
+    }
+
+    #[test]
+    fn only_anthropic_has_an_answer_tool() {
+        let g = every_parameter();
+        let tools = tools();
+        let p = TurnParams { generation: Some(&g), ..params(&tools, None) };
+        assert_eq!(answer_tool(ApiStyle::Anthropic, &p).as_deref(), Some("verdict"));
+        assert_eq!(answer_tool(ApiStyle::Responses, &p), None);
+        assert_eq!(answer_tool(ApiStyle::Chat, &p), None);
+    }
+
     #[test]
     fn chat_shape_groups_a_turns_text_and_calls() {
         let tools = tools();

@@ -194,6 +194,22 @@ mod tests {
     }
 
     #[test]
+    fn reasoning_and_cached_tokens_are_read_from_the_details() {
+        let frames = [
+            chunk(json!({"content": "Hi"}), json!("stop")),
+            json!({"choices": [], "usage": {"prompt_tokens": 1200, "completion_tokens": 300, "total_tokens": 1500,
+                   "prompt_tokens_details": {"cached_tokens": 1024}, "completion_tokens_details": {"reasoning_tokens": 256}}})
+                .to_string(),
+            "[DONE]".to_string(),
+        ];
+        let frames: Vec<&str> = frames.iter().map(String::as_str).collect();
+        let Outcome::Finished(d) = run(&frames, false).1 else { panic!() };
+        let u = d.usage.unwrap();
+        assert_eq!((u.input_tokens, u.cached_input_tokens, u.reasoning_tokens), (1200, 1024, 256));
+        assert_eq!(u.charged_input_tokens, 1200, "OpenAI counts cached input against the limit");
+    }
+
+    #[test]
     fn text_then_usage_then_done() {
         let frames = [
             chunk(json!({"role": "assistant", "content": ""}), Value::Null),

@@ -253,6 +253,17 @@ mod tests {
     }
 
     #[test]
+    fn reasoning_and_cached_tokens_are_read_from_the_details() {
+        let usage = json!({"input_tokens": 2000, "input_tokens_details": {"cached_tokens": 1536},
+                           "output_tokens": 900, "output_tokens_details": {"reasoning_tokens": 640}, "total_tokens": 2900});
+        let (_, out) = run(&[json!({"type": "response.completed", "response": {"output": [], "usage": usage}})]);
+        let Outcome::Finished(d) = out else { panic!("{out:?}") };
+        let u = d.usage.unwrap();
+        assert_eq!((u.input_tokens, u.cached_input_tokens, u.output_tokens, u.reasoning_tokens), (2000, 1536, 900, 640));
+        assert_eq!(u.charged_input_tokens, 2000);
+    }
+
+    #[test]
     fn text_deltas_then_completed() {
         let msg = json!({"id": "msg_1", "type": "message", "status": "completed", "role": "assistant",
                          "content": [{"type": "output_text", "text": "Hello world", "annotations": []}]});
