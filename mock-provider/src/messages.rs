@@ -68,6 +68,14 @@ pub fn parse(body: &Value) -> Result<Request, String> {
     let choice_type = choice.and_then(|c| c.get("type")).and_then(Value::as_str);
     let forced = choice.filter(|_| choice_type == Some("tool")).and_then(|c| c.get("name")).and_then(Value::as_str);
     let tool = pick_tool(&tools, choice_type == Some("none"), forced);
+    // A forced choice cannot be answered in text: once the rounds are done,
+    // `tool` keeps calling its tool, `any` calls the last tool offered (where
+    // a client puts the tool that carries its structured answer).
+    let must_call = match choice_type {
+        Some("tool") => tool.clone(),
+        Some("any") => tools.last().and_then(|t| pick_tool(std::slice::from_ref(t), false, None)),
+        _ => None,
+    };
     let tools_chars = if tools.is_empty() { 0 } else { Value::Array(tools).to_string().chars().count() };
     let system = obj.get("system").cloned().unwrap_or(Value::Null);
     let tool_outputs = messages
@@ -89,6 +97,8 @@ pub fn parse(body: &Value) -> Result<Request, String> {
             tool,
             max_output_tokens: Some(max_tokens),
             fingerprint,
+            answer_schema: None,
+            forced: must_call,
         },
         stream,
         include_usage: false,

@@ -140,16 +140,24 @@ fn router(shared: Arc<Shared>) -> Router {
         .with_state(shared)
 }
 
-async fn responses(AxState(shared): AxState<Arc<Shared>>, body: Bytes) -> Response {
-    shared.handle(Api::Responses, body).await
+async fn responses(AxState(shared): AxState<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+    shared.handle(Api::Responses, &headers, body).await
 }
 
-async fn chat_completions(AxState(shared): AxState<Arc<Shared>>, body: Bytes) -> Response {
-    shared.handle(Api::Chat, body).await
+async fn chat_completions(AxState(shared): AxState<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+    shared.handle(Api::Chat, &headers, body).await
 }
 
-async fn messages(AxState(shared): AxState<Arc<Shared>>, body: Bytes) -> Response {
-    shared.handle(Api::Messages, body).await
+async fn messages(AxState(shared): AxState<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+    shared.handle(Api::Messages, &headers, body).await
+}
+
+/// What a kept body notes of the request's headers: which one carried a key
+/// (never the key), and Anthropic's version header.
+fn header_notes(headers: &HeaderMap) -> (Option<String>, Option<String>) {
+    let auth = ["authorization", "x-api-key"].into_iter().find(|h| headers.contains_key(*h)).map(str::to_owned);
+    let version = headers.get("anthropic-version").and_then(|v| v.to_str().ok()).map(str::to_owned);
+    (auth, version)
 }
 
 #[derive(Debug, serde::Deserialize)]
@@ -279,7 +287,7 @@ impl Shared {
         stats
     }
 
-    async fn handle(self: Arc<Self>, api: Api, raw: Bytes) -> Response {
+    async fn handle(self: Arc<Self>, api: Api, headers: &HeaderMap, raw: Bytes) -> Response {
         let (body, parsed) = match serde_json::from_slice::<Value>(&raw) {
             Ok(body) => {
                 let parsed = wire::parse(api, &body);
@@ -292,7 +300,7 @@ impl Shared {
                 )),
             ),
         };
-        match self.admit(api, body, parsed) {
+        match self.admit(api, body, parsed, header_notes(headers)) {
             Ok(admission) => self.answer(admission).await,
             Err(refusal) => refusal,
         }
@@ -303,7 +311,13 @@ impl Shared {
     /// or none: see `RateLimits::admit`).
     // The refusal is returned once per request and answered at once: boxing it buys nothing.
     #[allow(clippy::result_large_err)]
-    fn admit(&self, api: Api, body: Value, parsed: Result<Request, String>) -> Result<Admission, Response> {
+    fn admit(
+        &self,
+        api: Api,
+        body: Value,
+        parsed: Result<Request, String>,
+        (auth, anthropic_version): (Option<String>, Option<String>),
+    ) -> Result<Admission, Response> {
         let cfg = &self.cfg;
         let mut st = self.lock();
         // "Now" is read under the lock, so the log's times follow the order in
@@ -317,7 +331,7 @@ impl Shared {
             if st.bodies.len() == cfg.keep_bodies {
                 st.bodies.pop_front();
             }
-            st.bodies.push_back(KeptBody { seq, body: body.clone() });
+            st.bodies.push_back(KeptBody { seq, body: body.clone(), auth, anthropic_version });
         }
         st.refill(now);
         let mut entry = LogEntry {

@@ -125,6 +125,15 @@ pub fn parse(api: Api, body: &Value) -> Result<Request, String> {
         Api::Messages => unreachable!("read by messages::parse"),
     };
     let input_tokens = count_tokens(text_chars + tools_chars).max(1);
+    let format = match api {
+        Api::Chat => obj.get("response_format").map(|f| (f, f.get("json_schema").and_then(|s| s.get("schema")))),
+        _ => obj.get("text").and_then(|t| t.get("format")).map(|f| (f, f.get("schema"))),
+    };
+    let answer_schema = format.and_then(|(f, schema)| match f.get("type").and_then(Value::as_str) {
+        Some("json_schema") => schema.cloned(),
+        Some("json_object") => Some(json!({"type": "object"})),
+        _ => None,
+    });
     Ok(Request {
         api,
         prompt: Prompt {
@@ -134,6 +143,8 @@ pub fn parse(api: Api, body: &Value) -> Result<Request, String> {
             tool,
             max_output_tokens,
             fingerprint,
+            answer_schema,
+            forced: None,
         },
         stream,
         include_usage,

@@ -48,7 +48,9 @@ async fn a_streamed_answer_with_anthropics_headers_and_usage() {
     assert_eq!(ok.output_text.split_whitespace().count(), 40);
     assert_eq!(
         ok.output,
-        vec![json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": ok.output_text}]})]
+        vec![
+            json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": ok.output_text}]})
+        ]
     );
     let usage = ok.usage.expect("usage from message_start and message_delta");
     assert_eq!(usage.output_tokens, 40);
@@ -74,7 +76,10 @@ async fn tool_use_comes_back_as_function_calls_and_goes_out_as_tool_results() {
     assert_eq!(first.tool_calls.len(), 2);
     for (item, c) in first.output.iter().zip(&first.tool_calls) {
         assert!(c.call_id.starts_with("toolu_"), "{}", c.call_id);
-        assert_eq!(item, &json!({"type": "function_call", "call_id": c.call_id, "name": "search", "arguments": c.arguments}));
+        assert_eq!(
+            item,
+            &json!({"type": "function_call", "call_id": c.call_id, "name": "search", "arguments": c.arguments})
+        );
         let args: Value = serde_json::from_str(&c.arguments).unwrap();
         assert!(args.get("query").is_some(), "{args}");
     }

@@ -12,5 +12,6 @@ mod pacer;
 mod provider_client;
 mod queue;
 mod run_store;
+mod styles;
 mod up;
 mod worker;

@@ -259,7 +259,10 @@ mod tests {
         let (_, out) = run(&[json!({"type": "response.completed", "response": {"output": [], "usage": usage}})]);
         let Outcome::Finished(d) = out else { panic!("{out:?}") };
         let u = d.usage.unwrap();
-        assert_eq!((u.input_tokens, u.cached_input_tokens, u.output_tokens, u.reasoning_tokens), (2000, 1536, 900, 640));
+        assert_eq!(
+            (u.input_tokens, u.cached_input_tokens, u.output_tokens, u.reasoning_tokens),
+            (2000, 1536, 900, 640)
+        );
         assert_eq!(u.charged_input_tokens, 2000);
     }
 
