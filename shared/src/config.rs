@@ -37,8 +37,8 @@ impl RedisArgs {
 /// win: each names the variable its key is read from.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ProviderArgs {
-    /// Base URL of the provider [default: https://api.openai.com/v1; with
-    /// `--api-style anthropic`: https://api.anthropic.com, the part before /v1/messages].
+    /// Base URL of the provider [default: `https://api.openai.com/v1`; with
+    /// `--api-style anthropic`: `https://api.anthropic.com`, the part before `/v1/messages`].
     #[arg(id = "provider_url", long = "provider-url", env = "PACELINE_PROVIDER_URL")]
     pub url: Option<String>,
     /// The OpenAI-style provider's API key (with `--api-style anthropic` the

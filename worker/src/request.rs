@@ -16,8 +16,8 @@
 //! | --- | --- | --- | --- |
 //! | `temperature` | as is | as is | at most 1 (its range); left out with thinking |
 //! | `top_p` | as is | as is | left out beside `temperature`, and with thinking unless ≥ 0.95 |
-//! | `reasoning.effort` | `reasoning` (+ `include: reasoning.encrypted_content` when not stored) | `reasoning_effort` | `thinking` with a budget ([`anthropic::thinking_budget`]) |
-//! | `text.format` | `text.format` | `response_format` | a forced answer tool ([`anthropic`]) |
+//! | `reasoning.effort` | `reasoning` (+ `include: reasoning.encrypted_content` when not stored) | `reasoning_effort` | `thinking` with a budget ([`thinking_budget`]) |
+//! | `text.format` | `text.format` | `response_format` | a forced answer tool (`request/anthropic.rs`) |
 //! | `tool_choice` | as is | `{"type":"function","function":{"name"}}` | `auto` / `any` / `none` / `tool` |
 //! | `parallel_tool_calls` | as is (default true) | when set | `disable_parallel_tool_use` |
 //! | `stop` | — | `stop` | `stop_sequences` |
