@@ -457,14 +457,14 @@ pub async fn drive(
             Some(p) => format!("{} ({p})", ex.name),
             None => ex.name.clone(),
         };
-        bar.set_prefix(label);
+        bar.set_prefix(label.clone());
         bar.set_message("queued");
         if fancy {
             bar.enable_steady_tick(Duration::from_millis(120));
         } else {
             eprintln!("submitted {} as {id}", ex.name);
         }
-        runs.push((ex.name.clone(), id, bar, String::new()));
+        runs.push((ex.name.clone(), label, id, bar, String::new()));
     }
     let mut finals = BTreeMap::new();
     let mut tick = tokio::time::interval(Duration::from_millis(200));
@@ -481,7 +481,7 @@ pub async fn drive(
                 budget_bar.set_message(line);
             }
         }
-        for (name, id, bar, last) in runs.iter_mut() {
+        for (_, label, id, bar, last) in runs.iter_mut() {
             if finals.contains_key(id.as_str()) {
                 continue;
             }
@@ -493,7 +493,7 @@ pub async fn drive(
                 // Without a terminal: one plain line whenever the state changes.
                 let key = format!("{status}/{}/{}", run["turns_completed"], run["wait_reason"]);
                 if key != *last {
-                    eprintln!("{name:<width$}  {line}");
+                    eprintln!("{label:<width$}  {line}");
                     *last = key;
                 }
             }
@@ -507,12 +507,12 @@ pub async fn drive(
         }
     }
     budget_bar.finish();
-    for (_, _, bar, _) in &runs {
+    for (_, _, _, bar, _) in &runs {
         if !bar.is_finished() {
             bar.abandon();
         }
     }
-    Ok(runs.iter().filter_map(|(name, id, ..)| finals.get(id).map(|s| (name.clone(), s.clone()))).collect())
+    Ok(runs.iter().filter_map(|(name, _, id, ..)| finals.get(id).map(|s| (name.clone(), s.clone()))).collect())
 }
 
 #[cfg(test)]

@@ -261,7 +261,7 @@ async fn run_demo(args: &Args, d: &demo::Demo, addr: SocketAddr, stop: watch::Re
     let completed = finals.values().filter(|s| *s == "completed").count();
     let (calls, limited) = d.provider_counts();
     say(format!(
-        "all {} demo runs finished in {:.1} s ({completed} completed); the mock provider answered {calls} calls, {limited} of them 429s",
+        "all {} demo runs finished in {:.1} s ({completed} completed); the mock providers answered {calls} calls, {limited} of them 429s",
         finals.len(),
         started.elapsed().as_secs_f64()
     ));
@@ -278,6 +278,7 @@ async fn run_demo(args: &Args, d: &demo::Demo, addr: SocketAddr, stop: watch::Re
         "\nThe API stays up until Ctrl-C. Try:\n  \
          {bin} runs{api_flag}\n  \
          {submit}\n  \
+         echo '{{\"model\":\"claude-sonnet-4-5\",\"provider\":\"anthropic\",\"input\":\"Say hello\"}}' | {bin} submit -{api_flag} --watch\n  \
          {bin} pacer{api_flag}\n  \
          curl -s http://{addr}/v1/runs\n  \
          curl -s http://{addr}/v1/queue\n  \
