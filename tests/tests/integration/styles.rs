@@ -430,3 +430,29 @@ async fn the_single_provider_variables_run_a_fleet_on_anthropic() {
         .unwrap();
     assert_eq!(budgets, vec!["default"]);
 }
+
+/// A run naming a provider this worker lacks (its PACELINE_PROVIDERS differs
+/// from the API's) fails at once, saying so, and calls no provider.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_for_a_provider_the_worker_lacks_fails_without_a_call() {
+    let mut app = App::start(MockConfig { tool_rounds: 0, ..MockConfig::default() }).await;
+    let mut config = app.config();
+    config.provider.named.providers =
+        format!("openai=responses@{}", app.mock.base_url()).parse().expect("a provider table");
+    app.providers = vec!["openai".into(), "elsewhere".into()];
+    app.spawn_worker(config);
+    let run = app.submit(json!({"model": "m", "input": "x", "provider": "elsewhere"})).await;
+    let run = app.wait_finished(&run.id, secs(20)).await;
+    assert_eq!(run.status, RunStatus::Failed);
+    let error = run.error.expect("an error");
+    assert_eq!(error.kind, "provider_error");
+    assert!(
+        error.message.contains("no provider named \"elsewhere\"") && error.message.contains("openai"),
+        "{}",
+        error.message
+    );
+    assert_eq!(app.mock.stats().requests, 0);
+    let ok = app.submit(json!({"model": "m", "input": "y"})).await;
+    assert_eq!(app.wait_finished(&ok.id, secs(20)).await.status, RunStatus::Completed, "the default still works");
+    app.stop_workers().await;
+}
