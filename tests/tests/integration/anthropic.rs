@@ -185,14 +185,27 @@ async fn anthropics_errors_are_classified_as_the_spec_says() {
     assert_eq!(codes, vec![429, 529, 500, 400, 400, 200, 200]);
 }
 
+/// One request as the server saw it.
+struct Request {
+    api_key: Option<String>,
+    version: Option<String>,
+    authorization: Option<String>,
+    body: String,
+}
+
 #[derive(Clone, Default)]
-struct Seen(Arc<Mutex<Vec<(Option<String>, Option<String>, Option<String>, String)>>>);
+struct Seen(Arc<Mutex<Vec<Request>>>);
 
 /// Records the headers that authenticate a Messages request, and answers one
 /// JSON message (a server that does not stream).
 async fn messages(State(seen): State<Seen>, headers: HeaderMap, body: String) -> impl IntoResponse {
     let h = |n: &str| headers.get(n).map(|v| v.to_str().unwrap().to_string());
-    seen.0.lock().unwrap().push((h("x-api-key"), h("anthropic-version"), h("authorization"), body));
+    seen.0.lock().unwrap().push(Request {
+        api_key: h("x-api-key"),
+        version: h("anthropic-version"),
+        authorization: h("authorization"),
+        body,
+    });
     axum::Json(json!({"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-test",
         "content": [{"type": "text", "text": "Hi"}], "stop_reason": "end_turn", "stop_sequence": null,
         "usage": {"input_tokens": 7, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 3, "output_tokens": 1}}))
@@ -215,9 +228,9 @@ async fn the_key_goes_in_x_api_key_with_the_version_and_never_as_a_bearer() {
         assert_eq!((u.input_tokens, u.cached_input_tokens, u.charged_input_tokens), (10, 3, 7));
     }
     let seen = seen.0.lock().unwrap();
-    assert_eq!(seen[0].0.as_deref(), Some("sk-ant-canary-7f3a"));
-    assert_eq!(seen[0].1.as_deref(), Some("2023-06-01"));
-    assert_eq!(seen[0].2, None, "no Authorization header");
-    assert!(!seen[0].3.contains("sk-ant-canary"), "the key is not in the body");
-    assert_eq!((seen[1].0.as_deref(), seen[1].1.as_deref()), (None, Some("2023-06-01")));
+    assert_eq!(seen[0].api_key.as_deref(), Some("sk-ant-canary-7f3a"));
+    assert_eq!(seen[0].version.as_deref(), Some("2023-06-01"));
+    assert_eq!(seen[0].authorization, None, "no Authorization header");
+    assert!(!seen[0].body.contains("sk-ant-canary"), "the key is not in the body");
+    assert_eq!((seen[1].api_key.as_deref(), seen[1].version.as_deref()), (None, Some("2023-06-01")));
 }
