@@ -2,7 +2,7 @@
 //! (flag > env > default). Tests and `paceline up` build it in code with
 //! [`ApiConfig::new`] and never set environment variables.
 
-use shared::config::{RedisArgs, Secret};
+use shared::config::{ProvidersArg, RedisArgs, Secret};
 use std::fmt;
 use std::net::SocketAddr;
 use std::str::FromStr;
@@ -40,6 +40,10 @@ pub struct ApiConfig {
     /// How long one Redis command of a request may take before it answers 503 (ms).
     #[arg(long = "redis-timeout-ms", env = "PACELINE_REDIS_TIMEOUT_MS", default_value_t = 2000)]
     pub redis_timeout_ms: u64,
+    /// The fleet's named providers: the API reads only their names (a run's
+    /// `provider` must be one), never a key.
+    #[command(flatten)]
+    pub providers: ProvidersArg,
 }
 
 impl ApiConfig {
@@ -53,6 +57,7 @@ impl ApiConfig {
             body_limit: DEFAULT_BODY_LIMIT,
             retention: DEFAULT_RETENTION,
             redis_timeout_ms: DEFAULT_REDIS_TIMEOUT.as_millis() as u64,
+            providers: ProvidersArg::default(),
         }
     }
 
@@ -168,5 +173,9 @@ mod tests {
         assert_eq!(cli.api.retention, Duration::from_secs(3600));
         assert_eq!(cli.api.body_limit, DEFAULT_BODY_LIMIT);
         assert!(Cli::try_parse_from(["x", "--api-tokens", "nocolon"]).is_err());
+        let cli = Cli::try_parse_from(["x", "--providers", "a=chat@http://h/v1,b=anthropic@https://api.anthropic.com"])
+            .unwrap();
+        assert_eq!(cli.api.providers.names(), vec!["a", "b"]);
+        assert!(Cli::try_parse_from(["x", "--providers", "a=gemini@http://h"]).is_err());
     }
 }

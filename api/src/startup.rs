@@ -54,6 +54,7 @@ impl Application {
                 .map(|p| p.trim().to_owned())
                 .filter(|p| !p.is_empty())
                 .collect(),
+            providers: config.providers.names(),
         };
         let _ = crate::metrics::handle();
         let listener =

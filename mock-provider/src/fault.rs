@@ -19,8 +19,15 @@ pub enum Fault {
         /// The delay the answer asks for.
         retry_after_ms: u64,
     },
-    /// A 429 `insufficient_quota`.
+    /// A 429 `insufficient_quota` (Anthropic: its 400 "credit balance is too low").
     Quota,
+    /// A 400 `invalid_request_error` before admission (default message:
+    /// Anthropic's "prompt is too long").
+    InvalidRequest {
+        /// The message.
+        #[serde(default)]
+        message: Option<String>,
+    },
     /// Admit, then break the stream after some text (a JSON answer is unaffected).
     MidstreamError {
         /// `server_error` (default) or `rate_limit_exceeded`.

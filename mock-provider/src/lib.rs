@@ -42,6 +42,20 @@
 //!   `index`, a `finish_reason` chunk, a `choices: []` usage chunk when
 //!   `stream_options.include_usage`, then `data: [DONE]`; a mid-stream failure
 //!   is `data: {"error":{…}}` and no `[DONE]`.
+//! - `POST /v1/messages` — Anthropic's Messages API, JSON or `stream: true`:
+//!   `message_start`, `content_block_start` / `_delta` (`text_delta`,
+//!   `input_json_delta`; `thinking_delta` + `signature_delta` when the
+//!   request turns `thinking` on) / `_stop`, `ping`, `message_delta` with the
+//!   `stop_reason` and usage, `message_stop`; `tool_use` blocks carry the
+//!   scripted calls (`toolu_…` ids), `tool_result` blocks count as tool
+//!   outputs, and the output limit is `max_tokens`. Its errors are
+//!   Anthropic's: `{"type":"error","error":{"type":"rate_limit_error" |
+//!   "overloaded_error" (529) | "api_error" | "invalid_request_error",
+//!   "message"}}`; the quota fault is Anthropic's 400 "credit balance is too
+//!   low"; a request the real API refuses (temperature over 1, thinking
+//!   beside temperature or a forced tool choice, a tool turn without its
+//!   thinking block while thinking is on) is a 400 here too. A mid-stream
+//!   failure is an `error` event (`overloaded_error` or `rate_limit_error`).
 //! - `GET /_mock/stats` (`?log=false` to skip the log and bodies) — see [`Stats`].
 //! - `POST /_mock/reset` — zero the counters and logs, refill the buckets.
 //! - `POST /_mock/faults` — queue [`Fault`]s (one object or a list) for the
@@ -55,10 +69,11 @@
 //! in integer arithmetic, on every bucket or none: each is asked before any is
 //! taken from. A request is charged its
 //! input tokens plus its output limit (`max_output_tokens`; chat:
-//! `max_completion_tokens`, else `max_tokens`; none set: `--default-max-output-tokens`,
+//! `max_completion_tokens`, else `max_tokens`; messages: `max_tokens`; none set: `--default-max-output-tokens`,
 //! which defaults to `--output-tokens`), and the unused part of that limit is
 //! refunded when the answer is done (unless `--charge keep`). Input tokens are `ceil(chars / 4)` over
-//! every string value of `instructions` and `input` (chat: `messages`) —
+//! every string value of `instructions` and `input` (chat: `messages`;
+//! Anthropic: `system` and `messages`) —
 //! text, tool outputs, function-call arguments — plus the compact JSON of
 //! `tools`; one word of output is one token.
 //!
@@ -135,6 +150,7 @@ pub mod config;
 pub mod duration;
 pub mod fault;
 pub mod limits;
+pub mod messages;
 pub mod script;
 pub mod server;
 pub mod shape;

@@ -6,6 +6,11 @@
 //! function calls of the first offered tool until the conversation holds
 //! `tool_rounds` tool outputs; otherwise, a text answer of `output_tokens`
 //! tokens (cut to the request's output limit, and then marked incomplete).
+//! A request that asks for structured output (a JSON schema) gets, instead
+//! of words, a JSON object filling the schema's top-level properties. A
+//! request whose tool choice forces a call even when the rounds are done
+//! (Anthropic's `tool` / `any`) gets one call of that tool: a forced choice
+//! cannot be answered in text.
 
 use serde_json::{json, Map, Value};
 
@@ -26,6 +31,11 @@ pub struct Prompt {
     pub max_output_tokens: Option<u64>,
     /// A hash of the conversation, the seed of every id and word in the answer.
     pub fingerprint: u64,
+    /// The schema of a structured answer (`text.format` / `response_format`
+    /// `json_schema`; `json_object` is `{"type": "object"}`).
+    pub answer_schema: Option<Value>,
+    /// The tool still called once the rounds are done (a forced choice).
+    pub forced: Option<Tool>,
 }
 
 /// A function tool offered by the request.
@@ -123,6 +133,15 @@ pub fn answer(prompt: &Prompt, script: &Script) -> Answer {
             return Answer::Calls(calls);
         }
     }
+    if let Some(tool) = &prompt.forced {
+        let round = prompt.tool_outputs / script.calls_per_round.max(1) + 1;
+        return Answer::Calls(vec![function_call(prompt, tool, round, 0)]);
+    }
+    if let Some(schema) = &prompt.answer_schema {
+        let text = Value::Object(fill(Some(schema), 1)).to_string();
+        let tokens = count_tokens(text.chars().count());
+        return Answer::Text { text, tokens, truncated: false };
+    }
     let limit = prompt.max_output_tokens.unwrap_or(u64::MAX);
     let tokens = script.output_tokens.min(limit);
     let text = words(prompt.fingerprint, tokens);
@@ -145,6 +164,16 @@ fn function_call(prompt: &Prompt, tool: &Tool, round: usize, index: usize) -> Fu
 /// each top-level property of the tool's schema, so a real tool endpoint gets
 /// arguments of the types it asked for.
 fn arguments(schema: Option<&Value>, round: usize, index: usize) -> String {
+    let mut args = fill(schema, round);
+    args.entry("round").or_insert(json!(round));
+    if index > 0 {
+        args.entry("index").or_insert(json!(index));
+    }
+    Value::Object(args).to_string()
+}
+
+/// A fitting value for each top-level property of `schema`.
+fn fill(schema: Option<&Value>, round: usize) -> Map<String, Value> {
     let mut args = Map::new();
     if let Some(props) = schema.and_then(|s| s.get("properties")).and_then(Value::as_object) {
         for (name, prop) in props {
@@ -159,11 +188,7 @@ fn arguments(schema: Option<&Value>, round: usize, index: usize) -> String {
             args.insert(name.clone(), value);
         }
     }
-    args.entry("round").or_insert(json!(round));
-    if index > 0 {
-        args.entry("index").or_insert(json!(index));
-    }
-    Value::Object(args).to_string()
+    args
 }
 
 /// `tokens` words, one token each, ending with a full stop.
@@ -220,6 +245,8 @@ mod tests {
             }),
             max_output_tokens: None,
             fingerprint: 42,
+            answer_schema: None,
+            forced: None,
         }
     }
 
@@ -277,6 +304,18 @@ mod tests {
         let mut p = prompt(0, false);
         p.max_output_tokens = Some(4);
         assert_eq!(answer(&p, &SCRIPT), Answer::Text { text: words(42, 4), tokens: 4, truncated: true });
+    }
+
+    #[test]
+    fn a_schema_gets_json_and_a_forced_tool_is_called_after_the_rounds() {
+        let mut p = prompt(2, true);
+        p.answer_schema =
+            Some(json!({"type": "object", "properties": {"ok": {"type": "boolean"}, "why": {"type": "string"}}}));
+        let Answer::Text { text, .. } = answer(&p, &SCRIPT) else { panic!() };
+        assert_eq!(serde_json::from_str::<Value>(&text).unwrap(), json!({"ok": true, "why": "mock why 1"}));
+        p.forced = Some(Tool { name: "verdict".into(), parameters: None });
+        let Answer::Calls(calls) = answer(&p, &SCRIPT) else { panic!() };
+        assert_eq!(calls[0].name, "verdict");
     }
 
     #[test]

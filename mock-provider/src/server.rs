@@ -131,6 +131,7 @@ fn router(shared: Arc<Shared>) -> Router {
     Router::new()
         .route("/v1/responses", post(responses))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/messages", post(messages))
         .route("/_mock/stats", get(stats))
         .route("/_mock/reset", post(reset))
         .route("/_mock/faults", post(faults))
@@ -139,12 +140,24 @@ fn router(shared: Arc<Shared>) -> Router {
         .with_state(shared)
 }
 
-async fn responses(AxState(shared): AxState<Arc<Shared>>, body: Bytes) -> Response {
-    shared.handle(Api::Responses, body).await
+async fn responses(AxState(shared): AxState<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+    shared.handle(Api::Responses, &headers, body).await
 }
 
-async fn chat_completions(AxState(shared): AxState<Arc<Shared>>, body: Bytes) -> Response {
-    shared.handle(Api::Chat, body).await
+async fn chat_completions(AxState(shared): AxState<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+    shared.handle(Api::Chat, &headers, body).await
+}
+
+async fn messages(AxState(shared): AxState<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+    shared.handle(Api::Messages, &headers, body).await
+}
+
+/// What a kept body notes of the request's headers: which one carried a key
+/// (never the key), and Anthropic's version header.
+fn header_notes(headers: &HeaderMap) -> (Option<String>, Option<String>) {
+    let auth = ["authorization", "x-api-key"].into_iter().find(|h| headers.contains_key(*h)).map(str::to_owned);
+    let version = headers.get("anthropic-version").and_then(|v| v.to_str().ok()).map(str::to_owned);
+    (auth, version)
 }
 
 #[derive(Debug, serde::Deserialize)]
@@ -274,7 +287,7 @@ impl Shared {
         stats
     }
 
-    async fn handle(self: Arc<Self>, api: Api, raw: Bytes) -> Response {
+    async fn handle(self: Arc<Self>, api: Api, headers: &HeaderMap, raw: Bytes) -> Response {
         let (body, parsed) = match serde_json::from_slice::<Value>(&raw) {
             Ok(body) => {
                 let parsed = wire::parse(api, &body);
@@ -287,7 +300,7 @@ impl Shared {
                 )),
             ),
         };
-        match self.admit(api, body, parsed) {
+        match self.admit(api, body, parsed, header_notes(headers)) {
             Ok(admission) => self.answer(admission).await,
             Err(refusal) => refusal,
         }
@@ -298,7 +311,13 @@ impl Shared {
     /// or none: see `RateLimits::admit`).
     // The refusal is returned once per request and answered at once: boxing it buys nothing.
     #[allow(clippy::result_large_err)]
-    fn admit(&self, api: Api, body: Value, parsed: Result<Request, String>) -> Result<Admission, Response> {
+    fn admit(
+        &self,
+        api: Api,
+        body: Value,
+        parsed: Result<Request, String>,
+        (auth, anthropic_version): (Option<String>, Option<String>),
+    ) -> Result<Admission, Response> {
         let cfg = &self.cfg;
         let mut st = self.lock();
         // "Now" is read under the lock, so the log's times follow the order in
@@ -312,7 +331,7 @@ impl Shared {
             if st.bodies.len() == cfg.keep_bodies {
                 st.bodies.pop_front();
             }
-            st.bodies.push_back(KeptBody { seq, body: body.clone() });
+            st.bodies.push_back(KeptBody { seq, body: body.clone(), auth, anthropic_version });
         }
         st.refill(now);
         let mut entry = LogEntry {
@@ -360,7 +379,22 @@ impl Shared {
             return Err(self.refuse(&mut st, entry, status, None, server_error_body(status), None));
         }
 
+        if let Some(Fault::InvalidRequest { message }) = &fault {
+            let message = message.as_deref().unwrap_or("prompt is too long: 210000 tokens > 200000 maximum");
+            let body = error_body("invalid_request_error", None, message);
+            return Err(self.refuse(&mut st, entry, StatusCode::BAD_REQUEST, None, body, None));
+        }
+
         if matches!(fault, Some(Fault::Quota)) || cfg.quota_after.is_some_and(|n| st.admitted >= n) {
+            if api == Api::Messages {
+                // Anthropic's billing stop is a 400, in its own words.
+                let body = error_body(
+                    "invalid_request_error",
+                    None,
+                    "Your credit balance is too low to access the Anthropic API. Please go to Plans & Billing to upgrade or purchase credits.",
+                );
+                return Err(self.refuse(&mut st, entry, StatusCode::BAD_REQUEST, Some("credit_balance"), body, None));
+            }
             let body = error_body(
                 "insufficient_quota",
                 Some("insufficient_quota"),
@@ -472,6 +506,12 @@ impl Shared {
     ) -> Response {
         entry.status = status.as_u16();
         entry.code = code.map(str::to_string).or_else(|| body["error"]["code"].as_str().map(str::to_string));
+        // The same refusal, in the shape of the endpoint it came in on.
+        let body = if entry.api == Some(Api::Messages) {
+            crate::messages::from_openai_error(status.as_u16(), &body)
+        } else {
+            body
+        };
         *st.stats.by_status.entry(status.as_u16()).or_default() += 1;
         if status.is_success() {
             st.stats.ok += 1;
@@ -619,12 +659,17 @@ impl Shared {
         let reply = Reply { request: &adm.request, body: &adm.body, answer: &answer, seq: adm.seq, created };
         let mut headers = HeaderMap::new();
         self.common_headers(&mut headers, adm.seq, &adm.rate_headers);
-        let output = answer.output_tokens();
+        let output = match adm.request.api {
+            // Anthropic counts thinking as output.
+            Api::Messages => crate::messages::output_tokens(&reply),
+            Api::Responses | Api::Chat => reply.output_tokens(),
+        };
 
         if !adm.request.stream {
             let body = match adm.request.api {
                 Api::Responses => wire::responses_json(&reply),
                 Api::Chat => wire::chat_json(&reply),
+                Api::Messages => crate::messages::messages_json(&reply),
             };
             self.refund(adm.seq, adm.max_out.saturating_sub(output), false);
             return (StatusCode::OK, headers, Json(body)).into_response();
@@ -633,6 +678,7 @@ impl Shared {
         let plan = match adm.request.api {
             Api::Responses => wire::responses_stream(&reply),
             Api::Chat => wire::chat_stream(&reply),
+            Api::Messages => crate::messages::messages_stream(&reply),
         };
         let (tx, rx) = mpsc::channel::<Result<Bytes, Infallible>>(16);
         let shared = self.clone();

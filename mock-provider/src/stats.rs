@@ -134,4 +134,11 @@ pub struct KeptBody {
     pub seq: u64,
     /// The body.
     pub body: Value,
+    /// Which header carried a key (`authorization` or `x-api-key`), if one
+    /// did — never its value: the mock holds no secrets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auth: Option<String>,
+    /// The `anthropic-version` header, if one came.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub anthropic_version: Option<String>,
 }

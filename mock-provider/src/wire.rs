@@ -1,7 +1,7 @@
-//! The two OpenAI wire formats: reading a request into a [`Prompt`], and
-//! writing an [`Answer`] back as a JSON body or as the exact frame sequence a
-//! streaming client reads (Responses events with `sequence_number`; chat
-//! chunks ending in `data: [DONE]`).
+//! The wire formats: reading a request into a [`Prompt`], and writing an
+//! [`Answer`] back as a JSON body or as the exact frame sequence a streaming
+//! client reads (Responses events with `sequence_number`; chat chunks ending
+//! in `data: [DONE]`; Anthropic's Messages events, in `messages.rs`).
 
 use crate::script::{count_tokens, deltas, fnv1a, Answer, Prompt, Tool};
 use serde_json::{json, Value};
@@ -14,6 +14,8 @@ pub enum Api {
     Responses,
     /// `POST /v1/chat/completions`
     Chat,
+    /// `POST /v1/messages` (Anthropic)
+    Messages,
 }
 
 /// A parsed request: the prompt for the script plus how to answer it.
@@ -27,13 +29,34 @@ pub struct Request {
     pub stream: bool,
     /// Chat `stream_options.include_usage`.
     pub include_usage: bool,
+    /// Anthropic `thinking: {"type": "enabled"}`: the answer starts with a
+    /// signed thinking block.
+    pub thinking: bool,
+    /// Reasoning tokens the answer reports (Responses `reasoning.effort`,
+    /// chat `reasoning_effort`): part of the output, as with OpenAI.
+    pub reasoning_tokens: u64,
+    /// Input tokens the answer reports as read from the prompt cache: half
+    /// the input when the request names a `prompt_cache_key` (a stand-in for
+    /// a cache that holds the conversation's earlier part), else none.
+    pub cached_tokens: u64,
+}
+
+/// The reasoning tokens the mock reports for an effort.
+pub fn reasoning_tokens(effort: Option<&str>) -> u64 {
+    match effort {
+        Some("minimal") => 8,
+        Some("low") => 16,
+        Some("medium") => 32,
+        Some("high") => 64,
+        _ => 0,
+    }
 }
 
 /// Words per text delta in a stream: several deltas for any answer longer
 /// than a few tokens, without a frame per word.
-const WORDS_PER_DELTA: usize = 4;
+pub(crate) const WORDS_PER_DELTA: usize = 4;
 /// Characters per function-call arguments fragment in a stream.
-const ARG_CHARS_PER_DELTA: usize = 12;
+pub(crate) const ARG_CHARS_PER_DELTA: usize = 12;
 
 /// Reads a request body. The error is the message of a 400
 /// `invalid_request_error`, in OpenAI's words where it has them.
@@ -42,6 +65,9 @@ const ARG_CHARS_PER_DELTA: usize = 12;
 /// under `instructions` and `input` (chat: `messages`) — message text, tool
 /// outputs, function-call arguments — plus the compact JSON of `tools`.
 pub fn parse(api: Api, body: &Value) -> Result<Request, String> {
+    if api == Api::Messages {
+        return crate::messages::parse(body);
+    }
     let obj = body.as_object().ok_or("The request body must be a JSON object.")?;
     let model = obj.get("model").and_then(Value::as_str).ok_or("you must provide a model parameter")?.to_string();
     let stream = obj.get("stream").and_then(Value::as_bool).unwrap_or(false);
@@ -52,15 +78,15 @@ pub fn parse(api: Api, body: &Value) -> Result<Request, String> {
     // called; otherwise the first function tool.
     let forced = tool_choice
         .and_then(|c| c.get("name").or_else(|| c.get("function").and_then(|f| f.get("name"))).and_then(Value::as_str));
-    let tool = if tool_choice.and_then(Value::as_str) == Some("none") {
-        None
-    } else if let Some(name) = forced {
-        tools.iter().filter_map(first_function_tool).find(|t| t.name == name)
-    } else {
-        tools.iter().find_map(first_function_tool)
-    };
+    let tool = pick_tool(&tools, tool_choice.and_then(Value::as_str) == Some("none"), forced);
     let tools_chars = if tools.is_empty() { 0 } else { Value::Array(tools).to_string().chars().count() };
 
+    let effort = match api {
+        Api::Chat => obj.get("reasoning_effort"),
+        _ => obj.get("reasoning").and_then(|r| r.get("effort")),
+    };
+    let reasoning = reasoning_tokens(effort.and_then(Value::as_str));
+    let cache = obj.get("prompt_cache_key").is_some_and(Value::is_string);
     let (text_chars, tool_outputs, fingerprint, max_output_tokens, include_usage) = match api {
         Api::Responses => {
             let input = obj.get("input").ok_or("Missing required parameter: 'input'.")?;
@@ -96,34 +122,64 @@ pub fn parse(api: Api, body: &Value) -> Result<Request, String> {
                 .unwrap_or(false);
             (chars, outputs, fp, max, usage)
         }
+        Api::Messages => unreachable!("read by messages::parse"),
     };
+    let input_tokens = count_tokens(text_chars + tools_chars).max(1);
+    let format = match api {
+        Api::Chat => obj.get("response_format").map(|f| (f, f.get("json_schema").and_then(|s| s.get("schema")))),
+        _ => obj.get("text").and_then(|t| t.get("format")).map(|f| (f, f.get("schema"))),
+    };
+    let answer_schema = format.and_then(|(f, schema)| match f.get("type").and_then(Value::as_str) {
+        Some("json_schema") => schema.cloned(),
+        Some("json_object") => Some(json!({"type": "object"})),
+        _ => None,
+    });
     Ok(Request {
         api,
         prompt: Prompt {
             model,
-            input_tokens: count_tokens(text_chars + tools_chars).max(1),
+            input_tokens,
             tool_outputs,
             tool,
             max_output_tokens,
             fingerprint,
+            answer_schema,
+            forced: None,
         },
         stream,
         include_usage,
+        thinking: false,
+        reasoning_tokens: reasoning,
+        cached_tokens: if cache { input_tokens / 2 } else { 0 },
     })
 }
 
-/// The first function tool, flat (Responses) or nested under `function` (chat).
+/// The tool the script calls: none when the request says so, the forced one
+/// when it names one, else the first function tool.
+pub(crate) fn pick_tool(tools: &[Value], none: bool, forced: Option<&str>) -> Option<Tool> {
+    if none {
+        None
+    } else if let Some(name) = forced {
+        tools.iter().filter_map(first_function_tool).find(|t| t.name == name)
+    } else {
+        tools.iter().find_map(first_function_tool)
+    }
+}
+
+/// The first function tool: flat (Responses), nested under `function`
+/// (chat), or Anthropic's `{"name", "input_schema"}` (no type, or `custom`).
 fn first_function_tool(tool: &Value) -> Option<Tool> {
-    if tool.get("type").and_then(Value::as_str).is_some_and(|t| t != "function") {
+    if tool.get("type").and_then(Value::as_str).is_some_and(|t| t != "function" && t != "custom") {
         return None;
     }
     let def = tool.get("function").unwrap_or(tool);
     let name = def.get("name").and_then(Value::as_str)?;
-    Some(Tool { name: name.to_string(), parameters: def.get("parameters").cloned() })
+    let parameters = def.get("parameters").or_else(|| def.get("input_schema")).cloned();
+    Some(Tool { name: name.to_string(), parameters })
 }
 
 /// Characters of every string value under `v` (keys are not counted).
-fn string_chars(v: &Value) -> usize {
+pub(crate) fn string_chars(v: &Value) -> usize {
     match v {
         Value::String(s) => s.chars().count(),
         Value::Array(items) => items.iter().map(string_chars).sum(),
@@ -151,7 +207,7 @@ pub struct StreamError {
 /// A stream's frames, ready to write, and where it stalls or breaks when told to.
 #[derive(Debug, Clone)]
 pub struct StreamPlan {
-    api: Api,
+    pub(crate) api: Api,
     /// Every frame, each a complete SSE event ending in a blank line.
     pub frames: Vec<String>,
     /// Frames written before a stall or a mid-stream error: always after some
@@ -172,6 +228,7 @@ impl StreamPlan {
                 format!("event: error\ndata: {data}\n\n")
             }
             Api::Chat => format!("data: {}\n\n", json!({"error": inner})),
+            Api::Messages => crate::messages::error_frame(err),
         }
     }
 }
@@ -192,16 +249,17 @@ pub struct Reply<'a> {
 }
 
 impl Reply<'_> {
-    fn input_tokens(&self) -> u64 {
+    pub(crate) fn input_tokens(&self) -> u64 {
         self.request.prompt.input_tokens
     }
-    fn output_tokens(&self) -> u64 {
-        self.answer.output_tokens()
+    /// The answer's output tokens, reasoning included.
+    pub(crate) fn output_tokens(&self) -> u64 {
+        self.answer.output_tokens() + self.request.reasoning_tokens
     }
-    fn truncated(&self) -> bool {
+    pub(crate) fn truncated(&self) -> bool {
         matches!(self.answer, Answer::Text { truncated: true, .. })
     }
-    fn id_hex(&self) -> String {
+    pub(crate) fn id_hex(&self) -> String {
         format!("{:016x}{:08x}", fnv1a(&self.seq.to_le_bytes(), 7), self.seq)
     }
     fn message_id(&self) -> String {
@@ -214,9 +272,9 @@ impl Reply<'_> {
 fn responses_usage(r: &Reply) -> Value {
     json!({
         "input_tokens": r.input_tokens(),
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": r.request.cached_tokens},
         "output_tokens": r.output_tokens(),
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": r.request.reasoning_tokens},
         "total_tokens": r.input_tokens() + r.output_tokens(),
     })
 }
@@ -284,7 +342,7 @@ pub fn responses_json(r: &Reply) -> Value {
 }
 
 /// Splits a string into fragments of `n` characters (never inside a char).
-fn fragments(s: &str, n: usize) -> Vec<String> {
+pub(crate) fn fragments(s: &str, n: usize) -> Vec<String> {
     let chars: Vec<char> = s.chars().collect();
     if chars.is_empty() {
         return vec![String::new()];
@@ -370,8 +428,8 @@ fn chat_usage(r: &Reply) -> Value {
         "prompt_tokens": r.input_tokens(),
         "completion_tokens": r.output_tokens(),
         "total_tokens": r.input_tokens() + r.output_tokens(),
-        "prompt_tokens_details": {"cached_tokens": 0},
-        "completion_tokens_details": {"reasoning_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": r.request.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": r.request.reasoning_tokens},
     })
 }
 

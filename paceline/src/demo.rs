@@ -1,7 +1,9 @@
-//! What `paceline up --demo` adds: the mock provider with a visibly scarce
-//! budget, a small tool endpoint (`search`, and `browser__snapshot` whose big
-//! pages get clipped and elided), the sample runs of `examples/`, and one
-//! progress line per run until they all finish.
+//! What `paceline up --demo` adds: three mock providers, one per wire style
+//! (`responses`, `chat`, and `anthropic` with Anthropic's split input/output
+//! buckets and headers), each with a visibly scarce budget of its own; a small
+//! tool endpoint (`search`, and `browser__snapshot` whose big pages get
+//! clipped and elided); the sample runs of `examples/`, spread over the three
+//! providers; and one progress line per run until they all finish.
 //!
 //! The examples name the demo tool endpoint as `http://127.0.0.1:8090/tools`
 //! (its default address), so `paceline submit examples/…` works against a
@@ -56,9 +58,14 @@ pub struct DemoArgs {
     pub examples: PathBuf,
 }
 
+/// The demo's providers: one per wire style, named after it.
+const DEMO_STYLES: [shared::runs::ApiStyle; 3] =
+    [shared::runs::ApiStyle::Responses, shared::runs::ApiStyle::Chat, shared::runs::ApiStyle::Anthropic];
+
 /// The demo's in-process servers.
 pub struct Demo {
-    mock: mock_provider::MockServer,
+    /// One mock per style of [`DEMO_STYLES`], in that order.
+    mocks: Vec<mock_provider::MockServer>,
     tools_addr: SocketAddr,
     tools_stop: Option<tokio::sync::oneshot::Sender<()>>,
     tools_task: tokio::task::JoinHandle<()>,
@@ -72,19 +79,35 @@ impl Demo {
             "--demo-window-s must be a positive number"
         );
         anyhow::ensure!(args.demo_tpm > 0, "--demo-tpm must be at least 1");
-        let mock = mock_provider::MockServer::start(mock_provider::MockConfig {
-            listen: args.demo_mock_listen,
-            tpm: args.demo_tpm,
-            rpm: 600,
-            window: Duration::from_secs_f64(args.demo_window_s),
-            latency: Duration::from_millis(args.demo_latency_ms),
-            tool_rounds: 2,
-            calls_per_round: 1,
-            output_tokens: 120,
-            ..mock_provider::MockConfig::default()
-        })
-        .await
-        .with_context(|| format!("the demo's mock provider cannot listen on {}", args.demo_mock_listen))?;
+        let mut mocks = Vec::new();
+        for (i, style) in DEMO_STYLES.into_iter().enumerate() {
+            // A fixed port serves the first mock; the others take free ones.
+            let mut listen = args.demo_mock_listen;
+            if i > 0 {
+                listen.set_port(0);
+            }
+            let headers = match style {
+                shared::runs::ApiStyle::Anthropic => mock_provider::HeaderStyle::Anthropic,
+                _ => mock_provider::HeaderStyle::OpenAi,
+            };
+            let mock = mock_provider::MockServer::start(mock_provider::MockConfig {
+                listen,
+                tpm: args.demo_tpm,
+                // Anthropic's output bucket holds the output limits of a few turns at once.
+                otpm: Some((args.demo_tpm / 2).max(1)),
+                rpm: 600,
+                window: Duration::from_secs_f64(args.demo_window_s),
+                latency: Duration::from_millis(args.demo_latency_ms),
+                tool_rounds: 2,
+                calls_per_round: 1,
+                output_tokens: 120,
+                headers,
+                ..mock_provider::MockConfig::default()
+            })
+            .await
+            .with_context(|| format!("the demo's mock provider cannot listen on {listen}"))?;
+            mocks.push(mock);
+        }
         let listener = match tokio::net::TcpListener::bind(args.demo_tools_listen).await {
             Ok(l) => l,
             // The default port is taken: any free one will do, the examples are rewritten.
@@ -106,12 +129,28 @@ impl Demo {
                 })
                 .await;
         });
-        Ok(Self { mock, tools_addr, tools_stop: Some(stop), tools_task })
+        Ok(Self { mocks, tools_addr, tools_stop: Some(stop), tools_task })
     }
 
-    /// The mock's OpenAI base URL, for the workers.
-    pub fn provider_url(&self) -> String {
-        self.mock.base_url()
+    /// The workers' providers: one per style, each at its own mock (and so
+    /// its own budget), named after its style. No keys: the mocks need none.
+    pub fn providers(&self) -> shared::providers::ProviderTable {
+        let entries = DEMO_STYLES
+            .into_iter()
+            .zip(&self.mocks)
+            .map(|(style, mock)| shared::providers::ProviderEntry {
+                name: style.as_str().to_owned(),
+                style,
+                url: match style {
+                    shared::runs::ApiStyle::Anthropic => mock.url(),
+                    _ => mock.base_url(),
+                },
+                key_env: None,
+                tpm: None,
+                rpm: None,
+            })
+            .collect();
+        shared::providers::ProviderTable(entries)
     }
 
     /// The tool endpoint's URL, allowed for the demo runs.
@@ -119,12 +158,14 @@ impl Demo {
         format!("http://{}/tools", self.tools_addr)
     }
 
-    /// The mock's budget, for the banner.
+    /// The mocks' budgets, for the banner.
     pub fn describe(&self) -> String {
-        let c = self.mock.config();
+        let c = self.mocks[0].config();
+        let at: Vec<String> =
+            DEMO_STYLES.iter().zip(&self.mocks).map(|(s, m)| format!("{} at {}", s.as_str(), m.url())).collect();
         format!(
-            "mock provider at {} ({} tokens per {:.0} s window, {} ms latency), demo tools at {}",
-            self.mock.base_url(),
+            "mock providers {} ({} tokens per {:.0} s window each, {} ms latency), demo tools at {}",
+            at.join(", "),
             c.tpm,
             c.window.as_secs_f64(),
             c.latency.as_millis(),
@@ -132,10 +173,9 @@ impl Demo {
         )
     }
 
-    /// Requests the mock served, and how many were 429s.
+    /// Requests the mocks served, and how many were 429s.
     pub fn provider_counts(&self) -> (u64, u64) {
-        let s = self.mock.summary();
-        (s.requests, s.rate_limited)
+        self.mocks.iter().map(|m| m.summary()).fold((0, 0), |(n, l), s| (n + s.requests, l + s.rate_limited))
     }
 
     /// Stops both servers.
@@ -144,7 +184,9 @@ impl Demo {
             let _ = stop.send(());
         }
         let _ = self.tools_task.await;
-        self.mock.shutdown().await;
+        for mock in self.mocks {
+            mock.shutdown().await;
+        }
     }
 }
 
@@ -245,6 +287,31 @@ pub fn load_examples(dir: &Path, tool_endpoint: &str) -> anyhow::Result<(Vec<Exa
         examples.push(Example { name, body });
     }
     Ok((examples, source))
+}
+
+/// Spreads the demo runs over the three providers, so each wire style shows:
+/// the research run on Responses, the browsing run on Chat Completions, the
+/// companion (live) run on Anthropic's Messages API (as a Claude model), and
+/// any other in turn. A run that names its provider keeps it.
+pub fn assign_providers(examples: &mut [Example]) {
+    let mut next = 0;
+    for ex in examples.iter_mut().filter(|e| e.body.get("provider").is_none()) {
+        let style = match ex.name.as_str() {
+            "research-work" | "plain" => shared::runs::ApiStyle::Responses,
+            "browse-work" => shared::runs::ApiStyle::Chat,
+            "companion" => shared::runs::ApiStyle::Anthropic,
+            _ => {
+                next += 1;
+                DEMO_STYLES[(next - 1) % DEMO_STYLES.len()]
+            }
+        };
+        ex.body["provider"] = json!(style.as_str());
+        if style == shared::runs::ApiStyle::Anthropic
+            && ex.body["model"].as_str().is_some_and(|m| m.starts_with("gpt-"))
+        {
+            ex.body["model"] = json!("claude-sonnet-4-5");
+        }
+    }
 }
 
 /// Where the demo's API calls go.
@@ -375,7 +442,7 @@ pub async fn drive(
 ) -> anyhow::Result<BTreeMap<String, String>> {
     let multi = MultiProgress::new();
     let fancy = std::io::stderr().is_terminal();
-    let width = examples.iter().map(|e| e.name.len()).max().unwrap_or(8);
+    let width = examples.iter().map(|e| e.name.len() + 12).max().unwrap_or(8);
     let style = ProgressStyle::with_template(&format!("{{spinner}} {{prefix:<{width}}}  {{wide_msg}}"))
         .unwrap_or_else(|_| ProgressStyle::default_spinner());
     let budget_bar = multi.add(ProgressBar::new_spinner());
@@ -386,14 +453,18 @@ pub async fn drive(
         let id = api.submit(&ex.body).await.with_context(|| format!("submitting example {}", ex.name))?;
         let bar = multi.add(ProgressBar::new_spinner());
         bar.set_style(style.clone());
-        bar.set_prefix(ex.name.clone());
+        let label = match ex.body["provider"].as_str() {
+            Some(p) => format!("{} ({p})", ex.name),
+            None => ex.name.clone(),
+        };
+        bar.set_prefix(label.clone());
         bar.set_message("queued");
         if fancy {
             bar.enable_steady_tick(Duration::from_millis(120));
         } else {
             eprintln!("submitted {} as {id}", ex.name);
         }
-        runs.push((ex.name.clone(), id, bar, String::new()));
+        runs.push((ex.name.clone(), label, id, bar, String::new()));
     }
     let mut finals = BTreeMap::new();
     let mut tick = tokio::time::interval(Duration::from_millis(200));
@@ -410,7 +481,7 @@ pub async fn drive(
                 budget_bar.set_message(line);
             }
         }
-        for (name, id, bar, last) in runs.iter_mut() {
+        for (_, label, id, bar, last) in runs.iter_mut() {
             if finals.contains_key(id.as_str()) {
                 continue;
             }
@@ -422,7 +493,7 @@ pub async fn drive(
                 // Without a terminal: one plain line whenever the state changes.
                 let key = format!("{status}/{}/{}", run["turns_completed"], run["wait_reason"]);
                 if key != *last {
-                    eprintln!("{name:<width$}  {line}");
+                    eprintln!("{label:<width$}  {line}");
                     *last = key;
                 }
             }
@@ -436,12 +507,12 @@ pub async fn drive(
         }
     }
     budget_bar.finish();
-    for (_, _, bar, _) in &runs {
+    for (_, _, _, bar, _) in &runs {
         if !bar.is_finished() {
             bar.abandon();
         }
     }
-    Ok(runs.iter().filter_map(|(name, id, ..)| finals.get(id).map(|s| (name.clone(), s.clone()))).collect())
+    Ok(runs.iter().filter_map(|(name, _, id, ..)| finals.get(id).map(|s| (name.clone(), s.clone()))).collect())
 }
 
 #[cfg(test)]
@@ -456,13 +527,29 @@ mod tests {
         for ex in &examples {
             let spec = shared::runs::RunSpec::from_json(
                 &ex.body,
-                &shared::runs::SubmitPolicy { tool_endpoint_prefixes: vec!["http://127.0.0.1:1/tools".into()] },
+                &shared::runs::SubmitPolicy {
+                    tool_endpoint_prefixes: vec!["http://127.0.0.1:1/tools".into()],
+                    ..Default::default()
+                },
             );
             assert!(spec.is_ok(), "{}: {spec:?}", ex.name);
             if let Some(t) = ex.body["tool_endpoint"].as_str() {
                 assert_eq!(t, "http://127.0.0.1:1/tools", "{} is rewritten", ex.name);
             }
         }
+    }
+
+    #[test]
+    fn the_demo_runs_cover_every_style() {
+        let (mut examples, _) =
+            load_examples(Path::new("/nonexistent-examples-dir"), "http://127.0.0.1:1/tools").unwrap();
+        assign_providers(&mut examples);
+        let mut styles: Vec<&str> = examples.iter().filter_map(|e| e.body["provider"].as_str()).collect();
+        styles.sort();
+        styles.dedup();
+        assert_eq!(styles, vec!["anthropic", "chat", "responses"]);
+        let companion = examples.iter().find(|e| e.name == "companion").unwrap();
+        assert!(companion.body["model"].as_str().unwrap().starts_with("claude"));
     }
 
     #[test]

@@ -47,6 +47,11 @@ pub const ENCRYPTED_BYTES_PER_TOKEN: u64 = 6;
 /// costed another way (images, files, encrypted reasoning).
 const NOT_TEXT: &[&str] = &["type", "status", "detail", "image_url", "url", "file_data", "encrypted_content"];
 
+/// Keys of opaque, encrypted payloads, costed at [`ENCRYPTED_BYTES_PER_TOKEN`]:
+/// OpenAI's `encrypted_content`, Anthropic's thinking `signature` and
+/// `redacted_thinking` `data`.
+const ENCRYPTED: &[&str] = &["encrypted_content", "signature"];
+
 /// The tokenizer, parsed on first use and shared by every thread after.
 fn bpe() -> &'static CoreBPE {
     tiktoken_rs::o200k_base_singleton()
@@ -70,8 +75,9 @@ pub fn count_text(text: &str) -> u64 {
 /// The tokens a request body may cost: its billed input plus
 /// `max_output_tokens`.
 ///
-/// Works for both wire formats: Responses (`instructions`, `input` as a string
-/// or items, `tools`) and Chat Completions (`messages`, `tools`). Counted:
+/// Works for every wire format: Responses (`instructions`, `input` as a string
+/// or items, `tools`), Chat Completions (`messages`, `tools`) and Anthropic
+/// Messages (`system`, `messages` of content blocks, `tools`). Counted:
 /// - every message's or item's text — message content (strings or text
 ///   parts), function call names and arguments, tool outputs, ids (the
 ///   model reads call ids), roles — plus [`PER_ITEM_OVERHEAD`] per item;
@@ -88,8 +94,13 @@ pub fn estimate_tokens(body: &Value, max_output_tokens: u64) -> u64 {
 /// The input half of [`estimate_tokens`].
 pub fn input_tokens(body: &Value) -> u64 {
     let mut n = REPLY_PRIMING;
-    if let Some(instructions) = body.get("instructions").and_then(Value::as_str) {
-        n += PER_ITEM_OVERHEAD + count_text(instructions);
+    for key in ["instructions", "system"] {
+        match body.get(key) {
+            Some(Value::String(s)) => n += PER_ITEM_OVERHEAD + count_text(s),
+            // Anthropic's `system` may be a list of text blocks.
+            Some(blocks @ Value::Array(_)) => n += PER_ITEM_OVERHEAD + value_tokens(blocks),
+            _ => {}
+        }
     }
     for key in ["input", "messages"] {
         match body.get(key) {
@@ -117,12 +128,16 @@ fn value_tokens(value: &Value) -> u64 {
         Value::Array(values) => values.iter().map(value_tokens).sum(),
         Value::Object(obj) => {
             let kind = obj.get("type").and_then(Value::as_str);
-            if matches!(kind, Some("input_image" | "image_url")) {
+            if matches!(kind, Some("input_image" | "image_url" | "image")) {
                 return image_tokens(value);
+            }
+            if kind == Some("redacted_thinking") {
+                let bytes = obj.get("data").and_then(Value::as_str).map_or(0, str::len) as u64;
+                return bytes.div_ceil(ENCRYPTED_BYTES_PER_TOKEN);
             }
             let mut n = 0;
             for (key, v) in obj {
-                if key == "encrypted_content" {
+                if ENCRYPTED.contains(&key.as_str()) {
                     let bytes = v.as_str().map_or(0, str::len) as u64;
                     n += bytes.div_ceil(ENCRYPTED_BYTES_PER_TOKEN);
                 } else if !NOT_TEXT.contains(&key.as_str()) {
@@ -242,6 +257,7 @@ mod tests {
             tools: &[],
             max_output_tokens: max,
             metadata: None,
+            generation: None,
         };
         build_body(ApiStyle::Responses, &p, &ctx)
     }
@@ -300,15 +316,19 @@ mod tests {
             tools: &tools,
             max_output_tokens: Some(100),
             metadata: None,
+            generation: None,
         };
         let responses = input_tokens(&build_body(ApiStyle::Responses, &p, &ctx));
         let chat = input_tokens(&build_body(ApiStyle::Chat, &p, &ctx));
+        let anthropic = input_tokens(&build_body(ApiStyle::Anthropic, &p, &ctx));
         let text: u64 =
             ["Be brief.", "find the answer", "search", "{\"q\":\"answer\"}", &"the answer is 42 ".repeat(50)]
                 .iter()
                 .map(|s| count_text(s))
                 .sum();
         let tool_json = count_text(&tools[0].to_string());
+        // Anthropic's tool input is an object (its keys are framing), its ids come twice.
+        assert!(anthropic + 10 >= text + tool_json && anthropic <= text + tool_json + 60, "{anthropic}");
         for n in [responses, chat] {
             assert!(n >= text + tool_json, "{n} < {}", text + tool_json);
             // Framing, roles, ids and the nested chat tool shape stay small.

@@ -2,9 +2,11 @@
 //! shared pacer, each turn committed exactly once.
 //!
 //! - `turn.rs` — one turn end to end (the heart of the worker).
-//! - `provider/` — our thin client for OpenAI-compatible APIs (Responses and
-//!   Chat Completions, streaming), which never retries or sleeps on its own.
-//! - `request.rs` — the request body from the transcript, in either wire format.
+//! - `provider/` — our thin client for the providers' APIs (Responses, Chat
+//!   Completions, Anthropic Messages; streaming), which never retries or
+//!   sleeps on its own.
+//! - `routes.rs` — the named providers, each with its client and its budget.
+//! - `request.rs` — the request body from the transcript, in each wire format.
 //! - `estimate.rs` — the call's token estimate (tiktoken, o200k_base).
 //! - `tools.rs` — calling the run's tool endpoint.
 //!
@@ -14,6 +16,7 @@
 pub mod estimate;
 pub mod provider;
 pub mod request;
+pub mod routes;
 pub mod tools;
 pub mod turn;
 
@@ -22,7 +25,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use shared::config::{PacerArgs, ProviderArgs, RedisArgs};
+use shared::config::{KeySource, PacerArgs, ProviderArgs, RedisArgs};
 use shared::queue::apalis_core::error::BoxDynError;
 use shared::queue::apalis_core::task::data::Data;
 use shared::queue::apalis_core::worker::builder::WorkerBuilder;
@@ -58,6 +61,9 @@ pub struct WorkerConfig {
     /// How long a finished run's record, transcript and events are kept (`7d`, `12h`, `3600`).
     #[arg(long = "retention", env = "PACELINE_RETENTION", default_value = "7d", value_parser = shared::config::parse_duration)]
     pub retention: Duration,
+    /// Where the providers' keys are read (the environment; tests give them in code).
+    #[arg(skip)]
+    pub keys: KeySource,
 }
 
 impl WorkerConfig {
@@ -65,11 +71,7 @@ impl WorkerConfig {
     pub fn new(redis: RedisArgs, provider_url: impl Into<String>) -> Self {
         Self {
             redis,
-            provider: ProviderArgs {
-                url: provider_url.into(),
-                api_key: shared::config::Secret::default(),
-                api_style: shared::runs::ApiStyle::Responses,
-            },
+            provider: ProviderArgs::single(provider_url, shared::runs::ApiStyle::Responses),
             pacer: PacerArgs {
                 kind: shared::pacer::PacerKind::Shared,
                 budget: "default".into(),
@@ -87,6 +89,8 @@ impl WorkerConfig {
             max_history: shared::runs::backpressure::DEFAULT_MAX_HISTORY,
             tool_endpoints: vec![],
             retention: shared::runs::store::DEFAULT_RETENTION,
+            // Hermetic: a config built in code reads no environment.
+            keys: KeySource::Given(Default::default()),
         }
     }
 }
@@ -98,14 +102,12 @@ pub async fn runner(config: &WorkerConfig) -> anyhow::Result<(Runner, TurnQueue)
         .context("connect to Redis")?;
     let keys = config.redis.keys();
     let store = RunStore::new(conn.clone(), keys.clone(), config.retention);
-    let pacer = config.pacer.build(conn, keys);
-    let provider = provider::Provider::new(&config.provider)?;
+    let routes = routes::Routes::build(&config.provider, &config.pacer, &config.keys, conn, &keys)?;
     let tool_endpoints = config.tool_endpoints.iter().map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect();
     let turn_config = TurnConfig {
         max_history: config.max_history.max(1),
         in_place_wait: Duration::from_millis(config.pacer.in_place_wait_ms),
         tool_endpoints,
-        budget: config.pacer.budget.clone(),
         ..TurnConfig::default()
     };
     let http = reqwest::Client::builder().connect_timeout(Duration::from_secs(10)).build()?;
@@ -113,8 +115,7 @@ pub async fn runner(config: &WorkerConfig) -> anyhow::Result<(Runner, TurnQueue)
     crate::estimate::warm_up();
     let runner = Runner {
         store,
-        pacer,
-        provider,
+        routes,
         http,
         config: Arc::new(turn_config),
         tenants: Arc::new(tenants),
@@ -154,7 +155,7 @@ pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()> + Send
     let backend = queue.backend::<TurnJob>(config.concurrency.max(1));
     let name = backend.identity().to_owned();
     tracing::info!(message = "worker started", worker.id = %name, concurrency = config.concurrency,
-        pacer = ?config.pacer.kind, provider = %config.provider.url);
+        pacer = ?config.pacer.kind, providers = ?runner.routes.names());
     let worker = WorkerBuilder::new(name.as_str()).backend(backend).data(runner).build(handle_turn);
     worker
         .run_until(async move {

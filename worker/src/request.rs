@@ -1,14 +1,41 @@
-//! The request body for a turn, in either wire format (`PACELINE_API_STYLE`).
+//! The request body for a turn, in the provider's wire format (Responses,
+//! Chat Completions, or Anthropic's Messages API in `request/anthropic.rs`).
 //!
 //! The transcript is kept in the Responses shape whatever the transport; this
 //! module is the one place that turns the context (what
 //! [`shared::runs::backpressure::prepare_context`] chose to send) into a body.
-//! Turns are stateless — `store: false`, the whole bounded history every time —
-//! so any OpenAI-compatible server can take any turn of any run, and no
-//! provider-side state can disagree with the transcript.
+//! Turns are stateless — `store: false` unless the run asks otherwise, the
+//! whole bounded history every time — so any server of the style can take any
+//! turn of any run, and no provider-side state can disagree with the transcript.
+//!
+//! The run's generation parameters ([`Generation`]) go in each style's own
+//! names; a parameter a style has no form for is left out (logged at debug),
+//! never sent in a form the provider would refuse:
+//!
+//! | run spec | Responses | Chat | Anthropic |
+//! | --- | --- | --- | --- |
+//! | `temperature` | as is | as is | at most 1 (its range); left out with thinking |
+//! | `top_p` | as is | as is | left out beside `temperature`, and with thinking unless ≥ 0.95 |
+//! | `reasoning.effort` | `reasoning` (+ `include: reasoning.encrypted_content` when not stored) | `reasoning_effort` | `thinking` with a budget ([`thinking_budget`]) |
+//! | `text.format` | `text.format` | `response_format` | a forced answer tool (`request/anthropic.rs`) |
+//! | `tool_choice` | as is | `{"type":"function","function":{"name"}}` | `auto` / `any` / `none` / `tool` |
+//! | `parallel_tool_calls` | as is (default true) | when set | `disable_parallel_tool_use` |
+//! | `stop` | — | `stop` | `stop_sequences` |
+//! | `seed` | — | `seed` | — |
+//! | `service_tier` | as is | as is | `auto`; `default` as `standard_only` |
+//! | `prompt_cache_key` | as is | as is | — |
+//! | `store` | as is (default false) | when set | — |
+//! | `truncation` | as is | — | — |
+
+mod anthropic;
 
 use serde_json::{json, Map, Value};
-use shared::runs::ApiStyle;
+use shared::runs::{ApiStyle, Format, Generation, ToolChoice};
+
+pub use anthropic::{
+    answer_tool_name, anthropic_messages, thinking_budget, ANTHROPIC_DEFAULT_MAX_TOKENS, ANTHROPIC_VERSION,
+    JSON_OBJECT_TOOL,
+};
 
 /// What a turn sends besides its context, as the run was submitted.
 #[derive(Debug, Clone, Copy)]
@@ -26,6 +53,14 @@ pub struct TurnParams<'a> {
     /// The run's metadata; forwarded (Responses only) when the provider would
     /// accept it — see [`provider_metadata`].
     pub metadata: Option<&'a Value>,
+    /// The run's generation parameters (`None`: all defaults).
+    pub generation: Option<&'a Generation>,
+}
+
+impl TurnParams<'_> {
+    fn generation(&self) -> Generation {
+        self.generation.cloned().unwrap_or_default()
+    }
 }
 
 /// The body for one turn: `params` plus `context` (Responses input items),
@@ -34,12 +69,37 @@ pub fn build_body(style: ApiStyle, params: &TurnParams, context: &[Value]) -> Va
     match style {
         ApiStyle::Responses => responses_body(params, context),
         ApiStyle::Chat => chat_body(params, context),
+        ApiStyle::Anthropic => anthropic::body(params, context),
     }
+}
+
+/// The name of the tool that carries a structured answer, when `style` has no
+/// native structured output and the run asks for one (Anthropic): the
+/// provider client turns that tool's call into the answer's text.
+pub fn answer_tool(style: ApiStyle, params: &TurnParams) -> Option<String> {
+    match style {
+        ApiStyle::Anthropic => answer_tool_name(params).map(str::to_owned),
+        ApiStyle::Responses | ApiStyle::Chat => None,
+    }
+}
+
+/// Notes the parameters a style has no form for (they are left out).
+pub(crate) fn dropped(style: ApiStyle, names: &[&str]) {
+    if !names.is_empty() {
+        tracing::debug!(message = "generation parameters this style has no form for are not sent",
+            api.style = ?style, parameters = ?names);
+    }
+}
+
+/// `tool_choice` in the Responses shape (also the run spec's).
+fn responses_tool_choice(choice: &ToolChoice) -> Value {
+    Value::from(choice.clone())
 }
 
 /// `POST /responses`: the context is sent as `input` unchanged (the worker
 /// stored the model's output items in their resendable form).
 fn responses_body(params: &TurnParams, context: &[Value]) -> Value {
+    let g = params.generation();
     let mut body = Map::new();
     body.insert("model".into(), params.model.into());
     if let Some(instructions) = params.instructions.filter(|s| !s.is_empty()) {
@@ -48,19 +108,58 @@ fn responses_body(params: &TurnParams, context: &[Value]) -> Value {
     body.insert("input".into(), Value::Array(context.to_vec()));
     if !params.tools.is_empty() {
         body.insert("tools".into(), Value::Array(params.tools.to_vec()));
+        if let Some(choice) = &g.tool_choice {
+            body.insert("tool_choice".into(), responses_tool_choice(choice));
+        }
         // Several calls of one turn run in parallel on our side (the tool
-        // endpoint is POSTed concurrently), so let the model ask for several.
-        // Only with tools: a provider may refuse the flag without any.
-        body.insert("parallel_tool_calls".into(), true.into());
+        // endpoint is POSTed concurrently), so let the model ask for several
+        // unless the run says no. Only with tools: a provider may refuse the
+        // flag without any.
+        body.insert("parallel_tool_calls".into(), g.parallel_tool_calls.unwrap_or(true).into());
     }
     if let Some(max) = params.max_output_tokens {
         body.insert("max_output_tokens".into(), max.into());
     }
-    body.insert("store".into(), false.into());
+    if let Some(t) = g.temperature {
+        body.insert("temperature".into(), json!(t));
+    }
+    if let Some(p) = g.top_p {
+        body.insert("top_p".into(), json!(p));
+    }
+    let store = g.store.unwrap_or(false);
+    if let Some(r) = g.reasoning {
+        body.insert("reasoning".into(), json!({"effort": r.effort.as_str()}));
+        if !store {
+            // A stateless turn can hand the model its earlier reasoning back
+            // only in the encrypted form (provider/responses.rs keeps it).
+            body.insert("include".into(), json!(["reasoning.encrypted_content"]));
+        }
+    }
+    if let Some(text) = &g.text {
+        body.insert("text".into(), json!({"format": text.format}));
+    }
+    if let Some(tier) = g.service_tier {
+        body.insert("service_tier".into(), tier.as_str().into());
+    }
+    if let Some(key) = &g.prompt_cache_key {
+        body.insert("prompt_cache_key".into(), key.as_str().into());
+    }
+    if let Some(t) = g.truncation {
+        body.insert("truncation".into(), t.as_str().into());
+    }
+    body.insert("store".into(), store.into());
     body.insert("stream".into(), true.into());
     if let Some(metadata) = params.metadata.and_then(provider_metadata) {
         body.insert("metadata".into(), metadata);
     }
+    let mut none = vec![];
+    if g.stop.is_some() {
+        none.push("stop");
+    }
+    if g.seed.is_some() {
+        none.push("seed");
+    }
+    dropped(ApiStyle::Responses, &none);
     Value::Object(body)
 }
 
@@ -97,19 +196,73 @@ pub fn provider_metadata(metadata: &Value) -> Option<Value> {
 ///   models, which refuse `max_tokens`, are served by the Responses default;
 /// - `system`, not `developer`, for the instructions and for `developer`
 ///   messages: every compatible server knows `system`;
-/// - no `parallel_tool_calls`, `store` or `metadata`: defaults or unknown to
-///   many servers, and OpenAI's default for parallel calls is already on.
+/// - `parallel_tool_calls` and `store` only when the run sets them, and never
+///   `metadata`: defaults or unknown to many servers, and OpenAI's default
+///   for parallel calls is already on.
 fn chat_body(params: &TurnParams, context: &[Value]) -> Value {
+    let g = params.generation();
     let mut body = Map::new();
     body.insert("model".into(), params.model.into());
     body.insert("messages".into(), Value::Array(chat_messages(params.instructions, context)));
     let tools: Vec<Value> = params.tools.iter().filter_map(chat_tool).collect();
     if !tools.is_empty() {
         body.insert("tools".into(), Value::Array(tools));
+        if let Some(choice) = &g.tool_choice {
+            let choice = match choice {
+                ToolChoice::Function(name) => json!({"type": "function", "function": {"name": name}}),
+                other => responses_tool_choice(other),
+            };
+            body.insert("tool_choice".into(), choice);
+        }
+        if let Some(parallel) = g.parallel_tool_calls {
+            body.insert("parallel_tool_calls".into(), parallel.into());
+        }
     }
     if let Some(max) = params.max_output_tokens {
         body.insert("max_tokens".into(), max.into());
     }
+    if let Some(t) = g.temperature {
+        body.insert("temperature".into(), json!(t));
+    }
+    if let Some(p) = g.top_p {
+        body.insert("top_p".into(), json!(p));
+    }
+    if let Some(r) = g.reasoning {
+        body.insert("reasoning_effort".into(), r.effort.as_str().into());
+    }
+    if let Some(text) = &g.text {
+        let format = match &text.format {
+            Format::Text => json!({"type": "text"}),
+            Format::JsonObject => json!({"type": "json_object"}),
+            Format::JsonSchema(s) => {
+                let mut schema = json!({"name": s.name, "schema": s.schema});
+                if let Some(strict) = s.strict {
+                    schema["strict"] = strict.into();
+                }
+                if let Some(d) = &s.description {
+                    schema["description"] = d.as_str().into();
+                }
+                json!({"type": "json_schema", "json_schema": schema})
+            }
+        };
+        body.insert("response_format".into(), format);
+    }
+    if let Some(stop) = &g.stop {
+        body.insert("stop".into(), json!(stop));
+    }
+    if let Some(seed) = g.seed {
+        body.insert("seed".into(), seed.into());
+    }
+    if let Some(tier) = g.service_tier {
+        body.insert("service_tier".into(), tier.as_str().into());
+    }
+    if let Some(key) = &g.prompt_cache_key {
+        body.insert("prompt_cache_key".into(), key.as_str().into());
+    }
+    if let Some(store) = g.store {
+        body.insert("store".into(), store.into());
+    }
+    dropped(ApiStyle::Chat, if g.truncation.is_some() { &["truncation"] } else { &[] });
     body.insert("stream".into(), true.into());
     // The last chunk then carries `usage`, which settles the pacer's reservation.
     body.insert("stream_options".into(), json!({"include_usage": true}));
@@ -277,6 +430,7 @@ mod tests {
             tools,
             max_output_tokens: Some(2048),
             metadata,
+            generation: None,
         }
     }
 
@@ -320,7 +474,14 @@ mod tests {
 
     #[test]
     fn responses_omits_what_is_absent() {
-        let p = TurnParams { model: "m", instructions: None, tools: &[], max_output_tokens: None, metadata: None };
+        let p = TurnParams {
+            model: "m",
+            instructions: None,
+            tools: &[],
+            max_output_tokens: None,
+            metadata: None,
+            generation: None,
+        };
         let ctx = vec![json!({"role": "user", "content": "hi"})];
         let body = build_body(ApiStyle::Responses, &p, &ctx);
         assert_eq!(body, json!({"model": "m", "input": ctx, "store": false, "stream": true}));
@@ -355,6 +516,101 @@ mod tests {
             // Chat never carries it.
             assert!(build_body(ApiStyle::Chat, &params(&tools, Some(&meta)), &[]).get("metadata").is_none());
         }
+    }
+
+    fn generation(v: Value, tools: &[&str]) -> Generation {
+        Generation::from_json(v.as_object().unwrap(), tools).unwrap()
+    }
+
+    /// Every parameter, as a user of each SDK would write it.
+    fn every_parameter() -> Generation {
+        generation(
+            json!({"temperature": 0.4, "top_p": 0.9, "reasoning": {"effort": "high"},
+                   "text": {"format": {"type": "json_schema", "name": "verdict", "strict": true,
+                                       "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}}}}},
+                   "tool_choice": {"type": "function", "name": "search"}, "parallel_tool_calls": false,
+                   "stop": ["END"], "seed": 42, "service_tier": "flex", "prompt_cache_key": "run-7",
+                   "store": true, "truncation": "auto"}),
+            &["search"],
+        )
+    }
+
+    #[test]
+    fn responses_takes_the_parameters_in_its_own_names() {
+        let tools = tools();
+        let g = every_parameter();
+        let p = TurnParams { generation: Some(&g), ..params(&tools, None) };
+        let body = build_body(ApiStyle::Responses, &p, &tool_turn());
+        assert_eq!(body["temperature"], json!(0.4));
+        assert_eq!(body["top_p"], json!(0.9));
+        assert_eq!(body["reasoning"], json!({"effort": "high"}));
+        assert_eq!(
+            body["text"],
+            json!({"format": {"type": "json_schema", "name": "verdict", "strict": true,
+                              "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}}}}})
+        );
+        assert_eq!(body["tool_choice"], json!({"type": "function", "name": "search"}));
+        assert_eq!(body["parallel_tool_calls"], json!(false));
+        assert_eq!(body["service_tier"], "flex");
+        assert_eq!(body["prompt_cache_key"], "run-7");
+        assert_eq!(body["store"], json!(true));
+        assert_eq!(body["truncation"], "auto");
+        assert!(body.get("include").is_none(), "a stored response needs no encrypted reasoning");
+        assert!(body.get("stop").is_none() && body.get("seed").is_none(), "Responses has neither");
+        // Not stored (the default), reasoning comes back encrypted for the next turn.
+        let g = generation(json!({"reasoning": {"effort": "minimal"}, "tool_choice": "required"}), &["search"]);
+        let body = build_body(ApiStyle::Responses, &TurnParams { generation: Some(&g), ..params(&tools, None) }, &[]);
+        assert_eq!(body["include"], json!(["reasoning.encrypted_content"]));
+        assert_eq!((body["store"].clone(), body["tool_choice"].clone()), (json!(false), json!("required")));
+        // A tool choice without tools is not sent.
+        let g = generation(json!({"tool_choice": "none"}), &[]);
+        let body = build_body(ApiStyle::Responses, &TurnParams { generation: Some(&g), ..params(&[], None) }, &[]);
+        assert!(body.get("tool_choice").is_none() && body.get("parallel_tool_calls").is_none());
+    }
+
+    #[test]
+    fn chat_takes_the_parameters_in_its_own_names() {
+        let tools = tools();
+        let g = every_parameter();
+        let p = TurnParams { generation: Some(&g), ..params(&tools, None) };
+        let body = build_body(ApiStyle::Chat, &p, &tool_turn());
+        assert_eq!(body["temperature"], json!(0.4));
+        assert_eq!(body["top_p"], json!(0.9));
+        assert_eq!(body["reasoning_effort"], "high");
+        assert_eq!(
+            body["response_format"],
+            json!({"type": "json_schema", "json_schema": {"name": "verdict", "strict": true,
+                   "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}}}}})
+        );
+        assert_eq!(body["tool_choice"], json!({"type": "function", "function": {"name": "search"}}));
+        assert_eq!(body["parallel_tool_calls"], json!(false));
+        assert_eq!(body["stop"], json!(["END"]));
+        assert_eq!(body["seed"], json!(42));
+        assert_eq!(body["service_tier"], "flex");
+        assert_eq!(body["prompt_cache_key"], "run-7");
+        assert_eq!(body["store"], json!(true));
+        assert!(body.get("truncation").is_none() && body.get("reasoning").is_none() && body.get("text").is_none());
+        for (choice, want) in [("auto", json!("auto")), ("required", json!("required")), ("none", json!("none"))] {
+            let g = generation(json!({"tool_choice": choice, "text": {"format": {"type": "json_object"}}}), &["s"]);
+            let body = build_body(ApiStyle::Chat, &TurnParams { generation: Some(&g), ..params(&tools, None) }, &[]);
+            assert_eq!(body["tool_choice"], want);
+            assert_eq!(body["response_format"], json!({"type": "json_object"}));
+        }
+        // Unset, nothing new is sent: a vLLM server sees the body it saw before.
+        let body = build_body(ApiStyle::Chat, &params(&tools, None), &[]);
+        for absent in ["tool_choice", "parallel_tool_calls", "store", "temperature", "response_format", "stop"] {
+            assert!(body.get(absent).is_none(), "{absent}");
+        }
+    }
+
+    #[test]
+    fn only_anthropic_has_an_answer_tool() {
+        let g = every_parameter();
+        let tools = tools();
+        let p = TurnParams { generation: Some(&g), ..params(&tools, None) };
+        assert_eq!(answer_tool(ApiStyle::Anthropic, &p).as_deref(), Some("verdict"));
+        assert_eq!(answer_tool(ApiStyle::Responses, &p), None);
+        assert_eq!(answer_tool(ApiStyle::Chat, &p), None);
     }
 
     #[test]
@@ -466,7 +722,14 @@ mod tests {
 
     #[test]
     fn chat_without_tools_or_instructions() {
-        let p = TurnParams { model: "llama", instructions: None, tools: &[], max_output_tokens: None, metadata: None };
+        let p = TurnParams {
+            model: "llama",
+            instructions: None,
+            tools: &[],
+            max_output_tokens: None,
+            metadata: None,
+            generation: None,
+        };
         let ctx = vec![json!({"role": "user", "content": "hi"})];
         let body = build_body(ApiStyle::Chat, &p, &ctx);
         assert_eq!(
@@ -511,8 +774,14 @@ mod tests {
             json!({"type": "function", "function": {"name": "b"}}),
             json!({"type": "web_search"}),
         ];
-        let p =
-            TurnParams { model: "m", instructions: None, tools: &tools, max_output_tokens: Some(5), metadata: None };
+        let p = TurnParams {
+            model: "m",
+            instructions: None,
+            tools: &tools,
+            max_output_tokens: Some(5),
+            metadata: None,
+            generation: None,
+        };
         let body = build_body(ApiStyle::Chat, &p, &[]);
         assert_eq!(
             body["tools"],

@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use rand::SeedableRng;
 use serde_json::{json, Value};
 use shared::pacer::{
-    next_retry, server_delay, CallOutcome, Decision, Estimate, FailureKind, GiveUp, Mode, OwedReason, Pacer,
-    RetryDecision, RetryPolicy,
+    next_retry, server_delay, CallOutcome, Decision, Estimate, FailureKind, GiveUp, Mode, OwedReason, RetryDecision,
+    RetryPolicy,
 };
 use shared::queue::Lease;
 use shared::runs::backpressure::{clip_tool_output, prepare_context};
@@ -24,8 +24,9 @@ use shared::runs::{
     Fence, Next, RunStore, Started, StoreError, TranscriptEntry, TurnContext, TurnJob, Usage, WaitReason,
 };
 
-use crate::provider::{CallFailure, CallSuccess, Provider, StreamEvent, ToolCall};
-use crate::request::{build_body, TurnParams};
+use crate::provider::{CallFailure, CallSuccess, StreamEvent, ToolCall};
+use crate::request::{answer_tool, build_body, TurnParams};
+use crate::routes::{Route, Routes};
 use shared::telemetry::metric;
 
 /// Text deltas arriving within this of each other are one `turn.output_text.delta` event.
@@ -44,8 +45,6 @@ pub struct TurnConfig {
     pub tool_timeout: Duration,
     /// Allowed tool endpoint prefixes (checked again here: the API checked at submit).
     pub tool_endpoints: Vec<String>,
-    /// The budget's name (a metric label).
-    pub budget: String,
 }
 
 impl Default for TurnConfig {
@@ -56,7 +55,6 @@ impl Default for TurnConfig {
             retry: RetryPolicy::default(),
             tool_timeout: crate::tools::DEFAULT_TOOL_TIMEOUT,
             tool_endpoints: vec![],
-            budget: "default".into(),
         }
     }
 }
@@ -66,10 +64,8 @@ impl Default for TurnConfig {
 pub struct Runner {
     /// Runs: record, transcript, events, fenced commits.
     pub store: RunStore,
-    /// The pacer (shared, local or off).
-    pub pacer: Pacer,
-    /// The provider client.
-    pub provider: Provider,
+    /// The providers, each with its client and its pacer (shared, local or off).
+    pub routes: Routes,
     /// The HTTP client for tool calls.
     pub http: reqwest::Client,
     /// Knobs.
@@ -161,6 +157,17 @@ impl Runner {
 
     async fn call_model(&self, lease: &Lease, job: TurnJob, ctx: &TurnContext) -> Result<Outcome, TurnError> {
         let spec = &ctx.spec;
+        let Some(route) = self.routes.get(spec.provider.as_deref()) else {
+            // The API knew the name (it checks PACELINE_PROVIDERS at submit);
+            // this worker does not: its configuration differs from the API's.
+            let message = format!(
+                "this worker has no provider named {:?} (its PACELINE_PROVIDERS: {})",
+                spec.provider.as_deref().unwrap_or_default(),
+                self.routes.names().join(", ")
+            );
+            let fence = self.store.fail(lease, job, "provider_error", &message, Usage::default()).await?;
+            return Ok(settled(lease, fence, Outcome::Failed));
+        };
         let context = prepare_context(&ctx.transcript, self.config.max_history);
         let params = TurnParams {
             model: &spec.model,
@@ -168,8 +175,11 @@ impl Runner {
             tools: &spec.tools,
             max_output_tokens: Some(spec.max_output_tokens),
             metadata: Some(&spec.metadata),
+            generation: Some(&spec.generation),
         };
-        let body = build_body(self.provider.api_style(), &params, &context);
+        let style = route.provider.api_style();
+        let body = build_body(style, &params, &context);
+        let answer_tool = answer_tool(style, &params);
         let input = crate::estimate::input_tokens(&body);
         let scaled = self.calibration(&spec.model, |c| c.apply(input));
         let est = Estimate {
@@ -182,7 +192,7 @@ impl Runner {
         let reservation = format!("{}:{}:{}", lease.id, job.turn, job.attempt);
         let who = self.tenants.who(&ctx.tenant);
         loop {
-            match self.pacer.acquire(&spec.model, &reservation, est, spec.mode, &who).await? {
+            match route.pacer.acquire(&spec.model, &reservation, est, spec.mode, &who).await? {
                 Decision::Clear => break,
                 Decision::Owed { ms, .. } if Duration::from_millis(ms) <= self.config.in_place_wait => {
                     tokio::time::sleep(Duration::from_millis(ms)).await;
@@ -230,7 +240,7 @@ impl Runner {
                 let _ = tx.send(delta);
             }
         };
-        let result = self.provider.call(body, &mut on_event).await;
+        let result = route.provider.call_answering(body, answer_tool.as_deref(), &mut on_event).await;
         drop(on_event);
         let _ = forward.await;
         if let Ok(CallSuccess { usage: Some(u), .. }) = &result {
@@ -256,10 +266,15 @@ impl Runner {
             input_tokens: u.input_tokens,
             output_tokens: u.output_tokens,
             total_tokens: u.input_tokens + u.output_tokens,
+            reasoning_tokens: u.reasoning_tokens,
+            cached_input_tokens: u.cached_input_tokens,
         });
+        // The pacer settles with what the provider's limit counted (Anthropic
+        // does not count cache reads), not what the run is told it read.
+        let charged = success.usage.map(|u| u.charged_input_tokens);
         let outcome = CallOutcome {
-            used_tokens: usage.map(|u| u.total_tokens),
-            input_tokens: usage.map(|u| u.input_tokens),
+            used_tokens: charged.zip(usage).map(|(input, u)| input + u.output_tokens),
+            input_tokens: charged,
             rate_limited_ms: None,
             tokens: success.headers.tokens.into(),
             requests: success.headers.requests.into(),
@@ -267,7 +282,7 @@ impl Runner {
             output: success.headers.output_tokens.into(),
             headers_age_ms: success.headers_received.elapsed().as_millis() as u64,
         };
-        self.settle_pacer(&ctx.spec.model, reservation, &outcome).await;
+        self.settle_pacer(&ctx.spec, reservation, &outcome).await;
         let usage = usage.unwrap_or_default();
         if success.tool_calls.is_empty() {
             let fence = self
@@ -351,7 +366,7 @@ impl Runner {
             output: failure.headers.output_tokens.into(),
             headers_age_ms: failure.headers_received.map(|t| t.elapsed().as_millis() as u64).unwrap_or(0),
         };
-        self.settle_pacer(&ctx.spec.model, reservation, &outcome).await;
+        self.settle_pacer(&ctx.spec, reservation, &outcome).await;
 
         if ctx.spec.mode == Mode::Companion && failure.streamed_text {
             // Re-sending would say the same words twice to a live listener.
@@ -402,14 +417,17 @@ impl Runner {
         f(map.entry(model.to_owned()).or_insert_with(crate::estimate::Calibration::new))
     }
 
-    /// Notes a call into the pacer. A pacer that cannot be written is logged,
-    /// not fatal: the call happened, and its turn must still be committed.
-    async fn settle_pacer(&self, model: &str, reservation: &str, outcome: &CallOutcome) {
-        if let Err(error) = self.pacer.settle(model, reservation, outcome).await {
+    /// Notes a call into the pacer of the run's provider. A pacer that cannot
+    /// be written is logged, not fatal: the call happened, and its turn must
+    /// still be committed.
+    async fn settle_pacer(&self, spec: &shared::runs::RunSpec, reservation: &str, outcome: &CallOutcome) {
+        let Some(route): Option<&Route> = self.routes.get(spec.provider.as_deref()) else { return };
+        let model = spec.model.as_str();
+        if let Err(error) = route.pacer.settle(model, reservation, outcome).await {
             tracing::warn!(message = "could not settle the pacer", %error, reservation);
         }
         if let Some(remaining) = outcome.tokens.remaining {
-            metrics::gauge!(metric::PACER_REMAINING_TOKENS, "budget" => self.config.budget.clone(), "model" => model.to_owned())
+            metrics::gauge!(metric::PACER_REMAINING_TOKENS, "budget" => route.budget.clone(), "model" => model.to_owned())
                 .set(remaining as f64);
         }
     }

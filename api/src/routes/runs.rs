@@ -25,7 +25,8 @@ pub const MAX_LIMIT: usize = 100;
 pub const MAX_IDEMPOTENCY_KEY: usize = 255;
 
 /// The body of `POST /v1/runs` (SPEC §3), for the OpenAPI document; the
-/// handler validates the JSON itself so that each broken rule names its field.
+/// handler validates the JSON itself (`shared::runs::spec`, `generation`) so
+/// that each broken rule names its field.
 #[allow(dead_code)]
 #[derive(utoipa::ToSchema)]
 pub struct SubmitRun {
@@ -51,6 +52,45 @@ pub struct SubmitRun {
     /// Any JSON object; returned as given.
     #[schema(value_type = Object)]
     metadata: Option<Value>,
+    /// One of the fleet's `PACELINE_PROVIDERS` (default: the first; a
+    /// single-provider fleet's one provider is `default`).
+    #[schema(example = "claude")]
+    provider: Option<String>,
+    /// Sampling temperature, 0 to 2 (Anthropic: at most 1 is sent).
+    #[schema(minimum = 0, maximum = 2)]
+    temperature: Option<f64>,
+    /// Nucleus sampling, greater than 0 and at most 1.
+    #[schema(exclusive_minimum = 0, maximum = 1)]
+    top_p: Option<f64>,
+    /// `{"effort": "minimal" | "low" | "medium" | "high"}` (Chat: `reasoning_effort`;
+    /// Anthropic: `thinking` with a budget).
+    #[schema(value_type = Object, example = json!({"effort": "high"}))]
+    reasoning: Option<Value>,
+    /// `{"format": {"type": "text" | "json_object" | "json_schema", "name", "schema", "strict", "description"}}`
+    /// (Chat: `response_format`; Anthropic: a forced answer tool).
+    #[schema(value_type = Object, example = json!({"format": {"type": "json_schema", "name": "verdict",
+        "strict": true, "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}}}}}))]
+    text: Option<Value>,
+    /// `"auto"`, `"required"`, `"none"` or `{"type": "function", "name": ...}` naming one of `tools`.
+    #[schema(value_type = Object, example = json!("required"))]
+    tool_choice: Option<Value>,
+    /// Whether the model may call several tools in one turn (default true).
+    parallel_tool_calls: Option<bool>,
+    /// A stop sequence, or a list of 1 to 4 (not sent to Responses, which has none).
+    #[schema(value_type = Object, example = json!(["END"]))]
+    stop: Option<Value>,
+    /// Best-effort determinism (Chat only).
+    seed: Option<i64>,
+    /// `auto`, `default`, `flex`, `scale` or `priority` (Anthropic: `auto`, and `default` as `standard_only`).
+    #[schema(example = "flex")]
+    service_tier: Option<String>,
+    /// Groups requests for the provider's prompt cache (1 to 1024 characters; OpenAI styles).
+    prompt_cache_key: Option<String>,
+    /// Whether the provider keeps the response (Responses; default false: turns are stateless).
+    store: Option<bool>,
+    /// `auto` or `disabled` (Responses).
+    #[schema(example = "disabled")]
+    truncation: Option<String>,
 }
 
 /// A page of runs.

@@ -433,6 +433,11 @@ pub async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
     println!("turns:       {}/{}", run["turns_completed"], run["max_turns"]);
     let u = &run["usage"];
     println!("usage:       {} in + {} out = {} tokens", u["input_tokens"], u["output_tokens"], u["total_tokens"]);
+    let (cached, reasoning) =
+        (u["cached_input_tokens"].as_u64().unwrap_or(0), u["reasoning_tokens"].as_u64().unwrap_or(0));
+    if cached > 0 || reasoning > 0 {
+        println!("             {cached} of the input cached, {reasoning} of the output reasoning");
+    }
     let p = &run["pacing"];
     println!(
         "pacing:      {} budget waits ({} ms waited), {} rate limited, {} retries",

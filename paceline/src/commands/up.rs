@@ -22,7 +22,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use shared::config::{PacerArgs, ProviderArgs, RedisArgs, Secret};
+use shared::config::{KeySource, PacerArgs, ProviderArgs, RedisArgs};
 use shared::queue::QueueConfig;
 use tokio::sync::watch;
 
@@ -130,14 +130,16 @@ async fn serve(
     let demo = if args.demo { Some(demo::Demo::start(&args.demo_args).await?) } else { None };
     let mut tool_endpoints = args.tool_endpoints.clone();
     let mut provider = (*args.provider).clone();
+    let mut keys = KeySource::Environment;
     if let Some(d) = &demo {
         tool_endpoints.push(d.tool_endpoint());
-        provider.url = d.provider_url();
-        // The mock needs no key: a real one is not sent to it.
-        provider.api_key = Secret::default();
-    } else if provider.api_key.is_empty() && provider.url.contains("api.openai.com") {
-        say("OPENAI_API_KEY is not set: turns sent to api.openai.com will fail. Set it, point PACELINE_PROVIDER_URL \
-             at another OpenAI-compatible provider, or try `paceline up --demo`.");
+        // One provider per wire style, each its own mock and budget.
+        provider = ProviderArgs::single(String::new(), shared::runs::ApiStyle::Responses);
+        provider.named.providers = d.providers();
+        // The mocks need no key: a real one is not sent to them.
+        keys = KeySource::Given(Default::default());
+    } else {
+        warn_missing_keys(&provider, &args.pacer);
     }
     let api_config = api::ApiConfig {
         listen: args.listen,
@@ -147,6 +149,7 @@ async fn serve(
         body_limit: args.body_limit,
         retention: args.retention,
         redis_timeout_ms: args.redis_timeout_ms,
+        providers: provider.named.clone(),
     };
     let worker_config = worker::WorkerConfig {
         redis: redis.clone(),
@@ -157,7 +160,9 @@ async fn serve(
         max_history: args.max_history,
         tool_endpoints,
         retention: args.retention,
+        keys,
     };
+    let providers = describe_providers(&provider);
     let app = match api::Application::build(api_config).await {
         Ok(app) => app,
         Err(e) => {
@@ -186,11 +191,10 @@ async fn serve(
         }
     });
     say(format!(
-        "API on http://{addr}, {} worker slots, Redis {} (prefix {}), provider {}",
+        "API on http://{addr}, {} worker slots, Redis {} (prefix {}), {providers}",
         args.workers.max(1),
         redact(&redis.url),
         redis.prefix,
-        provider.url
     ));
     let mut demo_result = Ok(());
     if let Some(d) = &demo {
@@ -215,9 +219,37 @@ async fn serve(
     demo_result
 }
 
+/// Says which provider has no key where the real service needs one.
+fn warn_missing_keys(provider: &ProviderArgs, pacer: &PacerArgs) {
+    let Ok(resolved) = provider.resolve(&pacer.budget, pacer, &KeySource::Environment) else { return };
+    for p in resolved.iter().filter(|p| p.key.is_empty()) {
+        let service = ["api.openai.com", "api.anthropic.com"].into_iter().find(|host| p.url.contains(host));
+        if let Some(host) = service {
+            say(format!(
+                "provider {}: {} is not set: turns sent to {host} will fail. Set it, point the provider at another \
+                 server, or try `paceline up --demo`.",
+                p.name, p.key_source
+            ));
+        }
+    }
+}
+
+/// `provider https://…` or `providers a (responses, https://…), b (…)`.
+fn describe_providers(provider: &ProviderArgs) -> String {
+    let table = &provider.named.providers;
+    if table.is_empty() {
+        let style = provider.api_style;
+        let url = provider.url.clone().unwrap_or_else(|| shared::providers::default_url(style).to_owned());
+        return format!("provider {url} ({})", style.as_str());
+    }
+    let list: Vec<String> = table.0.iter().map(|p| format!("{} ({}, {})", p.name, p.style.as_str(), p.url)).collect();
+    format!("providers {}", list.join(", "))
+}
+
 /// Submits the examples, follows them to the end, then says what to try next.
 async fn run_demo(args: &Args, d: &demo::Demo, addr: SocketAddr, stop: watch::Receiver<bool>) -> anyhow::Result<()> {
-    let (examples, source) = demo::load_examples(&args.demo_args.examples, &d.tool_endpoint())?;
+    let (mut examples, source) = demo::load_examples(&args.demo_args.examples, &d.tool_endpoint())?;
+    demo::assign_providers(&mut examples);
     let token = args.tokens.0.first().map(|(_, t)| t.expose().to_owned());
     let client = demo::ApiClient::new(format!("http://{addr}"), token)?;
     say(format!("submitting {} sample runs from {source} through the API:", examples.len()));
@@ -229,7 +261,7 @@ async fn run_demo(args: &Args, d: &demo::Demo, addr: SocketAddr, stop: watch::Re
     let completed = finals.values().filter(|s| *s == "completed").count();
     let (calls, limited) = d.provider_counts();
     say(format!(
-        "all {} demo runs finished in {:.1} s ({completed} completed); the mock provider answered {calls} calls, {limited} of them 429s",
+        "all {} demo runs finished in {:.1} s ({completed} completed); the mock providers answered {calls} calls, {limited} of them 429s",
         finals.len(),
         started.elapsed().as_secs_f64()
     ));
@@ -246,6 +278,7 @@ async fn run_demo(args: &Args, d: &demo::Demo, addr: SocketAddr, stop: watch::Re
         "\nThe API stays up until Ctrl-C. Try:\n  \
          {bin} runs{api_flag}\n  \
          {submit}\n  \
+         echo '{{\"model\":\"claude-sonnet-4-5\",\"provider\":\"anthropic\",\"input\":\"Say hello\"}}' | {bin} submit -{api_flag} --watch\n  \
          {bin} pacer{api_flag}\n  \
          curl -s http://{addr}/v1/runs\n  \
          curl -s http://{addr}/v1/queue\n  \

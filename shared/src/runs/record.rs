@@ -22,6 +22,18 @@ pub struct Usage {
     pub output_tokens: u64,
     /// Their sum.
     pub total_tokens: u64,
+    /// The part of `output_tokens` the model spent reasoning (Responses
+    /// `output_tokens_details.reasoning_tokens`, Chat
+    /// `completion_tokens_details.reasoning_tokens`; Anthropic does not
+    /// report thinking apart, so 0 there).
+    #[serde(default)]
+    pub reasoning_tokens: u64,
+    /// The part of `input_tokens` read from the provider's prompt cache
+    /// (Responses `input_tokens_details.cached_tokens`, Chat
+    /// `prompt_tokens_details.cached_tokens`, Anthropic
+    /// `cache_read_input_tokens`).
+    #[serde(default)]
+    pub cached_input_tokens: u64,
 }
 
 /// What pacing did to a run.
@@ -107,6 +119,10 @@ pub mod field {
     pub const INPUT_TOKENS: &str = "input_tokens";
     /// See above.
     pub const OUTPUT_TOKENS: &str = "output_tokens";
+    /// See above (part of the output).
+    pub const REASONING_TOKENS: &str = "reasoning_tokens";
+    /// See above (part of the input).
+    pub const CACHED_INPUT_TOKENS: &str = "cached_input_tokens";
     /// Pacing counters.
     pub const BUDGET_WAITS: &str = "budget_waits";
     /// See above.
@@ -170,7 +186,13 @@ impl Run {
             model: get(field::MODEL).unwrap_or_default().to_owned(),
             turns_completed: num(field::TURNS) as u32,
             max_turns: num(field::MAX_TURNS) as u32,
-            usage: Usage { input_tokens, output_tokens, total_tokens: input_tokens + output_tokens },
+            usage: Usage {
+                input_tokens,
+                output_tokens,
+                total_tokens: input_tokens + output_tokens,
+                reasoning_tokens: num(field::REASONING_TOKENS),
+                cached_input_tokens: num(field::CACHED_INPUT_TOKENS),
+            },
             pacing: PacingCounters {
                 budget_waits: num(field::BUDGET_WAITS),
                 waited_ms: num(field::WAITED_MS),

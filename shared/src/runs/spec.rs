@@ -5,6 +5,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use super::generation::{self, Generation};
 use crate::pacer::Mode;
 
 /// Default and bounds of `max_turns`.
@@ -42,6 +43,14 @@ pub struct RunSpec {
     /// The client's own data, returned as given.
     #[serde(default)]
     pub metadata: Value,
+    /// The named provider the run's turns go to (`PACELINE_PROVIDERS`);
+    /// `None`: the fleet's first (its default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider: Option<String>,
+    /// Sampling, reasoning, structured output, tool choice and the
+    /// provider's knobs (`generation.rs`), at the top level of the body.
+    #[serde(flatten)]
+    pub generation: Generation,
 }
 
 /// What a submitted body got wrong.
@@ -58,21 +67,48 @@ fn err(field: impl Into<String>, message: impl Into<String>) -> SpecError {
     SpecError { field: field.into(), message: message.into() }
 }
 
-/// Which tool endpoints runs may name (`PACELINE_TOOL_ENDPOINTS`: URL prefixes).
+/// What runs may name: tool endpoints (`PACELINE_TOOL_ENDPOINTS`: URL
+/// prefixes) and providers (`PACELINE_PROVIDERS`).
 #[derive(Debug, Clone, Default)]
 pub struct SubmitPolicy {
     /// Allowed URL prefixes; empty allows none.
     pub tool_endpoint_prefixes: Vec<String>,
+    /// The fleet's provider names; empty means the one unnamed provider of a
+    /// single-provider fleet, which a run may call
+    /// [`crate::providers::DEFAULT_PROVIDER`].
+    pub providers: Vec<String>,
 }
 
-const KNOWN_FIELDS: [&str; 9] =
-    ["model", "instructions", "input", "tools", "tool_endpoint", "mode", "max_turns", "max_output_tokens", "metadata"];
+impl SubmitPolicy {
+    /// The provider names a run may give.
+    pub fn provider_names(&self) -> Vec<&str> {
+        if self.providers.is_empty() {
+            vec![crate::providers::DEFAULT_PROVIDER]
+        } else {
+            self.providers.iter().map(String::as_str).collect()
+        }
+    }
+}
+
+const KNOWN_FIELDS: [&str; 10] = [
+    "model",
+    "instructions",
+    "input",
+    "tools",
+    "tool_endpoint",
+    "mode",
+    "max_turns",
+    "max_output_tokens",
+    "metadata",
+    "provider",
+];
 
 impl RunSpec {
     /// Validates a submitted JSON body.
     pub fn from_json(body: &Value, policy: &SubmitPolicy) -> Result<Self, SpecError> {
         let obj = body.as_object().ok_or_else(|| err("", "the body must be a JSON object"))?;
-        if let Some(unknown) = obj.keys().find(|k| !KNOWN_FIELDS.contains(&k.as_str())) {
+        let known = |k: &str| KNOWN_FIELDS.contains(&k) || generation::FIELDS.contains(&k);
+        if let Some(unknown) = obj.keys().find(|k| !known(k.as_str())) {
             return Err(err(unknown.clone(), "unknown field"));
         }
         let model = match obj.get("model") {
@@ -170,7 +206,35 @@ impl RunSpec {
             Some(m @ Value::Object(_)) => m.clone(),
             Some(_) => return Err(err("metadata", "must be an object")),
         };
-        Ok(Self { model, instructions, input, tools, tool_endpoint, mode, max_turns, max_output_tokens, metadata })
+        let provider = match obj.get("provider") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(name)) => {
+                let known = policy.provider_names();
+                if !known.contains(&name.as_str()) {
+                    return Err(err(
+                        "provider",
+                        format!("is not a provider of this fleet (PACELINE_PROVIDERS has: {})", known.join(", ")),
+                    ));
+                }
+                Some(name.clone())
+            }
+            Some(_) => return Err(err("provider", "must be the name of a provider")),
+        };
+        let tool_names: Vec<&str> = tools.iter().filter_map(|t| t.get("name").and_then(Value::as_str)).collect();
+        let generation = Generation::from_json(obj, &tool_names)?;
+        Ok(Self {
+            model,
+            instructions,
+            input,
+            tools,
+            tool_endpoint,
+            mode,
+            max_turns,
+            max_output_tokens,
+            metadata,
+            provider,
+            generation,
+        })
     }
 }
 
@@ -229,7 +293,10 @@ mod tests {
     use serde_json::json;
 
     fn policy() -> SubmitPolicy {
-        SubmitPolicy { tool_endpoint_prefixes: vec!["http://127.0.0.1:9000/tools".into()] }
+        SubmitPolicy {
+            tool_endpoint_prefixes: vec!["http://127.0.0.1:9000/tools".into()],
+            providers: vec!["openai".into(), "claude".into()],
+        }
     }
 
     fn field_of(body: Value) -> String {
@@ -273,10 +340,34 @@ mod tests {
             ),
             (json!({"model": "m", "input": "x", "tools": [{"type": "function", "name": "a"}]}), "tool_endpoint"),
             (json!({"model": "m", "input": "x", "tool_endpoint": "http://evil.example/tools"}), "tool_endpoint"),
+            (json!({"model": "m", "input": "x", "provider": "gemini"}), "provider"),
+            (json!({"model": "m", "input": "x", "provider": 1}), "provider"),
+            (json!({"model": "m", "input": "x", "temperature": 3}), "temperature"),
+            (json!({"model": "m", "input": "x", "tool_choice": "required"}), "tool_choice"),
         ];
         for (body, field) in cases {
             assert_eq!(field_of(body.clone()), field, "{body}");
         }
+    }
+
+    #[test]
+    fn a_run_names_a_provider_of_the_fleet_and_its_generation_parameters() {
+        let body = json!({"model": "claude-sonnet-4-5", "input": "hi", "provider": "claude",
+                          "temperature": 0.5, "reasoning": {"effort": "low"}});
+        let s = RunSpec::from_json(&body, &policy()).unwrap();
+        assert_eq!(s.provider.as_deref(), Some("claude"));
+        assert_eq!(s.generation.temperature, Some(0.5));
+        // Stored as JSON and read back by the worker: the same spec, the
+        // parameters at the top level as submitted.
+        let stored = serde_json::to_value(&s).unwrap();
+        assert_eq!(stored["reasoning"], json!({"effort": "low"}));
+        assert_eq!(serde_json::from_value::<RunSpec>(stored).unwrap(), s);
+        // A single-provider fleet knows one provider, `default`.
+        let single = SubmitPolicy::default();
+        assert!(RunSpec::from_json(&json!({"model": "m", "input": "x", "provider": "default"}), &single).is_ok());
+        let err = RunSpec::from_json(&json!({"model": "m", "input": "x", "provider": "claude"}), &single).unwrap_err();
+        assert_eq!(err.field, "provider");
+        assert!(err.message.contains("default"), "{err}");
     }
 
     fn allowed(url: &str, prefixes: &[&str]) -> bool {

@@ -23,6 +23,17 @@ local function finished(status)
   return status == 'completed' or status == 'failed' or status == 'cancelled'
 end
 
+-- The record's usage counters a call adds to (record.rs `field`).
+local USAGE_FIELDS = {'input_tokens', 'output_tokens', 'reasoning_tokens', 'cached_input_tokens'}
+
+-- Adds one call's usage: a JSON object of those counters (missing ones are 0).
+local function add_usage(json)
+  local u = cjson.decode(json)
+  for _, f in ipairs(USAGE_FIELDS) do
+    redis.call('HINCRBY', RUN, f, math.floor(tonumber(u[f]) or 0))
+  end
+end
+
 -- A finished run's keys live for the retention period, then go.
 local function retire(now, retention)
   redis.call('HSET', RUN, 'finished_ms', now, 'updated_ms', now, 'wait_reason', '', 'next_attempt_ms', '', 'phase', '')
@@ -142,61 +153,58 @@ end
 if op == 'output' then
   -- The model's output of a turn whose tool calls are still to run: committed
   -- first, so a crash while tools run re-calls no model.
-  -- ARGV[3] epoch, [4] turn, [5] input tokens, [6] output tokens, [7..] entries
+  -- ARGV[3] epoch, [4] turn, [5] usage JSON, [6..] entries
   local r, status, why = fenced(ARGV[3], ARGV[4])
   if not r then return {'stop', why} end
   if redis.call('HGET', RUN, 'phase') == 'tools' then return {'ok'} end
-  for i = 7, #ARGV do redis.call('RPUSH', TX, ARGV[i]) end
-  redis.call('HINCRBY', RUN, 'input_tokens', tonumber(ARGV[5]))
-  redis.call('HINCRBY', RUN, 'output_tokens', tonumber(ARGV[6]))
+  for i = 6, #ARGV do redis.call('RPUSH', TX, ARGV[i]) end
+  add_usage(ARGV[5])
   redis.call('HSET', RUN, 'phase', 'tools', 'updated_ms', q_now())
   return {'ok'}
 end
 
 if op == 'commit' then
-  -- ARGV[3] epoch, [4] turn, [5] input tokens, [6] output tokens,
-  -- [7] next: 'continue' | 'complete' | 'fail',
-  -- [8] next job payload (continue) or final text (complete) or error kind (fail),
-  -- [9] error message (fail), [10] turn.completed data, [11] retention ms,
-  -- [12..] entries appended
+  -- ARGV[3] epoch, [4] turn, [5] usage JSON,
+  -- [6] next: 'continue' | 'complete' | 'fail',
+  -- [7] next job payload (continue) or final text (complete) or error kind (fail),
+  -- [8] error message (fail), [9] turn.completed data, [10] retention ms,
+  -- [11..] entries appended
   local r, status, why = fenced(ARGV[3], ARGV[4])
   if not r then return {'stop', why} end
   local now = q_now()
-  for i = 12, #ARGV do redis.call('RPUSH', TX, ARGV[i]) end
-  redis.call('HINCRBY', RUN, 'input_tokens', tonumber(ARGV[5]))
-  redis.call('HINCRBY', RUN, 'output_tokens', tonumber(ARGV[6]))
+  for i = 11, #ARGV do redis.call('RPUSH', TX, ARGV[i]) end
+  add_usage(ARGV[5])
   local turns = redis.call('HINCRBY', RUN, 'turns', 1)
   redis.call('HSET', RUN, 'phase', '', 'updated_ms', now)
-  event('turn.completed', ARGV[10])
-  local next = ARGV[7]
+  event('turn.completed', ARGV[9])
+  local next = ARGV[6]
   if next == 'continue' then
     redis.call('HSET', RUN, 'status', 'queued', 'wait_reason', '', 'next_attempt_ms', '')
-    r.payload = ARGV[8]
+    r.payload = ARGV[7]
     r.deliveries = 0
     q_schedule(id, r, now)
     return {'continued', tostring(turns)}
   end
   q_finish(id)
   if next == 'complete' then
-    redis.call('HSET', RUN, 'status', 'completed', 'output_text', ARGV[8])
-    retire(now, ARGV[11])
-    event('run.completed', cjson.encode({output_text = ARGV[8], turns = turns}))
+    redis.call('HSET', RUN, 'status', 'completed', 'output_text', ARGV[7])
+    retire(now, ARGV[10])
+    event('run.completed', cjson.encode({output_text = ARGV[7], turns = turns}))
     return {'completed', tostring(turns)}
   end
-  redis.call('HSET', RUN, 'status', 'failed', 'error_kind', ARGV[8], 'error_message', ARGV[9])
-  retire(now, ARGV[11])
-  event('run.failed', cjson.encode({error = {kind = ARGV[8], message = ARGV[9]}, turns = turns}))
+  redis.call('HSET', RUN, 'status', 'failed', 'error_kind', ARGV[7], 'error_message', ARGV[8])
+  retire(now, ARGV[10])
+  event('run.failed', cjson.encode({error = {kind = ARGV[7], message = ARGV[8]}, turns = turns}))
   return {'failed', tostring(turns)}
 end
 
 if op == 'fail' then
   -- ARGV[3] epoch, [4] turn, [5] error kind, [6] message, [7] retention ms,
-  -- [8] input tokens, [9] output tokens (of a call that was answered)
+  -- [8] usage JSON (of a call that was answered)
   local r, status, why = fenced(ARGV[3], nil)
   if not r then return {'stop', why} end
   local now = q_now()
-  redis.call('HINCRBY', RUN, 'input_tokens', tonumber(ARGV[8]))
-  redis.call('HINCRBY', RUN, 'output_tokens', tonumber(ARGV[9]))
+  add_usage(ARGV[8])
   redis.call('HSET', RUN, 'status', 'failed', 'error_kind', ARGV[5], 'error_message', ARGV[6])
   retire(now, ARGV[7])
   event('run.failed', cjson.encode({error = {kind = ARGV[5], message = ARGV[6]}}))

@@ -554,7 +554,7 @@ impl RunStore {
         usage: Usage,
     ) -> Result<Fence, StoreError> {
         let mut inv = self.invocation("output", &lease.id, "", None);
-        inv.arg(lease.epoch).arg(job.turn).arg(usage.input_tokens).arg(usage.output_tokens);
+        inv.arg(lease.epoch).arg(job.turn).arg(usage_arg(usage));
         for item in items {
             inv.arg(
                 serde_json::to_string(&TranscriptEntry { turn: job.turn + 1, item: item.clone() }).unwrap_or_default(),
@@ -581,14 +581,12 @@ impl RunStore {
             Next::Complete(text) => ("complete", text.clone(), String::new()),
             Next::Fail { kind, message } => ("fail", kind.clone(), message.clone()),
         };
-        let data = json!({"turn": job.turn, "usage": {
-            "input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens,
-            "total_tokens": usage.input_tokens + usage.output_tokens}});
+        let usage = Usage { total_tokens: usage.input_tokens + usage.output_tokens, ..usage };
+        let data = json!({"turn": job.turn, "usage": usage});
         let mut inv = self.invocation("commit", &lease.id, "", None);
         inv.arg(lease.epoch)
             .arg(job.turn)
-            .arg(usage.input_tokens)
-            .arg(usage.output_tokens)
+            .arg(usage_arg(usage))
             .arg(kind)
             .arg(a)
             .arg(b)
@@ -613,15 +611,15 @@ impl RunStore {
         usage: Usage,
     ) -> Result<Fence, StoreError> {
         let mut inv = self.invocation("fail", &lease.id, "", None);
-        inv.arg(lease.epoch)
-            .arg(job.turn)
-            .arg(kind)
-            .arg(message)
-            .arg(self.retention_ms())
-            .arg(usage.input_tokens)
-            .arg(usage.output_tokens);
+        inv.arg(lease.epoch).arg(job.turn).arg(kind).arg(message).arg(self.retention_ms()).arg(usage_arg(usage));
         Self::fence(&self.invoke(inv).await?)
     }
+}
+
+/// A call's usage as the store script's argument: a JSON object named as the
+/// record's counters (`store.lua` `add_usage`).
+fn usage_arg(usage: Usage) -> String {
+    serde_json::to_string(&usage).unwrap_or_else(|_| "{}".into())
 }
 
 /// The run of record fields `f` (of run `id`) if it belongs to `tenant`;

@@ -2,7 +2,8 @@
 //! each tagged with the turn that added it (turn 0 is the run's input).
 //!
 //! The items are kept in the Responses shape whatever the transport; the worker
-//! converts them for Chat Completions when it sends. Tool outputs are stored
+//! converts them for Chat Completions and Anthropic's Messages API when it
+//! sends, and converts their answers back. Tool outputs are stored
 //! already clipped (see `backpressure.rs`), so the transcript the API shows is
 //! the text the model was allowed to read — one constant, not two.
 
@@ -29,4 +30,17 @@ pub enum ApiStyle {
     Responses,
     /// `POST /chat/completions` (vLLM, Ollama, LiteLLM often speak only this).
     Chat,
+    /// `POST /v1/messages` (Anthropic's Messages API).
+    Anthropic,
+}
+
+impl ApiStyle {
+    /// The name as written in `PACELINE_API_STYLE` and `PACELINE_PROVIDERS`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Responses => "responses",
+            Self::Chat => "chat",
+            Self::Anthropic => "anthropic",
+        }
+    }
 }

@@ -237,6 +237,78 @@ async fn open_mode_without_tokens_is_tenant_default() {
 }
 
 #[tokio::test]
+async fn each_generation_parameter_out_of_range_is_a_422_naming_it_and_a_valid_set_is_kept() {
+    let app = spawn_app_with(|c| {
+        c.providers.providers =
+            "openai=responses@https://api.openai.com/v1,claude=anthropic@https://api.anthropic.com".parse().unwrap()
+    })
+    .await;
+    let tools = json!([{"type": "function", "name": "search", "parameters": {"type": "object", "properties": {}}}]);
+    let with = |extra: Value| {
+        let mut body = json!({"model": "m", "input": "x", "tool_endpoint": TOOLS, "tools": tools});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        body
+    };
+    let schema = json!({"type": "object"});
+    let cases = [
+        (json!({"temperature": 2.1}), "temperature"),
+        (json!({"top_p": 0}), "top_p"),
+        (json!({"top_p": 1.5}), "top_p"),
+        (json!({"reasoning": {"effort": "maximal"}}), "reasoning.effort"),
+        (json!({"reasoning": {"effort": "low", "summary": "auto"}}), "reasoning.summary"),
+        (json!({"text": {"format": {"type": "xml"}}}), "text.format.type"),
+        (json!({"text": {"format": {"type": "json_schema", "schema": schema}}}), "text.format.name"),
+        (json!({"text": {"format": {"type": "json_schema", "name": "v"}}}), "text.format.schema"),
+        (
+            json!({"text": {"format": {"type": "json_schema", "name": "v", "schema": schema, "strict": 1}}}),
+            "text.format.strict",
+        ),
+        (json!({"tool_choice": "always"}), "tool_choice"),
+        (json!({"tool_choice": {"type": "function", "name": "fetch"}}), "tool_choice.name"),
+        (json!({"parallel_tool_calls": "yes"}), "parallel_tool_calls"),
+        (json!({"stop": ["a", "b", "c", "d", "e"]}), "stop"),
+        (json!({"stop": ["a", 1]}), "stop[1]"),
+        (json!({"seed": 0.5}), "seed"),
+        (json!({"service_tier": "turbo"}), "service_tier"),
+        (json!({"prompt_cache_key": ""}), "prompt_cache_key"),
+        (json!({"store": "no"}), "store"),
+        (json!({"truncation": "middle"}), "truncation"),
+        (json!({"provider": "gemini"}), "provider"),
+        (json!({"top_k": 5}), "top_k"),
+    ];
+    for (extra, field) in cases {
+        let (status, err) = app.post("/v1/runs", ACME, &with(extra.clone())).await;
+        assert_eq!(status, 422, "{extra}: {err}");
+        assert_eq!(err["error"]["field"], field, "{extra}: {err}");
+    }
+    let (status, err) =
+        app.post("/v1/runs", ACME, &json!({"model": "m", "input": "x", "tool_choice": "required"})).await;
+    assert_eq!((status, err["error"]["field"].as_str()), (422, Some("tool_choice")), "{err}");
+    let (_, err) = app.post("/v1/runs", ACME, &with(json!({"provider": "gemini"}))).await;
+    assert!(err["error"]["message"].as_str().unwrap().contains("openai, claude"), "{err}");
+    assert_eq!(app.key_count().await, 0, "invalid input reached Redis");
+
+    // Every parameter at once, in range, on a named provider: accepted and stored as given.
+    let all = with(json!({"provider": "claude", "temperature": 0, "top_p": 1, "reasoning": {"effort": "minimal"},
+        "text": {"format": {"type": "json_schema", "name": "v", "schema": schema, "strict": true}},
+        "tool_choice": {"type": "function", "name": "search"}, "parallel_tool_calls": false, "stop": "END",
+        "seed": 7, "service_tier": "priority", "prompt_cache_key": "k", "store": false, "truncation": "disabled"}));
+    let run = app.submit(ACME, &all).await;
+    assert_eq!(run["usage"]["reasoning_tokens"], 0);
+    assert_eq!(run["usage"]["cached_input_tokens"], 0);
+    let key =
+        format!("{}:{}:run:{}", app.prefix, Keys::new(app.prefix.clone()).slot_tag(), run["id"].as_str().unwrap());
+    let mut conn = app.redis.conn().await;
+    let spec: String = redis::cmd("HGET").arg(&key).arg("spec").query_async(&mut conn).await.unwrap();
+    let stored: Value = serde_json::from_str(&spec).unwrap();
+    assert_eq!(stored["provider"], "claude");
+    assert_eq!(stored["stop"], json!(["END"]));
+    assert_eq!(stored["tool_choice"], json!({"type": "function", "name": "search"}));
+}
+
+#[tokio::test]
 async fn malformed_json_is_400_and_breaking_a_rule_is_422_naming_the_field() {
     let app = spawn_app().await;
     for raw in ["{", "not json", "{\"model\": }", "", "[1,"] {
@@ -663,6 +735,27 @@ async fn the_openapi_document_lists_every_route() {
     {
         assert!(schemas.contains_key(s), "schema {s} is missing");
     }
+    // The run spec's generation parameters and provider are documented.
+    let submit = schemas["SubmitRun"]["properties"].as_object().unwrap();
+    for field in [
+        "temperature",
+        "top_p",
+        "reasoning",
+        "text",
+        "tool_choice",
+        "parallel_tool_calls",
+        "stop",
+        "seed",
+        "service_tier",
+        "prompt_cache_key",
+        "store",
+        "truncation",
+        "provider",
+    ] {
+        assert!(submit.contains_key(field), "SubmitRun.{field} is missing");
+    }
+    let usage = schemas["Usage"]["properties"].as_object().unwrap();
+    assert!(usage.contains_key("reasoning_tokens") && usage.contains_key("cached_input_tokens"));
     assert_eq!(
         doc["paths"]["/v1/runs"]["post"]["responses"]["202"]["content"]["application/json"]["schema"]["$ref"],
         "#/components/schemas/Run"
@@ -809,7 +902,7 @@ async fn the_cli_submits_watches_lists_and_shows_errors_in_one_line() {
     let items = [
         json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "the final answer"}]}),
     ];
-    let usage = Usage { input_tokens: 100, output_tokens: 20, total_tokens: 120 };
+    let usage = Usage { input_tokens: 100, output_tokens: 20, total_tokens: 120, ..Usage::default() };
     let done = Next::Complete("the final answer".into());
     assert_eq!(store.commit(&lease, job, &items, usage, &done).await.unwrap(), Fence::Ok);
     let out = within("paceline watch to exit", Duration::from_secs(15), watch.wait_with_output()).await.unwrap();

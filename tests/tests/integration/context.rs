@@ -116,6 +116,39 @@ fn assert_chat_tool_messages_are_paired(messages: &[Value]) {
     assert!(open.is_empty(), "calls {open:?} left unanswered at the end");
 }
 
+/// Anthropic's rules for tool use: roles alternate, and the message after an
+/// assistant's `tool_use` blocks is a user message whose `tool_result`
+/// blocks answer exactly those ids, first.
+fn assert_anthropic_tool_blocks_are_paired(messages: &[Value]) {
+    let ids = |m: &Value, kind: &str, key: &str| -> Vec<String> {
+        m["content"]
+            .as_array()
+            .map(|c| c.iter().filter(|b| b["type"] == kind).map(|b| b[key].as_str().unwrap().to_string()).collect())
+            .unwrap_or_default()
+    };
+    assert_eq!(messages.first().map(|m| &m["role"]), Some(&json!("user")), "the first message is the user's");
+    for (i, m) in messages.iter().enumerate() {
+        assert!(!m["content"].as_array().unwrap().is_empty(), "message {i} is empty");
+        if i > 0 {
+            assert_ne!(m["role"], messages[i - 1]["role"], "messages {} and {i} have one role", i - 1);
+        }
+        let results = ids(m, "tool_result", "tool_use_id");
+        if !results.is_empty() {
+            assert_eq!(m["role"], "user");
+            let asked = ids(&messages[i - 1], "tool_use", "id");
+            assert_eq!(results, asked, "message {i} answers other calls than the one before it asked");
+            let first_other = m["content"].as_array().unwrap().iter().position(|b| b["type"] != "tool_result");
+            assert!(first_other.is_none_or(|p| p >= results.len()), "tool results come first in message {i}");
+        }
+        let uses = ids(m, "tool_use", "id");
+        if !uses.is_empty() {
+            if let Some(next) = messages.get(i + 1) {
+                assert_eq!(ids(next, "tool_result", "tool_use_id"), uses, "message {i}'s calls are not answered next");
+            }
+        }
+    }
+}
+
 #[test]
 fn bounded_contexts_make_valid_bodies_in_both_formats() {
     let tools = tools();
@@ -125,6 +158,7 @@ fn bounded_contexts_make_valid_bodies_in_both_formats() {
         tools: &tools,
         max_output_tokens: Some(512),
         metadata: None,
+        generation: None,
     };
     for seed in 0..300u64 {
         let mut rng = StdRng::seed_from_u64(seed);
@@ -134,6 +168,12 @@ fn bounded_contexts_make_valid_bodies_in_both_formats() {
 
         let chat = build_body(ApiStyle::Chat, &params, &context);
         assert_chat_tool_messages_are_paired(chat["messages"].as_array().unwrap());
+
+        let anthropic = build_body(ApiStyle::Anthropic, &params, &context);
+        assert_anthropic_tool_blocks_are_paired(anthropic["messages"].as_array().unwrap());
+        // And the mock, which refuses what Anthropic refuses, takes it.
+        mock_provider::wire::parse(mock_provider::wire::Api::Messages, &anthropic)
+            .unwrap_or_else(|e| panic!("seed {seed}: {e}"));
 
         let responses = build_body(ApiStyle::Responses, &params, &context);
         let input = responses["input"].as_array().unwrap();
@@ -153,7 +193,7 @@ fn bounded_contexts_make_valid_bodies_in_both_formats() {
             continue;
         }
         let everything: Vec<Value> = transcript.iter().map(|e| e.item.clone()).collect();
-        for style in [ApiStyle::Responses, ApiStyle::Chat] {
+        for style in [ApiStyle::Responses, ApiStyle::Chat, ApiStyle::Anthropic] {
             let full = estimate_tokens(&build_body(style, &params, &everything), 512);
             let bounded = estimate_tokens(&build_body(style, &params, &context), 512);
             assert!(bounded <= full, "seed {seed} {style:?}: {bounded} > {full}");
@@ -186,8 +226,14 @@ fn a_long_browsing_run_sends_one_view_and_a_bounded_history() {
     assert!(newest.chars().count() <= BROWSER_TOOL_OUTPUT_CAP);
 
     let tools = tools();
-    let params =
-        TurnParams { model: "m", instructions: None, tools: &tools, max_output_tokens: Some(1000), metadata: None };
+    let params = TurnParams {
+        model: "m",
+        instructions: None,
+        tools: &tools,
+        max_output_tokens: Some(1000),
+        metadata: None,
+        generation: None,
+    };
     let chat = build_body(ApiStyle::Chat, &params, &context);
     let last_tool = chat["messages"].as_array().unwrap().iter().rev().find(|m| m["role"] == "tool").unwrap();
     assert_eq!(last_tool["content"].as_str(), Some(*newest), "Chat sends the same clipped text");
@@ -235,8 +281,11 @@ fn calibrated_estimates_cover_what_the_mock_charges() {
         tools: &tools,
         max_output_tokens: Some(512),
         metadata: None,
+        generation: None,
     };
-    for (style, api) in [(ApiStyle::Responses, Api::Responses), (ApiStyle::Chat, Api::Chat)] {
+    for (style, api) in
+        [(ApiStyle::Responses, Api::Responses), (ApiStyle::Chat, Api::Chat), (ApiStyle::Anthropic, Api::Messages)]
+    {
         let mut calibration = Calibration::new();
         let mut ratios = vec![];
         for seed in 0..40u64 {

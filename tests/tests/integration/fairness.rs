@@ -219,7 +219,11 @@ mod with_workers {
             body["tools"] = json!([{"type": "function", "name": "lookup", "parameters": {"type": "object"}}]);
             body["tool_endpoint"] = json!(app.tools);
         }
-        RunSpec::from_json(&body, &SubmitPolicy { tool_endpoint_prefixes: vec![app.tools.clone()] }).unwrap()
+        RunSpec::from_json(
+            &body,
+            &SubmitPolicy { tool_endpoint_prefixes: vec![app.tools.clone()], ..SubmitPolicy::default() },
+        )
+        .unwrap()
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,6 +1,7 @@
 //! paceline's integration tests: one binary, one module per area. Each test owns
 //! a private redis-server and a unique key prefix (see the harness in `src/lib.rs`).
 
+mod anthropic;
 mod api;
 mod bench;
 mod context;
@@ -11,5 +12,6 @@ mod pacer;
 mod provider_client;
 mod queue;
 mod run_store;
+mod styles;
 mod up;
 mod worker;

@@ -14,7 +14,7 @@ use axum::{Json, Router};
 use mock_provider::{Fault, HeaderStyle, MockConfig, MockServer};
 use paceline_tests::within;
 use serde_json::{json, Value};
-use shared::config::{ProviderArgs, Secret};
+use shared::config::Secret;
 use shared::pacer::{FailureKind, Transport};
 use shared::runs::ApiStyle;
 use worker::provider::{CallFailure, CallSuccess, Provider, StreamEvent};
@@ -29,17 +29,18 @@ async fn mock(config: MockConfig) -> MockServer {
 }
 
 fn provider_at(base_url: &str, key: &str, style: ApiStyle) -> Provider {
-    Provider::new(&ProviderArgs { url: base_url.to_string(), api_key: Secret::new(key), api_style: style })
+    Provider::new(style, base_url, &Secret::new(key))
         .expect("a provider client")
         .with_timeouts(Duration::from_secs(2), Duration::from_secs(5))
 }
 
 fn provider(server: &MockServer, style: ApiStyle) -> Provider {
-    provider_at(&server.base_url(), "sk-test", style)
+    let base = if style == ApiStyle::Anthropic { server.url() } else { server.base_url() };
+    provider_at(&base, "sk-test", style)
 }
 
 /// A request body in `style`, offering a `search` tool when `tools`.
-fn body(style: ApiStyle, tools: bool) -> Value {
+pub(crate) fn body(style: ApiStyle, tools: bool) -> Value {
     let params = json!({"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]});
     match style {
         ApiStyle::Responses => {
@@ -60,11 +61,19 @@ fn body(style: ApiStyle, tools: bool) -> Value {
             }
             b
         }
+        ApiStyle::Anthropic => {
+            let mut b = json!({"model": "claude-test", "max_tokens": 500, "system": "Be brief.",
+                               "messages": [{"role": "user", "content": "What is paceline?"}]});
+            if tools {
+                b["tools"] = json!([{"name": "search", "input_schema": params}]);
+            }
+            b
+        }
     }
 }
 
 /// One call, bounded; the events the callback saw, and the result.
-async fn call(provider: &Provider, body: Value) -> (Vec<StreamEvent>, Result<CallSuccess, CallFailure>) {
+pub(crate) async fn call(provider: &Provider, body: Value) -> (Vec<StreamEvent>, Result<CallSuccess, CallFailure>) {
     let mut events = Vec::new();
     let result = within("a provider call", Duration::from_secs(15), provider.call(body, &mut |e| events.push(e))).await;
     (events, result)
@@ -198,6 +207,7 @@ async fn an_answer_cut_by_max_output_tokens_is_an_incomplete_success() {
         match style {
             ApiStyle::Responses => b["max_output_tokens"] = json!(10),
             ApiStyle::Chat => b["max_completion_tokens"] = json!(10),
+            ApiStyle::Anthropic => b["max_tokens"] = json!(10),
         }
         let (_, result) = call(&provider(&server, style), b).await;
         let ok = success(style, result);

@@ -44,6 +44,8 @@ pub(crate) struct App {
     pub(crate) mock: MockServer,
     pub(crate) store: RunStore,
     pub(crate) tools: String,
+    /// The provider names runs may give (empty: the one `default`).
+    pub(crate) providers: Vec<String>,
     workers: Vec<(oneshot::Sender<()>, JoinHandle<()>)>,
 }
 
@@ -62,7 +64,7 @@ impl App {
         let conn = shared::redis_util::manager(&redis.url()).await.unwrap();
         let store = RunStore::new(conn, Keys::new(&prefix), Duration::from_secs(600));
         let tools = format!("http://{}/tools", tool_server().await);
-        Self { redis, prefix, mock, store, tools, workers: vec![] }
+        Self { redis, prefix, mock, store, tools, providers: vec![], workers: vec![] }
     }
 
     pub(crate) fn config(&self) -> worker::WorkerConfig {
@@ -87,7 +89,7 @@ impl App {
 
     /// A `paceline worker` process on this app's Redis, mock and tools, with
     /// `args` after the common ones (killed when dropped).
-    fn worker_process(&self, args: &[&str], rust_log: &str) -> ChildGuard {
+    pub(crate) fn worker_process(&self, args: &[&str], rust_log: &str) -> ChildGuard {
         let mut cmd = std::process::Command::new(paceline_tests::paceline_bin());
         cmd.arg("worker")
             .args(["--redis-url", &self.redis.url(), "--prefix", &self.prefix])
@@ -98,8 +100,9 @@ impl App {
         ChildGuard(cmd.spawn().expect("start paceline worker"))
     }
 
-    async fn submit(&self, body: Value) -> Run {
-        let policy = SubmitPolicy { tool_endpoint_prefixes: vec![self.tools.clone()] };
+    pub(crate) async fn submit(&self, body: Value) -> Run {
+        let policy =
+            SubmitPolicy { tool_endpoint_prefixes: vec![self.tools.clone()], providers: self.providers.clone() };
         let spec = RunSpec::from_json(&body, &policy).expect("valid spec");
         self.store.create(TENANT, &spec, None).await.unwrap().run
     }
@@ -120,11 +123,11 @@ impl App {
     }
 }
 
-fn secs(s: u64) -> Duration {
+pub(crate) fn secs(s: u64) -> Duration {
     Duration::from_secs(s)
 }
 
-fn tool_run(app: &App, tool: &str) -> Value {
+pub(crate) fn tool_run(app: &App, tool: &str) -> Value {
     json!({
         "model": "gpt-test",
         "instructions": "You are a test.",
@@ -421,7 +424,7 @@ async fn work_and_companion_runs_all_finish_with_a_full_bucket_never_idle() {
     })
     .await;
     let _workers: Vec<ChildGuard> = (0..3).map(|_| app.worker_process(&["--concurrency", "16"], "error")).collect();
-    let policy = SubmitPolicy { tool_endpoint_prefixes: vec![app.tools.clone()] };
+    let policy = SubmitPolicy { tool_endpoint_prefixes: vec![app.tools.clone()], ..SubmitPolicy::default() };
     let background = "Background: the team runs many long agent sessions on one account. ".repeat(30);
     let started = Instant::now();
     let mut work = vec![];

@@ -67,10 +67,14 @@ impl ChatDecoder {
         if let Some(u) = chunk.get("usage").filter(|u| u.is_object()) {
             let input_tokens = count(u, "prompt_tokens").unwrap_or(0);
             let output_tokens = count(u, "completion_tokens").unwrap_or(0);
+            let detail = |outer: &str, inner: &str| u.get(outer).and_then(|d| count(d, inner)).unwrap_or(0);
             self.usage = Some(Usage {
                 input_tokens,
                 output_tokens,
                 total_tokens: count(u, "total_tokens").unwrap_or(input_tokens + output_tokens),
+                reasoning_tokens: detail("completion_tokens_details", "reasoning_tokens"),
+                cached_input_tokens: detail("prompt_tokens_details", "cached_tokens"),
+                charged_input_tokens: input_tokens,
             });
         }
         // We never ask for n > 1; other choices, if a server sends them, are not ours.
@@ -190,6 +194,22 @@ mod tests {
     }
 
     #[test]
+    fn reasoning_and_cached_tokens_are_read_from_the_details() {
+        let frames = [
+            chunk(json!({"content": "Hi"}), json!("stop")),
+            json!({"choices": [], "usage": {"prompt_tokens": 1200, "completion_tokens": 300, "total_tokens": 1500,
+                   "prompt_tokens_details": {"cached_tokens": 1024}, "completion_tokens_details": {"reasoning_tokens": 256}}})
+                .to_string(),
+            "[DONE]".to_string(),
+        ];
+        let frames: Vec<&str> = frames.iter().map(String::as_str).collect();
+        let Outcome::Finished(d) = run(&frames, false).1 else { panic!() };
+        let u = d.usage.unwrap();
+        assert_eq!((u.input_tokens, u.cached_input_tokens, u.reasoning_tokens), (1200, 1024, 256));
+        assert_eq!(u.charged_input_tokens, 1200, "OpenAI counts cached input against the limit");
+    }
+
+    #[test]
     fn text_then_usage_then_done() {
         let frames = [
             chunk(json!({"role": "assistant", "content": ""}), Value::Null),
@@ -205,7 +225,7 @@ mod tests {
         assert_eq!(seen, vec![StreamEvent::TextDelta("Hello".into()), StreamEvent::TextDelta(" there".into())]);
         let Outcome::Finished(d) = out else { panic!("{out:?}") };
         assert_eq!(d.output, vec![assistant_message("Hello there")]);
-        assert_eq!(d.usage, Some(Usage { input_tokens: 9, output_tokens: 2, total_tokens: 11 }));
+        assert_eq!(d.usage, Some(Usage::new(9, 2)));
         assert_eq!(d.incomplete_reason, None);
     }
 
@@ -242,7 +262,7 @@ mod tests {
         );
         assert_eq!(seen.len(), 2);
         assert!(matches!(&seen[0], StreamEvent::ToolCall { call_id, .. } if call_id == "call_a"));
-        assert_eq!(d.usage, Some(Usage { input_tokens: 3, output_tokens: 4, total_tokens: 7 }));
+        assert_eq!(d.usage, Some(Usage::new(3, 4)));
         assert_eq!(d.output_text, "");
     }
 

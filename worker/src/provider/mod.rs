@@ -1,4 +1,5 @@
-//! Our thin client for OpenAI-compatible providers: one streaming call, its
+//! Our thin client for the providers' wire formats (OpenAI's Responses and
+//! Chat Completions, Anthropic's Messages): one streaming call, its
 //! rate-limit headers, its answer in the Responses shape, or a classified
 //! failure.
 //!
@@ -9,14 +10,16 @@
 //! inside the call, which blinds the shared pacer.
 //!
 //! - `sse.rs` — the incremental Server-Sent Events parser.
-//! - `responses.rs` / `chat.rs` — decoding each wire format's stream into the
-//!   Responses shape (sans-IO, unit-tested with event sequences).
-//! - `decode.rs` — what both share (the decoded answer, error objects).
+//! - `responses.rs` / `chat.rs` / `anthropic.rs` — decoding each wire
+//!   format's stream into the Responses shape (sans-IO, unit-tested with
+//!   event sequences).
+//! - `decode.rs` — what they share (the decoded answer, error objects).
 //!
 //! Timeouts: a connect timeout, and a timeout *between* stream events (and
 //! until the response headers) — never a short total timeout, because a long
 //! answer may stream for minutes while every gap stays short.
 
+mod anthropic;
 mod chat;
 mod decode;
 mod responses;
@@ -32,10 +35,11 @@ use reqwest::header::{HeaderMap, HeaderValue, ACCEPT, AUTHORIZATION};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use shared::clock::{Clock, SystemClock};
-use shared::config::ProviderArgs;
+use shared::config::Secret;
 use shared::pacer::{classify, FailedCall, FailureKind, HeaderSnapshot, Transport};
 use shared::runs::ApiStyle;
 
+use anthropic::AnthropicDecoder;
 use chat::ChatDecoder;
 use decode::{clip, Decoded, ErrorBody, Outcome};
 use responses::ResponsesDecoder;
@@ -84,12 +88,33 @@ pub struct ToolCall {
 /// Tokens the provider says one call used.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Usage {
-    /// Input (prompt) tokens.
+    /// Input (prompt) tokens, cached ones included (Anthropic's uncached
+    /// `input_tokens` plus its cache writes and reads).
     pub input_tokens: u64,
     /// Output (completion) tokens, reasoning included.
     pub output_tokens: u64,
     /// Their sum, as the provider reports it.
     pub total_tokens: u64,
+    /// The part of the output spent reasoning, where the provider says.
+    pub reasoning_tokens: u64,
+    /// The part of the input read from the provider's prompt cache.
+    pub cached_input_tokens: u64,
+    /// The input the provider's rate limit counts: all of it for OpenAI;
+    /// for Anthropic, without the cache reads (its input limit skips them).
+    pub charged_input_tokens: u64,
+}
+
+impl Usage {
+    /// `input` + `output`, nothing cached or reasoned, all input charged.
+    pub fn new(input_tokens: u64, output_tokens: u64) -> Self {
+        Self {
+            input_tokens,
+            output_tokens,
+            total_tokens: input_tokens + output_tokens,
+            charged_input_tokens: input_tokens,
+            ..Self::default()
+        }
+    }
 }
 
 /// A call that finished with an answer.
@@ -194,7 +219,9 @@ pub struct Provider {
     client: reqwest::Client,
     base_url: String,
     style: ApiStyle,
-    /// `Bearer KEY`, marked sensitive; `None` when no key was given (local servers).
+    /// `Bearer KEY` (OpenAI's styles, as `Authorization`) or the key itself
+    /// (Anthropic's `x-api-key`), marked sensitive; `None` when no key was
+    /// given (local servers).
     auth: Option<HeaderValue>,
     connect_timeout: Duration,
     between_events: Duration,
@@ -221,18 +248,22 @@ fn build_client(connect: Duration) -> reqwest::Result<reqwest::Client> {
 }
 
 impl Provider {
-    /// A client for `args.url` in `args.api_style`, with the default timeouts.
+    /// A client for `url` in `style` with `key`, with the default timeouts.
     /// Fails on a URL that is not http(s) or a key that cannot be a header.
-    pub fn new(args: &ProviderArgs) -> anyhow::Result<Self> {
-        let base_url = args.url.trim().trim_end_matches('/').to_string();
+    pub fn new(style: ApiStyle, url: &str, key: &Secret) -> anyhow::Result<Self> {
+        let base_url = url.trim().trim_end_matches('/').to_string();
         let parsed =
             reqwest::Url::parse(&base_url).with_context(|| format!("provider URL {base_url:?} is not a URL"))?;
         anyhow::ensure!(matches!(parsed.scheme(), "http" | "https"), "provider URL {base_url:?} is not http(s)");
-        let auth = if args.api_key.is_empty() {
+        let auth = if key.is_empty() {
             None
         } else {
+            let value = match style {
+                ApiStyle::Responses | ApiStyle::Chat => format!("Bearer {}", key.expose().trim()),
+                ApiStyle::Anthropic => key.expose().trim().to_owned(),
+            };
             // The error must not quote the value: it is the key.
-            let mut value = HeaderValue::from_str(&format!("Bearer {}", args.api_key.expose().trim()))
+            let mut value = HeaderValue::from_str(&value)
                 .map_err(|_| anyhow::anyhow!("the API key holds characters that cannot be sent in a header"))?;
             value.set_sensitive(true);
             Some(value)
@@ -241,7 +272,7 @@ impl Provider {
         Ok(Self {
             client,
             base_url,
-            style: args.api_style,
+            style,
             auth,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             between_events: DEFAULT_BETWEEN_EVENTS_TIMEOUT,
@@ -269,11 +300,15 @@ impl Provider {
         self.style
     }
 
-    /// The URL calls are POSTed to.
+    /// The URL calls are POSTed to. Anthropic's base is the part before
+    /// `/v1/messages` (`https://api.anthropic.com`); a base that already ends
+    /// in `/v1` is taken as meant.
     pub fn endpoint(&self) -> String {
         match self.style {
             ApiStyle::Responses => format!("{}/responses", self.base_url),
             ApiStyle::Chat => format!("{}/chat/completions", self.base_url),
+            ApiStyle::Anthropic if self.base_url.ends_with("/v1") => format!("{}/messages", self.base_url),
+            ApiStyle::Anthropic => format!("{}/v1/messages", self.base_url),
         }
     }
 
@@ -286,7 +321,19 @@ impl Provider {
     /// retried: every failure comes back at once, classified.
     pub async fn call(
         &self,
+        body: Value,
+        on_event: &mut (dyn FnMut(StreamEvent) + Send),
+    ) -> Result<CallSuccess, CallFailure> {
+        self.call_answering(body, None, on_event).await
+    }
+
+    /// [`Provider::call`] for a run whose structured answer comes as a call
+    /// of `answer_tool` (Anthropic, see `request/anthropic.rs`): that call is
+    /// the answer's text, not a tool to run.
+    pub async fn call_answering(
+        &self,
         mut body: Value,
+        answer_tool: Option<&str>,
         on_event: &mut (dyn FnMut(StreamEvent) + Send),
     ) -> Result<CallSuccess, CallFailure> {
         let Some(obj) = body.as_object_mut() else {
@@ -307,8 +354,14 @@ impl Provider {
 
         let url = self.endpoint();
         let mut request = self.client.post(&url).header(ACCEPT, "text/event-stream").json(&body);
+        if self.style == ApiStyle::Anthropic {
+            request = request.header("anthropic-version", crate::request::ANTHROPIC_VERSION);
+        }
         if let Some(auth) = &self.auth {
-            request = request.header(AUTHORIZATION, auth.clone());
+            request = match self.style {
+                ApiStyle::Responses | ApiStyle::Chat => request.header(AUTHORIZATION, auth.clone()),
+                ApiStyle::Anthropic => request.header("x-api-key", auth.clone()),
+            };
         }
         tracing::debug!(message = "provider call", api.style = ?self.style, url = %url);
 
@@ -336,7 +389,11 @@ impl Provider {
                     ..ErrorBody::default()
                 },
             };
-            return Err(self.failed(CallFailure::new(Some(status), body, None, headers, Some(headers_received))));
+            let mut failure = CallFailure::new(Some(status), body, None, headers, Some(headers_received));
+            if self.style == ApiStyle::Anthropic {
+                failure.kind = anthropic::refine(failure.kind, failure.error_type.as_deref(), &failure.message);
+            }
+            return Err(self.failed(failure));
         }
 
         let is_json = response
@@ -352,11 +409,12 @@ impl Provider {
             }
             on_event(event);
         };
+        let answer_tool = answer_tool.map(str::to_owned);
         let outcome = if is_json {
             // A server that ignored `stream: true` answered with one JSON body.
-            self.read_json_answer(response, &mut emit).await
+            self.read_json_answer(response, answer_tool, &mut emit).await
         } else {
-            self.read_stream(response, &mut emit).await
+            self.read_stream(response, answer_tool, &mut emit).await
         };
         match outcome {
             Ok(decoded) => Ok(CallSuccess {
@@ -386,9 +444,10 @@ impl Provider {
     async fn read_stream(
         &self,
         response: reqwest::Response,
+        answer_tool: Option<String>,
         emit: &mut (dyn FnMut(StreamEvent) + Send),
     ) -> Result<Decoded, StreamFailure> {
-        let mut decoder = Decoder::new(self.style);
+        let mut decoder = Decoder::new(self.style, answer_tool);
         let mut parser = SseParser::new();
         let mut stream = response.bytes_stream();
         loop {
@@ -434,6 +493,7 @@ impl Provider {
     async fn read_json_answer(
         &self,
         response: reqwest::Response,
+        answer_tool: Option<String>,
         emit: &mut (dyn FnMut(StreamEvent) + Send),
     ) -> Result<Decoded, StreamFailure> {
         let bytes = self.read_body(response, MAX_JSON_BODY).await?;
@@ -474,8 +534,10 @@ impl Provider {
                     Value::String("[DONE]".into()),
                 ]
             }
+            // The message's blocks as the stream would have brought them.
+            ApiStyle::Anthropic => anthropic::frames_of_message(&body),
         };
-        let mut decoder = Decoder::new(self.style);
+        let mut decoder = Decoder::new(self.style, answer_tool);
         for frame in frames {
             let data = match frame {
                 Value::String(s) => s,
@@ -538,13 +600,15 @@ enum StreamFailure {
 enum Decoder {
     Responses(ResponsesDecoder),
     Chat(ChatDecoder),
+    Anthropic(AnthropicDecoder),
 }
 
 impl Decoder {
-    fn new(style: ApiStyle) -> Self {
+    fn new(style: ApiStyle, answer_tool: Option<String>) -> Self {
         match style {
             ApiStyle::Responses => Self::Responses(ResponsesDecoder::default()),
             ApiStyle::Chat => Self::Chat(ChatDecoder::default()),
+            ApiStyle::Anthropic => Self::Anthropic(AnthropicDecoder::new(answer_tool)),
         }
     }
 
@@ -552,6 +616,7 @@ impl Decoder {
         match self {
             Self::Responses(d) => d.event(event, emit),
             Self::Chat(d) => d.event(event, emit),
+            Self::Anthropic(d) => d.event(event, emit),
         }
     }
 
@@ -559,6 +624,7 @@ impl Decoder {
         match self {
             Self::Responses(d) => d.eof(),
             Self::Chat(d) => d.eof(emit),
+            Self::Anthropic(d) => d.eof(),
         }
     }
 }
@@ -624,36 +690,42 @@ pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use shared::config::Secret;
 
-    fn args(url: &str, key: &str, style: ApiStyle) -> ProviderArgs {
-        ProviderArgs { url: url.into(), api_key: Secret::new(key), api_style: style }
+    fn provider(url: &str, key: &str, style: ApiStyle) -> anyhow::Result<Provider> {
+        Provider::new(style, url, &Secret::new(key))
     }
 
     #[test]
     fn debug_never_shows_the_key() {
-        let p = Provider::new(&args("http://127.0.0.1:1/v1/", "sk-very-secret", ApiStyle::Responses)).unwrap();
+        let p = provider("http://127.0.0.1:1/v1/", "sk-very-secret", ApiStyle::Responses).unwrap();
         let shown = format!("{p:?}");
         assert!(!shown.contains("sk-very-secret"), "{shown}");
         assert!(shown.contains("<redacted>"));
         assert_eq!(p.endpoint(), "http://127.0.0.1:1/v1/responses");
-        let p = Provider::new(&args("http://localhost:8000/v1", "", ApiStyle::Chat)).unwrap();
+        let p = provider("http://localhost:8000/v1", "", ApiStyle::Chat).unwrap();
         assert!(format!("{p:?}").contains("<none>"));
         assert_eq!(p.endpoint(), "http://localhost:8000/v1/chat/completions");
+        let p = provider("https://api.anthropic.com/", "sk-ant-secret", ApiStyle::Anthropic).unwrap();
+        assert!(!format!("{p:?}").contains("sk-ant-secret"));
+        assert_eq!(p.endpoint(), "https://api.anthropic.com/v1/messages");
+        let p = provider("http://127.0.0.1:9/v1", "", ApiStyle::Anthropic).unwrap();
+        assert_eq!(p.endpoint(), "http://127.0.0.1:9/v1/messages", "a base ending in /v1 is taken as meant");
     }
 
     #[test]
     fn bad_urls_and_keys_are_refused_without_quoting_the_key() {
-        assert!(Provider::new(&args("not a url", "", ApiStyle::Responses)).is_err());
-        assert!(Provider::new(&args("ftp://x/v1", "", ApiStyle::Responses)).is_err());
-        let err = Provider::new(&args("http://x/v1", "sk-bad\nkey", ApiStyle::Responses)).unwrap_err();
+        assert!(provider("not a url", "", ApiStyle::Responses).is_err());
+        assert!(provider("ftp://x/v1", "", ApiStyle::Responses).is_err());
+        let err = provider("http://x/v1", "sk-bad\nkey", ApiStyle::Responses).unwrap_err();
         assert!(!format!("{err:#}").contains("sk-bad"));
+        let err = provider("http://x", "sk-ant-bad\nkey", ApiStyle::Anthropic).unwrap_err();
+        assert!(!format!("{err:#}").contains("sk-ant-bad"));
     }
 
     #[test]
     fn the_call_future_is_send() {
         fn assert_send<T: Send>(_: T) {}
-        let p = Provider::new(&args("http://127.0.0.1:1/v1", "", ApiStyle::Responses)).unwrap();
+        let p = provider("http://127.0.0.1:1/v1", "", ApiStyle::Responses).unwrap();
         let mut sink = |_: StreamEvent| {};
         assert_send(p.call(json!({}), &mut sink));
     }

@@ -119,10 +119,14 @@ impl ResponsesDecoder {
         let usage = response.and_then(|r| r.get("usage")).filter(|u| u.is_object()).map(|u| {
             let input_tokens = count(u, "input_tokens").unwrap_or(0);
             let output_tokens = count(u, "output_tokens").unwrap_or(0);
+            let detail = |outer: &str, inner: &str| u.get(outer).and_then(|d| count(d, inner)).unwrap_or(0);
             Usage {
                 input_tokens,
                 output_tokens,
                 total_tokens: count(u, "total_tokens").unwrap_or(input_tokens + output_tokens),
+                reasoning_tokens: detail("output_tokens_details", "reasoning_tokens"),
+                cached_input_tokens: detail("input_tokens_details", "cached_tokens"),
+                charged_input_tokens: input_tokens,
             }
         });
         Decoded { output, output_text, tool_calls, usage, incomplete_reason }
@@ -249,6 +253,20 @@ mod tests {
     }
 
     #[test]
+    fn reasoning_and_cached_tokens_are_read_from_the_details() {
+        let usage = json!({"input_tokens": 2000, "input_tokens_details": {"cached_tokens": 1536},
+                           "output_tokens": 900, "output_tokens_details": {"reasoning_tokens": 640}, "total_tokens": 2900});
+        let (_, out) = run(&[json!({"type": "response.completed", "response": {"output": [], "usage": usage}})]);
+        let Outcome::Finished(d) = out else { panic!("{out:?}") };
+        let u = d.usage.unwrap();
+        assert_eq!(
+            (u.input_tokens, u.cached_input_tokens, u.output_tokens, u.reasoning_tokens),
+            (2000, 1536, 900, 640)
+        );
+        assert_eq!(u.charged_input_tokens, 2000);
+    }
+
+    #[test]
     fn text_deltas_then_completed() {
         let msg = json!({"id": "msg_1", "type": "message", "status": "completed", "role": "assistant",
                          "content": [{"type": "output_text", "text": "Hello world", "annotations": []}]});
@@ -264,7 +282,7 @@ mod tests {
         let Outcome::Finished(d) = out else { panic!("{out:?}") };
         assert_eq!(d.output, vec![assistant_message("Hello world")]);
         assert_eq!(d.output_text, "Hello world");
-        assert_eq!(d.usage, Some(Usage { input_tokens: 10, output_tokens: 5, total_tokens: 15 }));
+        assert_eq!(d.usage, Some(Usage::new(10, 5)));
         assert_eq!(d.incomplete_reason, None);
     }
 
