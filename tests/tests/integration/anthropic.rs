@@ -55,10 +55,12 @@ async fn a_streamed_answer_with_anthropics_headers_and_usage() {
     let usage = ok.usage.expect("usage from message_start and message_delta");
     assert_eq!(usage.output_tokens, 40);
     assert!(usage.input_tokens > 0);
-    // anthropic-ratelimit-* headers: the pacer sees the scarcer token bucket and the requests.
-    assert!(ok.headers.tokens.limit.is_some(), "{:?}", ok.headers);
+    // anthropic-ratelimit-* headers: the pacer sees the input and output buckets, each
+    // on its own, and the requests.
+    assert!(ok.headers.input_tokens.limit.is_some() && ok.headers.output_tokens.limit.is_some(), "{:?}", ok.headers);
     assert!(ok.headers.requests.limit.is_some());
-    assert!(ok.headers.tokens.reset_ms.is_some());
+    assert!(ok.headers.output_tokens.reset_ms.is_some());
+    assert!(ok.headers.tokens.is_empty(), "no combined bucket beside them: {:?}", ok.headers.tokens);
     let stats = server.stats();
     assert_eq!(stats.log[0].api, Some(mock_provider::wire::Api::Messages));
     assert_eq!(stats.bodies[0].body["stream"], json!(true));
@@ -153,7 +155,7 @@ async fn anthropics_errors_are_classified_as_the_spec_says() {
     assert_eq!((f.status, f.kind), (Some(429), FailureKind::RateLimited));
     assert_eq!(f.error_type.as_deref(), Some("rate_limit_error"));
     assert_eq!(f.headers.retry_after_ms, Some(2000), "retry-after in seconds");
-    assert!(f.headers.tokens.limit.is_some(), "a 429's anthropic-ratelimit-* headers are read");
+    assert!(f.headers.output_tokens.limit.is_some(), "a 429's anthropic-ratelimit-* headers are read");
     // 529 overloaded_error and 500 api_error: transient.
     for (status, kind) in [(529, "overloaded_error"), (500, "api_error")] {
         server.inject(Fault::ServerError { status });

@@ -12,6 +12,7 @@ mod pacer;
 mod provider_client;
 mod queue;
 mod run_store;
+mod shapes;
 mod styles;
 mod up;
 mod worker;
