@@ -100,6 +100,8 @@ fn trace_budget(trial: &Trial) -> (tokio::sync::oneshot::Sender<()>, tokio::task
                 "pacer_remaining": ours.as_ref().and_then(|b| b.remaining_tokens),
                 "pacer_reserved": ours.as_ref().map(|b| b.reserved_tokens),
                 "pacer_booked": ours.as_ref().map(|b| b.booked_tokens),
+                "refund_share": ours.as_ref().and_then(|b| b.refund_share),
+                "refill": ours.as_ref().map(|b| b.shape.refill),
             }));
             tokio::select! {
                 _ = &mut stopped => return out,

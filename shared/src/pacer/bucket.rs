@@ -80,6 +80,26 @@ impl Refill {
     }
 }
 
+/// What one answer's headers could not show of a bucket, for `observe`.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Seen {
+    /// When the headers were sent.
+    pub headers_at: Millis,
+    /// What changed at the provider after the headers were sent: what was
+    /// given back since (the observed call's unused reservation, others'
+    /// refunds) less what was cleared after the observed call (a call cleared
+    /// later reaches the provider later).
+    pub since: f64,
+    /// What the observed call itself was charged here.
+    pub own: f64,
+    /// What calls cleared after the observed one were charged and have
+    /// settled already (not in these headers, nor in flight).
+    pub settled_after: f64,
+    /// The unused output settled since the observed call was cleared: what a
+    /// refunding provider gave back after these headers.
+    pub unseen_refunds: f64,
+}
+
 /// One bucket of the model (tokens or requests).
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 pub struct Bucket {
@@ -288,12 +308,11 @@ impl Bucket {
     }
 
     /// Credits a refund the provider gave when an answer was done, which may
-    /// have been before the settle brings it: a provider that was full then
-    /// kept only what fitted. The calls still in flight (`occupied`: of a
-    /// window, those charged to it) were charged then and not given back, so
-    /// the bucket held at most its limit less theirs.
-    pub(crate) fn credit_refund(&mut self, tokens: f64, occupied: f64) {
-        let room = (self.limit - occupied - self.level).max(0.0);
+    /// have been before the settle brings it: a provider full then kept only
+    /// what fitted, so the level is lifted no higher than `cap` (see
+    /// `model.rs`, `refund_cap`).
+    pub(crate) fn credit_refund(&mut self, tokens: f64, cap: f64) {
+        let room = (cap - self.level).max(0.0);
         let credited = tokens.min(room).max(0.0);
         self.level += credited;
         self.charged_since = (self.charged_since - credited).max(0.0);
@@ -394,23 +413,10 @@ impl Bucket {
     /// a call we cleared may reach the provider after these headers were sent,
     /// so headers that show more than we think can never be trusted to raise
     /// it (a rule that did, when no call was cleared after the headers, let
-    /// real worker processes into 429s: clearance and receipt are not one instant).
-    /// `settled_after` is what calls cleared after the observed one were
-    /// charged and have settled already (they are not in these headers, nor in
-    /// flight). `since` is what changed at the provider after the headers were sent,
-    /// which they cannot show: what was given back since (the observed
-    /// call's unused reservation, others' refunds) less what was cleared after
-    /// the observed call (a call cleared later reaches the provider later).
-    pub(crate) fn observe(
-        &mut self,
-        obs: &Observation,
-        now: Millis,
-        headers_at: Millis,
-        since: f64,
-        own: f64,
-        settled_after: f64,
-        max_pace_ms: u64,
-    ) {
+    /// real worker processes into 429s: clearance and receipt are not one
+    /// instant). `seen` says what the headers could not show (see [`Seen`]).
+    pub(crate) fn observe(&mut self, obs: &Observation, now: Millis, seen: &Seen, max_pace_ms: u64) {
+        let Seen { headers_at, since, own, settled_after, unseen_refunds } = *seen;
         let Some(remaining) = obs.remaining else {
             return;
         };
@@ -494,8 +500,9 @@ impl Bucket {
         let theirs = (remaining + since + self.refill_rate() * elapsed).min(limit);
         if theirs < self.level {
             self.level = theirs;
-            // The model meets the provider: nothing withheld before is owed.
-            self.withheld = 0.0;
+            // The model meets the provider: of the refunds withheld, only
+            // those given after these headers are still owed.
+            self.withheld = self.withheld.min(unseen_refunds);
             if self.refill == Refill::Unknown {
                 // Of the level now, only the refill since these headers was counted.
                 self.unknown_credit = self.rate * elapsed;

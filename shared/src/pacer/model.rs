@@ -24,7 +24,7 @@
 //! `local.rs` runs this one in-process. The differential test in
 //! `tests/integration/pacer.rs` keeps the two one policy.
 
-use super::bucket::{Bucket, Observation, Refill};
+use super::bucket::{Bucket, Observation, Refill, Seen};
 use super::fair::{self, Tenant};
 use super::refund::{RefundShare, Snapshot};
 use crate::clock::Millis;
@@ -1009,12 +1009,12 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, id: &str,
             bucket.charged_since = 0.0;
         }
     }
-    // What the calls still in flight hold of each bucket (of a window: those
-    // charged to it), which no refund can have made room for.
-    let mut occupied = [0.0; BUCKETS];
-    for (i, b) in state.buckets().into_iter().enumerate() {
-        let since = if b.windowed() { b.boundary_ms - cfg.late_ms as Millis } else { Millis::MIN };
-        occupied[i] = state.flights.values().filter(|f| f.expiry_ms - ttl >= since).map(|f| f.held()[i]).sum();
+    // How high a refund can have lifted each bucket (`refund_cap`).
+    let mut caps = [f64::INFINITY; BUCKETS];
+    if let Some(cleared) = cleared_ms {
+        for (i, b) in state.buckets().into_iter().enumerate() {
+            caps[i] = refund_cap(b, &state.flights, i, cleared, now, cfg);
+        }
     }
     let mut old_window = [false; BUCKETS];
     for (i, (bucket, obs)) in state.buckets().into_iter().zip(observed).enumerate() {
@@ -1035,7 +1035,7 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, id: &str,
         // A refused call's whole reservation comes back, to us and to the ledger.
         let fix = if limited { held } else { fix };
         bucket.credit(fix);
-        bucket.credit_refund(share * unused, occupied[i]);
+        bucket.credit_refund(share * unused, caps[i]);
         bucket.sent -= fix;
         bucket.refunded += unused;
         if withhold {
@@ -1051,7 +1051,9 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, id: &str,
     // `remaining` alone is at least that plus its charge).
     let own = if limited { [0.0; BUCKETS] } else { held };
     for (i, (bucket, obs)) in state.buckets_mut().into_iter().zip(observed).enumerate() {
-        bucket.observe(obs, now, headers_at, since[i], own[i], settled_after[i], cfg.max_pace_ms);
+        let unseen_refunds = if i == 0 { unused + others_unused } else { 0.0 };
+        let seen = Seen { headers_at, since: since[i], own: own[i], settled_after: settled_after[i], unseen_refunds };
+        bucket.observe(obs, now, &seen, cfg.max_pace_ms);
     }
     learn_refund_share(state, cfg, now, flight, outcome, headers_at, unused);
     if had_headers {
@@ -1075,6 +1077,42 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, id: &str,
             }
         }
     }
+}
+
+/// The highest level a refund can have lifted bucket `i` to, for a call
+/// cleared at `cleared`. The provider gave the refund when the answer was
+/// done, some time after `cleared`, which may be well before the settle that
+/// brings it; a bucket full then kept only what fitted. Whatever the moment
+/// `s`, the bucket now holds at most its limit, plus the refill since `s`,
+/// less what was cleared after `s` (the calls still in flight; a window's
+/// since its boundary): the least of that over the moments the calls in
+/// flight were cleared.
+fn refund_cap(
+    b: &Bucket,
+    flights: &BTreeMap<String, Flight>,
+    i: usize,
+    cleared: Millis,
+    now: Millis,
+    cfg: &PacingConfig,
+) -> f64 {
+    if !b.known() {
+        return f64::INFINITY;
+    }
+    let ttl = cfg.reservation_ttl_ms as Millis;
+    let since = if b.windowed() { cleared.max(b.boundary_ms - cfg.late_ms as Millis) } else { cleared };
+    let mut later: Vec<(Millis, f64)> = flights
+        .values()
+        .map(|f| (f.expiry_ms - ttl, f.held()[i]))
+        .filter(|(at, held)| *at > since && *held > 0.0)
+        .collect();
+    later.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.total_cmp(&a.1)));
+    let rate = b.refill_rate();
+    let (mut after, mut cap) = (0.0, b.limit);
+    for (at, held) in later {
+        after += held;
+        cap = cap.min(b.limit + rate * (now - at).max(0) as f64 - after);
+    }
+    cap
 }
 
 /// Feeds an answered call's token headers to the refund learner. Once the

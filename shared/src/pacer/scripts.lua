@@ -211,9 +211,9 @@ local function credit(p, x)
 end
 
 -- Credits a refund given when an answer was done (perhaps before its settle): a provider
--- then full kept only what fitted, the calls still in flight charged and not given back.
-local function credit_refund(p, x, occupied)
-  local room = math.max(get(p .. 'limit') - occupied - get(p .. 'level'), 0)
+-- then full kept only what fitted: the level is lifted no higher than cap.
+local function credit_refund(p, x, cap)
+  local room = math.max(cap - get(p .. 'level'), 0)
   local credited = math.max(math.min(x, room), 0)
   S[p .. 'level'] = get(p .. 'level') + credited
   S[p .. 'charged_since'] = math.max(get(p .. 'charged_since') - credited, 0)
@@ -326,7 +326,7 @@ end
 -- (refunds given back since, less what was cleared after the observed call).
 -- own: what the observed call itself was charged here; settled_after: what calls cleared
 -- after it were charged and have settled already (not in these headers, nor in flight).
-local function observe(p, limit, remaining, reset_ms, headers_at, since, own, settled_after)
+local function observe(p, limit, remaining, reset_ms, headers_at, since, own, settled_after, unseen_refunds)
   if remaining < 0 or limit == 0 then return end
   if limit > 0 then
     S[p .. 'assumed'] = 0
@@ -380,7 +380,8 @@ local function observe(p, limit, remaining, reset_ms, headers_at, since, own, se
   local theirs = math.min(remaining + since + refill_rate(p) * elapsed, limit)
   if theirs < get(p .. 'level') then
     S[p .. 'level'] = theirs
-    S[p .. 'withheld'] = 0
+    -- Of the refunds withheld, only those given after these headers are still owed.
+    S[p .. 'withheld'] = math.min(get(p .. 'withheld'), unseen_refunds)
     if get(p .. 'refill') == 0 then S[p .. 'unknown_credit'] = get(p .. 'rate') * elapsed end
   end
   if has_reset and headers_at >= get(p .. 'full_seen') then
@@ -410,7 +411,7 @@ local function refund_learn(at, remaining, sent, refunded, until_ms)
     local span = at - get('rs_at')
     local unused = math.max(refunded - get('rs_refunded'), 0)
     local top = get('rs_remaining') + rate * span + unused
-    if unused > 0 and span <= max_pace and (get('rs_full') == 1 or top < 0.98 * limit) then
+    if span <= max_pace and (get('rs_full') == 1 or top < 0.98 * limit) then
       S['rs_given'] = get('rs_given') + remaining - get('rs_remaining') - rate * span + (sent - get('rs_sent'))
       S['rs_unused'] = get('rs_unused') + unused
       -- A window's pair spans all of a window's refunds, exactly: it counts as two.
@@ -896,14 +897,32 @@ if op == 'settle' then
       end
     end
   end
-  -- What the calls still in flight hold of each bucket (of a window: those charged to it).
-  local occupied = {0, 0, 0, 0}
-  for j, p in ipairs(BUCKETS) do
-    local since = -1e18
-    if get(p .. 'refill') == 2 then since = get(p .. 'boundary') - late_ms end
-    for _, g in ipairs(flights) do
-      local gh = {g.tokens, g.requests, g.ih, g.oh}
-      if g.expiry - ttl >= since then occupied[j] = occupied[j] + gh[j] end
+  -- How high a refund can have lifted each bucket (model.rs, refund_cap): its limit,
+  -- plus the refill since a moment after this call was cleared, less what was cleared
+  -- after that moment, at the least over the moments the calls in flight were cleared.
+  local caps = {1e308, 1e308, 1e308, 1e308}
+  if cleared_at then
+    for j, p in ipairs(BUCKETS) do
+      if known(p) then
+        local since = cleared_at
+        if get(p .. 'refill') == 2 then since = math.max(cleared_at, get(p .. 'boundary') - late_ms) end
+        local later = {}
+        for _, g in ipairs(flights) do
+          local gh = {g.tokens, g.requests, g.ih, g.oh}
+          local at = g.expiry - ttl
+          if at > since and gh[j] > 0 then later[#later + 1] = {at, gh[j]} end
+        end
+        table.sort(later, function(x, y)
+          if x[1] ~= y[1] then return x[1] > y[1] end
+          return x[2] > y[2]
+        end)
+        local rate, after, cap = refill_rate(p), 0, get(p .. 'limit')
+        for _, x in ipairs(later) do
+          after = after + x[2]
+          cap = math.min(cap, get(p .. 'limit') + rate * math.max(now - x[1], 0) - after)
+        end
+        caps[j] = cap
+      end
     end
   end
   -- A call cleared just before a window's boundary was charged to the new window at
@@ -937,7 +956,7 @@ if op == 'settle' then
     -- A refused call's whole reservation comes back, to us and to the ledger.
     if limited >= 0 then fix = h end
     credit(p, fix)
-    credit_refund(p, sh * u, occupied[j])
+    credit_refund(p, sh * u, caps[j])
     S[p .. 'sent'] = get(p .. 'sent') - fix
     S[p .. 'refunded'] = get(p .. 'refunded') + u
     if withhold then S[p .. 'withheld'] = get(p .. 'withheld') + u end
@@ -947,7 +966,9 @@ if op == 'settle' then
   for j, p in ipairs(BUCKETS) do
     local own = held[j]
     if limited >= 0 then own = 0 end
-    observe(p, obs[j][1], obs[j][2], obs[j][3], headers_at, since[j], own, settled_after[j])
+    local unseen = 0
+    if j == 1 then unseen = unused + others end
+    observe(p, obs[j][1], obs[j][2], obs[j][3], headers_at, since[j], own, settled_after[j], unseen)
   end
   -- The refund learner takes the answer's token headers (from a call cleared
   -- alone); once the share is known, the refunds withheld while it was not are
