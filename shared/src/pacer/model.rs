@@ -324,6 +324,33 @@ pub struct PacerState {
     /// arrive.
     #[serde(default)]
     pub headerless: bool,
+    /// The token bucket of a budget without headers is learned from its 429s
+    /// (`learn_headerless`): the tokens its answered calls used since
+    /// `hl_since_ms` (the last cut, or the first call), …
+    #[serde(default)]
+    pub hl_used: f64,
+    /// … since when, …
+    #[serde(default)]
+    pub hl_since_ms: Millis,
+    /// … when the learned rate was last cut (a 429 of a call cleared before
+    /// was sent at the old rate and cuts nothing), …
+    #[serde(default)]
+    pub hl_cut_ms: Millis,
+    /// … when an answer last grew it, …
+    #[serde(default)]
+    pub hl_grow_ms: Millis,
+    /// … the most one answered call used (no bucket is smaller than two), …
+    #[serde(default)]
+    pub hl_max: f64,
+    /// … and, after the first cut, what the calls cleared before it that
+    /// were answered after it used, over the span they were sent in (ms; 0:
+    /// none): a cold fleet's first 429 comes before most of its first wave's
+    /// answers, which lift the rate as they come.
+    #[serde(default)]
+    pub hl_prev: f64,
+    /// See `hl_prev`.
+    #[serde(default)]
+    pub hl_prev_span: f64,
     /// When headers were last read.
     pub observed_at_ms: Millis,
     /// When a call was last cleared (the watchdog's "time since admission").
@@ -404,7 +431,17 @@ impl PacerState {
     /// The share of unused output the provider gives back, credited to the
     /// level: none until learned (the documented rule, which cannot overdraw).
     pub fn refund_share(&self) -> f64 {
-        self.refunds.share(self.tokens.limit).unwrap_or(0.0)
+        self.learned_share().unwrap_or(0.0)
+    }
+
+    /// The refund share once known. A budget configured (`PACELINE_TPM`)
+    /// and never described by headers is the workers' own bucket: it is
+    /// charged what a call used, so the unused output comes back whole.
+    pub fn learned_share(&self) -> Option<f64> {
+        if self.observed_at_ms == 0 && self.tokens.known() {
+            return Some(1.0);
+        }
+        self.refunds.share(self.tokens.limit)
     }
 
     /// What a turn of `est` is expected to use (its line cost): its input,
@@ -412,7 +449,7 @@ impl PacerState {
     pub fn line_cost(&self, est: Estimate) -> f64 {
         let ratio = if self.usage_ratio > 0.0 { self.usage_ratio.clamp(0.05, 1.0) } else { 1.0 };
         // A prediction: until the share is learned, the refunds are assumed.
-        let share = self.refunds.share(self.tokens.limit).unwrap_or(1.0);
+        let share = self.learned_share().unwrap_or(1.0);
         let kept = ratio + (1.0 - ratio) * (1.0 - share);
         let (input, output) = est.split();
         (input + output * kept).ceil()
@@ -505,8 +542,9 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
     }
     if !state.any_known() {
         if state.headerless {
-            // No headers and no configured limits: no proactive pacing at all
-            // (SPEC §4); 429s still close the window above.
+            // No headers, no configured limits and no 429 yet: no proactive
+            // pacing (SPEC §4); a 429 closes the window above and teaches a
+            // bucket (`learn_headerless`).
             return admit(state, cfg, now, ask, raw_input, None);
         }
         if now < state.probe_until_ms {
@@ -550,7 +588,7 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
     let head = ahead.held.iter().all(|h| *h <= 0.0);
     let mut probe = head && !state.buckets().iter().any(|b| since_boundary(b));
     let idle = state.flights.is_empty() && now - state.last_admit_ms >= BURST_GAP_MS;
-    let share_known = state.refunds.share(state.tokens.limit).is_some();
+    let share_known = state.learned_share().is_some();
     let costs = est.costs();
     let mut shorts = [0.0; BUCKETS];
     for (i, bucket) in state.buckets_mut().into_iter().enumerate() {
@@ -615,6 +653,13 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
     // then the whole reservations; the first answers say how much is used).
     if state.usage_ratio <= 0.0 || state.buckets().iter().any(|b| b.known() && b.refill == Refill::Unknown) {
         sleep = sleep.min(recheck);
+    }
+    // A bucket learned without headers at its first 429 is lifted by the
+    // answers of the wave the 429 came in (`learn_headerless`): while they
+    // come, a wait timed by it is far too long.
+    let wave = state.headerless && state.hl_prev_span > 0.0;
+    if wave && state.flights.values().any(|f| f.expiry_ms - ttl <= state.hl_cut_ms) {
+        sleep = sleep.min(cfg.recheck_ms as f64);
     }
     // A window gives nothing back before its boundary but refunds: when the
     // calls in flight are expected to give back what the turn is short of,
@@ -926,7 +971,7 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, id: &str,
     // name the next one (or the window that began would be skipped).
     lift(state, cfg, now);
     let share = state.refund_share();
-    let share_known = state.refunds.share(state.tokens.limit).is_some();
+    let share_known = state.learned_share().is_some();
     // What others left unused since this call was sent, and what was cleared
     // after it: its headers cannot show either.
     let others_unused = flight.map(|f| (state.tokens.refunded - f.mark).max(0.0)).unwrap_or(0.0);
@@ -1066,6 +1111,9 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, id: &str,
         // would hold the fleet to one call at a time.
         state.headerless = true;
     }
+    if let (true, Some(f)) = (state.headerless, flight) {
+        learn_headerless(state, cfg, now, &f, outcome.used_tokens, limited);
+    }
     if let Some(ms) = outcome.rate_limited_ms {
         // The provider says the window is closed for `ms`, for everyone. What
         // is left after it is what the 429's headers say; without headers,
@@ -1077,6 +1125,109 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, id: &str,
             }
         }
     }
+}
+
+/// A bucket learned without headers holds this long of its rate (a burst
+/// after an idle spell goes no further).
+const HL_BURST_MS: f64 = 15_000.0;
+/// The first 429 spreads what was answered before it over at least this long:
+/// limits are per minute, and a cold fleet's first wave takes a whole bucket
+/// in a second.
+const HL_FIRST_SPAN_MS: f64 = 60_000.0;
+/// A 429 cuts the learned rate to this share of what was answered since the
+/// last cut …
+const HL_CUT: f64 = 0.9;
+/// … but no lower than this share of the rate it had.
+const HL_CUT_MIN: f64 = 0.5;
+/// While the learned bucket binds, each answer grows its rate by this share
+/// per ms since the answer before (0.5 % a second: some 20 s from a cut back
+/// to where the 429 came) …
+const HL_GROW_PER_MS: f64 = 5e-6;
+/// … counting no more than this long, and faster the longer no 429 came:
+/// once more for each this long since the last cut (a rate learned far too
+/// low, the first over a minute from a provider whose period is 10 s, is
+/// found again in a minute or two, not in ten).
+const HL_GROW_MAX_MS: f64 = 10_000.0;
+/// See [`HL_GROW_MAX_MS`].
+const HL_ACCEL_MS: f64 = 20_000.0;
+/// The most the growth is sped up.
+const HL_ACCEL_MAX: f64 = 4.0;
+
+/// Learns the token bucket of a budget without headers from a settled call
+/// `f` (`used`: what it used; `limited`: a 429). Nothing but the 429s says
+/// what fits, and the 429's delay alone sends the whole fleet back in one
+/// wave: so a 429 of a call cleared since the last cut sets a continuous
+/// bucket at [`HL_CUT`] of the rate answered since (the first over at least
+/// [`HL_FIRST_SPAN_MS`], and lifted by the answers of its wave that come
+/// after it), empty; answers while it binds grow its rate slowly (as TCP
+/// finds a link's rate it cannot see). Charged as a configured budget is:
+/// what a call used (its unused output comes back whole), the same count the
+/// rate is learned in, whatever the provider's own rule.
+fn learn_headerless(
+    state: &mut PacerState,
+    cfg: &PacingConfig,
+    now: Millis,
+    f: &Flight,
+    used: Option<u64>,
+    limited: bool,
+) {
+    let cleared = f.expiry_ms - cfg.reservation_ttl_ms as Millis;
+    if state.hl_since_ms == 0 {
+        state.hl_since_ms = cleared;
+    }
+    let t = &mut state.tokens;
+    if !limited {
+        let used = used.unwrap_or(f.est.tokens) as f64;
+        state.hl_max = state.hl_max.max(used);
+        if cleared > state.hl_cut_ms {
+            state.hl_used += used;
+        } else if state.hl_prev_span > 0.0 {
+            state.hl_prev += used;
+            t.advance(now);
+            t.rate = t.rate.max(HL_CUT * state.hl_prev / state.hl_prev_span);
+            t.limit = t.limit.max(t.rate * HL_BURST_MS);
+        }
+        if t.known() {
+            t.advance(now);
+            if t.level < t.limit / 2.0 {
+                let dt = ((now - state.hl_grow_ms) as f64).clamp(0.0, HL_GROW_MAX_MS);
+                let accel = ((now - state.hl_cut_ms) as f64 / HL_ACCEL_MS).clamp(1.0, HL_ACCEL_MAX);
+                t.rate *= 1.0 + HL_GROW_PER_MS * accel * dt;
+                t.limit = t.limit.max(t.rate * HL_BURST_MS);
+            }
+        }
+        state.hl_grow_ms = now;
+        return;
+    }
+    // Sent at the old rate (a call cleared in the cut's millisecond may have
+    // been cleared before it), or nothing answered yet to scale a bucket by.
+    if cleared <= state.hl_cut_ms || state.hl_max <= 0.0 {
+        return;
+    }
+    let span = (now - state.hl_since_ms).max(1) as f64;
+    let (rate, prev_span) = if t.known() {
+        ((HL_CUT * state.hl_used / span).clamp(HL_CUT_MIN * t.rate, HL_CUT * t.rate), 0.0)
+    } else {
+        let span = span.max(HL_FIRST_SPAN_MS);
+        (HL_CUT * state.hl_used / span, span)
+    };
+    // No slower than the largest call a minute.
+    let rate = rate.max(state.hl_max / 60_000.0);
+    let limit = (rate * HL_BURST_MS).max(2.0 * state.hl_max);
+    if t.known() {
+        t.advance(now);
+        t.rate = rate;
+        t.limit = limit;
+        t.level = t.level.min(0.0);
+    } else {
+        *t = Bucket { limit, rate, level: 0.0, at_ms: now, refill: Refill::Continuous, ..Bucket::default() };
+    }
+    state.hl_prev = state.hl_used;
+    state.hl_prev_span = prev_span;
+    state.hl_used = 0.0;
+    state.hl_since_ms = now;
+    state.hl_cut_ms = now;
+    state.hl_grow_ms = now;
 }
 
 /// The highest level a refund can have lifted bucket `i` to, for a call

@@ -20,7 +20,11 @@
 --   sent to find the next reset), <p>unknown_credit (the refill counted while the shape was unknown),
 --   <p>assumed (1: the limit was inferred from `remaining` alone);
 --   blocked_until, probe_until, headerless (1: answers carry no headers and nothing
---   is configured: no proactive pacing), observed_at, last_admit, usage_ratio, input_ratio
+--   is configured: no proactive pacing until a 429 teaches a bucket), the bucket learned
+--   there (model.rs, learn_headerless): hl_used (tokens answered since hl_since), hl_since,
+--   hl_cut (the last cut), hl_grow (the last answer), hl_max (the most one answer used), hl_prev and
+--   hl_prev_span (after the first cut: what its wave's later answers used, over its span);
+--   observed_at, last_admit, usage_ratio, input_ratio
 --   (the provider's input count / the workers' estimate), fair_time;
 --   the refund learner (refund.rs): rs_given, rs_unused, rs_pairs, its last snapshot
 --   rs_at, rs_remaining, rs_sent, rs_refunded, rs_until (the reset it named, 0: none), rs_full
@@ -82,6 +86,14 @@ local VOTE_MISSING = 0.01
 local MIN_VOTE_RESET_MS = 20
 local VOTE_AGREE = 0.03
 local PROBE_AFTER_LATE = 4
+local HL_BURST_MS = 15000
+local HL_FIRST_SPAN_MS = 60000
+local HL_CUT = 0.9
+local HL_CUT_MIN = 0.5
+local HL_GROW_PER_MS = 5e-6
+local HL_GROW_MAX_MS = 10000
+local HL_ACCEL_MS = 20000
+local HL_ACCEL_MAX = 4
 
 local function fmt(x) return string.format('%.17g', x) end
 
@@ -394,6 +406,9 @@ end
 -- refund.rs: the share of unused output the provider gives back; `unknown` until learned
 -- (0 where it is credited, 1 where it spaces the line).
 local function refund_share(unknown)
+  -- A budget configured and never described by headers is the workers' own bucket:
+  -- charged what a call used (model.rs, learned_share).
+  if get('observed_at') == 0 and known('t_') then return 1 end
   local limit = get('t_limit')
   local unused = get('rs_unused')
   local enough = get('rs_pairs') >= 4 or (get('rs_pairs') >= 2 and unused >= 0.25 * limit)
@@ -619,6 +634,7 @@ if op == 'acquire' then
     return hold_place(get('blocked_until') - now, 2)
   end
   if not any_known() then
+    -- No headers, nothing configured, no 429 yet: no proactive pacing.
     if get('headerless') == 1 then return admit(nil, nil) end
     if now < get('probe_until') then
       return hold_place(math.min(get('probe_until') - now, probe_wait), 3)
@@ -684,7 +700,7 @@ if op == 'acquire' then
   local head = ahead[1] <= 0 and ahead[2] <= 0 and ahead[3] <= 0 and ahead[4] <= 0
   local probe = head
   local answering = now - PROBE_AFTER_LATE * late_ms
-  local flights_n, coming = 0, 0
+  local flights_n, coming, wave = 0, 0, false
   local holding = {0, 0, 0, 0}
   local raw_all = redis.call('HVALS', records)
   local kept = get('usage_ratio')
@@ -698,6 +714,7 @@ if op == 'acquire' then
       coming = coming + f.output * (1 - kept) * share_now
       local fh = {f.tokens, f.requests, f.ih, f.oh}
       local cleared = f.expiry - ttl
+      if cleared <= get('hl_cut') then wave = true end
       for j, p in ipairs(BUCKETS) do
         holding[j] = holding[j] + fh[j]
         if known(p) and cleared >= math.max(get(p .. 'boundary'), answering) then probe = false end
@@ -751,6 +768,9 @@ if op == 'acquire' then
     if known(p) and get(p .. 'refill') == 0 then unknown_shape = true end
   end
   if unknown_shape then sleep = math.min(sleep, recheck) end
+  -- A bucket learned without headers at its first 429, while the answers of its wave
+  -- still lift it (model.rs, learn_headerless).
+  if wave and get('headerless') == 1 and get('hl_prev_span') > 0 then sleep = math.min(sleep, recheck_min) end
   -- Likewise a window short of no more than the calls in flight hold on it.
   for i, p in ipairs(BUCKETS) do
     if get(p .. 'refill') == 2 and shorts[i] > 0 and holding[i] >= shorts[i] then sleep = math.min(sleep, recheck) end
@@ -1018,6 +1038,59 @@ if op == 'settle' then
   elseif mark and not any_known() then
     -- Answered without headers and nothing configured: no proactive pacing.
     S['headerless'] = 1
+  end
+  if get('headerless') == 1 and mark then
+    -- The bucket of a budget without headers, learned from its 429s (model.rs, learn_headerless).
+    local cleared = rec.expiry - ttl
+    if get('hl_since') == 0 then S['hl_since'] = cleared end
+    if limited < 0 then
+      local u = tk
+      if used >= 0 then u = used end
+      S['hl_max'] = math.max(get('hl_max'), u)
+      if cleared > get('hl_cut') then
+        S['hl_used'] = get('hl_used') + u
+      elseif get('hl_prev_span') > 0 then
+        S['hl_prev'] = get('hl_prev') + u
+        advance('t_')
+        S['t_rate'] = math.max(get('t_rate'), HL_CUT * get('hl_prev') / get('hl_prev_span'))
+        S['t_limit'] = math.max(get('t_limit'), get('t_rate') * HL_BURST_MS)
+      end
+      if known('t_') then
+        advance('t_')
+        if get('t_level') < get('t_limit') / 2 then
+          local dt = math.min(math.max(now - get('hl_grow'), 0), HL_GROW_MAX_MS)
+          local accel = math.min(math.max((now - get('hl_cut')) / HL_ACCEL_MS, 1), HL_ACCEL_MAX)
+          S['t_rate'] = get('t_rate') * (1 + HL_GROW_PER_MS * accel * dt)
+          S['t_limit'] = math.max(get('t_limit'), get('t_rate') * HL_BURST_MS)
+        end
+      end
+      S['hl_grow'] = now
+    elseif cleared > get('hl_cut') and get('hl_max') > 0 then
+      local span = math.max(now - get('hl_since'), 1)
+      local rate, prev_span
+      if known('t_') then
+        rate = math.min(math.max(HL_CUT * get('hl_used') / span, HL_CUT_MIN * get('t_rate')), HL_CUT * get('t_rate'))
+        prev_span = 0
+      else
+        prev_span = math.max(span, HL_FIRST_SPAN_MS)
+        rate = HL_CUT * get('hl_used') / prev_span
+      end
+      rate = math.max(rate, get('hl_max') / 60000)
+      local limit = math.max(rate * HL_BURST_MS, 2 * get('hl_max'))
+      if known('t_') then
+        advance('t_')
+        S['t_rate'], S['t_limit'] = rate, limit
+        S['t_level'] = math.min(get('t_level'), 0)
+      else
+        S['t_refunded'], S['t_full_at'], S['t_charged_since'], S['t_rated'], S['t_full_seen'], S['t_inflight'] = 0, 0, 0, 0, 0, 0
+        S['t_sent'], S['t_withheld'] = 0, 0
+        S['t_votes'], S['t_max_reset'], S['t_obs_at'], S['t_obs_missing'], S['t_obs_reset'] = 0, 0, 0, 0, 0
+        S['t_boundary'], S['t_probed'], S['t_unknown_credit'], S['t_assumed'] = 0, 0, 0, 0
+        S['t_limit'], S['t_rate'], S['t_level'], S['t_at'], S['t_refill'] = limit, rate, 0, now, 1
+      end
+      S['hl_prev'], S['hl_prev_span'] = get('hl_used'), prev_span
+      S['hl_used'], S['hl_since'], S['hl_cut'], S['hl_grow'] = 0, now, now, now
+    end
   end
   if limited >= 0 then
     S['blocked_until'] = math.max(get('blocked_until'), headers_at + limited)

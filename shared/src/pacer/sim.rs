@@ -170,6 +170,14 @@ impl Workload {
         let headers = if rng.random_bool(0.1) { SimHeaders::RemainingOnly } else { SimHeaders::Full };
         let period_ms = if headers == SimHeaders::RemainingOnly { 60_000 } else { period_ms };
         let split = rng.random_bool(0.15).then(|| (limit, limit / rng.random_range(2..=5)));
+        // One in twenty of the others sends no headers at all (drawn apart,
+        // so that the workloads before this shape stay what they were); not
+        // a split provider: separate input and output buckets are
+        // Anthropic's, which always sends headers.
+        let headers = match StdRng::seed_from_u64(seed ^ 0x4e0d).random_bool(0.05) {
+            true if headers == SimHeaders::Full && split.is_none() => SimHeaders::None,
+            _ => headers,
+        };
         // A split provider gives the unused output back (as Anthropic documents
         // and the pacer takes it to).
         let refund_share = if split.is_some() { 1.0 } else { refund_share };
@@ -333,6 +341,9 @@ pub enum SimHeaders {
     Full,
     /// Remaining alone (Azure OpenAI).
     RemainingOnly,
+    /// None at all; a 429 tells its delay in its body (Gemini-style APIs,
+    /// gateways in front of self-hosted models).
+    None,
 }
 
 /// The start of the window `t` falls in.
@@ -392,6 +403,7 @@ impl PBucket {
                 reset_ms: Some(self.wait_for(self.limit).ceil() as u64),
             },
             SimHeaders::RemainingOnly => Observation { remaining, ..Observation::default() },
+            SimHeaders::None => Observation::default(),
         }
     }
 
@@ -604,6 +616,10 @@ pub struct Report {
     pub calls: u64,
     /// Calls the provider refused (429).
     pub refused: u64,
+    /// Of those, the calls that reached it before the first 429 could be
+    /// known (within the send delay of it): a cold fleet's first wave against
+    /// a provider whose limits nothing tells.
+    pub refused_cold: u64,
     /// The largest shortfall of a refused call.
     pub max_shortfall: f64,
     /// The largest single charge of the workload.
@@ -673,6 +689,8 @@ struct Sim<'w> {
     free_slots: usize,
     /// A 429 closed the provider until then (the pacer may legitimately wait).
     closed_until: Millis,
+    /// When the provider first refused a call.
+    first_refused: Option<Millis>,
     stall_since: Option<Millis>,
     /// A window provider: the start of the window of the last admission.
     admitted_window: Millis,
@@ -720,6 +738,7 @@ impl<'w> Sim<'w> {
             ready: BTreeSet::new(),
             free_slots: w.slots,
             closed_until: 0,
+            first_refused: None,
             stall_since: None,
             admitted_window: 0,
             settled: false,
@@ -980,6 +999,10 @@ impl<'w> Sim<'w> {
                     eprintln!("{:>8} REFUSED {id} short {short:.0}", self.now - self.t0);
                 }
                 self.report.refused += 1;
+                let first = *self.first_refused.get_or_insert(self.now);
+                if self.now <= first + SEND_DELAY_MS.end() {
+                    self.report.refused_cold += 1;
+                }
                 self.report.max_shortfall = self.report.max_shortfall.max(short);
                 self.closed_until = self.closed_until.max(self.now + retry_ms as Millis);
                 let seen = self.provider.seen();
@@ -1308,6 +1331,33 @@ mod tests {
         assert!(worst.0 >= 0.95, "Jain's index {:.3} at seed {}", worst.0, worst.1);
     }
 
+    /// Against a provider without rate-limit headers (its 429s tell their
+    /// delay in the body): nothing says what fits but the 429s, and the
+    /// first teaches a token bucket (`learn_headerless`) so that the fleet
+    /// does not go back in one wave.
+    #[test]
+    fn one_tenant_against_a_provider_without_headers() {
+        let w = Workload { headers: SimHeaders::None, ..Workload::one_tenant_per_minute(1) };
+        let mut policy = ModelPolicy::new(w.config.clone());
+        let r = simulate(&w, &mut policy);
+        let t = &policy.state.tokens;
+        eprintln!("{r:?} efficiency {:.3}, learned {:.0}/min", r.efficiency(), t.rate * 60_000.0);
+        assert_eq!(r.completed, r.runs);
+        assert!(t.known(), "a 429 teaches a bucket");
+        let warm = r.refused - r.refused_cold;
+        assert!(warm * 100 <= r.calls * HEADERLESS_REFUSED_PCT, "{warm} of {} refused after the first wave", r.calls);
+    }
+
+    /// How much longer than [`stall_bound`] a turn may wait against a
+    /// provider without headers.
+    const HEADERLESS_STALL_FACTOR: Millis = 4;
+
+    /// The share of calls a provider without headers may refuse after the
+    /// first wave, in percent: one 429 a cycle of the learned rate's growth
+    /// (some 100 s), which against a slow bucket (10 000 tokens a minute,
+    /// six calls) is one call in ten.
+    const HEADERLESS_REFUSED_PCT: u64 = 12;
+
     /// 10 000 random workloads (`PACER_SIM_SEEDS` for more or fewer;
     /// `PACER_SIM_SEED=N PACER_SIM_TRACE=1` to trace one).
     #[test]
@@ -1325,7 +1375,15 @@ mod tests {
             if r.completed < r.runs {
                 why.push(format!("{} of {} runs finished", r.completed, r.runs));
             }
-            if r.longest_stall_ms > stall_bound(&w, &r) {
+            // Without headers the bucket is learned from 429s, below the
+            // provider's rate (the first per minute, whatever the provider's
+            // period): a turn may wait a few times a refill's worth longer.
+            let bound = if w.headers == SimHeaders::None {
+                HEADERLESS_STALL_FACTOR * stall_bound(&w, &r)
+            } else {
+                stall_bound(&w, &r)
+            };
+            if r.longest_stall_ms > bound {
                 why.push(format!("stalled {} ms from {} ms", r.longest_stall_ms, r.stall_at_ms));
             }
             if r.early_clears > 0 {
@@ -1335,7 +1393,13 @@ mod tests {
             // pacer learns the bucket's shape from the first answers, or when
             // the head goes to find a boundary no headers named.
             let allowed = if w.window { (r.makespan_ms / w.period_ms + 1) as u64 } else { 0 };
-            if w.faults.est_error == 0.0 && w.faults.est_low == 0.0 && r.refused > allowed {
+            if w.headers == SimHeaders::None {
+                // Nothing tells the pacer what fits but the 429s themselves.
+                let warm = r.refused - r.refused_cold;
+                if warm * 100 > r.calls * HEADERLESS_REFUSED_PCT {
+                    why.push(format!("{warm} of {} calls refused without headers after the first wave", r.calls));
+                }
+            } else if w.faults.est_error == 0.0 && w.faults.est_low == 0.0 && r.refused > allowed {
                 why.push(format!("{} of {} calls refused with exact estimates", r.refused, r.calls));
             }
             if r.max_shortfall > r.max_charge {
@@ -1346,7 +1410,11 @@ mod tests {
                     "seed {seed} ({}{}{}, refund share {}): {}",
                     if w.window { "window" } else { "continuous" },
                     if w.split.is_some() { ", split" } else { "" },
-                    if w.headers == SimHeaders::RemainingOnly { ", remaining only" } else { "" },
+                    match w.headers {
+                        SimHeaders::Full => "",
+                        SimHeaders::RemainingOnly => ", remaining only",
+                        SimHeaders::None => ", no headers",
+                    },
                     w.refund_share,
                     why.join(", ")
                 ));

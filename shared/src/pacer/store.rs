@@ -142,7 +142,7 @@ impl BudgetSnapshot {
             reserved_requests: s.requests.in_flight.max(0.0) as u64,
             blocked_for_ms: (s.blocked_until_ms - now).max(0) as u64,
             observed_at_ms: (s.observed_at_ms > 0).then_some(s.observed_at_ms),
-            refund_share: s.refunds.share(s.tokens.limit),
+            refund_share: s.learned_share(),
             shape: BudgetShape {
                 refill: if s.tokens.known() || !s.input.known() { s.tokens.refill } else { s.input.refill },
                 limit_assumed: s.tokens.assumed,
@@ -463,6 +463,13 @@ fn state_from_fields(flat: &[String]) -> (PacerState, Millis) {
     state.blocked_until_ms = f("blocked_until") as Millis;
     state.probe_until_ms = f("probe_until") as Millis;
     state.headerless = f("headerless") > 0.0;
+    state.hl_used = f("hl_used");
+    state.hl_since_ms = f("hl_since") as Millis;
+    state.hl_cut_ms = f("hl_cut") as Millis;
+    state.hl_grow_ms = f("hl_grow") as Millis;
+    state.hl_max = f("hl_max");
+    state.hl_prev = f("hl_prev");
+    state.hl_prev_span = f("hl_prev_span");
     state.observed_at_ms = f("observed_at") as Millis;
     state.last_admit_ms = f("last_admit") as Millis;
     state.usage_ratio = f("usage_ratio");

@@ -616,8 +616,10 @@ async fn the_simulators_workloads_hold_through_the_redis_script() {
     const SEEDS: u64 = 40;
     let server = RedisServer::start();
     let mut asks = 0;
-    for seed in 0..SEEDS {
-        let mut workload = sim::Workload::random(seed);
+    // And a provider without headers, whose bucket is learned from its 429s.
+    let headerless = sim::Workload { headers: sim::SimHeaders::None, ..sim::Workload::one_tenant_per_minute(1) };
+    let workloads = (0..SEEDS).map(sim::Workload::random).chain([headerless]);
+    for (seed, mut workload) in (0..).zip(workloads) {
         // Jitter is drawn inside the shared pacer; without it both are exact.
         workload.config.jitter_frac = 0.0;
         let clock = ManualClock::new(0);
@@ -633,8 +635,11 @@ async fn the_simulators_workloads_hold_through_the_redis_script() {
         };
         let report = sim::simulate(&workload, &mut policy);
         assert_eq!(report.completed, report.runs, "seed {seed}: {report:?}");
+        if workload.headers == sim::SimHeaders::None {
+            assert!(policy.model.state.tokens.known(), "seed {seed}: no bucket learned without headers");
+        }
         asks += report.asks;
     }
-    eprintln!("pacer: {SEEDS} simulated workloads, {asks} asks, script and model agreed on every one");
+    eprintln!("pacer: {} simulated workloads, {asks} asks, script and model agreed on every one", SEEDS + 1);
     assert!(asks >= 1_000, "only {asks} asks: the workloads hardly ran");
 }
