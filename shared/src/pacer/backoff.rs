@@ -69,6 +69,9 @@ pub enum DelaySource {
     RetryAfter,
     /// The error message's "try again in 1.146s".
     MessageHint,
+    /// The error body's `details[].retryDelay` (Google's `RetryInfo`, e.g.
+    /// `"33s"`): Gemini-style APIs that send no rate-limit headers.
+    RetryDelay,
     /// The shared pacer state's reset (the caller's fallback; it needs Redis).
     SharedReset,
     /// Our own exponential guess.
@@ -83,6 +86,7 @@ impl DelaySource {
             Self::MsRetryAfterMs => "x_ms_retry_after_ms",
             Self::RetryAfter => "retry_after",
             Self::MessageHint => "message_hint",
+            Self::RetryDelay => "retry_delay",
             Self::SharedReset => "shared_reset",
             Self::Backoff => "backoff",
         }

@@ -460,7 +460,8 @@ mod tests {
             Outcome::Failed(ErrorBody {
                 code: None,
                 error_type: Some("overloaded_error".into()),
-                message: "Overloaded".into()
+                message: "Overloaded".into(),
+                retry_delay_ms: None,
             })
         );
         // Closed before message_delta: no answer (the client calls it a reset).

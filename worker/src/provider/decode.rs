@@ -33,6 +33,8 @@ pub(crate) struct ErrorBody {
     pub code: Option<String>,
     pub error_type: Option<String>,
     pub message: String,
+    /// `details[].retryDelay` (Google's `RetryInfo`: `"33s"`, `"1.500s"`), ms.
+    pub retry_delay_ms: Option<u64>,
 }
 
 impl ErrorBody {
@@ -48,6 +50,7 @@ impl ErrorBody {
             code: text("code"),
             error_type: text("type"),
             message: text("message").unwrap_or_else(|| "the provider reported an error without a message".to_string()),
+            retry_delay_ms: retry_delay_ms(obj),
         }
     }
 
@@ -69,6 +72,16 @@ impl ErrorBody {
         let text = text.trim();
         Self { message: clip(if text.is_empty() { "(empty body)" } else { text }, 2000), ..Self::default() }
     }
+}
+
+/// The delay of a `RetryInfo` among an error object's `details`: a protobuf
+/// Duration in its JSON form, seconds with an `s` (`"33s"`, `"1.500s"`).
+fn retry_delay_ms(obj: &Value) -> Option<u64> {
+    let details = obj.get("details")?.as_array()?;
+    details.iter().find_map(|d| {
+        let secs: f64 = str_field(d, "retryDelay")?.trim().strip_suffix('s')?.parse().ok()?;
+        (secs.is_finite() && secs >= 0.0).then(|| (secs * 1000.0).ceil() as u64)
+    })
 }
 
 /// At most `max` characters of `s`, marked when cut.
@@ -112,6 +125,12 @@ mod tests {
         let e = ErrorBody::from_body(b"<html>502 Bad Gateway</html>");
         assert_eq!(e.message, "<html>502 Bad Gateway</html>");
         assert_eq!(ErrorBody::from_body(b"  ").message, "(empty body)");
+        let gemini = br#"{"error":{"code":429,"message":"Resource has been exhausted","status":"RESOURCE_EXHAUSTED",
+            "details":[{"@type":"type.googleapis.com/google.rpc.Help"},
+                       {"@type":"type.googleapis.com/google.rpc.RetryInfo","retryDelay":"1.500s"}]}}"#;
+        assert_eq!(ErrorBody::from_body(gemini).retry_delay_ms, Some(1_500));
+        let odd = br#"{"error":{"message":"x","details":[{"retryDelay":"soon"},{"retryDelay":"-3s"}]}}"#;
+        assert_eq!(ErrorBody::from_body(odd).retry_delay_ms, None);
         assert!(ErrorBody::from_body("x".repeat(5000).as_bytes()).message.ends_with("(5000 bytes in all)"));
     }
 }

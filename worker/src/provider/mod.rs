@@ -36,7 +36,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use shared::clock::{Clock, SystemClock};
 use shared::config::Secret;
-use shared::pacer::{classify, FailedCall, FailureKind, HeaderSnapshot, Transport};
+use shared::pacer::{classify, DelaySource, FailedCall, FailureKind, HeaderSnapshot, Transport};
 use shared::runs::ApiStyle;
 
 use anthropic::AnthropicDecoder;
@@ -389,6 +389,13 @@ impl Provider {
                     ..ErrorBody::default()
                 },
             };
+            let mut headers = headers;
+            if let (None, Some(ms)) = (headers.retry_after_ms, body.retry_delay_ms) {
+                // No header said how long: the body's RetryInfo does (SPEC §4,
+                // a delay stated in the error body).
+                headers.retry_after_ms = Some(ms);
+                headers.retry_after_source = Some(DelaySource::RetryDelay);
+            }
             let mut failure = CallFailure::new(Some(status), body, None, headers, Some(headers_received));
             if self.style == ApiStyle::Anthropic {
                 failure.kind = anthropic::refine(failure.kind, failure.error_type.as_deref(), &failure.message);
@@ -736,6 +743,7 @@ mod tests {
             code: Some("insufficient_quota".into()),
             error_type: None,
             message: "You exceeded your current quota".into(),
+            retry_delay_ms: None,
         };
         let f = CallFailure::new(Some(429), quota, None, HeaderSnapshot::default(), None);
         assert_eq!(f.kind, FailureKind::Quota);

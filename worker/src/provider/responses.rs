@@ -339,13 +339,19 @@ mod tests {
             Outcome::Failed(ErrorBody {
                 code: Some("rate_limit_exceeded".into()),
                 error_type: Some("tokens".into()),
-                message: "Rate limit reached".into()
+                message: "Rate limit reached".into(),
+                retry_delay_ms: None,
             })
         );
         let (_, out) = run(&[json!({"type": "error", "code": "server_error", "message": "boom", "param": null})]);
         assert_eq!(
             out,
-            Outcome::Failed(ErrorBody { code: Some("server_error".into()), error_type: None, message: "boom".into() })
+            Outcome::Failed(ErrorBody {
+                code: Some("server_error".into()),
+                error_type: None,
+                message: "boom".into(),
+                retry_delay_ms: None,
+            })
         );
         let (_, out) = run(&[json!({"type": "response.failed", "response": {"status": "failed",
             "error": {"code": "server_error", "message": "The model failed"}}})]);
@@ -354,7 +360,8 @@ mod tests {
             Outcome::Failed(ErrorBody {
                 code: Some("server_error".into()),
                 error_type: None,
-                message: "The model failed".into()
+                message: "The model failed".into(),
+                retry_delay_ms: None,
             })
         );
     }
