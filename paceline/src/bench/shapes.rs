@@ -21,7 +21,7 @@ pub enum Shape {
     Anthropic,
     /// `remaining` headers alone, the charge kept, per-minute limits (Azure OpenAI), at a real minute.
     Azure,
-    /// No rate-limit headers at all; 429s carry their delay in the body (Gemini-style APIs, gateways).
+    /// No rate-limit headers at all; 429s carry their delay in the body (Gemini-style APIs, gateways), per-minute limits at a real minute.
     Headerless,
     /// No headers, but the workers are given the limits (`--tpm`, `--rpm`), at a real minute.
     Configured,
@@ -81,7 +81,15 @@ impl Shape {
                 mock.tpm = scaled(base.tpm);
                 mock.rpm = scaled(base.rpm);
             }
-            Shape::Headerless => mock.headers = HeaderStyle::None,
+            Shape::Headerless => {
+                // Providers without headers state their limits per minute
+                // (Gemini's RPM and TPM): a scaled window would hide what
+                // the pacer learns at the real refill rate.
+                mock.headers = HeaderStyle::None;
+                mock.window = Duration::from_secs(60);
+                mock.tpm = scaled(base.tpm);
+                mock.rpm = scaled(base.rpm);
+            }
             Shape::Configured => {
                 mock.headers = HeaderStyle::None;
                 mock.window = Duration::from_secs(60);
@@ -97,7 +105,7 @@ impl Shape {
     /// How much longer than the base trial's timeout its trials may take.
     pub fn timeout(self, base: Duration) -> Duration {
         match self {
-            Shape::Azure | Shape::Configured => base.max(Duration::from_secs(300)),
+            Shape::Azure | Shape::Configured | Shape::Headerless => base.max(Duration::from_secs(300)),
             _ => base,
         }
     }
@@ -124,7 +132,7 @@ mod tests {
             assert!(!shape.name().is_empty());
             let (mock, args) = shape.mock(&base);
             match shape {
-                Shape::Azure | Shape::Configured => {
+                Shape::Azure | Shape::Configured | Shape::Headerless => {
                     assert_eq!(mock.window, Duration::from_secs(60));
                     assert_eq!(mock.tpm, 180_000, "{shape:?}: half the base rate over a real minute");
                 }

@@ -852,11 +852,15 @@ if op == 'settle' then
   -- what was cleared after it and has settled already (in the ledgers, no longer in flight).
   local others, others_out = 0, 0
   local after, settled_after = {0, 0, 0, 0}, {0, 0, 0, 0}
+  -- With no bucket known every call in flight holds nothing: the scans below would add
+  -- zeros (a provider without headers or limits, where each settle counts).
+  local scan = any_known()
   if mark then
     others = math.max(get('t_refunded') - mark, 0)
     others_out = math.max(get('o_refunded') - rec.omark, 0)
     local later = {0, 0, 0, 0}
-    local raw = redis.call('HVALS', records)
+    local raw = {}
+    if scan then raw = redis.call('HVALS', records) end
     for i = 1, #raw do
       local g = rec_decode(raw[i])
       if g and g.kind == 'f' then
@@ -891,7 +895,8 @@ if op == 'settle' then
   -- at the one between, less what was cleared since (this call among them).
   local cleared_at = nil
   if mark then cleared_at = rec.expiry - ttl end
-  local raw_f = redis.call('HVALS', records)
+  local raw_f = {}
+  if scan then raw_f = redis.call('HVALS', records) end
   local flights = {}
   for i = 1, #raw_f do
     local g = rec_decode(raw_f[i])
