@@ -375,8 +375,9 @@ impl Bucket {
     /// its refill needs for what is missing, so reset / missing is one number
     /// (1 / rate) in every snapshot; a window's reset is the time to its
     /// boundary, which shrinks while more goes missing. So two snapshots whose
-    /// ratios agree vote continuous, and two whose resets moved against what
-    /// is missing vote window.
+    /// ratios agree vote continuous (when more went missing from the first to
+    /// the second, and the reset grew), and two whose resets moved against
+    /// what is missing vote window.
     fn vote(&mut self, at: Millis, missing: f64, reset_ms: f64, limit: f64) {
         self.max_reset_ms = self.max_reset_ms.max(reset_ms);
         let (missing1, reset1) = (self.obs_missing, self.obs_reset_ms);
@@ -387,7 +388,17 @@ impl Bucket {
             && (missing - missing1).abs() >= VOTE_MISSING * limit
         {
             let (a, b) = (reset_ms * missing1, reset1 * missing);
-            if (a - b).abs() <= VOTE_AGREE * a.max(b) {
+            // What went missing between them, in the order they were sent.
+            let forward = at >= self.obs_at_ms;
+            let grew = if forward { missing - missing1 } else { missing1 - missing };
+            let later = if forward { reset_ms - reset1 } else { reset1 - reset_ms };
+            // Only a pair across which more went missing and the reset grew
+            // with it votes continuous: a window whose refunds came back
+            // between two snapshots shrinks what is missing while its reset
+            // shrinks with time, and two close snapshots of a window move
+            // little; either may agree within VOTE_AGREE as a continuous
+            // bucket's do.
+            if grew > 0.0 && later > 0.0 && (a - b).abs() <= VOTE_AGREE * a.max(b) {
                 self.votes = (self.votes - 1.0).max(-MAX_VOTES);
             } else if (missing - missing1) * (reset_ms - reset1) < 0.0 {
                 self.votes = (self.votes + 1.0).min(MAX_VOTES);

@@ -282,7 +282,11 @@ local function vote(p, at, missing, reset_ms, limit)
   if get(p .. 'obs_at') > 0 and readable(missing, reset_ms) and readable(missing1, reset1)
     and math.abs(missing - missing1) >= VOTE_MISSING * limit then
     local a, b = reset_ms * missing1, reset1 * missing
-    if math.abs(a - b) <= VOTE_AGREE * math.max(a, b) then
+    -- Only a pair across which more went missing and the reset grew votes continuous
+    -- (bucket.rs, vote).
+    local grew, later = missing - missing1, reset_ms - reset1
+    if at < get(p .. 'obs_at') then grew, later = missing1 - missing, reset1 - reset_ms end
+    if grew > 0 and later > 0 and math.abs(a - b) <= VOTE_AGREE * math.max(a, b) then
       S[p .. 'votes'] = math.max(get(p .. 'votes') - 1, -MAX_VOTES)
     elseif (missing - missing1) * (reset_ms - reset1) < 0 then
       S[p .. 'votes'] = math.min(get(p .. 'votes') + 1, MAX_VOTES)
