@@ -90,6 +90,28 @@ local function q_finish(id)
 end
 
 -- Moves turn `id` (record `r`) to the dead set with `reason`.
+-- A buried turn ends its run (SPEC §2), in the same script: the run record beside the
+-- queue's keys (the same prefix and slot, '<prefix>:<slot>:run:<id>', runs/store.rs) fails
+-- with error.kind "dead_lettered", writes run.failed, and starts its retention (the
+-- record's retention_ms). A queue used without runs has no such record.
+local function q_fail_run(id, reason, now)
+  local base = string.sub(Q_DEAD, 1, #Q_DEAD - #'q:dead')
+  local run, ev = base .. 'run:' .. id, base .. 'ev:' .. id
+  local status = redis.call('HGET', run, 'status')
+  if not status or status == 'completed' or status == 'failed' or status == 'cancelled' then return end
+  local message = 'its turn was dead-lettered: ' .. reason
+  redis.call('HSET', run, 'status', 'failed', 'error_kind', 'dead_lettered', 'error_message', message,
+    'finished_ms', now, 'updated_ms', now, 'wait_reason', '', 'next_attempt_ms', '', 'phase', '')
+  redis.call('XADD', ev, '*', 'type', 'run.failed',
+    'data', cjson.encode({error = {kind = 'dead_lettered', message = message}}))
+  local ttl = tonumber(redis.call('HGET', run, 'retention_ms') or '')
+  if ttl and ttl > 0 then
+    redis.call('PEXPIRE', run, ttl)
+    redis.call('PEXPIRE', base .. 'tx:' .. id, ttl)
+    redis.call('PEXPIRE', ev, ttl)
+  end
+end
+
 local function q_bury(id, r, reason, now)
   r.flag = 'd'
   redis.call('HSET', Q_JOBS, id, q_encode(r))
@@ -97,4 +119,5 @@ local function q_bury(id, r, reason, now)
   redis.call('ZREM', Q_DUE, id)
   redis.call('ZADD', Q_DEAD, now, id)
   redis.call('HSET', Q_REASONS, id, reason)
+  q_fail_run(id, reason, now)
 end

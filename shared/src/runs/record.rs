@@ -55,7 +55,8 @@ pub struct PacingCounters {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RunError {
     /// `max_turns`, `rate_limited`, `quota`, `request_too_large`,
-    /// `spend_limit`, `partial_output`, `provider_error`, `provider_unavailable`.
+    /// `spend_limit`, `partial_output`, `provider_error`, `provider_unavailable`,
+    /// `dead_lettered` (its turn used up its deliveries: the queue buried it).
     pub kind: String,
     /// The provider's or paceline's message.
     pub message: String,
@@ -152,6 +153,10 @@ pub mod field {
     /// `tools` while a turn's tool calls are being run (its model output is
     /// committed, its tool outputs not yet); empty otherwise.
     pub const PHASE: &str = "phase";
+    /// How long the run's keys live once it is finished, ms (the store's
+    /// retention when it was created): a turn the queue buries ends its run
+    /// in the queue's own script, which knows no configuration.
+    pub const RETENTION_MS: &str = "retention_ms";
 }
 
 /// Formats Redis-clock milliseconds as RFC 3339 with milliseconds (UTC).

@@ -235,6 +235,7 @@ impl RunStore {
             field::TURNS: "0",
             field::MAX_TURNS: spec.max_turns.to_string(),
             field::METADATA: spec.metadata.to_string(),
+            field::RETENTION_MS: self.retention_ms().to_string(),
         });
         let job = serde_json::to_string(&TurnJob { turn: 0, attempt: 1 }).unwrap_or_default();
         let mut inv = self.invocation("create", &id, tenant, idem.map(|i| i.key.as_str()));

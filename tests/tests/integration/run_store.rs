@@ -7,7 +7,7 @@ use paceline_tests::{unique_prefix, RedisServer};
 use serde_json::{json, Value};
 use shared::config::RedisArgs;
 use shared::keys::Keys;
-use shared::queue::{QueueConfig, TurnQueue};
+use shared::queue::{QueueConfig, Settled, TurnQueue};
 use shared::runs::{
     Fence, Idempotency, Next, RunSpec, RunStatus, RunStore, StoreError, SubmitPolicy, Transition, TurnJob, Usage,
     WaitReason,
@@ -221,6 +221,58 @@ async fn cancelling_removes_the_queued_turn_and_stops_one_in_flight() {
     let tail = env.store.events("alpha", &flying.id, None, None, 50).await.unwrap().unwrap();
     assert_eq!(tail.last().map(|e| e.kind.as_str()), Some("run.cancelled"));
     let _: Value = tail.last().unwrap().data.clone();
+}
+
+/// A turn the queue buries — a handler's verdict, or a retry that used its
+/// last delivery (a worker killed mid-turn, Redis blips) — fails its run in
+/// the same script: `dead_lettered` with the reason, `run.failed`, and the
+/// retention started, so no run is left running with no turn to run it.
+#[tokio::test]
+async fn a_dead_turn_fails_its_run_in_the_same_step() {
+    let env = env().await;
+    let mut conn = env.store.connection();
+    let job = TurnJob { turn: 0, attempt: 1 };
+    let buried = env.store.create("alpha", &spec("x"), None).await.unwrap().run;
+    let lease = env.queue.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
+    assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Ok);
+    env.queue.dead(&lease, "the payload could not be read").await.unwrap();
+
+    let run = env.store.get("alpha", &buried.id).await.unwrap().unwrap();
+    assert_eq!(run.status, RunStatus::Failed);
+    let error = run.error.expect("a failed run says why");
+    assert_eq!(error.kind, "dead_lettered");
+    assert!(error.message.contains("the payload could not be read"), "{}", error.message);
+    assert!(run.finished_at.is_some());
+    let events = env.store.events("alpha", &buried.id, None, None, 50).await.unwrap().unwrap();
+    let last = events.last().unwrap();
+    assert_eq!(last.kind, "run.failed");
+    assert_eq!(last.data["error"]["kind"], "dead_lettered");
+    for key in ["run", "tx", "ev"] {
+        let found: Vec<String> =
+            redis::cmd("KEYS").arg(format!("*:{key}:{}", buried.id)).query_async(&mut conn).await.unwrap();
+        let ttl: i64 = redis::cmd("PTTL").arg(&found[0]).query_async(&mut conn).await.unwrap();
+        assert!(ttl > 0 && ttl <= 60_000, "{key}: the retention runs ({ttl} ms)");
+    }
+    assert_eq!(env.queue.list_dead(10).await.unwrap().len(), 1);
+
+    // Deliveries used up: the retry that used the last one buries the turn.
+    let spent = env.store.create("alpha", &spec("y"), None).await.unwrap().run;
+    let max = QueueConfig::default().max_deliveries;
+    for delivery in 1..=max {
+        let lease = env.queue.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
+        let settled = env.queue.retry(&lease, 0, "the handler failed").await.unwrap();
+        assert_eq!(settled == Settled::Dead, delivery == max, "delivery {delivery} of {max}");
+    }
+    let run = env.store.get("alpha", &spent.id).await.unwrap().unwrap();
+    assert_eq!((run.status, run.error.map(|e| e.kind)), (RunStatus::Failed, Some("dead_lettered".to_string())));
+
+    // A finished run's turn buried later (a stale record) leaves the run as it was.
+    let done = env.store.create("alpha", &spec("z"), None).await.unwrap().run;
+    let lease = env.queue.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
+    env.store.cancel("alpha", &done.id).await.unwrap();
+    let _ = env.queue.dead(&lease, "late").await;
+    let run = env.store.get("alpha", &done.id).await.unwrap().unwrap();
+    assert_eq!((run.status, run.error), (RunStatus::Cancelled, None));
 }
 
 /// `runs/state.rs` is the table of the run's moves; `store.lua` makes them in
