@@ -420,6 +420,19 @@ impl Bucket {
         (cost + floor * self.limit).min(self.limit)
     }
 
+    /// The floor kept on this bucket at `now`: in a window, the floor's share
+    /// of the window still to come (what is left at the boundary is lost, so
+    /// the headroom for live turns shrinks with the time they have to use
+    /// it, to none at the boundary). Kept whole, 5 % of every window went
+    /// unused, and a workload of six windows ran into a seventh.
+    pub(crate) fn floor_at(&self, now: Millis, floor: f64) -> f64 {
+        if self.windowed() && self.full_at_ms > now {
+            floor * ((self.full_at_ms - now) as f64 / self.window_ms()).clamp(0.0, 1.0)
+        } else {
+            floor
+        }
+    }
+
     /// Takes a header observation into the model. Only ever lowers the level:
     /// a call we cleared may reach the provider after these headers were sent,
     /// so headers that show more than we think can never be trusted to raise
@@ -526,5 +539,27 @@ impl Bucket {
             // those cleared after the observed call and settled already.
             self.charged_since = self.in_flight + settled_after;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_windows_floor_shrinks_to_its_boundary() {
+        let b = Bucket {
+            limit: 60_000.0,
+            rate: 6.0,
+            refill: Refill::Window,
+            full_at_ms: 10_000,
+            max_reset_ms: 10_000.0,
+            ..Bucket::default()
+        };
+        assert_eq!(b.floor_at(0, 0.05), 0.05);
+        assert!((b.floor_at(5_000, 0.05) - 0.025).abs() < 1e-12);
+        assert_eq!(b.floor_at(10_000, 0.05), 0.05, "at the boundary a new window begins");
+        let continuous = Bucket { refill: Refill::Continuous, ..b };
+        assert_eq!(continuous.floor_at(9_000, 0.05), 0.05);
     }
 }

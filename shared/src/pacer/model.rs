@@ -594,7 +594,7 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
     for (i, bucket) in state.buckets_mut().into_iter().enumerate() {
         if bucket.known() {
             bucket.advance(now);
-            let short = ahead.held[i] + bucket.need(costs[i], floor) - bucket.level;
+            let short = ahead.held[i] + bucket.need(costs[i], bucket.floor_at(now, floor)) - bucket.level;
             if short > 0.0 {
                 fits = false;
                 shorts[i] = short;
@@ -667,10 +667,12 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
     // Likewise a window bucket short of no more than the calls in flight hold
     // on it: their settles may give it back (refunds, or a call the lift
     // charged to the new window that went into the old one).
+    // So is one short by no more than a window's floor, which shrinks to
+    // the boundary (`Bucket::floor_at`): it fits before then.
     for (i, bucket) in state.buckets().into_iter().enumerate() {
         if bucket.windowed() && shorts[i] > 0.0 {
             let holding: f64 = state.flights.values().map(|f| f.held()[i]).sum();
-            if holding >= shorts[i] {
+            if holding >= shorts[i] || shorts[i] <= bucket.floor_at(now, floor) * bucket.limit {
                 sleep = sleep.min(recheck);
             }
         }

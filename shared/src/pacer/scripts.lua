@@ -300,6 +300,16 @@ local function vote(p, at, missing, reset_ms, limit)
   S[p .. 'obs_at'], S[p .. 'obs_missing'], S[p .. 'obs_reset'] = math.max(at, 1), missing, reset_ms
 end
 
+-- The floor kept on a bucket now: in a window, its share of the window still to come
+-- (bucket.rs, floor_at).
+local function floor_at(p, fl)
+  local full_at = get(p .. 'full_at')
+  if get(p .. 'refill') == 2 and full_at > now then
+    return fl * math.min(math.max((full_at - now) / window_ms(p), 0), 1)
+  end
+  return fl
+end
+
 local function need(p, cost, fl)
   local limit = get(p .. 'limit')
   return math.min(cost + fl * limit, limit)
@@ -731,7 +741,7 @@ if op == 'acquire' then
   for i, p in ipairs(BUCKETS) do
     if known(p) then
       advance(p)
-      local short = ahead[i] + need(p, costs[i], fl) - get(p .. 'level')
+      local short = ahead[i] + need(p, costs[i], floor_at(p, fl)) - get(p .. 'level')
       if short > 0 then
         fits = false
         shorts[i] = short
@@ -775,9 +785,13 @@ if op == 'acquire' then
   -- A bucket learned without headers at its first 429, while the answers of its wave
   -- still lift it (model.rs, learn_headerless).
   if wave and get('headerless') == 1 and get('hl_prev_span') > 0 then sleep = math.min(sleep, recheck_min) end
-  -- Likewise a window short of no more than the calls in flight hold on it.
+  -- Likewise a window short of no more than the calls in flight hold on it, or than its
+  -- floor, which shrinks to the boundary.
   for i, p in ipairs(BUCKETS) do
-    if get(p .. 'refill') == 2 and shorts[i] > 0 and holding[i] >= shorts[i] then sleep = math.min(sleep, recheck) end
+    if get(p .. 'refill') == 2 and shorts[i] > 0
+      and (holding[i] >= shorts[i] or shorts[i] <= floor_at(p, fl) * get(p .. 'limit')) then
+      sleep = math.min(sleep, recheck)
+    end
   end
   -- A window gives nothing back before its boundary but refunds: when the calls
   -- in flight are expected to give back what the turn is short of, be back soon.
