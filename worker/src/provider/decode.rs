@@ -97,10 +97,16 @@ pub(crate) fn str_field<'a>(v: &'a Value, key: &str) -> Option<&'a str> {
     v.get(key).and_then(Value::as_str)
 }
 
-/// A count field, tolerating a missing or null value.
+/// A token count field, tolerating a missing or null value. A count past
+/// [`MAX_TOKEN_COUNT`] is read as missing: no call uses that many, and such a
+/// number must not reach the run store's script, whose counters it would
+/// overflow halfway through its writes.
 pub(crate) fn count(v: &Value, key: &str) -> Option<u64> {
-    v.get(key).and_then(Value::as_u64)
+    v.get(key).and_then(Value::as_u64).filter(|n| *n <= MAX_TOKEN_COUNT)
 }
+
+/// More tokens than any one call uses (a hundred times the longest context).
+pub(crate) const MAX_TOKEN_COUNT: u64 = 1_000_000_000;
 
 #[cfg(test)]
 mod tests {
@@ -125,6 +131,10 @@ mod tests {
         let e = ErrorBody::from_body(b"<html>502 Bad Gateway</html>");
         assert_eq!(e.message, "<html>502 Bad Gateway</html>");
         assert_eq!(ErrorBody::from_body(b"  ").message, "(empty body)");
+        let usage = json!({"input_tokens": 1_200, "output_tokens": u64::MAX, "total_tokens": -3});
+        assert_eq!(count(&usage, "input_tokens"), Some(1_200));
+        assert_eq!(count(&usage, "output_tokens"), None, "an impossible count is not taken");
+        assert_eq!(count(&usage, "total_tokens"), None);
         let gemini = br#"{"error":{"code":429,"message":"Resource has been exhausted","status":"RESOURCE_EXHAUSTED",
             "details":[{"@type":"type.googleapis.com/google.rpc.Help"},
                        {"@type":"type.googleapis.com/google.rpc.RetryInfo","retryDelay":"1.500s"}]}}"#;
