@@ -110,6 +110,10 @@ do
 end
 local function get(k) return S[k] or 0 end
 
+-- A budget's keys live this long after its last acquire or settle: a model not used for a
+-- day starts again from a probe, and its keys do not stay in Redis for good.
+local IDLE_TTL_MS = 86400000
+
 local function save()
   local flat = {}
   for k, v in pairs(S) do
@@ -117,6 +121,7 @@ local function save()
     flat[#flat + 1] = fmt(v)
   end
   if #flat > 0 then redis.call('HSET', state, unpack(flat)) end
+  for _, k in ipairs({state, expiry, records, line_key}) do redis.call('PEXPIRE', k, IDLE_TTL_MS) end
 end
 
 -- Records: one encode/decode pair.

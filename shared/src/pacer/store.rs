@@ -401,6 +401,13 @@ impl SharedPacer {
                 redis::cmd("SMEMBERS").arg(self.keys.pacer_models(&budget)).query_async(&mut conn).await?;
             let other = Self { budget: budget.clone(), ..self.clone() };
             for model in models {
+                // A model not used for a day has its keys expired (the
+                // script's IDLE_TTL_MS): nothing to show. It stays listed, for
+                // a process that still takes it as registered.
+                let key = self.keys.pacer_state(&budget, &model);
+                if !redis::cmd("EXISTS").arg(&key).query_async::<bool>(&mut conn).await? {
+                    continue;
+                }
                 let (state, now) = other.state(&model).await?;
                 out.push(BudgetSnapshot::from_state(&budget, &model, &state, now));
             }

@@ -295,6 +295,18 @@ async fn the_snapshot_lists_every_budget_and_model() {
     assert_eq!(snap[0].limit_tokens, Some(40_000));
     let remaining = snap[0].remaining_tokens.unwrap();
     assert!((30_000..=40_000).contains(&remaining), "{remaining}");
+    // A budget's keys expire a day after their last use; an expired model is not shown.
+    let mut conn = server.client().get_multiplexed_async_connection().await.unwrap();
+    let keys: Vec<String> =
+        redis::cmd("KEYS").arg(format!("{prefix}:pacer:*gpt-a")).query_async(&mut conn).await.unwrap();
+    assert!(!keys.is_empty());
+    for key in &keys {
+        let ttl: i64 = redis::cmd("PTTL").arg(key).query_async(&mut conn).await.unwrap();
+        assert!(ttl > 0 && ttl <= 86_400_000, "{key}: {ttl}");
+    }
+    let _: () = redis::cmd("DEL").arg(&keys).query_async(&mut conn).await.unwrap();
+    let snap = pacer.snapshot().await.unwrap();
+    assert_eq!(snap.iter().map(|s| s.model.as_str()).collect::<Vec<_>>(), ["gpt-b"]);
 }
 
 /// The script and the pure model are the same policy written twice (Lua for
