@@ -168,6 +168,35 @@ pub fn rfc3339_ms(ms: Millis) -> String {
 }
 
 impl Run {
+    /// The record fields [`Run::from_fields`] reads, and the tenant: what a
+    /// listing fetches, rather than the whole record (whose spec alone can be
+    /// a MiB, for each of up to thousands of runs).
+    pub const FIELDS: [&'static str; 23] = [
+        field::TENANT,
+        field::STATUS,
+        field::MODE,
+        field::MODEL,
+        field::TURNS,
+        field::MAX_TURNS,
+        field::INPUT_TOKENS,
+        field::OUTPUT_TOKENS,
+        field::REASONING_TOKENS,
+        field::CACHED_INPUT_TOKENS,
+        field::BUDGET_WAITS,
+        field::WAITED_MS,
+        field::RATE_LIMITED,
+        field::RETRIES,
+        field::WAIT_REASON,
+        field::NEXT_ATTEMPT_MS,
+        field::OUTPUT_TEXT,
+        field::ERROR_KIND,
+        field::ERROR_MESSAGE,
+        field::CREATED_MS,
+        field::UPDATED_MS,
+        field::FINISHED_MS,
+        field::METADATA,
+    ];
+
     /// The run object from its record's fields; `None` when the record is
     /// missing or not a run (a half-written hash is never shown).
     pub fn from_fields(id: &str, f: &HashMap<String, String>) -> Option<Self> {
@@ -224,6 +253,48 @@ impl Run {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A run read from [`Run::FIELDS`] alone is the run read from its whole
+    /// record: a field `from_fields` reads and `FIELDS` lacks shows here.
+    #[test]
+    fn the_listing_fields_are_all_a_run_needs() {
+        let all = [
+            (field::TENANT, "alpha"),
+            (field::STATUS, "waiting"),
+            (field::MODE, "companion"),
+            (field::MODEL, "m"),
+            (field::SPEC, "{\"big\": true}"),
+            (field::TURNS, "2"),
+            (field::MAX_TURNS, "9"),
+            (field::INPUT_TOKENS, "10"),
+            (field::OUTPUT_TOKENS, "3"),
+            (field::REASONING_TOKENS, "1"),
+            (field::CACHED_INPUT_TOKENS, "4"),
+            (field::BUDGET_WAITS, "5"),
+            (field::WAITED_MS, "600"),
+            (field::RATE_LIMITED, "7"),
+            (field::RETRIES, "8"),
+            (field::WAIT_REASON, "budget"),
+            (field::NEXT_ATTEMPT_MS, "1796032805120"),
+            (field::OUTPUT_TEXT, "so far"),
+            (field::ERROR_KIND, "x"),
+            (field::ERROR_MESSAGE, "y"),
+            (field::CREATED_MS, "1796032800000"),
+            (field::UPDATED_MS, "1796032801000"),
+            (field::FINISHED_MS, "1796032802000"),
+            (field::METADATA, "{\"k\": 1}"),
+            (field::PHASE, "tools"),
+            (field::RETENTION_MS, "60000"),
+        ];
+        let whole: HashMap<String, String> = all.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let listed: HashMap<String, String> = whole
+            .iter()
+            .filter(|(k, _)| Run::FIELDS.contains(&k.as_str()))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        assert_eq!(Run::from_fields("run_1", &listed), Run::from_fields("run_1", &whole));
+        assert!(Run::from_fields("run_1", &listed).is_some());
+    }
 
     #[test]
     fn times_are_rfc3339_with_milliseconds() {
