@@ -434,9 +434,10 @@ impl PacerState {
         self.learned_share().unwrap_or(0.0)
     }
 
-    /// The refund share once known. A budget configured (`PACELINE_TPM`)
-    /// and never described by headers is the workers' own bucket: it is
-    /// charged what a call used, so the unused output comes back whole.
+    /// The refund share once known. A token bucket never described by
+    /// headers (configured by `PACELINE_TPM`, or learned from 429s by
+    /// `learn_headerless`) is the workers' own: it is charged what a call
+    /// used, so the unused output comes back whole.
     pub fn learned_share(&self) -> Option<f64> {
         if self.observed_at_ms == 0 && self.tokens.known() {
             return Some(1.0);
@@ -1181,16 +1182,17 @@ fn learn_headerless(
     if !limited {
         let used = used.unwrap_or(f.est.tokens) as f64;
         state.hl_max = state.hl_max.max(used);
+        if t.known() {
+            t.advance(now);
+        }
         if cleared > state.hl_cut_ms {
             state.hl_used += used;
         } else if state.hl_prev_span > 0.0 {
             state.hl_prev += used;
-            t.advance(now);
             t.rate = t.rate.max(HL_CUT * state.hl_prev / state.hl_prev_span);
             t.limit = t.limit.max(t.rate * HL_BURST_MS);
         }
         if t.known() {
-            t.advance(now);
             if t.level < t.limit / 2.0 {
                 let dt = ((now - state.hl_grow_ms) as f64).clamp(0.0, HL_GROW_MAX_MS);
                 let accel = ((now - state.hl_cut_ms) as f64 / HL_ACCEL_MS).clamp(1.0, HL_ACCEL_MAX);

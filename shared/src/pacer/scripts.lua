@@ -327,30 +327,19 @@ local function any_known()
   return false
 end
 
-local function per_minute(p, limit)
-  S[p .. 'limit'] = limit
-  S[p .. 'rate'] = limit / 60000
-  S[p .. 'level'] = limit
-  S[p .. 'at'] = now
-  S[p .. 'refill'] = 1
-  S[p .. 'assumed'] = 0
+-- A continuous bucket of `limit` and `rate`, at `level`, with nothing else known of it
+-- (model.rs: a fresh `Bucket` with these set; `Bucket::per_minute` for a configured one).
+local function fresh_bucket(p, limit, rate, level)
+  S[p .. 'refunded'], S[p .. 'full_at'], S[p .. 'charged_since'], S[p .. 'rated'], S[p .. 'full_seen'] = 0, 0, 0, 0, 0
+  S[p .. 'inflight'], S[p .. 'sent'], S[p .. 'withheld'] = 0, 0, 0
+  S[p .. 'votes'], S[p .. 'max_reset'], S[p .. 'obs_at'], S[p .. 'obs_missing'], S[p .. 'obs_reset'] = 0, 0, 0, 0, 0
+  S[p .. 'boundary'], S[p .. 'probed'], S[p .. 'unknown_credit'], S[p .. 'assumed'] = 0, 0, 0, 0
+  S[p .. 'limit'], S[p .. 'rate'], S[p .. 'level'], S[p .. 'at'], S[p .. 'refill'] = limit, rate, level, now, 1
 end
 
 local function ensure_configured()
-  if not known('t_') and tpm > 0 then
-    S['t_refunded'], S['t_full_at'], S['t_charged_since'], S['t_rated'], S['t_full_seen'], S['t_inflight'] = 0, 0, 0, 0, 0, 0
-    S['t_sent'], S['t_withheld'] = 0, 0
-    S['t_votes'], S['t_max_reset'], S['t_obs_at'], S['t_obs_missing'], S['t_obs_reset'] = 0, 0, 0, 0, 0
-    S['t_boundary'], S['t_probed'], S['t_unknown_credit'], S['t_assumed'] = 0, 0, 0, 0
-    per_minute('t_', tpm)
-  end
-  if not known('r_') and rpm > 0 then
-    S['r_refunded'], S['r_full_at'], S['r_charged_since'], S['r_rated'], S['r_full_seen'], S['r_inflight'] = 0, 0, 0, 0, 0, 0
-    S['r_sent'], S['r_withheld'] = 0, 0
-    S['r_votes'], S['r_max_reset'], S['r_obs_at'], S['r_obs_missing'], S['r_obs_reset'] = 0, 0, 0, 0, 0
-    S['r_boundary'], S['r_probed'], S['r_unknown_credit'], S['r_assumed'] = 0, 0, 0, 0
-    per_minute('r_', rpm)
-  end
+  if not known('t_') and tpm > 0 then fresh_bucket('t_', tpm, tpm / 60000, tpm) end
+  if not known('r_') and rpm > 0 then fresh_bucket('r_', rpm, rpm / 60000, rpm) end
 end
 
 -- since: what changed at the provider after the headers that they cannot show
@@ -1075,16 +1064,15 @@ if op == 'settle' then
       local u = tk
       if used >= 0 then u = used end
       S['hl_max'] = math.max(get('hl_max'), u)
+      if known('t_') then advance('t_') end
       if cleared > get('hl_cut') then
         S['hl_used'] = get('hl_used') + u
       elseif get('hl_prev_span') > 0 then
         S['hl_prev'] = get('hl_prev') + u
-        advance('t_')
         S['t_rate'] = math.max(get('t_rate'), HL_CUT * get('hl_prev') / get('hl_prev_span'))
         S['t_limit'] = math.max(get('t_limit'), get('t_rate') * HL_BURST_MS)
       end
       if known('t_') then
-        advance('t_')
         if get('t_level') < get('t_limit') / 2 then
           local dt = math.min(math.max(now - get('hl_grow'), 0), HL_GROW_MAX_MS)
           local accel = math.min(math.max((now - get('hl_cut')) / HL_ACCEL_MS, 1), HL_ACCEL_MAX)
@@ -1110,11 +1098,7 @@ if op == 'settle' then
         S['t_rate'], S['t_limit'] = rate, limit
         S['t_level'] = math.min(get('t_level'), 0)
       else
-        S['t_refunded'], S['t_full_at'], S['t_charged_since'], S['t_rated'], S['t_full_seen'], S['t_inflight'] = 0, 0, 0, 0, 0, 0
-        S['t_sent'], S['t_withheld'] = 0, 0
-        S['t_votes'], S['t_max_reset'], S['t_obs_at'], S['t_obs_missing'], S['t_obs_reset'] = 0, 0, 0, 0, 0
-        S['t_boundary'], S['t_probed'], S['t_unknown_credit'], S['t_assumed'] = 0, 0, 0, 0
-        S['t_limit'], S['t_rate'], S['t_level'], S['t_at'], S['t_refill'] = limit, rate, 0, now, 1
+        fresh_bucket('t_', limit, rate, 0)
       end
       S['hl_prev'], S['hl_prev_span'] = get('hl_used'), prev_span
       S['hl_used'], S['hl_since'], S['hl_cut'], S['hl_grow'] = 0, now, now, now
