@@ -89,7 +89,23 @@ local function q_finish(id)
   redis.call('HDEL', Q_JOBS, id)
 end
 
--- Moves turn `id` (record `r`) to the dead set with `reason`.
+-- A run status that ends the run (runs/store.lua).
+local function q_run_finished(status)
+  return status == 'completed' or status == 'failed' or status == 'cancelled'
+end
+
+-- A finished run's record, transcript and events (`run`, `tx`, `ev`) live for
+-- `retention` ms, then go (runs/store.lua).
+local function q_run_retire(run, tx, ev, now, retention)
+  redis.call('HSET', run, 'finished_ms', now, 'updated_ms', now, 'wait_reason', '', 'next_attempt_ms', '', 'phase', '')
+  local ttl = tonumber(retention)
+  if ttl and ttl > 0 then
+    redis.call('PEXPIRE', run, ttl)
+    redis.call('PEXPIRE', tx, ttl)
+    redis.call('PEXPIRE', ev, ttl)
+  end
+end
+
 -- A buried turn ends its run (SPEC §2), in the same script: the run record beside the
 -- queue's keys (the same prefix and slot, '<prefix>:<slot>:run:<id>', runs/store.rs) fails
 -- with error.kind "dead_lettered", writes run.failed, and starts its retention (the
@@ -98,20 +114,15 @@ local function q_fail_run(id, reason, now)
   local base = string.sub(Q_DEAD, 1, #Q_DEAD - #'q:dead')
   local run, ev = base .. 'run:' .. id, base .. 'ev:' .. id
   local status = redis.call('HGET', run, 'status')
-  if not status or status == 'completed' or status == 'failed' or status == 'cancelled' then return end
+  if not status or q_run_finished(status) then return end
   local message = 'its turn was dead-lettered: ' .. reason
-  redis.call('HSET', run, 'status', 'failed', 'error_kind', 'dead_lettered', 'error_message', message,
-    'finished_ms', now, 'updated_ms', now, 'wait_reason', '', 'next_attempt_ms', '', 'phase', '')
+  redis.call('HSET', run, 'status', 'failed', 'error_kind', 'dead_lettered', 'error_message', message)
   redis.call('XADD', ev, '*', 'type', 'run.failed',
     'data', cjson.encode({error = {kind = 'dead_lettered', message = message}}))
-  local ttl = tonumber(redis.call('HGET', run, 'retention_ms') or '')
-  if ttl and ttl > 0 then
-    redis.call('PEXPIRE', run, ttl)
-    redis.call('PEXPIRE', base .. 'tx:' .. id, ttl)
-    redis.call('PEXPIRE', ev, ttl)
-  end
+  q_run_retire(run, base .. 'tx:' .. id, ev, now, redis.call('HGET', run, 'retention_ms'))
 end
 
+-- Moves turn `id` (record `r`) to the dead set with `reason`, and ends its run.
 local function q_bury(id, r, reason, now)
   r.flag = 'd'
   redis.call('HSET', Q_JOBS, id, q_encode(r))

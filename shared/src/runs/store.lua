@@ -19,9 +19,7 @@ local function event(kind, data)
   return redis.call('XADD', EV, 'MAXLEN', '~', EV_MAXLEN, '*', 'type', kind, 'data', data)
 end
 
-local function finished(status)
-  return status == 'completed' or status == 'failed' or status == 'cancelled'
-end
+local finished = q_run_finished
 
 -- The record's usage counters a call adds to (record.rs `field`).
 local USAGE_FIELDS = {'input_tokens', 'output_tokens', 'reasoning_tokens', 'cached_input_tokens'}
@@ -35,15 +33,7 @@ local function add_usage(json)
 end
 
 -- A finished run's keys live for the retention period, then go.
-local function retire(now, retention)
-  redis.call('HSET', RUN, 'finished_ms', now, 'updated_ms', now, 'wait_reason', '', 'next_attempt_ms', '', 'phase', '')
-  local ttl = tonumber(retention)
-  if ttl and ttl > 0 then
-    redis.call('PEXPIRE', RUN, ttl)
-    redis.call('PEXPIRE', TX, ttl)
-    redis.call('PEXPIRE', EV, ttl)
-  end
-end
+local function retire(now, retention) q_run_retire(RUN, TX, EV, now, retention) end
 
 -- Checks the lease and the run: the record fields, or nil and why not.
 local function fenced(epoch, turn)

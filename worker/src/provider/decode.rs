@@ -106,7 +106,7 @@ pub(crate) fn count(v: &Value, key: &str) -> Option<u64> {
 }
 
 /// More tokens than any one call uses (a hundred times the longest context).
-pub(crate) const MAX_TOKEN_COUNT: u64 = 1_000_000_000;
+const MAX_TOKEN_COUNT: u64 = 1_000_000_000;
 
 #[cfg(test)]
 mod tests {
