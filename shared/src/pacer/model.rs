@@ -373,6 +373,11 @@ pub struct PacerState {
     /// Shared by every process, and taught by the probe before the first wave.
     #[serde(default)]
     pub input_ratio: f64,
+    /// How long an answered call takes from its clearance to its settle, ms,
+    /// averaged (0 = not yet known): what a turn waits for when what it is
+    /// short of is coming back from the calls in flight.
+    #[serde(default)]
+    pub call_ms: f64,
     /// Whether, and how much of, the unused output the provider gives back
     /// (`refund.rs`), learned from the headers.
     #[serde(default)]
@@ -617,7 +622,7 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
         && !share_known
         && t.windowed()
         && t.full_at_ms > now
-        && t.probed_ms < t.boundary_ms
+        && (t.probed_ms == 0 || t.probed_ms < t.boundary_ms)
         && tokens_only
         && shorts[0] <= t.withheld;
     if !fits && refund_probe {
@@ -646,6 +651,7 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
     //    It never sends before it is clear.
     let reason = if ahead.other_tenant { OwedReason::FairShare } else { OwedReason::Budget };
     let recheck = recheck_ms(&state.tokens, cfg, line);
+    let answered = answer_recheck(state, recheck);
     let mut sleep = wait.min((wait * RECHECK_SHARE).max(recheck)).min(cfg.max_pace_ms as f64);
     // A wait predicted before the bucket's shape is known is only as good as
     // the shape guessed (none refills before its reset): be back within the
@@ -673,9 +679,20 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
     for (i, bucket) in state.buckets().into_iter().enumerate() {
         if bucket.windowed() && shorts[i] > 0.0 {
             let holding: f64 = state.flights.values().map(|f| f.held()[i]).sum();
-            if holding >= shorts[i] || shorts[i] <= bucket.floor_at(now, floor) * bucket.limit {
+            if holding >= shorts[i] {
+                sleep = sleep.min(answered);
+            } else if shorts[i] <= bucket.floor_at(now, floor) * bucket.limit {
                 sleep = sleep.min(recheck);
             }
+        }
+    }
+    // A window's head held only by refunds whose share is not known yet
+    // (withheld, or to be withheld at the settles of the calls in flight):
+    // back when those calls are answered, to go alone as the refund probe.
+    if head && !share_known && state.tokens.windowed() && tokens_only {
+        let coming: f64 = state.flights.values().map(|f| f.est.output as f64).sum();
+        if shorts[0] <= state.tokens.withheld + coming {
+            sleep = sleep.min(answered);
         }
     }
     let share = state.refund_share();
@@ -683,7 +700,7 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
         let kept = if state.usage_ratio > 0.0 { state.usage_ratio.clamp(0.0, 1.0) } else { 1.0 };
         let coming: f64 = state.flights.values().map(|f| f.est.output as f64 * (1.0 - kept) * share).sum();
         if coming >= shorts[0] {
-            sleep = sleep.min(recheck);
+            sleep = sleep.min(answered);
         }
     }
     // The turns ahead are predicted clear by `last_clear_ms`; one that never
@@ -729,6 +746,23 @@ fn recheck_ms(tokens: &Bucket, cfg: &PacingConfig, line: f64) -> f64 {
 
 /// See [`recheck_ms`].
 const RECHECK_TURNS: f64 = 4.0;
+
+/// How soon a turn short of what the calls in flight are expected to give
+/// back asks again: after about one call's time (`PacerState::call_ms`), when
+/// they have been answered and settled, within [[`ANSWER_RECHECK_MIN_MS`],
+/// `recheck`]. A window gives nothing else back before its boundary, and a
+/// turn that slept the whole recheck horizon instead left those refunds idle
+/// for it (in a 10-s window, a fifth of the window each round).
+fn answer_recheck(state: &PacerState, recheck: f64) -> f64 {
+    if state.call_ms > 0.0 {
+        state.call_ms.clamp(ANSWER_RECHECK_MIN_MS, recheck)
+    } else {
+        recheck
+    }
+}
+
+/// See [`answer_recheck`].
+const ANSWER_RECHECK_MIN_MS: f64 = 50.0;
 
 /// The share of a long predicted wait a turn sleeps before it is re-timed.
 const RECHECK_SHARE: f64 = 0.75;
@@ -953,6 +987,12 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, id: &str,
             let prior = if state.input_ratio > 0.0 { state.input_ratio } else { seen };
             state.input_ratio = 0.7 * prior + 0.3 * seen;
         }
+    }
+    if let (false, Some(f)) = (limited, flight) {
+        // The first answer's time is taken whole; later ones weigh 20 %.
+        let seen = (now - (f.expiry_ms - cfg.reservation_ttl_ms as Millis)).max(0) as f64;
+        let prior = if state.call_ms > 0.0 { state.call_ms } else { seen };
+        state.call_ms = 0.8 * prior + 0.2 * seen;
     }
     if let (false, Some(used)) = (limited, outcome.used_tokens) {
         // The output reservation: on the combined bucket, or (split, the

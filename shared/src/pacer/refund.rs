@@ -73,9 +73,10 @@ pub struct RefundShare {
     /// a continuous bucket): a pair that spans it says nothing.
     #[serde(default)]
     pub until_ms: i64,
-    /// The last snapshot is a window's start (`window_start`): the bucket
-    /// was full, so refunds after it can only have been clamped where
-    /// charges had not made room yet, which only lowers what is learned.
+    /// The last snapshot saw the bucket (all but) full: a window's start
+    /// (`window_start`), or a cold start's probe. If nothing refills before
+    /// the next (a window), refunds after it can only have been clamped
+    /// where charges had not made room yet, which only lowers what is learned.
     #[serde(default)]
     pub full: bool,
 }
@@ -146,12 +147,19 @@ impl RefundShare {
             let span = (snap.at_ms - self.at_ms) as f64;
             let unused = (snap.refunded - self.refunded).max(0.0);
             let top = self.remaining + rate * span + unused;
-            if span <= max_pace_ms as f64 && (self.full || top < (1.0 - CLAMP_MARGIN) * limit) {
+            // From a full bucket that refills nothing between (a window's),
+            // refunds can only have been clamped where charges had not made
+            // room yet, which only lowers what is learned; a continuous
+            // bucket's refill may have been clamped too, which the sums
+            // cannot tell from a provider that keeps the charge.
+            let full = self.full && rate <= 0.0;
+            if span <= max_pace_ms as f64 && (full || top < (1.0 - CLAMP_MARGIN) * limit) {
                 self.given += snap.remaining - self.remaining - rate * span + (snap.sent - self.sent);
                 self.unused += unused;
-                // A window's pair spans all of a window's refunds, exactly
-                // (no refill between): it counts as two.
-                self.pairs += if self.full { 2.0 } else { 1.0 };
+                // A pair from a full bucket without refill between (a
+                // window's, from its boundary or from a cold start) spans all
+                // the refunds of its calls, exactly: it counts as two.
+                self.pairs += if full { 2.0 } else { 1.0 };
                 let horizon = HORIZON_LIMITS * limit;
                 if self.unused > horizon {
                     let scale = horizon / self.unused;
@@ -166,7 +174,9 @@ impl RefundShare {
             sent: snap.sent,
             refunded: snap.refunded,
             until_ms: snap.until_ms,
-            full: false,
+            // A bucket (all but) full, as at a window's start (a cold start's
+            // probe): taken as such if it refills nothing until the next.
+            full: snap.remaining >= (1.0 - CLAMP_MARGIN) * limit,
             ..*self
         };
     }

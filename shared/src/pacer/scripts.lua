@@ -28,7 +28,8 @@
 --   (the provider's input count / the workers' estimate), fair_time;
 --   the refund learner (refund.rs): rs_given, rs_unused, rs_pairs, its last snapshot
 --   rs_at, rs_remaining, rs_sent, rs_refunded, rs_until (the reset it named, 0: none), rs_full
---   (1: it is a window's start), and rs_seen (the newest headers seen);
+--   (1: it saw the bucket all but full: a window's start, a cold start's probe), and rs_seen
+--   (the newest headers seen); call_ms (an answered call's clearance to settle, averaged);
 --   last_admit_id (a string, outside the numbers: the call cleared last);
 --   per tenant t: tw:<t> weight, tf:<t> finish tag, tc:<t> cap due (ms),
 --   tadm:<t> expected tokens admitted, twait:<t> turns that waited.
@@ -78,6 +79,7 @@ local LIVE_BASE = -1e13
 local PROBE_HOLD_MS = 10000
 local RECHECK_TURNS = 4
 local RECHECK_SHARE = 0.75
+local ANSWER_RECHECK_MIN_MS = 50
 local BURST_GAP_MS = 60
 local SHAPE_VOTES = 2
 local MAX_VOTES = 4
@@ -434,11 +436,15 @@ local function refund_learn(at, remaining, sent, refunded, until_ms)
     local span = at - get('rs_at')
     local unused = math.max(refunded - get('rs_refunded'), 0)
     local top = get('rs_remaining') + rate * span + unused
-    if span <= max_pace and (get('rs_full') == 1 or top < 0.98 * limit) then
+    -- From a full bucket that refills nothing between (a window's), refunds can only
+    -- have been clamped where charges had not made room yet.
+    local full = get('rs_full') == 1 and rate <= 0
+    if span <= max_pace and (full or top < 0.98 * limit) then
       S['rs_given'] = get('rs_given') + remaining - get('rs_remaining') - rate * span + (sent - get('rs_sent'))
       S['rs_unused'] = get('rs_unused') + unused
-      -- A window's pair spans all of a window's refunds, exactly: it counts as two.
-      if get('rs_full') == 1 then S['rs_pairs'] = get('rs_pairs') + 2 else S['rs_pairs'] = get('rs_pairs') + 1 end
+      -- A pair from a full bucket without refill between spans all its calls' refunds,
+      -- exactly: it counts as two.
+      if full then S['rs_pairs'] = get('rs_pairs') + 2 else S['rs_pairs'] = get('rs_pairs') + 1 end
       local horizon = 2 * limit
       if get('rs_unused') > horizon then
         local scale = horizon / get('rs_unused')
@@ -448,7 +454,10 @@ local function refund_learn(at, remaining, sent, refunded, until_ms)
     end
   end
   S['rs_at'], S['rs_remaining'], S['rs_sent'], S['rs_refunded'] = at, remaining, sent, refunded
-  S['rs_until'], S['rs_full'] = until_ms, 0
+  -- A bucket (all but) full, as at a window's start (a cold start's probe).
+  local full_now = 0
+  if remaining >= 0.98 * limit then full_now = 1 end
+  S['rs_until'], S['rs_full'] = until_ms, full_now
 end
 
 -- A window's boundary starts the refund learner's next pair (refund.rs, window_start).
@@ -708,7 +717,7 @@ if op == 'acquire' then
   local head = ahead[1] <= 0 and ahead[2] <= 0 and ahead[3] <= 0 and ahead[4] <= 0
   local probe = head
   local answering = now - PROBE_AFTER_LATE * late_ms
-  local flights_n, coming, wave = 0, 0, false
+  local flights_n, coming, wave, outputs_flying = 0, 0, false, 0
   local holding = {0, 0, 0, 0}
   local raw_all = redis.call('HVALS', records)
   local kept = get('usage_ratio')
@@ -720,6 +729,7 @@ if op == 'acquire' then
     if f and f.kind == 'f' then
       flights_n = flights_n + 1
       coming = coming + f.output * (1 - kept) * share_now
+      outputs_flying = outputs_flying + f.output
       local fh = {f.tokens, f.requests, f.ih, f.oh}
       local cleared = f.expiry - ttl
       if cleared <= get('hl_cut') then wave = true end
@@ -749,7 +759,7 @@ if op == 'acquire' then
   -- A window whose refunds are not known and whose head is held only by
   -- them: once per window, when every call has settled, the head goes alone.
   if not fits and head and idle and not share_known and get('t_refill') == 2 and get('t_full_at') > now
-    and get('t_probed') < get('t_boundary') and tokens_only and shorts[1] <= get('t_withheld') then
+    and (get('t_probed') == 0 or get('t_probed') < get('t_boundary')) and tokens_only and shorts[1] <= get('t_withheld') then
     S['t_probed'] = now
     fits = true
   end
@@ -768,6 +778,10 @@ if op == 'acquire' then
   local turns = 0
   if known('t_') then turns = RECHECK_TURNS * line / share_rate('t_') end
   local recheck = math.min(math.max(turns, recheck_min), max_pace)
+  -- Short of what the calls in flight give back: about one call's time (model.rs,
+  -- answer_recheck).
+  local answered = recheck
+  if get('call_ms') > 0 then answered = math.min(math.max(get('call_ms'), ANSWER_RECHECK_MIN_MS), recheck) end
   local sleep = math.min(math.min(wait, math.max(wait * RECHECK_SHARE, recheck)), max_pace)
   -- A wait predicted before the shape is known, or before any call settled:
   -- be back within the recheck horizon.
@@ -782,15 +796,24 @@ if op == 'acquire' then
   -- Likewise a window short of no more than the calls in flight hold on it, or than its
   -- floor, which shrinks to the boundary.
   for i, p in ipairs(BUCKETS) do
-    if get(p .. 'refill') == 2 and shorts[i] > 0
-      and (holding[i] >= shorts[i] or shorts[i] <= floor_at(p, fl) * get(p .. 'limit')) then
-      sleep = math.min(sleep, recheck)
+    if get(p .. 'refill') == 2 and shorts[i] > 0 then
+      if holding[i] >= shorts[i] then
+        sleep = math.min(sleep, answered)
+      elseif shorts[i] <= floor_at(p, fl) * get(p .. 'limit') then
+        sleep = math.min(sleep, recheck)
+      end
     end
+  end
+  -- A window's head held only by refunds whose share is not known yet: back when the
+  -- calls in flight are answered, to go alone as the refund probe.
+  if head and not share_known and get('t_refill') == 2 and tokens_only
+    and shorts[1] <= get('t_withheld') + outputs_flying then
+    sleep = math.min(sleep, answered)
   end
   -- A window gives nothing back before its boundary but refunds: when the calls
   -- in flight are expected to give back what the turn is short of, be back soon.
   if get('t_refill') == 2 and share_now > 0 and tokens_only and coming >= shorts[1] then
-    sleep = math.min(sleep, recheck)
+    sleep = math.min(sleep, answered)
   end
   if last_clear > 0 then sleep = math.min(sleep, last_clear + late_ms - now) end
   local r = owed(math.max(sleep, 1), reason, u)
@@ -842,6 +865,13 @@ if op == 'settle' then
     local prior = get('input_ratio')
     if prior <= 0 then prior = seen end
     S['input_ratio'] = 0.7 * prior + 0.3 * seen
+  end
+  if limited < 0 and mark then
+    -- An answered call's time, clearance to settle: the first taken whole.
+    local seen = math.max(now - (rec.expiry - ttl), 0)
+    local prior = get('call_ms')
+    if prior <= 0 then prior = seen end
+    S['call_ms'] = 0.8 * prior + 0.2 * seen
   end
   if limited < 0 and used >= 0 then
     -- The output reservation: on the combined bucket, or (split) on the output bucket.

@@ -481,6 +481,7 @@ fn state_from_fields(flat: &[String]) -> (PacerState, Millis) {
     state.last_admit_ms = f("last_admit") as Millis;
     state.usage_ratio = f("usage_ratio");
     state.input_ratio = f("input_ratio");
+    state.call_ms = f("call_ms");
     state.refunds = RefundShare {
         given: f("rs_given"),
         unused: f("rs_unused"),

@@ -536,6 +536,7 @@ async fn agree(server: &RedisServer, seed: u64, paths: &mut Paths) {
         }
         assert!(close(got.usage_ratio, want.usage_ratio), "seed {seed} step {step}: usage ratio");
         assert!(close(got.input_ratio, want.input_ratio), "seed {seed} step {step}: input ratio");
+        assert!(close(got.call_ms, want.call_ms), "seed {seed} step {step}: call time");
         let (g, w) = (&got.refunds, &want.refunds);
         assert!(
             close(g.given, w.given)
