@@ -94,9 +94,23 @@ local function q_run_finished(status)
   return status == 'completed' or status == 'failed' or status == 'cancelled'
 end
 
+-- The set of a tenant's unfinished runs beside run record key `run`
+-- ('<prefix>:<slot>:tenant:<tenant>:active', runs/store.rs `active_key`), and the run's id:
+-- a run joins it when it is created or retried and leaves it when it finishes, in
+-- the same script, so a tenant's queue counts are read from its own runs alone.
+local function q_run_active(run, tenant)
+  local base, id = string.match(run, '^(.*)run:([^:]+)$')
+  return base .. 'tenant:' .. tenant .. ':active', id
+end
+
 -- A finished run's record, transcript and events (`run`, `tx`, `ev`) live for
--- `retention` ms, then go (runs/store.lua).
+-- `retention` ms, then go (runs/store.lua); it leaves its tenant's unfinished runs.
 local function q_run_retire(run, tx, ev, now, retention)
+  local tenant = redis.call('HGET', run, 'tenant')
+  if tenant then
+    local active, id = q_run_active(run, tenant)
+    redis.call('ZREM', active, id)
+  end
   redis.call('HSET', run, 'finished_ms', now, 'updated_ms', now, 'wait_reason', '', 'next_attempt_ms', '', 'phase', '')
   local ttl = tonumber(retention)
   if ttl and ttl > 0 then

@@ -81,6 +81,7 @@ if op == 'create' then
   for i = 9, #ARGV do redis.call('RPUSH', TX, ARGV[i]) end
   event('run.queued', ARGV[8])
   redis.call('ZADD', IDX, now, id)
+  redis.call('ZADD', (q_run_active(RUN, tenant)), now, id)
   if fp ~= '' then redis.call('SET', IDEM, id .. '|' .. fp, 'PX', tonumber(ARGV[5])) end
   q_add(id, ARGV[6], now)
   return {'created', id}
