@@ -1,4 +1,5 @@
-//! What the shared machinery is doing: `/v1/pacer`, `/v1/queue`, `/v1/workers`.
+//! What the shared machinery is doing: `/v1/pacer`, `/v1/queue`, `/v1/workers`,
+//! `/v1/dead`.
 //! Times are shown as RFC 3339 (Redis clock) and, where useful, as ms.
 //!
 //! Scopes (SPEC §3): the operator (and open mode) sees every budget with
@@ -6,11 +7,14 @@
 //! the budgets and models its turns used, with its own line only, and its own
 //! runs' counts.
 
-use axum::extract::State;
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Query, State};
 use axum::Json;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use shared::pacer::{BudgetShape, TenantShare};
 use shared::runs::record::rfc3339_ms;
+use shared::runs::store::parse_cursor;
+use shared::runs::TurnJob;
 
 use crate::auth::{Caller, Operator};
 use crate::error::{ApiError, ErrorBody};
@@ -223,6 +227,101 @@ pub async fn queue(State(state): State<AppState>, caller: Caller) -> Result<Json
         truncated: c.truncated || dead.len() == MAX_DEAD_READ,
         tenant: Some(tenant),
     }))
+}
+
+/// One dead-lettered turn (`GET /v1/dead`).
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct DeadView {
+    /// Its run (a run's turn is queued under the run's id).
+    pub run_id: String,
+    /// The run's tenant; null when the run's record has expired.
+    pub tenant: Option<String>,
+    /// Why it was buried (its deliveries spent, a payload or spec it could not read, …).
+    pub reason: String,
+    /// When it was buried (RFC 3339, Redis clock).
+    pub died_at: String,
+    /// The turn it would have run (its queue payload's `turn`), when readable.
+    pub turn: Option<u32>,
+}
+
+/// `GET /v1/dead`.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct DeadList {
+    /// Newest first.
+    pub data: Vec<DeadView>,
+    /// Pass as `cursor` for the next page; `null` on the last one.
+    pub next_cursor: Option<String>,
+    /// Whether there may be more.
+    pub has_more: bool,
+}
+
+/// Query of `GET /v1/dead`.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct DeadQuery {
+    /// Page size, 1 to 200 (default 50).
+    limit: Option<String>,
+    /// `next_cursor` of the previous page.
+    cursor: Option<String>,
+}
+
+/// Default page size of `GET /v1/dead`.
+pub const DEAD_DEFAULT_LIMIT: usize = 50;
+/// Largest page size of `GET /v1/dead`.
+pub const DEAD_MAX_LIMIT: usize = 200;
+
+/// Dead-lettered turns, newest first (operator).
+#[utoipa::path(
+    get, path = "/v1/dead", tag = "operations",
+    params(DeadQuery),
+    responses(
+        (status = 200, description = "A page of dead turns, newest first", body = DeadList),
+        (status = 401, description = "No or bad token", body = ErrorBody),
+        (status = 403, description = "Not the operator token", body = ErrorBody),
+        (status = 422, description = "A limit or cursor this API cannot read", body = ErrorBody),
+        (status = 503, description = "Redis unavailable", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn dead(
+    State(state): State<AppState>,
+    _: Operator,
+    q: Result<Query<DeadQuery>, QueryRejection>,
+) -> Result<Json<DeadList>, ApiError> {
+    let Query(q) = q.map_err(|r| ApiError::BadRequest(r.body_text()))?;
+    let limit = match q.limit.as_deref().filter(|s| !s.is_empty()) {
+        None => DEAD_DEFAULT_LIMIT,
+        Some(l) => l
+            .parse::<usize>()
+            .ok()
+            .filter(|n| (1..=DEAD_MAX_LIMIT).contains(n))
+            .ok_or_else(|| ApiError::invalid("limit", format!("must be an integer from 1 to {DEAD_MAX_LIMIT}")))?,
+    };
+    let cursor = match q.cursor.as_deref().filter(|s| !s.is_empty()) {
+        None => None,
+        Some(c) => {
+            Some(parse_cursor(c).ok_or_else(|| ApiError::invalid("cursor", "is not a cursor this API gave out"))?)
+        }
+    };
+    // One more than the page, to know whether there is a next one.
+    let mut turns = state.redis("read the dead turns", state.queue.list_dead_page(limit + 1, cursor)).await?;
+    let has_more = turns.len() > limit;
+    turns.truncate(limit);
+    let ids: Vec<String> = turns.iter().map(|t| t.id.clone()).collect();
+    let tenants = state.redis("read the dead turns' tenants", state.runs.tenants_of(&ids)).await?;
+    let next_cursor = has_more.then(|| turns.last().map(|t| format!("{}:{}", t.died_at_ms, t.id))).flatten();
+    let data = turns
+        .into_iter()
+        .zip(tenants)
+        .map(|(t, tenant)| DeadView {
+            turn: serde_json::from_str::<TurnJob>(&t.payload).ok().map(|j| j.turn),
+            run_id: t.id,
+            tenant,
+            reason: t.reason,
+            died_at: rfc3339_ms(t.died_at_ms),
+        })
+        .collect();
+    Ok(Json(DeadList { data, next_cursor, has_more }))
 }
 
 /// Live worker processes.

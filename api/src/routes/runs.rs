@@ -13,7 +13,7 @@ use sha2::{Digest, Sha256};
 use shared::runs::store::{parse_cursor, valid_id};
 use shared::runs::{Idempotency, Run, RunSpec, RunStatus, TranscriptEntry};
 
-use crate::auth::Tenant;
+use crate::auth::{Caller, Tenant};
 use crate::error::{ApiError, ErrorBody};
 use crate::state::AppState;
 
@@ -316,6 +316,35 @@ pub async fn cancel(
     })?;
     tracing::info!(message = "run cancelled", run.id = %id, tenant = %tenant);
     Ok(Json(run))
+}
+
+/// Re-drive a failed (or dead-lettered) run from its last committed turn.
+#[utoipa::path(
+    post, path = "/v1/runs/{id}/retry", tag = "runs",
+    params(("id" = String, Path, description = "Run id (`run_…`)")),
+    responses(
+        (status = 202, description = "Queued again: its next turn is enqueued with fresh deliveries, its dead turn out of the dead set", body = Run),
+        (status = 401, description = "No or bad token", body = ErrorBody),
+        (status = 404, description = "No such run for this tenant (the operator may retry any tenant's)", body = ErrorBody),
+        (status = 409, description = "The run is not failed (or failed with max_turns)", body = ErrorBody),
+        (status = 503, description = "Redis unavailable", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn retry(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    if !valid_id(&id) {
+        return Err(ApiError::NotFound(format!("no run {id}")));
+    }
+    let run = state.redis("retry run", state.runs.retry(caller.tenant(), &id)).await.map_err(|e| match e {
+        ApiError::NotFound(_) => ApiError::NotFound(format!("no run {id}")),
+        other => other,
+    })?;
+    tracing::info!(message = "run retried", run.id = %id, operator = caller.tenant().is_none(), turns = run.turns_completed);
+    Ok((StatusCode::ACCEPTED, Json(run)).into_response())
 }
 
 #[cfg(test)]

@@ -467,6 +467,26 @@ impl RunStore {
         }
     }
 
+    /// Re-drives a failed run from its last committed turn: queued again
+    /// with its next turn enqueued (fresh deliveries), its dead turn out of
+    /// the dead set, its error and retention cleared, `run.queued` written —
+    /// one atomic step. `tenant` `None` is the operator (any tenant's run).
+    /// `Conflict` for a run that is not `failed`, or failed with `max_turns`.
+    pub async fn retry(&self, tenant: Option<&str>, id: &str) -> Result<Run, StoreError> {
+        if !valid_id(id) {
+            return Err(StoreError::NotFound);
+        }
+        let mut inv = self.invocation("retry", id, tenant.unwrap_or(""), None);
+        inv.arg(tenant.unwrap_or(""));
+        let reply = self.invoke(inv).await?;
+        match reply.first().map(String::as_str) {
+            Some("queued") => Run::from_fields(id, &self.fields(id).await?).ok_or(StoreError::NotFound),
+            Some("conflict") => Err(StoreError::Conflict(reply.get(1).cloned().unwrap_or_default())),
+            Some("not_found") => Err(StoreError::NotFound),
+            _ => Err(StoreError::Protocol(format!("{reply:?}"))),
+        }
+    }
+
     /// Events of a run after `after` (a stream id, see [`valid_stream_id`];
     /// `None`: from the start), at most `count`, waiting up to `block` for new
     /// ones. `None` for an unknown run.
@@ -772,6 +792,14 @@ fn parse_transcript(raw: &[String]) -> Result<Vec<TranscriptEntry>, StoreError> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_turn_job_has_the_shape_the_retry_script_writes() {
+        // store.lua `retry` writes '{"turn":%d,"attempt":1}'.
+        let job: TurnJob = serde_json::from_str(r#"{"turn":7,"attempt":1}"#).unwrap();
+        assert_eq!(job, TurnJob { turn: 7, attempt: 1 });
+        assert_eq!(serde_json::to_string(&job).unwrap(), r#"{"turn":7,"attempt":1}"#);
+    }
 
     #[test]
     fn a_tenants_runs_are_counted_where_their_turn_is() {

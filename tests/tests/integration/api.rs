@@ -230,6 +230,8 @@ async fn no_token_or_a_bad_one_is_401_on_every_v1_route() {
         (reqwest::Method::GET, "/v1/pacer".to_string()),
         (reqwest::Method::GET, "/v1/queue".to_string()),
         (reqwest::Method::GET, "/v1/workers".to_string()),
+        (reqwest::Method::GET, "/v1/dead".to_string()),
+        (reqwest::Method::POST, format!("/v1/runs/{id}/retry")),
         (reqwest::Method::GET, "/v1/openapi.json".to_string()),
     ];
     for (method, path) in routes {
@@ -674,7 +676,7 @@ async fn the_pacer_shows_the_callers_own_line_only() {
 #[tokio::test]
 async fn a_tenant_reads_its_own_queue_counts_and_no_operator_route() {
     let app = spawn_app().await;
-    for path in ["/v1/workers", "/metrics"] {
+    for path in ["/v1/workers", "/v1/dead", "/metrics"] {
         let (status, body) = app.get(path, ACME).await;
         assert_eq!(status, 403, "{path}: {body}");
         assert_eq!(error_type(&body), "forbidden");
@@ -813,6 +815,8 @@ async fn the_openapi_document_lists_every_route() {
         ("/v1/pacer", "get"),
         ("/v1/queue", "get"),
         ("/v1/workers", "get"),
+        ("/v1/dead", "get"),
+        ("/v1/runs/{id}/retry", "post"),
         ("/v1/openapi.json", "get"),
         ("/healthz", "get"),
         ("/readyz", "get"),
@@ -821,9 +825,18 @@ async fn the_openapi_document_lists_every_route() {
         assert!(paths.get(path).and_then(|p| p.get(method)).is_some(), "{method} {path} is missing");
     }
     let schemas = doc["components"]["schemas"].as_object().unwrap();
-    for s in
-        ["Run", "RunStatus", "SubmitRun", "RunList", "Transcript", "PacerView", "QueueView", "WorkersView", "ErrorBody"]
-    {
+    for s in [
+        "Run",
+        "RunStatus",
+        "SubmitRun",
+        "RunList",
+        "Transcript",
+        "PacerView",
+        "QueueView",
+        "WorkersView",
+        "DeadList",
+        "ErrorBody",
+    ] {
         assert!(schemas.contains_key(s), "schema {s} is missing");
     }
     // The run spec's generation parameters and provider are documented.

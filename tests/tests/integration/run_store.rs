@@ -338,6 +338,15 @@ async fn every_move_the_store_makes_is_one_the_state_table_allows() {
     assert_eq!(env.store.fail(&lease, job, "provider", "gone", usage).await.unwrap(), Fence::Ok);
     moved(at, Transition::Fail, status(id.clone()).await);
 
+    // failed -> (retry) queued, its turn enqueued again; a queued run is not retried.
+    let at = status(id.clone()).await;
+    env.store.retry(Some("alpha"), &id).await.unwrap();
+    moved(at, Transition::Retry, status(id.clone()).await);
+    assert!(matches!(env.store.retry(None, &id).await, Err(StoreError::Conflict(_))));
+    assert!(matches!(env.store.retry(Some("beta"), &id).await, Err(StoreError::NotFound)));
+    let lease = env.queue.fetch("w", 1).await.unwrap().deliveries.remove(0).lease;
+    assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Ok, "the retried turn starts where it failed");
+
     // queued -> cancelled
     let id = env.store.create("alpha", &spec("c"), None).await.unwrap().run.id;
     let at = status(id.clone()).await;
