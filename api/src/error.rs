@@ -33,14 +33,10 @@ pub enum ApiError {
     /// The request conflicts with the resource's state (409).
     #[error("{0}")]
     Conflict(String),
-    /// A known route asked with a method it does not answer (405).
-    #[error("{method} is not allowed here; this route answers {allowed}")]
-    MethodNotAllowed {
-        /// The method asked.
-        method: String,
-        /// The methods it answers (`GET, POST`).
-        allowed: String,
-    },
+    /// A known route asked with a method it does not answer (405; the
+    /// `Allow` header lists those it does).
+    #[error("{0} is not allowed on this route; its Allow header lists the methods it answers")]
+    MethodNotAllowed(String),
     /// A `POST` body that is not `application/json` (415).
     #[error("the body must be JSON sent with Content-Type: application/json")]
     UnsupportedMediaType,
@@ -95,7 +91,7 @@ impl ApiError {
             Self::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
             Self::Forbidden(_) => (StatusCode::FORBIDDEN, "forbidden"),
             Self::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
-            Self::MethodNotAllowed { .. } => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
+            Self::MethodNotAllowed(_) => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
             Self::UnsupportedMediaType => (StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type"),
             Self::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
             Self::PayloadTooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),

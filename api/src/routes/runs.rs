@@ -15,6 +15,7 @@ use shared::runs::{Idempotency, Run, RunSpec, RunStatus, TranscriptEntry};
 
 use crate::auth::{Caller, Tenant};
 use crate::error::{ApiError, ErrorBody};
+use crate::routes::guard::JsonContent;
 use crate::state::AppState;
 
 /// Default page size of `GET /v1/runs`.
@@ -163,7 +164,9 @@ fn idempotency(headers: &HeaderMap, spec: &RunSpec) -> Result<Option<Idempotency
         (status = 202, description = "Accepted (or the first run of this Idempotency-Key)", body = Run),
         (status = 400, description = "Malformed JSON", body = ErrorBody),
         (status = 401, description = "No or bad token", body = ErrorBody),
+        (status = 403, description = "The operator token (it has no runs)", body = ErrorBody),
         (status = 413, description = "Body over the limit", body = ErrorBody),
+        (status = 415, description = "The body is not sent as application/json", body = ErrorBody),
         (status = 422, description = "A rule is broken; `field` names it", body = ErrorBody),
         (status = 503, description = "Redis unavailable", body = ErrorBody),
     ),
@@ -172,6 +175,7 @@ fn idempotency(headers: &HeaderMap, spec: &RunSpec) -> Result<Option<Idempotency
 pub async fn submit(
     State(state): State<AppState>,
     Tenant(tenant): Tenant,
+    _: JsonContent,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
@@ -298,6 +302,7 @@ pub async fn transcript(
         (status = 401, description = "No or bad token", body = ErrorBody),
         (status = 404, description = "No such run for this tenant", body = ErrorBody),
         (status = 409, description = "The run already finished", body = ErrorBody),
+        (status = 415, description = "A body not sent as application/json", body = ErrorBody),
         (status = 503, description = "Redis unavailable", body = ErrorBody),
     ),
     security(("bearer" = []))
@@ -305,6 +310,7 @@ pub async fn transcript(
 pub async fn cancel(
     State(state): State<AppState>,
     Tenant(tenant): Tenant,
+    _: JsonContent,
     Path(id): Path<String>,
 ) -> Result<Json<Run>, ApiError> {
     if !valid_id(&id) {
@@ -327,6 +333,7 @@ pub async fn cancel(
         (status = 401, description = "No or bad token", body = ErrorBody),
         (status = 404, description = "No such run for this tenant (the operator may retry any tenant's)", body = ErrorBody),
         (status = 409, description = "The run is not failed (or failed with max_turns)", body = ErrorBody),
+        (status = 415, description = "A body not sent as application/json", body = ErrorBody),
         (status = 503, description = "Redis unavailable", body = ErrorBody),
     ),
     security(("bearer" = []))
@@ -334,6 +341,7 @@ pub async fn cancel(
 pub async fn retry(
     State(state): State<AppState>,
     caller: Caller,
+    _: JsonContent,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     if !valid_id(&id) {

@@ -352,8 +352,15 @@ async fn malformed_json_is_400_and_breaking_a_rule_is_422_naming_the_field() {
         assert_eq!(error_type(&body), "invalid_json");
     }
     let deep = "[".repeat(100_000);
-    let (status, _) =
-        read(app.req(reqwest::Method::POST, "/v1/runs", Some(ACME)).body(deep).send().await.unwrap()).await;
+    let (status, _) = read(
+        app.req(reqwest::Method::POST, "/v1/runs", Some(ACME))
+            .header("content-type", "application/json")
+            .body(deep)
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
     assert_eq!(status, 400, "deep nesting is refused, not a crash");
 
     let cases = [
@@ -395,8 +402,15 @@ async fn a_body_over_the_limit_is_413_before_it_is_read() {
     let chunks: Vec<Result<Vec<u8>, std::io::Error>> =
         big.into_bytes().chunks(64 * 1024).map(|c| Ok(c.to_vec())).collect();
     let body = reqwest::Body::wrap_stream(futures::stream::iter(chunks));
-    let (status, err) =
-        read(app.req(reqwest::Method::POST, "/v1/runs", Some(ACME)).body(body).send().await.unwrap()).await;
+    let (status, err) = read(
+        app.req(reqwest::Method::POST, "/v1/runs", Some(ACME))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
     assert_eq!(status, 413, "{err}");
     assert_eq!(error_type(&err), "payload_too_large");
     assert_eq!(app.key_count().await, 0);
@@ -708,6 +722,124 @@ async fn a_tenant_reads_its_own_queue_counts_and_no_operator_route() {
     assert_eq!(status, 200);
     let (_, a) = app.get("/v1/queue", ACME).await;
     assert_eq!(a["ready"], 1, "{a}");
+}
+
+/// A `POST` body must be `application/json` (415 with the error body
+/// otherwise, before anything reaches Redis); a `POST` with no body needs no type.
+#[tokio::test]
+async fn a_post_body_that_is_not_json_is_415() {
+    let app = spawn_app().await;
+    let body = spec().to_string();
+    for ct in
+        [Some("text/plain"), Some("application/x-www-form-urlencoded"), Some("multipart/form-data; boundary=x"), None]
+    {
+        let mut r = app.req(reqwest::Method::POST, "/v1/runs", Some(ACME)).body(body.clone());
+        if let Some(ct) = ct {
+            r = r.header("content-type", ct);
+        }
+        let (status, err) = read(r.send().await.unwrap()).await;
+        assert_eq!(status, 415, "{ct:?}: {err}");
+        assert_eq!(error_type(&err), "unsupported_media_type");
+    }
+    assert_eq!(app.key_count().await, 0, "a refused body reached Redis");
+    let r = app
+        .req(reqwest::Method::POST, "/v1/runs", Some(ACME))
+        .header("content-type", "application/json; charset=utf-8")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    let id = read(r).await.1["id"].as_str().unwrap().to_owned();
+    let path = format!("/v1/runs/{id}/cancel");
+    let (status, err) = read(
+        app.req(reqwest::Method::POST, &path, Some(ACME))
+            .header("content-type", "text/plain")
+            .body("x")
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!((status, error_type(&err)), (415, "unsupported_media_type"));
+    let (status, run) = read(app.req(reqwest::Method::POST, &path, Some(ACME)).send().await.unwrap()).await;
+    assert_eq!((status, run["status"].as_str()), (200, Some("cancelled")), "a POST without a body needs no type");
+}
+
+/// A known route asked with a method it does not answer is a 405 with the
+/// error body and an `Allow` header; an unknown route stays a 404.
+#[tokio::test]
+async fn a_wrong_method_on_a_known_route_is_405_with_the_error_body() {
+    let app = spawn_app().await;
+    let id = "run_01JDXXXXXXXXXXXXXXXXXXXXXX";
+    for (method, path, allowed) in [
+        (reqwest::Method::DELETE, "/v1/runs".to_string(), "POST"),
+        (reqwest::Method::PUT, format!("/v1/runs/{id}"), "GET"),
+        (reqwest::Method::GET, format!("/v1/runs/{id}/cancel"), "POST"),
+        (reqwest::Method::GET, format!("/v1/runs/{id}/retry"), "POST"),
+        (reqwest::Method::POST, "/v1/pacer".to_string(), "GET"),
+        (reqwest::Method::PATCH, "/v1/dead".to_string(), "GET"),
+        (reqwest::Method::POST, "/healthz".to_string(), "GET"),
+    ] {
+        let resp = app.req(method.clone(), &path, Some(ACME)).send().await.unwrap();
+        let allow = resp.headers().get("allow").map(|v| v.to_str().unwrap().to_owned()).unwrap_or_default();
+        let (status, body) = read(resp).await;
+        assert_eq!(status, 405, "{method} {path}: {body}");
+        assert_eq!(error_type(&body), "method_not_allowed", "{method} {path}");
+        assert!(body["error"]["message"].as_str().unwrap().contains(method.as_str()), "{body}");
+        assert!(allow.contains(allowed), "{method} {path}: Allow {allow:?}");
+    }
+    let (status, body) = app.get("/v1/nothing", ACME).await;
+    assert_eq!((status, error_type(&body)), (404, "not_found"));
+}
+
+/// Open mode answers only requests addressed to a loopback name (a page whose
+/// name was rebound to 127.0.0.1 is refused); tokens, or `--insecure-open`,
+/// lift the rule.
+#[tokio::test]
+async fn open_mode_refuses_a_host_that_is_not_loopback() {
+    let open = |insecure: bool| {
+        spawn_app_with(move |c| {
+            c.tokens = ApiTokens::default();
+            c.access.operator_token = None;
+            c.access.insecure_open = insecure;
+        })
+    };
+    let app = open(false).await;
+    for host in ["evil.example", "evil.example:8080", "localhost.evil.example", "192.168.1.5:8080", "[::]:8080"] {
+        let (status, body) =
+            read(app.req(reqwest::Method::GET, "/v1/runs", None).header("host", host).send().await.unwrap()).await;
+        assert_eq!(status, 403, "{host}: {body}");
+        assert_eq!(error_type(&body), "forbidden");
+        let r = app.req(reqwest::Method::POST, "/v1/runs", None).header("host", host).json(&spec()).send().await;
+        assert_eq!(r.unwrap().status(), 403, "{host}");
+    }
+    assert_eq!(app.key_count().await, 0);
+    for host in ["localhost", "localhost:8080", "127.0.0.1", "127.0.0.2:9", "[::1]:8080"] {
+        let r = app.req(reqwest::Method::GET, "/v1/runs", None).header("host", host).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{host}");
+    }
+    let insecure = open(true).await;
+    let r = insecure.req(reqwest::Method::GET, "/v1/runs", None).header("host", "evil.example").send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let tokens = spawn_app().await;
+    let r = tokens.req(reqwest::Method::GET, "/v1/runs", Some(ACME)).header("host", "api.example:443").send().await;
+    assert_eq!(r.unwrap().status(), 200, "with tokens, any name may front the API");
+}
+
+/// Open mode is for one machine: on an address that is not loopback the API
+/// refuses to start, unless `--insecure-open` is given.
+#[tokio::test]
+async fn open_mode_refuses_to_start_on_a_non_loopback_address() {
+    let redis = RedisServer::start();
+    let mut config = ApiConfig::new("0.0.0.0:0".parse().unwrap(), RedisArgs::new(redis.url(), unique_prefix()));
+    let err = Application::build(config.clone()).await.unwrap_err().to_string();
+    assert!(err.contains("--insecure-open") && err.contains("PACELINE_API_TOKENS"), "{err}");
+    config.access.insecure_open = true;
+    Application::build(config.clone()).await.expect("--insecure-open starts");
+    config.access.insecure_open = false;
+    config.tokens = ApiTokens::default().with("acme", ACME);
+    Application::build(config).await.expect("with tokens it starts");
 }
 
 /// Two tenants with one token, or a tenant holding the operator's, refuse to start.
