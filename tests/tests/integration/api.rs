@@ -791,6 +791,25 @@ async fn a_wrong_method_on_a_known_route_is_405_with_the_error_body() {
     }
     let (status, body) = app.get("/v1/nothing", ACME).await;
     assert_eq!((status, error_type(&body)), (404, "not_found"));
+
+    // Every route of the OpenAPI document, asked with each method it does not
+    // document, answers 405 with the error body.
+    let (_, doc) = app.get("/v1/openapi.json", ACME).await;
+    let mut asked = 0;
+    for (path, ops) in doc["paths"].as_object().unwrap() {
+        let path = path.replace("{id}", id);
+        for method in ["get", "post", "put", "delete", "patch"] {
+            if ops.get(method).is_some() {
+                continue;
+            }
+            let m = reqwest::Method::from_bytes(method.to_uppercase().as_bytes()).unwrap();
+            let (status, body) = read(app.req(m, &path, Some(ACME)).json(&spec()).send().await.unwrap()).await;
+            assert_eq!(status, 405, "{method} {path}: {body}");
+            assert_eq!(error_type(&body), "method_not_allowed", "{method} {path}");
+            asked += 1;
+        }
+    }
+    assert!(asked > 50, "{asked}");
 }
 
 /// Open mode answers only requests addressed to a loopback name (a page whose
