@@ -55,12 +55,11 @@ fn port_ok(port: &str) -> bool {
 /// `Host` (not a browser's) passes.
 pub async fn loopback_host_in_open_mode(State(state): State<AppState>, request: Request, next: Next) -> Response {
     if matches!(state.auth, Auth::Open) && !state.config.access.insecure_open {
-        let host = request
-            .uri()
-            .authority()
-            .map(|a| a.as_str().to_owned())
-            .or_else(|| request.headers().get(HOST).map(|h| String::from_utf8_lossy(h.as_bytes()).into_owned()));
-        if host.is_some_and(|h| !loopback_host(&h)) {
+        // The `Host` header and, in an absolute-form request line (or HTTP/2),
+        // the URI's authority: each one given must be loopback.
+        let header = request.headers().get(HOST).map(|h| String::from_utf8_lossy(h.as_bytes()).into_owned());
+        let authority = request.uri().authority().map(|a| a.as_str().to_owned());
+        if header.iter().chain(authority.iter()).any(|h| !loopback_host(h)) {
             return ApiError::Forbidden(
                 "open mode (no tokens) answers only requests addressed to localhost, 127.x or [::1]".into(),
             )
