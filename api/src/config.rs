@@ -260,5 +260,11 @@ mod tests {
             .unwrap();
         assert_eq!(cli.api.providers.names(), vec!["a", "b"]);
         assert!(Cli::try_parse_from(["x", "--providers", "a=gemini@http://h"]).is_err());
+        let cli = Cli::try_parse_from(["x"]).unwrap();
+        assert!(!cli.api.access.insecure_open && cli.api.access.operator().is_none());
+        let cli = Cli::try_parse_from(["x", "--insecure-open", "--operator-token", "op-sekrit"]).unwrap();
+        assert!(cli.api.access.insecure_open);
+        assert_eq!(cli.api.access.operator().map(Secret::expose), Some("op-sekrit"));
+        assert!(!format!("{:?}", cli.api).contains("op-sekrit"), "the operator token is redacted");
     }
 }
