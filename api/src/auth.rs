@@ -7,6 +7,8 @@ use axum::http::request::Parts;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
+use shared::config::Secret;
+
 use crate::config::ApiTokens;
 use crate::error::ApiError;
 use crate::state::AppState;
@@ -17,18 +19,56 @@ pub const DEFAULT_TENANT: &str = "default";
 /// Who may call the API.
 #[derive(Clone)]
 pub enum Auth {
-    /// No tokens configured: every request is tenant `default`.
+    /// No tokens configured: every request is tenant `default`, with the
+    /// operator's reads too (one machine, one user).
     Open,
-    /// Tenants and the digests of their tokens.
-    Tokens(Vec<(String, [u8; 32])>),
+    /// Tenants and the digests of their tokens, and the operator's digest.
+    Tokens {
+        /// Each tenant's token digest.
+        tenants: Vec<(String, [u8; 32])>,
+        /// `PACELINE_OPERATOR_TOKEN`'s digest, if set.
+        operator: Option<[u8; 32]>,
+    },
 }
 
 impl std::fmt::Debug for Auth {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Open => f.write_str("Auth::Open"),
-            Self::Tokens(t) => f.debug_list().entries(t.iter().map(|(tenant, _)| tenant)).finish(),
+            Self::Tokens { tenants, operator } => f
+                .debug_struct("Auth::Tokens")
+                .field("tenants", &tenants.iter().map(|(tenant, _)| tenant).collect::<Vec<_>>())
+                .field("operator", &operator.is_some())
+                .finish(),
         }
+    }
+}
+
+/// Who a request comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Caller {
+    /// Open mode: tenant `default`, and the operator's reads.
+    Open,
+    /// The operator token: every tenant's queue and pacer lines, the
+    /// workers, the dead turns, metrics, retrying any run — no runs of its own.
+    Operator,
+    /// A tenant's token: its own runs, queue counts and pacer lines.
+    Tenant(String),
+}
+
+impl Caller {
+    /// The tenant whose runs this caller acts on (`None`: the operator).
+    pub fn tenant(&self) -> Option<&str> {
+        match self {
+            Self::Open => Some(DEFAULT_TENANT),
+            Self::Operator => None,
+            Self::Tenant(t) => Some(t),
+        }
+    }
+
+    /// Whether it may read the operator's views.
+    pub fn is_operator(&self) -> bool {
+        matches!(self, Self::Open | Self::Operator)
     }
 }
 
@@ -37,29 +77,49 @@ fn digest(token: &[u8]) -> [u8; 32] {
 }
 
 impl Auth {
-    /// From the configured tokens.
-    pub fn new(tokens: &ApiTokens) -> Self {
-        if tokens.is_empty() {
+    /// From the configured tokens (open mode when there are none at all).
+    pub fn new(tokens: &ApiTokens, operator: Option<&Secret>) -> Self {
+        if tokens.is_empty() && operator.is_none() {
             Self::Open
         } else {
-            Self::Tokens(tokens.0.iter().map(|(t, s)| (t.clone(), digest(s.expose().as_bytes()))).collect())
+            Self::Tokens {
+                tenants: tokens.0.iter().map(|(t, s)| (t.clone(), digest(s.expose().as_bytes()))).collect(),
+                operator: operator.map(|o| digest(o.expose().as_bytes())),
+            }
         }
     }
 
-    /// The tenant an `Authorization` header value belongs to.
-    pub fn tenant(&self, authorization: Option<&[u8]>) -> Result<String, ApiError> {
-        let Self::Tokens(known) = self else { return Ok(DEFAULT_TENANT.to_owned()) };
+    /// Who an `Authorization` header value belongs to.
+    pub fn caller(&self, authorization: Option<&[u8]>) -> Result<Caller, ApiError> {
+        let Self::Tokens { tenants, operator } = self else { return Ok(Caller::Open) };
         let value = authorization.ok_or(ApiError::Unauthorized)?;
         let token = strip_bearer(value).ok_or(ApiError::Unauthorized)?;
         let presented = digest(token);
-        // No early exit: every token is compared, whichever matches.
-        let mut found: Option<&str> = None;
-        for (tenant, d) in known {
+        // No early exit: every token is compared, whichever matches (tokens
+        // are distinct, `config::check_access`).
+        let mut found: Option<Caller> = None;
+        for (tenant, d) in tenants {
             if bool::from(d.ct_eq(&presented)) {
-                found = Some(tenant);
+                found = Some(Caller::Tenant(tenant.clone()));
             }
         }
-        found.map(str::to_owned).ok_or(ApiError::Unauthorized)
+        if let Some(d) = operator {
+            if bool::from(d.ct_eq(&presented)) {
+                found = Some(Caller::Operator);
+            }
+        }
+        found.ok_or(ApiError::Unauthorized)
+    }
+
+    /// The tenant an `Authorization` header value belongs to; the operator
+    /// token has no runs of its own (403).
+    pub fn tenant(&self, authorization: Option<&[u8]>) -> Result<String, ApiError> {
+        match self.caller(authorization)? {
+            Caller::Operator => {
+                Err(ApiError::Forbidden("the operator token acts on no tenant's runs; use a tenant's token".into()))
+            }
+            caller => Ok(caller.tenant().unwrap_or(DEFAULT_TENANT).to_owned()),
+        }
     }
 }
 
@@ -73,7 +133,12 @@ fn strip_bearer(value: &[u8]) -> Option<&[u8]> {
     (!token.is_empty()).then_some(token)
 }
 
-/// The authenticated tenant of a request (an extractor: 401 without a valid token).
+fn authorization(parts: &Parts) -> Option<&[u8]> {
+    parts.headers.get(axum::http::header::AUTHORIZATION).map(|v| v.as_bytes())
+}
+
+/// The authenticated tenant of a request (an extractor: 401 without a valid
+/// token, 403 for the operator token, which has no runs).
 #[derive(Debug, Clone)]
 pub struct Tenant(pub String);
 
@@ -81,8 +146,31 @@ impl FromRequestParts<AppState> for Tenant {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Self::Rejection> {
-        let header = parts.headers.get(axum::http::header::AUTHORIZATION).map(|v| v.as_bytes());
-        state.auth.tenant(header).map(Tenant)
+        state.auth.tenant(authorization(parts)).map(Tenant)
+    }
+}
+
+impl FromRequestParts<AppState> for Caller {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Self::Rejection> {
+        state.auth.caller(authorization(parts))
+    }
+}
+
+/// The operator (or open mode), for the operator's routes: 401 without a
+/// valid token, 403 for a tenant's.
+#[derive(Debug, Clone, Copy)]
+pub struct Operator;
+
+impl FromRequestParts<AppState> for Operator {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Self::Rejection> {
+        match state.auth.caller(authorization(parts))? {
+            c if c.is_operator() => Ok(Operator),
+            _ => Err(ApiError::Forbidden("this route needs the operator token (PACELINE_OPERATOR_TOKEN)".into())),
+        }
     }
 }
 
@@ -92,7 +180,7 @@ mod tests {
 
     #[test]
     fn tokens_map_to_their_tenant() {
-        let auth = Auth::new(&ApiTokens::default().with("acme", "tok-a").with("beta", "tok-b"));
+        let auth = Auth::new(&ApiTokens::default().with("acme", "tok-a").with("beta", "tok-b"), None);
         assert_eq!(auth.tenant(Some(b"Bearer tok-a")).unwrap(), "acme");
         assert_eq!(auth.tenant(Some(b"bearer tok-b")).unwrap(), "beta");
         for bad in [
@@ -109,9 +197,28 @@ mod tests {
     }
 
     #[test]
+    fn the_operator_token_is_the_operator_and_no_tenant() {
+        let op = Secret::new("tok-op");
+        let auth = Auth::new(&ApiTokens::default().with("acme", "tok-a"), Some(&op));
+        assert_eq!(auth.caller(Some(b"Bearer tok-op")).unwrap(), Caller::Operator);
+        assert!(Caller::Operator.is_operator());
+        assert_eq!(auth.caller(Some(b"Bearer tok-a")).unwrap(), Caller::Tenant("acme".into()));
+        assert!(!Caller::Tenant("acme".into()).is_operator());
+        assert!(matches!(auth.tenant(Some(b"Bearer tok-op")), Err(ApiError::Forbidden(_))));
+        assert!(matches!(auth.caller(Some(b"Bearer tok-o")), Err(ApiError::Unauthorized)));
+        // An operator token alone is not open mode: tenants have no way in.
+        let alone = Auth::new(&ApiTokens::default(), Some(&op));
+        assert!(!matches!(alone, Auth::Open));
+        assert!(matches!(alone.caller(None), Err(ApiError::Unauthorized)));
+        assert!(!format!("{alone:?}").contains("tok"));
+    }
+
+    #[test]
     fn open_mode_is_the_default_tenant() {
-        let auth = Auth::new(&ApiTokens::default());
+        let auth = Auth::new(&ApiTokens::default(), None);
         assert_eq!(auth.tenant(None).unwrap(), DEFAULT_TENANT);
         assert_eq!(auth.tenant(Some(b"Bearer whatever")).unwrap(), DEFAULT_TENANT);
+        assert_eq!(auth.caller(None).unwrap(), Caller::Open);
+        assert!(Caller::Open.is_operator());
     }
 }

@@ -44,6 +44,60 @@ pub struct ApiConfig {
     /// `provider` must be one), never a key.
     #[command(flatten)]
     pub providers: ProvidersArg,
+    /// The operator's token and the open-mode safety catch.
+    #[command(flatten)]
+    pub access: AccessArgs,
+}
+
+/// Who may do more than a tenant, and when open mode may face a network
+/// (SPEC §1, §3). Declared once, flattened into `paceline api` and `paceline up`.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct AccessArgs {
+    /// The operator's bearer token: `/metrics`, `/v1/workers`, `/v1/dead`, the
+    /// global `/v1/queue`, every tenant's lines in `/v1/pacer`, retrying any run.
+    #[arg(long = "operator-token", env = "PACELINE_OPERATOR_TOKEN", hide_env_values = true)]
+    pub operator_token: Option<Secret>,
+    /// Serve open mode (no tokens at all) on an address that is not loopback,
+    /// and accept any `Host` header: anyone who reaches the port is tenant `default`.
+    #[arg(long = "insecure-open", env = "PACELINE_INSECURE_OPEN")]
+    pub insecure_open: bool,
+}
+
+impl AccessArgs {
+    /// The operator token, if one is set and not empty.
+    pub fn operator(&self) -> Option<&Secret> {
+        self.operator_token.as_ref().filter(|t| !t.expose().trim().is_empty())
+    }
+}
+
+/// Whether the API may start with `tokens` and `access` on `listen`: every
+/// token is distinct (two tenants sharing a token would each read the other's
+/// runs, and a tenant holding the operator's token would be the operator), and
+/// open mode — no token at all — listens on a loopback address unless
+/// `--insecure-open` says otherwise. The error says what to change and never
+/// shows a token.
+pub fn check_access(listen: SocketAddr, tokens: &ApiTokens, access: &AccessArgs) -> Result<(), String> {
+    for (i, (tenant, token)) in tokens.0.iter().enumerate() {
+        if let Some((other, _)) = tokens.0[..i].iter().find(|(_, t)| t.expose() == token.expose()) {
+            return Err(format!(
+                "PACELINE_API_TOKENS: tenants {other} and {tenant} have the same token; each tenant needs its own"
+            ));
+        }
+        if access.operator().is_some_and(|o| o.expose() == token.expose()) {
+            return Err(format!(
+                "PACELINE_OPERATOR_TOKEN is also the token of tenant {tenant}; the operator needs a token of its own"
+            ));
+        }
+    }
+    let open = tokens.is_empty() && access.operator().is_none();
+    if open && !listen.ip().is_loopback() && !access.insecure_open {
+        return Err(format!(
+            "open mode (no PACELINE_API_TOKENS) is for one machine, and {listen} is not a loopback address: \
+             set PACELINE_API_TOKENS (and PACELINE_OPERATOR_TOKEN), listen on 127.0.0.1, \
+             or pass --insecure-open to serve every caller as tenant `default`"
+        ));
+    }
+    Ok(())
 }
 
 impl ApiConfig {
@@ -58,6 +112,7 @@ impl ApiConfig {
             retention: DEFAULT_RETENTION,
             redis_timeout_ms: DEFAULT_REDIS_TIMEOUT.as_millis() as u64,
             providers: ProvidersArg::default(),
+            access: AccessArgs::default(),
         }
     }
 
@@ -157,6 +212,34 @@ mod tests {
     }
 
     #[test]
+    fn tokens_must_differ_and_open_mode_stays_on_loopback() {
+        let local: SocketAddr = "127.0.0.1:8080".parse().unwrap();
+        let open = ApiTokens::default();
+        let none = AccessArgs::default();
+        assert_eq!(check_access(local, &open, &none), Ok(()));
+        assert_eq!(check_access("[::1]:0".parse().unwrap(), &open, &none), Ok(()));
+        for addr in ["0.0.0.0:8080", "192.168.1.5:8080", "[::]:8080"] {
+            let err = check_access(addr.parse().unwrap(), &open, &none).unwrap_err();
+            assert!(err.contains("--insecure-open"), "{err}");
+        }
+        let insecure = AccessArgs { insecure_open: true, ..AccessArgs::default() };
+        assert_eq!(check_access("0.0.0.0:8080".parse().unwrap(), &open, &insecure), Ok(()));
+        let operator = AccessArgs { operator_token: Some(Secret::new("op-sekrit")), ..AccessArgs::default() };
+        assert_eq!(check_access("0.0.0.0:8080".parse().unwrap(), &open, &operator), Ok(()), "a token is not open mode");
+        let empty_operator = AccessArgs { operator_token: Some(Secret::new(" ")), ..AccessArgs::default() };
+        assert!(check_access("0.0.0.0:8080".parse().unwrap(), &open, &empty_operator).is_err());
+
+        let twice = ApiTokens::default().with("acme", "sekrit-1").with("beta", "sekrit-1");
+        let err = check_access(local, &twice, &none).unwrap_err();
+        assert!(err.contains("acme") && err.contains("beta") && !err.contains("sekrit"), "{err}");
+        let tenants = ApiTokens::default().with("acme", "sekrit-1").with("beta", "sekrit-2");
+        assert_eq!(check_access(local, &tenants, &none), Ok(()));
+        let shared = AccessArgs { operator_token: Some(Secret::new("sekrit-2")), ..AccessArgs::default() };
+        let err = check_access(local, &tenants, &shared).unwrap_err();
+        assert!(err.contains("beta") && !err.contains("sekrit"), "{err}");
+    }
+
+    #[test]
     fn durations() {
         assert_eq!(parse_duration("7d").unwrap(), Duration::from_secs(604_800));
         assert_eq!(parse_duration("90").unwrap(), Duration::from_secs(90));
@@ -177,5 +260,11 @@ mod tests {
             .unwrap();
         assert_eq!(cli.api.providers.names(), vec!["a", "b"]);
         assert!(Cli::try_parse_from(["x", "--providers", "a=gemini@http://h"]).is_err());
+        let cli = Cli::try_parse_from(["x"]).unwrap();
+        assert!(!cli.api.access.insecure_open && cli.api.access.operator().is_none());
+        let cli = Cli::try_parse_from(["x", "--insecure-open", "--operator-token", "op-sekrit"]).unwrap();
+        assert!(cli.api.access.insecure_open);
+        assert_eq!(cli.api.access.operator().map(Secret::expose), Some("op-sekrit"));
+        assert!(!format!("{:?}", cli.api).contains("op-sekrit"), "the operator token is redacted");
     }
 }

@@ -22,12 +22,24 @@ pub enum ApiError {
     /// No bearer token, or not a known one (401).
     #[error("missing or invalid bearer token")]
     Unauthorized,
+    /// A valid token without the right to this route (403): a tenant on an
+    /// operator's route, the operator on a tenant's runs, or a non-loopback
+    /// `Host` in open mode.
+    #[error("{0}")]
+    Forbidden(String),
     /// No such run for this tenant, or no such route (404).
     #[error("{0}")]
     NotFound(String),
     /// The request conflicts with the resource's state (409).
     #[error("{0}")]
     Conflict(String),
+    /// A known route asked with a method it does not answer (405; the
+    /// `Allow` header lists those it does).
+    #[error("{0} is not allowed on this route; its Allow header lists the methods it answers")]
+    MethodNotAllowed(String),
+    /// A `POST` body that is not `application/json` (415).
+    #[error("the body must be JSON sent with Content-Type: application/json")]
+    UnsupportedMediaType,
     /// The body is larger than the limit (413).
     #[error("the body is larger than the limit of {0} bytes")]
     PayloadTooLarge(usize),
@@ -46,7 +58,8 @@ pub enum ApiError {
 #[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct ErrorDetail {
     /// A stable code: `invalid_json`, `bad_request`, `unauthorized`,
-    /// `not_found`, `conflict`, `payload_too_large`, `invalid_request`,
+    /// `forbidden`, `not_found`, `method_not_allowed`, `conflict`,
+    /// `payload_too_large`, `unsupported_media_type`, `invalid_request`,
     /// `unavailable`, `internal_error`.
     #[serde(rename = "type")]
     pub kind: &'static str,
@@ -76,7 +89,10 @@ impl ApiError {
             Self::MalformedJson(_) => (StatusCode::BAD_REQUEST, "invalid_json"),
             Self::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad_request"),
             Self::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
+            Self::Forbidden(_) => (StatusCode::FORBIDDEN, "forbidden"),
             Self::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
+            Self::MethodNotAllowed(_) => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
+            Self::UnsupportedMediaType => (StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type"),
             Self::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
             Self::PayloadTooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
             Self::Invalid(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid_request"),

@@ -12,8 +12,8 @@ use crate::routes::{events, health, ops, runs};
 #[openapi(
     info(title = "paceline", description = "Background agentic LLM runs, paced by one shared budget in Redis."),
     paths(
-        runs::submit, runs::list, runs::get, runs::transcript, runs::cancel, events::events,
-        ops::pacer, ops::queue, ops::workers,
+        runs::submit, runs::list, runs::get, runs::transcript, runs::cancel, runs::retry, events::events,
+        ops::pacer, ops::queue, ops::workers, ops::dead,
         health::healthz, health::readyz, health::metrics, health::openapi,
     ),
     components(schemas(
@@ -21,13 +21,14 @@ use crate::routes::{events, health, ops, runs};
         shared::runs::Run, shared::runs::RunStatus, shared::runs::WaitReason, shared::runs::Usage,
         shared::runs::PacingCounters, shared::runs::RunError, shared::runs::TranscriptEntry, shared::pacer::Mode,
         ops::PacerView, ops::BudgetView, ops::QueueView, ops::WorkersView, ops::WorkerView,
+        ops::DeadList, ops::DeadView,
         shared::pacer::BudgetShape, shared::pacer::bucket::Refill,
         health::Health, crate::error::ErrorBody, crate::error::ErrorDetail,
     )),
     modifiers(&BearerAuth),
     tags(
         (name = "runs", description = "Submit runs and follow them"),
-        (name = "operations", description = "The pacer, the queue, the workers, health and metrics"),
+        (name = "operations", description = "The pacer, the queue, the workers, the dead turns, health and metrics"),
     )
 )]
 pub struct ApiDoc;
@@ -42,7 +43,10 @@ impl Modify for BearerAuth {
             SecurityScheme::Http(
                 HttpBuilder::new()
                     .scheme(HttpAuthScheme::Bearer)
-                    .description(Some("A tenant's token from PACELINE_API_TOKENS (any value in open development mode)"))
+                    .description(Some(
+                        "A tenant's token from PACELINE_API_TOKENS, or the operator's (PACELINE_OPERATOR_TOKEN); \
+                         any value in open development mode",
+                    ))
                     .build(),
             ),
         );

@@ -40,12 +40,17 @@ impl Application {
         // The API only reads the pacer: its snapshot lists every budget under the prefix.
         let pacer = SharedPacer::new(conn.clone(), keys.clone(), "default", PacingConfig::default());
         let runs = RunStore::new(conn.clone(), keys, config.retention);
-        let auth = Auth::new(&config.tokens);
+        crate::config::check_access(config.listen, &config.tokens, &config.access).map_err(anyhow::Error::msg)?;
+        let auth = Auth::new(&config.tokens, config.access.operator());
         match &auth {
             Auth::Open => tracing::warn!(
                 message = "PACELINE_API_TOKENS is not set: open development mode, every request is tenant `default`"
             ),
-            Auth::Tokens(t) => tracing::info!(message = "bearer tokens configured", tenants = t.len()),
+            Auth::Tokens { tenants, operator } => tracing::info!(
+                message = "bearer tokens configured",
+                tenants = tenants.len(),
+                operator = operator.is_some()
+            ),
         }
         let policy = SubmitPolicy {
             tool_endpoint_prefixes: config

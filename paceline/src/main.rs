@@ -38,6 +38,10 @@ enum Command {
     Status(commands::client::StatusArgs),
     /// The shared budget state(s), as the workers see them.
     Pacer(commands::client::PacerArgs),
+    /// Dead-lettered turns, newest first (the operator's token).
+    Dead(commands::client::DeadArgs),
+    /// Re-drive a failed or dead-lettered run from its last committed turn.
+    Retry(commands::client::RetryArgs),
     /// An OpenAI-compatible provider simulator (tests, demos, benchmarks).
     MockProvider(commands::mock::Args),
     /// The pacing benchmark.
@@ -59,6 +63,8 @@ async fn main() -> ExitCode {
         Command::Runs(args) => commands::client::runs(args).await,
         Command::Status(args) => commands::client::status(args).await,
         Command::Pacer(args) => commands::client::pacer(args).await,
+        Command::Dead(args) => commands::client::dead(args).await,
+        Command::Retry(args) => commands::client::retry(args).await,
         Command::MockProvider(args) => commands::mock::run(args).await,
         Command::Bench(args) => commands::bench::run(args).await,
         Command::QueueProbe(args) => commands::queue_probe::run(args).await,

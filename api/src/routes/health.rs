@@ -1,5 +1,5 @@
-//! Unauthenticated probes and documents: `/healthz`, `/readyz`, `/metrics`,
-//! `/v1/openapi.json`.
+//! Probes and documents: `/healthz`, `/readyz` (no token), `/metrics` (the
+//! operator's, or anyone's in open mode), `/v1/openapi.json` (any token).
 
 use std::time::Duration;
 
@@ -44,10 +44,15 @@ pub async fn readyz(State(state): State<AppState>) -> Result<Json<Health>, crate
     Ok(Json(Health { status: "ready" }))
 }
 
-/// Prometheus metrics.
+/// Prometheus metrics: the operator token's, or open to all in open mode.
 #[utoipa::path(get, path = "/metrics", tag = "operations",
-    responses((status = 200, description = "Prometheus text format", content_type = "text/plain", body = String)))]
-pub async fn metrics(State(state): State<AppState>) -> Response {
+    responses(
+        (status = 200, description = "Prometheus text format", content_type = "text/plain", body = String),
+        (status = 401, description = "Tokens are configured and this is not a valid one", body = ErrorBody),
+        (status = 403, description = "Not the operator token", body = ErrorBody),
+    ),
+    security((), ("bearer" = [])))]
+pub async fn metrics(State(state): State<AppState>, _: crate::auth::Operator) -> Response {
     // The gauges the API owns are read fresh; a scrape never fails on Redis.
     if let Ok(Ok(c)) = tokio::time::timeout(SCRAPE_TIMEOUT, state.queue.counts()).await {
         crate::metrics::set_queue_depth(&c);
@@ -67,6 +72,6 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
         (status = 401, description = "No or bad token", body = ErrorBody),
     ),
     security(("bearer" = [])))]
-pub async fn openapi(_: crate::auth::Tenant) -> Response {
+pub async fn openapi(_: crate::auth::Caller) -> Response {
     Json(crate::openapi::document()).into_response()
 }

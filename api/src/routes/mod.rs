@@ -1,13 +1,16 @@
-//! The router: every route of SPEC §3, the body limit, request tracing, and a
-//! JSON 404 for anything else.
+//! The router: every route of SPEC §3, the body limit, request tracing, a
+//! JSON 404 for anything else and a JSON 405 for a known route's wrong method;
+//! in open mode, requests addressed to a loopback name only (`guard.rs`).
 
 pub mod events;
+pub mod guard;
 pub mod health;
 pub mod ops;
 pub mod runs;
 
 use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::header::CONTENT_LENGTH;
+use axum::http::Method;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -26,18 +29,25 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/runs/{id}/transcript", get(runs::transcript))
         .route("/v1/runs/{id}/events", get(events::events))
         .route("/v1/runs/{id}/cancel", post(runs::cancel))
+        .route("/v1/runs/{id}/retry", post(runs::retry))
         .route("/v1/pacer", get(ops::pacer))
         .route("/v1/queue", get(ops::queue))
         .route("/v1/workers", get(ops::workers))
+        .route("/v1/dead", get(ops::dead))
         .route("/v1/openapi.json", get(health::openapi))
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
         .route("/metrics", get(health::metrics))
         .fallback(not_found)
+        // After every route: a known path asked with a method it does not
+        // answer gets the error body (axum adds the `Allow` header).
+        .method_not_allowed_fallback(method_not_allowed)
         // A chunked body is cut off at the limit while it is read...
         .layer(DefaultBodyLimit::max(limit))
         // ...and a declared one over it is refused before a byte is read.
         .layer(middleware::from_fn_with_state(state.clone(), reject_declared_oversize))
+        // Open mode answers only requests addressed to a loopback name (DNS rebinding).
+        .layer(middleware::from_fn_with_state(state.clone(), guard::loopback_host_in_open_mode))
         // The default span has the method and URI, never headers (no tokens).
         .layer(TraceLayer::new_for_http())
         .with_state(state)
@@ -45,6 +55,10 @@ pub fn router(state: AppState) -> Router {
 
 async fn not_found() -> ApiError {
     ApiError::NotFound("no such route".into())
+}
+
+async fn method_not_allowed(method: Method) -> ApiError {
+    ApiError::MethodNotAllowed(method.to_string())
 }
 
 /// 413 for a `Content-Length` over the limit, without reading the body.

@@ -1,13 +1,22 @@
-//! What the shared machinery is doing: `/v1/pacer`, `/v1/queue`, `/v1/workers`.
+//! What the shared machinery is doing: `/v1/pacer`, `/v1/queue`, `/v1/workers`,
+//! `/v1/dead`.
 //! Times are shown as RFC 3339 (Redis clock) and, where useful, as ms.
+//!
+//! Scopes (SPEC §3): the operator (and open mode) sees every budget with
+//! every tenant's line, the global queue counts and the workers; a tenant sees
+//! the budgets and models its turns used, with its own line only, and its own
+//! runs' counts.
 
-use axum::extract::State;
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Query, State};
 use axum::Json;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use shared::pacer::{BudgetShape, TenantShare};
 use shared::runs::record::rfc3339_ms;
+use shared::runs::store::parse_cursor;
+use shared::runs::TurnJob;
 
-use crate::auth::Tenant;
+use crate::auth::{Caller, Operator};
 use crate::error::{ApiError, ErrorBody};
 use crate::state::AppState;
 
@@ -49,9 +58,12 @@ pub struct BudgetView {
     /// The share of a call's unused output the provider gives back, learned
     /// from its headers (1 refunds, 0 keeps, as OpenAI documents); null until learned.
     pub refund_share: Option<f64>,
-    /// The calling tenant's line in this budget (fair admission); other
-    /// tenants' lines are for the operator's `/metrics`, not for each other.
+    /// The calling tenant's line in this budget (fair admission); null for
+    /// the operator, who reads every line in `tenants`.
     pub tenant: Option<TenantShare>,
+    /// Every tenant's line: shown to the operator (and in open mode) only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tenants: Option<Vec<TenantShare>>,
     /// What the pacer learned of the provider's buckets (refill shape,
     /// separate input and output buckets).
     pub shape: BudgetShape,
@@ -64,9 +76,13 @@ pub struct PacerView {
     pub budgets: Vec<BudgetView>,
 }
 
-/// `GET /v1/queue`.
+/// `GET /v1/queue`: for the operator the queue's exact counts; for a tenant
+/// its own unfinished runs counted where their turn is (the queue does not
+/// know tenants) and its dead-lettered turns.
 #[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct QueueView {
+    /// Whose counts: null for the whole queue, else the calling tenant.
+    pub tenant: Option<String>,
     /// Due now, waiting for a worker slot.
     pub ready: u64,
     /// Due later (budget waits, retries).
@@ -81,6 +97,10 @@ pub struct QueueView {
     pub next_due_in_ms: Option<i64>,
     /// When the counts were read (RFC 3339, Redis clock).
     pub observed_at: String,
+    /// A tenant's counts read only its oldest 10 000 unfinished runs (or its
+    /// newest 1 000 dead turns).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub truncated: bool,
 }
 
 /// One live worker process.
@@ -113,64 +133,195 @@ pub struct WorkersView {
 #[utoipa::path(
     get, path = "/v1/pacer", tag = "operations",
     responses(
-        (status = 200, description = "Every budget and model", body = PacerView),
+        (status = 200, description = "Every budget and model (operator), or those the tenant's turns used", body = PacerView),
         (status = 401, description = "No or bad token", body = ErrorBody),
         (status = 503, description = "Redis unavailable", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]
-pub async fn pacer(State(state): State<AppState>, caller: Tenant) -> Result<Json<PacerView>, ApiError> {
+pub async fn pacer(State(state): State<AppState>, caller: Caller) -> Result<Json<PacerView>, ApiError> {
     let snapshots = state.redis("read pacer", state.pacer.snapshot()).await?;
     crate::metrics::set_pacer(&snapshots);
     let budgets = snapshots
         .into_iter()
-        .map(|s| BudgetView {
-            budget: s.budget,
-            model: s.model,
-            remaining_tokens: s.remaining_tokens,
-            limit_tokens: s.limit_tokens,
-            reset_in_ms: s.reset_tokens_in_ms,
-            reserved_tokens: s.reserved_tokens,
-            booked_tokens: s.booked_tokens,
-            waiting_turns: s.waiting_turns,
-            oldest_wait_ms: s.oldest_wait_ms,
-            since_admission_ms: s.since_admission_ms,
-            remaining_requests: s.remaining_requests,
-            limit_requests: s.limit_requests,
-            reset_requests_in_ms: s.reset_requests_in_ms,
-            reserved_requests: s.reserved_requests,
-            blocked_for_ms: s.blocked_for_ms,
-            observed_at: s.observed_at_ms.map(rfc3339_ms),
-            refund_share: s.refund_share,
-            tenant: s.tenants.into_iter().find(|t| t.tenant == caller.0),
-            shape: s.shape,
+        .filter_map(|s| {
+            let own = caller.tenant().and_then(|t| s.tenants.iter().find(|l| l.tenant == t).cloned());
+            // A tenant sees a budget and model its turns used (it has a line
+            // there), never another tenant's line.
+            if !caller.is_operator() && own.is_none() {
+                return None;
+            }
+            let tenants = caller.is_operator().then_some(s.tenants);
+            Some(BudgetView {
+                budget: s.budget,
+                model: s.model,
+                remaining_tokens: s.remaining_tokens,
+                limit_tokens: s.limit_tokens,
+                reset_in_ms: s.reset_tokens_in_ms,
+                reserved_tokens: s.reserved_tokens,
+                booked_tokens: s.booked_tokens,
+                waiting_turns: s.waiting_turns,
+                oldest_wait_ms: s.oldest_wait_ms,
+                since_admission_ms: s.since_admission_ms,
+                remaining_requests: s.remaining_requests,
+                limit_requests: s.limit_requests,
+                reset_requests_in_ms: s.reset_requests_in_ms,
+                reserved_requests: s.reserved_requests,
+                blocked_for_ms: s.blocked_for_ms,
+                observed_at: s.observed_at_ms.map(rfc3339_ms),
+                refund_share: s.refund_share,
+                tenant: own,
+                tenants,
+                shape: s.shape,
+            })
         })
         .collect();
     Ok(Json(PacerView { budgets }))
 }
 
-/// Queue counts.
+/// The most dead turns read to count a tenant's.
+const MAX_DEAD_READ: usize = 1000;
+
+/// Queue counts: the whole queue for the operator, the caller's own runs for a tenant.
 #[utoipa::path(
     get, path = "/v1/queue", tag = "operations",
     responses(
-        (status = 200, description = "Exact counts", body = QueueView),
+        (status = 200, description = "Exact counts (operator), or the tenant's own", body = QueueView),
         (status = 401, description = "No or bad token", body = ErrorBody),
         (status = 503, description = "Redis unavailable", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]
-pub async fn queue(State(state): State<AppState>, _: Tenant) -> Result<Json<QueueView>, ApiError> {
-    let c = state.redis("read queue", state.queue.counts()).await?;
-    crate::metrics::set_queue_depth(&c);
+pub async fn queue(State(state): State<AppState>, caller: Caller) -> Result<Json<QueueView>, ApiError> {
+    let tenant = match caller {
+        Caller::Tenant(t) => t,
+        Caller::Open | Caller::Operator => {
+            let c = state.redis("read queue", state.queue.counts()).await?;
+            crate::metrics::set_queue_depth(&c);
+            return Ok(Json(QueueView {
+                tenant: None,
+                ready: c.ready,
+                delayed: c.delayed,
+                in_flight: c.in_flight,
+                dead: c.dead,
+                next_due_at: c.next_due_ms.map(rfc3339_ms),
+                next_due_in_ms: c.next_due_ms.map(|d| (d - c.now_ms).max(0)),
+                observed_at: rfc3339_ms(c.now_ms),
+                truncated: false,
+            }));
+        }
+    };
+    let c = state.redis("read the tenant's runs", state.runs.tenant_counts(&tenant)).await?;
+    let dead = state.redis("read the dead turns", state.queue.list_dead(MAX_DEAD_READ)).await?;
+    let ids: Vec<String> = dead.iter().map(|d| d.id.clone()).collect();
+    let owners = state.redis("read the dead turns' tenants", state.runs.tenants_of(&ids)).await?;
+    let own_dead = owners.iter().filter(|t| t.as_deref() == Some(tenant.as_str())).count() as u64;
     Ok(Json(QueueView {
         ready: c.ready,
         delayed: c.delayed,
         in_flight: c.in_flight,
-        dead: c.dead,
+        dead: own_dead,
         next_due_at: c.next_due_ms.map(rfc3339_ms),
         next_due_in_ms: c.next_due_ms.map(|d| (d - c.now_ms).max(0)),
         observed_at: rfc3339_ms(c.now_ms),
+        truncated: c.truncated || dead.len() == MAX_DEAD_READ,
+        tenant: Some(tenant),
     }))
+}
+
+/// One dead-lettered turn (`GET /v1/dead`).
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct DeadView {
+    /// Its run (a run's turn is queued under the run's id).
+    pub run_id: String,
+    /// The run's tenant; null when the run's record has expired.
+    pub tenant: Option<String>,
+    /// Why it was buried (its deliveries spent, a payload or spec it could not read, …).
+    pub reason: String,
+    /// When it was buried (RFC 3339, Redis clock).
+    pub died_at: String,
+    /// The turn it would have run (its queue payload's `turn`), when readable.
+    pub turn: Option<u32>,
+}
+
+/// `GET /v1/dead`.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct DeadList {
+    /// Newest first.
+    pub data: Vec<DeadView>,
+    /// Pass as `cursor` for the next page; `null` on the last one.
+    pub next_cursor: Option<String>,
+    /// Whether there may be more.
+    pub has_more: bool,
+}
+
+/// Query of `GET /v1/dead`.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct DeadQuery {
+    /// Page size, 1 to 200 (default 50).
+    limit: Option<String>,
+    /// `next_cursor` of the previous page.
+    cursor: Option<String>,
+}
+
+/// Default page size of `GET /v1/dead`.
+pub const DEAD_DEFAULT_LIMIT: usize = 50;
+/// Largest page size of `GET /v1/dead`.
+pub const DEAD_MAX_LIMIT: usize = 200;
+
+/// Dead-lettered turns, newest first (operator).
+#[utoipa::path(
+    get, path = "/v1/dead", tag = "operations",
+    params(DeadQuery),
+    responses(
+        (status = 200, description = "A page of dead turns, newest first", body = DeadList),
+        (status = 401, description = "No or bad token", body = ErrorBody),
+        (status = 403, description = "Not the operator token", body = ErrorBody),
+        (status = 422, description = "A limit or cursor this API cannot read", body = ErrorBody),
+        (status = 503, description = "Redis unavailable", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn dead(
+    State(state): State<AppState>,
+    _: Operator,
+    q: Result<Query<DeadQuery>, QueryRejection>,
+) -> Result<Json<DeadList>, ApiError> {
+    let Query(q) = q.map_err(|r| ApiError::BadRequest(r.body_text()))?;
+    let limit = match q.limit.as_deref().filter(|s| !s.is_empty()) {
+        None => DEAD_DEFAULT_LIMIT,
+        Some(l) => l
+            .parse::<usize>()
+            .ok()
+            .filter(|n| (1..=DEAD_MAX_LIMIT).contains(n))
+            .ok_or_else(|| ApiError::invalid("limit", format!("must be an integer from 1 to {DEAD_MAX_LIMIT}")))?,
+    };
+    let cursor = match q.cursor.as_deref().filter(|s| !s.is_empty()) {
+        None => None,
+        Some(c) => {
+            Some(parse_cursor(c).ok_or_else(|| ApiError::invalid("cursor", "is not a cursor this API gave out"))?)
+        }
+    };
+    // One more than the page, to know whether there is a next one.
+    let mut turns = state.redis("read the dead turns", state.queue.list_dead_page(limit + 1, cursor)).await?;
+    let has_more = turns.len() > limit;
+    turns.truncate(limit);
+    let ids: Vec<String> = turns.iter().map(|t| t.id.clone()).collect();
+    let tenants = state.redis("read the dead turns' tenants", state.runs.tenants_of(&ids)).await?;
+    let next_cursor = has_more.then(|| turns.last().map(|t| format!("{}:{}", t.died_at_ms, t.id))).flatten();
+    let data = turns
+        .into_iter()
+        .zip(tenants)
+        .map(|(t, tenant)| DeadView {
+            turn: serde_json::from_str::<TurnJob>(&t.payload).ok().map(|j| j.turn),
+            run_id: t.id,
+            tenant,
+            reason: t.reason,
+            died_at: rfc3339_ms(t.died_at_ms),
+        })
+        .collect();
+    Ok(Json(DeadList { data, next_cursor, has_more }))
 }
 
 /// Live worker processes.
@@ -179,11 +330,12 @@ pub async fn queue(State(state): State<AppState>, _: Tenant) -> Result<Json<Queu
     responses(
         (status = 200, description = "Workers with a recent heartbeat", body = WorkersView),
         (status = 401, description = "No or bad token", body = ErrorBody),
+        (status = 403, description = "Not the operator token", body = ErrorBody),
         (status = 503, description = "Redis unavailable", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]
-pub async fn workers(State(state): State<AppState>, _: Tenant) -> Result<Json<WorkersView>, ApiError> {
+pub async fn workers(State(state): State<AppState>, _: Operator) -> Result<Json<WorkersView>, ApiError> {
     let list = state.redis("read workers", state.queue.list_workers()).await?;
     let workers = list
         .into_iter()

@@ -13,8 +13,9 @@ use sha2::{Digest, Sha256};
 use shared::runs::store::{parse_cursor, valid_id};
 use shared::runs::{Idempotency, Run, RunSpec, RunStatus, TranscriptEntry};
 
-use crate::auth::Tenant;
+use crate::auth::{Caller, Tenant};
 use crate::error::{ApiError, ErrorBody};
+use crate::routes::guard::JsonContent;
 use crate::state::AppState;
 
 /// Default page size of `GET /v1/runs`.
@@ -163,7 +164,9 @@ fn idempotency(headers: &HeaderMap, spec: &RunSpec) -> Result<Option<Idempotency
         (status = 202, description = "Accepted (or the first run of this Idempotency-Key)", body = Run),
         (status = 400, description = "Malformed JSON", body = ErrorBody),
         (status = 401, description = "No or bad token", body = ErrorBody),
+        (status = 403, description = "The operator token (it has no runs)", body = ErrorBody),
         (status = 413, description = "Body over the limit", body = ErrorBody),
+        (status = 415, description = "The body is not sent as application/json", body = ErrorBody),
         (status = 422, description = "A rule is broken; `field` names it", body = ErrorBody),
         (status = 503, description = "Redis unavailable", body = ErrorBody),
     ),
@@ -172,6 +175,7 @@ fn idempotency(headers: &HeaderMap, spec: &RunSpec) -> Result<Option<Idempotency
 pub async fn submit(
     State(state): State<AppState>,
     Tenant(tenant): Tenant,
+    _: JsonContent,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
@@ -298,6 +302,7 @@ pub async fn transcript(
         (status = 401, description = "No or bad token", body = ErrorBody),
         (status = 404, description = "No such run for this tenant", body = ErrorBody),
         (status = 409, description = "The run already finished", body = ErrorBody),
+        (status = 415, description = "A body not sent as application/json", body = ErrorBody),
         (status = 503, description = "Redis unavailable", body = ErrorBody),
     ),
     security(("bearer" = []))
@@ -305,6 +310,7 @@ pub async fn transcript(
 pub async fn cancel(
     State(state): State<AppState>,
     Tenant(tenant): Tenant,
+    _: JsonContent,
     Path(id): Path<String>,
 ) -> Result<Json<Run>, ApiError> {
     if !valid_id(&id) {
@@ -316,6 +322,37 @@ pub async fn cancel(
     })?;
     tracing::info!(message = "run cancelled", run.id = %id, tenant = %tenant);
     Ok(Json(run))
+}
+
+/// Re-drive a failed (or dead-lettered) run from its last committed turn.
+#[utoipa::path(
+    post, path = "/v1/runs/{id}/retry", tag = "runs",
+    params(("id" = String, Path, description = "Run id (`run_…`)")),
+    responses(
+        (status = 202, description = "Queued again: its next turn is enqueued with fresh deliveries, its dead turn out of the dead set", body = Run),
+        (status = 401, description = "No or bad token", body = ErrorBody),
+        (status = 404, description = "No such run for this tenant (the operator may retry any tenant's)", body = ErrorBody),
+        (status = 409, description = "The run is not failed (or failed with max_turns)", body = ErrorBody),
+        (status = 415, description = "A body not sent as application/json", body = ErrorBody),
+        (status = 503, description = "Redis unavailable", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn retry(
+    State(state): State<AppState>,
+    caller: Caller,
+    _: JsonContent,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    if !valid_id(&id) {
+        return Err(ApiError::NotFound(format!("no run {id}")));
+    }
+    let run = state.redis("retry run", state.runs.retry(caller.tenant(), &id)).await.map_err(|e| match e {
+        ApiError::NotFound(_) => ApiError::NotFound(format!("no run {id}")),
+        other => other,
+    })?;
+    tracing::info!(message = "run retried", run.id = %id, operator = caller.tenant().is_none(), turns = run.turns_completed);
+    Ok((StatusCode::ACCEPTED, Json(run)).into_response())
 }
 
 #[cfg(test)]

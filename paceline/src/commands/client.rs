@@ -1,5 +1,5 @@
 //! The client subcommands that talk to the API: `submit`, `watch`, `runs`,
-//! `status`, `pacer`. Output meant for scripts (a run id, the final text, JSON)
+//! `status`, `pacer`, `dead`, `retry`. Output meant for scripts (a run id, the final text, JSON)
 //! goes to stdout; progress and messages go to stderr. An error from the API
 //! is one line: `paceline: API 422 invalid_request (max_turns): must be …`.
 
@@ -28,6 +28,26 @@ pub struct ApiArgs {
     /// Bearer token (a tenant's token from the server's PACELINE_API_TOKENS).
     #[arg(long = "token", env = "PACELINE_TOKEN", hide_env_values = true)]
     pub token: Option<Secret>,
+    /// The operator's token (the server's PACELINE_OPERATOR_TOKEN): used by
+    /// `dead`, and by the other commands when no tenant token is given.
+    #[arg(long = "operator-token", env = "PACELINE_OPERATOR_TOKEN", hide_env_values = true)]
+    pub operator_token: Option<Secret>,
+}
+
+impl ApiArgs {
+    fn given(t: &Option<Secret>) -> Option<Secret> {
+        t.clone().filter(|t| !t.is_empty())
+    }
+
+    /// The tenant's token, else the operator's.
+    fn tenant_first(&self) -> Option<Secret> {
+        Self::given(&self.token).or_else(|| Self::given(&self.operator_token))
+    }
+
+    /// The operator's token, else the tenant's (which the API will refuse with 403).
+    fn operator_first(&self) -> Option<Secret> {
+        Self::given(&self.operator_token).or_else(|| Self::given(&self.token))
+    }
 }
 
 /// `paceline submit FILE|-`.
@@ -93,6 +113,31 @@ pub struct PacerArgs {
     pub api: ApiArgs,
 }
 
+/// `paceline dead` (operator).
+#[derive(Debug, clap::Args)]
+pub struct DeadArgs {
+    /// How many (newest first), 1 to 200.
+    #[arg(long, default_value_t = 50)]
+    pub limit: usize,
+    /// Print the API's JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub api: ApiArgs,
+}
+
+/// `paceline retry RUN_ID`.
+#[derive(Debug, clap::Args)]
+pub struct RetryArgs {
+    /// The failed run.
+    pub run_id: String,
+    /// Follow the run after re-driving it (as `paceline watch`).
+    #[arg(long)]
+    pub watch: bool,
+    #[command(flatten)]
+    pub api: ApiArgs,
+}
+
 /// A small client of the API.
 struct Client {
     http: reqwest::Client,
@@ -101,9 +146,19 @@ struct Client {
 }
 
 impl Client {
+    /// With the tenant's token (else the operator's).
     fn new(args: &ApiArgs) -> anyhow::Result<Self> {
+        Self::with_token(args, args.tenant_first())
+    }
+
+    /// With the operator's token (else the tenant's).
+    fn operator(args: &ApiArgs) -> anyhow::Result<Self> {
+        Self::with_token(args, args.operator_first())
+    }
+
+    fn with_token(args: &ApiArgs, token: Option<Secret>) -> anyhow::Result<Self> {
         let http = reqwest::Client::builder().connect_timeout(Duration::from_secs(5)).build()?;
-        Ok(Self { http, base: args.api.trim_end_matches('/').to_owned(), token: args.token.clone() })
+        Ok(Self { http, base: args.api.trim_end_matches('/').to_owned(), token })
     }
 
     fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
@@ -499,9 +554,71 @@ pub async fn pacer(args: PacerArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Lists the dead-lettered turns (operator).
+pub async fn dead(args: DeadArgs) -> anyhow::Result<ExitCode> {
+    let client = Client::operator(&args.api)?;
+    let r = client.request(reqwest::Method::GET, "/v1/dead").query(&[("limit", args.limit.to_string())]);
+    let page = client.json(r).await?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&page)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let turns = page["data"].as_array().cloned().unwrap_or_default();
+    if turns.is_empty() {
+        println!("no dead turns");
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("{:<30}  {:<16}  {:>5}  {:<24}  REASON", "RUN", "TENANT", "TURN", "DIED AT");
+    for t in turns {
+        println!(
+            "{:<30}  {:<16}  {:>5}  {:<24}  {}",
+            t["run_id"].as_str().unwrap_or(""),
+            truncate(t["tenant"].as_str().unwrap_or("-"), 16),
+            t["turn"].as_u64().map_or("-".to_owned(), |n| n.to_string()),
+            t["died_at"].as_str().unwrap_or(""),
+            t["reason"].as_str().unwrap_or("").replace('\n', " "),
+        );
+    }
+    if page["has_more"].as_bool() == Some(true) {
+        eprintln!("(more: --limit to see more)");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Re-drives a failed run from its last committed turn; prints its id (and
+/// follows it with `--watch`).
+pub async fn retry(args: RetryArgs) -> anyhow::Result<ExitCode> {
+    let client = Client::new(&args.api)?;
+    let run = client.json(client.request(reqwest::Method::POST, &format!("/v1/runs/{}/retry", args.run_id))).await?;
+    let id = run["id"].as_str().context("the API's answer has no run id")?.to_owned();
+    eprintln!("{id} queued again from turn {}", run["turns_completed"]);
+    println!("{id}");
+    if args.watch {
+        return follow(&client, &id).await;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_tenant_or_the_operator_token_is_chosen_per_command() {
+        let args = |token: Option<&str>, operator: Option<&str>| ApiArgs {
+            api: String::new(),
+            token: token.map(Secret::new),
+            operator_token: operator.map(Secret::new),
+        };
+        let both = args(Some("t"), Some("o"));
+        assert_eq!(both.tenant_first().unwrap().expose(), "t");
+        assert_eq!(both.operator_first().unwrap().expose(), "o");
+        let tenant = args(Some("t"), Some(""));
+        assert_eq!(tenant.operator_first().unwrap().expose(), "t");
+        let operator = args(None, Some("o"));
+        assert_eq!(operator.tenant_first().unwrap().expose(), "o");
+        assert!(args(None, None).tenant_first().is_none());
+    }
 
     #[test]
     fn api_errors_are_one_line() {

@@ -65,6 +65,9 @@ pub struct Args {
     /// Bearer tokens per tenant: `tenant:token,tenant:token`. Unset: open development mode.
     #[arg(long = "api-tokens", env = "PACELINE_API_TOKENS", hide_env_values = true, default_value = "")]
     tokens: api::config::ApiTokens,
+    /// The operator's token, and the open-mode safety catch.
+    #[command(flatten)]
+    access: api::config::AccessArgs,
     /// Largest request body accepted, in bytes.
     #[arg(long = "body-limit", env = "PACELINE_BODY_LIMIT", default_value_t = api::config::DEFAULT_BODY_LIMIT)]
     body_limit: usize,
@@ -150,6 +153,7 @@ async fn serve(
         retention: args.retention,
         redis_timeout_ms: args.redis_timeout_ms,
         providers: provider.named.clone(),
+        access: args.access.clone(),
     };
     let worker_config = worker::WorkerConfig {
         redis: redis.clone(),

@@ -2,8 +2,9 @@
 -- lease expired (their worker died or stalled), forgets dead workers.
 -- KEYS[Q_NKEYS+1] workers ZSET (identity -> last heartbeat ms), KEYS[Q_NKEYS+2]
 -- worker info HASH (identity -> JSON). ARGV: lease_ms, max_deliveries, identity,
--- info JSON (or '' to skip registering), worker_ttl_ms, reclaim_limit, then
--- id, epoch pairs of the leases this worker holds.
+-- info JSON (or '' to skip registering), worker_ttl_ms, reclaim_limit,
+-- dead_keep_ms (the dead set's retention), then id, epoch pairs of the leases
+-- this worker holds.
 -- Returns {reclaimed, buried, lost id...}: lost ids are leases it no longer holds.
 local lease_ms, maxd = tonumber(ARGV[1]), tonumber(ARGV[2])
 local workers, info = KEYS[Q_NKEYS + 1], KEYS[Q_NKEYS + 2]
@@ -13,15 +14,15 @@ if ARGV[4] ~= '' then
   redis.call('HSET', info, ARGV[3], ARGV[4])
 end
 local out = {0, 0}
-local n = (#ARGV - 6) / 2
+local n = (#ARGV - 7) / 2
 if n > 0 then
   local ids = {}
-  for i = 1, n do ids[i] = ARGV[5 + 2 * i] end
+  for i = 1, n do ids[i] = ARGV[6 + 2 * i] end
   local recs = redis.call('HMGET', Q_JOBS, unpack(ids))
   local zadd = {}
   for i = 1, n do
     local r = q_decode(recs[i])
-    if r and r.flag == 'l' and r.epoch == tonumber(ARGV[6 + 2 * i]) then
+    if r and r.flag == 'l' and r.epoch == tonumber(ARGV[7 + 2 * i]) then
       zadd[#zadd + 1] = now + lease_ms; zadd[#zadd + 1] = ids[i]
     else
       out[#out + 1] = ids[i]
@@ -36,7 +37,7 @@ for _, id in ipairs(expired) do
     redis.call('ZREM', Q_LEASE, id)
   elseif r.deliveries >= maxd then
     q_bury(id, r, 'lease expired on delivery ' .. r.deliveries .. ' of ' .. maxd
-      .. ': its worker was killed or stalled each time', now)
+      .. ': its worker was killed or stalled each time', now, ARGV[7])
     out[2] = out[2] + 1
   else
     q_schedule(id, r, now)

@@ -94,9 +94,23 @@ local function q_run_finished(status)
   return status == 'completed' or status == 'failed' or status == 'cancelled'
 end
 
+-- The set of a tenant's unfinished runs beside run record key `run`
+-- ('<prefix>:<slot>:tenant:<tenant>:active', runs/store.rs `active_key`), and the run's id:
+-- a run joins it when it is created or retried and leaves it when it finishes, in
+-- the same script, so a tenant's queue counts are read from its own runs alone.
+local function q_run_active(run, tenant)
+  local base, id = string.match(run, '^(.*)run:([^:]+)$')
+  return base .. 'tenant:' .. tenant .. ':active', id
+end
+
 -- A finished run's record, transcript and events (`run`, `tx`, `ev`) live for
--- `retention` ms, then go (runs/store.lua).
+-- `retention` ms, then go (runs/store.lua); it leaves its tenant's unfinished runs.
 local function q_run_retire(run, tx, ev, now, retention)
+  local tenant = redis.call('HGET', run, 'tenant')
+  if tenant then
+    local active, id = q_run_active(run, tenant)
+    redis.call('ZREM', active, id)
+  end
   redis.call('HSET', run, 'finished_ms', now, 'updated_ms', now, 'wait_reason', '', 'next_attempt_ms', '', 'phase', '')
   local ttl = tonumber(retention)
   if ttl and ttl > 0 then
@@ -122,8 +136,26 @@ local function q_fail_run(id, reason, now)
   q_run_retire(run, base .. 'tx:' .. id, ev, now, redis.call('HGET', run, 'retention_ms'))
 end
 
--- Moves turn `id` (record `r`) to the dead set with `reason`, and ends its run.
-local function q_bury(id, r, reason, now)
+-- The dead set's retention: turns dead for longer than `keep_ms` leave it, with
+-- their reasons and records (at most 100 a call, the oldest first, so a bury stays
+-- cheap; the set grows only by burying, so trimming there bounds it). Their runs
+-- failed when they were buried and expire by their own retention.
+local function q_trim_dead(now, keep_ms)
+  local keep = tonumber(keep_ms)
+  if not keep or keep <= 0 then return end
+  local old = redis.call('ZRANGEBYSCORE', Q_DEAD, '-inf', now - keep, 'LIMIT', 0, 100)
+  if #old == 0 then return end
+  redis.call('ZREM', Q_DEAD, unpack(old))
+  redis.call('HDEL', Q_REASONS, unpack(old))
+  for _, id in ipairs(old) do
+    local r = q_read(id)
+    if r and r.flag == 'd' then redis.call('HDEL', Q_JOBS, id) end
+  end
+end
+
+-- Moves turn `id` (record `r`) to the dead set with `reason`, and ends its run;
+-- dead turns older than `keep_ms` (the dead set's retention) leave the set.
+local function q_bury(id, r, reason, now, keep_ms)
   r.flag = 'd'
   redis.call('HSET', Q_JOBS, id, q_encode(r))
   redis.call('ZREM', Q_LEASE, id)
@@ -131,4 +163,5 @@ local function q_bury(id, r, reason, now)
   redis.call('ZADD', Q_DEAD, now, id)
   redis.call('HSET', Q_REASONS, id, reason)
   q_fail_run(id, reason, now)
+  q_trim_dead(now, keep_ms)
 end

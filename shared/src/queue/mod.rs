@@ -49,7 +49,8 @@ use std::time::Duration;
 /// - With the record `r` from `q_fence`: `q_schedule(id, r, due_ms)` queues the
 ///   turn again (set `r.payload` for the next turn's payload and
 ///   `r.deliveries = 0` for a requeue that made progress); `q_finish(id)` removes
-///   it; `q_bury(id, r, reason, now)` moves it to the dead set.
+///   it; `q_bury(id, r, reason, now, keep_ms)` moves it to the dead set (and
+///   trims the set to its retention).
 ///
 /// A commit script: `local r, why = q_fence(ARGV[1], ARGV[2]); if not r then
 /// return {'fenced', why} end; <run-store writes>; r.payload = ARGV[3];
@@ -63,6 +64,9 @@ const SETTLE_LUA: &str = include_str!("settle.lua");
 const HEARTBEAT_LUA: &str = include_str!("heartbeat.lua");
 const READ_LUA: &str = include_str!("read.lua");
 const ADMIN_LUA: &str = include_str!("admin.lua");
+
+/// Default retention of the dead set (`PACELINE_DEAD_RETENTION_MS`): 7 days.
+pub const DEFAULT_DEAD_RETENTION_MS: u64 = 7 * 24 * 3600 * 1000;
 
 /// Most turns one fetch script leases; bounds each script's run time.
 pub const MAX_FETCH_BATCH: usize = 1000;
@@ -89,6 +93,10 @@ pub struct QueueConfig {
     /// First retry delay after a handler error, ms (doubles per delivery, capped at 30 s).
     #[arg(long = "queue-retry-ms", env = "PACELINE_QUEUE_RETRY_MS", default_value_t = 1000)]
     pub retry_base_ms: u64,
+    /// How long a dead turn stays in the dead set (`GET /v1/dead`), ms; older
+    /// ones leave it whenever a turn is buried (0 keeps them all).
+    #[arg(long = "queue-dead-retention-ms", env = "PACELINE_DEAD_RETENTION_MS", default_value_t = DEFAULT_DEAD_RETENTION_MS)]
+    pub dead_retention_ms: u64,
 }
 
 impl Default for QueueConfig {
@@ -100,6 +108,7 @@ impl Default for QueueConfig {
             idle_ms: 2000,
             grace_ms: 10_000,
             retry_base_ms: 1000,
+            dead_retention_ms: DEFAULT_DEAD_RETENTION_MS,
         }
     }
 }
@@ -468,7 +477,8 @@ impl TurnQueue {
             .arg(payload.unwrap_or(""))
             .arg(if payload.is_some() { "1" } else { "0" })
             .arg(reason)
-            .arg(self.config.max_deliveries);
+            .arg(self.config.max_deliveries)
+            .arg(self.config.dead_retention_ms);
         let reply: Vec<String> = inv.invoke_async(&mut self.conn.clone()).await?;
         match reply.first().map(String::as_str) {
             Some("ok") => {
@@ -546,8 +556,18 @@ impl TurnQueue {
 
     /// The newest `limit` dead turns, newest first.
     pub async fn list_dead(&self, limit: usize) -> Result<Vec<DeadTurn>, QueueError> {
+        self.list_dead_page(limit, None).await
+    }
+
+    /// A page of at most `limit` dead turns, newest first, after `cursor`
+    /// (the died-at ms and id of the last turn of the previous page).
+    pub async fn list_dead_page(&self, limit: usize, cursor: Option<(i64, &str)>) -> Result<Vec<DeadTurn>, QueueError> {
         let mut inv = self.invocation(&self.scripts.read);
         inv.arg("dead").arg(limit.max(1));
+        match cursor {
+            Some((ms, id)) => inv.arg(ms).arg(id),
+            None => inv.arg("").arg(""),
+        };
         let v: Vec<String> = inv.invoke_async(&mut self.conn.clone()).await?;
         Ok(v.chunks_exact(4)
             .map(|c| DeadTurn {
@@ -604,7 +624,8 @@ impl TurnQueue {
             .arg(identity)
             .arg(info)
             .arg(self.config.worker_ttl_ms())
-            .arg(200);
+            .arg(200)
+            .arg(self.config.dead_retention_ms);
         for (id, epoch) in leases {
             inv.arg(id).arg(*epoch);
         }

@@ -1,6 +1,6 @@
 -- Read-only views. ARGV[1] selects one:
 --   counts: {now, ready, delayed, in_flight, dead, next_due_ms or -1}
---   dead ARGV[2]=limit: {id, died_at, reason, payload, ...}, newest first
+--   dead ARGV[2]=limit, ARGV[3..4]=cursor (died-at ms, id; '' = none): {id, died_at, reason, payload, ...}, newest first
 --   workers ARGV[2]=ttl_ms, KEYS[Q_NKEYS+1..2] workers, info: {identity, heartbeat, json, ...}
 local now = q_now()
 local view = ARGV[1]
@@ -12,13 +12,25 @@ if view == 'counts' then
   if #nxt > 0 then next_due = tonumber(nxt[2]) end
   return {now, ready, queued - ready, redis.call('ZCARD', Q_LEASE), redis.call('ZCARD', Q_DEAD), next_due}
 elseif view == 'dead' then
-  local d = redis.call('ZREVRANGE', Q_DEAD, 0, tonumber(ARGV[2]) - 1, 'WITHSCORES')
-  local out = {}
-  for i = 1, #d, 2 do
-    local r = q_read(d[i])
-    out[#out + 1] = d[i]; out[#out + 1] = d[i + 1]
-    out[#out + 1] = redis.call('HGET', Q_REASONS, d[i]) or ''
-    out[#out + 1] = r and r.payload or ''
+  -- A page, newest first, after the cursor (ARGV[3] died-at ms, ARGV[4] id; '' = from the newest).
+  local limit, max, after = tonumber(ARGV[2]), ARGV[3] or '', ARGV[4] or ''
+  if max == '' then max = '+inf' end
+  local out, offset = {}, 0
+  while #out < 4 * limit do
+    local d = redis.call('ZREVRANGEBYSCORE', Q_DEAD, max, '-inf', 'WITHSCORES', 'LIMIT', offset, limit)
+    if #d == 0 then break end
+    offset = offset + #d / 2
+    for i = 1, #d, 2 do
+      -- Members of the cursor's own millisecond come in reverse order of their
+      -- ids: skip up to and including the cursor.
+      local fresh = after == '' or tonumber(d[i + 1]) < tonumber(max) or d[i] < after
+      if fresh and #out < 4 * limit then
+        local r = q_read(d[i])
+        out[#out + 1] = d[i]; out[#out + 1] = d[i + 1]
+        out[#out + 1] = redis.call('HGET', Q_REASONS, d[i]) or ''
+        out[#out + 1] = r and r.payload or ''
+      end
+    end
   end
   return out
 elseif view == 'workers' then

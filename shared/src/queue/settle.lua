@@ -1,6 +1,6 @@
 -- A lease holder's verdict on its turn, checked against the lease's epoch.
 -- ARGV: op, id, epoch, delay_ms, payload ('' keeps it; ops requeue), has_payload
--- ('1'/'0'), reason, max_deliveries.
+-- ('1'/'0'), reason, max_deliveries, dead_keep_ms (the dead set's retention).
 --   complete: done, removed.
 --   requeue:  due again after delay_ms (server clock), deliveries reset (the turn progressed).
 --   retry:    a failed delivery: due again after delay_ms, or dead when it used its deliveries.
@@ -22,7 +22,7 @@ if op == 'requeue' then
   q_schedule(id, r, now + tonumber(ARGV[4]))
 elseif op == 'retry' then
   if r.deliveries >= tonumber(ARGV[8]) then
-    q_bury(id, r, ARGV[7], now)
+    q_bury(id, r, ARGV[7], now, ARGV[9])
     return {'dead'}
   end
   q_schedule(id, r, now + tonumber(ARGV[4]))
@@ -30,7 +30,7 @@ elseif op == 'release' then
   if r.deliveries > 0 then r.deliveries = r.deliveries - 1 end
   q_schedule(id, r, now)
 elseif op == 'dead' then
-  q_bury(id, r, ARGV[7], now)
+  q_bury(id, r, ARGV[7], now, ARGV[9])
   return {'dead'}
 else
   return redis.error_reply('unknown op ' .. op)

@@ -16,5 +16,7 @@ pub use generation::{Effort, Format, Generation, JsonSchema, ServiceTier, ToolCh
 pub use record::{PacingCounters, Run, RunError, Usage};
 pub use spec::{RunSpec, SpecError, SubmitPolicy};
 pub use state::{InvalidTransition, RunStatus, Transition, WaitReason};
-pub use store::{Created, Fence, Idempotency, Next, RunEvent, RunStore, Started, StoreError, TurnContext, TurnJob};
+pub use store::{
+    Created, Fence, Idempotency, Next, RunEvent, RunStore, Started, StoreError, TenantCounts, TurnContext, TurnJob,
+};
 pub use transcript::{ApiStyle, TranscriptEntry};

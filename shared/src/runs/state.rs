@@ -6,7 +6,9 @@
 //! `run_store::every_move_the_store_makes_is_one_the_state_table_allows` holds
 //! them to it. A finished run never
 //! moves again — that is what makes a late, redelivered turn harmless and what
-//! makes cancelling a finished run a 409.
+//! makes cancelling a finished run a 409 — but for one deliberate move: a
+//! `failed` run that its tenant or the operator retries is `queued` again
+//! (`POST /v1/runs/{id}/retry`).
 
 use serde::{Deserialize, Serialize};
 
@@ -59,6 +61,8 @@ pub enum Transition {
     Fail,
     /// The tenant cancels it.
     Cancel,
+    /// Its tenant or the operator re-drives a failed run from its last committed turn.
+    Retry,
 }
 
 /// A move the state machine does not allow.
@@ -82,6 +86,7 @@ impl RunStatus {
         use RunStatus::*;
         use Transition::*;
         let to = match (self, t) {
+            (Failed, Retry) => Some(Queued),
             (from, _) if from.is_finished() => None,
             (Queued | Waiting, Start) => Some(Running),
             // A turn may be told to wait before it is started (the pacer owes
@@ -189,6 +194,14 @@ mod tests {
             for t in [Start, Wait(WaitReason::Retry), Continue, Complete, Fail, Cancel] {
                 assert!(from.apply(t).is_err(), "{from:?} accepted {t:?}");
             }
+        }
+    }
+
+    #[test]
+    fn only_a_failed_run_is_retried_and_it_is_queued_again() {
+        assert_eq!(Failed.apply(Retry), Ok(Queued));
+        for from in [Queued, Running, Waiting, Completed, Cancelled] {
+            assert!(from.apply(Retry).is_err(), "{from:?} accepted a retry");
         }
     }
 

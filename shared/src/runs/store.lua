@@ -81,6 +81,7 @@ if op == 'create' then
   for i = 9, #ARGV do redis.call('RPUSH', TX, ARGV[i]) end
   event('run.queued', ARGV[8])
   redis.call('ZADD', IDX, now, id)
+  redis.call('ZADD', (q_run_active(RUN, tenant)), now, id)
   if fp ~= '' then redis.call('SET', IDEM, id .. '|' .. fp, 'PX', tonumber(ARGV[5])) end
   q_add(id, ARGV[6], now)
   return {'created', id}
@@ -200,6 +201,54 @@ if op == 'fail' then
   event('run.failed', cjson.encode({error = {kind = ARGV[5], message = ARGV[6]}}))
   q_finish(id)
   return {'failed'}
+end
+
+if op == 'retry' then
+  -- Re-drives a failed run from its last committed turn (POST /v1/runs/{id}/retry),
+  -- in one step: its dead turn leaves the dead set, the run is queued again
+  -- (error and finish cleared, retention cancelled, back among its tenant's
+  -- unfinished runs, run.queued written) and its next turn is enqueued with
+  -- fresh deliveries. ARGV[3] tenant ('' = the operator: any tenant's run).
+  -- No epoch is bumped: the turn's record goes back to 'q', which fences every
+  -- earlier holder ('not_leased'), and the next fetch draws a new epoch from
+  -- the counter, larger than any before it.
+  local tenant = redis.call('HGET', RUN, 'tenant')
+  if not tenant or (ARGV[3] ~= '' and tenant ~= ARGV[3]) then return {'not_found'} end
+  local status = redis.call('HGET', RUN, 'status')
+  if status ~= 'failed' then return {'conflict', status} end
+  local kind = redis.call('HGET', RUN, 'error_kind') or ''
+  if kind == 'max_turns' then return {'conflict', 'failed with max_turns: it has no turn left to run'} end
+  local message = redis.call('HGET', RUN, 'error_message') or ''
+  local now = q_now()
+  local turns = tonumber(redis.call('HGET', RUN, 'turns') or '0') or 0
+  redis.call('ZREM', Q_DEAD, id)
+  redis.call('HDEL', Q_REASONS, id)
+  -- A turn whose model output was committed before its tools ran (entries of
+  -- the next turn at the transcript's end) resumes at its tools, as after a crash.
+  local phase = ''
+  local last = redis.call('LINDEX', TX, -1)
+  if last then
+    local ok, entry = pcall(cjson.decode, last)
+    if ok and type(entry) == 'table' and tonumber(entry.turn) == turns + 1 then phase = 'tools' end
+  end
+  redis.call('PERSIST', RUN)
+  redis.call('PERSIST', TX)
+  redis.call('PERSIST', EV)
+  redis.call('HDEL', RUN, 'error_kind', 'error_message', 'finished_ms')
+  redis.call('HSET', RUN, 'status', 'queued', 'phase', phase, 'wait_reason', '', 'next_attempt_ms', '', 'updated_ms', now)
+  redis.call('ZADD', (q_run_active(RUN, tenant)), now, id)
+  event('run.queued', cjson.encode({retried = true, turn = turns, previous_error = {kind = kind, message = message}}))
+  -- The next turn's payload: runs/store.rs `TurnJob` (its test holds the shape).
+  local payload = string.format('{"turn":%d,"attempt":1}', turns)
+  local r = q_read(id)
+  if r then
+    r.payload = payload
+    r.deliveries = 0
+    q_schedule(id, r, now)
+  else
+    q_add(id, payload, now)
+  end
+  return {'queued', tostring(turns)}
 end
 
 return redis.error_reply('unknown run store op ' .. tostring(op))

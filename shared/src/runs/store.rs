@@ -34,6 +34,47 @@ pub const IDEMPOTENCY_TTL: Duration = Duration::from_secs(24 * 3600);
 /// Default retention of a finished run's keys (`PACELINE_RETENTION`).
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 
+/// The most unfinished runs of one tenant that [`RunStore::tenant_counts`] reads.
+pub const MAX_ACTIVE_READ: usize = 10_000;
+
+/// A tenant's unfinished runs by where their turn is, as the queue's counts
+/// name them (`GET /v1/queue` for a tenant).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TenantCounts {
+    /// Its turn is due now: `queued`, or `waiting` past its due time.
+    pub ready: u64,
+    /// `waiting` for a later due time.
+    pub delayed: u64,
+    /// `running`: a worker holds its turn.
+    pub in_flight: u64,
+    /// The earliest due time of a delayed turn (server clock, ms).
+    pub next_due_ms: Option<i64>,
+    /// Server time the counts were read at, ms.
+    pub now_ms: i64,
+    /// It has more than [`MAX_ACTIVE_READ`] unfinished runs: these counts are of the oldest.
+    pub truncated: bool,
+}
+
+impl TenantCounts {
+    /// Counts runs by `(status, next_attempt_ms)` at `now_ms`; finished runs
+    /// (a set member read after its run finished) count nowhere.
+    pub fn tally(runs: impl IntoIterator<Item = (RunStatus, Option<i64>)>, now_ms: i64, truncated: bool) -> Self {
+        let mut c = Self { now_ms, truncated, ..Self::default() };
+        for (status, next) in runs {
+            match (status, next) {
+                (RunStatus::Running, _) => c.in_flight += 1,
+                (RunStatus::Waiting, Some(due)) if due > now_ms => {
+                    c.delayed += 1;
+                    c.next_due_ms = Some(c.next_due_ms.map_or(due, |d| d.min(due)));
+                }
+                (RunStatus::Queued | RunStatus::Waiting, _) => c.ready += 1,
+                _ => {}
+            }
+        }
+        c
+    }
+}
+
 /// The queue payload of a run's next turn. The queue item's id is the run id:
 /// a run has at most one turn queued at a time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -185,6 +226,13 @@ impl RunStore {
 
     fn index_key(&self, tenant: &str) -> String {
         format!("{}:{}:tenant:{}:runs", self.keys.prefix(), self.keys.slot_tag(), tenant)
+    }
+
+    /// A tenant's unfinished runs (ZSET id -> created ms); `store.lua` and
+    /// `queue/lib.lua` (`q_run_active`) keep it, in the scripts that start
+    /// and finish runs.
+    fn active_key(&self, tenant: &str) -> String {
+        format!("{}:{}:tenant:{}:active", self.keys.prefix(), self.keys.slot_tag(), tenant)
     }
 
     fn idempotency_key(&self, tenant: &str, key: &str) -> String {
@@ -349,6 +397,44 @@ impl RunStore {
         Ok((out, next))
     }
 
+    /// Where `tenant`'s unfinished runs stand, read from its own runs (the
+    /// queue does not know tenants): the server's clock, its unfinished-runs
+    /// set, and those records (one pipeline).
+    pub async fn tenant_counts(&self, tenant: &str) -> Result<TenantCounts, StoreError> {
+        let mut conn = self.conn.clone();
+        let ids: Vec<String> = redis::cmd("ZRANGE")
+            .arg(self.active_key(tenant))
+            .arg(0)
+            .arg(MAX_ACTIVE_READ as i64 - 1)
+            .query_async(&mut conn)
+            .await?;
+        let now_ms = crate::redis_util::server_time_ms(&mut conn).await?;
+        let mut pipe = redis::pipe();
+        for id in &ids {
+            pipe.cmd("HMGET").arg(self.record_key(id)).arg(field::STATUS).arg(field::NEXT_ATTEMPT_MS);
+        }
+        let records: Vec<(Option<String>, Option<String>)> =
+            if ids.is_empty() { vec![] } else { pipe.query_async(&mut conn).await? };
+        let statuses = records.into_iter().filter_map(|(status, next)| {
+            let status = RunStatus::parse(status.as_deref()?)?;
+            Some((status, next.and_then(|n| n.parse::<i64>().ok())))
+        });
+        Ok(TenantCounts::tally(statuses, now_ms, ids.len() == MAX_ACTIVE_READ))
+    }
+
+    /// The tenant of each run in `ids` (`None`: the record is gone).
+    pub async fn tenants_of(&self, ids: &[String]) -> Result<Vec<Option<String>>, StoreError> {
+        if ids.is_empty() {
+            return Ok(vec![]);
+        }
+        let mut pipe = redis::pipe();
+        for id in ids {
+            pipe.cmd("HGET").arg(self.record_key(id)).arg(field::TENANT);
+        }
+        let mut conn = self.conn.clone();
+        Ok(pipe.query_async(&mut conn).await?)
+    }
+
     /// The transcript as the model was last allowed to read it.
     pub async fn transcript(&self, tenant: &str, id: &str) -> Result<Option<Vec<TranscriptEntry>>, StoreError> {
         if self.get(tenant, id).await?.is_none() {
@@ -375,6 +461,26 @@ impl RunStore {
         let reply = self.invoke(inv).await?;
         match reply.first().map(String::as_str) {
             Some("cancelled") => self.get(tenant, id).await?.ok_or(StoreError::NotFound),
+            Some("conflict") => Err(StoreError::Conflict(reply.get(1).cloned().unwrap_or_default())),
+            Some("not_found") => Err(StoreError::NotFound),
+            _ => Err(StoreError::Protocol(format!("{reply:?}"))),
+        }
+    }
+
+    /// Re-drives a failed run from its last committed turn: queued again
+    /// with its next turn enqueued (fresh deliveries), its dead turn out of
+    /// the dead set, its error and retention cleared, `run.queued` written —
+    /// one atomic step. `tenant` `None` is the operator (any tenant's run).
+    /// `Conflict` for a run that is not `failed`, or failed with `max_turns`.
+    pub async fn retry(&self, tenant: Option<&str>, id: &str) -> Result<Run, StoreError> {
+        if !valid_id(id) {
+            return Err(StoreError::NotFound);
+        }
+        let mut inv = self.invocation("retry", id, tenant.unwrap_or(""), None);
+        inv.arg(tenant.unwrap_or(""));
+        let reply = self.invoke(inv).await?;
+        match reply.first().map(String::as_str) {
+            Some("queued") => Run::from_fields(id, &self.fields(id).await?).ok_or(StoreError::NotFound),
             Some("conflict") => Err(StoreError::Conflict(reply.get(1).cloned().unwrap_or_default())),
             Some("not_found") => Err(StoreError::NotFound),
             _ => Err(StoreError::Protocol(format!("{reply:?}"))),
@@ -686,6 +792,31 @@ fn parse_transcript(raw: &[String]) -> Result<Vec<TranscriptEntry>, StoreError> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_turn_job_has_the_shape_the_retry_script_writes() {
+        // store.lua `retry` writes '{"turn":%d,"attempt":1}'.
+        let job: TurnJob = serde_json::from_str(r#"{"turn":7,"attempt":1}"#).unwrap();
+        assert_eq!(job, TurnJob { turn: 7, attempt: 1 });
+        assert_eq!(serde_json::to_string(&job).unwrap(), r#"{"turn":7,"attempt":1}"#);
+    }
+
+    #[test]
+    fn a_tenants_runs_are_counted_where_their_turn_is() {
+        use RunStatus::*;
+        let runs = [
+            (Queued, None),
+            (Waiting, Some(900)),
+            (Waiting, Some(1500)),
+            (Waiting, Some(1200)),
+            (Running, None),
+            (Completed, None),
+            (Failed, None),
+        ];
+        let c = TenantCounts::tally(runs, 1000, false);
+        assert_eq!((c.ready, c.delayed, c.in_flight, c.next_due_ms), (2, 2, 1, Some(1200)));
+        assert_eq!(TenantCounts::tally([], 5, true), TenantCounts { now_ms: 5, truncated: true, ..Default::default() });
+    }
 
     #[test]
     fn stream_ids_are_checked() {

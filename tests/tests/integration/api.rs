@@ -19,6 +19,7 @@ use tokio::sync::oneshot;
 
 const ACME: &str = "tok-acme-0123456789";
 const BETA: &str = "tok-beta-9876543210";
+const OPERATOR: &str = "tok-operator-5555555555";
 const TOOLS: &str = "http://127.0.0.1:9000/tools";
 
 struct TestApp {
@@ -41,12 +42,13 @@ async fn spawn_app() -> TestApp {
     spawn_app_with(|_| {}).await
 }
 
-/// An app with tenants `acme` and `beta`, tool endpoints under [`TOOLS`].
+/// An app with tenants `acme` and `beta`, the operator, tool endpoints under [`TOOLS`].
 async fn spawn_app_with(tweak: impl FnOnce(&mut ApiConfig)) -> TestApp {
     let redis = RedisServer::start();
     let prefix = unique_prefix();
     let mut config = ApiConfig::new("127.0.0.1:0".parse().unwrap(), RedisArgs::new(redis.url(), prefix.clone()));
     config.tokens = ApiTokens::default().with("acme", ACME).with("beta", BETA);
+    config.access.operator_token = Some(shared::config::Secret::new(OPERATOR));
     config.tool_endpoints = vec![TOOLS.into()];
     tweak(&mut config);
     let app = Application::build(config).await.expect("build the app");
@@ -153,7 +155,21 @@ async fn probes_answer_without_a_token() {
     assert_eq!(r.status(), 200);
     let r = app.req(reqwest::Method::GET, "/readyz", None).send().await.unwrap();
     assert_eq!(r.status(), 200);
+    // With tokens configured, /metrics is the operator's.
     let r = app.req(reqwest::Method::GET, "/metrics", None).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    let (status, body) = read(app.req(reqwest::Method::GET, "/metrics", Some(ACME)).send().await.unwrap()).await;
+    assert_eq!(status, 403, "{body}");
+    assert_eq!(error_type(&body), "forbidden");
+    let r = app.req(reqwest::Method::GET, "/metrics", Some(OPERATOR)).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    // In open mode it is open, as every route is.
+    let open = spawn_app_with(|c| {
+        c.tokens = ApiTokens::default();
+        c.access.operator_token = None;
+    })
+    .await;
+    let r = open.req(reqwest::Method::GET, "/metrics", None).send().await.unwrap();
     assert_eq!(r.status(), 200);
 }
 
@@ -214,6 +230,8 @@ async fn no_token_or_a_bad_one_is_401_on_every_v1_route() {
         (reqwest::Method::GET, "/v1/pacer".to_string()),
         (reqwest::Method::GET, "/v1/queue".to_string()),
         (reqwest::Method::GET, "/v1/workers".to_string()),
+        (reqwest::Method::GET, "/v1/dead".to_string()),
+        (reqwest::Method::POST, format!("/v1/runs/{id}/retry")),
         (reqwest::Method::GET, "/v1/openapi.json".to_string()),
     ];
     for (method, path) in routes {
@@ -228,12 +246,21 @@ async fn no_token_or_a_bad_one_is_401_on_every_v1_route() {
 
 #[tokio::test]
 async fn open_mode_without_tokens_is_tenant_default() {
-    let app = spawn_app_with(|c| c.tokens = ApiTokens::default()).await;
+    let app = spawn_app_with(|c| {
+        c.tokens = ApiTokens::default();
+        c.access.operator_token = None;
+    })
+    .await;
     let r = app.req(reqwest::Method::POST, "/v1/runs", None).json(&spec()).send().await.unwrap();
     assert_eq!(r.status(), 202);
     let (status, list) = read(app.req(reqwest::Method::GET, "/v1/runs", None).send().await.unwrap()).await;
     assert_eq!(status, 200);
     assert_eq!(list["data"].as_array().unwrap().len(), 1);
+    // Open mode reads the operator's views too.
+    for path in ["/v1/workers", "/v1/queue", "/v1/pacer", "/metrics"] {
+        let r = app.req(reqwest::Method::GET, path, None).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{path}");
+    }
 }
 
 #[tokio::test]
@@ -325,8 +352,15 @@ async fn malformed_json_is_400_and_breaking_a_rule_is_422_naming_the_field() {
         assert_eq!(error_type(&body), "invalid_json");
     }
     let deep = "[".repeat(100_000);
-    let (status, _) =
-        read(app.req(reqwest::Method::POST, "/v1/runs", Some(ACME)).body(deep).send().await.unwrap()).await;
+    let (status, _) = read(
+        app.req(reqwest::Method::POST, "/v1/runs", Some(ACME))
+            .header("content-type", "application/json")
+            .body(deep)
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
     assert_eq!(status, 400, "deep nesting is refused, not a crash");
 
     let cases = [
@@ -368,8 +402,15 @@ async fn a_body_over_the_limit_is_413_before_it_is_read() {
     let chunks: Vec<Result<Vec<u8>, std::io::Error>> =
         big.into_bytes().chunks(64 * 1024).map(|c| Ok(c.to_vec())).collect();
     let body = reqwest::Body::wrap_stream(futures::stream::iter(chunks));
-    let (status, err) =
-        read(app.req(reqwest::Method::POST, "/v1/runs", Some(ACME)).body(body).send().await.unwrap()).await;
+    let (status, err) = read(
+        app.req(reqwest::Method::POST, "/v1/runs", Some(ACME))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
     assert_eq!(status, 413, "{err}");
     assert_eq!(error_type(&err), "payload_too_large");
     assert_eq!(app.key_count().await, 0);
@@ -627,15 +668,218 @@ async fn the_pacer_shows_the_callers_own_line_only() {
         json!({"tenant": "acme", "weight": 2.0, "admitted_tokens": 1000, "waiting_tokens": 0, "waits": 0}),
         "{p}"
     );
+    assert!(p["budgets"][0].get("tenants").is_none(), "a tenant reads no other line: {p}");
+    // beta's turns never used this budget and model: it is not beta's to see.
     let (_, p) = app.get("/v1/pacer", BETA).await;
-    assert_eq!(p["budgets"][0]["tenant"], Value::Null, "{p}");
+    assert_eq!(p["budgets"], json!([]), "{p}");
+    // The operator sees every line, and has none of its own.
+    let beta = Who { tenant: "beta", weight: 1.0, cap: 0.0 };
+    pacer.acquire("gpt-x", "r2", Estimate { tokens: 500, requests: 1, output: 0 }, Mode::Work, &beta).await.unwrap();
+    let (_, p) = app.get("/v1/pacer", OPERATOR).await;
+    let b = &p["budgets"][0];
+    assert_eq!(b["tenant"], Value::Null, "{p}");
+    let lines: Vec<&str> = b["tenants"].as_array().unwrap().iter().map(|t| t["tenant"].as_str().unwrap()).collect();
+    assert_eq!(lines, ["acme", "beta"], "{p}");
+    let (_, p) = app.get("/v1/pacer", BETA).await;
+    assert_eq!(p["budgets"][0]["tenant"]["tenant"], "beta", "{p}");
+    assert!(p["budgets"][0].get("tenants").is_none(), "{p}");
+}
+
+/// The operator's routes answer 403 with the error body to a tenant; the
+/// queue counts a tenant reads are its own runs'.
+#[tokio::test]
+async fn a_tenant_reads_its_own_queue_counts_and_no_operator_route() {
+    let app = spawn_app().await;
+    for path in ["/v1/workers", "/v1/dead", "/metrics"] {
+        let (status, body) = app.get(path, ACME).await;
+        assert_eq!(status, 403, "{path}: {body}");
+        assert_eq!(error_type(&body), "forbidden");
+        assert!(body["error"]["message"].as_str().unwrap().contains("operator"), "{body}");
+        let (status, _) = app.get(path, OPERATOR).await;
+        assert_eq!(status, 200, "{path}");
+    }
+    // The operator token has no runs of its own.
+    let (status, body) = app.post("/v1/runs", OPERATOR, &spec()).await;
+    assert_eq!(status, 403, "{body}");
+    let (status, _) = app.get("/v1/runs", OPERATOR).await;
+    assert_eq!(status, 403);
+
+    let a1 = app.submit(ACME, &spec()).await;
+    app.submit(ACME, &spec()).await;
+    app.submit(BETA, &spec()).await;
+    let (_, a) = app.get("/v1/queue", ACME).await;
+    assert_eq!(
+        (a["tenant"].as_str(), a["ready"].as_u64(), a["delayed"].as_u64()),
+        (Some("acme"), Some(2), Some(0)),
+        "{a}"
+    );
+    let (_, b) = app.get("/v1/queue", BETA).await;
+    assert_eq!((b["tenant"].as_str(), b["ready"].as_u64()), (Some("beta"), Some(1)), "{b}");
+    let (_, all) = app.get("/v1/queue", OPERATOR).await;
+    assert_eq!((all["tenant"].clone(), all["ready"].as_u64()), (Value::Null, Some(3)), "{all}");
+    // A finished run leaves its tenant's counts.
+    let (status, _) = app.post(&format!("/v1/runs/{}/cancel", a1["id"].as_str().unwrap()), ACME, &json!({})).await;
+    assert_eq!(status, 200);
+    let (_, a) = app.get("/v1/queue", ACME).await;
+    assert_eq!(a["ready"], 1, "{a}");
+}
+
+/// A `POST` body must be `application/json` (415 with the error body
+/// otherwise, before anything reaches Redis); a `POST` with no body needs no type.
+#[tokio::test]
+async fn a_post_body_that_is_not_json_is_415() {
+    let app = spawn_app().await;
+    let body = spec().to_string();
+    for ct in
+        [Some("text/plain"), Some("application/x-www-form-urlencoded"), Some("multipart/form-data; boundary=x"), None]
+    {
+        let mut r = app.req(reqwest::Method::POST, "/v1/runs", Some(ACME)).body(body.clone());
+        if let Some(ct) = ct {
+            r = r.header("content-type", ct);
+        }
+        let (status, err) = read(r.send().await.unwrap()).await;
+        assert_eq!(status, 415, "{ct:?}: {err}");
+        assert_eq!(error_type(&err), "unsupported_media_type");
+    }
+    assert_eq!(app.key_count().await, 0, "a refused body reached Redis");
+    let r = app
+        .req(reqwest::Method::POST, "/v1/runs", Some(ACME))
+        .header("content-type", "application/json; charset=utf-8")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    let id = read(r).await.1["id"].as_str().unwrap().to_owned();
+    let path = format!("/v1/runs/{id}/cancel");
+    let (status, err) = read(
+        app.req(reqwest::Method::POST, &path, Some(ACME))
+            .header("content-type", "text/plain")
+            .body("x")
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!((status, error_type(&err)), (415, "unsupported_media_type"));
+    let (status, run) = read(app.req(reqwest::Method::POST, &path, Some(ACME)).send().await.unwrap()).await;
+    assert_eq!((status, run["status"].as_str()), (200, Some("cancelled")), "a POST without a body needs no type");
+}
+
+/// A known route asked with a method it does not answer is a 405 with the
+/// error body and an `Allow` header; an unknown route stays a 404.
+#[tokio::test]
+async fn a_wrong_method_on_a_known_route_is_405_with_the_error_body() {
+    let app = spawn_app().await;
+    let id = "run_01JDXXXXXXXXXXXXXXXXXXXXXX";
+    for (method, path, allowed) in [
+        (reqwest::Method::DELETE, "/v1/runs".to_string(), "POST"),
+        (reqwest::Method::PUT, format!("/v1/runs/{id}"), "GET"),
+        (reqwest::Method::GET, format!("/v1/runs/{id}/cancel"), "POST"),
+        (reqwest::Method::GET, format!("/v1/runs/{id}/retry"), "POST"),
+        (reqwest::Method::POST, "/v1/pacer".to_string(), "GET"),
+        (reqwest::Method::PATCH, "/v1/dead".to_string(), "GET"),
+        (reqwest::Method::POST, "/healthz".to_string(), "GET"),
+    ] {
+        let resp = app.req(method.clone(), &path, Some(ACME)).send().await.unwrap();
+        let allow = resp.headers().get("allow").map(|v| v.to_str().unwrap().to_owned()).unwrap_or_default();
+        let (status, body) = read(resp).await;
+        assert_eq!(status, 405, "{method} {path}: {body}");
+        assert_eq!(error_type(&body), "method_not_allowed", "{method} {path}");
+        assert!(body["error"]["message"].as_str().unwrap().contains(method.as_str()), "{body}");
+        assert!(allow.contains(allowed), "{method} {path}: Allow {allow:?}");
+    }
+    let (status, body) = app.get("/v1/nothing", ACME).await;
+    assert_eq!((status, error_type(&body)), (404, "not_found"));
+
+    // Every route of the OpenAPI document, asked with each method it does not
+    // document, answers 405 with the error body.
+    let (_, doc) = app.get("/v1/openapi.json", ACME).await;
+    let mut asked = 0;
+    for (path, ops) in doc["paths"].as_object().unwrap() {
+        let path = path.replace("{id}", id);
+        for method in ["get", "post", "put", "delete", "patch"] {
+            if ops.get(method).is_some() {
+                continue;
+            }
+            let m = reqwest::Method::from_bytes(method.to_uppercase().as_bytes()).unwrap();
+            let (status, body) = read(app.req(m, &path, Some(ACME)).json(&spec()).send().await.unwrap()).await;
+            assert_eq!(status, 405, "{method} {path}: {body}");
+            assert_eq!(error_type(&body), "method_not_allowed", "{method} {path}");
+            asked += 1;
+        }
+    }
+    assert!(asked > 50, "{asked}");
+}
+
+/// Open mode answers only requests addressed to a loopback name (a page whose
+/// name was rebound to 127.0.0.1 is refused); tokens, or `--insecure-open`,
+/// lift the rule.
+#[tokio::test]
+async fn open_mode_refuses_a_host_that_is_not_loopback() {
+    let open = |insecure: bool| {
+        spawn_app_with(move |c| {
+            c.tokens = ApiTokens::default();
+            c.access.operator_token = None;
+            c.access.insecure_open = insecure;
+        })
+    };
+    let app = open(false).await;
+    for host in ["evil.example", "evil.example:8080", "localhost.evil.example", "192.168.1.5:8080", "[::]:8080"] {
+        let (status, body) =
+            read(app.req(reqwest::Method::GET, "/v1/runs", None).header("host", host).send().await.unwrap()).await;
+        assert_eq!(status, 403, "{host}: {body}");
+        assert_eq!(error_type(&body), "forbidden");
+        let r = app.req(reqwest::Method::POST, "/v1/runs", None).header("host", host).json(&spec()).send().await;
+        assert_eq!(r.unwrap().status(), 403, "{host}");
+    }
+    assert_eq!(app.key_count().await, 0);
+    for host in ["localhost", "localhost:8080", "127.0.0.1", "127.0.0.2:9", "[::1]:8080"] {
+        let r = app.req(reqwest::Method::GET, "/v1/runs", None).header("host", host).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{host}");
+    }
+    let insecure = open(true).await;
+    let r = insecure.req(reqwest::Method::GET, "/v1/runs", None).header("host", "evil.example").send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let tokens = spawn_app().await;
+    let r = tokens.req(reqwest::Method::GET, "/v1/runs", Some(ACME)).header("host", "api.example:443").send().await;
+    assert_eq!(r.unwrap().status(), 200, "with tokens, any name may front the API");
+}
+
+/// Open mode is for one machine: on an address that is not loopback the API
+/// refuses to start, unless `--insecure-open` is given.
+#[tokio::test]
+async fn open_mode_refuses_to_start_on_a_non_loopback_address() {
+    let redis = RedisServer::start();
+    let mut config = ApiConfig::new("0.0.0.0:0".parse().unwrap(), RedisArgs::new(redis.url(), unique_prefix()));
+    let err = Application::build(config.clone()).await.unwrap_err().to_string();
+    assert!(err.contains("--insecure-open") && err.contains("PACELINE_API_TOKENS"), "{err}");
+    config.access.insecure_open = true;
+    Application::build(config.clone()).await.expect("--insecure-open starts");
+    config.access.insecure_open = false;
+    config.tokens = ApiTokens::default().with("acme", ACME);
+    Application::build(config).await.expect("with tokens it starts");
+}
+
+/// Two tenants with one token, or a tenant holding the operator's, refuse to start.
+#[tokio::test]
+async fn duplicate_tokens_refuse_to_start() {
+    let redis = RedisServer::start();
+    let mut config = ApiConfig::new("127.0.0.1:0".parse().unwrap(), RedisArgs::new(redis.url(), unique_prefix()));
+    config.tokens = ApiTokens::default().with("acme", ACME).with("beta", ACME);
+    let err = Application::build(config.clone()).await.unwrap_err().to_string();
+    assert!(err.contains("acme") && err.contains("beta") && !err.contains(ACME), "{err}");
+    config.tokens = ApiTokens::default().with("acme", ACME).with("beta", BETA);
+    config.access.operator_token = Some(shared::config::Secret::new(BETA));
+    let err = Application::build(config).await.unwrap_err().to_string();
+    assert!(err.contains("PACELINE_OPERATOR_TOKEN") && !err.contains(BETA), "{err}");
 }
 
 #[tokio::test]
 async fn pacer_queue_and_workers_show_the_shared_state() {
     use shared::pacer::{CallOutcome, Estimate, Mode, Observation, PacingConfig, SharedPacer};
     let app = spawn_app().await;
-    let (status, p) = app.get("/v1/pacer", ACME).await;
+    let (status, p) = app.get("/v1/pacer", OPERATOR).await;
     assert_eq!(status, 200);
     assert_eq!(p["budgets"], json!([]));
 
@@ -656,7 +900,7 @@ async fn pacer_queue_and_workers_show_the_shared_state() {
         .settle("gpt-x", "r1", &CallOutcome { used_tokens: Some(900), tokens: seen, ..Default::default() })
         .await
         .unwrap();
-    let (_, p) = app.get("/v1/pacer", ACME).await;
+    let (_, p) = app.get("/v1/pacer", OPERATOR).await;
     let b = &p["budgets"][0];
     assert_eq!(b["budget"], "default", "{p}");
     assert_eq!(b["model"], "gpt-x");
@@ -677,7 +921,7 @@ async fn pacer_queue_and_workers_show_the_shared_state() {
     assert!((19_000..25_000).contains(&remaining), "{remaining}");
     assert!(b["observed_at"].is_string());
 
-    let (_, w) = app.get("/v1/workers", ACME).await;
+    let (_, w) = app.get("/v1/workers", OPERATOR).await;
     assert_eq!(w["workers"], json!([]));
     let queue = shared::queue::TurnQueue::new(&RedisArgs::new(app.redis.url(), app.prefix.clone()), Default::default())
         .unwrap();
@@ -691,7 +935,7 @@ async fn pacer_queue_and_workers_show_the_shared_state() {
         last_heartbeat_ms: 0,
     };
     queue.heartbeat("host-1-x", Some(&info), &[]).await.unwrap();
-    let (_, w) = app.get("/v1/workers", ACME).await;
+    let (_, w) = app.get("/v1/workers", OPERATOR).await;
     let w0 = &w["workers"][0];
     assert_eq!(w0["identity"], "host-1-x", "{w}");
     assert_eq!(w0["concurrency"], 16);
@@ -699,7 +943,7 @@ async fn pacer_queue_and_workers_show_the_shared_state() {
     assert!(w0["last_heartbeat"].is_string());
 
     queue.enqueue("later", &json!({}), 60_000).await.unwrap();
-    let (_, q) = app.get("/v1/queue", ACME).await;
+    let (_, q) = app.get("/v1/queue", OPERATOR).await;
     assert_eq!(q["delayed"], 1, "{q}");
     assert!(q["next_due_at"].is_string());
     assert!(q["next_due_in_ms"].as_i64().unwrap() > 50_000);
@@ -722,6 +966,8 @@ async fn the_openapi_document_lists_every_route() {
         ("/v1/pacer", "get"),
         ("/v1/queue", "get"),
         ("/v1/workers", "get"),
+        ("/v1/dead", "get"),
+        ("/v1/runs/{id}/retry", "post"),
         ("/v1/openapi.json", "get"),
         ("/healthz", "get"),
         ("/readyz", "get"),
@@ -730,9 +976,18 @@ async fn the_openapi_document_lists_every_route() {
         assert!(paths.get(path).and_then(|p| p.get(method)).is_some(), "{method} {path} is missing");
     }
     let schemas = doc["components"]["schemas"].as_object().unwrap();
-    for s in
-        ["Run", "RunStatus", "SubmitRun", "RunList", "Transcript", "PacerView", "QueueView", "WorkersView", "ErrorBody"]
-    {
+    for s in [
+        "Run",
+        "RunStatus",
+        "SubmitRun",
+        "RunList",
+        "Transcript",
+        "PacerView",
+        "QueueView",
+        "WorkersView",
+        "DeadList",
+        "ErrorBody",
+    ] {
         assert!(schemas.contains_key(s), "schema {s} is missing");
     }
     // The run spec's generation parameters and provider are documented.
@@ -766,7 +1021,7 @@ async fn the_openapi_document_lists_every_route() {
 async fn metrics_expose_the_specs_families() {
     let app = spawn_app().await;
     app.submit(ACME, &spec()).await;
-    let text = app.req(reqwest::Method::GET, "/metrics", None).send().await.unwrap().text().await.unwrap();
+    let text = app.req(reqwest::Method::GET, "/metrics", Some(OPERATOR)).send().await.unwrap().text().await.unwrap();
     for family in [
         "paceline_turns_total",
         "paceline_provider_calls_total",
@@ -795,7 +1050,7 @@ async fn metrics_expose_the_specs_families() {
         .unwrap();
     let seen = Observation { limit: Some(1000), remaining: Some(900), reset_ms: Some(1000) };
     pacer.settle("gpt-m", "r1", &CallOutcome { tokens: seen, ..Default::default() }).await.unwrap();
-    let text = app.req(reqwest::Method::GET, "/metrics", None).send().await.unwrap().text().await.unwrap();
+    let text = app.req(reqwest::Method::GET, "/metrics", Some(OPERATOR)).send().await.unwrap().text().await.unwrap();
     assert!(text.contains("paceline_pacer_remaining_tokens{"), "{text}");
 }
 
@@ -819,8 +1074,9 @@ async fn redis_going_away_is_503_never_a_hang() {
         (reqwest::Method::GET, "/readyz".to_string()),
     ] {
         let t = Instant::now();
+        let token = if path == "/v1/workers" { OPERATOR } else { ACME };
         let (status, body) = within(&format!("{method} {path}"), Duration::from_secs(8), async {
-            read(app.req(method.clone(), &path, Some(ACME)).json(&spec()).send().await.unwrap()).await
+            read(app.req(method.clone(), &path, Some(token)).json(&spec()).send().await.unwrap()).await
         })
         .await;
         assert_eq!(status, 503, "{method} {path}: {body}");

@@ -338,9 +338,66 @@ async fn every_move_the_store_makes_is_one_the_state_table_allows() {
     assert_eq!(env.store.fail(&lease, job, "provider", "gone", usage).await.unwrap(), Fence::Ok);
     moved(at, Transition::Fail, status(id.clone()).await);
 
+    // failed -> (retry) queued, its turn enqueued again; a queued run is not retried.
+    let at = status(id.clone()).await;
+    env.store.retry(Some("alpha"), &id).await.unwrap();
+    moved(at, Transition::Retry, status(id.clone()).await);
+    assert!(matches!(env.store.retry(None, &id).await, Err(StoreError::Conflict(_))));
+    assert!(matches!(env.store.retry(Some("beta"), &id).await, Err(StoreError::NotFound)));
+    let lease = env.queue.fetch("w", 1).await.unwrap().deliveries.remove(0).lease;
+    assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Ok, "the retried turn starts where it failed");
+
     // queued -> cancelled
     let id = env.store.create("alpha", &spec("c"), None).await.unwrap().run.id;
     let at = status(id.clone()).await;
     env.store.cancel("alpha", &id).await.unwrap();
     moved(at, Transition::Cancel, status(id.clone()).await);
+}
+
+/// A retry re-drives a failed run from its last committed turn: a run that
+/// failed after its model output was committed but before its tool calls ran
+/// resumes at those tool calls (the model is not asked again); the retry
+/// cancels the retention, and a stale holder of an earlier lease stays fenced.
+#[tokio::test]
+async fn a_retried_run_resumes_at_its_last_committed_turn() {
+    let env = env().await;
+    let mut conn = env.store.connection();
+    let run = env.store.create("alpha", &spec("x"), None).await.unwrap().run;
+    let job = TurnJob { turn: 0, attempt: 1 };
+    let stale = env.queue.fetch("w", 1).await.unwrap().deliveries.remove(0).lease;
+    assert_eq!(env.store.start(&stale, job).await.unwrap(), Fence::Ok);
+    let call = json!({"type": "function_call", "call_id": "c1", "name": "search", "arguments": "{}"});
+    assert_eq!(env.store.record_output(&stale, job, &[call], Usage::default()).await.unwrap(), Fence::Ok);
+    env.queue.dead(&stale, "the tool runner crashed").await.unwrap();
+    let failed = env.store.get("alpha", &run.id).await.unwrap().unwrap();
+    assert_eq!(failed.error.map(|e| e.kind), Some("dead_lettered".to_string()));
+
+    let retried = env.store.retry(None, &run.id).await.unwrap();
+    assert_eq!((retried.status, retried.error, retried.finished_at), (RunStatus::Queued, None, None));
+    assert!(env.queue.list_dead(10).await.unwrap().is_empty());
+    for kind in ["run", "tx", "ev"] {
+        let found: Vec<String> =
+            redis::cmd("KEYS").arg(format!("*:{kind}:{}", run.id)).query_async(&mut conn).await.unwrap();
+        let ttl: i64 = redis::cmd("PTTL").arg(&found[0]).query_async(&mut conn).await.unwrap();
+        assert_eq!(ttl, -1, "{kind}: the retention is cancelled");
+    }
+
+    // The stale holder changes nothing; the new delivery starts turn 0 at its tools.
+    assert!(matches!(
+        env.store.commit(&stale, job, &[], Usage::default(), &Next::Continue).await.unwrap(),
+        Fence::Stop(_)
+    ));
+    let lease = env.queue.fetch("w", 1).await.unwrap().deliveries.remove(0).lease;
+    assert!(lease.epoch > stale.epoch);
+    assert_eq!(lease.deliveries, 1, "fresh deliveries");
+    let payload: TurnJob = env.queue.payload(&run.id).await.unwrap().unwrap();
+    assert_eq!(payload, job);
+    match env.store.start_turn(&lease, job).await.unwrap() {
+        shared::runs::Started::Run(ctx) => assert_eq!(ctx.phase, "tools", "the model's output stays committed"),
+        shared::runs::Started::Stop(why) => panic!("stopped: {why}"),
+    }
+    let events = env.store.events("alpha", &run.id, None, None, 50).await.unwrap().unwrap();
+    let queued = events.iter().rev().find(|e| e.kind == "run.queued").unwrap();
+    assert_eq!(queued.data["retried"], true);
+    assert_eq!(queued.data["previous_error"]["kind"], "dead_lettered");
 }

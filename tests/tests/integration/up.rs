@@ -30,6 +30,8 @@ fn up(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> ChildGuard {
         "PACELINE_PREFIX",
         "PACELINE_LISTEN",
         "PACELINE_API_TOKENS",
+        "PACELINE_OPERATOR_TOKEN",
+        "PACELINE_INSECURE_OPEN",
         "PACELINE_DATA_DIR",
         "PACELINE_TOOL_ENDPOINTS",
     ] {
