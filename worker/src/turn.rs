@@ -168,7 +168,6 @@ impl Runner {
             let fence = self.store.fail(lease, job, "provider_error", &message, Usage::default()).await?;
             return Ok(settled(lease, fence, Outcome::Failed));
         };
-        let context = prepare_context(&ctx.transcript, self.config.max_history);
         let params = TurnParams {
             model: &spec.model,
             instructions: spec.instructions.as_deref(),
@@ -178,9 +177,12 @@ impl Runner {
             generation: Some(&spec.generation),
         };
         let style = route.provider.api_style();
-        let body = build_body(style, &params, &context);
-        let answer_tool = answer_tool(style, &params);
-        let input = crate::estimate::input_tokens(&body);
+        let (body, answer_tool, input) = cpu_bound(|| {
+            let context = prepare_context(&ctx.transcript, self.config.max_history);
+            let body = build_body(style, &params, &context);
+            let input = crate::estimate::input_tokens(&body);
+            (body, answer_tool(style, &params), input)
+        });
         let scaled = self.calibration(&spec.model, |c| c.apply(input));
         let est = Estimate {
             tokens: scaled + spec.max_output_tokens as u64,
@@ -430,6 +432,17 @@ impl Runner {
             metrics::gauge!(metric::PACER_REMAINING_TOKENS, "budget" => route.budget.clone(), "model" => model.to_owned())
                 .set(remaining as f64);
         }
+    }
+}
+
+/// Runs CPU-bound work (building a long body, counting its tokens) without
+/// holding one of the runtime's worker threads: on a multi-threaded runtime
+/// the thread's other tasks move to another thread meanwhile. (A
+/// current-thread runtime, as some tests use, runs it in place.)
+fn cpu_bound<R>(work: impl FnOnce() -> R) -> R {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
+        _ => work(),
     }
 }
 

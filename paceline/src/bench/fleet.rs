@@ -80,6 +80,11 @@ impl Fleet {
         self.children.iter().filter_map(|c| vm_hwm_kb(c.id())).max().unwrap_or(0) as f64 / 1024.0
     }
 
+    /// The processes' log files (they outlive the processes).
+    pub fn logs(&self) -> Vec<PathBuf> {
+        self.logs.clone()
+    }
+
     /// Sends SIGTERM to each process, waits up to `grace` for all to exit,
     /// then kills the rest.
     pub async fn stop(mut self, grace: Duration) {
@@ -121,4 +126,13 @@ fn tail(path: &Path) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(20)..].join("\n")
+}
+
+/// Lines of `logs` that contain `needle` (e.g. the queue's "lease lost while
+/// held" warning).
+pub fn log_lines_with(logs: &[PathBuf], needle: &str) -> usize {
+    logs.iter()
+        .filter_map(|log| std::fs::read_to_string(log).ok())
+        .map(|text| text.lines().filter(|l| l.contains(needle)).count())
+        .sum()
 }

@@ -177,6 +177,7 @@ pub fn figures(plan: &PacingPlan, data: &TrialData) -> PacerFigures {
         lateness_ms: Percentiles::of(requeued(&data.deliveries).iter().map(|d| d.lateness_ms()).collect()),
         redis_commands_per_turn: data.commands_per_turn(),
         worker_peak_rss_mb: data.worker_peak_rss_mb,
+        lease_losses: data.lease_losses,
         runs_completed: completed,
         runs_failed: failed,
         runs_unfinished: plan.workload.runs.saturating_sub(completed + failed),

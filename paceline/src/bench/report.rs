@@ -113,6 +113,9 @@ pub struct PacerFigures {
     pub redis_commands_per_turn: f64,
     /// The largest peak RSS (`VmHWM`) of the worker processes, MB.
     pub worker_peak_rss_mb: f64,
+    /// Leases the workers lost while holding them (their heartbeat came too late).
+    #[serde(default)]
+    pub lease_losses: usize,
     // --- more than SPEC §7 asks ---
     /// Runs that completed.
     pub runs_completed: usize,
@@ -264,6 +267,7 @@ pub fn table(report: &Report) -> String {
         });
         row("Redis commands per turn", &|p| num(p.redis_commands_per_turn, 1));
         row("worker peak RSS (MB)", &|p| num(p.worker_peak_rss_mb, 1));
+        row("leases lost while held", &|p| p.lease_losses.to_string());
         row("mock count / our estimate (input)", &|p| num(p.input_count_ratio, 2));
         let w0 = rows.iter().map(|(n, _)| n.len()).max().unwrap_or(0);
         let widths: Vec<usize> = (0..order.len())

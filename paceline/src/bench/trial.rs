@@ -158,6 +158,9 @@ pub struct TrialData {
     pub deliveries: Vec<Delivery>,
     /// The largest worker peak RSS, MB.
     pub worker_peak_rss_mb: f64,
+    /// Leases the workers lost while they held them (their heartbeat did not
+    /// renew them in time: a stalled process, a starved runtime).
+    pub lease_losses: usize,
     /// Whether the queue drained before the timeout.
     pub drained: bool,
 }
@@ -309,7 +312,9 @@ impl Trial {
     pub async fn finish(mut self, drained: bool) -> anyhow::Result<TrialData> {
         let after = CommandStats::read(&mut self.admin).await?;
         let worker_peak_rss_mb = self.fleet.peak_rss_mb();
+        let logs = self.fleet.logs();
         self.fleet.stop(Duration::from_secs(15)).await;
+        let lease_losses = super::fleet::log_lines_with(&logs, shared::queue::LEASE_LOST_MESSAGE);
         let mut commands = after.since(&self.before);
         let mut deliveries = vec![];
         if let Some(key) = &self.deliveries_key {
@@ -336,6 +341,6 @@ impl Trial {
         let mock = self.mock.stats();
         let mock_offset_s = self.first_submit.map(|t| t.duration_since(self.mock_started).as_secs_f64()).unwrap_or(0.0);
         self.mock.shutdown().await;
-        Ok(TrialData { commands, mock, mock_offset_s, runs, deliveries, worker_peak_rss_mb, drained })
+        Ok(TrialData { commands, mock, mock_offset_s, runs, deliveries, worker_peak_rss_mb, lease_losses, drained })
     }
 }

@@ -70,6 +70,11 @@ impl Shared {
         }
     }
 
+    /// Whether this worker still holds `id` at `epoch` (not settled since).
+    fn holds(&self, id: &str, epoch: u64) -> bool {
+        self.held.lock().expect("held lock").get(id).is_some_and(|l| l.epoch == epoch)
+    }
+
     fn leases(&self) -> Vec<(String, u64)> {
         self.held.lock().expect("held lock").values().map(|l| (l.id.clone(), l.epoch)).collect()
     }
@@ -159,6 +164,11 @@ impl<T: DeserializeOwned + Send + 'static> Backend for QueueBackend<T> {
         worker: &WorkerContext,
     ) -> Poll<Option<Result<Self::Task, Self::Error>>> {
         if self.heartbeat.is_none() {
+            // On the worker's own runtime, on purpose: a heartbeat that kept
+            // renewing the leases of a process whose handlers cannot run (a
+            // wedged runtime) would hold its turns forever. CPU-bound work in
+            // a turn steps off the runtime's threads instead (worker's
+            // `cpu_bound`), so it cannot starve this.
             let hb = heartbeat_loop(self.queue.clone(), self.shared.clone(), worker.clone());
             self.heartbeat = Some(tokio::spawn(hb));
         }
@@ -400,6 +410,10 @@ async fn heartbeat_loop(queue: TurnQueue, shared: Arc<Shared>, worker: WorkerCon
     let mut started_at_ms = None;
     let mut next_beat = Instant::now();
     let mut shutdown_seen: Option<Instant> = None;
+    // Leases the last beat found no longer this worker's. A lease its handler
+    // settled while the beat was under way reads so too; one still held a beat
+    // later was lost for real (it expired and was taken back).
+    let mut suspects: Vec<(String, u64)> = vec![];
     loop {
         let now = Instant::now();
         if now >= next_beat {
@@ -426,9 +440,12 @@ async fn heartbeat_loop(queue: TurnQueue, shared: Arc<Shared>, worker: WorkerCon
                             buried = report.buried
                         );
                     }
-                    for id in report.lost {
-                        warn!(message = "lease lost while held (this worker stalled past it); its commit will be fenced", queue.id = %id);
+                    for (id, epoch) in suspects.drain(..) {
+                        if shared.holds(&id, epoch) {
+                            warn!(message = super::LEASE_LOST_MESSAGE, queue.id = %id);
+                        }
                     }
+                    suspects = leases.into_iter().filter(|(id, _)| report.lost.contains(id)).collect();
                 }
                 Err(error) => warn!(message = "heartbeat failed; retrying", %error),
             }

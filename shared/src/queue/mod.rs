@@ -697,6 +697,10 @@ fn parse_fetch(reply: Vec<String>, worker: &str) -> Result<Fetched, QueueError> 
     Ok(Fetched { now_ms, wait_ms, deliveries })
 }
 
+/// The warning a worker logs for a lease it lost while it held it (its
+/// heartbeat came too late); the bench counts these lines.
+pub const LEASE_LOST_MESSAGE: &str = "lease lost while held (this worker stalled past it); its commit will be fenced";
+
 /// A worker process's identity: unique per start (`host-pid-ulid`).
 pub fn new_worker_identity() -> String {
     format!("{}-{}-{}", host_name(), std::process::id(), ulid::Ulid::new())
