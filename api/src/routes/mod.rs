@@ -31,6 +31,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/runs/{id}/cancel", post(runs::cancel))
         .route("/v1/runs/{id}/retry", post(runs::retry))
         .route("/v1/pacer", get(ops::pacer))
+        .route("/v1/pacer/history", get(ops::pacer_history))
         .route("/v1/queue", get(ops::queue))
         .route("/v1/workers", get(ops::workers))
         .route("/v1/dead", get(ops::dead))

@@ -685,6 +685,57 @@ async fn the_pacer_shows_the_callers_own_line_only() {
     assert!(p["budgets"][0].get("tenants").is_none(), "{p}");
 }
 
+/// `GET /v1/pacer/history`: what the script counted per second (tokens
+/// cleared, 429s, turns told to wait) and the refill rate, for the budgets the
+/// caller may see (the same scope as `/v1/pacer`); its keys expire within 16
+/// minutes.
+#[tokio::test]
+async fn the_pacer_history_counts_admissions_429s_and_waits_in_the_callers_scope() {
+    use shared::pacer::{CallOutcome, Decision, Estimate, Mode, Observation, PacingConfig, SharedPacer, Who};
+    let app = spawn_app().await;
+    let conn = shared::redis_util::manager(&app.redis.url()).await.unwrap();
+    let pacer = SharedPacer::new(conn, Keys::new(app.prefix.clone()), "default", PacingConfig::default());
+    // A full bucket of 30 000 refilling over a minute: 500 tokens/s.
+    let seen = Observation { limit: Some(30_000), remaining: Some(30_000), reset_ms: Some(0) };
+    pacer.settle("gpt-h", "r0", &CallOutcome { tokens: seen, ..Default::default() }).await.unwrap();
+    let acme = Who { tenant: "acme", weight: 1.0, cap: 0.0 };
+    let est = Estimate { tokens: 1000, requests: 1, output: 0 };
+    assert!(matches!(pacer.acquire("gpt-h", "r1", est, Mode::Work, &acme).await.unwrap(), Decision::Clear));
+    let limited = CallOutcome { rate_limited_ms: Some(5_000), ..Default::default() };
+    pacer.settle("gpt-h", "r1", &limited).await.unwrap();
+    let owed = pacer.acquire("gpt-h", "r2", est, Mode::Work, &acme).await.unwrap();
+    assert!(matches!(owed, Decision::Owed { .. }), "the 429 closed the window: {owed:?}");
+
+    let (status, h) = app.get("/v1/pacer/history", ACME).await;
+    assert_eq!(status, 200, "{h}");
+    let b = &h["budgets"][0];
+    assert_eq!((b["budget"].as_str(), b["model"].as_str()), (Some("default"), Some("gpt-h")), "{h}");
+    let sum = |k: &str| b[k].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).sum::<u64>();
+    assert_eq!(b["admitted_tokens"].as_array().unwrap().len(), 900);
+    assert_eq!((sum("admitted_tokens"), sum("rate_limited"), sum("waits")), (1000, 1, 1), "{h}");
+    let rate = b["refill_tokens_per_s"].as_f64().unwrap();
+    assert!((rate - 500.0).abs() < 1.0, "{rate}");
+    // beta's turns never used this budget: nothing to see; the operator sees it.
+    let (_, h) = app.get("/v1/pacer/history", BETA).await;
+    assert_eq!(h["budgets"], json!([]), "{h}");
+    let (_, h) = app.get("/v1/pacer/history", OPERATOR).await;
+    assert_eq!(h["budgets"].as_array().unwrap().len(), 1, "{h}");
+    let (status, _) = app.get("/v1/pacer/history", "not-a-token").await;
+    assert_eq!(status, 401);
+    // The counters live in their own keys, each gone within 16 minutes.
+    let mut conn = app.redis.conn().await;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{}:pacer:{{default}}:hist:gpt-h:*", app.prefix))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(!keys.is_empty());
+    for key in &keys {
+        let ttl: i64 = redis::cmd("PTTL").arg(key).query_async(&mut conn).await.unwrap();
+        assert!(ttl > 0 && ttl <= 960_000, "{key}: {ttl}");
+    }
+}
+
 /// The operator's routes answer 403 with the error body to a tenant; the
 /// queue counts a tenant reads are its own runs'.
 #[tokio::test]
