@@ -5,7 +5,7 @@
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use crate::routes::{events, health, ops, runs};
+use crate::routes::{dashboard, events, health, ops, runs};
 
 /// The API's document.
 #[derive(OpenApi)]
@@ -14,7 +14,7 @@ use crate::routes::{events, health, ops, runs};
     paths(
         runs::submit, runs::list, runs::get, runs::transcript, runs::cancel, runs::retry, events::events,
         ops::pacer, ops::pacer_history, ops::queue, ops::workers, ops::dead,
-        health::healthz, health::readyz, health::metrics, health::openapi,
+        health::healthz, health::readyz, health::metrics, health::openapi, dashboard::index,
     ),
     components(schemas(
         runs::SubmitRun, runs::RunList, runs::Transcript,

@@ -897,6 +897,42 @@ async fn open_mode_refuses_a_host_that_is_not_loopback() {
     assert_eq!(r.unwrap().status(), 200, "with tokens, any name may front the API");
 }
 
+/// The dashboard page and its assets need no token (they hold no data; the
+/// page asks for one when the API answers 401), are built in and load nothing
+/// from another origin; in open mode the loopback-`Host` guard covers them too.
+#[tokio::test]
+async fn the_dashboard_is_served_without_a_token_and_behind_the_open_mode_host_guard() {
+    let app = spawn_app().await;
+    let page = app.req(reqwest::Method::GET, "/", None).send().await.unwrap();
+    assert_eq!(page.status(), 200);
+    let csp = page.headers()["content-security-policy"].to_str().unwrap().to_owned();
+    assert!(csp.contains("default-src 'none'") && csp.contains("connect-src 'self'"), "{csp}");
+    assert!(page.headers()["content-type"].to_str().unwrap().starts_with("text/html"));
+    let html = page.text().await.unwrap();
+    assert!(html.contains("/assets/app.js") && html.contains("/assets/uPlot.iife.min.js"), "{html}");
+    for asset in ["app.js", "app.css", "uPlot.iife.min.js", "uPlot.min.css"] {
+        let r = app.req(reqwest::Method::GET, &format!("/assets/{asset}"), None).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{asset}");
+    }
+    let (status, _) = app.get("/assets/../Cargo.toml", ACME).await;
+    assert_eq!(status, 404);
+    // Its data calls still need the token.
+    let r = app.req(reqwest::Method::GET, "/v1/runs", None).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+
+    let open = spawn_app_with(|c| {
+        c.tokens = ApiTokens::default();
+        c.access.operator_token = None;
+    })
+    .await;
+    for path in ["/", "/assets/app.js"] {
+        let r = open.req(reqwest::Method::GET, path, None).header("host", "evil.example").send().await.unwrap();
+        assert_eq!(r.status(), 403, "{path}");
+        let r = open.req(reqwest::Method::GET, path, None).header("host", "localhost:8080").send().await.unwrap();
+        assert_eq!(r.status(), 200, "{path}");
+    }
+}
+
 /// Open mode is for one machine: on an address that is not loopback the API
 /// refuses to start, unless `--insecure-open` is given.
 #[tokio::test]
