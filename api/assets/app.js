@@ -15,7 +15,7 @@
   const BUDGET_MS = 2000;
   const HISTORY_MS = 5000;
   const STATUS_MARK = {
-    queued: '○ queued', running: '▶ running', waiting: '⏸ waiting', completed: '✓ completed',
+    queued: '○ queued', running: '▶ running', waiting: '‖ waiting', completed: '✓ completed',
     failed: '✗ failed', cancelled: '⊘ cancelled',
   };
   const FINISHED = new Set(['completed', 'failed', 'cancelled']);
