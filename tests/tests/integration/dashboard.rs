@@ -78,14 +78,19 @@ impl Browser {
         let v: Value = http.post(format!("{driver}/session")).json(&caps).send().await.unwrap().json().await.unwrap();
         let session = v["value"]["sessionId"].as_str().unwrap_or_else(|| panic!("no session: {v}")).to_owned();
         let browser = Self { http, driver, session, _process: process };
-        // The window's size includes its frame: make the page's viewport width×height.
-        let frame = browser
+        browser.viewport(width, height).await;
+        browser
+    }
+
+    /// Sizes the window so that the page's viewport is `width`×`height` (the
+    /// window's size includes its frame).
+    async fn viewport(&self, width: u32, height: u32) {
+        let frame = self
             .js("return [window.outerWidth - window.innerWidth, window.outerHeight - window.innerHeight]", json!([]))
             .await;
         let (dw, dh) = (frame[0].as_u64().unwrap_or(0), frame[1].as_u64().unwrap_or(0));
         let rect = json!({"width": width as u64 + dw, "height": height as u64 + dh});
-        browser.call(reqwest::Method::POST, "/window/rect", Some(rect)).await;
-        browser
+        self.call(reqwest::Method::POST, "/window/rect", Some(rect)).await;
     }
 
     async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Value {
@@ -330,6 +335,22 @@ async fn the_dashboard_shows_a_tenants_runs_live_its_transcript_and_budget_and_n
         )
         .await;
     assert_eq!(browser.js("return window.__sameLoad", json!([])).await, "yes", "the page never reloaded");
+
+    // At a phone's width every page fits: nothing wider than the screen but the tables' own scroll boxes.
+    browser.viewport(390, 844).await;
+    for page in ["#/runs", "#/budget", "#/fleet", &format!("#/run/{id}")] {
+        browser.js("location.hash = arguments[0]", json!([page])).await;
+        let fits = browser
+            .until(
+                &format!("{page} at phone width"),
+                secs(10),
+                "return window.innerWidth <= 400 && document.querySelector('.page:not([hidden]) h1') !== null
+                    && document.documentElement.scrollWidth <= window.innerWidth + 1 && 'fits'",
+            )
+            .await;
+        assert_eq!(fits, "fits", "{page}");
+    }
+    browser.viewport(1280, 800).await;
 
     // What one open page costs Redis, with the workers stopped (nothing else runs).
     app.stop_workers().await;
