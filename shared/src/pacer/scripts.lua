@@ -47,7 +47,8 @@
 -- KEYS[5] the history's base key (the dashboard's chart, GET /v1/pacer/history): counters
 --   only, outside the policy, never read here. One hash per minute, KEYS[5]:<minute>, same
 --   hash tag; fields <second>:a (tokens cleared), <second>:r (429s settled), <second>:w
---   (turns told to wait); each expires HIST_TTL_MS after its last write.
+--   (turns told to wait); each expires HIST_TTL_MS after its last write. The minute's key is
+--   named here, on the Redis clock; it shares KEYS[5]'s hash tag, so it is in this call's slot.
 -- ARGV[1] op: acquire | settle | snapshot
 -- ARGV[2..13] config: floor, max_pace_ms, jitter_frac, jitter_max_ms, ttl_ms, probe_wait_ms,
 --          late_ms, tpm, rpm, now in ms ('' = the server's TIME; tests only), grace_ms, recheck_ms

@@ -335,6 +335,20 @@ async fn the_dashboard_shows_a_tenants_runs_live_its_transcript_and_budget_and_n
         )
         .await;
     assert_eq!(browser.js("return window.__sameLoad", json!([])).await, "yes", "the page never reloaded");
+    // The operator's token reads the live workers.
+    browser.js("document.querySelector('#change-token').click()", json!([])).await;
+    browser.type_and_click("#token-input", OPERATOR, "#token-submit").await;
+    browser
+        .until(
+            "the operator's worker list",
+            secs(10),
+            "return document.querySelectorAll('#workers-table tbody tr').length === 1
+                && document.querySelector('#queue-facts').textContent.includes('the whole queue')",
+        )
+        .await;
+    browser.screenshot(&shots, "fleet.png").await;
+    browser.js("document.querySelector('#change-token').click()", json!([])).await;
+    browser.type_and_click("#token-input", ACME, "#token-submit").await;
 
     // At a phone's width every page fits: nothing wider than the screen but the tables' own scroll boxes.
     browser.viewport(390, 844).await;
