@@ -356,7 +356,15 @@
     };
 
     const tick = async () => {
-      const r = await api('/v1/runs/' + encodeURIComponent(id));
+      let r;
+      try {
+        r = await api('/v1/runs/' + encodeURIComponent(id));
+      } catch (e) {
+        if (e.status !== 404) throw e;
+        // Gone, or another tenant's: nothing to poll.
+        p.stop();
+        throw new Error('No run ' + id + ' for this token.');
+      }
       render(r);
       if (r.turns_completed !== shownTurns || r.status !== status) {
         shownTurns = r.turns_completed;

@@ -897,6 +897,36 @@ async fn open_mode_refuses_a_host_that_is_not_loopback() {
     assert_eq!(r.unwrap().status(), 200, "with tokens, any name may front the API");
 }
 
+/// The OpenAPI document has the history and the dashboard's page, and every
+/// `$ref` in it names a schema it defines.
+#[tokio::test]
+async fn the_openapi_document_has_the_history_and_the_dashboard_and_every_ref_resolves() {
+    let app = spawn_app().await;
+    let (status, doc) = app.get("/v1/openapi.json", ACME).await;
+    assert_eq!(status, 200);
+    assert!(doc["paths"]["/v1/pacer/history"]["get"].is_object(), "{}", doc["paths"]);
+    assert!(doc["paths"]["/"]["get"].is_object(), "{}", doc["paths"]);
+    fn refs(v: &Value, out: &mut Vec<String>) {
+        match v {
+            Value::Object(m) => {
+                if let Some(Value::String(r)) = m.get("$ref") {
+                    out.push(r.clone());
+                }
+                m.values().for_each(|v| refs(v, out));
+            }
+            Value::Array(a) => a.iter().for_each(|v| refs(v, out)),
+            _ => {}
+        }
+    }
+    let mut all = vec![];
+    refs(&doc, &mut all);
+    assert!(all.iter().any(|r| r.ends_with("/PacerHistory")), "{all:?}");
+    for r in all {
+        let name = r.strip_prefix("#/components/schemas/").unwrap_or_else(|| panic!("{r}"));
+        assert!(doc["components"]["schemas"][name].is_object(), "{r} is not defined");
+    }
+}
+
 /// The dashboard page and its assets need no token (they hold no data; the
 /// page asks for one when the API answers 401), are built in and load nothing
 /// from another origin; in open mode the loopback-`Host` guard covers them too.
