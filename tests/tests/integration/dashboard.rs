@@ -1,8 +1,9 @@
 //! The dashboard (#16) in headless Chromium, driven over WebDriver
 //! (`chromedriver`, plain JSON over HTTP): runs submitted through the API against
 //! the mock with a small budget appear and reach `completed` without a reload,
-//! a run shows its transcript and live text, the budget chart draws points, and
-//! another tenant's token shows none of them. It also measures what one open page
+//! a run shows its transcript and live text, the budget chart draws points, the
+//! operator's token lists the workers, a queued run is cancelled from its page,
+//! every page fits a phone's width, and another tenant's token shows none of them. It also measures what one open page
 //! costs Redis (`INFO commandstats`), and saves screenshots (to
 //! `PACELINE_SCREENSHOTS_DIR` when set — README's come from
 //! `PACELINE_SCREENSHOTS_DIR=docs/dashboard` —, else under the target dir).
@@ -384,6 +385,29 @@ async fn the_dashboard_shows_a_tenants_runs_live_its_transcript_and_budget_and_n
          page closed {closed:.1}/s; one GET /v1/runs + one GET /v1/pacer = {yardstick} commands"
     );
     assert!(runs_page - closed <= yardstick && budget_page - closed <= yardstick, "over the yardstick");
+
+    // Cancel from the run page: a run queued while no worker runs.
+    let r = http.post(format!("{api}/v1/runs")).bearer_auth(ACME).json(&spec).send().await.unwrap();
+    let queued = r.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_owned();
+    browser.goto(&format!("{api}/#/run/{queued}")).await;
+    browser
+        .until(
+            "the queued run",
+            secs(10),
+            "return document.querySelector('#run-facts .status')?.textContent.includes('queued')",
+        )
+        .await;
+    let cancel = browser.element("#run-cancel").await;
+    browser.call(reqwest::Method::POST, &format!("/element/{cancel}/click"), Some(json!({}))).await;
+    browser
+        .until(
+            "the run cancelled",
+            secs(10),
+            "return document.querySelector('#run-facts .status').textContent.includes('cancelled')
+                && document.querySelector('#run-cancel').disabled && document.querySelector('#run-retry').disabled",
+        )
+        .await;
+    ids.push(queued);
 
     // Another tenant's token sees none of acme's runs, nor its budget line.
     browser.goto(&format!("{api}/#/runs")).await;
