@@ -5,7 +5,7 @@
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use crate::routes::{events, health, ops, runs};
+use crate::routes::{dashboard, events, health, ops, runs};
 
 /// The API's document.
 #[derive(OpenApi)]
@@ -13,14 +13,14 @@ use crate::routes::{events, health, ops, runs};
     info(title = "paceline", description = "Background agentic LLM runs, paced by one shared budget in Redis."),
     paths(
         runs::submit, runs::list, runs::get, runs::transcript, runs::cancel, runs::retry, events::events,
-        ops::pacer, ops::queue, ops::workers, ops::dead,
-        health::healthz, health::readyz, health::metrics, health::openapi,
+        ops::pacer, ops::pacer_history, ops::queue, ops::workers, ops::dead,
+        health::healthz, health::readyz, health::metrics, health::openapi, dashboard::index,
     ),
     components(schemas(
         runs::SubmitRun, runs::RunList, runs::Transcript,
         shared::runs::Run, shared::runs::RunStatus, shared::runs::WaitReason, shared::runs::Usage,
         shared::runs::PacingCounters, shared::runs::RunError, shared::runs::TranscriptEntry, shared::pacer::Mode,
-        ops::PacerView, ops::BudgetView, ops::QueueView, ops::WorkersView, ops::WorkerView,
+        ops::PacerView, ops::BudgetView, ops::HistoryView, shared::pacer::History, ops::QueueView, ops::WorkersView, ops::WorkerView,
         ops::DeadList, ops::DeadView,
         shared::pacer::BudgetShape, shared::pacer::bucket::Refill,
         health::Health, crate::error::ErrorBody, crate::error::ErrorDetail,

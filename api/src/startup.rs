@@ -80,7 +80,7 @@ impl Application {
     /// in flight finish, and it returns.
     pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
         let Self { listener, addr, router, stop } = self;
-        tracing::info!(message = "api listening", %addr);
+        tracing::info!(message = "api listening", %addr, dashboard = %format!("http://{addr}/"));
         axum::serve(listener, router)
             .with_graceful_shutdown(async move {
                 shutdown.await;

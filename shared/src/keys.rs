@@ -45,6 +45,19 @@ impl Keys {
         format!("{}:pacer:{{{}}}:line:{}", self.prefix, budget, model)
     }
 
+    /// The base of the pacer's history for one budget and model (the
+    /// dashboard's chart): the script writes one hash per minute,
+    /// `<base>:<minute>`, with per-second counters. Same hash tag as the
+    /// budget's other keys, so the script's writes stay in its slot.
+    pub fn pacer_history(&self, budget: &str, model: &str) -> String {
+        format!("{}:pacer:{{{}}}:hist:{}", self.prefix, budget, model)
+    }
+
+    /// One minute of the pacer's history (`minute` = Unix seconds / 60).
+    pub fn pacer_history_minute(&self, budget: &str, model: &str, minute: i64) -> String {
+        format!("{}:{}", self.pacer_history(budget, model), minute)
+    }
+
     /// The set of models known under one budget (for `GET /v1/pacer`).
     pub fn pacer_models(&self, budget: &str) -> String {
         format!("{}:pacer:{{{}}}:models", self.prefix, budget)
@@ -79,5 +92,6 @@ mod tests {
         assert_eq!(k.pacer_state("default", "gpt-4.1"), "pl:pacer:{default}:state:gpt-4.1");
         assert_eq!(k.pacer_line("b", "m"), "pl:pacer:{b}:line:m");
         assert_eq!(k.queue_key("due"), "pl:{pl}:q:due");
+        assert_eq!(k.pacer_history_minute("b", "m", 7), "pl:pacer:{b}:hist:m:7");
     }
 }

@@ -2,6 +2,7 @@
 //! JSON 404 for anything else and a JSON 405 for a known route's wrong method;
 //! in open mode, requests addressed to a loopback name only (`guard.rs`).
 
+pub mod dashboard;
 pub mod events;
 pub mod guard;
 pub mod health;
@@ -24,6 +25,8 @@ use crate::state::AppState;
 pub fn router(state: AppState) -> Router {
     let limit = state.config.body_limit;
     Router::new()
+        .route("/", get(dashboard::index))
+        .route("/assets/{name}", get(dashboard::asset))
         .route("/v1/runs", post(runs::submit).get(runs::list))
         .route("/v1/runs/{id}", get(runs::get))
         .route("/v1/runs/{id}/transcript", get(runs::transcript))
@@ -31,6 +34,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/runs/{id}/cancel", post(runs::cancel))
         .route("/v1/runs/{id}/retry", post(runs::retry))
         .route("/v1/pacer", get(ops::pacer))
+        .route("/v1/pacer/history", get(ops::pacer_history))
         .route("/v1/queue", get(ops::queue))
         .route("/v1/workers", get(ops::workers))
         .route("/v1/dead", get(ops::dead))

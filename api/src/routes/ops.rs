@@ -179,6 +179,41 @@ pub async fn pacer(State(state): State<AppState>, caller: Caller) -> Result<Json
     Ok(Json(PacerView { budgets }))
 }
 
+/// `GET /v1/pacer/history`.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct HistoryView {
+    /// The same budgets and models as `GET /v1/pacer` shows the caller: the
+    /// last 15 minutes of each, one point a second, oldest first. The counts
+    /// are the whole budget's (every tenant's turns), as its level is.
+    pub budgets: Vec<shared::pacer::History>,
+}
+
+/// The last 15 minutes per budget and model: admitted tokens, 429s and budget
+/// waits per second, and the token limit's refill rate (the dashboard's chart).
+#[utoipa::path(
+    get, path = "/v1/pacer/history", tag = "operations",
+    responses(
+        (status = 200, description = "Every budget and model (operator), or those the tenant's turns used", body = HistoryView),
+        (status = 401, description = "No or bad token", body = ErrorBody),
+        (status = 503, description = "Redis unavailable", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn pacer_history(State(state): State<AppState>, caller: Caller) -> Result<Json<HistoryView>, ApiError> {
+    let snapshots = state.redis("read pacer", state.pacer.snapshot()).await?;
+    let mut budgets = vec![];
+    for s in snapshots.iter().filter(|s| visible(&caller, s)) {
+        budgets.push(state.redis("read pacer history", state.pacer.history(&s.budget, &s.model)).await?);
+    }
+    Ok(Json(HistoryView { budgets }))
+}
+
+/// Whether `caller` may see budget and model `s`: the operator every one, a
+/// tenant one its turns used (it has a line there).
+fn visible(caller: &Caller, s: &shared::pacer::BudgetSnapshot) -> bool {
+    caller.is_operator() || caller.tenant().is_some_and(|t| s.tenants.iter().any(|l| l.tenant == t))
+}
+
 /// The most dead turns read to count a tenant's.
 const MAX_DEAD_READ: usize = 1000;
 

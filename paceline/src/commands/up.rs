@@ -200,6 +200,7 @@ async fn serve(
         redact(&redis.url),
         redis.prefix,
     ));
+    say(format!("dashboard on http://{addr}/ (runs, the budget, the fleet, in a browser)"));
     let mut demo_result = Ok(());
     if let Some(d) = &demo {
         say(d.describe());
@@ -279,7 +280,7 @@ async fn run_demo(args: &Args, d: &demo::Demo, addr: SocketAddr, stop: watch::Re
         format!("echo '{{\"model\":\"gpt-4.1-mini\",\"input\":\"Say hello\"}}' | {bin} submit -{api_flag} --watch")
     };
     eprintln!(
-        "\nThe API stays up until Ctrl-C. Try:\n  \
+        "\nThe API stays up until Ctrl-C. Open the dashboard at http://{addr}/ or try:\n  \
          {bin} runs{api_flag}\n  \
          {submit}\n  \
          echo '{{\"model\":\"claude-sonnet-4-5\",\"provider\":\"anthropic\",\"input\":\"Say hello\"}}' | {bin} submit -{api_flag} --watch\n  \

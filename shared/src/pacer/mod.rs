@@ -21,6 +21,7 @@ pub mod classify;
 pub mod durations;
 pub mod fair;
 pub mod headers;
+pub mod history;
 pub mod local;
 pub mod model;
 pub mod refund;
@@ -31,6 +32,7 @@ pub use backoff::{next_retry, server_delay, DelaySource, GiveUp, RetryDecision, 
 pub use bucket::Observation;
 pub use classify::{classify, FailedCall, FailureKind, Transport};
 pub use headers::{HeaderSnapshot, LimitSnapshot};
+pub use history::History;
 pub use local::LocalPacer;
 pub use model::{Ask, CallOutcome, Decision, Estimate, Mode, OwedReason, PacerState, PacingConfig, Who};
 pub use store::{BudgetShape, BudgetSnapshot, Pacer, PacerError, PacerKind, SharedPacer, TenantShare};

@@ -44,6 +44,11 @@
 --      and o_ sent ledgers when it was cleared;
 --      alone: 1 when no other call was cleared within BURST_GAP_MS of it)
 -- KEYS[4] line zset: waiter id -> order (companion turns < 0 <= work tags)
+-- KEYS[5] the history's base key (the dashboard's chart, GET /v1/pacer/history): counters
+--   only, outside the policy, never read here. One hash per minute, KEYS[5]:<minute>, same
+--   hash tag; fields <second>:a (tokens cleared), <second>:r (429s settled), <second>:w
+--   (turns told to wait); each expires HIST_TTL_MS after its last write. The minute's key is
+--   named here, on the Redis clock; it shares KEYS[5]'s hash tag, so it is in this call's slot.
 -- ARGV[1] op: acquire | settle | snapshot
 -- ARGV[2..13] config: floor, max_pace_ms, jitter_frac, jitter_max_ms, ttl_ms, probe_wait_ms,
 --          late_ms, tpm, rpm, now in ms ('' = the server's TIME; tests only), grace_ms, recheck_ms
@@ -74,6 +79,16 @@ if not now then
 end
 local grace = tonumber(ARGV[12])
 local recheck_min = tonumber(ARGV[13])
+
+-- The history: two commands per event, in the call that decided it (no round trip more).
+local HIST_TTL_MS = 960000
+local function hist(field, n)
+  if not KEYS[5] or n <= 0 then return end
+  local sec = math.floor(now / 1000)
+  local key = KEYS[5] .. ':' .. string.format('%d', math.floor(sec / 60))
+  redis.call('HINCRBY', key, string.format('%d:%s', sec, field), string.format('%d', math.ceil(n)))
+  redis.call('PEXPIRE', key, HIST_TTL_MS)
+end
 
 local LIVE_BASE = -1e13
 local PROBE_HOLD_MS = 10000
@@ -522,6 +537,7 @@ end
 local function owed(ms, reason, u)
   local base = math.max(math.ceil(ms), 1)
   local jitter = math.min(base * jitter_frac, jitter_max) * math.min(math.max(u, 0), 1)
+  hist('w', 1)
   return {1, math.ceil(base + jitter), reason}
 end
 
@@ -575,6 +591,7 @@ if op == 'acquire' then
   -- 2. Back before its time: owed the rest.
   if waiter and now < waiter.due then
     save()
+    hist('w', 1)
     return {1, waiter.due - now, waiter.reason}
   end
   ensure_configured()
@@ -629,6 +646,7 @@ if op == 'acquire' then
     S['last_admit'] = now
     redis.call('HSET', state, 'last_admit_id', id)
     save()
+    hist('a', tokens)
     return {0}
   end
 
@@ -1135,6 +1153,7 @@ if op == 'settle' then
     end
   end
   if limited >= 0 then
+    hist('r', 1)
     S['blocked_until'] = math.max(get('blocked_until'), headers_at + limited)
     for j, p in ipairs(BUCKETS) do
       if known(p) and obs[j][2] < 0 then S[p .. 'level'] = math.min(get(p .. 'level'), 0) end

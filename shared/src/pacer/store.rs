@@ -8,6 +8,7 @@
 
 use super::bucket;
 use super::fair::Tenant;
+use super::history;
 use super::local::LocalPacer;
 use super::model::{CallOutcome, Decision, Estimate, Flight, Mode, OwedReason, PacerState, PacingConfig, Waiter, Who};
 use super::refund::RefundShare;
@@ -294,6 +295,7 @@ impl SharedPacer {
             .key(self.keys.pacer_expiry(&self.budget, model))
             .key(self.keys.pacer_records(&self.budget, model))
             .key(self.keys.pacer_line(&self.budget, model))
+            .key(self.keys.pacer_history(&self.budget, model))
             .arg(op)
             .arg(c.floor(mode))
             .arg(c.max_pace_ms)
@@ -389,6 +391,13 @@ impl SharedPacer {
         let mut conn = self.conn.clone();
         let flat: Vec<String> = inv.invoke_async(&mut conn).await?;
         Ok(state_from_fields(&flat))
+    }
+
+    /// The last [`history::SECONDS`] of one budget and model (the
+    /// dashboard's chart); see [`history`].
+    pub async fn history(&self, budget: &str, model: &str) -> Result<history::History, PacerError> {
+        let mut conn = self.conn.clone();
+        history::read(&mut conn, &self.keys, budget, model).await
     }
 
     /// See [`Pacer::snapshot`]: every budget and model under this prefix.

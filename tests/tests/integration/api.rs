@@ -685,6 +685,57 @@ async fn the_pacer_shows_the_callers_own_line_only() {
     assert!(p["budgets"][0].get("tenants").is_none(), "{p}");
 }
 
+/// `GET /v1/pacer/history`: what the script counted per second (tokens
+/// cleared, 429s, turns told to wait) and the refill rate, for the budgets the
+/// caller may see (the same scope as `/v1/pacer`); its keys expire within 16
+/// minutes.
+#[tokio::test]
+async fn the_pacer_history_counts_admissions_429s_and_waits_in_the_callers_scope() {
+    use shared::pacer::{CallOutcome, Decision, Estimate, Mode, Observation, PacingConfig, SharedPacer, Who};
+    let app = spawn_app().await;
+    let conn = shared::redis_util::manager(&app.redis.url()).await.unwrap();
+    let pacer = SharedPacer::new(conn, Keys::new(app.prefix.clone()), "default", PacingConfig::default());
+    // A full bucket of 30 000 refilling over a minute: 500 tokens/s.
+    let seen = Observation { limit: Some(30_000), remaining: Some(30_000), reset_ms: Some(0) };
+    pacer.settle("gpt-h", "r0", &CallOutcome { tokens: seen, ..Default::default() }).await.unwrap();
+    let acme = Who { tenant: "acme", weight: 1.0, cap: 0.0 };
+    let est = Estimate { tokens: 1000, requests: 1, output: 0 };
+    assert!(matches!(pacer.acquire("gpt-h", "r1", est, Mode::Work, &acme).await.unwrap(), Decision::Clear));
+    let limited = CallOutcome { rate_limited_ms: Some(5_000), ..Default::default() };
+    pacer.settle("gpt-h", "r1", &limited).await.unwrap();
+    let owed = pacer.acquire("gpt-h", "r2", est, Mode::Work, &acme).await.unwrap();
+    assert!(matches!(owed, Decision::Owed { .. }), "the 429 closed the window: {owed:?}");
+
+    let (status, h) = app.get("/v1/pacer/history", ACME).await;
+    assert_eq!(status, 200, "{h}");
+    let b = &h["budgets"][0];
+    assert_eq!((b["budget"].as_str(), b["model"].as_str()), (Some("default"), Some("gpt-h")), "{h}");
+    let sum = |k: &str| b[k].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).sum::<u64>();
+    assert_eq!(b["admitted_tokens"].as_array().unwrap().len(), 900);
+    assert_eq!((sum("admitted_tokens"), sum("rate_limited"), sum("waits")), (1000, 1, 1), "{h}");
+    let rate = b["refill_tokens_per_s"].as_f64().unwrap();
+    assert!((rate - 500.0).abs() < 1.0, "{rate}");
+    // beta's turns never used this budget: nothing to see; the operator sees it.
+    let (_, h) = app.get("/v1/pacer/history", BETA).await;
+    assert_eq!(h["budgets"], json!([]), "{h}");
+    let (_, h) = app.get("/v1/pacer/history", OPERATOR).await;
+    assert_eq!(h["budgets"].as_array().unwrap().len(), 1, "{h}");
+    let (status, _) = app.get("/v1/pacer/history", "not-a-token").await;
+    assert_eq!(status, 401);
+    // The counters live in their own keys, each gone within 16 minutes.
+    let mut conn = app.redis.conn().await;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{}:pacer:{{default}}:hist:gpt-h:*", app.prefix))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(!keys.is_empty());
+    for key in &keys {
+        let ttl: i64 = redis::cmd("PTTL").arg(key).query_async(&mut conn).await.unwrap();
+        assert!(ttl > 0 && ttl <= 960_000, "{key}: {ttl}");
+    }
+}
+
 /// The operator's routes answer 403 with the error body to a tenant; the
 /// queue counts a tenant reads are its own runs'.
 #[tokio::test]
@@ -844,6 +895,72 @@ async fn open_mode_refuses_a_host_that_is_not_loopback() {
     let tokens = spawn_app().await;
     let r = tokens.req(reqwest::Method::GET, "/v1/runs", Some(ACME)).header("host", "api.example:443").send().await;
     assert_eq!(r.unwrap().status(), 200, "with tokens, any name may front the API");
+}
+
+/// The OpenAPI document has the history and the dashboard's page, and every
+/// `$ref` in it names a schema it defines.
+#[tokio::test]
+async fn the_openapi_document_has_the_history_and_the_dashboard_and_every_ref_resolves() {
+    let app = spawn_app().await;
+    let (status, doc) = app.get("/v1/openapi.json", ACME).await;
+    assert_eq!(status, 200);
+    assert!(doc["paths"]["/v1/pacer/history"]["get"].is_object(), "{}", doc["paths"]);
+    assert!(doc["paths"]["/"]["get"].is_object(), "{}", doc["paths"]);
+    fn refs(v: &Value, out: &mut Vec<String>) {
+        match v {
+            Value::Object(m) => {
+                if let Some(Value::String(r)) = m.get("$ref") {
+                    out.push(r.clone());
+                }
+                m.values().for_each(|v| refs(v, out));
+            }
+            Value::Array(a) => a.iter().for_each(|v| refs(v, out)),
+            _ => {}
+        }
+    }
+    let mut all = vec![];
+    refs(&doc, &mut all);
+    assert!(all.iter().any(|r| r.ends_with("/PacerHistory")), "{all:?}");
+    for r in all {
+        let name = r.strip_prefix("#/components/schemas/").unwrap_or_else(|| panic!("{r}"));
+        assert!(doc["components"]["schemas"][name].is_object(), "{r} is not defined");
+    }
+}
+
+/// The dashboard page and its assets need no token (they hold no data; the
+/// page asks for one when the API answers 401), are built in and load nothing
+/// from another origin; in open mode the loopback-`Host` guard covers them too.
+#[tokio::test]
+async fn the_dashboard_is_served_without_a_token_and_behind_the_open_mode_host_guard() {
+    let app = spawn_app().await;
+    let page = app.req(reqwest::Method::GET, "/", None).send().await.unwrap();
+    assert_eq!(page.status(), 200);
+    let csp = page.headers()["content-security-policy"].to_str().unwrap().to_owned();
+    assert!(csp.contains("default-src 'none'") && csp.contains("connect-src 'self'"), "{csp}");
+    assert!(page.headers()["content-type"].to_str().unwrap().starts_with("text/html"));
+    let html = page.text().await.unwrap();
+    assert!(html.contains("/assets/app.js") && html.contains("/assets/uPlot.iife.min.js"), "{html}");
+    for asset in ["app.js", "app.css", "uPlot.iife.min.js", "uPlot.min.css"] {
+        let r = app.req(reqwest::Method::GET, &format!("/assets/{asset}"), None).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{asset}");
+    }
+    let (status, _) = app.get("/assets/../Cargo.toml", ACME).await;
+    assert_eq!(status, 404);
+    // Its data calls still need the token.
+    let r = app.req(reqwest::Method::GET, "/v1/runs", None).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+
+    let open = spawn_app_with(|c| {
+        c.tokens = ApiTokens::default();
+        c.access.operator_token = None;
+    })
+    .await;
+    for path in ["/", "/assets/app.js"] {
+        let r = open.req(reqwest::Method::GET, path, None).header("host", "evil.example").send().await.unwrap();
+        assert_eq!(r.status(), 403, "{path}");
+        let r = open.req(reqwest::Method::GET, path, None).header("host", "localhost:8080").send().await.unwrap();
+        assert_eq!(r.status(), 200, "{path}");
+    }
 }
 
 /// Open mode is for one machine: on an address that is not loopback the API

@@ -5,6 +5,7 @@ mod anthropic;
 mod api;
 mod bench;
 mod context;
+mod dashboard;
 mod dead;
 mod fairness;
 mod harness;

@@ -120,6 +120,11 @@ async fn up_demo_brings_the_sample_runs_to_completed_and_stops_on_sigterm() {
     .await;
     assert!(err.contains("using Redis at redis+unix://"), "{err}");
     assert!(err.contains("The API stays up until Ctrl-C"), "{err}");
+    // The dashboard's URL is printed, and it answers there.
+    assert!(err.contains(&format!("dashboard on {base}/")), "{err}");
+    let page = http.get(format!("{base}/")).send().await.unwrap();
+    assert_eq!(page.status(), 200);
+    assert!(page.text().await.unwrap().contains("/assets/app.js"));
     stop_cleanly(&mut child, dir.path(), secs(20));
     assert!(stderr_of(dir.path()).contains("paceline up: stopped"), "{}", stderr_of(dir.path()));
 }

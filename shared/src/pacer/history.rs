@@ -1,0 +1,151 @@
+//! The pacer's short history, for the dashboard's chart (`GET /v1/pacer/history`).
+//!
+//! The script (`scripts.lua`, `hist`) counts, per second, the tokens it cleared
+//! (`a`), the 429s settled (`r`) and the turns it told to wait (`w`), in one hash
+//! per budget, model and minute that expires after 16 minutes. These counters are
+//! kept beside the policy, never read by it: the differential test compares the
+//! state hash alone. Reading them is one `TIME` and one pipeline of 17 commands.
+
+use crate::keys::Keys;
+use redis::aio::ConnectionManager;
+use serde::Serialize;
+use std::collections::HashMap;
+
+use super::store::PacerError;
+
+/// How many seconds the history covers (the last 15 minutes, the current one included).
+pub const SECONDS: usize = 900;
+
+/// One budget and model's last [`SECONDS`], one point a second, oldest first.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema), schema(as = PacerHistory))]
+pub struct History {
+    /// The budget name.
+    pub budget: String,
+    /// The model.
+    pub model: String,
+    /// The Unix second (Redis clock) of the first point; point `i` is second `start_s + i`.
+    pub start_s: i64,
+    /// Tokens cleared (reservations admitted) in each second.
+    pub admitted_tokens: Vec<u64>,
+    /// Calls settled as rate limited (429) in each second.
+    pub rate_limited: Vec<u64>,
+    /// Turns told to wait (budget, fair share, a closed window) in each second.
+    pub waits: Vec<u64>,
+    /// The token limit's refill rate, tokens per second, as the pacer last
+    /// learned it (the input bucket's where the provider splits them); null
+    /// while no limit is known. For a window that refills at its boundary, the
+    /// average over the window.
+    pub refill_tokens_per_s: Option<f64>,
+}
+
+/// Builds the history ending at `now_s` from the minute hashes' fields
+/// (`<second>:<a|r|w>` → count); fields outside the span are left out.
+pub fn assemble<'a>(
+    budget: &str,
+    model: &str,
+    now_s: i64,
+    fields: impl IntoIterator<Item = (&'a str, i64)>,
+    refill_tokens_per_s: Option<f64>,
+) -> History {
+    let start_s = now_s - SECONDS as i64 + 1;
+    let mut h = History {
+        budget: budget.to_owned(),
+        model: model.to_owned(),
+        start_s,
+        admitted_tokens: vec![0; SECONDS],
+        rate_limited: vec![0; SECONDS],
+        waits: vec![0; SECONDS],
+        refill_tokens_per_s,
+    };
+    for (field, n) in fields {
+        let Some((sec, kind)) = field.split_once(':') else { continue };
+        let Ok(sec) = sec.parse::<i64>() else { continue };
+        let i = sec - start_s;
+        if !(0..SECONDS as i64).contains(&i) {
+            continue;
+        }
+        let series = match kind {
+            "a" => &mut h.admitted_tokens,
+            "r" => &mut h.rate_limited,
+            "w" => &mut h.waits,
+            _ => continue,
+        };
+        series[i as usize] += n.max(0) as u64;
+    }
+    h
+}
+
+/// The refill rate per second from the state hash's `t_`/`i_` limit and rate
+/// (per ms); the token bucket's, else the input bucket's.
+fn refill_per_s(state: &HashMap<String, f64>) -> Option<f64> {
+    ["t_", "i_"].iter().find_map(|p| {
+        let limit = state.get(&format!("{p}limit")).copied().unwrap_or(0.0);
+        let rate = state.get(&format!("{p}rate")).copied().unwrap_or(0.0);
+        (limit > 0.0 && rate > 0.0).then_some(rate * 1000.0)
+    })
+}
+
+/// Reads one budget and model's history (Redis clock).
+pub async fn read(conn: &mut ConnectionManager, keys: &Keys, budget: &str, model: &str) -> Result<History, PacerError> {
+    let (secs, _micros): (i64, i64) = redis::cmd("TIME").query_async(conn).await?;
+    let first_minute = (secs - SECONDS as i64 + 1).div_euclid(60);
+    let last_minute = secs.div_euclid(60);
+    let mut pipe = redis::pipe();
+    pipe.cmd("HMGET").arg(keys.pacer_state(budget, model)).arg(&["t_limit", "t_rate", "i_limit", "i_rate"][..]);
+    for minute in first_minute..=last_minute {
+        pipe.cmd("HGETALL").arg(keys.pacer_history_minute(budget, model, minute));
+    }
+    let mut replies = pipe.query_async::<Vec<redis::Value>>(conn).await?.into_iter();
+    let protocol = |e: redis::ParsingError| PacerError::Protocol(e.to_string());
+    let rates: Vec<Option<f64>> = match replies.next() {
+        Some(v) => redis::from_redis_value(v).map_err(protocol)?,
+        None => vec![],
+    };
+    let minutes = replies
+        .map(|v| redis::from_redis_value::<HashMap<String, i64>>(v).map_err(protocol))
+        .collect::<Result<Vec<_>, _>>()?;
+    let state: HashMap<String, f64> = ["t_limit", "t_rate", "i_limit", "i_rate"]
+        .iter()
+        .zip(rates)
+        .filter_map(|(k, v)| v.map(|v| (k.to_string(), v)))
+        .collect();
+    let fields = minutes.iter().flat_map(|m| m.iter().map(|(k, v)| (k.as_str(), *v)));
+    Ok(assemble(budget, model, secs, fields, refill_per_s(&state)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn points_land_on_their_second_and_the_old_ones_are_left_out() {
+        let now = 1_000_000;
+        let fields = [
+            (format!("{now}:a"), 500),
+            (format!("{now}:a"), 20),
+            (format!("{}:w", now - 1), 2),
+            (format!("{}:r", now - 899), 1),
+            (format!("{}:a", now - 900), 9999),
+            (format!("{}:a", now + 1), 9999),
+            ("garbage".to_owned(), 1),
+            (format!("{now}:x"), 1),
+        ];
+        let h = assemble("b", "m", now, fields.iter().map(|(k, v)| (k.as_str(), *v)), Some(100.0));
+        assert_eq!(h.start_s, now - 899);
+        assert_eq!(h.admitted_tokens.len(), SECONDS);
+        assert_eq!(h.admitted_tokens[SECONDS - 1], 520);
+        assert_eq!(h.waits[SECONDS - 2], 2);
+        assert_eq!(h.rate_limited[0], 1);
+        assert_eq!(h.admitted_tokens.iter().sum::<u64>(), 520, "seconds outside the span are left out");
+        assert_eq!(h.refill_tokens_per_s, Some(100.0));
+    }
+
+    #[test]
+    fn the_refill_rate_is_the_token_buckets_else_the_input_buckets() {
+        let m = |kv: &[(&str, f64)]| kv.iter().map(|(k, v)| (k.to_string(), *v)).collect::<HashMap<_, _>>();
+        assert_eq!(refill_per_s(&m(&[("t_limit", 600.0), ("t_rate", 0.01)])), Some(10.0));
+        assert_eq!(refill_per_s(&m(&[("i_limit", 600.0), ("i_rate", 0.02)])), Some(20.0));
+        assert_eq!(refill_per_s(&m(&[])), None);
+    }
+}
