@@ -416,7 +416,7 @@ impl Runner {
 
     fn calibration<T>(&self, model: &str, f: impl FnOnce(&mut crate::estimate::Calibration) -> T) -> T {
         let mut map = self.calibration.lock().unwrap_or_else(|e| e.into_inner());
-        f(map.entry(model.to_owned()).or_insert_with(crate::estimate::Calibration::new))
+        f(map.entry(model.to_owned()).or_default())
     }
 
     /// Notes a call into the pacer of the run's provider. A pacer that cannot

@@ -1232,13 +1232,11 @@ fn learn_headerless(
             t.rate = t.rate.max(HL_CUT * state.hl_prev / state.hl_prev_span);
             t.limit = t.limit.max(t.rate * HL_BURST_MS);
         }
-        if t.known() {
-            if t.level < t.limit / 2.0 {
-                let dt = ((now - state.hl_grow_ms) as f64).clamp(0.0, HL_GROW_MAX_MS);
-                let accel = ((now - state.hl_cut_ms) as f64 / HL_ACCEL_MS).clamp(1.0, HL_ACCEL_MAX);
-                t.rate *= 1.0 + HL_GROW_PER_MS * accel * dt;
-                t.limit = t.limit.max(t.rate * HL_BURST_MS);
-            }
+        if t.known() && t.level < t.limit / 2.0 {
+            let dt = ((now - state.hl_grow_ms) as f64).clamp(0.0, HL_GROW_MAX_MS);
+            let accel = ((now - state.hl_cut_ms) as f64 / HL_ACCEL_MS).clamp(1.0, HL_ACCEL_MAX);
+            t.rate *= 1.0 + HL_GROW_PER_MS * accel * dt;
+            t.limit = t.limit.max(t.rate * HL_BURST_MS);
         }
         state.hl_grow_ms = now;
         return;

@@ -1205,12 +1205,11 @@ async fn redis_going_away_is_503_never_a_hang() {
     let r = app.req(reqwest::Method::GET, "/healthz", None).send().await.unwrap();
     assert_eq!(r.status(), 200);
     app.redis.spawn();
-    let ok = paceline_tests::eventually("readyz after the restart", Duration::from_secs(10), || async {
+    paceline_tests::eventually("readyz after the restart", Duration::from_secs(10), || async {
         let r = app.req(reqwest::Method::GET, "/readyz", None).send().await.ok()?;
         (r.status() == 200).then_some(())
     })
     .await;
-    let _ = ok;
     app.submit(ACME, &spec()).await;
 }
 
