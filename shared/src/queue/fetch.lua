@@ -1,7 +1,7 @@
--- Fetch and lease up to ARGV[1] due turns for ARGV[2] ms. KEYS[Q_NKEYS+1]: the
--- epoch counter. Returns {now, wait_ms, id, epoch, deliveries, due, payload, ...}:
+-- Fetch and lease up to ARGV[1] due turns for ARGV[2] ms (ARGV[3]: the dead
+-- set's retention, ms). KEYS[Q_NKEYS+1]: the epoch counter. Returns {now, wait_ms, id, epoch, deliveries, due, payload, ...}:
 -- wait_ms is, when nothing was due, how long until the next due turn (-1: none).
-local max, lease_ms = tonumber(ARGV[1]), tonumber(ARGV[2])
+local max, lease_ms, dead_keep_ms = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local now = q_now()
 local due = redis.call('ZRANGEBYSCORE', Q_DUE, '-inf', now, 'WITHSCORES', 'LIMIT', 0, max)
 local n = #due / 2
@@ -32,6 +32,11 @@ for i = 1, n do
     zadd[#zadd + 1] = now + lease_ms; zadd[#zadd + 1] = ids[i]
     out[#out + 1] = ids[i]; out[#out + 1] = tostring(r.epoch); out[#out + 1] = tostring(r.deliveries)
     out[#out + 1] = due[2 * i]; out[#out + 1] = r.payload
+  elseif recs[i] and not r then
+    -- A record this version cannot read: buried with its raw text, and its run
+    -- failed, never dropped (a dropped turn left its run waiting forever).
+    local dead = {epoch = 0, deliveries = 0, flag = 'd', payload = recs[i]}
+    q_bury(ids[i], dead, 'unreadable queue record (written by another version?)', now, dead_keep_ms)
   end
 end
 if #hset > 0 then

@@ -456,7 +456,10 @@ impl TurnQueue {
     /// through [`QueueBackend`]; it is public for tests and tools.
     pub async fn fetch(&self, worker: &str, max: usize) -> Result<Fetched, QueueError> {
         let mut inv = self.invocation(&self.scripts.fetch);
-        inv.key(&self.keys.epoch_seq).arg(max.clamp(1, MAX_FETCH_BATCH)).arg(self.config.lease_ms);
+        inv.key(&self.keys.epoch_seq)
+            .arg(max.clamp(1, MAX_FETCH_BATCH))
+            .arg(self.config.lease_ms)
+            .arg(self.config.dead_retention_ms);
         let reply: Vec<String> = inv.invoke_async(&mut self.conn.clone()).await?;
         parse_fetch(reply, worker)
     }

@@ -334,6 +334,31 @@ async fn a_failing_turn_goes_dead_after_three_deliveries_with_its_error() {
 }
 
 #[tokio::test]
+async fn a_record_fetch_cannot_read_is_buried_with_its_reason_not_dropped() {
+    let env = Env::start(QueueConfig::default());
+    let q = &env.queue;
+    q.enqueue("run_ok", &json!({"turn": 1}), 0).await.unwrap();
+    // A record this version cannot read (another version's format, a hand edit).
+    let mut conn = env.server.conn().await;
+    let keys = q.keys();
+    let _: () =
+        redis::cmd("HSET").arg(&keys.jobs).arg("run_garbled").arg("v2:{}").query_async(&mut conn).await.unwrap();
+    let _: () = redis::cmd("ZADD").arg(&keys.due).arg(0).arg("run_garbled").query_async(&mut conn).await.unwrap();
+
+    let fetched = q.fetch("w1", 10).await.unwrap();
+    let ids: Vec<&str> = fetched.deliveries.iter().map(|d| d.lease.id.as_str()).collect();
+    assert_eq!(ids, vec!["run_ok"], "the readable turn is leased, the other is not");
+    let c = q.counts().await.unwrap();
+    assert_eq!((c.ready, c.in_flight, c.dead), (0, 1, 1), "buried, not dropped");
+    let dead = q.list_dead(10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].id, "run_garbled");
+    assert!(dead[0].reason.contains("unreadable"), "reason: {}", dead[0].reason);
+    let raw: String = redis::cmd("HGET").arg(&keys.jobs).arg("run_garbled").query_async(&mut conn).await.unwrap();
+    assert!(raw.ends_with("v2:{}"), "its raw text is kept for whoever reads it: {raw}");
+}
+
+#[tokio::test]
 async fn a_turn_that_kills_its_worker_goes_dead_after_three_deliveries() {
     let env = Env::start(QueueConfig { lease_ms: 500, ..QueueConfig::default() });
     env.queue.enqueue("run_crash", &json!({"crash": true}), 0).await.unwrap();
