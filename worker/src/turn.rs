@@ -135,7 +135,7 @@ impl Runner {
     /// Runs turn `job` of the run `lease.id`.
     pub async fn run_turn(&self, job: TurnJob, lease: &Lease) -> Result<Outcome, TurnError> {
         let started = Instant::now();
-        let ctx = match self.store.start_turn(lease, job).await? {
+        let ctx = match self.store.start_turn_with_history(lease, job, self.config.max_history).await? {
             Started::Run(ctx) => ctx,
             Started::Stop(why) => {
                 tracing::info!(message = "turn not started", run.id = %lease.id, why = %why);

@@ -105,8 +105,45 @@ if op == 'cancel' then
   return {'cancelled', status}
 end
 
+-- Where turn `tag`'s transcript entries begin (field txi:<tag> of the record,
+-- set at its first append), so a turn's start reads only the history the model
+-- will see, not the whole transcript (a long run copied it all at every turn).
+local function mark_turn_start(tag, n)
+  if n > 0 then redis.call('HSETNX', RUN, 'txi:' .. tag, redis.call('LLEN', TX)) end
+end
+
+-- The transcript entries a turn needs with a history of `max_hist` turns (0: all):
+-- turn 0's (the task), and every turn from the one before the window on
+-- (runs/backpressure.rs, bound_history: an output in the window keeps its call
+-- from the turn before). `fields` is the record's HGETALL.
+local function window_entries(fields, max_hist)
+  if max_hist > 0 then
+    local tags, idx = {}, {}
+    for i = 1, #fields, 2 do
+      local t = string.match(fields[i], '^txi:(%d+)$')
+      if t then
+        t = tonumber(t)
+        tags[#tags + 1] = t
+        idx[t] = tonumber(fields[i + 1])
+      end
+    end
+    table.sort(tags)
+    if #tags > max_hist + 1 then
+      -- (A turn with no index, from before this was kept, falls in the head.)
+      local out = {}
+      local head_end = idx[tags[1]] - 1
+      if head_end >= 0 then
+        for _, v in ipairs(redis.call('LRANGE', TX, 0, head_end)) do out[#out + 1] = v end
+      end
+      for _, v in ipairs(redis.call('LRANGE', TX, idx[tags[#tags - max_hist]], -1)) do out[#out + 1] = v end
+      return out
+    end
+  end
+  return redis.call('LRANGE', TX, 0, -1)
+end
+
 if op == 'start' then
-  -- ARGV[3] epoch, [4] turn, [5] attempt
+  -- ARGV[3] epoch, [4] turn, [5] attempt, [6] history depth in turns (0: all)
   local r, status, why = fenced(ARGV[3], ARGV[4])
   if not r then return {'stop', why} end
   local now = q_now()
@@ -117,10 +154,11 @@ if op == 'start' then
   -- What the turn needs, in the same step: {'ok', n, n transcript entries,
   -- the record's field/value pairs} (appended, not unpacked: a long
   -- transcript would overflow Lua's stack).
-  local tx = redis.call('LRANGE', TX, 0, -1)
+  local fields = redis.call('HGETALL', RUN)
+  local tx = window_entries(fields, tonumber(ARGV[6]) or 0)
   local out = {'ok', tostring(#tx)}
   for i = 1, #tx do out[#out + 1] = tx[i] end
-  for _, v in ipairs(redis.call('HGETALL', RUN)) do out[#out + 1] = v end
+  for _, v in ipairs(fields) do out[#out + 1] = v end
   return out
 end
 
@@ -148,6 +186,7 @@ if op == 'output' then
   local r, status, why = fenced(ARGV[3], ARGV[4])
   if not r then return {'stop', why} end
   if redis.call('HGET', RUN, 'phase') == 'tools' then return {'ok'} end
+  mark_turn_start(tonumber(ARGV[4]) + 1, #ARGV - 5)
   for i = 6, #ARGV do redis.call('RPUSH', TX, ARGV[i]) end
   add_usage(ARGV[5])
   redis.call('HSET', RUN, 'phase', 'tools', 'updated_ms', q_now())
@@ -163,6 +202,7 @@ if op == 'commit' then
   local r, status, why = fenced(ARGV[3], ARGV[4])
   if not r then return {'stop', why} end
   local now = q_now()
+  mark_turn_start(tonumber(ARGV[4]) + 1, #ARGV - 10)
   for i = 11, #ARGV do redis.call('RPUSH', TX, ARGV[i]) end
   add_usage(ARGV[5])
   local turns = redis.call('HINCRBY', RUN, 'turns', 1)

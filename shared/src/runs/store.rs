@@ -605,8 +605,22 @@ impl RunStore {
     /// and reads what the turn needs — record and transcript — in the same
     /// step (one round trip per delivery).
     pub async fn start_turn(&self, lease: &Lease, job: TurnJob) -> Result<Started, StoreError> {
+        self.start_turn_with_history(lease, job, 0).await
+    }
+
+    /// [`RunStore::start_turn`], reading only the transcript entries a context
+    /// of `max_history` turns needs (0: all): turn 0's and every turn from the
+    /// one before the window on, which [`crate::runs::backpressure::prepare_context`]
+    /// bounds to what it would make of the whole transcript. A long run's
+    /// turn no longer copies its whole transcript through Lua (O(n²) over the run).
+    pub async fn start_turn_with_history(
+        &self,
+        lease: &Lease,
+        job: TurnJob,
+        max_history: usize,
+    ) -> Result<Started, StoreError> {
         let mut inv = self.invocation("start", &lease.id, "", None);
-        inv.arg(lease.epoch).arg(job.turn).arg(job.attempt);
+        inv.arg(lease.epoch).arg(job.turn).arg(job.attempt).arg(max_history);
         let reply = self.invoke(inv).await?;
         if let Fence::Stop(why) = Self::fence(&reply)? {
             return Ok(Started::Stop(why));

@@ -401,3 +401,51 @@ async fn a_retried_run_resumes_at_its_last_committed_turn() {
     assert_eq!(queued.data["retried"], true);
     assert_eq!(queued.data["previous_error"]["kind"], "dead_lettered");
 }
+
+#[tokio::test]
+async fn a_turn_reads_only_the_history_its_model_sees() {
+    use shared::runs::backpressure::prepare_context;
+    let env = env().await;
+    let long = RunSpec::from_json(
+        &json!({"model": "gpt-test", "input": "the task", "max_turns": 100}),
+        &SubmitPolicy::default(),
+    )
+    .unwrap();
+    let run = env.store.create("alpha", &long, None).await.unwrap().run;
+    // 40 turns, each a tool call (recorded first, as the worker does) and its output.
+    for turn in 0..40u32 {
+        let lease = env.queue.fetch("w", 1).await.unwrap().deliveries.remove(0).lease;
+        let job = TurnJob { turn, attempt: 1 };
+        assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Ok);
+        let id = format!("c{turn}");
+        let call = json!({"type": "function_call", "call_id": id, "name": "search", "arguments": "{}"});
+        let out = json!({"type": "function_call_output", "call_id": id, "output": format!("result {turn}")});
+        assert_eq!(env.store.record_output(&lease, job, &[call], Usage::default()).await.unwrap(), Fence::Ok);
+        assert_eq!(env.store.commit(&lease, job, &[out], Usage::default(), &Next::Continue).await.unwrap(), Fence::Ok);
+    }
+    let lease = env.queue.fetch("w", 1).await.unwrap().deliveries.remove(0).lease;
+    let job = TurnJob { turn: 40, attempt: 1 };
+    let ctx = match env.store.start_turn_with_history(&lease, job, 24).await.unwrap() {
+        shared::runs::Started::Run(ctx) => ctx,
+        shared::runs::Started::Stop(why) => panic!("stopped: {why}"),
+    };
+    let whole = env.store.transcript("alpha", &run.id).await.unwrap().unwrap();
+    assert_eq!(whole.len(), 1 + 2 * 40);
+    // The task, and turns 16..=40 (the window of 24 and the turn before it).
+    assert_eq!(ctx.transcript.len(), 1 + 2 * 25, "read only what the window needs");
+    assert_eq!(ctx.transcript[0].turn, 0);
+    assert_eq!(ctx.transcript[1].turn, 16);
+    // The model is sent exactly what the whole transcript would have given it.
+    for depth in [1, 2, 24, 25] {
+        let ctx = match env.store.start_turn_with_history(&lease, job, depth).await.unwrap() {
+            shared::runs::Started::Run(ctx) => ctx,
+            shared::runs::Started::Stop(why) => panic!("stopped: {why}"),
+        };
+        assert_eq!(prepare_context(&ctx.transcript, depth), prepare_context(&whole, depth), "depth {depth}");
+    }
+    // A depth beyond the run reads it all.
+    match env.store.start_turn_with_history(&lease, job, 100).await.unwrap() {
+        shared::runs::Started::Run(ctx) => assert_eq!(ctx.transcript.len(), whole.len()),
+        shared::runs::Started::Stop(why) => panic!("stopped: {why}"),
+    }
+}
