@@ -178,6 +178,8 @@ pub fn figures(plan: &PacingPlan, data: &TrialData) -> PacerFigures {
         redis_commands_per_turn: data.commands_per_turn(),
         worker_peak_rss_mb: data.worker_peak_rss_mb,
         lease_losses: data.lease_losses,
+        redis_cpu_ms_per_turn: 1000.0 * data.redis_cpu_s / data.turns_completed().max(1) as f64,
+        empty_fetches_per_turn: data.empty_fetches as f64 / data.turns_completed().max(1) as f64,
         runs_completed: completed,
         runs_failed: failed,
         runs_unfinished: plan.workload.runs.saturating_sub(completed + failed),

@@ -73,6 +73,20 @@ impl Drop for PrivateRedis {
 #[derive(Debug, Clone, Default)]
 pub struct CommandStats(BTreeMap<String, u64>);
 
+/// The server's CPU time so far (`INFO cpu`: `used_cpu_sys` + `used_cpu_user`), s.
+pub async fn cpu_seconds(conn: &mut redis::aio::ConnectionManager) -> anyhow::Result<f64> {
+    let info: String = redis::cmd("INFO").arg("cpu").query_async(conn).await?;
+    Ok(parse_cpu_seconds(&info))
+}
+
+/// See [`cpu_seconds`].
+pub fn parse_cpu_seconds(info: &str) -> f64 {
+    info.lines()
+        .filter_map(|l| l.strip_prefix("used_cpu_sys:").or_else(|| l.strip_prefix("used_cpu_user:")))
+        .filter_map(|v| v.trim().parse::<f64>().ok())
+        .sum()
+}
+
 impl CommandStats {
     /// Reads the server's counters now.
     pub async fn read(conn: &mut redis::aio::ConnectionManager) -> anyhow::Result<Self> {
@@ -134,6 +148,12 @@ impl CommandDelta {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn cpu_seconds_add_sys_and_user() {
+        let info = "# CPU\r\nused_cpu_sys:1.250000\r\nused_cpu_user:0.750000\r\nused_cpu_sys_children:9.0\r\n";
+        assert!((parse_cpu_seconds(info) - 2.0).abs() < 1e-9);
+    }
     use super::*;
 
     #[test]

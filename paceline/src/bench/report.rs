@@ -116,6 +116,12 @@ pub struct PacerFigures {
     /// Leases the workers lost while holding them (their heartbeat came too late).
     #[serde(default)]
     pub lease_losses: usize,
+    /// The Redis server's CPU time per completed turn, ms (`INFO cpu` delta).
+    #[serde(default)]
+    pub redis_cpu_ms_per_turn: f64,
+    /// Fetches that found nothing due, per completed turn.
+    #[serde(default)]
+    pub empty_fetches_per_turn: f64,
     // --- more than SPEC §7 asks ---
     /// Runs that completed.
     pub runs_completed: usize,
@@ -268,6 +274,8 @@ pub fn table(report: &Report) -> String {
         row("Redis commands per turn", &|p| num(p.redis_commands_per_turn, 1));
         row("worker peak RSS (MB)", &|p| num(p.worker_peak_rss_mb, 1));
         row("leases lost while held", &|p| p.lease_losses.to_string());
+        row("Redis CPU per turn (ms)", &|p| num(p.redis_cpu_ms_per_turn, 3));
+        row("empty fetches per turn", &|p| num(p.empty_fetches_per_turn, 2));
         row("mock count / our estimate (input)", &|p| num(p.input_count_ratio, 2));
         let w0 = rows.iter().map(|(n, _)| n.len()).max().unwrap_or(0);
         let widths: Vec<usize> = (0..order.len())

@@ -80,6 +80,7 @@ pub struct Trial {
     admin: redis::aio::ConnectionManager,
     store: RunStore,
     before: CommandStats,
+    cpu_before: f64,
     /// Commands this bench itself sent between the snapshots (polls).
     own_commands: u64,
     deliveries_key: Option<String>,
@@ -158,6 +159,10 @@ pub struct TrialData {
     pub deliveries: Vec<Delivery>,
     /// The largest worker peak RSS, MB.
     pub worker_peak_rss_mb: f64,
+    /// The Redis server's CPU time over the trial, s (`INFO cpu`).
+    pub redis_cpu_s: f64,
+    /// Fetches that found nothing due (a worker woken for nothing).
+    pub empty_fetches: u64,
     /// Leases the workers lost while they held them (their heartbeat did not
     /// renew them in time: a stalled process, a starved runtime).
     pub lease_losses: usize,
@@ -236,11 +241,13 @@ impl Trial {
             admin,
             store,
             before: CommandStats::default(),
+            cpu_before: 0.0,
             own_commands: 0,
             deliveries_key,
             submitted: vec![],
         };
         trial.before = CommandStats::read(&mut trial.admin).await?;
+        trial.cpu_before = super::redis::cpu_seconds(&mut trial.admin).await?;
         Ok(trial)
     }
 
@@ -311,6 +318,13 @@ impl Trial {
     /// and reads the runs and deliveries.
     pub async fn finish(mut self, drained: bool) -> anyhow::Result<TrialData> {
         let after = CommandStats::read(&mut self.admin).await?;
+        let redis_cpu_s = super::redis::cpu_seconds(&mut self.admin).await? - self.cpu_before;
+        let empty_fetches: u64 = redis::cmd("HGET")
+            .arg(&self.queue.keys().stats)
+            .arg("empty_fetches")
+            .query_async::<Option<u64>>(&mut self.admin)
+            .await?
+            .unwrap_or(0);
         let worker_peak_rss_mb = self.fleet.peak_rss_mb();
         let logs = self.fleet.logs();
         self.fleet.stop(Duration::from_secs(15)).await;
@@ -341,6 +355,17 @@ impl Trial {
         let mock = self.mock.stats();
         let mock_offset_s = self.first_submit.map(|t| t.duration_since(self.mock_started).as_secs_f64()).unwrap_or(0.0);
         self.mock.shutdown().await;
-        Ok(TrialData { commands, mock, mock_offset_s, runs, deliveries, worker_peak_rss_mb, lease_losses, drained })
+        Ok(TrialData {
+            commands,
+            mock,
+            mock_offset_s,
+            runs,
+            deliveries,
+            worker_peak_rss_mb,
+            redis_cpu_s,
+            empty_fetches,
+            lease_losses,
+            drained,
+        })
     }
 }

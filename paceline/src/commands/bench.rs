@@ -41,6 +41,12 @@ pub enum Scenario {
     /// (`fairness.weights_2_1.{ratio,target,error,shares}`). JSON:
     /// `{"config": …, "fairness": …}`.
     Fairness,
+    /// The cost per turn as the fleet grows: the pacing trial (shared pacer)
+    /// with the same total slots (`--workers` × `--concurrency`) split into
+    /// each of `--fleet-sizes` worker processes; per size, Redis commands, Redis
+    /// CPU and empty fetches per turn, efficiency and 429s. JSON:
+    /// `{"config": …, "fleet": {"<processes>": figures}}`.
+    Fleet,
 }
 
 /// Arguments of `paceline bench`.
@@ -145,6 +151,9 @@ pub struct Args {
     /// shape and pacer; JSON `shapes.<name>.pacers.<pacer>`.
     #[arg(long, value_delimiter = ',', value_parser = parse_shape)]
     shape: Vec<Vec<Shape>>,
+    /// Fleet scenario: worker process counts to compare, the same total slots split among them.
+    #[arg(long, value_delimiter = ',', default_value = "2,16,64")]
+    fleet_sizes: Vec<usize>,
     /// Write the figures as one JSON object (SPEC §7) to this file.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
@@ -237,6 +246,9 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
     if args.scenario == Scenario::Fairness {
         return fairness(&args, &plan, &env, &progress, started).await;
     }
+    if args.scenario == Scenario::Fleet {
+        return fleet(&args, &plan, &env, &progress, started).await;
+    }
     let mut shapes: Vec<Shape> = args.shape.iter().flatten().copied().collect();
     shapes.dedup();
     if !shapes.is_empty() {
@@ -293,6 +305,83 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
     println!("bench took {:.0} s", started.elapsed().as_secs_f64());
     if let Some(path) = &args.json {
         let text = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, text + "\n").with_context(|| format!("write {}", path.display()))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `--scenario fleet`: the shared pacer's trial at each fleet size, one table
+/// row per size, the bar (commands per turn at the largest size within
+/// 1.5× of the smallest) checked.
+async fn fleet(
+    args: &Args,
+    plan: &PacingPlan,
+    env: &Env,
+    progress: &ProgressBar,
+    started: Instant,
+) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(
+        !args.fleet_sizes.is_empty() && args.fleet_sizes.iter().all(|n| *n > 0),
+        "--fleet-sizes lists worker process counts of at least 1"
+    );
+    let slots = args.workers * args.concurrency;
+    let mut sizes = args.fleet_sizes.clone();
+    sizes.sort_unstable();
+    sizes.dedup();
+    let mut rows: BTreeMap<usize, report::PacerFigures> = BTreeMap::new();
+    for &n in &sizes {
+        let sized = PacingPlan { workers: n, concurrency: (slots / n).max(1), ..plan.clone() };
+        let f = pacing::measure(env, &sized, "shared", progress).await.with_context(|| format!("{n} processes"))?;
+        let line = format!(
+            "{n} processes x {}: {:.1} Redis commands / turn, {:.2} empty fetches / turn, efficiency {:.3}",
+            sized.concurrency, f.redis_commands_per_turn, f.empty_fetches_per_turn, f.efficiency
+        );
+        progress.suspend(|| eprintln!("{line}"));
+        rows.insert(n, f);
+    }
+    progress.finish_and_clear();
+    println!(
+        "paceline bench --scenario fleet: {slots} slots in all, {} runs x {} turns, the shared pacer, mock {} tokens / {} s",
+        args.runs, args.turns, args.tpm, args.window_s
+    );
+    println!(
+        "{:>9} {:>6} {:>12} {:>14} {:>14} {:>10} {:>6} {:>9} {:>8}",
+        "processes",
+        "slots",
+        "cmds / turn",
+        "Redis CPU ms",
+        "empty fetches",
+        "efficiency",
+        "429s",
+        "runs c/f",
+        "RSS MB"
+    );
+    for (n, f) in &rows {
+        println!(
+            "{:>9} {:>6} {:>12.1} {:>14.3} {:>14.2} {:>10.3} {:>6} {:>9} {:>8.1}",
+            n,
+            (slots / n).max(1),
+            f.redis_commands_per_turn,
+            f.redis_cpu_ms_per_turn,
+            f.empty_fetches_per_turn,
+            f.efficiency,
+            f.rate_limited,
+            format!("{}/{}", f.runs_completed, f.runs_failed),
+            f.worker_peak_rss_mb
+        );
+    }
+    if let (Some((small, fs)), Some((large, fl))) = (rows.iter().next(), rows.iter().next_back()) {
+        let ratio = fl.redis_commands_per_turn / fs.redis_commands_per_turn.max(1e-9);
+        println!(
+            "bar: commands per turn at {large} processes within 1.5x of {small}: {ratio:.2}x: {}",
+            if ratio <= 1.5 { "yes" } else { "NO" }
+        );
+    }
+    println!("bench took {:.0} s", started.elapsed().as_secs_f64());
+    if let Some(path) = &args.json {
+        let fleet: BTreeMap<String, &report::PacerFigures> = rows.iter().map(|(n, f)| (n.to_string(), f)).collect();
+        let out = serde_json::json!({"config": args.setup(), "fleet": fleet});
+        let text = serde_json::to_string_pretty(&out)?;
         std::fs::write(path, text + "\n").with_context(|| format!("write {}", path.display()))?;
     }
     Ok(ExitCode::SUCCESS)

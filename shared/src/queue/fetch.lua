@@ -1,5 +1,6 @@
 -- Fetch and lease up to ARGV[1] due turns for ARGV[2] ms (ARGV[3]: the dead
--- set's retention, ms). KEYS[Q_NKEYS+1]: the epoch counter. Returns {now, wait_ms, id, epoch, deliveries, due, payload, ...}:
+-- set's retention, ms). KEYS[Q_NKEYS+1]: the epoch counter; KEYS[Q_NKEYS+2]: the
+-- queue's counters (empty_fetches: a worker woken for nothing is a cost to count). Returns {now, wait_ms, id, epoch, deliveries, due, payload, ...}:
 -- wait_ms is, when nothing was due, how long until the next due turn (-1: none).
 local max, lease_ms, dead_keep_ms = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local now = q_now()
@@ -9,6 +10,7 @@ if n == 0 then
   -- Nothing due: the tokens are spent, and this worker now sleeps towards the
   -- earliest due time itself, so no other worker needs waking for it.
   redis.call('DEL', Q_NOTIFY)
+  redis.call('HINCRBY', KEYS[Q_NKEYS + 2], 'empty_fetches', 1)
   local nxt = redis.call('ZRANGE', Q_DUE, 0, 0, 'WITHSCORES')
   if #nxt == 0 then return {tostring(now), '-1'} end
   return {tostring(now), tostring(tonumber(nxt[2]) - now)}

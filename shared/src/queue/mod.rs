@@ -173,6 +173,9 @@ pub struct QueueKeys {
     pub notify: String,
     /// Counter the epochs come from.
     pub epoch_seq: String,
+    /// HASH of the queue's own counters (`empty_fetches`: fetches that found
+    /// nothing due, a worker woken for nothing).
+    pub stats: String,
     /// ZSET worker identity → last heartbeat ms.
     pub workers: String,
     /// HASH worker identity → JSON registration.
@@ -190,6 +193,7 @@ impl QueueKeys {
             reasons: keys.queue_key("reasons"),
             notify: keys.queue_key("notify"),
             epoch_seq: keys.queue_key("epoch"),
+            stats: keys.queue_key("stats"),
             workers: keys.queue_key("workers"),
             worker_info: keys.queue_key("worker_info"),
         }
@@ -457,6 +461,7 @@ impl TurnQueue {
     pub async fn fetch(&self, worker: &str, max: usize) -> Result<Fetched, QueueError> {
         let mut inv = self.invocation(&self.scripts.fetch);
         inv.key(&self.keys.epoch_seq)
+            .key(&self.keys.stats)
             .arg(max.clamp(1, MAX_FETCH_BATCH))
             .arg(self.config.lease_ms)
             .arg(self.config.dead_retention_ms);

@@ -162,6 +162,12 @@ async fn counts_are_exact_and_enqueue_is_idempotent_by_id() {
     assert_eq!(fetched.deliveries.len(), 2, "only the due turns are fetched");
     let c = q.counts().await.unwrap();
     assert_eq!((c.ready, c.delayed, c.in_flight, c.dead), (0, 1, 2, 0));
+
+    // A fetch that finds nothing due is counted (the bench reports it per turn).
+    assert!(q.fetch("w2", 10).await.unwrap().deliveries.is_empty());
+    let mut conn = env.server.conn().await;
+    let empty: u64 = redis::cmd("HGET").arg(&q.keys().stats).arg("empty_fetches").query_async(&mut conn).await.unwrap();
+    assert_eq!(empty, 1);
 }
 
 #[tokio::test]
