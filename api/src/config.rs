@@ -3,6 +3,7 @@
 //! [`ApiConfig::new`] and never set environment variables.
 
 use shared::config::{ProvidersArg, RedisArgs, Secret};
+use shared::runs::ToolEndpoints;
 use std::fmt;
 use std::net::SocketAddr;
 use std::str::FromStr;
@@ -28,9 +29,10 @@ pub struct ApiConfig {
     /// open development mode (every request is tenant `default`).
     #[arg(long = "api-tokens", env = "PACELINE_API_TOKENS", hide_env_values = true, default_value = "")]
     pub tokens: ApiTokens,
-    /// URL prefixes a run's `tool_endpoint` may start with (comma-separated).
-    #[arg(long = "tool-endpoints", env = "PACELINE_TOOL_ENDPOINTS", value_delimiter = ',')]
-    pub tool_endpoints: Vec<String>,
+    /// URL prefixes a run's `tool_endpoint` may start with, comma-separated:
+    /// `PREFIX` for every tenant, `TENANT=PREFIX` for one.
+    #[arg(long = "tool-endpoints", env = "PACELINE_TOOL_ENDPOINTS", default_value = "", value_name = "LIST")]
+    pub tool_endpoints: ToolEndpoints,
     /// Largest request body accepted, in bytes.
     #[arg(long = "body-limit", env = "PACELINE_BODY_LIMIT", default_value_t = DEFAULT_BODY_LIMIT)]
     pub body_limit: usize,
@@ -61,9 +63,23 @@ pub struct AccessArgs {
     /// and accept any `Host` header: anyone who reaches the port is tenant `default`.
     #[arg(long = "insecure-open", env = "PACELINE_INSECURE_OPEN")]
     pub insecure_open: bool,
+    /// Tenants that may submit `mode: companion` runs (comma-separated);
+    /// unset or empty: every tenant. Another tenant's companion run answers 403.
+    #[arg(
+        long = "companion-tenants",
+        env = "PACELINE_COMPANION_TENANTS",
+        value_delimiter = ',',
+        value_name = "TENANTS"
+    )]
+    pub companion_tenants: Vec<String>,
 }
 
 impl AccessArgs {
+    /// The tenants that may submit companion runs (empty: every tenant).
+    pub fn companion_tenants(&self) -> Vec<String> {
+        self.companion_tenants.iter().map(|t| t.trim().to_owned()).filter(|t| !t.is_empty()).collect()
+    }
+
     /// The operator token, if one is set and not empty.
     pub fn operator(&self) -> Option<&Secret> {
         self.operator_token.as_ref().filter(|t| !t.expose().trim().is_empty())
@@ -107,7 +123,7 @@ impl ApiConfig {
             listen,
             redis,
             tokens: ApiTokens::default(),
-            tool_endpoints: vec![],
+            tool_endpoints: ToolEndpoints::default(),
             body_limit: DEFAULT_BODY_LIMIT,
             retention: DEFAULT_RETENTION,
             redis_timeout_ms: DEFAULT_REDIS_TIMEOUT.as_millis() as u64,
@@ -153,9 +169,7 @@ impl fmt::Display for ApiTokens {
 }
 
 /// Whether `s` may name a tenant: it becomes part of Redis keys.
-pub fn valid_tenant(s: &str) -> bool {
-    (1..=64).contains(&s.len()) && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.')
-}
+pub use shared::runs::valid_tenant;
 
 impl FromStr for ApiTokens {
     type Err = String;
@@ -252,10 +266,15 @@ mod tests {
     fn flags_and_defaults() {
         let cli =
             Cli::try_parse_from(["x", "--tool-endpoints", "http://a/tools,http://b/t", "--retention", "1h"]).unwrap();
-        assert_eq!(cli.api.tool_endpoints.len(), 2);
+        assert_eq!(cli.api.tool_endpoints.0.len(), 2);
         assert_eq!(cli.api.retention, Duration::from_secs(3600));
         assert_eq!(cli.api.body_limit, DEFAULT_BODY_LIMIT);
         assert!(Cli::try_parse_from(["x", "--api-tokens", "nocolon"]).is_err());
+        let cli = Cli::try_parse_from(["x", "--tool-endpoints", "http://a/tools,acme=http://b/t"]).unwrap();
+        assert_eq!(cli.api.tool_endpoints.0[1].tenant.as_deref(), Some("acme"));
+        assert!(Cli::try_parse_from(["x", "--tool-endpoints", "not-a-url"]).is_err());
+        let cli = Cli::try_parse_from(["x", "--companion-tenants", "acme, beta,"]).unwrap();
+        assert_eq!(cli.api.access.companion_tenants(), vec!["acme", "beta"]);
         let cli = Cli::try_parse_from(["x", "--providers", "a=chat@http://h/v1,b=anthropic@https://api.anthropic.com"])
             .unwrap();
         assert_eq!(cli.api.providers.names(), vec!["a", "b"]);

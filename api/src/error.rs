@@ -178,6 +178,15 @@ impl From<SpecError> for ApiError {
     }
 }
 
+impl From<shared::runs::Refusal> for ApiError {
+    fn from(refusal: shared::runs::Refusal) -> Self {
+        match refusal {
+            shared::runs::Refusal::Invalid(error) => Self::Invalid(error),
+            shared::runs::Refusal::Forbidden(why) => Self::Forbidden(why),
+        }
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let (status, kind) = self.status_and_code();

@@ -53,13 +53,9 @@ impl Application {
             ),
         }
         let policy = SubmitPolicy {
-            tool_endpoint_prefixes: config
-                .tool_endpoints
-                .iter()
-                .map(|p| p.trim().to_owned())
-                .filter(|p| !p.is_empty())
-                .collect(),
+            tool_endpoints: config.tool_endpoints.clone(),
             providers: config.providers.names(),
+            companion_tenants: config.access.companion_tenants(),
         };
         let _ = crate::metrics::handle();
         let listener =

@@ -528,7 +528,7 @@ mod tests {
             let spec = shared::runs::RunSpec::from_json(
                 &ex.body,
                 &shared::runs::SubmitPolicy {
-                    tool_endpoint_prefixes: vec!["http://127.0.0.1:1/tools".into()],
+                    tool_endpoints: shared::runs::ToolEndpoints::every_tenant(["http://127.0.0.1:1/tools"]),
                     ..Default::default()
                 },
             );

@@ -71,7 +71,11 @@ impl ProvidersArg {
     }
 }
 
-/// Where a worker reads its providers' keys.
+/// The variable holding the secret that signs tool calls (read by workers
+/// through [`KeySource`], like the providers' keys: never a flag, never logged).
+pub const TOOL_SECRET_ENV: &str = "PACELINE_TOOL_SECRET";
+
+/// Where a worker reads its providers' keys (and [`TOOL_SECRET_ENV`]).
 #[derive(Debug, Clone, Default)]
 pub enum KeySource {
     /// The process environment (`paceline worker`, `paceline up`).

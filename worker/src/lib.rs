@@ -55,13 +55,16 @@ pub struct WorkerConfig {
     /// History depth sent to the model, in turns (one number for every transport).
     #[arg(long = "max-history", env = "PACELINE_MAX_HISTORY", default_value_t = shared::runs::backpressure::DEFAULT_MAX_HISTORY)]
     pub max_history: usize,
-    /// Allowed tool endpoints (comma-separated URL prefixes).
-    #[arg(long = "tool-endpoints", env = "PACELINE_TOOL_ENDPOINTS", value_delimiter = ',', default_value = "")]
-    pub tool_endpoints: Vec<String>,
+    /// Allowed tool endpoints, comma-separated: `PREFIX` for every tenant,
+    /// `TENANT=PREFIX` for one (the API's list; checked again before each call).
+    #[arg(long = "tool-endpoints", env = "PACELINE_TOOL_ENDPOINTS", default_value = "", value_name = "LIST")]
+    pub tool_endpoints: shared::runs::ToolEndpoints,
     /// How long a finished run's record, transcript and events are kept (`7d`, `12h`, `3600`).
     #[arg(long = "retention", env = "PACELINE_RETENTION", default_value = "7d", value_parser = shared::config::parse_duration)]
     pub retention: Duration,
-    /// Where the providers' keys are read (the environment; tests give them in code).
+    /// Where the providers' keys and `PACELINE_TOOL_SECRET` are read (the
+    /// environment; tests give them in code). Never a flag: a secret on a
+    /// command line is in every `ps`.
     #[arg(skip)]
     pub keys: KeySource,
 }
@@ -87,7 +90,7 @@ impl WorkerConfig {
             queue: QueueConfig::default(),
             concurrency: 16,
             max_history: shared::runs::backpressure::DEFAULT_MAX_HISTORY,
-            tool_endpoints: vec![],
+            tool_endpoints: shared::runs::ToolEndpoints::default(),
             retention: shared::runs::store::DEFAULT_RETENTION,
             // Hermetic: a config built in code reads no environment.
             keys: KeySource::Given(Default::default()),
@@ -103,20 +106,20 @@ pub async fn runner(config: &WorkerConfig) -> anyhow::Result<(Runner, TurnQueue)
     let keys = config.redis.keys();
     let store = RunStore::new(conn.clone(), keys.clone(), config.retention);
     let routes = routes::Routes::build(&config.provider, &config.pacer, &config.keys, conn, &keys)?;
-    let tool_endpoints = config.tool_endpoints.iter().map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect();
     let turn_config = TurnConfig {
         max_history: config.max_history.max(1),
         in_place_wait: Duration::from_millis(config.pacer.in_place_wait_ms),
-        tool_endpoints,
         ..TurnConfig::default()
     };
-    let http = reqwest::Client::builder().connect_timeout(Duration::from_secs(10)).build()?;
+    let secret = config.keys.get(shared::config::TOOL_SECRET_ENV);
+    let tools = tools::ToolClient::new(config.tool_endpoints.clone(), secret, tools::DEFAULT_TOOL_TIMEOUT)?;
+    tracing::info!(message = "tool calls", endpoints = %config.tool_endpoints, signed = tools.signs());
     let tenants = config.pacer.tenant_policy().map_err(anyhow::Error::msg)?;
     crate::estimate::warm_up();
     let runner = Runner {
         store,
         routes,
-        http,
+        tools,
         config: Arc::new(turn_config),
         tenants: Arc::new(tenants),
         calibration: Arc::default(),

@@ -1,20 +1,33 @@
 //! Calling the run's tool endpoint (SPEC §5).
 //!
 //! Each function call of a turn is POSTed as `{"run_id","call_id","name",
-//! "arguments"}` and answered with `{"output": "..."}`; the calls of one turn
-//! run in parallel. A tool that fails — refused connection, non-2xx, bad
-//! JSON, timeout — does not fail the run: its error becomes the text the
-//! model reads as that tool's output, so the model can react to it.
+//! "arguments","tenant"}` and answered with `{"output": "..."}`; the calls of
+//! one turn run in parallel. A tool that fails — refused connection, non-2xx,
+//! a redirect, bad JSON, timeout — does not fail the run: its error becomes
+//! the text the model reads as that tool's output, so the model can react to it.
 //!
-//! `shared::runs::spec::endpoint_allowed` is the `PACELINE_TOOL_ENDPOINTS` check: a URL passes
-//! when it lies under one of the configured prefixes, compared on the parsed
-//! URL (scheme, host, port, then whole path segments), never as raw text.
+//! Who may call what is checked here again before the calls (the API checked
+//! at submit): `shared::runs::ToolEndpoints::allows`, the run's tenant
+//! against `PACELINE_TOOL_ENDPOINTS`, compared on the parsed URL (scheme,
+//! host, port, then whole path segments), never as raw text. No redirect is
+//! followed: a 3xx would send the call (and its signature) to a URL the
+//! allow-list never saw, so it is the tool's error instead.
+//!
+//! Each call names its tenant (`X-Paceline-Tenant`, and `tenant` in the
+//! body) and, with `PACELINE_TOOL_SECRET`, is signed Stripe-style:
+//! `X-Paceline-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>.<body>">`
+//! ([`sign`], [`verify`]), so a tool server can authorise the call and refuse
+//! a replay older than its tolerance.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures::StreamExt;
+use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
+use sha2::Sha256;
+use shared::config::Secret;
+use shared::runs::ToolEndpoints;
 
 pub use crate::provider::ToolCall;
 
@@ -42,64 +55,168 @@ pub struct ToolResult {
     pub error: bool,
 }
 
-/// Calls every tool of one turn in parallel and returns their results in
-/// the order of `calls`. Never fails: a tool's failure is its output text —
-/// also an endpoint outside `allowed` (this worker's prefixes), which is not
-/// called. `timeout` bounds each call from connect to the last byte of its answer.
-pub async fn run_tools(
-    client: &reqwest::Client,
-    endpoint: &str,
-    allowed: &[String],
-    run_id: &str,
-    calls: &[ToolCall],
-    timeout: Duration,
-) -> Vec<ToolResult> {
-    let permitted = shared::runs::spec::endpoint_allowed(endpoint, allowed);
-    let futures = calls.iter().map(|call| async move {
-        let started = std::time::Instant::now();
-        let result = if !permitted {
-            Err(format!("the endpoint {endpoint:?} is not allowed on this worker"))
-        } else {
-            match tokio::time::timeout(timeout, call_tool(client, endpoint, run_id, call)).await {
-                Ok(result) => result,
-                Err(_) => Err(format!("timed out after {}", describe(timeout))),
-            }
-        };
-        let (output, error) = match result {
-            Ok(output) => (output, false),
-            Err(why) => {
-                tracing::info!(message = "tool call failed", run.id = %run_id, tool.name = %call.name, tool.call_id = %call.call_id, error = %why);
-                (format!("tool error: {why}"), true)
-            }
-        };
-        tracing::debug!(message = "tool call done", run.id = %run_id, tool.name = %call.name, error, elapsed_ms = started.elapsed().as_millis() as u64);
-        ToolResult { call_id: call.call_id.clone(), name: call.name.clone(), output, error }
-    });
-    futures::future::join_all(futures).await
+/// The header naming the run's tenant.
+pub const TENANT_HEADER: &str = "x-paceline-tenant";
+/// The header carrying the call's signature (with `PACELINE_TOOL_SECRET`).
+pub const SIGNATURE_HEADER: &str = "x-paceline-signature";
+
+/// The signature header's value for `body` sent at `unix_secs`:
+/// `t=<unix_secs>,v1=<hex HMAC-SHA256 over "<unix_secs>.<body>">`.
+pub fn sign(secret: &Secret, unix_secs: u64, body: &[u8]) -> String {
+    let mut mac = mac(secret, unix_secs);
+    mac.update(body);
+    let hex: String = mac.finalize().into_bytes().iter().map(|b| format!("{b:02x}")).collect();
+    format!("t={unix_secs},v1={hex}")
 }
 
-/// One POST; `Err` is the failure's description.
-async fn call_tool(client: &reqwest::Client, endpoint: &str, run_id: &str, call: &ToolCall) -> Result<String, String> {
-    let body = json!({"run_id": run_id, "call_id": call.call_id, "name": call.name, "arguments": call.arguments});
-    let response = client.post(endpoint).json(&body).send().await.map_err(|e| describe_error(&e))?;
-    let status = response.status();
-    let bytes = read_limited(response).await?;
-    let text = String::from_utf8_lossy(&bytes);
-    if !status.is_success() {
-        let excerpt = excerpt(text.trim());
-        return Err(if excerpt.is_empty() {
-            format!("HTTP {}", status.as_u16())
-        } else {
-            format!("HTTP {}: {excerpt}", status.as_u16())
-        });
+/// Whether `header` (an `X-Paceline-Signature` value) signs `body` with
+/// `secret`, made no more than `tolerance_secs` from `now_secs` either way:
+/// what a tool server written in Rust checks (README has the same in Python).
+/// The comparison is constant-time.
+pub fn verify(secret: &Secret, header: &str, body: &[u8], now_secs: u64, tolerance_secs: u64) -> bool {
+    let mut t = None;
+    let mut signatures = Vec::new();
+    for part in header.split(',') {
+        match part.trim().split_once('=') {
+            Some(("t", v)) => t = v.parse::<u64>().ok(),
+            Some(("v1", v)) => signatures.push(v),
+            _ => {}
+        }
     }
-    let answer: Value =
-        serde_json::from_str(&text).map_err(|e| format!("the answer is not JSON ({e}): {}", excerpt(text.trim())))?;
-    match answer.get("output") {
-        Some(Value::String(s)) => Ok(s.clone()),
-        // A tool that answers structured data: the model reads it as JSON text.
-        Some(Value::Null) | None => Err(format!("the answer has no \"output\": {}", excerpt(&answer.to_string()))),
-        Some(other) => Ok(other.to_string()),
+    let Some(t) = t else { return false };
+    if t.abs_diff(now_secs) > tolerance_secs {
+        return false;
+    }
+    signatures.into_iter().any(|hex| {
+        let Some(expected) = unhex(hex) else { return false };
+        let mut mac = mac(secret, t);
+        mac.update(body);
+        mac.verify_slice(&expected).is_ok()
+    })
+}
+
+/// The MAC over `"<t>."`, ready for the body.
+fn mac(secret: &Secret, t: u64) -> Hmac<Sha256> {
+    let mut mac = Hmac::<Sha256>::new_from_slice(secret.expose().as_bytes()).expect("HMAC takes a key of any length");
+    mac.update(format!("{t}.").as_bytes());
+    mac
+}
+
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    if !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    s.as_bytes()
+        .chunks(2)
+        .map(|pair| match pair {
+            [hi, lo] => std::str::from_utf8(&[*hi, *lo]).ok().and_then(|p| u8::from_str_radix(p, 16).ok()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Calls a worker's tool endpoints: the allow-list, the signing secret, the
+/// timeout and an HTTP client that follows no redirect.
+#[derive(Debug, Clone)]
+pub struct ToolClient {
+    http: reqwest::Client,
+    allowed: ToolEndpoints,
+    secret: Option<Secret>,
+    timeout: Duration,
+}
+
+impl ToolClient {
+    /// A client allowing `allowed`, signing with `secret` (none or empty:
+    /// unsigned), giving each call `timeout` from connect to the last byte.
+    pub fn new(allowed: ToolEndpoints, secret: Option<Secret>, timeout: Duration) -> Result<Self, reqwest::Error> {
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(10))
+            .redirect(reqwest::redirect::Policy::none())
+            .build()?;
+        Ok(Self { http, allowed, secret: secret.filter(|s| !s.is_empty()), timeout })
+    }
+
+    /// Whether calls are signed.
+    pub fn signs(&self) -> bool {
+        self.secret.is_some()
+    }
+
+    /// Calls every tool of one turn of `tenant`'s run in parallel and returns
+    /// their results in the order of `calls`. Never fails: a tool's failure is
+    /// its output text — also an endpoint this worker does not allow to
+    /// `tenant`, which is not called.
+    pub async fn run(&self, endpoint: &str, tenant: &str, run_id: &str, calls: &[ToolCall]) -> Vec<ToolResult> {
+        let permitted = self.allowed.allows(tenant, endpoint);
+        let futures = calls.iter().map(|call| async move {
+            let started = std::time::Instant::now();
+            let result = if !permitted {
+                Err(format!("the endpoint {endpoint:?} is not allowed on this worker"))
+            } else {
+                match tokio::time::timeout(self.timeout, self.call(endpoint, tenant, run_id, call)).await {
+                    Ok(result) => result,
+                    Err(_) => Err(format!("timed out after {}", describe(self.timeout))),
+                }
+            };
+            let (output, error) = match result {
+                Ok(output) => (output, false),
+                Err(why) => {
+                    tracing::info!(message = "tool call failed", run.id = %run_id, tool.name = %call.name, tool.call_id = %call.call_id, error = %why);
+                    (format!("tool error: {why}"), true)
+                }
+            };
+            tracing::debug!(message = "tool call done", run.id = %run_id, tool.name = %call.name, error, elapsed_ms = started.elapsed().as_millis() as u64);
+            ToolResult { call_id: call.call_id.clone(), name: call.name.clone(), output, error }
+        });
+        futures::future::join_all(futures).await
+    }
+
+    /// One POST; `Err` is the failure's description.
+    async fn call(&self, endpoint: &str, tenant: &str, run_id: &str, call: &ToolCall) -> Result<String, String> {
+        let body = json!({"run_id": run_id, "call_id": call.call_id, "name": call.name, "arguments": call.arguments,
+                          "tenant": tenant});
+        // The bytes signed are the bytes sent.
+        let body = serde_json::to_vec(&body).map_err(|e| format!("cannot encode the call: {e}"))?;
+        let mut request = self
+            .http
+            .post(endpoint)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .header(TENANT_HEADER, tenant);
+        if let Some(secret) = &self.secret {
+            let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+            request = request.header(SIGNATURE_HEADER, sign(secret, now, &body));
+        }
+        let response = request.body(body).send().await.map_err(|e| describe_error(&e))?;
+        let status = response.status();
+        if status.is_redirection() {
+            let to = response
+                .headers()
+                .get(reqwest::header::LOCATION)
+                .and_then(|l| l.to_str().ok())
+                .map(|l| format!(" to {}", excerpt(l)))
+                .unwrap_or_default();
+            return Err(format!(
+                "the endpoint redirected (HTTP {}{to}); tool calls do not follow redirects",
+                status.as_u16()
+            ));
+        }
+        let bytes = read_limited(response).await?;
+        let text = String::from_utf8_lossy(&bytes);
+        if !status.is_success() {
+            let excerpt = excerpt(text.trim());
+            return Err(if excerpt.is_empty() {
+                format!("HTTP {}", status.as_u16())
+            } else {
+                format!("HTTP {}: {excerpt}", status.as_u16())
+            });
+        }
+        let answer: Value = serde_json::from_str(&text)
+            .map_err(|e| format!("the answer is not JSON ({e}): {}", excerpt(text.trim())))?;
+        match answer.get("output") {
+            Some(Value::String(s)) => Ok(s.clone()),
+            // A tool that answers structured data: the model reads it as JSON text.
+            Some(Value::Null) | None => Err(format!("the answer has no \"output\": {}", excerpt(&answer.to_string()))),
+            Some(other) => Ok(other.to_string()),
+        }
     }
 }
 
@@ -144,6 +261,28 @@ fn excerpt(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_signature_is_hmac_sha256_over_time_dot_body_and_verifies_with_the_secret_only() {
+        let secret = Secret::new("whsec_test");
+        let body = br#"{"run_id":"run_1","tenant":"acme"}"#;
+        // Computed apart: python3 -c 'import hmac,hashlib;
+        //   print(hmac.new(b"whsec_test", b"1700000000." + BODY, hashlib.sha256).hexdigest())'
+        let header = sign(&secret, 1_700_000_000, body);
+        assert_eq!(header, "t=1700000000,v1=85adc9db6174b90bed86f4b6c0f7fea50c4c685d5ff96ad3a9326535069cec99");
+        assert!(verify(&secret, &header, body, 1_700_000_100, 300));
+        assert!(!verify(&Secret::new("whsec_wrong"), &header, body, 1_700_000_100, 300), "a wrong secret");
+        assert!(
+            !verify(&secret, &header, br#"{"run_id":"run_2","tenant":"acme"}"#, 1_700_000_100, 300),
+            "another body"
+        );
+        assert!(!verify(&secret, &header, body, 1_700_000_301, 300), "too old: a replay");
+        let moved = header.replace("t=1700000000", "t=1700000001");
+        assert!(!verify(&secret, &moved, body, 1_700_000_000, 300), "the time is signed too");
+        for bad in ["", "t=1700000000", "v1=00", "t=x,v1=00", "t=1700000000,v1=zz", "t=1700000000,v1=+0"] {
+            assert!(!verify(&secret, bad, body, 1_700_000_000, 300), "{bad}");
+        }
+    }
 
     #[test]
     fn durations_read_well() {

@@ -41,10 +41,6 @@ pub struct TurnConfig {
     pub in_place_wait: Duration,
     /// The reactive ladder.
     pub retry: RetryPolicy,
-    /// Timeout of one tool call.
-    pub tool_timeout: Duration,
-    /// Allowed tool endpoint prefixes (checked again here: the API checked at submit).
-    pub tool_endpoints: Vec<String>,
 }
 
 impl Default for TurnConfig {
@@ -53,8 +49,6 @@ impl Default for TurnConfig {
             max_history: shared::runs::backpressure::DEFAULT_MAX_HISTORY,
             in_place_wait: Duration::from_millis(250),
             retry: RetryPolicy::default(),
-            tool_timeout: crate::tools::DEFAULT_TOOL_TIMEOUT,
-            tool_endpoints: vec![],
         }
     }
 }
@@ -66,8 +60,9 @@ pub struct Runner {
     pub store: RunStore,
     /// The providers, each with its client and its pacer (shared, local or off).
     pub routes: Routes,
-    /// The HTTP client for tool calls.
-    pub http: reqwest::Client,
+    /// Calls tool endpoints: the allow-list (checked again here: the API
+    /// checked at submit), the signing secret, no redirects.
+    pub tools: crate::tools::ToolClient,
     /// Knobs.
     pub config: Arc<TurnConfig>,
     /// Tenants' weights and caps (fair admission).
@@ -323,9 +318,7 @@ impl Runner {
             .collect();
         self.store.emit_all(&lease.id, event::TURN_TOOL_CALL, &announced).await?;
         let endpoint = ctx.spec.tool_endpoint.as_deref().unwrap_or_default();
-        let allowed = &self.config.tool_endpoints;
-        let results =
-            crate::tools::run_tools(&self.http, endpoint, allowed, &lease.id, calls, self.config.tool_timeout).await;
+        let results = self.tools.run(endpoint, &ctx.tenant, &lease.id, calls).await;
         let mut items = Vec::with_capacity(results.len());
         let mut reported = Vec::with_capacity(results.len());
         for r in &results {

@@ -42,9 +42,10 @@ pub struct SubmitRun {
     /// Function tools: `{"type": "function", "name", "description", "parameters"}`.
     #[schema(value_type = Vec<Object>)]
     tools: Option<Vec<Value>>,
-    /// Where tool calls are POSTed; must start with an allowed prefix.
+    /// Where tool calls are POSTed; must start with a prefix allowed to every
+    /// tenant or to the caller's (`PACELINE_TOOL_ENDPOINTS`).
     tool_endpoint: Option<String>,
-    /// `work` (default) or `companion`.
+    /// `work` (default) or `companion` (only tenants in `PACELINE_COMPANION_TENANTS`, when set).
     mode: Option<shared::pacer::Mode>,
     /// 1 to 1000 (default 40).
     max_turns: Option<u32>,
@@ -164,7 +165,7 @@ fn idempotency(headers: &HeaderMap, spec: &RunSpec) -> Result<Option<Idempotency
         (status = 202, description = "Accepted (or the first run of this Idempotency-Key)", body = Run),
         (status = 400, description = "Malformed JSON", body = ErrorBody),
         (status = 401, description = "No or bad token", body = ErrorBody),
-        (status = 403, description = "The operator token (it has no runs)", body = ErrorBody),
+        (status = 403, description = "The operator token (it has no runs), or `mode: companion` from a tenant not in PACELINE_COMPANION_TENANTS", body = ErrorBody),
         (status = 413, description = "Body over the limit", body = ErrorBody),
         (status = 415, description = "The body is not sent as application/json", body = ErrorBody),
         (status = 422, description = "A rule is broken; `field` names it", body = ErrorBody),
@@ -181,6 +182,7 @@ pub async fn submit(
 ) -> Result<Response, ApiError> {
     let value = json_body(body, state.config.body_limit)?;
     let spec = RunSpec::from_json(&value, &state.policy)?;
+    state.policy.admit(&tenant, &spec)?;
     let idem = idempotency(&headers, &spec)?;
     let created = state.redis("create run", state.runs.create(&tenant, &spec, idem.as_ref())).await?;
     if created.replayed {

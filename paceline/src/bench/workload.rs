@@ -157,7 +157,7 @@ pub async fn tool_server() -> anyhow::Result<Served> {
 /// `token`) or, when empty, in open mode (tenant `default`).
 pub async fn api_server(redis: RedisArgs, tool_prefix: &str, tokens: &[(String, String)]) -> anyhow::Result<Served> {
     let mut config = api::ApiConfig::new(SocketAddr::from(([127, 0, 0, 1], 0)), redis);
-    config.tool_endpoints = vec![tool_prefix.to_owned()];
+    config.tool_endpoints = shared::runs::ToolEndpoints::every_tenant([tool_prefix]);
     for (tenant, token) in tokens {
         config.tokens = config.tokens.with(tenant.clone(), token.clone());
     }

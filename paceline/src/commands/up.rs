@@ -59,9 +59,10 @@ pub struct Args {
     /// History depth sent to the model, in turns.
     #[arg(long = "max-history", env = "PACELINE_MAX_HISTORY", default_value_t = shared::runs::backpressure::DEFAULT_MAX_HISTORY)]
     max_history: usize,
-    /// URL prefixes a run's `tool_endpoint` may start with (comma-separated).
-    #[arg(long = "tool-endpoints", env = "PACELINE_TOOL_ENDPOINTS", value_delimiter = ',')]
-    tool_endpoints: Vec<String>,
+    /// URL prefixes a run's `tool_endpoint` may start with, comma-separated:
+    /// `PREFIX` for every tenant, `TENANT=PREFIX` for one.
+    #[arg(long = "tool-endpoints", env = "PACELINE_TOOL_ENDPOINTS", default_value = "", value_name = "LIST")]
+    tool_endpoints: shared::runs::ToolEndpoints,
     /// Bearer tokens per tenant: `tenant:token,tenant:token`. Unset: open development mode.
     #[arg(long = "api-tokens", env = "PACELINE_API_TOKENS", hide_env_values = true, default_value = "")]
     tokens: api::config::ApiTokens,
@@ -135,7 +136,7 @@ async fn serve(
     let mut provider = (*args.provider).clone();
     let mut keys = KeySource::Environment;
     if let Some(d) = &demo {
-        tool_endpoints.push(d.tool_endpoint());
+        tool_endpoints = tool_endpoints.with(None, d.tool_endpoint());
         // One provider per wire style, each its own mock and budget.
         provider = ProviderArgs::single(String::new(), shared::runs::ApiStyle::Responses);
         provider.named.providers = d.providers();

@@ -1,10 +1,11 @@
 //! Runs: what a client submits (`spec.rs`, its generation parameters
-//! `generation.rs`), the run object (`record.rs`), its
+//! `generation.rs`, the tool endpoints it may name `endpoints.rs`), the run object (`record.rs`), its
 //! state machine (`state.rs`), its transcript (`transcript.rs`), what a turn
 //! sends (`backpressure.rs`), and the store that keeps them in Redis
 //! (`store.rs` + `store.lua`, built on the queue's Lua library).
 
 pub mod backpressure;
+pub mod endpoints;
 pub mod generation;
 pub mod record;
 pub mod spec;
@@ -12,9 +13,10 @@ pub mod state;
 pub mod store;
 pub mod transcript;
 
+pub use endpoints::{valid_tenant, ToolEndpoint, ToolEndpoints};
 pub use generation::{Effort, Format, Generation, JsonSchema, ServiceTier, ToolChoice, Truncation};
 pub use record::{PacingCounters, Run, RunError, Usage};
-pub use spec::{RunSpec, SpecError, SubmitPolicy};
+pub use spec::{Refusal, RunSpec, SpecError, SubmitPolicy};
 pub use state::{InvalidTransition, RunStatus, Transition, WaitReason};
 pub use store::{
     Created, Fence, Idempotency, Next, RunEvent, RunStore, Started, StoreError, TenantCounts, TurnContext, TurnJob,

@@ -5,6 +5,8 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+pub use super::endpoints::endpoint_allowed;
+use super::endpoints::ToolEndpoints;
 use super::generation::{self, Generation};
 use crate::pacer::Mode;
 
@@ -67,16 +69,34 @@ fn err(field: impl Into<String>, message: impl Into<String>) -> SpecError {
     SpecError { field: field.into(), message: message.into() }
 }
 
-/// What runs may name: tool endpoints (`PACELINE_TOOL_ENDPOINTS`: URL
-/// prefixes) and providers (`PACELINE_PROVIDERS`).
+/// What runs may name and who may submit what: tool endpoints
+/// (`PACELINE_TOOL_ENDPOINTS`, per tenant or for all), providers
+/// (`PACELINE_PROVIDERS`) and companion mode (`PACELINE_COMPANION_TENANTS`).
+/// [`RunSpec::from_json`] checks the body; [`SubmitPolicy::admit`] checks it
+/// against the tenant who sent it.
 #[derive(Debug, Clone, Default)]
 pub struct SubmitPolicy {
-    /// Allowed URL prefixes; empty allows none.
-    pub tool_endpoint_prefixes: Vec<String>,
+    /// Allowed tool endpoints; empty allows none.
+    pub tool_endpoints: ToolEndpoints,
     /// The fleet's provider names; empty means the one unnamed provider of a
     /// single-provider fleet, which a run may call
     /// [`crate::providers::DEFAULT_PROVIDER`].
     pub providers: Vec<String>,
+    /// The tenants that may submit `mode: companion`; empty: every tenant.
+    pub companion_tenants: Vec<String>,
+}
+
+/// Why a tenant may not submit a spec that is valid in itself.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    /// A rule of the body for this tenant (422): a `tool_endpoint` not
+    /// allowed to it.
+    #[error(transparent)]
+    Invalid(SpecError),
+    /// A privilege this tenant lacks (403): companion mode. The same body
+    /// from a tenant that holds it is accepted, so it is not a bad body.
+    #[error("{0}")]
+    Forbidden(String),
 }
 
 impl SubmitPolicy {
@@ -87,6 +107,29 @@ impl SubmitPolicy {
         } else {
             self.providers.iter().map(String::as_str).collect()
         }
+    }
+
+    /// Whether `tenant` may submit companion runs.
+    pub fn may_use_companion(&self, tenant: &str) -> bool {
+        self.companion_tenants.is_empty() || self.companion_tenants.iter().any(|t| t == tenant)
+    }
+
+    /// Whether `tenant` may submit `spec` (already valid by [`RunSpec::from_json`]).
+    pub fn admit(&self, tenant: &str, spec: &RunSpec) -> Result<(), Refusal> {
+        if spec.mode == Mode::Companion && !self.may_use_companion(tenant) {
+            return Err(Refusal::Forbidden(format!(
+                "tenant {tenant} may not submit companion runs (PACELINE_COMPANION_TENANTS); submit it as mode \"work\""
+            )));
+        }
+        if let Some(url) = &spec.tool_endpoint {
+            if !self.tool_endpoints.allows(tenant, url) {
+                return Err(Refusal::Invalid(err(
+                    "tool_endpoint",
+                    "is not an allowed tool endpoint (PACELINE_TOOL_ENDPOINTS)",
+                )));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -178,8 +221,10 @@ impl RunSpec {
         let tool_endpoint = match obj.get("tool_endpoint") {
             None | Some(Value::Null) => None,
             Some(Value::String(url)) => {
-                if !endpoint_allowed(url, &policy.tool_endpoint_prefixes) {
-                    return Err(err("tool_endpoint", "is not an allowed tool endpoint (PACELINE_TOOL_ENDPOINTS)"));
+                // Whether this tenant may call it is `SubmitPolicy::admit`'s to say.
+                let parsed = url::Url::parse(url.trim()).ok();
+                if !parsed.is_some_and(|u| matches!(u.scheme(), "http" | "https") && !u.cannot_be_a_base()) {
+                    return Err(err("tool_endpoint", "must be an http(s) URL"));
                 }
                 Some(url.clone())
             }
@@ -253,40 +298,6 @@ fn valid_tool_name(n: &str) -> bool {
     (1..=64).contains(&n.len()) && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
 }
 
-/// Whether `url` lies under one of the allowed `prefixes`
-/// (`PACELINE_TOOL_ENDPOINTS`). No prefixes allow nothing.
-///
-/// Both sides are parsed (so `..` segments, `%2e%2e`, default ports and host
-/// case are normalised first) and compared by scheme, user info, host and
-/// port exactly, then by path on segment boundaries: the prefix
-/// `http://127.0.0.1:9000/tools` allows `…:9000/tools` and `…:9000/tools/x`,
-/// not `…:9000/toolsx`, `…:90001/…`, `…:9000.evil.com/…` or
-/// `…:9000@evil.com/…`. A prefix ending in `/` allows what is below it. The
-/// prefix's query and fragment are ignored.
-pub fn endpoint_allowed(url: &str, prefixes: &[String]) -> bool {
-    let Ok(url) = url::Url::parse(url.trim()) else { return false };
-    if !matches!(url.scheme(), "http" | "https") || url.cannot_be_a_base() {
-        return false;
-    }
-    prefixes.iter().any(|prefix| {
-        let Ok(prefix) = url::Url::parse(prefix.trim()) else { return false };
-        let same_origin = url.scheme() == prefix.scheme()
-            && url.host_str() == prefix.host_str()
-            && url.port_or_known_default() == prefix.port_or_known_default()
-            && url.username() == prefix.username()
-            && url.password() == prefix.password();
-        if !same_origin {
-            return false;
-        }
-        let (path, base) = (url.path(), prefix.path());
-        if base.ends_with('/') {
-            path.starts_with(base)
-        } else {
-            path == base || path.strip_prefix(base).is_some_and(|rest| rest.starts_with('/'))
-        }
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -294,8 +305,10 @@ mod tests {
 
     fn policy() -> SubmitPolicy {
         SubmitPolicy {
-            tool_endpoint_prefixes: vec!["http://127.0.0.1:9000/tools".into()],
+            tool_endpoints: ToolEndpoints::every_tenant(["http://127.0.0.1:9000/tools"])
+                .with(Some("acme"), "http://tools.acme.internal/"),
             providers: vec!["openai".into(), "claude".into()],
+            companion_tenants: vec![],
         }
     }
 
@@ -339,7 +352,7 @@ mod tests {
                 "tools[1].name",
             ),
             (json!({"model": "m", "input": "x", "tools": [{"type": "function", "name": "a"}]}), "tool_endpoint"),
-            (json!({"model": "m", "input": "x", "tool_endpoint": "http://evil.example/tools"}), "tool_endpoint"),
+            (json!({"model": "m", "input": "x", "tool_endpoint": "file:///etc/passwd"}), "tool_endpoint"),
             (json!({"model": "m", "input": "x", "provider": "gemini"}), "provider"),
             (json!({"model": "m", "input": "x", "provider": 1}), "provider"),
             (json!({"model": "m", "input": "x", "temperature": 3}), "temperature"),
@@ -370,57 +383,31 @@ mod tests {
         assert!(err.message.contains("default"), "{err}");
     }
 
-    fn allowed(url: &str, prefixes: &[&str]) -> bool {
-        endpoint_allowed(url, &prefixes.iter().map(|p| p.to_string()).collect::<Vec<_>>())
+    #[test]
+    fn a_tenant_may_name_the_shared_endpoints_and_its_own() {
+        let p = policy();
+        let run = |url: &str| {
+            RunSpec::from_json(&json!({"model": "m", "input": "x", "tool_endpoint": url}), &p).expect("a valid body")
+        };
+        assert_eq!(p.admit("beta", &run("http://127.0.0.1:9000/tools/x")), Ok(()));
+        assert_eq!(p.admit("acme", &run("http://tools.acme.internal/search")), Ok(()));
+        let Err(Refusal::Invalid(e)) = p.admit("beta", &run("http://tools.acme.internal/search")) else {
+            panic!("acme's endpoint is refused to beta")
+        };
+        assert_eq!(e.field, "tool_endpoint");
+        assert!(matches!(p.admit("acme", &run("http://evil.example/tools")), Err(Refusal::Invalid(_))));
     }
 
     #[test]
-    fn a_prefix_allows_itself_and_what_is_below_it() {
-        let p = ["http://127.0.0.1:9000/tools"];
-        assert!(allowed("http://127.0.0.1:9000/tools", &p));
-        assert!(allowed("http://127.0.0.1:9000/tools/", &p));
-        assert!(allowed("http://127.0.0.1:9000/tools/search?x=1", &p));
-        assert!(allowed("HTTP://127.0.0.1:9000/tools/a/b", &p));
-    }
-
-    #[test]
-    fn lookalikes_are_refused() {
-        let p = ["http://127.0.0.1:9000/tools"];
-        for url in [
-            "http://127.0.0.1:90001/tools",
-            "http://127.0.0.1:9000.evil.com/tools",
-            "http://127.0.0.1:9000@evil.com/tools",
-            "http://evil.com/http://127.0.0.1:9000/tools",
-            "http://127.0.0.1:9000/toolsx",
-            "http://127.0.0.1:9000/tool",
-            "http://127.0.0.1:9000/tools/../admin",
-            "http://127.0.0.1:9000/tools/%2e%2e/admin",
-            "http://127.0.0.1:900/tools",
-            "http://127.0.0.1/tools",
-            "https://127.0.0.1:9000/tools",
-            "http://user@127.0.0.1:9000/tools",
-            "http://localhost:9000/tools",
-            "file:///tools",
-            "not a url",
-            "",
-        ] {
-            assert!(!allowed(url, &p), "{url} must not be allowed");
-        }
-        assert!(!allowed("http://127.0.0.1:9000/tools", &[]));
-        assert!(!allowed("http://127.0.0.1:9000/tools", &["garbage"]));
-    }
-
-    #[test]
-    fn default_ports_trailing_slashes_and_several_prefixes() {
-        assert!(allowed("https://tools.example.com:443/v1/run", &["https://tools.example.com/v1"]));
-        assert!(allowed("http://tools.example.com/v1/run", &["http://TOOLS.example.com:80/v1/"]));
-        assert!(!allowed("http://tools.example.com/v10", &["http://tools.example.com/v1"]));
-        assert!(!allowed("http://tools.example.com/v1", &["http://tools.example.com/v1/"]));
-        // A bare origin allows every path on it.
-        assert!(allowed("http://10.0.0.5:7000/anything/at/all", &["http://10.0.0.5:7000"]));
-        let several = ["http://a.internal/tools", "http://127.0.0.1:9000/"];
-        assert!(allowed("http://127.0.0.1:9000/x", &several));
-        assert!(allowed("http://a.internal/tools/y", &several));
-        assert!(!allowed("http://b.internal/tools/y", &several));
+    fn companion_mode_is_for_the_listed_tenants_or_for_all_when_none_are() {
+        let companion =
+            RunSpec::from_json(&json!({"model": "m", "input": "x", "mode": "companion"}), &policy()).unwrap();
+        let work = RunSpec::from_json(&json!({"model": "m", "input": "x"}), &policy()).unwrap();
+        assert_eq!(policy().admit("anyone", &companion), Ok(()), "unset: every tenant");
+        let p = SubmitPolicy { companion_tenants: vec!["acme".into()], ..policy() };
+        assert_eq!(p.admit("acme", &companion), Ok(()));
+        let Err(Refusal::Forbidden(why)) = p.admit("beta", &companion) else { panic!("beta may not") };
+        assert!(why.contains("beta") && why.contains("PACELINE_COMPANION_TENANTS"), "{why}");
+        assert_eq!(p.admit("beta", &work), Ok(()), "work runs stay open to every tenant");
     }
 }

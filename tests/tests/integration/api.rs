@@ -14,7 +14,7 @@ use paceline_tests::{unique_prefix, within, RedisServer};
 use serde_json::{json, Value};
 use shared::config::RedisArgs;
 use shared::keys::Keys;
-use shared::runs::RunStore;
+use shared::runs::{RunStore, ToolEndpoints};
 use tokio::sync::oneshot;
 
 const ACME: &str = "tok-acme-0123456789";
@@ -49,7 +49,7 @@ async fn spawn_app_with(tweak: impl FnOnce(&mut ApiConfig)) -> TestApp {
     let mut config = ApiConfig::new("127.0.0.1:0".parse().unwrap(), RedisArgs::new(redis.url(), prefix.clone()));
     config.tokens = ApiTokens::default().with("acme", ACME).with("beta", BETA);
     config.access.operator_token = Some(shared::config::Secret::new(OPERATOR));
-    config.tool_endpoints = vec![TOOLS.into()];
+    config.tool_endpoints = ToolEndpoints::every_tenant([TOOLS]);
     tweak(&mut config);
     let app = Application::build(config).await.expect("build the app");
     let url = format!("http://{}", app.local_addr());
@@ -1373,4 +1373,44 @@ async fn paceline_submit_watch_follows_a_real_worker_to_completion() {
 
     let _ = stop_worker.send(());
     within("the worker to stop", Duration::from_secs(10), worker).await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn a_tenants_own_tool_endpoint_is_refused_to_another_tenant_at_submit() {
+    const ACME_TOOLS: &str = "http://tools.acme.internal/v1";
+    let app =
+        spawn_app_with(|c| c.tool_endpoints = ToolEndpoints::every_tenant([TOOLS]).with(Some("acme"), ACME_TOOLS))
+            .await;
+    let tools = json!([{"type": "function", "name": "search"}]);
+    let acmes = json!({"model": "m", "input": "x", "tools": tools, "tool_endpoint": format!("{ACME_TOOLS}/search")});
+    let before = app.key_count().await;
+    let (status, err) = app.post("/v1/runs", BETA, &acmes).await;
+    assert_eq!(status, 422, "{err}");
+    assert_eq!((error_type(&err), err["error"]["field"].as_str()), ("invalid_request", Some("tool_endpoint")));
+    assert_eq!(app.key_count().await, before, "a refused run writes nothing");
+    // acme may use its own endpoint; beta the shared one.
+    assert_eq!(app.submit(ACME, &acmes).await["status"], "queued");
+    let shared = json!({"model": "m", "input": "x", "tools": tools, "tool_endpoint": TOOLS});
+    assert_eq!(app.submit(BETA, &shared).await["status"], "queued");
+}
+
+#[tokio::test]
+async fn companion_mode_from_a_tenant_not_listed_is_403_and_writes_nothing() {
+    let app = spawn_app_with(|c| c.access.companion_tenants = vec!["acme".into()]).await;
+    let companion = json!({"model": "m", "input": "x", "mode": "companion"});
+    let before = app.key_count().await;
+    let (status, err) = app.post("/v1/runs", BETA, &companion).await;
+    assert_eq!(status, 403, "{err}");
+    assert_eq!(error_type(&err), "forbidden");
+    let message = err["error"]["message"].as_str().unwrap();
+    assert!(message.contains("PACELINE_COMPANION_TENANTS"), "{message}");
+    assert_eq!(app.key_count().await, before, "a refused run never reaches Redis");
+    let (_, list) = app.get("/v1/runs", BETA).await;
+    assert_eq!(list["data"], json!([]), "{list}");
+    // beta's work runs and acme's companion runs are taken.
+    assert_eq!(app.submit(BETA, &spec()).await["mode"], "work");
+    assert_eq!(app.submit(ACME, &companion).await["mode"], "companion");
+    // Unset, every tenant may (as before).
+    let open = spawn_app().await;
+    assert_eq!(open.submit(BETA, &companion).await["mode"], "companion");
 }

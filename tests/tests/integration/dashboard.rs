@@ -173,7 +173,7 @@ async fn start_api(app: &App) -> (String, oneshot::Sender<()>) {
         ApiConfig::new("127.0.0.1:0".parse().unwrap(), RedisArgs::new(app.redis.url(), app.prefix.clone()));
     config.tokens = ApiTokens::default().with("acme", ACME).with("beta", BETA);
     config.access.operator_token = Some(Secret::new(OPERATOR));
-    config.tool_endpoints = vec![app.tools.clone()];
+    config.tool_endpoints = shared::runs::ToolEndpoints::every_tenant([app.tools.clone()]);
     let built = Application::build(config).await.expect("build the API");
     let url = format!("http://{}", built.local_addr());
     let (stop, stopped) = oneshot::channel::<()>();

@@ -209,7 +209,7 @@ mod with_workers {
     use super::{Keys, PacingConfig, SharedPacer};
     use mock_provider::MockConfig;
     use serde_json::json;
-    use shared::runs::{RunSpec, RunStatus, SubmitPolicy};
+    use shared::runs::{RunSpec, RunStatus, SubmitPolicy, ToolEndpoints};
     use std::time::{Duration, Instant};
 
     fn spec(app: &App, input: &str, mode: &str, tools: bool) -> RunSpec {
@@ -221,7 +221,10 @@ mod with_workers {
         }
         RunSpec::from_json(
             &body,
-            &SubmitPolicy { tool_endpoint_prefixes: vec![app.tools.clone()], ..SubmitPolicy::default() },
+            &SubmitPolicy {
+                tool_endpoints: ToolEndpoints::every_tenant([app.tools.clone()]),
+                ..SubmitPolicy::default()
+            },
         )
         .unwrap()
     }

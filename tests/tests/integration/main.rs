@@ -16,5 +16,6 @@ mod queue;
 mod run_store;
 mod shapes;
 mod styles;
+mod tools;
 mod up;
 mod worker;

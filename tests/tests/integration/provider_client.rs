@@ -17,8 +17,9 @@ use serde_json::{json, Value};
 use shared::config::Secret;
 use shared::pacer::{FailureKind, Transport};
 use shared::runs::ApiStyle;
+use shared::runs::ToolEndpoints;
 use worker::provider::{CallFailure, CallSuccess, Provider, StreamEvent};
-use worker::tools::{run_tools, ToolCall};
+use worker::tools::{ToolCall, ToolClient};
 
 const STYLES: [ApiStyle; 2] = [ApiStyle::Responses, ApiStyle::Chat];
 
@@ -453,7 +454,8 @@ async fn tools_run_in_parallel_and_failures_become_output_text() {
     let state = ToolServer { barrier: Arc::new(tokio::sync::Barrier::new(2)) };
     let base = serve(Router::new().route("/tools", post(tool_endpoint)).with_state(state)).await;
     let endpoint = format!("{base}/tools");
-    let client = reqwest::Client::new();
+    let client =
+        ToolClient::new(ToolEndpoints::every_tenant([endpoint.clone()]), None, Duration::from_secs(10)).unwrap();
 
     let calls = [
         tool_call("call_1", "echo"),
@@ -465,17 +467,15 @@ async fn tools_run_in_parallel_and_failures_become_output_text() {
     ];
     // The two `meet` calls only finish when both are in flight: run one by
     // one, they would wait on each other until the timeout.
-    let results = within(
-        "the tools",
-        Duration::from_secs(15),
-        run_tools(&client, &endpoint, &[endpoint.clone()], "run_1", &calls, Duration::from_secs(10)),
-    )
-    .await;
+    let results = within("the tools", Duration::from_secs(15), client.run(&endpoint, "acme", "run_1", &calls)).await;
     let ids: Vec<&str> = results.iter().map(|r| r.call_id.as_str()).collect();
     assert_eq!(ids, ["call_1", "call_2", "call_3", "call_4", "call_5", "call_6"], "results keep the calls' order");
 
     let echoed: Value = serde_json::from_str(&results[0].output).unwrap();
-    assert_eq!(echoed, json!({"run_id": "run_1", "call_id": "call_1", "name": "echo", "arguments": "{\"q\":\"x\"}"}));
+    assert_eq!(
+        echoed,
+        json!({"run_id": "run_1", "call_id": "call_1", "name": "echo", "arguments": "{\"q\":\"x\"}", "tenant": "acme"})
+    );
     assert!(!results[0].error);
     assert_eq!((results[1].output.as_str(), results[2].output.as_str()), ("met", "met"));
     assert!(results[3].error);
@@ -492,15 +492,13 @@ async fn tools_run_in_parallel_and_failures_become_output_text() {
 async fn a_hanging_or_absent_tool_becomes_an_error_text_in_time() {
     let state = ToolServer { barrier: Arc::new(tokio::sync::Barrier::new(2)) };
     let base = serve(Router::new().route("/tools", post(tool_endpoint)).with_state(state)).await;
-    let client = reqwest::Client::new();
+    let client =
+        ToolClient::new(ToolEndpoints::every_tenant([base.clone()]), None, Duration::from_millis(300)).unwrap();
 
     let calls = [tool_call("call_h", "hang"), tool_call("call_e", "echo")];
-    let results = within(
-        "the tools",
-        Duration::from_secs(10),
-        run_tools(&client, &format!("{base}/tools"), &[base.clone()], "run_2", &calls, Duration::from_millis(300)),
-    )
-    .await;
+    let results =
+        within("the tools", Duration::from_secs(10), client.run(&format!("{base}/tools"), "acme", "run_2", &calls))
+            .await;
     assert_eq!(results[0].output, "tool error: timed out after 300 ms");
     assert!(results[0].error);
     assert!(!results[1].error, "a slow tool does not hold back its neighbour's result");
@@ -511,7 +509,12 @@ async fn a_hanging_or_absent_tool_becomes_an_error_text_in_time() {
     let results = within(
         "the tools",
         Duration::from_secs(10),
-        run_tools(&client, &gone, &[gone.clone()], "run_2", &calls[1..], Duration::from_secs(5)),
+        ToolClient::new(ToolEndpoints::every_tenant([gone.clone()]), None, Duration::from_secs(5)).unwrap().run(
+            &gone,
+            "acme",
+            "run_2",
+            &calls[1..],
+        ),
     )
     .await;
     assert!(results[0].error && results[0].output.starts_with("tool error: "), "{}", results[0].output);
@@ -520,18 +523,17 @@ async fn a_hanging_or_absent_tool_becomes_an_error_text_in_time() {
 #[tokio::test]
 async fn a_tool_endpoint_outside_the_workers_prefixes_is_not_called() {
     let calls = [tool_call("call_a", "echo"), tool_call("call_b", "echo")];
-    let client = reqwest::Client::new();
     // Nothing listens there: a call would fail with a connection error instead.
     let endpoint = "http://127.0.0.1:9/tools";
-    let allowed = ["http://127.0.0.1:9/other".to_owned()];
-    let results = within(
-        "the tools",
-        Duration::from_secs(5),
-        run_tools(&client, endpoint, &allowed, "run_3", &calls, Duration::from_secs(5)),
-    )
-    .await;
+    // Allowed to acme alone, and to everyone under another path.
+    let allowed = ToolEndpoints::every_tenant(["http://127.0.0.1:9/other"]).with(Some("acme"), "http://127.0.0.1:9/");
+    let client = ToolClient::new(allowed, None, Duration::from_secs(5)).unwrap();
+    let results = within("the tools", Duration::from_secs(5), client.run(endpoint, "beta", "run_3", &calls)).await;
     for r in &results {
         assert!(r.error);
         assert_eq!(r.output, "tool error: the endpoint \"http://127.0.0.1:9/tools\" is not allowed on this worker");
     }
+    // acme's run may: it is called (and nothing answers there).
+    let results = within("the tools", Duration::from_secs(5), client.run(endpoint, "acme", "run_3", &calls)).await;
+    assert!(results[0].error && !results[0].output.contains("not allowed"), "{}", results[0].output);
 }

@@ -13,7 +13,7 @@ use paceline_tests::{eventually, unique_prefix, ChildGuard, RedisServer};
 use serde_json::{json, Value};
 use shared::config::RedisArgs;
 use shared::keys::Keys;
-use shared::runs::{Run, RunSpec, RunStatus, RunStore, SubmitPolicy};
+use shared::runs::{Run, RunSpec, RunStatus, RunStore, SubmitPolicy, ToolEndpoints};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -69,7 +69,7 @@ impl App {
 
     pub(crate) fn config(&self) -> worker::WorkerConfig {
         let mut c = worker::WorkerConfig::new(RedisArgs::new(self.redis.url(), &self.prefix), self.mock.base_url());
-        c.tool_endpoints = vec![self.tools.clone()];
+        c.tool_endpoints = shared::runs::ToolEndpoints::every_tenant([self.tools.clone()]);
         c.queue.lease_ms = 2_000;
         c
     }
@@ -101,8 +101,11 @@ impl App {
     }
 
     pub(crate) async fn submit(&self, body: Value) -> Run {
-        let policy =
-            SubmitPolicy { tool_endpoint_prefixes: vec![self.tools.clone()], providers: self.providers.clone() };
+        let policy = SubmitPolicy {
+            tool_endpoints: ToolEndpoints::every_tenant([self.tools.clone()]),
+            providers: self.providers.clone(),
+            ..SubmitPolicy::default()
+        };
         let spec = RunSpec::from_json(&body, &policy).expect("valid spec");
         self.store.create(TENANT, &spec, None).await.unwrap().run
     }
@@ -424,7 +427,8 @@ async fn work_and_companion_runs_all_finish_with_a_full_bucket_never_idle() {
     })
     .await;
     let _workers: Vec<ChildGuard> = (0..3).map(|_| app.worker_process(&["--concurrency", "16"], "error")).collect();
-    let policy = SubmitPolicy { tool_endpoint_prefixes: vec![app.tools.clone()], ..SubmitPolicy::default() };
+    let policy =
+        SubmitPolicy { tool_endpoints: ToolEndpoints::every_tenant([app.tools.clone()]), ..SubmitPolicy::default() };
     let background = "Background: the team runs many long agent sessions on one account. ".repeat(30);
     let started = Instant::now();
     let mut work = vec![];
