@@ -14,7 +14,9 @@
 //!
 //! A cap (`PACELINE_TENANT_CAPS`) is a rate of its own (GCRA on the tenant's
 //! expected use): a turn of a capped tenant joins the line only when the cap
-//! has paid for the tenant's earlier turns.
+//! has paid for the tenant's earlier turns. A companion turn passes the cap and
+//! moves its tenant's finish tag as a work turn does: it goes first, but its
+//! tokens count in its tenant's cap and share (`model.rs`, `fresh_place`).
 //!
 //! Nothing here is a count that must be kept in step with the waiting turns:
 //! the tags are stored on the turns themselves (STYLE §13).

@@ -770,9 +770,6 @@ const RECHECK_SHARE: f64 = 0.75;
 /// A new turn's place in line, or `Err(ms)` while its tenant's cap holds it
 /// back (it does not join the line then).
 fn fresh_place(state: &mut PacerState, now: Millis, mode: Mode, who: &Who<'_>, line: f64) -> Result<f64, f64> {
-    if mode == Mode::Companion {
-        return Ok(fair::place_live(now));
-    }
     // A cap is a share of the token bucket (or, split, of the input bucket).
     let cap_bucket = if state.tokens.known() { &state.tokens } else { &state.input };
     let refill = cap_bucket.share_rate();
@@ -784,7 +781,11 @@ fn fresh_place(state: &mut PacerState, now: Millis, mode: Mode, who: &Who<'_>, l
             return Err(ms);
         }
     }
-    Ok(fair::place_work(tenant, who.weight, virtual_time, line))
+    let tag = fair::place_work(tenant, who.weight, virtual_time, line);
+    // A companion turn goes first in line, but its tokens count in its
+    // tenant's cap (above) and share (the finish tag moved past them) as a
+    // work turn's do: switching to companion mode buys a tenant nothing.
+    Ok(if mode == Mode::Companion { fair::place_live(now) } else { tag })
 }
 
 /// An owed answer for something other than the line (a closed window, a
@@ -860,10 +861,12 @@ fn admit(
         expiry_ms: now + cfg.reservation_ttl_ms as Millis,
     };
     state.flights.insert(id.to_owned(), flight);
-    if let (Mode::Work, Some((order, line))) = (mode, place) {
+    if let Some((order, line)) = place {
         state.tenants.entry(who.tenant.to_owned()).or_default().admitted += line;
-        let least = state.least_work_tag();
-        state.fair_time = fair::virtual_time_after(state.fair_time, order, least);
+        if mode == Mode::Work {
+            let least = state.least_work_tag();
+            state.fair_time = fair::virtual_time_after(state.fair_time, order, least);
+        }
     }
     state.last_admit_ms = now;
     state.last_admit_id = id.to_owned();
@@ -1421,6 +1424,26 @@ mod tests {
 
     fn ask(id: &str) -> Ask<'_> {
         Ask { id, est: Estimate { tokens: 1_000, requests: 1, output: 200 }, mode: Mode::Work, who: Who::DEFAULT }
+    }
+
+    #[test]
+    fn companion_turns_count_in_their_tenants_cap_and_share() {
+        let cfg =
+            PacingConfig { configured_tpm: Some(60_000), configured_rpm: Some(10_000), ..PacingConfig::default() };
+        let mut s = PacerState::default();
+        let capped = Who { tenant: "a", weight: 1.0, cap: 0.25 };
+        let est = Estimate { tokens: 1_000, requests: 1, output: 200 };
+        let live = |id| Ask { id, est, mode: Mode::Companion, who: capped };
+        assert_eq!(acquire(&mut s, &cfg, T0, &live("l1"), 0.0), Decision::Clear);
+        // The cap (a quarter of 1 000 tokens a second) paid for l1 until T0 + 4 s:
+        // a second live turn of the same tenant waits for it, as a work turn would.
+        assert_eq!(
+            acquire(&mut s, &cfg, T0 + 1, &live("l2"), 0.0),
+            Decision::Owed { ms: 3_999, reason: OwedReason::FairShare }
+        );
+        let a = s.tenants["a"];
+        assert_eq!(a.admitted, 1_000.0, "its tokens count as admitted");
+        assert_eq!(a.finish, 1_000.0, "and move its finish tag: its next work turn stands behind them");
     }
 
     #[test]

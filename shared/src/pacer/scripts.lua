@@ -635,9 +635,11 @@ if op == 'acquire' then
     redis.call('ZREM', line_key, id)
     redis.call('HSET', records, id, rec_encode(r))
     redis.call('ZADD', expiry, r.expiry, id)
-    if not live and order then
+    if order then
       tenant_entry(tenant)
       S['tadm:' .. tenant] = get('tadm:' .. tenant) + line
+    end
+    if not live and order then
       local least = redis.call('ZRANGEBYSCORE', line_key, 0, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
       local v = order
       if #least > 0 then v = math.min(tonumber(least[2]), order) end
@@ -684,8 +686,6 @@ if op == 'acquire' then
   if waiter then
     waiter.line = line
     order = waiter.order
-  elseif live then
-    order = LIVE_BASE + now
   else
     tenant_entry(tenant)
     -- A cap is a share of the token bucket (or, split, of the input bucket).
@@ -702,6 +702,9 @@ if op == 'acquire' then
     S['tw:' .. tenant] = weight
     order = math.max(get('fair_time'), get('tf:' .. tenant))
     S['tf:' .. tenant] = order + line / math.max(weight, 0.001)
+    -- A companion turn goes first in line; its tokens count in its tenant's cap
+    -- and share as a work turn's do (model.rs, fresh_place).
+    if live then order = LIVE_BASE + now end
   end
   -- 5. Clear if the bucket holds the turns ahead and this one above the floor.
   redis.call('ZADD', line_key, order, id)

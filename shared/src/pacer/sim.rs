@@ -225,13 +225,18 @@ impl Workload {
         // Time enough for the whole budget's work, and for each capped
         // tenant's at its capped rate.
         let mut until_ms = 60_000 + 4 * (total as f64 / refill) as Millis;
+        // A capped tenant's work at its capped rate, every run of it (its
+        // companion runs pass its cap too). Without headers the rate is
+        // learned, and may settle at half of 0.9 of the provider's
+        // (`HL_CUT_MIN`, `HL_CUT`): more slack there.
+        let capped_slack: Millis = if headers == SimHeaders::None { 10 } else { 4 };
         for (i, t) in tenants.iter().enumerate().filter(|(_, t)| t.cap > 0.0) {
             let mine: u64 = runs
                 .iter()
                 .filter(|r| r.tenant == i)
                 .map(|r| (0..r.turns as u64).map(|t| r.input + r.growth * t + r.max_output).sum::<u64>())
                 .sum();
-            until_ms = until_ms.max(60_000 + 4 * (mine as f64 / (refill * t.cap)) as Millis);
+            until_ms = until_ms.max(60_000 + capped_slack * (mine as f64 / (refill * t.cap)) as Millis);
         }
         Self {
             seed,
