@@ -15,12 +15,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use api::config::ApiTokens;
-use api::{ApiConfig, Application};
 use mock_provider::MockConfig;
 use paceline_tests::{eventually, ChildGuard};
 use serde_json::{json, Value};
-use shared::config::{RedisArgs, Secret};
 use tokio::sync::oneshot;
 
 use crate::worker::{secs, App};
@@ -169,18 +166,7 @@ fn base64_decode(s: &str) -> Vec<u8> {
 
 /// The API on `app`'s Redis and prefix: tenants `acme` and `beta`, the operator.
 async fn start_api(app: &App) -> (String, oneshot::Sender<()>) {
-    let mut config =
-        ApiConfig::new("127.0.0.1:0".parse().unwrap(), RedisArgs::new(app.redis.url(), app.prefix.clone()));
-    config.tokens = ApiTokens::default().with("acme", ACME).with("beta", BETA);
-    config.access.operator_token = Some(Secret::new(OPERATOR));
-    config.tool_endpoints = shared::runs::ToolEndpoints::every_tenant([app.tools.clone()]);
-    let built = Application::build(config).await.expect("build the API");
-    let url = format!("http://{}", built.local_addr());
-    let (stop, stopped) = oneshot::channel::<()>();
-    tokio::spawn(built.run_until_stopped(async {
-        let _ = stopped.await;
-    }));
-    (url, stop)
+    app.tenant_api(&[("acme", ACME), ("beta", BETA)], OPERATOR).await
 }
 
 /// Every command Redis has run since it started (`INFO commandstats`).

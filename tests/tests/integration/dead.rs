@@ -6,12 +6,10 @@
 
 use std::time::Duration;
 
-use api::config::ApiTokens;
-use api::{ApiConfig, Application};
 use mock_provider::MockConfig;
 use paceline_tests::{eventually, unique_prefix, within, RedisServer};
 use serde_json::{json, Value};
-use shared::config::{RedisArgs, Secret};
+use shared::config::RedisArgs;
 use shared::queue::{QueueConfig, TurnQueue};
 use shared::runs::{Fence, Next, TurnJob, Usage};
 use tokio::sync::oneshot;
@@ -31,17 +29,7 @@ struct Api {
 
 impl Api {
     async fn start(app: &App) -> Self {
-        let mut config =
-            ApiConfig::new("127.0.0.1:0".parse().unwrap(), RedisArgs::new(app.redis.url(), app.prefix.clone()));
-        config.tokens = ApiTokens::default().with("acme", ACME).with("beta", BETA);
-        config.access.operator_token = Some(Secret::new(OPERATOR));
-        config.tool_endpoints = shared::runs::ToolEndpoints::every_tenant([app.tools.clone()]);
-        let built = Application::build(config).await.expect("build the API");
-        let url = format!("http://{}", built.local_addr());
-        let (stop, stopped) = oneshot::channel::<()>();
-        tokio::spawn(built.run_until_stopped(async {
-            let _ = stopped.await;
-        }));
+        let (url, stop) = app.tenant_api(&[("acme", ACME), ("beta", BETA)], OPERATOR).await;
         let http = reqwest::Client::builder().timeout(Duration::from_secs(20)).build().unwrap();
         Self { url, http, _stop: stop }
     }

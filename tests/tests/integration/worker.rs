@@ -50,6 +50,25 @@ pub(crate) struct App {
 }
 
 impl App {
+    /// An API on this app's Redis and prefix with these tenants (name, token)
+    /// and operator token, allowing the app's tool endpoint: its URL, and the
+    /// sender that stops it (dropped, it stops too).
+    pub(crate) async fn tenant_api(&self, tenants: &[(&str, &str)], operator: &str) -> (String, oneshot::Sender<()>) {
+        let mut config =
+            api::ApiConfig::new("127.0.0.1:0".parse().unwrap(), RedisArgs::new(self.redis.url(), self.prefix.clone()));
+        config.tokens =
+            tenants.iter().fold(api::config::ApiTokens::default(), |tokens, (name, token)| tokens.with(*name, *token));
+        config.access.operator_token = Some(shared::config::Secret::new(operator));
+        config.tool_endpoints = ToolEndpoints::every_tenant([self.tools.clone()]);
+        let built = api::Application::build(config).await.expect("build the API");
+        let url = format!("http://{}", built.local_addr());
+        let (stop, stopped) = oneshot::channel::<()>();
+        tokio::spawn(built.run_until_stopped(async {
+            let _ = stopped.await;
+        }));
+        (url, stop)
+    }
+
     pub(crate) async fn start(mock: MockConfig) -> Self {
         shared::telemetry::init("error");
         let redis = RedisServer::start();
