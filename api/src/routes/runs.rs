@@ -51,6 +51,10 @@ pub struct SubmitRun {
     max_turns: Option<u32>,
     /// Output limit of each call (default 2048).
     max_output_tokens: Option<u32>,
+    /// A wall-clock deadline from the run's creation, 1 s to 30 days: a turn
+    /// that would start after it fails the run with `error.kind = "deadline"`.
+    #[schema(minimum = 1, maximum = 2592000)]
+    max_run_seconds: Option<u32>,
     /// Any JSON object; returned as given.
     #[schema(value_type = Object)]
     metadata: Option<Value>,

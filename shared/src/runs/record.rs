@@ -116,6 +116,8 @@ pub mod field {
     pub const TURNS: &str = "turns";
     /// Max turns.
     pub const MAX_TURNS: &str = "max_turns";
+    /// The run's wall-clock deadline after its creation, ms (absent: none).
+    pub const MAX_RUN_MS: &str = "max_run_ms";
     /// Usage counters.
     pub const INPUT_TOKENS: &str = "input_tokens";
     /// See above.

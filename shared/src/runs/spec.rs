@@ -14,6 +14,8 @@ use crate::pacer::Mode;
 pub const DEFAULT_MAX_TURNS: u32 = 40;
 /// The largest `max_turns` accepted.
 pub const MAX_MAX_TURNS: u32 = 1_000;
+/// The longest `max_run_seconds` accepted: 30 days.
+pub const MAX_MAX_RUN_SECONDS: u32 = 30 * 24 * 3_600;
 /// Default `max_output_tokens`.
 pub const DEFAULT_MAX_OUTPUT_TOKENS: u32 = 2_048;
 /// The largest `max_output_tokens` accepted.
@@ -42,6 +44,10 @@ pub struct RunSpec {
     pub max_turns: u32,
     /// The output limit of each call.
     pub max_output_tokens: u32,
+    /// A wall-clock deadline from the run's creation, s: a turn that would
+    /// start after it fails the run with `deadline` instead. `None`: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_run_seconds: Option<u32>,
     /// The client's own data, returned as given.
     #[serde(default)]
     pub metadata: Value,
@@ -133,7 +139,7 @@ impl SubmitPolicy {
     }
 }
 
-const KNOWN_FIELDS: [&str; 10] = [
+const KNOWN_FIELDS: [&str; 11] = [
     "model",
     "instructions",
     "input",
@@ -142,6 +148,7 @@ const KNOWN_FIELDS: [&str; 10] = [
     "mode",
     "max_turns",
     "max_output_tokens",
+    "max_run_seconds",
     "metadata",
     "provider",
 ];
@@ -246,6 +253,10 @@ impl RunSpec {
             DEFAULT_MAX_OUTPUT_TOKENS,
             MAX_MAX_OUTPUT_TOKENS,
         )?;
+        let max_run_seconds = match obj.get("max_run_seconds") {
+            None | Some(Value::Null) => None,
+            v => Some(bounded(v, "max_run_seconds", 0, MAX_MAX_RUN_SECONDS)?),
+        };
         let metadata = match obj.get("metadata") {
             None | Some(Value::Null) => Value::Object(Default::default()),
             Some(m @ Value::Object(_)) => m.clone(),
@@ -276,6 +287,7 @@ impl RunSpec {
             mode,
             max_turns,
             max_output_tokens,
+            max_run_seconds,
             metadata,
             provider,
             generation,
@@ -337,6 +349,9 @@ mod tests {
             (json!({"model": "m", "input": "x", "max_turns": 0}), "max_turns"),
             (json!({"model": "m", "input": "x", "max_turns": 1001}), "max_turns"),
             (json!({"model": "m", "input": "x", "max_turns": "5"}), "max_turns"),
+            (json!({"model": "m", "input": "x", "max_run_seconds": 0}), "max_run_seconds"),
+            (json!({"model": "m", "input": "x", "max_run_seconds": 2_592_001}), "max_run_seconds"),
+            (json!({"model": "m", "input": "x", "max_run_seconds": 1.5}), "max_run_seconds"),
             (json!({"model": "m", "input": "x", "max_output_tokens": -1}), "max_output_tokens"),
             (json!({"model": "m", "input": "x", "mode": "fast"}), "mode"),
             (json!({"model": "m", "input": "x", "metadata": []}), "metadata"),

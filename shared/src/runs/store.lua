@@ -147,6 +147,16 @@ if op == 'start' then
   local r, status, why = fenced(ARGV[3], ARGV[4])
   if not r then return {'stop', why} end
   local now = q_now()
+  -- A run past its wall-clock deadline (max_run_seconds) fails here, before any call.
+  local max_run = tonumber(redis.call('HGET', RUN, 'max_run_ms') or '')
+  if max_run and now >= (tonumber(redis.call('HGET', RUN, 'created_ms')) or now) + max_run then
+    local message = 'the run passed its max_run_seconds (' .. math.floor(max_run / 1000) .. ' s)'
+    redis.call('HSET', RUN, 'status', 'failed', 'error_kind', 'deadline', 'error_message', message, 'updated_ms', now)
+    retire(now, redis.call('HGET', RUN, 'retention_ms'))
+    event('run.failed', cjson.encode({error = {kind = 'deadline', message = message}}))
+    q_finish(id)
+    return {'stop', 'deadline'}
+  end
   redis.call('HSET', RUN, 'status', 'running', 'updated_ms', now, 'wait_reason', '', 'next_attempt_ms', '')
   if status ~= 'running' then
     event('turn.started', cjson.encode({turn = tonumber(ARGV[4]), attempt = tonumber(ARGV[5])}))

@@ -277,7 +277,7 @@ impl RunStore {
     ) -> Result<Created, StoreError> {
         let id = new_run_id();
         let spec_json = serde_json::to_string(spec).map_err(|e| StoreError::Protocol(e.to_string()))?;
-        let fields = json!({
+        let mut fields = json!({
             field::STATUS: RunStatus::Queued.as_str(),
             field::MODE: spec.mode.as_str(),
             field::MODEL: spec.model,
@@ -287,6 +287,9 @@ impl RunStore {
             field::METADATA: spec.metadata.to_string(),
             field::RETENTION_MS: self.retention_ms().to_string(),
         });
+        if let Some(s) = spec.max_run_seconds {
+            fields[field::MAX_RUN_MS] = json!((u64::from(s) * 1_000).to_string());
+        }
         let job = serde_json::to_string(&TurnJob { turn: 0, attempt: 1 }).unwrap_or_default();
         let mut inv = self.invocation("create", &id, tenant, idem.map(|i| i.key.as_str()));
         inv.arg(tenant)

@@ -449,3 +449,29 @@ async fn a_turn_reads_only_the_history_its_model_sees() {
         shared::runs::Started::Stop(why) => panic!("stopped: {why}"),
     }
 }
+
+#[tokio::test]
+async fn a_run_past_its_deadline_fails_at_its_next_turn_before_any_call() {
+    let env = env().await;
+    let spec = RunSpec::from_json(
+        &json!({"model": "gpt-test", "input": "x", "max_turns": 3, "max_run_seconds": 1}),
+        &SubmitPolicy::default(),
+    )
+    .unwrap();
+    let run = env.store.create("alpha", &spec, None).await.unwrap().run;
+    let lease = env.queue.fetch("w", 1).await.unwrap().deliveries.remove(0).lease;
+    let job = TurnJob { turn: 0, attempt: 1 };
+    // Within its second the turn starts; a redelivery of it after the deadline does not.
+    assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Ok);
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Stop("deadline".into()));
+    let failed = env.store.get("alpha", &run.id).await.unwrap().unwrap();
+    assert_eq!(failed.status, RunStatus::Failed);
+    let error = failed.error.expect("an error");
+    assert_eq!(error.kind, "deadline");
+    assert!(error.message.contains("max_run_seconds"), "{}", error.message);
+    let c = env.queue.counts().await.unwrap();
+    assert_eq!((c.ready, c.delayed, c.in_flight, c.dead), (0, 0, 0, 0), "its turn is gone from the queue");
+    let events = env.store.events("alpha", &run.id, None, None, 50).await.unwrap().unwrap();
+    assert_eq!(events.last().map(|e| e.kind.as_str()), Some("run.failed"));
+}
