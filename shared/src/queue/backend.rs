@@ -429,6 +429,7 @@ async fn heartbeat_loop(queue: TurnQueue, shared: Arc<Shared>, worker: WorkerCon
                 concurrency: shared.concurrency,
                 in_flight: leases.len(),
                 started_at_ms: started_at_ms.unwrap_or_default(),
+                lease_ms: queue.config().lease_ms,
                 last_heartbeat_ms: 0,
             };
             match queue.heartbeat(&shared.identity, Some(&info), &leases).await {

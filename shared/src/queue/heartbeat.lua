@@ -2,7 +2,8 @@
 -- lease expired (their worker died or stalled), forgets dead workers.
 -- KEYS[Q_NKEYS+1] workers ZSET (identity -> last heartbeat ms), KEYS[Q_NKEYS+2]
 -- worker info HASH (identity -> JSON). ARGV: lease_ms, max_deliveries, identity,
--- info JSON (or '' to skip registering), worker_ttl_ms, reclaim_limit,
+-- info JSON (or '' to skip registering), forget_ms (a registration silent this long
+-- is forgotten; liveness is judged on reading, by each worker's own lease), reclaim_limit,
 -- dead_keep_ms (the dead set's retention), then id, epoch pairs of the leases
 -- this worker holds.
 -- Returns {reclaimed, buried, lost id...}: lost ids are leases it no longer holds.

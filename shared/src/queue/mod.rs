@@ -318,6 +318,11 @@ pub struct WorkerInfo {
     pub in_flight: usize,
     /// When it started (server clock, ms).
     pub started_at_ms: i64,
+    /// Its lease, ms: it is alive while its last heartbeat is younger than
+    /// two of them (0: not said, a registration from before this was kept;
+    /// the reader's own lease is used).
+    #[serde(default)]
+    pub lease_ms: u64,
     /// Last heartbeat (server clock, ms); filled in from the registry.
     #[serde(default)]
     pub last_heartbeat_ms: i64,
@@ -599,7 +604,13 @@ impl TurnQueue {
     /// The live worker processes (heartbeat within twice the lease).
     pub async fn list_workers(&self) -> Result<Vec<WorkerInfo>, QueueError> {
         let mut inv = self.invocation(&self.scripts.read);
-        inv.key(&self.keys.workers).key(&self.keys.worker_info).arg("workers").arg(self.config.worker_ttl_ms());
+        // Each worker is judged by its own lease (the registration says it): an
+        // API or a worker with another lease must not call it dead, or alive.
+        inv.key(&self.keys.workers)
+            .key(&self.keys.worker_info)
+            .arg("workers")
+            .arg(self.config.worker_ttl_ms())
+            .arg(MAX_WORKER_TTL_MS);
         let v: Vec<String> = inv.invoke_async(&mut self.conn.clone()).await?;
         let mut out = Vec::new();
         for c in v.chunks_exact(3) {
@@ -631,7 +642,9 @@ impl TurnQueue {
             .arg(self.config.max_deliveries)
             .arg(identity)
             .arg(info)
-            .arg(self.config.worker_ttl_ms())
+            // Registrations silent this long are forgotten; whether one is alive
+            // is judged on reading, by its own lease (`list_workers`).
+            .arg(MAX_WORKER_TTL_MS)
             .arg(200)
             .arg(self.config.dead_retention_ms);
         for (id, epoch) in leases {
@@ -704,6 +717,10 @@ fn parse_fetch(reply: Vec<String>, worker: &str) -> Result<Fetched, QueueError> 
     let wait_ms = if deliveries.is_empty() && wait >= 0 { Some(wait) } else { None };
     Ok(Fetched { now_ms, wait_ms, deliveries })
 }
+
+/// The longest a registration may go without a heartbeat and still be read
+/// (its own two leases decide); past it, it is not even looked at.
+const MAX_WORKER_TTL_MS: u64 = 3_600_000;
 
 /// The warning a worker logs for a lease it lost while it held it (its
 /// heartbeat came too late); the bench counts these lines.

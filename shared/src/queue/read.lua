@@ -34,11 +34,21 @@ elseif view == 'dead' then
   end
   return out
 elseif view == 'workers' then
-  local w = redis.call('ZRANGEBYSCORE', KEYS[Q_NKEYS + 1], now - tonumber(ARGV[2]), '+inf', 'WITHSCORES')
+  -- ARGV[2] the reader's worker ttl (two of its leases), ARGV[3] the longest
+  -- any: each worker is alive while its last heartbeat is younger than two of
+  -- its own leases (its registration's lease_ms), else the reader's.
+  local w = redis.call('ZRANGEBYSCORE', KEYS[Q_NKEYS + 1], now - tonumber(ARGV[3]), '+inf', 'WITHSCORES')
   local out = {}
   for i = 1, #w, 2 do
-    out[#out + 1] = w[i]; out[#out + 1] = w[i + 1]
-    out[#out + 1] = redis.call('HGET', KEYS[Q_NKEYS + 2], w[i]) or '{}'
+    local json = redis.call('HGET', KEYS[Q_NKEYS + 2], w[i]) or '{}'
+    local ok, info = pcall(cjson.decode, json)
+    local ttl = tonumber(ARGV[2])
+    if ok and type(info) == 'table' and tonumber(info.lease_ms) and tonumber(info.lease_ms) > 0 then
+      ttl = 2 * tonumber(info.lease_ms)
+    end
+    if now - tonumber(w[i + 1]) <= ttl then
+      out[#out + 1] = w[i]; out[#out + 1] = w[i + 1]; out[#out + 1] = json
+    end
   end
   return out
 end

@@ -340,6 +340,35 @@ async fn a_failing_turn_goes_dead_after_three_deliveries_with_its_error() {
 }
 
 #[tokio::test]
+async fn each_worker_is_judged_alive_by_its_own_lease() {
+    // The reader runs the default 3-s lease; the workers do not.
+    let env = Env::start(QueueConfig::default());
+    let q = &env.queue;
+    let mut conn = env.server.conn().await;
+    let now = q.counts().await.unwrap().now_ms;
+    let keys = q.keys();
+    for (id, lease_ms, silent_ms) in [("slow-but-alive", 10_000, 7_000), ("fast-and-gone", 1_000, 7_000)] {
+        let info = json!({"identity": id, "host": "h", "pid": 1, "concurrency": 4, "in_flight": 0,
+                          "started_at_ms": now - 60_000, "lease_ms": lease_ms});
+        let _: () =
+            redis::cmd("ZADD").arg(&keys.workers).arg(now - silent_ms).arg(id).query_async(&mut conn).await.unwrap();
+        let _: () = redis::cmd("HSET")
+            .arg(&keys.worker_info)
+            .arg(id)
+            .arg(info.to_string())
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+    let alive: Vec<String> = q.list_workers().await.unwrap().into_iter().map(|w| w.identity).collect();
+    assert_eq!(alive, vec!["slow-but-alive".to_string()], "7 s silent: alive on a 10-s lease, gone on a 1-s one");
+    // Another worker's heartbeat forgets neither registration yet.
+    q.heartbeat("reaper", None, &[]).await.unwrap();
+    let n: u64 = redis::cmd("ZCARD").arg(&keys.workers).query_async(&mut conn).await.unwrap();
+    assert_eq!(n, 2);
+}
+
+#[tokio::test]
 async fn a_record_fetch_cannot_read_is_buried_with_its_reason_not_dropped() {
     let env = Env::start(QueueConfig::default());
     let q = &env.queue;
