@@ -39,6 +39,13 @@ pub const DEFAULT_TOOL_TIMEOUT: Duration = Duration::from_secs(60);
 /// clipping note can say how long the output was; it only bounds memory.
 const MAX_TOOL_ANSWER: usize = 8 * 1024 * 1024;
 
+/// Tool calls run in one turn at most; a model asking for more gets the rest
+/// answered "not run" (every call still gets an output, or the provider
+/// rejects the next turn). With [`MAX_TOOL_ANSWER`] this bounds what one turn
+/// reads: 32 × 8 MiB, each clipped to 16 000 (browser: 24 000) characters for
+/// the model.
+pub const MAX_TOOL_CALLS_PER_TURN: usize = 32;
+
 /// The most of an error body quoted in the output text.
 const MAX_ERROR_EXCERPT: usize = 500;
 
@@ -147,9 +154,14 @@ impl ToolClient {
     /// `tenant`, which is not called.
     pub async fn run(&self, endpoint: &str, tenant: &str, run_id: &str, calls: &[ToolCall]) -> Vec<ToolResult> {
         let permitted = self.allowed.allows(tenant, endpoint);
-        let futures = calls.iter().map(|call| async move {
+        let asked = calls.len();
+        let futures = calls.iter().enumerate().map(|(i, call)| async move {
             let started = std::time::Instant::now();
-            let result = if !permitted {
+            let result = if i >= MAX_TOOL_CALLS_PER_TURN {
+                Err(format!(
+                    "not run: this turn asked for {asked} tool calls and at most {MAX_TOOL_CALLS_PER_TURN} run in one turn"
+                ))
+            } else if !permitted {
                 Err(format!("the endpoint {endpoint:?} is not allowed on this worker"))
             } else {
                 match tokio::time::timeout(self.timeout, self.call(endpoint, tenant, run_id, call)).await {
@@ -261,6 +273,23 @@ fn excerpt(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_turn_runs_at_most_its_share_of_tool_calls_and_answers_every_one() {
+        // No endpoint allowed: the calls that would run fail without a request,
+        // the ones past the cap are not run at all; each has its output.
+        let client = ToolClient::new(ToolEndpoints::default(), None, Duration::from_secs(1)).unwrap();
+        let calls: Vec<ToolCall> = (0..40)
+            .map(|i| ToolCall { call_id: format!("c{i}"), name: "search".into(), arguments: "{}".into() })
+            .collect();
+        let results = client.run("http://127.0.0.1:9/tools", "acme", "run_1", &calls).await;
+        assert_eq!(results.len(), 40);
+        assert!(results.iter().all(|r| r.error));
+        let not_run = results.iter().filter(|r| r.output.contains("not run")).count();
+        assert_eq!(not_run, 40 - MAX_TOOL_CALLS_PER_TURN);
+        assert!(results[..MAX_TOOL_CALLS_PER_TURN].iter().all(|r| r.output.contains("not allowed")));
+        assert_eq!(results[39].call_id, "c39", "in the order of the calls");
+    }
 
     #[test]
     fn the_signature_is_hmac_sha256_over_time_dot_body_and_verifies_with_the_secret_only() {
