@@ -56,7 +56,7 @@ fn to_sse(e: &RunEvent) -> Event {
             content_type = "text/event-stream", body = String),
         (status = 401, description = "No or bad token", body = ErrorBody),
         (status = 404, description = "No such run for this tenant", body = ErrorBody),
-        (status = 422, description = "Last-Event-ID is not an event id", body = ErrorBody),
+        (status = 400, description = "Last-Event-ID is not an event id", body = ErrorBody),
         (status = 503, description = "Redis unavailable", body = ErrorBody),
     ),
     security(("bearer" = []))
@@ -77,7 +77,7 @@ pub async fn events(
                 .ok()
                 .map(str::trim)
                 .filter(|s| valid_stream_id(s))
-                .ok_or_else(|| ApiError::invalid("Last-Event-ID", "is not an event id of this stream"))?
+                .ok_or_else(|| ApiError::BadRequest("Last-Event-ID is not an event id of this stream".into()))?
                 .to_owned(),
         ),
     };
