@@ -52,6 +52,10 @@ fn register() {
     describe_counter!(name::PROVIDER_CALLS, "Provider calls, by HTTP status");
     describe_counter!(name::RATE_LIMITED, "429 answers from the provider");
     describe_counter!(name::BUDGET_WAITS, "Turns the shared pacer owed time and requeued");
+    describe_counter!(
+        name::QUEUE_UNBLOCK_FALLBACKS,
+        "Workers that found CLIENT UNBLOCK forbidden and watch due times with BLPOP timeouts"
+    );
     describe_histogram!(name::REQUEUE_DELAY, Unit::Seconds, "How long turns were requeued for, by reason");
     describe_gauge!(name::PACER_REMAINING_TOKENS, "The shared estimate of tokens left, per budget and model");
     describe_gauge!(name::PACER_OLDEST_WAIT, "How long the oldest turn in line has waited, per budget and model");

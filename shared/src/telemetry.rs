@@ -23,6 +23,8 @@ pub mod metric {
     pub const RATE_LIMITED: &str = "paceline_rate_limited_total";
     /// Counter: turns the pacer owed time (requeued for budget).
     pub const BUDGET_WAITS: &str = "paceline_budget_waits_total";
+    /// Counter: a worker found `CLIENT UNBLOCK` forbidden and watches due times with `BLPOP` timeouts instead.
+    pub const QUEUE_UNBLOCK_FALLBACKS: &str = "paceline_queue_unblock_fallbacks_total";
     /// Histogram (seconds), label `reason`: how long turns were requeued for.
     pub const REQUEUE_DELAY: &str = "paceline_requeue_delay_seconds";
     /// Gauge, labels `budget`, `model`: the shared estimate of tokens left.

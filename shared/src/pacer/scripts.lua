@@ -86,8 +86,11 @@ local function hist(field, n)
   if not KEYS[5] or n <= 0 then return end
   local sec = math.floor(now / 1000)
   local key = KEYS[5] .. ':' .. string.format('%d', math.floor(sec / 60))
-  redis.call('HINCRBY', key, string.format('%d:%s', sec, field), string.format('%d', math.ceil(n)))
-  redis.call('PEXPIRE', key, HIST_TTL_MS)
+  local add = math.ceil(n)
+  -- A new second's first count (so also a new key's): its expiry is set then, once.
+  if redis.call('HINCRBY', key, string.format('%d:%s', sec, field), string.format('%d', add)) == add then
+    redis.call('PEXPIRE', key, HIST_TTL_MS)
+  end
 end
 
 local LIVE_BASE = -1e13
@@ -117,12 +120,17 @@ local function fmt(x) return string.format('%.17g', x) end
 -- model.rs's buckets, in one order: tokens, requests, input, output.
 local BUCKETS = {'t_', 'r_', 'i_', 'o_'}
 
--- The state as a table of numbers.
+-- The state as a table of numbers, and the id of the call cleared last (a string).
 local S = {}
+local last_admit_id, last_admit_changed = nil, false
 do
   local raw = redis.call('HGETALL', state)
   for i = 1, #raw, 2 do
-    if raw[i] ~= 'last_admit_id' then S[raw[i]] = tonumber(raw[i + 1]) end
+    if raw[i] == 'last_admit_id' then
+      last_admit_id = raw[i + 1]
+    else
+      S[raw[i]] = tonumber(raw[i + 1])
+    end
   end
 end
 local function get(k) return S[k] or 0 end
@@ -130,15 +138,27 @@ local function get(k) return S[k] or 0 end
 -- A budget's keys live this long after its last acquire or settle: a model not used for a
 -- day starts again from a probe, and its keys do not stay in Redis for good.
 local IDLE_TTL_MS = 86400000
+-- Their expiry is pushed back at most once a minute (field ttl_at), not by every
+-- call (four commands a call): a key a call creates in between gets it within
+-- the minute, as long as the budget is used.
+local TTL_REFRESH_MS = 60000
 
 local function save()
+  local refresh = now - get('ttl_at') >= TTL_REFRESH_MS or now < get('ttl_at')
+  if refresh then S['ttl_at'] = now end
   local flat = {}
   for k, v in pairs(S) do
     flat[#flat + 1] = k
     flat[#flat + 1] = fmt(v)
   end
+  if last_admit_changed then
+    flat[#flat + 1] = 'last_admit_id'
+    flat[#flat + 1] = last_admit_id
+  end
   if #flat > 0 then redis.call('HSET', state, unpack(flat)) end
-  for _, k in ipairs({state, expiry, records, line_key}) do redis.call('PEXPIRE', k, IDLE_TTL_MS) end
+  if refresh then
+    for _, k in ipairs({state, expiry, records, line_key}) do redis.call('PEXPIRE', k, IDLE_TTL_MS) end
+  end
 end
 
 -- Records: one encode/decode pair.
@@ -608,7 +628,7 @@ if op == 'acquire' then
     -- A call cleared within BURST_GAP_MS of the last one: neither is alone.
     if now - get('last_admit') < BURST_GAP_MS then
       r.alone = 0
-      local prev_id = redis.call('HGET', state, 'last_admit_id')
+      local prev_id = last_admit_id
       if prev_id then
         local prev = rec_decode(redis.call('HGET', records, prev_id))
         if prev and prev.kind == 'f' and prev.alone == 1 then
@@ -646,7 +666,7 @@ if op == 'acquire' then
       S['fair_time'] = math.max(get('fair_time'), v)
     end
     S['last_admit'] = now
-    redis.call('HSET', state, 'last_admit_id', id)
+    last_admit_id, last_admit_changed = id, true
     save()
     hist('a', tokens)
     return {0}

@@ -1,6 +1,7 @@
 -- Operator actions. ARGV[1] selects one:
 --   retry_dead ARGV[2]=id: a dead turn back in the queue, due now, with fresh deliveries. Returns 1, or 0 if not dead.
---   deregister ARGV[2]=identity, KEYS[Q_NKEYS+1..2] workers, info: a worker leaves. Returns 1.
+--   deregister ARGV[2]=identity, KEYS[Q_NKEYS+1..2] workers, info: a worker leaves (and
+--     hands its watch of the next due time to another idle worker). Returns 1.
 local op = ARGV[1]
 if op == 'retry_dead' then
   local id = ARGV[2]
@@ -9,11 +10,17 @@ if op == 'retry_dead' then
   local r = q_read(id)
   if not r then return 0 end
   r.deliveries = 0
-  q_schedule(id, r, q_now())
+  local now = q_now()
+  q_schedule(id, r, now, now)
   return 1
 elseif op == 'deregister' then
   redis.call('ZREM', KEYS[Q_NKEYS + 1], ARGV[2])
   redis.call('HDEL', KEYS[Q_NKEYS + 2], ARGV[2])
+  local watch = redis.call('GET', Q_TIMER)
+  if watch and string.match(watch, '^%-?%d+|(.*)$') == ARGV[2] then
+    redis.call('DEL', Q_TIMER)
+    q_wake()
+  end
   return 1
 end
 return redis.error_reply('unknown op ' .. op)

@@ -7,18 +7,26 @@
 //! panic, hand back at the shutdown grace, cap the slots) and a close that hands
 //! back turns leased but never started.
 //!
-//! Waking without busy polling or lost wake-ups: a worker with a free slot runs
-//! the fetch script; when nothing is due it blocks on `BLPOP notify` (own
-//! connection, its own long response timeout) and, when a turn is delayed, a
-//! local timer set to the script's `wait_ms` (server clock arithmetic, so host
-//! clocks never matter). Redis's own blocking timeouts tick at `hz` (100 ms
-//! here), too coarse for the 50 ms bar, hence the local timer; when it fires the
-//! `BLPOP` is cancelled with `CLIENT UNBLOCK … TIMEOUT`, so it cannot swallow a
-//! token meant for another worker. Every enqueue pushes a token; a fetch that
-//! filled its batch pushes one more (so idle workers join in); a fetch that took
-//! everything clears them.
+//! Waking without busy polling, lost wake-ups or a herd: each worker process
+//! has one fetcher, and it fetches only when it has a free slot (no more than
+//! its free slots). A fetch that took everything due tells the worker what to
+//! do until the next (fetch.lua, [`Then`]): across the fleet, exactly one idle
+//! worker *watches* the earliest delayed turn (the queue's `timer` key names
+//! it) and sleeps towards it on a local timer (server clock arithmetic, so host
+//! clocks never matter); every other idle worker blocks on `BLPOP notify` (own
+//! connection, its own long response timeout) until a token or its safety-net
+//! interval, which grows with the fleet so the fleet's idle checks stay as few
+//! as two workers' would. A turn due now, or due before the watched time, pushes
+//! one token (one worker wakes, not all); a fetch that filled its batch pushes
+//! one more (so idle workers join in); a fetch that took everything clears them.
+//! Redis's own blocking timeouts tick at `hz` (100 ms here), too coarse for the
+//! 50 ms bar, hence the local timer; when it fires the watcher's `BLPOP` is
+//! cancelled with `CLIENT UNBLOCK … TIMEOUT`, so it cannot swallow a token meant
+//! for another worker. Where the server forbids `CLIENT UNBLOCK` (some managed
+//! Redis), the watcher waits with `BLPOP`'s own timeout instead (coarser by up
+//! to `hz`), quietly, counted in `paceline_queue_unblock_fallbacks_total`.
 
-use super::{Lease, QueueConfig, QueueError, Settled, TurnQueue, WorkerInfo};
+use super::{Lease, QueueConfig, QueueError, Settled, Then, TurnQueue, WorkerInfo};
 use apalis_core::backend::{finalize::Ephemeral, Backend, BackendConfig};
 use apalis_core::error::{AbortError, BoxDynError, RetryAfterError};
 use apalis_core::task::builder::TaskBuilder;
@@ -46,6 +54,12 @@ struct Shared {
     concurrency: usize,
     /// Handlers running now (slots in use).
     running: AtomicUsize,
+    /// Tasks handed to apalis and not yet started: their slots are spoken for.
+    handed: AtomicUsize,
+    /// Signalled when a slot frees (the fetcher waits on it when all are busy).
+    slot_freed: tokio::sync::Notify,
+    /// Live worker processes of the fleet, as the last heartbeat counted them.
+    fleet: AtomicUsize,
     /// Every lease this worker holds: fetched and not yet settled.
     held: Mutex<HashMap<String, Lease>>,
     slot_waker: AtomicWaker,
@@ -132,6 +146,9 @@ impl<T> QueueBackend<T> {
                 identity: super::new_worker_identity(),
                 concurrency: concurrency.max(1),
                 running: AtomicUsize::new(0),
+                handed: AtomicUsize::new(0),
+                slot_freed: tokio::sync::Notify::new(),
+                fleet: AtomicUsize::new(1),
                 held: Mutex::new(HashMap::new()),
                 slot_waker: AtomicWaker::new(),
                 grace,
@@ -177,7 +194,9 @@ impl<T: DeserializeOwned + Send + 'static> Backend for QueueBackend<T> {
                 queue: self.queue.clone(),
                 shared: self.shared.clone(),
                 buffer: VecDeque::new(),
+                then: None,
                 blocking: None,
+                unblock: true,
                 failures: 0,
             };
             futures::stream::unfold(state, |mut f| async move {
@@ -268,8 +287,12 @@ struct Fetcher<T> {
     queue: TurnQueue,
     shared: Arc<Shared>,
     buffer: VecDeque<Task<T>>,
+    /// What the last fetch said to do once its deliveries started.
+    then: Option<Then>,
     /// The connection idle waits `BLPOP` on, and its client id (for `CLIENT UNBLOCK`).
     blocking: Option<(redis::aio::MultiplexedConnection, i64)>,
+    /// Whether the server lets this worker use `CLIENT UNBLOCK`.
+    unblock: bool,
     failures: u32,
 }
 
@@ -277,18 +300,22 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
     async fn next_task(&mut self) -> Task<T> {
         loop {
             if let Some(task) = self.buffer.pop_front() {
+                self.shared.handed.fetch_add(1, Ordering::SeqCst);
                 return task;
             }
-            let running = self.shared.running.load(Ordering::SeqCst);
-            let free = self.shared.concurrency.saturating_sub(running).max(1);
+            self.free_slot().await;
+            match self.then.take() {
+                Some(Then::Listen) => self.idle(None).await,
+                Some(Then::Watch { ms }) => self.idle(Some(ms)).await,
+                Some(Then::FetchAgain) | None => {}
+            }
+            // Counted after the idle wait: handlers may have started or ended in it.
+            let free = self.free_slot().await;
             let want = free.min(self.queue.config().fetch_batch);
             match fetch_in_task(self.queue.clone(), self.shared.clone(), want).await {
-                Ok(fetched) if fetched.deliveries.is_empty() => {
-                    self.failures = 0;
-                    self.idle(fetched.wait_ms).await;
-                }
                 Ok(fetched) => {
                     self.failures = 0;
+                    self.then = Some(fetched.then);
                     for d in fetched.deliveries {
                         self.accept(d.lease, &d.payload).await;
                     }
@@ -299,6 +326,22 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
                     tokio::time::sleep(backoff(self.failures)).await;
                 }
             }
+        }
+    }
+
+    /// Waits until a slot is free, and returns how many are. A wait here makes
+    /// the last fetch's advice stale (the worker was busy, not idle): the next
+    /// step is a fetch.
+    async fn free_slot(&mut self) -> usize {
+        loop {
+            let busy = self.shared.running.load(Ordering::SeqCst) + self.shared.handed.load(Ordering::SeqCst);
+            if busy < self.shared.concurrency {
+                return self.shared.concurrency - busy;
+            }
+            self.then = None;
+            // `notify_one` keeps a permit when nobody waits, so a slot freed
+            // between the check and this wait is not missed.
+            self.shared.slot_freed.notified().await;
         }
     }
 
@@ -325,25 +368,27 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
         }
     }
 
-    /// Waits until a token arrives, the next due time passes (`wait_ms`), or
-    /// the idle cap elapses.
-    async fn idle(&mut self, wait_ms: Option<i64>) {
-        let cap = Duration::from_millis(self.queue.config().idle_ms.max(100));
+    /// Waits until a token arrives, the watched due time passes (`watch_ms`),
+    /// or the safety-net interval elapses.
+    async fn idle(&mut self, watch_ms: Option<i64>) {
+        let cap = self.safety_net();
         // +1 ms: the timer must not fire before the due time; the fetch script
         // re-checks against the server clock anyway.
-        let wait = wait_ms.map(|w| Duration::from_millis(w.max(0) as u64 + 1)).unwrap_or(cap).min(cap);
+        let wait = watch_ms.map(|w| Duration::from_millis(w.max(0) as u64 + 1)).unwrap_or(cap).min(cap);
         let Some((conn, client_id)) = self.blocking_conn(cap).await else {
             tokio::time::sleep(wait.min(backoff(self.failures.max(1)))).await;
             return;
         };
         let mut c = conn.clone();
         let key = self.queue.keys().notify.clone();
-        let server_timeout = cap.as_secs_f64();
+        // Without CLIENT UNBLOCK, the server's own timeout ends a watch
+        // (at least 10 ms: 0 would block forever).
+        let server_timeout = if self.unblock { cap } else { wait.max(Duration::from_millis(10)) }.as_secs_f64();
         let blpop = async move {
             redis::cmd("BLPOP").arg(&key).arg(server_timeout).query_async::<Option<(String, String)>>(&mut c).await
         };
         tokio::pin!(blpop);
-        let result = if wait >= cap {
+        let result = if wait >= cap || !self.unblock {
             blpop.await
         } else {
             tokio::select! {
@@ -353,7 +398,13 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
                     // after this worker stopped listening.
                     let unblock: redis::RedisResult<i64> = redis::cmd("CLIENT").arg("UNBLOCK").arg(client_id).arg("TIMEOUT")
                         .query_async(&mut self.queue.conn()).await;
-                    if unblock.is_err() {
+                    if let Err(error) = unblock {
+                        if error.code().is_some() {
+                            // Forbidden here (a managed Redis, an ACL): watch with BLPOP's own timeout from now on.
+                            info!(message = "CLIENT UNBLOCK is not allowed; watching with BLPOP timeouts instead", %error);
+                            metrics::counter!(crate::telemetry::metric::QUEUE_UNBLOCK_FALLBACKS).increment(1);
+                            self.unblock = false;
+                        }
                         self.blocking = None;
                         return;
                     }
@@ -370,6 +421,16 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
         }
     }
 
+    /// How long an idle worker waits for a token before it looks anyway: the
+    /// configured interval times half the fleet (at most 16×), so the fleet
+    /// looks about as often as two workers would, whatever its size; jittered
+    /// ±20 % so the fleet's looks spread out.
+    fn safety_net(&self) -> Duration {
+        let base = self.queue.config().idle_ms.max(100) as f64;
+        let scale = (self.shared.fleet.load(Ordering::Relaxed) as f64 / 2.0).clamp(1.0, 16.0);
+        Duration::from_millis((base * scale * (0.8 + 0.4 * rand::random::<f64>())) as u64)
+    }
+
     async fn blocking_conn(&mut self, cap: Duration) -> Option<(redis::aio::MultiplexedConnection, i64)> {
         if let Some(b) = &self.blocking {
             return Some(b.clone());
@@ -380,11 +441,21 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
                 .set_response_timeout(Some(cap + Duration::from_secs(5)))
                 .set_connection_timeout(Some(crate::redis_util::CONNECT_TIMEOUT));
             let mut conn = client.get_multiplexed_async_connection_with_config(&config).await?;
-            let id: i64 = redis::cmd("CLIENT").arg("ID").query_async(&mut conn).await?;
+            let id = match redis::cmd("CLIENT").arg("ID").query_async::<i64>(&mut conn).await {
+                Ok(id) => id,
+                // CLIENT forbidden altogether: no UNBLOCK either (see `idle`).
+                Err(error) if error.code().is_some() => -1,
+                Err(error) => return Err(error),
+            };
             Ok::<_, redis::RedisError>((conn, id))
         };
         match connect.await {
             Ok(b) => {
+                if b.1 < 0 && self.unblock {
+                    info!(message = "CLIENT is not allowed; watching with BLPOP timeouts instead");
+                    metrics::counter!(crate::telemetry::metric::QUEUE_UNBLOCK_FALLBACKS).increment(1);
+                    self.unblock = false;
+                }
                 self.blocking = Some(b.clone());
                 Some(b)
             }
@@ -404,11 +475,15 @@ fn backoff(failures: u32) -> Duration {
 
 /// Renews this worker's leases and registration every third of the lease,
 /// reclaims expired leases of dead workers, and ends the shutdown grace.
+/// While it holds no lease it beats less often, the more so the larger the
+/// fleet (up to 8×): the fleet's idle beats, and so its reclaims of dead
+/// workers' leases, stay about as frequent as two workers' would.
 async fn heartbeat_loop(queue: TurnQueue, shared: Arc<Shared>, worker: WorkerContext) {
     let every = queue.config().heartbeat_every();
+    let idle_every = |fleet: usize| every.mul_f64((fleet as f64 / 2.0).clamp(1.0, IDLE_BEAT_SCALE));
     let grace = Duration::from_millis(queue.config().grace_ms);
     let mut started_at_ms = None;
-    let mut next_beat = Instant::now();
+    let mut last_beat: Option<Instant> = None;
     let mut shutdown_seen: Option<Instant> = None;
     // Leases the last beat found no longer this worker's. A lease its handler
     // settled while the beat was under way reads so too; one still held a beat
@@ -416,8 +491,13 @@ async fn heartbeat_loop(queue: TurnQueue, shared: Arc<Shared>, worker: WorkerCon
     let mut suspects: Vec<(String, u64)> = vec![];
     loop {
         let now = Instant::now();
-        if now >= next_beat {
-            next_beat = now + every;
+        let gap = if shared.held.lock().expect("held lock").is_empty() {
+            idle_every(shared.fleet.load(Ordering::Relaxed))
+        } else {
+            every
+        };
+        if last_beat.is_none_or(|at| now >= at + gap) {
+            last_beat = Some(now);
             if started_at_ms.is_none() {
                 started_at_ms = queue.server_time_ms().await.ok();
             }
@@ -430,10 +510,12 @@ async fn heartbeat_loop(queue: TurnQueue, shared: Arc<Shared>, worker: WorkerCon
                 in_flight: leases.len(),
                 started_at_ms: started_at_ms.unwrap_or_default(),
                 lease_ms: queue.config().lease_ms,
+                beat_ms: every.mul_f64(IDLE_BEAT_SCALE).as_millis() as u64,
                 last_heartbeat_ms: 0,
             };
             match queue.heartbeat(&shared.identity, Some(&info), &leases).await {
                 Ok(report) => {
+                    shared.fleet.store(report.fleet.max(1), Ordering::Relaxed);
                     if report.reclaimed > 0 || report.buried > 0 {
                         info!(
                             message = "expired leases reclaimed",
@@ -464,11 +546,15 @@ async fn heartbeat_loop(queue: TurnQueue, shared: Arc<Shared>, worker: WorkerCon
                 shared.grace.send_replace(true);
             }
         }
-        // Short ticks only to notice shutdown promptly; Redis is touched once per `every`.
-        let until_beat = next_beat.saturating_duration_since(Instant::now());
-        tokio::time::sleep(until_beat.min(Duration::from_millis(100))).await;
+        // Short ticks to notice shutdown (and a first lease) promptly; Redis is
+        // touched once per beat.
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// How many times longer than [`QueueConfig::heartbeat_every`] an idle worker
+/// of a large fleet goes between beats.
+const IDLE_BEAT_SCALE: f64 = 8.0;
 
 /// What the layer does with a delivery whose handler returned.
 enum Outcome {
@@ -556,6 +642,7 @@ impl Drop for SlotGuard {
     fn drop(&mut self) {
         self.0.running.fetch_sub(1, Ordering::SeqCst);
         self.0.slot_waker.wake();
+        self.0.slot_freed.notify_one();
     }
 }
 
@@ -585,6 +672,9 @@ where
     fn call(&mut self, task: Task<T>) -> Self::Future {
         let lease = task.ctx().data().get::<Lease>().cloned();
         self.shared.running.fetch_add(1, Ordering::SeqCst);
+        // Started: its slot moves from handed to running (saturating: a task
+        // built elsewhere was never handed).
+        let _ = self.shared.handed.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |h| h.checked_sub(1));
         let guard = SlotGuard(self.shared.clone());
         let fut = self.inner.call(task);
         let queue = self.queue.clone();

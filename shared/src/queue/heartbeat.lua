@@ -6,7 +6,9 @@
 -- is forgotten; liveness is judged on reading, by each worker's own lease), reclaim_limit,
 -- dead_keep_ms (the dead set's retention), then id, epoch pairs of the leases
 -- this worker holds.
--- Returns {reclaimed, buried, lost id...}: lost ids are leases it no longer holds.
+-- Returns {reclaimed, buried, fleet, lost id...}: fleet is how many workers beat
+-- in the last 30 s (idle workers space their looks by it); lost ids are leases it
+-- no longer holds.
 local lease_ms, maxd = tonumber(ARGV[1]), tonumber(ARGV[2])
 local workers, info = KEYS[Q_NKEYS + 1], KEYS[Q_NKEYS + 2]
 local now = q_now()
@@ -14,7 +16,7 @@ if ARGV[4] ~= '' then
   redis.call('ZADD', workers, now, ARGV[3])
   redis.call('HSET', info, ARGV[3], ARGV[4])
 end
-local out = {0, 0}
+local out = {0, 0, 0}
 local n = (#ARGV - 7) / 2
 if n > 0 then
   local ids = {}
@@ -41,7 +43,7 @@ for _, id in ipairs(expired) do
       .. ': its worker was killed or stalled each time', now, ARGV[7])
     out[2] = out[2] + 1
   else
-    q_schedule(id, r, now)
+    q_schedule(id, r, now, now)
     out[1] = out[1] + 1
   end
 end
@@ -50,4 +52,5 @@ if #gone > 0 then
   redis.call('ZREM', workers, unpack(gone))
   redis.call('HDEL', info, unpack(gone))
 end
+out[3] = redis.call('ZCOUNT', workers, now - 30000, '+inf')
 return out

@@ -1,18 +1,21 @@
 -- paceline turn queue: the Lua library every queue script starts with.
 --
 -- Prepend QUEUE_LUA_LIB (Rust: shared::queue::LUA_LIB) to a script and pass the
--- queue's six keys FIRST, in this order (Rust: QueueKeys::script_keys()):
+-- queue's seven keys FIRST, in this order (Rust: QueueKeys::script_keys()):
 --   KEYS[1] due      ZSET  id -> due time (ms, Redis TIME); queued turns, ready or delayed
 --   KEYS[2] lease    ZSET  id -> lease deadline (ms); turns in flight
 --   KEYS[3] jobs     HASH  id -> record "epoch|deliveries|flag|payload" (flag q/l/d)
 --   KEYS[4] dead     ZSET  id -> time it died (ms)
 --   KEYS[5] reasons  HASH  id -> why it died
 --   KEYS[6] notify   LIST  wake-up tokens that idle workers BLPOP
+--   KEYS[7] timer    STRING "due_ms|worker": the one idle worker that sleeps towards
+--                    the earliest delayed turn (the others wait for tokens alone)
 -- A script's own keys start at KEYS[Q_NKEYS + 1]. ARGV is the script's own: the
 -- library's functions take their inputs as arguments and never read ARGV.
 -- Every function here is a `local`, so the library can be prepended to any body.
-local Q_DUE, Q_LEASE, Q_JOBS, Q_DEAD, Q_REASONS, Q_NOTIFY = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local Q_NKEYS = 6
+local Q_DUE, Q_LEASE, Q_JOBS, Q_DEAD, Q_REASONS, Q_NOTIFY, Q_TIMER =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local Q_NKEYS = 7
 -- Tokens beyond this many wake nobody new; the chain token of a full fetch covers the rest.
 local Q_MAX_TOKENS = 64
 
@@ -59,28 +62,47 @@ local function q_wake()
   end
 end
 
--- Adds a new turn `id` with `payload`, due at `due_ms`, and wakes a worker;
--- false (and nothing written) when the id is already queued, in flight or dead.
-local function q_add(id, payload, due_ms)
+-- The due time an idle worker sleeps towards and that worker, or nil: a claim
+-- whose time has passed is its holder's to act on now, and anyone's to take over.
+local function q_watched(now)
+  local t = redis.call('GET', Q_TIMER)
+  if not t then return nil end
+  local at, who = string.match(t, '^(%-?%d+)|(.*)$')
+  at = tonumber(at)
+  if not at or at <= now then return nil end
+  return at, who
+end
+
+-- Wakes one idle worker for a turn due at `due_ms`, unless one already sleeps
+-- towards that time or an earlier one (it will take this turn when it wakes):
+-- a due time reaches one worker process, however many are idle.
+local function q_wake_for(due_ms, now)
+  local watched = q_watched(now)
+  if due_ms <= now or not watched or due_ms < watched then q_wake() end
+end
+
+-- Adds a new turn `id` with `payload`, due at `due_ms` (server clock; `now`:
+-- the script's), and wakes a worker for it; false (and nothing written) when
+-- the id is already queued, in flight or dead.
+local function q_add(id, payload, due_ms, now)
   local r = {epoch = 0, deliveries = 0, flag = 'q', payload = payload}
   if redis.call('HSETNX', Q_JOBS, id, q_encode(r)) == 0 then return false end
   redis.call('ZADD', Q_DUE, due_ms, id)
-  q_wake()
+  q_wake_for(due_ms, now)
   return true
 end
 
 -- Puts turn `id` (record `r`, as read) in the queue, due at `due_ms` (server
--- clock), out of any lease. Set r.payload / r.deliveries before calling to change them.
-local function q_schedule(id, r, due_ms)
+-- clock; `now`: the script's), out of any lease. Set r.payload / r.deliveries
+-- before calling to change them.
+local function q_schedule(id, r, due_ms, now)
   r.flag = 'q'
   redis.call('HSET', Q_JOBS, id, q_encode(r))
   redis.call('ZREM', Q_LEASE, id)
-  -- Wake an idle worker only when this turn is due before every other queued
-  -- one: idle workers already sleep towards the earliest due time, and a
-  -- requeue for later (a budget wait) would only make them look and sleep again.
-  local first = redis.call('ZRANGE', Q_DUE, 0, 0, 'WITHSCORES')
   redis.call('ZADD', Q_DUE, due_ms, id)
-  if #first == 0 or due_ms < tonumber(first[2]) then q_wake() end
+  -- A requeue for later (a budget wait) wakes nobody when a worker already
+  -- sleeps towards an earlier time: it would only look and sleep again.
+  q_wake_for(due_ms, now)
 end
 
 -- Removes leased turn `id` for good (it is done).

@@ -40,13 +40,13 @@ use std::time::Duration;
 /// worker's turn commit).
 ///
 /// Conventions:
-/// - `KEYS[1..6]` are the queue's keys in the order of [`QueueKeys::script_keys`];
-///   the script's own keys start at `KEYS[Q_NKEYS + 1]` (`Q_NKEYS` = 6).
+/// - `KEYS[1..7]` are the queue's keys in the order of [`QueueKeys::script_keys`];
+///   the script's own keys start at `KEYS[Q_NKEYS + 1]` (`Q_NKEYS` = 7).
 /// - `ARGV` belongs to the script; the library reads none of it.
 /// - `q_now()` is the server clock in ms. `q_fence(id, epoch)` returns the turn's
 ///   record when `epoch` is its live lease, else `nil, why` ('gone', 'not_leased',
 ///   'stale'): call it first and write nothing on `nil`.
-/// - With the record `r` from `q_fence`: `q_schedule(id, r, due_ms)` queues the
+/// - With the record `r` from `q_fence`: `q_schedule(id, r, due_ms, now)` queues the
 ///   turn again (set `r.payload` for the next turn's payload and
 ///   `r.deliveries = 0` for a requeue that made progress); `q_finish(id)` removes
 ///   it; `q_bury(id, r, reason, now, keep_ms)` moves it to the dead set (and
@@ -54,7 +54,7 @@ use std::time::Duration;
 ///
 /// A commit script: `local r, why = q_fence(ARGV[1], ARGV[2]); if not r then
 /// return {'fenced', why} end; <run-store writes>; r.payload = ARGV[3];
-/// r.deliveries = 0; q_schedule(ARGV[1], r, q_now() + delay)` — then call
+/// r.deliveries = 0; local now = q_now(); q_schedule(ARGV[1], r, now + delay, now)` — then call
 /// [`Lease::mark_settled`] so the backend does not also complete it.
 pub const LUA_LIB: &str = include_str!("lib.lua");
 
@@ -171,6 +171,8 @@ pub struct QueueKeys {
     pub reasons: String,
     /// LIST of wake-up tokens.
     pub notify: String,
+    /// STRING `due_ms|worker`: the idle worker that sleeps towards the next due turn.
+    pub timer: String,
     /// Counter the epochs come from.
     pub epoch_seq: String,
     /// HASH of the queue's own counters (`empty_fetches`: fetches that found
@@ -192,6 +194,7 @@ impl QueueKeys {
             dead: keys.queue_key("dead"),
             reasons: keys.queue_key("reasons"),
             notify: keys.queue_key("notify"),
+            timer: keys.queue_key("timer"),
             epoch_seq: keys.queue_key("epoch"),
             stats: keys.queue_key("stats"),
             workers: keys.queue_key("workers"),
@@ -199,9 +202,9 @@ impl QueueKeys {
         }
     }
 
-    /// `KEYS[1..6]` of any script built on [`LUA_LIB`], in order.
-    pub fn script_keys(&self) -> [&str; 6] {
-        [&self.due, &self.lease, &self.jobs, &self.dead, &self.reasons, &self.notify]
+    /// `KEYS[1..7]` of any script built on [`LUA_LIB`], in order.
+    pub fn script_keys(&self) -> [&str; 7] {
+        [&self.due, &self.lease, &self.jobs, &self.dead, &self.reasons, &self.notify, &self.timer]
     }
 }
 
@@ -267,10 +270,27 @@ pub struct Delivery {
 pub struct Fetched {
     /// Server time of the fetch, ms.
     pub now_ms: i64,
-    /// When nothing was due: ms until the next due turn, `None` when none is queued.
-    pub wait_ms: Option<i64>,
+    /// What the worker does once it has started these deliveries.
+    pub then: Then,
     /// The turns leased.
     pub deliveries: Vec<Delivery>,
+}
+
+/// What a worker does after a fetch (fetch.lua): across the fleet, a due time
+/// wakes one idle worker process, not every idle one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Then {
+    /// The batch was full and more may be due: fetch again when a slot is free.
+    FetchAgain,
+    /// Nothing more is due, and another worker (or none: nothing is queued)
+    /// watches the next due time: wait for a wake-up token, or the safety net.
+    Listen,
+    /// Nothing more is due, and this worker is the one that sleeps towards the
+    /// next due turn, due in `ms` (server clock arithmetic).
+    Watch {
+        /// Until the next due turn, ms.
+        ms: i64,
+    },
 }
 
 /// Exact counts, read in one script (O(log n) at worst: ZCOUNT, ZCARD).
@@ -323,6 +343,12 @@ pub struct WorkerInfo {
     /// the reader's own lease is used).
     #[serde(default)]
     pub lease_ms: u64,
+    /// The longest it goes between heartbeats, ms: a third of its lease while
+    /// it holds turns, longer while idle (the fleet's idle beats stay few). It
+    /// is alive while its last heartbeat is younger than two of these (or of
+    /// its leases, the longer). 0: not said.
+    #[serde(default)]
+    pub beat_ms: u64,
     /// Last heartbeat (server clock, ms); filled in from the registry.
     #[serde(default)]
     pub last_heartbeat_ms: i64,
@@ -337,6 +363,8 @@ pub struct HeartbeatReport {
     pub buried: u64,
     /// Of the leases it renewed, those this worker no longer holds.
     pub lost: Vec<String>,
+    /// Worker processes that beat in the last 30 s (this one included).
+    pub fleet: usize,
 }
 
 /// The scripts, loaded once per process (EVALSHA, with a reload after NOSCRIPT,
@@ -469,7 +497,8 @@ impl TurnQueue {
             .key(&self.keys.stats)
             .arg(max.clamp(1, MAX_FETCH_BATCH))
             .arg(self.config.lease_ms)
-            .arg(self.config.dead_retention_ms);
+            .arg(self.config.dead_retention_ms)
+            .arg(worker);
         let reply: Vec<String> = inv.invoke_async(&mut self.conn.clone()).await?;
         parse_fetch(reply, worker)
     }
@@ -656,6 +685,7 @@ impl TurnQueue {
             match i {
                 0 => report.reclaimed = redis::from_redis_value(item).unwrap_or_default(),
                 1 => report.buried = redis::from_redis_value(item).unwrap_or_default(),
+                2 => report.fleet = redis::from_redis_value(item).unwrap_or_default(),
                 _ => report.lost.push(redis::from_redis_value(item).unwrap_or_default()),
             }
         }
@@ -695,7 +725,12 @@ fn parse_fetch(reply: Vec<String>, worker: &str) -> Result<Fetched, QueueError> 
         return Err(bad());
     }
     let now_ms: i64 = reply[0].parse().map_err(|_| bad())?;
-    let wait: i64 = reply[1].parse().map_err(|_| bad())?;
+    let then = match reply[1].parse::<i64>().map_err(|_| bad())? {
+        -2 => Then::FetchAgain,
+        -1 => Then::Listen,
+        ms if ms >= 0 => Then::Watch { ms },
+        _ => return Err(bad()),
+    };
     let mut deliveries = Vec::with_capacity((reply.len() - 2) / 5);
     let mut it = reply.into_iter().skip(2);
     while let (Some(id), Some(epoch), Some(deliv), Some(due), Some(payload)) =
@@ -714,8 +749,7 @@ fn parse_fetch(reply: Vec<String>, worker: &str) -> Result<Fetched, QueueError> 
             payload,
         });
     }
-    let wait_ms = if deliveries.is_empty() && wait >= 0 { Some(wait) } else { None };
-    Ok(Fetched { now_ms, wait_ms, deliveries })
+    Ok(Fetched { now_ms, then, deliveries })
 }
 
 /// The longest a registration may go without a heartbeat and still be read
@@ -760,15 +794,17 @@ mod tests {
 
     #[test]
     fn a_fetch_reply_parses_into_leases() {
-        let reply = ["1000", "0", "run_1", "7", "2", "990", "{\"a\":1}"].map(String::from).to_vec();
+        let reply = ["1000", "-2", "run_1", "7", "2", "990", "{\"a\":1}"].map(String::from).to_vec();
         let f = parse_fetch(reply, "w").unwrap();
         assert_eq!(f.deliveries.len(), 1);
         let l = &f.deliveries[0].lease;
         assert_eq!((l.id.as_str(), l.epoch, l.deliveries, l.due_ms, l.lateness_ms()), ("run_1", 7, 2, 990, 10));
         assert_eq!(f.deliveries[0].payload, "{\"a\":1}");
+        assert_eq!(f.then, Then::FetchAgain);
         let idle = parse_fetch(["1000", "250"].map(String::from).to_vec(), "w").unwrap();
-        assert_eq!(idle.wait_ms, Some(250));
+        assert_eq!(idle.then, Then::Watch { ms: 250 });
         let empty = parse_fetch(["1000", "-1"].map(String::from).to_vec(), "w").unwrap();
-        assert_eq!(empty.wait_ms, None);
+        assert_eq!(empty.then, Then::Listen);
+        assert!(parse_fetch(["1000", "-3"].map(String::from).to_vec(), "w").is_err());
     }
 }

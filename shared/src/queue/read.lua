@@ -44,7 +44,7 @@ elseif view == 'workers' then
     local ok, info = pcall(cjson.decode, json)
     local ttl = tonumber(ARGV[2])
     if ok and type(info) == 'table' and tonumber(info.lease_ms) and tonumber(info.lease_ms) > 0 then
-      ttl = 2 * tonumber(info.lease_ms)
+      ttl = 2 * math.max(tonumber(info.lease_ms), tonumber(info.beat_ms) or 0)
     end
     if now - tonumber(w[i + 1]) <= ttl then
       out[#out + 1] = w[i]; out[#out + 1] = w[i + 1]; out[#out + 1] = json

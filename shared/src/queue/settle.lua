@@ -19,16 +19,16 @@ local now = q_now()
 if op == 'requeue' then
   if ARGV[6] == '1' then r.payload = ARGV[5] end
   r.deliveries = 0
-  q_schedule(id, r, now + tonumber(ARGV[4]))
+  q_schedule(id, r, now + tonumber(ARGV[4]), now)
 elseif op == 'retry' then
   if r.deliveries >= tonumber(ARGV[8]) then
     q_bury(id, r, ARGV[7], now, ARGV[9])
     return {'dead'}
   end
-  q_schedule(id, r, now + tonumber(ARGV[4]))
+  q_schedule(id, r, now + tonumber(ARGV[4]), now)
 elseif op == 'release' then
   if r.deliveries > 0 then r.deliveries = r.deliveries - 1 end
-  q_schedule(id, r, now)
+  q_schedule(id, r, now, now)
 elseif op == 'dead' then
   q_bury(id, r, ARGV[7], now, ARGV[9])
   return {'dead'}

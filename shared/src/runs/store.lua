@@ -1,9 +1,9 @@
 -- The run store's atomic operations, built on the queue's Lua library (prepended).
 --
--- KEYS[1..6] the queue's keys (see queue/lib.lua), then:
--- KEYS[7] run record HASH    KEYS[8] transcript LIST (JSON entries)
--- KEYS[9] events STREAM       KEYS[10] the tenant's run index ZSET (id -> created ms)
--- KEYS[11] idempotency key STRING (create only; otherwise any key of the slot)
+-- KEYS[1..Q_NKEYS] the queue's keys (see queue/lib.lua), then:
+-- KEYS[Q_NKEYS+1] run record HASH    KEYS[Q_NKEYS+2] transcript LIST (JSON entries)
+-- KEYS[Q_NKEYS+3] events STREAM       KEYS[Q_NKEYS+4] the tenant's run index ZSET (id -> created ms)
+-- KEYS[Q_NKEYS+5] idempotency key STRING (create only; otherwise any key of the slot)
 -- ARGV[1] op, ARGV[2] run id, the rest per op (below).
 --
 -- Every write by a worker is fenced by its lease's epoch (q_fence) in the same
@@ -11,7 +11,7 @@
 -- appends twice, a stale worker never forks the run, a cancelled run's queued
 -- turn never reaches the provider.
 
-local RUN, TX, EV, IDX, IDEM = KEYS[7], KEYS[8], KEYS[9], KEYS[10], KEYS[11]
+local RUN, TX, EV, IDX, IDEM = KEYS[Q_NKEYS + 1], KEYS[Q_NKEYS + 2], KEYS[Q_NKEYS + 3], KEYS[Q_NKEYS + 4], KEYS[Q_NKEYS + 5]
 local op, id = ARGV[1], ARGV[2]
 -- EV_MAXLEN (the events stream's length) is prepended by store.rs.
 
@@ -24,36 +24,86 @@ local finished = q_run_finished
 -- The record's usage counters a call adds to (record.rs `field`).
 local USAGE_FIELDS = {'input_tokens', 'output_tokens', 'reasoning_tokens', 'cached_input_tokens'}
 
--- Adds one call's usage: a JSON object of those counters (missing ones are 0).
-local function add_usage(json)
+-- Adds one call's usage (a JSON object of those counters; missing ones are 0)
+-- to the record's counters as read in `f`: the new values go into `set`, the
+-- field/value pairs of the script's one HSET (one write, not one per counter).
+local function add_usage(f, json, set)
   local u = cjson.decode(json)
-  for _, f in ipairs(USAGE_FIELDS) do
-    redis.call('HINCRBY', RUN, f, math.floor(tonumber(u[f]) or 0))
+  for _, k in ipairs(USAGE_FIELDS) do
+    local add = math.floor(tonumber(u[k]) or 0)
+    if add ~= 0 then
+      set[#set + 1] = k
+      set[#set + 1] = string.format('%d', (tonumber(f[k]) or 0) + add)
+    end
+  end
+end
+
+-- The record's fields `names`, read in one HMGET, by name (false: missing).
+local function read_fields(names)
+  local vals = redis.call('HMGET', RUN, unpack(names))
+  local f = {}
+  for i, n in ipairs(names) do f[n] = vals[i] end
+  return f
+end
+
+-- Appends transcript entries ARGV[from..] in one RPUSH per 500, and puts where
+-- turn `tag`'s entries begin (field txi:<tag>, see window_entries) in `set`
+-- unless `f` shows it set already.
+local function append_entries(from, tag, f, set)
+  local len
+  for i = from, #ARGV, 500 do
+    len = redis.call('RPUSH', TX, unpack(ARGV, i, math.min(i + 499, #ARGV)))
+  end
+  local field = 'txi:' .. tag
+  if len and not f[field] then
+    set[#set + 1] = field
+    set[#set + 1] = len - (#ARGV - from + 1)
   end
 end
 
 -- A finished run's keys live for the retention period, then go.
 local function retire(now, retention) q_run_retire(RUN, TX, EV, now, retention) end
 
--- Checks the lease and the run: the record fields, or nil and why not.
-local function fenced(epoch, turn)
-  local r, why = q_fence(id, epoch)
-  if not r then return nil, nil, why end
-  local status = redis.call('HGET', RUN, 'status')
+-- Checks the run as read in `f` (its status and turns) for turn `turn`
+-- (nil: any): nil when this turn is not to go on, and why.
+local function check_run(f, turn)
+  local status = f.status
   if not status then
     q_finish(id)
-    return nil, nil, 'gone'
+    return 'gone'
   end
   if finished(status) then
     -- Cancelled (or finished) while this turn was out: it ends here.
     q_finish(id)
-    return nil, nil, status
+    return status
   end
-  if turn and tonumber(redis.call('HGET', RUN, 'turns') or '0') ~= tonumber(turn) then
+  if turn and tonumber(f.turns or '0') ~= tonumber(turn) then
     -- This turn was already committed (a redelivery): write nothing.
-    return nil, nil, 'committed'
+    return 'committed'
   end
-  return r, status
+  return nil
+end
+
+-- Checks the lease and the run, reading the record's status, turns and the
+-- fields `more` in one HMGET: the queue record and those fields by name, or
+-- nil, nil and why not.
+local function fenced(epoch, turn, more)
+  local r, why = q_fence(id, epoch)
+  if not r then return nil, nil, why end
+  local names = {'status', 'turns'}
+  for _, n in ipairs(more or {}) do names[#names + 1] = n end
+  local f = read_fields(names)
+  why = check_run(f, turn)
+  if why then return nil, nil, why end
+  return r, f
+end
+
+-- The fields a call's usage adds to, for `fenced`'s `more`, with `extra`.
+local function usage_and(extra)
+  local out = {}
+  for _, k in ipairs(USAGE_FIELDS) do out[#out + 1] = k end
+  for _, k in ipairs(extra) do out[#out + 1] = k end
+  return out
 end
 
 if op == 'create' then
@@ -83,7 +133,7 @@ if op == 'create' then
   redis.call('ZADD', IDX, now, id)
   redis.call('ZADD', (q_run_active(RUN, tenant)), now, id)
   if fp ~= '' then redis.call('SET', IDEM, id .. '|' .. fp, 'PX', tonumber(ARGV[5])) end
-  q_add(id, ARGV[6], now)
+  q_add(id, ARGV[6], now, now)
   return {'created', id}
 end
 
@@ -105,12 +155,10 @@ if op == 'cancel' then
   return {'cancelled', status}
 end
 
--- Where turn `tag`'s transcript entries begin (field txi:<tag> of the record,
--- set at its first append), so a turn's start reads only the history the model
--- will see, not the whole transcript (a long run copied it all at every turn).
-local function mark_turn_start(tag, n)
-  if n > 0 then redis.call('HSETNX', RUN, 'txi:' .. tag, redis.call('LLEN', TX)) end
-end
+-- (Where turn `tag`'s transcript entries begin is field txi:<tag> of the
+-- record, set at its first append by append_entries, so a turn's start reads
+-- only the history the model will see, not the whole transcript: a long run
+-- copied it all at every turn.)
 
 -- The transcript entries a turn needs with a history of `max_hist` turns (0: all):
 -- turn 0's (the task), and every turn from the one before the window on
@@ -144,12 +192,19 @@ end
 
 if op == 'start' then
   -- ARGV[3] epoch, [4] turn, [5] attempt, [6] history depth in turns (0: all)
-  local r, status, why = fenced(ARGV[3], ARGV[4])
+  local r, why = q_fence(id, ARGV[3])
   if not r then return {'stop', why} end
+  -- The whole record is what the turn needs anyway: read once, checked from it.
+  local fields = redis.call('HGETALL', RUN)
+  local f = {}
+  for i = 1, #fields, 2 do f[fields[i]] = fields[i + 1] end
+  why = check_run(f, ARGV[4])
+  if why then return {'stop', why} end
+  local status = f.status
   local now = q_now()
   -- A run past its wall-clock deadline (max_run_seconds) fails here, before any call.
-  local max_run = tonumber(redis.call('HGET', RUN, 'max_run_ms') or '')
-  if max_run and now >= (tonumber(redis.call('HGET', RUN, 'created_ms')) or now) + max_run then
+  local max_run = tonumber(f.max_run_ms or '')
+  if max_run and now >= (tonumber(f.created_ms) or now) + max_run then
     local message = 'the run passed its max_run_seconds (' .. math.floor(max_run / 1000) .. ' s)'
     redis.call('HSET', RUN, 'status', 'failed', 'error_kind', 'deadline', 'error_message', message, 'updated_ms', now)
     retire(now, redis.call('HGET', RUN, 'retention_ms'))
@@ -163,8 +218,8 @@ if op == 'start' then
   end
   -- What the turn needs, in the same step: {'ok', n, n transcript entries,
   -- the record's field/value pairs} (appended, not unpacked: a long
-  -- transcript would overflow Lua's stack).
-  local fields = redis.call('HGETALL', RUN)
+  -- transcript would overflow Lua's stack). The pairs are as read before this
+  -- script's HSET: the worker needs the run's spec and counters, not its status.
   local tx = window_entries(fields, tonumber(ARGV[6]) or 0)
   local out = {'ok', tostring(#tx)}
   for i = 1, #tx do out[#out + 1] = tx[i] end
@@ -175,17 +230,24 @@ end
 if op == 'wait' then
   -- ARGV[3] epoch, [4] turn, [5] next job payload, [6] delay ms, [7] wait reason,
   -- [8] counter field to bump ('' none), [9] event type, [10] event data
-  local r, status, why = fenced(ARGV[3], ARGV[4])
+  local counter = ARGV[8]
+  local more = {'waited_ms'}
+  if counter ~= '' then more[2] = counter end
+  local r, f, why = fenced(ARGV[3], ARGV[4], more)
   if not r then return {'stop', why} end
   local now = q_now()
   local delay = tonumber(ARGV[6])
-  redis.call('HSET', RUN, 'status', 'waiting', 'wait_reason', ARGV[7], 'next_attempt_ms', now + delay, 'updated_ms', now)
-  redis.call('HINCRBY', RUN, 'waited_ms', delay)
-  if ARGV[8] ~= '' then redis.call('HINCRBY', RUN, ARGV[8], 1) end
+  local set = {'status', 'waiting', 'wait_reason', ARGV[7], 'next_attempt_ms', now + delay, 'updated_ms', now,
+    'waited_ms', string.format('%d', (tonumber(f.waited_ms) or 0) + delay)}
+  if counter ~= '' then
+    set[#set + 1] = counter
+    set[#set + 1] = string.format('%d', (tonumber(f[counter]) or 0) + 1)
+  end
+  redis.call('HSET', RUN, unpack(set))
   event(ARGV[9], ARGV[10])
   r.payload = ARGV[5]
   r.deliveries = 0
-  q_schedule(id, r, now + delay)
+  q_schedule(id, r, now + delay, now)
   return {'ok'}
 end
 
@@ -193,13 +255,14 @@ if op == 'output' then
   -- The model's output of a turn whose tool calls are still to run: committed
   -- first, so a crash while tools run re-calls no model.
   -- ARGV[3] epoch, [4] turn, [5] usage JSON, [6..] entries
-  local r, status, why = fenced(ARGV[3], ARGV[4])
+  local tag = tonumber(ARGV[4]) + 1
+  local r, f, why = fenced(ARGV[3], ARGV[4], usage_and({'phase', 'txi:' .. tag}))
   if not r then return {'stop', why} end
-  if redis.call('HGET', RUN, 'phase') == 'tools' then return {'ok'} end
-  mark_turn_start(tonumber(ARGV[4]) + 1, #ARGV - 5)
-  for i = 6, #ARGV do redis.call('RPUSH', TX, ARGV[i]) end
-  add_usage(ARGV[5])
-  redis.call('HSET', RUN, 'phase', 'tools', 'updated_ms', q_now())
+  if f.phase == 'tools' then return {'ok'} end
+  local set = {'phase', 'tools', 'updated_ms', q_now()}
+  append_entries(6, tag, f, set)
+  add_usage(f, ARGV[5], set)
+  redis.call('HSET', RUN, unpack(set))
   return {'ok'}
 end
 
@@ -209,31 +272,36 @@ if op == 'commit' then
   -- [7] next job payload (continue) or final text (complete) or error kind (fail),
   -- [8] error message (fail), [9] turn.completed data, [10] retention ms,
   -- [11..] entries appended
-  local r, status, why = fenced(ARGV[3], ARGV[4])
+  local tag = tonumber(ARGV[4]) + 1
+  local r, f, why = fenced(ARGV[3], ARGV[4], usage_and({'txi:' .. tag}))
   if not r then return {'stop', why} end
   local now = q_now()
-  mark_turn_start(tonumber(ARGV[4]) + 1, #ARGV - 10)
-  for i = 11, #ARGV do redis.call('RPUSH', TX, ARGV[i]) end
-  add_usage(ARGV[5])
-  local turns = redis.call('HINCRBY', RUN, 'turns', 1)
-  redis.call('HSET', RUN, 'phase', '', 'updated_ms', now)
-  event('turn.completed', ARGV[9])
+  local turns = (tonumber(f.turns) or 0) + 1
+  local set = {'turns', turns, 'phase', '', 'updated_ms', now}
+  append_entries(11, tag, f, set)
+  add_usage(f, ARGV[5], set)
   local next = ARGV[6]
   if next == 'continue' then
-    redis.call('HSET', RUN, 'status', 'queued', 'wait_reason', '', 'next_attempt_ms', '')
+    for _, v in ipairs({'status', 'queued', 'wait_reason', '', 'next_attempt_ms', ''}) do set[#set + 1] = v end
+    redis.call('HSET', RUN, unpack(set))
+    event('turn.completed', ARGV[9])
     r.payload = ARGV[7]
     r.deliveries = 0
-    q_schedule(id, r, now)
+    q_schedule(id, r, now, now)
     return {'continued', tostring(turns)}
   end
   q_finish(id)
   if next == 'complete' then
-    redis.call('HSET', RUN, 'status', 'completed', 'output_text', ARGV[7])
+    for _, v in ipairs({'status', 'completed', 'output_text', ARGV[7]}) do set[#set + 1] = v end
+    redis.call('HSET', RUN, unpack(set))
+    event('turn.completed', ARGV[9])
     retire(now, ARGV[10])
     event('run.completed', cjson.encode({output_text = ARGV[7], turns = turns}))
     return {'completed', tostring(turns)}
   end
-  redis.call('HSET', RUN, 'status', 'failed', 'error_kind', ARGV[7], 'error_message', ARGV[8])
+  for _, v in ipairs({'status', 'failed', 'error_kind', ARGV[7], 'error_message', ARGV[8]}) do set[#set + 1] = v end
+  redis.call('HSET', RUN, unpack(set))
+  event('turn.completed', ARGV[9])
   retire(now, ARGV[10])
   event('run.failed', cjson.encode({error = {kind = ARGV[7], message = ARGV[8]}, turns = turns}))
   return {'failed', tostring(turns)}
@@ -242,11 +310,12 @@ end
 if op == 'fail' then
   -- ARGV[3] epoch, [4] turn, [5] error kind, [6] message, [7] retention ms,
   -- [8] usage JSON (of a call that was answered)
-  local r, status, why = fenced(ARGV[3], nil)
+  local r, f, why = fenced(ARGV[3], nil, usage_and({}))
   if not r then return {'stop', why} end
   local now = q_now()
-  add_usage(ARGV[8])
-  redis.call('HSET', RUN, 'status', 'failed', 'error_kind', ARGV[5], 'error_message', ARGV[6])
+  local set = {'status', 'failed', 'error_kind', ARGV[5], 'error_message', ARGV[6]}
+  add_usage(f, ARGV[8], set)
+  redis.call('HSET', RUN, unpack(set))
   retire(now, ARGV[7])
   event('run.failed', cjson.encode({error = {kind = ARGV[5], message = ARGV[6]}}))
   q_finish(id)
@@ -294,9 +363,9 @@ if op == 'retry' then
   if r then
     r.payload = payload
     r.deliveries = 0
-    q_schedule(id, r, now)
+    q_schedule(id, r, now, now)
   else
-    q_add(id, payload, now)
+    q_add(id, payload, now, now)
   end
   return {'queued', tostring(turns)}
 end

@@ -1051,6 +1051,7 @@ async fn pacer_queue_and_workers_show_the_shared_state() {
         in_flight: 2,
         started_at_ms: 1_796_032_800_000,
         lease_ms: 3_000,
+        beat_ms: 1_000,
         last_heartbeat_ms: 0,
     };
     queue.heartbeat("host-1-x", Some(&info), &[]).await.unwrap();

@@ -192,6 +192,67 @@ async fn turns_never_start_before_their_due_time() {
     within("the worker to stop", secs(10), worker).await.unwrap();
 }
 
+/// How many fetches found nothing due (fetch.lua counts them).
+async fn empty_fetches(env: &Env) -> u64 {
+    let mut conn = env.server.conn().await;
+    redis::cmd("HGET").arg(&env.queue.keys().stats).arg("empty_fetches").query_async(&mut conn).await.unwrap_or(0)
+}
+
+/// Eight idle worker processes (in-process backends, each its own identity)
+/// and 40 turns due one after another: each due time is watched by one of
+/// them, not slept towards by all (which cost ~7 fetches that found nothing per
+/// due time before the queue's timer key).
+async fn delayed_turns_reach_one_idle_worker(env: &Env) -> u64 {
+    let seen = Seen::default();
+    let workers: Vec<_> = (0..8)
+        .map(|_| run_worker(&env.queue, 2, HandlerState { seen: seen.clone(), queue: env.queue.clone(), fail: false }))
+        .collect();
+    // Let every worker make its first (empty) fetch and go idle.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = empty_fetches(env).await;
+    for i in 0..40u64 {
+        env.queue.enqueue(&format!("run_{i}"), &json!({}), 300 + i * 60).await.unwrap();
+    }
+    eventually("40 turns to start", secs(20), || async { (seen.len() >= 40).then_some(()) }).await;
+    let empty = empty_fetches(env).await - before;
+    let mut worst = 0;
+    for s in seen.all() {
+        assert!(s.server_now_ms >= s.due_ms, "{} started {} ms early", s.id, s.due_ms - s.server_now_ms);
+        worst = worst.max(s.server_now_ms - s.due_ms);
+    }
+    assert!(worst < 1000, "a turn started {worst} ms late");
+    for (stop, handle) in workers {
+        let _ = stop.send(());
+        within("a worker to stop", secs(10), handle).await.unwrap();
+    }
+    empty
+}
+
+#[tokio::test]
+async fn a_due_time_wakes_one_idle_worker_process_not_all() {
+    let env = Env::start(QueueConfig::default());
+    let empty = delayed_turns_reach_one_idle_worker(&env).await;
+    // One watcher takes them in turn; the rest look only at their safety net
+    // (at most one each here) or when an enqueue wakes one before anybody
+    // watches. Every idle worker sleeping towards each due time cost ~300.
+    eprintln!("{empty} fetches found nothing for 40 delayed turns and 8 idle workers");
+    assert!(empty <= 20, "{empty} fetches found nothing for 40 delayed turns and 8 idle workers");
+}
+
+#[tokio::test]
+async fn without_client_unblock_due_times_are_still_kept() {
+    // Managed Redis services forbid CLIENT UNBLOCK; the watcher then waits with
+    // BLPOP's own timeout (coarser, never early, never lost).
+    let env = Env::start(QueueConfig::default());
+    let mut conn = env.server.conn().await;
+    let _: () =
+        redis::cmd("ACL").arg("SETUSER").arg("default").arg("-client|unblock").query_async(&mut conn).await.unwrap();
+    let denied: redis::RedisResult<i64> = redis::cmd("CLIENT").arg("UNBLOCK").arg(1).query_async(&mut conn).await;
+    assert!(denied.is_err(), "the ACL forbids CLIENT UNBLOCK");
+    let empty = delayed_turns_reach_one_idle_worker(&env).await;
+    assert!(empty <= 80, "{empty} fetches found nothing");
+}
+
 #[tokio::test]
 async fn ten_thousand_turns_due_at_once_are_all_served() {
     let env = Env::start(QueueConfig::default());
@@ -269,7 +330,8 @@ async fn a_commit_script_built_on_the_lua_library_is_fenced_atomically() {
         redis.call('RPUSH', KEYS[Q_NKEYS + 1], ARGV[3])
         r.payload = ARGV[4]
         r.deliveries = 0
-        q_schedule(ARGV[1], r, q_now())
+        local now = q_now()
+        q_schedule(ARGV[1], r, now, now)
         return {'ok'}
         "#
     ));
