@@ -198,10 +198,12 @@ local function put_waiter(id, w)
   redis.call('ZADD', line_key, w.order, id)
 end
 
-local function drop(id)
+-- Forgets reservation `id`; `r`: its record as read (only a waiter stands in
+-- line; nil: not known, so it is taken out of line too).
+local function drop(id, r)
   redis.call('HDEL', records, id)
   redis.call('ZREM', expiry, id)
-  redis.call('ZREM', line_key, id)
+  if not r or r.kind ~= 'f' then redis.call('ZREM', line_key, id) end
 end
 
 -- bucket.rs
@@ -511,7 +513,7 @@ local function expire()
       local held = {r.tokens, r.requests, r.ih, r.oh}
       for i, p in ipairs(BUCKETS) do S[p .. 'inflight'] = math.max(get(p .. 'inflight') - held[i], 0) end
     end
-    drop(id)
+    drop(id, r)
   end
 end
 
@@ -652,7 +654,7 @@ if op == 'acquire' then
     if known('t_') then r.output = output end
     r.sent = get('t_sent')
     r.rsent, r.isent, r.osent = get('r_sent'), get('i_sent'), get('o_sent')
-    redis.call('ZREM', line_key, id)
+    if waiter then redis.call('ZREM', line_key, id) end
     redis.call('HSET', records, id, rec_encode(r))
     redis.call('ZADD', expiry, r.expiry, id)
     if order then
@@ -727,16 +729,23 @@ if op == 'acquire' then
     if live then order = LIVE_BASE + now end
   end
   -- 5. Clear if the bucket holds the turns ahead and this one above the floor.
-  redis.call('ZADD', line_key, order, id)
-  local rank = redis.call('ZRANK', line_key, id)
+  -- The turns ahead of it: before it by order, then id (as ZRANK ranks them),
+  -- read without putting it in line (a turn cleared now never stands in it;
+  -- one that waits is put there by put_waiter).
+  local ids = {}
+  do
+    local before = redis.call('ZRANGEBYSCORE', line_key, '-inf', order, 'WITHSCORES')
+    for i = 1, #before, 2 do
+      if before[i] ~= id and (tonumber(before[i + 1]) < order or before[i] < id) then ids[#ids + 1] = before[i] end
+    end
+  end
   -- What the turns ahead hold of each bucket: their line cost, their requests,
   -- their input, the output they keep.
   local okept = get('usage_ratio')
   if okept > 0 then okept = math.min(math.max(okept, 0.05), 1) else okept = 1 end
   local ahead = {0, 0, 0, 0}
   local other, last_clear = false, 0
-  if rank > 0 then
-    local ids = redis.call('ZRANGE', line_key, 0, rank - 1)
+  if #ids > 0 then
     local recs = redis.call('HMGET', records, unpack(ids))
     for i = 1, #ids do
       local w = rec_decode(recs[i])
@@ -886,7 +895,7 @@ if op == 'settle' then
     tk, rq, out, mark, estimated_input, sent_mark = rec.tokens, rec.requests, rec.output, rec.mark, rec.input, rec.sent
     held = {rec.tokens, rec.requests, rec.ih, rec.oh}
   end
-  drop(id)
+  drop(id, rec)
   if mark then S['probe_until'] = 0 end
   local output = tk
   if out > 0 then output = math.min(out, tk) end
@@ -938,12 +947,17 @@ if op == 'settle' then
   -- With no bucket known every call in flight holds nothing: the scans below would add
   -- zeros (a provider without headers or limits, where each settle counts).
   local scan = any_known()
+  -- The records as scanned once here (nothing below writes them before the second look).
+  local scanned = nil
   if mark then
     others = math.max(get('t_refunded') - mark, 0)
     others_out = math.max(get('o_refunded') - rec.omark, 0)
     local later = {0, 0, 0, 0}
     local raw = {}
-    if scan then raw = redis.call('HVALS', records) end
+    if scan then
+      raw = redis.call('HVALS', records)
+      scanned = raw
+    end
     for i = 1, #raw do
       local g = rec_decode(raw[i])
       if g and g.kind == 'f' then
@@ -979,7 +993,7 @@ if op == 'settle' then
   local cleared_at = nil
   if mark then cleared_at = rec.expiry - ttl end
   local raw_f = {}
-  if scan then raw_f = redis.call('HVALS', records) end
+  if scan then raw_f = scanned or redis.call('HVALS', records) end
   local flights = {}
   for i = 1, #raw_f do
     local g = rec_decode(raw_f[i])

@@ -12,7 +12,18 @@
 -- leaves it idle with a slot to spare: it is the one to watch.
 local max, lease_ms, dead_keep_ms, me = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4]
 local now = q_now()
-local due = redis.call('ZRANGEBYSCORE', Q_DUE, '-inf', now, 'WITHSCORES', 'LIMIT', 0, max)
+-- The first max + 1 queued turns by due time: those due now (at most max), and
+-- after them the next one, whose due time says whether more are due and when.
+local head = redis.call('ZRANGE', Q_DUE, 0, max, 'WITHSCORES')
+local due, nxt = {}, nil
+for i = 1, #head, 2 do
+  if #due < 2 * max and tonumber(head[i + 1]) <= now then
+    due[#due + 1] = head[i]; due[#due + 1] = head[i + 1]
+  else
+    nxt = tonumber(head[i + 1])
+    break
+  end
+end
 local n = #due / 2
 local out = {tostring(now), '-1'}
 if n == 0 then
@@ -53,16 +64,14 @@ else
     -- not just this one; when the watch it held fell due (it took that turn),
     -- wake one idle worker to watch the next.
     out[2] = '-2'
-    local more = redis.call('ZRANGE', Q_DUE, 0, 0, 'WITHSCORES')
-    if #more > 0 and (tonumber(more[2]) <= now or not q_watched(now)) then q_wake() end
+    if nxt and (nxt <= now or not q_watched(now)) then q_wake() end
     return out
   end
 end
 -- Took everything due: leftover tokens would only wake workers for nothing.
 redis.call('DEL', Q_NOTIFY)
-local nxt = redis.call('ZRANGE', Q_DUE, 0, 0, 'WITHSCORES')
-if #nxt == 0 then return out end
-local at = tonumber(nxt[2])
+if not nxt then return out end
+local at = nxt
 local watched, who = q_watched(now)
 if watched and watched <= at and who ~= me then
   -- Another idle worker sleeps towards this time or an earlier one; it takes

@@ -77,8 +77,9 @@ end
 -- towards that time or an earlier one (it will take this turn when it wakes):
 -- a due time reaches one worker process, however many are idle.
 local function q_wake_for(due_ms, now)
+  if due_ms <= now then return q_wake() end
   local watched = q_watched(now)
-  if due_ms <= now or not watched or due_ms < watched then q_wake() end
+  if not watched or due_ms < watched then q_wake() end
 end
 
 -- Adds a new turn `id` with `payload`, due at `due_ms` (server clock; `now`:

@@ -475,3 +475,103 @@ async fn a_run_past_its_deadline_fails_at_its_next_turn_before_any_call() {
     let events = env.store.events("alpha", &run.id, None, None, 50).await.unwrap().unwrap();
     assert_eq!(events.last().map(|e| e.kind.as_str()), Some("run.failed"));
 }
+
+/// Redis commands run since `before` (`INFO commandstats`; a script's inner
+/// commands count under their own names, as the bench counts them), without
+/// the `INFO` calls themselves.
+async fn commands(conn: &mut redis::aio::ConnectionManager) -> u64 {
+    let info: String = redis::cmd("INFO").arg("commandstats").query_async(conn).await.unwrap();
+    info.lines()
+        .filter(|l| l.starts_with("cmdstat_") && !l.starts_with("cmdstat_info:"))
+        .filter_map(|l| l.split("calls=").nth(1)?.split(',').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// What each step of a turn costs in Redis commands, scripts' inner commands
+/// included (#18's lean turn): a turn that calls its model and one tool, the
+/// next turn that answers, and one budget wait. Each step is held to a ceiling
+/// a little above what it costs now, so a change that makes a step dearer is
+/// seen here; `--nocapture` prints the table (README's figures).
+#[tokio::test]
+async fn each_step_of_a_turn_costs_few_redis_commands() {
+    use shared::pacer::{CallOutcome, Decision, Estimate, Mode, Observation, PacingConfig, SharedPacer, Who};
+    let server = RedisServer::start();
+    let prefix = unique_prefix();
+    let conn = shared::redis_util::manager(&server.url()).await.unwrap();
+    let store = RunStore::new(conn.clone(), Keys::new(&prefix), Duration::from_secs(60));
+    let queue = TurnQueue::new(&RedisArgs::new(server.url(), &prefix), QueueConfig::default()).unwrap();
+    let pacer = SharedPacer::new(conn.clone(), Keys::new(&prefix), "default", PacingConfig::default());
+    let mut stats = conn.clone();
+    let est = Estimate { tokens: 300, requests: 1, output: 200 };
+    let headers = CallOutcome {
+        used_tokens: Some(120),
+        input_tokens: Some(100),
+        tokens: Observation { limit: Some(1_000_000), remaining: Some(990_000), reset_ms: Some(600) },
+        requests: Observation { limit: Some(10_000), remaining: Some(9_990), reset_ms: Some(6) },
+        ..CallOutcome::default()
+    };
+    let usage = Usage { input_tokens: 100, output_tokens: 20, total_tokens: 120, ..Usage::default() };
+    let call = json!({"type": "function_call", "call_id": "c1", "name": "search", "arguments": "{}"});
+    let answer = json!({"type": "function_call_output", "call_id": "c1", "output": "found"});
+    let mut costs: Vec<(&str, u64)> = vec![];
+    macro_rules! step {
+        ($name:expr, $e:expr) => {{
+            let before = commands(&mut stats).await;
+            let out = $e;
+            costs.push(($name, commands(&mut stats).await - before));
+            out
+        }};
+    }
+    let run = store.create("alpha", &spec("x"), None).await.unwrap().run;
+    // Two warm-up turns (the pacer learns its bucket; the run has history).
+    for turn in 0..3u32 {
+        costs.clear();
+        let job = TurnJob { turn, attempt: 1 };
+        let lease = step!("fetch", queue.fetch("w", 4).await.unwrap().deliveries.remove(0).lease);
+        step!("start", store.start_turn_with_history(&lease, job, 0).await.unwrap());
+        let id = format!("{}:{turn}:1", run.id);
+        let d = step!("pacer acquire", pacer.acquire("gpt-test", &id, est, Mode::Work, &Who::DEFAULT).await.unwrap());
+        assert!(matches!(d, Decision::Clear), "{d:?}");
+        step!("pacer settle", pacer.settle("gpt-test", &id, &headers).await.unwrap());
+        let fence =
+            step!("record output", store.record_output(&lease, job, std::slice::from_ref(&call), usage).await.unwrap());
+        assert_eq!(fence, Fence::Ok);
+        step!("tool events", {
+            store.emit_all(&run.id, "turn.tool_call", &[json!({"turn": turn})]).await.unwrap();
+            store.emit_all(&run.id, "turn.tool_result", &[json!({"turn": turn})]).await.unwrap();
+        });
+        let fence = step!(
+            "commit",
+            store.commit(&lease, job, std::slice::from_ref(&answer), Usage::default(), &Next::Continue).await
+        );
+        assert_eq!(fence.unwrap(), Fence::Ok);
+    }
+    let turn = 3u32;
+    let job = TurnJob { turn, attempt: 1 };
+    let lease = step!("fetch", queue.fetch("w", 4).await.unwrap().deliveries.remove(0).lease);
+    step!("start", store.start_turn_with_history(&lease, job, 0).await.unwrap());
+    let data = json!({"turn": turn, "owed_ms": 5, "reason": "budget"});
+    let fence =
+        step!("budget wait", store.wait(&lease, job, job, 5, WaitReason::Budget, "turn.paced", &data).await.unwrap());
+    assert_eq!(fence, Fence::Ok);
+    let total: u64 = costs.iter().map(|(_, n)| n).sum();
+    for (name, n) in &costs {
+        eprintln!("{name:>14}: {n}");
+    }
+    eprintln!("{:>14}: {total}", "all");
+    // Ceilings: a step may not grow unnoticed.
+    let ceiling = |name: &str| match name {
+        "fetch" => 9,
+        "start" => 8,
+        "pacer acquire" => 13,
+        "pacer settle" => 10,
+        "record output" => 7,
+        "tool events" => 2,
+        "commit" => 11,
+        "budget wait" => 12,
+        _ => 0,
+    };
+    for (name, n) in &costs {
+        assert!(*n <= ceiling(name), "{name} costs {n} Redis commands (ceiling {})", ceiling(name));
+    }
+}
