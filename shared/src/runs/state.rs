@@ -177,6 +177,31 @@ mod tests {
     use super::Transition::*;
     use super::*;
 
+    /// The Lua scripts write events by name; every name they write is one of
+    /// [`event::ALL`] (a typo there would be an event no client knows).
+    #[test]
+    fn every_event_the_lua_scripts_write_is_a_known_event_type() {
+        let sources = [
+            ("runs/store.lua", include_str!("store.lua")),
+            ("queue/lib.lua", include_str!("../queue/lib.lua")),
+            ("queue/fetch.lua", include_str!("../queue/fetch.lua")),
+            ("queue/settle.lua", include_str!("../queue/settle.lua")),
+            ("queue/heartbeat.lua", include_str!("../queue/heartbeat.lua")),
+            ("queue/admin.lua", include_str!("../queue/admin.lua")),
+        ];
+        let name = regex::Regex::new(r"'((?:run|turn)\.[a-z_.]+)'").unwrap();
+        let mut seen = 0;
+        for (file, text) in sources {
+            for c in name.captures_iter(text) {
+                assert!(event::ALL.contains(&&c[1]), "{file} writes event {:?}, not one of event::ALL", &c[1]);
+                seen += 1;
+            }
+        }
+        // The scripts write run.queued, turn.started, turn.completed, run.completed,
+        // run.failed and run.cancelled themselves; the rest come from Rust.
+        assert!(seen >= 6, "found only {seen} event names in the scripts");
+    }
+
     const ALL: [RunStatus; 6] = [Queued, Running, Waiting, Completed, Failed, Cancelled];
 
     #[test]
