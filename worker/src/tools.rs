@@ -41,7 +41,7 @@ const MAX_TOOL_ANSWER: usize = 8 * 1024 * 1024;
 
 /// Tool calls run in one turn at most; a model asking for more gets the rest
 /// answered "not run" (every call still gets an output, or the provider
-/// rejects the next turn). With [`MAX_TOOL_ANSWER`] this bounds what one turn
+/// rejects the next turn). With `MAX_TOOL_ANSWER` (8 MiB) this bounds what one turn
 /// reads: 32 × 8 MiB, each clipped to 16 000 (browser: 24 000) characters for
 /// the model.
 pub const MAX_TOOL_CALLS_PER_TURN: usize = 32;

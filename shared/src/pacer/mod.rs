@@ -4,12 +4,12 @@
 //! - proactive: before every call a worker asks the pacer to reserve the call's
 //!   estimated tokens; the answer is "clear" or "owed N ms". Owed time is paid in
 //!   full — a wait cut short is not a wait saved.
-//! - reactive: when a call fails anyway, [`classify`] says whether it is a rate
+//! - reactive: when a call fails anyway, [`classify()`] says whether it is a rate
 //!   limit, a transient error or a terminal one, and [`backoff`] says how long
 //!   to wait before the next attempt.
 //!
 //! The policy is pure functions over plain data ([`durations`], [`headers`],
-//! [`classify`], [`backoff`], and the proactive model: [`bucket`] one provider
+//! [`classify`](mod@classify), [`backoff`], and the proactive model: [`bucket`] one provider
 //! bucket, [`fair`] the line's order, [`model`] acquire and settle); the shared
 //! state lives in Redis and is changed only by the atomic script in
 //! `scripts.lua` ([`store`]); [`local`] is the per-process baseline; [`sim`]

@@ -397,7 +397,7 @@ pub struct PacerState {
 const BUCKETS: usize = 4;
 
 impl PacerState {
-    /// Every bucket, in the order of [`Estimate::costs`].
+    /// Every bucket, in the order of `Estimate::costs`.
     pub fn buckets(&self) -> [&Bucket; BUCKETS] {
         [&self.tokens, &self.requests, &self.input, &self.output]
     }
