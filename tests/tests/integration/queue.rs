@@ -254,6 +254,43 @@ async fn without_client_unblock_due_times_are_still_kept() {
 }
 
 #[tokio::test]
+async fn a_redis_that_asks_for_a_user_and_password_serves_the_queue() {
+    // Managed Redis: a user with a password, and no CLIENT UNBLOCK for it.
+    let server = RedisServer::start();
+    let mut admin = server.conn().await;
+    let _: () = redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg("paceline")
+        .arg("on")
+        .arg(">s3cret pass")
+        .arg("~*")
+        .arg("&*")
+        .arg("+@all")
+        .arg("-client|unblock")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let url = format!("{}?user=paceline&pass=s3cret%20pass", server.url());
+    let redis = RedisArgs::new(url, unique_prefix());
+    let queue = TurnQueue::new(&redis, QueueConfig::default()).expect("queue");
+    let seen = Seen::default();
+    let (stop, worker) = run_worker(&queue, 4, HandlerState { seen: seen.clone(), queue: queue.clone(), fail: false });
+    for i in 0..20u64 {
+        queue.enqueue(&format!("run_{i}"), &json!({}), i * 20).await.unwrap();
+    }
+    eventually("20 turns to start", secs(10), || async { (seen.len() >= 20).then_some(()) }).await;
+    assert!(seen.all().iter().all(|s| s.server_now_ms >= s.due_ms), "none early");
+    let _ = stop.send(());
+    within("the worker to stop", secs(10), worker).await.unwrap();
+
+    // A wrong password is a clear error, not a hang.
+    let wrong = RedisArgs::new(format!("{}?user=paceline&pass=nope", server.url()), unique_prefix());
+    let queue = TurnQueue::new(&wrong, QueueConfig::default()).expect("queue");
+    let err = within("a refused enqueue", secs(10), queue.enqueue("run_x", &json!({}), 0)).await.unwrap_err();
+    assert!(err.to_string().to_lowercase().contains("pass") || err.to_string().contains("WRONGPASS"), "{err}");
+}
+
+#[tokio::test]
 async fn ten_thousand_turns_due_at_once_are_all_served() {
     let env = Env::start(QueueConfig::default());
     // No worker runs yet, so all 10 000 are due together when the workers start.
