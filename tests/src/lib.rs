@@ -15,6 +15,14 @@ use std::time::{Duration, Instant};
 pub struct RedisOptions {
     /// Turn on the append-only file (`appendfsync always`), so a restart keeps everything.
     pub aof: bool,
+    /// Also listen on this TCP port on 127.0.0.1 (a replica's `REPLICAOF` needs one).
+    pub tcp_port: Option<u16>,
+}
+
+/// A TCP port free on 127.0.0.1 now (bound and let go: another process may
+/// take it in between, which a test sees as a start failure, not a wrong result).
+pub fn free_tcp_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free TCP port").port()
 }
 
 /// A private `redis-server` listening on a Unix socket in its own temp dir.
@@ -83,7 +91,9 @@ impl RedisServer {
         let log = dir.join("redis.log");
         let mut cmd = Command::new("redis-server");
         cmd.arg("--port")
-            .arg("0")
+            .arg(self.opts.tcp_port.unwrap_or(0).to_string())
+            .arg("--bind")
+            .arg("127.0.0.1")
             .arg("--unixsocket")
             .arg(self.socket())
             .arg("--unixsocketperm")
@@ -226,5 +236,58 @@ impl Drop for ChildGuard {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
+    }
+}
+
+/// A Unix-socket endpoint that forwards each connection to a Redis server
+/// that can be switched: what a managed Redis's primary endpoint (or a
+/// Sentinel-aware DNS name) does at a failover. `switch` points new connections
+/// at another server and cuts every open one, as a failover does.
+pub struct SwitchingEndpoint {
+    dir: tempfile::TempDir,
+    target: std::sync::Arc<std::sync::Mutex<PathBuf>>,
+    cut: tokio::sync::watch::Sender<u64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl SwitchingEndpoint {
+    /// Listens on a socket of its own, forwarding to `target`'s socket.
+    pub fn start(target: &Path) -> Self {
+        let dir = tempfile::Builder::new().prefix("paceline-endpoint-").tempdir().expect("temp dir");
+        let listener = tokio::net::UnixListener::bind(dir.path().join("endpoint.sock")).expect("bind the endpoint");
+        let target = std::sync::Arc::new(std::sync::Mutex::new(target.to_path_buf()));
+        let (cut, _) = tokio::sync::watch::channel(0u64);
+        let (t, c) = (target.clone(), cut.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                let to = t.lock().expect("target lock").clone();
+                let mut cut = c.subscribe();
+                tokio::spawn(async move {
+                    let Ok(mut server) = tokio::net::UnixStream::connect(&to).await else { return };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                        _ = cut.changed() => {}
+                    }
+                });
+            }
+        });
+        Self { dir, target, cut, task }
+    }
+
+    /// `redis+unix://` URL of the endpoint.
+    pub fn url(&self) -> String {
+        format!("redis+unix://{}", self.dir.path().join("endpoint.sock").display())
+    }
+
+    /// New connections go to `target`; open ones are cut.
+    pub fn switch(&self, target: &Path) {
+        *self.target.lock().expect("target lock") = target.to_path_buf();
+        self.cut.send_modify(|n| *n += 1);
+    }
+}
+
+impl Drop for SwitchingEndpoint {
+    fn drop(&mut self) {
+        self.task.abort();
     }
 }

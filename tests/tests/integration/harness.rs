@@ -5,7 +5,7 @@ use paceline_tests::{RedisOptions, RedisServer};
 
 #[tokio::test]
 async fn a_private_redis_starts_and_survives_a_restart_with_aof() {
-    let mut server = RedisServer::start_with(RedisOptions { aof: true });
+    let mut server = RedisServer::start_with(RedisOptions { aof: true, ..RedisOptions::default() });
     let mut conn = server.conn().await;
     let _: () = redis::cmd("SET").arg("k").arg("v").query_async(&mut conn).await.unwrap();
     server.restart();

@@ -290,6 +290,66 @@ async fn a_redis_that_asks_for_a_user_and_password_serves_the_queue() {
     assert!(err.to_string().to_lowercase().contains("pass") || err.to_string().contains("WRONGPASS"), "{err}");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failover_to_a_promoted_replica_mid_load_loses_no_turn_and_needs_no_restart() {
+    // A primary with a replica, behind one endpoint (a managed Redis's primary
+    // endpoint, a Sentinel-aware name); the workers know only the endpoint.
+    let port = paceline_tests::free_tcp_port();
+    let mut primary = RedisServer::start_with(RedisOptions { tcp_port: Some(port), ..RedisOptions::default() });
+    let replica = RedisServer::start();
+    let mut rconn = replica.conn().await;
+    let _: () = redis::cmd("REPLICAOF").arg("127.0.0.1").arg(port).query_async(&mut rconn).await.unwrap();
+    eventually("the replica to sync", secs(10), || {
+        let mut c = rconn.clone();
+        async move {
+            let info: String = redis::cmd("INFO").arg("replication").query_async(&mut c).await.ok()?;
+            info.contains("master_link_status:up").then_some(())
+        }
+    })
+    .await;
+    let endpoint = paceline_tests::SwitchingEndpoint::start(&primary.socket());
+    let redis = RedisArgs::new(endpoint.url(), unique_prefix());
+    let queue = TurnQueue::new(&redis, QueueConfig { lease_ms: 1_000, ..QueueConfig::default() }).expect("queue");
+    let seen = Seen::default();
+    let workers: Vec<_> = (0..2)
+        .map(|_| run_worker(&queue, 8, HandlerState { seen: seen.clone(), queue: queue.clone(), fail: false }))
+        .collect();
+    // 300 turns due over 3 s; every enqueue acknowledged by the replica too
+    // (WAIT), as an API configured for durability would have it.
+    let mut pconn = primary.conn().await;
+    for i in 0..300u64 {
+        queue.enqueue(&format!("run_{i}"), &json!({}), i * 10).await.unwrap();
+    }
+    let acked: i64 = redis::cmd("WAIT").arg(1).arg(5000).query_async(&mut pconn).await.unwrap();
+    assert_eq!(acked, 1, "the replica has every enqueue");
+    eventually("some turns to run on the primary", secs(10), || async { (seen.len() >= 50).then_some(()) }).await;
+
+    // The primary dies mid-load; the replica is promoted; the endpoint follows.
+    primary.kill();
+    let _: () = redis::cmd("REPLICAOF").arg("NO").arg("ONE").query_async(&mut rconn).await.unwrap();
+    endpoint.switch(&replica.socket());
+
+    // Every turn runs (at least once: one the primary saw finish but the
+    // replica had not yet may run again), and nothing is left behind.
+    eventually("all 300 turns to run", secs(30), || async {
+        let ids: std::collections::HashSet<String> = seen.all().into_iter().map(|s| s.id).collect();
+        (ids.len() == 300).then_some(())
+    })
+    .await;
+    let q = &queue;
+    eventually("the queue to drain on the promoted replica", secs(15), || async move {
+        let c = q.counts().await.ok()?;
+        (c.ready + c.delayed + c.in_flight == 0).then_some(())
+    })
+    .await;
+    let again = seen.len() - 300;
+    eprintln!("300 turns across the failover; {again} ran a second time");
+    for (stop, handle) in workers {
+        let _ = stop.send(());
+        within("a worker to stop", secs(15), handle).await.unwrap();
+    }
+}
+
 #[tokio::test]
 async fn ten_thousand_turns_due_at_once_are_all_served() {
     let env = Env::start(QueueConfig::default());
@@ -547,7 +607,7 @@ async fn a_sigkilled_worker_has_its_turns_back_within_5_s() {
 
 #[tokio::test]
 async fn a_redis_restart_mid_load_loses_nothing_and_needs_no_process_restart() {
-    let mut env = Env::start_with(RedisOptions { aof: true }, QueueConfig::default());
+    let mut env = Env::start_with(RedisOptions { aof: true, ..RedisOptions::default() }, QueueConfig::default());
     let mut worker = env.spawn_probe(&["--concurrency", "8", "--record"]);
     env.enqueue_many("before", 300, json!({"sleep_ms": 20}), 0).await;
     eventually("some turns to be done", secs(10), || async { (env.probe_done().await.len() >= 50).then_some(()) })
