@@ -548,6 +548,42 @@
         $('#workers-note').textContent = 'Operator token needed to list the workers.';
         $('#workers-table tbody').replaceChildren();
       }
+      await deadTurns(q.dead);
+    };
+    // Dead turns (operator): read only while the queue counts some, so an
+    // empty dead set costs the page nothing more.
+    const deadTurns = async (count) => {
+      const body = $('#dead-table tbody');
+      if (!count) {
+        $('#dead-note').textContent = 'No dead turns.';
+        body.replaceChildren();
+        return;
+      }
+      try {
+        const d = await api('/v1/dead?limit=50');
+        $('#dead-note').textContent = d.has_more ? 'The newest 50.' : '';
+        body.replaceChildren(...d.data.map((x) => {
+          const retry = el('button', { type: 'button', text: 'Retry', 'aria-label': 'retry run ' + x.run_id });
+          retry.addEventListener('click', async () => {
+            retry.disabled = true;
+            retry.textContent = 'retrying…';
+            try {
+              await api('/v1/runs/' + encodeURIComponent(x.run_id) + '/retry', { method: 'POST' });
+              retry.textContent = 'retried';
+            } catch (e) {
+              retry.textContent = String(e.message || e);
+            }
+          });
+          const link = el('a', { href: '#/run/' + encodeURIComponent(x.run_id), text: x.run_id });
+          return el('tr', {}, el('td', {}, link), el('td', { text: x.tenant || '—' }),
+            el('td', { class: 'n num', text: x.turn === null ? '—' : String(x.turn) }),
+            el('td', { class: 'm num', text: when(x.died_at) }), el('td', { text: x.reason }), el('td', {}, retry));
+        }));
+      } catch (e) {
+        if (!(e instanceof Forbidden)) throw e;
+        $('#dead-note').textContent = num(count) + ' dead; an operator token is needed to list them.';
+        body.replaceChildren();
+      }
     };
     return poller(BUDGET_MS, queue);
   }

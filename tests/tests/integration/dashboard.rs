@@ -395,6 +395,49 @@ async fn the_dashboard_shows_a_tenants_runs_live_its_transcript_and_budget_and_n
         .await;
     ids.push(queued);
 
+    // A dead turn on the fleet page (operator): its run is listed with the
+    // reason, and Retry re-drives it (the row goes, the run is queued again).
+    let r = http.post(format!("{api}/v1/runs")).bearer_auth(ACME).json(&spec).send().await.unwrap();
+    let dead = r.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_owned();
+    let queue = shared::queue::TurnQueue::new(
+        &shared::config::RedisArgs::new(app.redis.url(), app.prefix.clone()),
+        shared::queue::QueueConfig::default(),
+    )
+    .unwrap();
+    let lease = queue.fetch("dashboard-test", 1).await.unwrap().deliveries.remove(0).lease;
+    assert_eq!(lease.id, dead);
+    queue.dead(&lease, "buried by the dashboard test").await.unwrap();
+    browser.goto(&format!("{api}/#/fleet")).await;
+    browser.until("the page", secs(10), "return document.querySelector('#change-token') !== null").await;
+    browser.js("document.querySelector('#change-token').click()", json!([])).await;
+    browser.type_and_click("#token-input", OPERATOR, "#token-submit").await;
+    browser
+        .until(
+            "the dead turn listed",
+            secs(10),
+            &format!(
+                "const rows = document.querySelectorAll('#dead-table tbody tr');
+                 return rows.length === 1 && rows[0].textContent.includes('{dead}')
+                    && rows[0].textContent.includes('buried by the dashboard test')
+                    && rows[0].textContent.includes('acme')"
+            ),
+        )
+        .await;
+    browser.screenshot(&shots, "fleet.png").await;
+    let retry = browser.element("#dead-table tbody button").await;
+    browser.call(reqwest::Method::POST, &format!("/element/{retry}/click"), Some(json!({}))).await;
+    browser
+        .until(
+            "the dead turn retried",
+            secs(10),
+            "return document.querySelector('#dead-note').textContent.includes('No dead turns')
+                && document.querySelectorAll('#dead-table tbody tr').length === 0",
+        )
+        .await;
+    let run = http.get(format!("{api}/v1/runs/{dead}")).bearer_auth(ACME).send().await.unwrap();
+    assert_eq!(run.json::<Value>().await.unwrap()["status"], "queued", "retried from the dashboard");
+    ids.push(dead);
+
     // Another tenant's token sees none of acme's runs, nor its budget line.
     browser.goto(&format!("{api}/#/runs")).await;
     browser.until("the page", secs(10), "return document.querySelector('#change-token') !== null").await;
