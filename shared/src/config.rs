@@ -6,15 +6,37 @@
 
 use std::fmt;
 
-/// Where Redis is and which key prefix this deployment uses.
-#[derive(Debug, Clone, clap::Args)]
+/// Where Redis is and which key prefix this deployment uses. Its `Debug`
+/// hides the URL's password; `--help` never shows `REDIS_URL`'s value.
+#[derive(Clone, clap::Args)]
 pub struct RedisArgs {
     /// Redis URL (`redis://`, `rediss://` or `redis+unix://`).
-    #[arg(id = "redis_url", long = "redis-url", env = "REDIS_URL", default_value = "redis://127.0.0.1:6379")]
+    #[arg(
+        id = "redis_url",
+        long = "redis-url",
+        env = "REDIS_URL",
+        hide_env_values = true,
+        default_value = "redis://127.0.0.1:6379"
+    )]
     pub url: String,
     /// Prefix of every Redis key paceline writes.
     #[arg(long = "prefix", env = "PACELINE_PREFIX", default_value = "paceline")]
     pub prefix: String,
+}
+
+impl fmt::Debug for RedisArgs {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisArgs").field("url", &redact_url(&self.url)).field("prefix", &self.prefix).finish()
+    }
+}
+
+/// `url` with its user and password (`redis://:pw@host`) shown as `***`:
+/// what a log line or a start-up banner may print.
+pub fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}***{}", &url[..s + 3], &url[at..]),
+        _ => url.to_owned(),
+    }
 }
 
 impl RedisArgs {
@@ -30,7 +52,9 @@ impl RedisArgs {
 }
 
 /// The provider(s) a worker calls. Keys are read from the environment by the
-/// worker only: never stored in Redis, never logged, never returned.
+/// worker only (`OPENAI_API_KEY`, `ANTHROPIC_API_KEY`, or the variable a named
+/// provider names), through [`KeySource`]: never a flag (a command line is in
+/// every `ps`), never stored in Redis, never logged, never returned.
 ///
 /// Either one provider (`--provider-url`, `--api-style`, its key) or the
 /// named providers of `PACELINE_PROVIDERS` ([`crate::providers`]), which then
@@ -41,10 +65,6 @@ pub struct ProviderArgs {
     /// `--api-style anthropic`: `https://api.anthropic.com`, the part before `/v1/messages`].
     #[arg(id = "provider_url", long = "provider-url", env = "PACELINE_PROVIDER_URL")]
     pub url: Option<String>,
-    /// The OpenAI-style provider's API key (with `--api-style anthropic` the
-    /// key is read from `ANTHROPIC_API_KEY` alone, never from a flag).
-    #[arg(long = "api-key", env = "OPENAI_API_KEY", hide_env_values = true, default_value = "")]
-    pub api_key: Secret,
     /// Wire format: `responses`, `chat` (Chat Completions) or `anthropic` (Messages).
     #[arg(long = "api-style", env = "PACELINE_API_STYLE", value_enum, default_value = "responses")]
     pub api_style: crate::runs::ApiStyle,
@@ -108,7 +128,7 @@ pub struct ResolvedProvider {
     pub url: String,
     /// Its key (empty: none).
     pub key: Secret,
-    /// Where the key came from, for the start-up log (`OPENAI_API_KEY`, `--api-key`).
+    /// The variable the key came from, for the start-up log (`OPENAI_API_KEY`).
     pub key_source: String,
     /// Its budget in the pacer.
     pub budget: String,
@@ -121,27 +141,24 @@ pub struct ResolvedProvider {
 impl ProviderArgs {
     /// A single provider at `url` in `style`, no key (tests, `paceline up`).
     pub fn single(url: impl Into<String>, style: crate::runs::ApiStyle) -> Self {
-        Self { url: Some(url.into()), api_key: Secret::default(), api_style: style, named: ProvidersArg::default() }
+        Self { url: Some(url.into()), api_style: style, named: ProvidersArg::default() }
     }
 
     /// The providers to call, in order (the first is the default), each with
     /// its key from `keys` and its budget:
     /// - without `PACELINE_PROVIDERS`: one provider, `default`, in the
-    ///   fleet's budget `budget` as it always was; its key is `--api-key` /
+    ///   fleet's budget `budget` as it always was; its key is
     ///   `OPENAI_API_KEY`, or `ANTHROPIC_API_KEY` for the `anthropic` style;
     /// - with it: each entry, in budget `<budget>:<name>`, its key from its
     ///   variable (an explicitly named variable must be set), its `tpm` /
     ///   `rpm` or else the fleet's.
     pub fn resolve(&self, budget: &str, pacer: &PacerArgs, keys: &KeySource) -> Result<Vec<ResolvedProvider>, String> {
         use crate::providers::{budget_name, default_key_env, default_url, DEFAULT_PROVIDER};
-        use crate::runs::ApiStyle;
         let table = &self.named.providers;
         if table.is_empty() {
             let style = self.api_style;
-            let (key, key_source) = match style {
-                ApiStyle::Anthropic => (keys.get("ANTHROPIC_API_KEY").unwrap_or_default(), "ANTHROPIC_API_KEY"),
-                ApiStyle::Responses | ApiStyle::Chat => (self.api_key.clone(), "OPENAI_API_KEY / --api-key"),
-            };
+            let key_source = default_key_env(style);
+            let key = keys.get(key_source).unwrap_or_default();
             let url = self.url.clone().filter(|u| !u.trim().is_empty()).unwrap_or_else(|| default_url(style).into());
             return Ok(vec![ResolvedProvider {
                 name: DEFAULT_PROVIDER.into(),
@@ -426,11 +443,15 @@ mod tests {
         let p = cli.provider.resolve("default", &cli.pacer, &keys(&[])).unwrap();
         assert_eq!((p.len(), p[0].name.as_str(), p[0].budget.as_str()), (1, "default", "default"));
         assert_eq!(p[0].url, "https://api.openai.com/v1");
-        let cli = WorkerCli::try_parse_from(["x", "--api-style", "anthropic", "--api-key", "sk-openai"]).unwrap();
-        let p = cli.provider.resolve("b", &cli.pacer, &keys(&[("ANTHROPIC_API_KEY", "sk-ant-1")])).unwrap();
+        let p = cli.provider.resolve("default", &cli.pacer, &keys(&[("OPENAI_API_KEY", "sk-openai")])).unwrap();
+        assert_eq!((p[0].key.expose(), p[0].key_source.as_str()), ("sk-openai", "OPENAI_API_KEY"));
+        let cli = WorkerCli::try_parse_from(["x", "--api-style", "anthropic"]).unwrap();
+        let both = keys(&[("OPENAI_API_KEY", "sk-openai"), ("ANTHROPIC_API_KEY", "sk-ant-1")]);
+        let p = cli.provider.resolve("b", &cli.pacer, &both).unwrap();
         assert_eq!((p[0].style, p[0].url.as_str()), (ApiStyle::Anthropic, "https://api.anthropic.com"));
         assert_eq!(p[0].key.expose(), "sk-ant-1", "the OpenAI key is never sent to Anthropic");
-        // There is no flag for the Anthropic key.
+        // No key is a flag: a command line is in every `ps`.
+        assert!(WorkerCli::try_parse_from(["x", "--api-key", "sk-openai"]).is_err());
         assert!(WorkerCli::try_parse_from(["x", "--anthropic-api-key", "k"]).is_err());
     }
 
@@ -454,6 +475,15 @@ mod tests {
         let err = cli.provider.resolve("team", &cli.pacer, &keys(&[])).unwrap_err();
         assert!(err.contains("provider openai") && err.contains("OPENAI_API_KEY is not set"), "{err}");
         assert!(WorkerCli::try_parse_from(["x", "--providers", "claude=anthropic"]).is_err());
+    }
+
+    #[test]
+    fn a_redis_password_never_prints() {
+        let args = RedisArgs::new("redis://:hunter2@cache:6379/0", "p");
+        let shown = format!("{args:?}");
+        assert!(!shown.contains("hunter2") && shown.contains("redis://***@cache:6379/0"), "{shown}");
+        assert_eq!(redact_url("redis://user:pw@h:1"), "redis://***@h:1");
+        assert_eq!(redact_url("redis+unix:///tmp/r.sock"), "redis+unix:///tmp/r.sock");
     }
 
     #[test]

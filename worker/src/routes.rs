@@ -42,7 +42,8 @@ impl Routes {
         let mut routes = Vec::with_capacity(resolved.len());
         for p in resolved {
             let provider = Provider::new(p.style, &p.url, &p.key).with_context(|| format!("provider {}", p.name))?;
-            tracing::info!(message = "provider", provider.name = %p.name, api.style = ?p.style, url = %p.url,
+            tracing::info!(message = "provider", provider.name = %p.name, api.style = ?p.style,
+                url = %crate::provider::shown_url(&p.url),
                 budget = %p.budget, key = if p.key.is_empty() { "none" } else { "set" }, key.from = %p.key_source);
             let pacer = pacer.build_for(conn.clone(), redis_keys.clone(), &p.budget, p.tpm, p.rpm);
             routes.push(Route { name: p.name, provider, pacer, budget: p.budget });

@@ -198,7 +198,7 @@ async fn serve(
     say(format!(
         "API on http://{addr}, {} worker slots, Redis {} (prefix {}), {providers}",
         args.workers.max(1),
-        redact(&redis.url),
+        shared::config::redact_url(&redis.url),
         redis.prefix,
     ));
     say(format!("dashboard on http://{addr}/ (runs, the budget, the fleet, in a browser)"));
@@ -305,14 +305,6 @@ fn invocation() -> String {
     exe.display().to_string()
 }
 
-/// A URL with its password (or whole userinfo) hidden.
-fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => format!("{}***{}", &url[..s + 3], &url[at..]),
-        _ => url.to_owned(),
-    }
-}
-
 // ---------------------------------------------------------------------------
 // Finding Redis
 
@@ -343,7 +335,7 @@ impl RedisSource {
 
 async fn find_redis(args: &Args) -> anyhow::Result<RedisSource> {
     if let Some(url) = args.redis_url.as_deref().map(str::trim).filter(|u| !u.is_empty()) {
-        say(format!("using Redis at {} (REDIS_URL)", redact(url)));
+        say(format!("using Redis at {} (REDIS_URL)", shared::config::redact_url(url)));
         return Ok(RedisSource::Given(url.to_owned()));
     }
     let probe_addr = args.local_redis_probe;
@@ -554,13 +546,6 @@ mod tests {
         assert_eq!(cli.up.pacer.tpm, Some(900));
         assert_eq!(cli.up.listen.to_string(), "127.0.0.1:8080");
         assert!(Cli::try_parse_from(["up", "--workers", "2", "--retention", "90"]).is_ok());
-    }
-
-    #[test]
-    fn passwords_are_not_shown() {
-        assert_eq!(redact("redis://:hunter2@db:6379/0"), "redis://***@db:6379/0");
-        assert_eq!(redact("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
-        assert_eq!(redact("redis+unix:///tmp/r.sock"), "redis+unix:///tmp/r.sock");
     }
 
     #[tokio::test]

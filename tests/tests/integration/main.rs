@@ -11,6 +11,7 @@ mod fairness;
 mod harness;
 mod mock_provider;
 mod pacer;
+mod process;
 mod provider_client;
 mod queue;
 mod run_store;

@@ -278,6 +278,49 @@ async fn insufficient_quota_fails_the_run_after_exactly_one_request() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn provider_failures_reach_runs_and_events_without_urls_or_keys() {
+    let mut app = App::start(MockConfig { tool_rounds: 0, ..MockConfig::default() }).await;
+    // A provider's own message that quotes the key and a URL: its words stay, they do not.
+    app.mock.inject(Fault::InvalidRequest {
+        message: Some(
+            "Incorrect API key provided: sk-proj-Ab12****************************Yz89. \
+             You can find your API key at https://platform.openai.com/account/api-keys."
+                .into(),
+        ),
+    });
+    app.spawn_worker(app.config());
+    let run = app.submit(json!({"model": "gpt-test", "input": "x"})).await;
+    let run = app.wait_finished(&run.id, secs(20)).await;
+    assert_eq!(run.status, RunStatus::Failed);
+    let error = run.error.expect("an error");
+    assert_eq!(error.kind, "provider_error");
+    assert_eq!(error.message, "Incorrect API key provided: [redacted]. You can find your API key at [url].");
+    let events = app.store.events(TENANT, &run.id, None, None, 50).await.unwrap().unwrap();
+    let shown = serde_json::to_string(&events.iter().map(|e| &e.data).collect::<Vec<_>>()).unwrap();
+    assert!(!shown.contains("sk-proj") && !shown.contains("openai.com"), "{shown}");
+    app.stop_workers().await;
+
+    // A provider that cannot be reached: the retry's reason is a stable sentence,
+    // not reqwest's text with the URL (and the credentials in it).
+    let mut config = app.config();
+    config.provider.url = Some("http://paceline:hunter2@127.0.0.1:1/v1".into());
+    app.spawn_worker(config);
+    let run = app.submit(json!({"model": "gpt-test", "input": "y"})).await;
+    let retry = eventually("a turn.retry event", secs(20), || async {
+        let events = app.store.events(TENANT, &run.id, None, None, 50).await.ok()??;
+        events.into_iter().find(|e| e.kind == "turn.retry")
+    })
+    .await;
+    let reason = retry.data["reason"].as_str().expect("a reason").to_owned();
+    assert!(reason.starts_with("could not connect to the provider"), "{reason}");
+    for secret in ["127.0.0.1", "hunter2", "http"] {
+        assert!(!reason.contains(secret), "{secret} in {reason:?}");
+    }
+    app.store.cancel(TENANT, &run.id).await.unwrap();
+    app.stop_workers().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_errors_are_retried_with_backoff_and_six_429s_fail_the_run() {
     let mut app = App::start(MockConfig { tool_rounds: 0, ..MockConfig::default() }).await;
     app.mock.inject(Fault::ServerError { status: 503 });

@@ -14,6 +14,8 @@
 //!   format's stream into the Responses shape (sans-IO, unit-tested with
 //!   event sequences).
 //! - `decode.rs` — what they share (the decoded answer, error objects).
+//! - `scrub.rs` — what a failure may say outside the process
+//!   ([`CallFailure::message`] is scrubbed of URLs and key-like text).
 //!
 //! Timeouts: a connect timeout, and a timeout *between* stream events (and
 //! until the response headers) — never a short total timeout, because a long
@@ -23,6 +25,7 @@ mod anthropic;
 mod chat;
 mod decode;
 mod responses;
+mod scrub;
 pub mod sse;
 
 use std::fmt;
@@ -43,6 +46,7 @@ use anthropic::AnthropicDecoder;
 use chat::ChatDecoder;
 use decode::{clip, Decoded, ErrorBody, Outcome};
 use responses::ResponsesDecoder;
+pub(crate) use scrub::shown_url;
 use sse::SseParser;
 
 /// Default connect timeout.
@@ -158,7 +162,9 @@ pub struct CallFailure {
     pub code: Option<String>,
     /// The error's `type` (`tokens`, `server_error`, …).
     pub error_type: Option<String>,
-    /// The provider's message, or what went wrong below HTTP.
+    /// The provider's message, or what went wrong below HTTP, as it may be
+    /// shown: without URLs or anything that looks like a key
+    /// (`scrub.rs`; classification saw the raw text).
     pub message: String,
     /// Set when the failure was below HTTP (timeout, reset, refused).
     pub transport: Option<Transport>,
@@ -194,7 +200,7 @@ impl CallFailure {
             status,
             code: error.code,
             error_type: error.error_type,
-            message: error.message,
+            message: scrub::public_message(&error.message),
             transport,
             headers,
             headers_received,
@@ -231,7 +237,7 @@ impl fmt::Debug for Provider {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Never the key: only whether there is one.
         f.debug_struct("Provider")
-            .field("base_url", &self.base_url)
+            .field("base_url", &scrub::shown_url(&self.base_url))
             .field("style", &self.style)
             .field("api_key", &if self.auth.is_some() { "<redacted>" } else { "<none>" })
             .field("connect_timeout", &self.connect_timeout)
@@ -363,7 +369,7 @@ impl Provider {
                 ApiStyle::Anthropic => request.header("x-api-key", auth.clone()),
             };
         }
-        tracing::debug!(message = "provider call", api.style = ?self.style, url = %url);
+        tracing::debug!(message = "provider call", api.style = ?self.style, url = %scrub::shown_url(&url));
 
         let response = match tokio::time::timeout(self.between_events, request.send()).await {
             Err(_) => {
@@ -371,7 +377,11 @@ impl Provider {
                 return Err(self.failed(CallFailure::transport(Transport::Timeout, message, None)));
             }
             Ok(Err(error)) => {
-                return Err(self.failed(CallFailure::transport(transport_kind(&error), error_chain(&error), None)))
+                return Err(self.failed(CallFailure::transport(
+                    transport_kind(&error),
+                    transport_message(&error),
+                    None,
+                )))
             }
             Ok(Ok(response)) => response,
         };
@@ -464,7 +474,7 @@ impl Provider {
                     return Err(StreamFailure::Transport(Transport::Timeout, message));
                 }
                 Ok(Some(Err(error))) => {
-                    return Err(StreamFailure::Transport(transport_kind(&error), error_chain(&error)))
+                    return Err(StreamFailure::Transport(transport_kind(&error), transport_message(&error)))
                 }
                 Ok(Some(Ok(chunk))) => chunk,
                 Ok(None) => {
@@ -565,7 +575,7 @@ impl Provider {
             match tokio::time::timeout(self.between_events, stream.next()).await {
                 Err(_) => return Err(StreamFailure::Transport(Transport::Timeout, "the body stalled".into())),
                 Ok(Some(Err(error))) => {
-                    return Err(StreamFailure::Transport(transport_kind(&error), error_chain(&error)))
+                    return Err(StreamFailure::Transport(transport_kind(&error), transport_message(&error)))
                 }
                 Ok(Some(Ok(chunk))) => {
                     let room = limit.saturating_sub(body.len());
@@ -678,8 +688,29 @@ fn transport_kind(error: &reqwest::Error) -> Transport {
     }
 }
 
+/// A transport failure as a stable sentence: what failed, then its innermost
+/// cause (`could not connect to the provider: Connection refused (os error
+/// 111)`). Never reqwest's own text, which names the URL.
+fn transport_message(error: &reqwest::Error) -> String {
+    let what = if error.is_timeout() {
+        "the provider did not answer in time"
+    } else if error.is_connect() {
+        "could not connect to the provider"
+    } else if error.is_body() || error.is_decode() {
+        "the provider's answer broke off"
+    } else {
+        "the request to the provider failed"
+    };
+    let Some(mut innermost) = std::error::Error::source(error) else { return what.to_owned() };
+    while let Some(next) = innermost.source() {
+        innermost = next;
+    }
+    format!("{what}: {}", clip(&scrub::public_message(&innermost.to_string()), 200))
+}
+
 /// An error and its causes, `a: b: c` (reqwest's own text is often just
-/// "error sending request"). The tool caller uses it too.
+/// "error sending request"). The tool caller's; a provider failure's text is
+/// [`transport_message`].
 pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
@@ -750,5 +781,35 @@ mod tests {
         assert!(f.to_string().contains("HTTP 429"));
         let f = CallFailure::transport(Transport::Timeout, "no stream event".into(), None);
         assert_eq!(f.kind, FailureKind::Transient);
+    }
+
+    #[test]
+    fn a_failure_is_classified_on_the_raw_text_and_shown_scrubbed() {
+        let bad_key = ErrorBody {
+            code: None,
+            error_type: None,
+            message: "Rate limit reached for key sk-proj-abcdef0123456789; see https://platform.openai.com/x".into(),
+            retry_delay_ms: None,
+        };
+        let f = CallFailure::new(Some(400), bad_key, None, HeaderSnapshot::default(), None);
+        assert_eq!(f.kind, FailureKind::RateLimited, "classified on what the provider said");
+        assert_eq!(f.message, "Rate limit reached for key [redacted]; see [url]");
+        assert!(!f.to_string().contains("sk-proj"));
+        let f =
+            CallFailure::transport(Transport::Other, "error sending request for url (http://10.1.2.3/v1)".into(), None);
+        assert!(!f.message.contains("10.1.2.3"), "{}", f.message);
+    }
+
+    #[tokio::test]
+    async fn a_refused_connection_is_a_stable_sentence_without_the_url() {
+        let p = provider("http://user:hunter2@127.0.0.1:1/v1?key=sekrit", "sk-secret-key-123", ApiStyle::Responses)
+            .unwrap();
+        let failure = p.call(json!({"model": "m", "input": "x"}), &mut |_: StreamEvent| {}).await.unwrap_err();
+        assert_eq!(failure.kind, FailureKind::Transient);
+        assert!(failure.message.starts_with("could not connect to the provider"), "{}", failure.message);
+        for secret in ["127.0.0.1", "hunter2", "sekrit", "sk-secret", "http"] {
+            assert!(!failure.message.contains(secret), "{secret} in {:?}", failure.message);
+        }
+        assert!(!format!("{p:?}").contains("hunter2"));
     }
 }

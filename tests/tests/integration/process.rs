@@ -1,0 +1,117 @@
+//! `paceline worker` and `paceline api` as the processes an operator runs:
+//! what `--help` shows of their environment, that no key is a flag, and that
+//! SIGTERM and SIGINT each drain them and exit 0.
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use mock_provider::MockConfig;
+use paceline_tests::{eventually, paceline_bin, unique_prefix, ChildGuard, RedisServer};
+use serde_json::{json, Value};
+use shared::runs::RunStatus;
+
+use crate::worker::{secs, App};
+
+/// Secrets an operator's environment holds, each with a canary to look for.
+const SECRET_ENV: [(&str, &str); 6] = [
+    ("REDIS_URL", "redis://:hunter2@cache.internal:6379"),
+    ("OPENAI_API_KEY", "sk-canary-hunter3"),
+    ("ANTHROPIC_API_KEY", "sk-ant-canary-hunter4"),
+    ("PACELINE_TOOL_SECRET", "canary-hunter5"),
+    ("PACELINE_API_TOKENS", "acme:canary-hunter6"),
+    ("PACELINE_OPERATOR_TOKEN", "canary-hunter7"),
+];
+
+#[test]
+fn help_never_shows_a_redis_password_or_a_key() {
+    for args in [&["worker", "--help"][..], &["api", "--help"], &["up", "--help"], &["--help"]] {
+        let out = Command::new(paceline_bin()).args(args).envs(SECRET_ENV).output().expect("run paceline --help");
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(!text.contains("hunter"), "{args:?} shows a secret:\n{text}");
+        if args[0] != "--help" {
+            assert!(text.contains("REDIS_URL"), "{args:?} still names the variable:\n{text}");
+        }
+    }
+}
+
+#[test]
+fn no_key_is_accepted_as_a_flag() {
+    for flag in ["--api-key", "--anthropic-api-key", "--tool-secret"] {
+        let out = Command::new(paceline_bin())
+            .args(["worker", flag, "sk-canary"])
+            .env("REDIS_URL", "redis://127.0.0.1:1")
+            .stdin(Stdio::null())
+            .output()
+            .expect("run paceline worker");
+        assert!(!out.status.success(), "{flag} was accepted");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("unexpected argument"), "{flag}: {stderr}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_process_drains_its_turn_and_exits_0_on_sigterm_and_on_sigint() {
+    for signal in ["TERM", "INT"] {
+        // The provider takes 1.5 s to answer: the signal comes with the call in flight.
+        let mock = MockConfig { tool_rounds: 0, latency: Duration::from_millis(1_500), ..MockConfig::default() };
+        let app = App::start(mock).await;
+        let mut child = app.worker_process(&[], "warn");
+        let run = app.submit(json!({"model": "gpt-test", "input": "x"})).await;
+        eventually("the provider call to be in flight", secs(15), || async {
+            (app.mock.stats().requests >= 1).then_some(())
+        })
+        .await;
+
+        child.signal(signal);
+        let status = child.wait_timeout(secs(15)).unwrap_or_else(|| panic!("no exit within 15 s of SIG{signal}"));
+        assert!(status.success(), "SIG{signal}: exit status {status:?}");
+        let run = app.store.get("default", &run.id).await.unwrap().unwrap();
+        assert_eq!(run.status, RunStatus::Completed, "SIG{signal}: the turn in flight finished within the grace");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_process_with_an_open_event_stream_exits_0_on_sigterm_and_on_sigint() {
+    for signal in ["TERM", "INT"] {
+        let redis = RedisServer::start();
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let base = format!("http://127.0.0.1:{port}");
+        let mut child = ChildGuard(
+            Command::new(paceline_bin())
+                .args(["api", "--listen", &format!("127.0.0.1:{port}"), "--redis-url", &redis.url()])
+                .args(["--prefix", &unique_prefix()])
+                .env_remove("PACELINE_API_TOKENS")
+                .env_remove("PACELINE_OPERATOR_TOKEN")
+                .env("RUST_LOG", "warn")
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .spawn()
+                .expect("start paceline api"),
+        );
+        let http = reqwest::Client::new();
+        eventually("the API to answer /readyz", secs(15), || async {
+            let resp = http.get(format!("{base}/readyz")).send().await.ok()?;
+            resp.status().is_success().then_some(())
+        })
+        .await;
+        // A run no worker takes, and a client following its events: the stream stays open.
+        let run: Value = http
+            .post(format!("{base}/v1/runs"))
+            .json(&json!({"model": "gpt-test", "input": "x"}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let id = run["id"].as_str().expect("a run id");
+        let stream = http.get(format!("{base}/v1/runs/{id}/events")).send().await.unwrap();
+        assert_eq!(stream.status(), 200);
+
+        child.signal(signal);
+        let status = child.wait_timeout(secs(10)).unwrap_or_else(|| panic!("no exit within 10 s of SIG{signal}"));
+        assert!(status.success(), "SIG{signal}: exit status {status:?}");
+        drop(stream);
+    }
+}
