@@ -423,7 +423,7 @@ async fn the_dashboard_shows_a_tenants_runs_live_its_transcript_and_budget_and_n
             ),
         )
         .await;
-    browser.screenshot(&shots, "fleet.png").await;
+    browser.screenshot(&shots, "dead.png").await;
     let retry = browser.element("#dead-table tbody button").await;
     browser.call(reqwest::Method::POST, &format!("/element/{retry}/click"), Some(json!({}))).await;
     browser
