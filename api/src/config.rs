@@ -49,6 +49,43 @@ pub struct ApiConfig {
     /// The operator's token and the open-mode safety catch.
     #[command(flatten)]
     pub access: AccessArgs,
+    /// How many event streams may be open, and for how long.
+    #[command(flatten)]
+    pub streams: StreamArgs,
+}
+
+/// Bounds on the event streams (`GET /v1/runs/{id}/events`) of one API
+/// process: each holds a Redis connection while it follows a live run.
+/// Declared once, flattened into `paceline api` and `paceline up`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct StreamArgs {
+    /// Event streams open at once in this process; one more answers 429.
+    #[arg(long = "max-streams", env = "PACELINE_MAX_STREAMS", default_value_t = DEFAULT_MAX_STREAMS)]
+    pub max_streams: usize,
+    /// Event streams one tenant may have open at once; one more answers 429.
+    #[arg(long = "max-tenant-streams", env = "PACELINE_MAX_TENANT_STREAMS", default_value_t = DEFAULT_MAX_TENANT_STREAMS)]
+    pub max_tenant_streams: usize,
+    /// The longest one event stream stays open (`90s`, `15m`, …); then it ends
+    /// and the client resumes with `Last-Event-ID`, as SSE clients do.
+    #[arg(long = "stream-lifetime", env = "PACELINE_STREAM_LIFETIME", default_value = "15m", value_parser = parse_duration)]
+    pub lifetime: Duration,
+}
+
+/// Default of `--max-streams`.
+pub const DEFAULT_MAX_STREAMS: usize = 1_000;
+/// Default of `--max-tenant-streams`.
+pub const DEFAULT_MAX_TENANT_STREAMS: usize = 100;
+/// Default of `--stream-lifetime`.
+pub const DEFAULT_STREAM_LIFETIME: Duration = Duration::from_secs(15 * 60);
+
+impl Default for StreamArgs {
+    fn default() -> Self {
+        Self {
+            max_streams: DEFAULT_MAX_STREAMS,
+            max_tenant_streams: DEFAULT_MAX_TENANT_STREAMS,
+            lifetime: DEFAULT_STREAM_LIFETIME,
+        }
+    }
 }
 
 /// Who may do more than a tenant, and when open mode may face a network
@@ -129,6 +166,7 @@ impl ApiConfig {
             redis_timeout_ms: DEFAULT_REDIS_TIMEOUT.as_millis() as u64,
             providers: ProvidersArg::default(),
             access: AccessArgs::default(),
+            streams: StreamArgs::default(),
         }
     }
 

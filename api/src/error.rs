@@ -46,6 +46,9 @@ pub enum ApiError {
     /// A valid JSON body (or parameter) that breaks a rule (422), naming the field.
     #[error("{}", .0.message)]
     Invalid(SpecError),
+    /// Too many open event streams, for the tenant or the process (429).
+    #[error("{0}")]
+    TooManyStreams(String),
     /// Redis did not answer in time, or refused the connection (503).
     #[error("the run store (Redis) is unavailable; try again")]
     Unavailable(#[source] anyhow::Error),
@@ -60,7 +63,7 @@ pub struct ErrorDetail {
     /// A stable code: `invalid_json`, `bad_request`, `unauthorized`,
     /// `forbidden`, `not_found`, `method_not_allowed`, `conflict`,
     /// `payload_too_large`, `unsupported_media_type`, `invalid_request`,
-    /// `unavailable`, `internal_error`.
+    /// `too_many_streams`, `unavailable`, `internal_error`.
     #[serde(rename = "type")]
     pub kind: &'static str,
     /// What went wrong, for a human.
@@ -96,6 +99,7 @@ impl ApiError {
             Self::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
             Self::PayloadTooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
             Self::Invalid(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid_request"),
+            Self::TooManyStreams(_) => (StatusCode::TOO_MANY_REQUESTS, "too_many_streams"),
             Self::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
             Self::Unexpected(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
         }

@@ -62,7 +62,8 @@ impl Application {
             TcpListener::bind(config.listen).await.with_context(|| format!("cannot listen on {}", config.listen))?;
         let addr = listener.local_addr()?;
         let (stop, shutdown) = watch::channel(false);
-        let state = AppState::new(Inner { runs, queue, pacer, conn, auth, policy, config, shutdown });
+        let streams = Default::default();
+        let state = AppState::new(Inner { runs, queue, pacer, conn, auth, policy, config, shutdown, streams });
         let router = crate::routes::router(state);
         Ok(Self { listener, addr, router, stop })
     }

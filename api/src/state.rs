@@ -37,6 +37,8 @@ pub struct Inner {
     pub config: ApiConfig,
     /// Flips to true when the server shuts down: open event streams end.
     pub shutdown: watch::Receiver<bool>,
+    /// The event streams open now, per tenant and in all.
+    pub streams: Arc<crate::routes::events::OpenStreams>,
 }
 
 impl std::ops::Deref for AppState {

@@ -6,10 +6,14 @@
 //! `run.completed` / `run.failed` / `run.cancelled` event has been sent.
 //!
 //! Each stream blocks on its own Redis connection: a blocking `XREAD` on the
-//! shared multiplexed connection would hold up every other request.
+//! shared multiplexed connection would hold up every other request. So open
+//! streams are bounded per tenant and per process (`--max-tenant-streams`,
+//! `--max-streams`; one more answers 429) and in time (`--stream-lifetime`:
+//! then the stream ends, and the client resumes with `Last-Event-ID`).
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::extract::{Path, State};
@@ -57,6 +61,7 @@ fn to_sse(e: &RunEvent) -> Event {
         (status = 401, description = "No or bad token", body = ErrorBody),
         (status = 404, description = "No such run for this tenant", body = ErrorBody),
         (status = 400, description = "Last-Event-ID is not an event id", body = ErrorBody),
+        (status = 429, description = "Too many open event streams, for this tenant or this API process", body = ErrorBody),
         (status = 503, description = "Redis unavailable", body = ErrorBody),
     ),
     security(("bearer" = []))
@@ -81,6 +86,7 @@ pub async fn events(
                 .to_owned(),
         ),
     };
+    let slot = state.streams.open(&tenant, &state.config.streams)?;
     let first = state
         .redis("read events", state.runs.events(&tenant, &id, after.as_deref(), None, BATCH))
         .await?
@@ -98,6 +104,8 @@ pub async fn events(
         pending: VecDeque::new(),
         done: false,
         shutdown: state.shutdown.clone(),
+        ends_at: tokio::time::Instant::now() + state.config.streams.lifetime,
+        _slot: slot,
     };
     if first.is_empty() {
         follow.check_finished().await;
@@ -110,6 +118,54 @@ pub async fn events(
     // Tells nginx-style proxies not to buffer the stream.
     h.insert("x-accel-buffering", HeaderValue::from_static("no"));
     Ok(response)
+}
+
+/// The event streams open in this process, per tenant and in all.
+#[derive(Debug, Default)]
+pub struct OpenStreams(Mutex<(usize, HashMap<String, usize>)>);
+
+impl OpenStreams {
+    /// Counts one more stream for `tenant`, or says which bound it would pass.
+    pub fn open(self: &Arc<Self>, tenant: &str, limits: &crate::config::StreamArgs) -> Result<StreamSlot, ApiError> {
+        let mut open = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let (all, per) = &mut *open;
+        let mine = per.get(tenant).copied().unwrap_or(0);
+        if mine >= limits.max_tenant_streams {
+            return Err(ApiError::TooManyStreams(format!(
+                "this tenant has {mine} event streams open, the most allowed (PACELINE_MAX_TENANT_STREAMS); close one"
+            )));
+        }
+        if *all >= limits.max_streams {
+            return Err(ApiError::TooManyStreams(format!(
+                "this API process has {all} event streams open, the most allowed (PACELINE_MAX_STREAMS); try again"
+            )));
+        }
+        *all += 1;
+        per.insert(tenant.to_owned(), mine + 1);
+        Ok(StreamSlot { streams: self.clone(), tenant: tenant.to_owned() })
+    }
+
+}
+
+/// One open stream's place in [`OpenStreams`], given back when the stream ends.
+#[derive(Debug)]
+pub struct StreamSlot {
+    streams: Arc<OpenStreams>,
+    tenant: String,
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        let mut open = self.streams.0.lock().unwrap_or_else(|e| e.into_inner());
+        let (all, per) = &mut *open;
+        *all = all.saturating_sub(1);
+        if let Some(n) = per.get_mut(&self.tenant) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                per.remove(&self.tenant);
+            }
+        }
+    }
 }
 
 /// Where a stream is.
@@ -130,6 +186,10 @@ struct Follow {
     /// The terminal event was sent, or the run is gone: end after `pending`.
     done: bool,
     shutdown: watch::Receiver<bool>,
+    /// The stream's lifetime ends here: it closes, the client resumes.
+    ends_at: tokio::time::Instant,
+    /// Its place among the open streams.
+    _slot: StreamSlot,
 }
 
 impl Follow {
@@ -178,7 +238,7 @@ impl Follow {
                 }
                 return Some(to_sse(&e));
             }
-            if self.done || *self.shutdown.borrow() {
+            if self.done || *self.shutdown.borrow() || tokio::time::Instant::now() >= self.ends_at {
                 return None;
             }
             let store = match self.blocking_store() {
@@ -194,6 +254,8 @@ impl Follow {
             let mut shutdown = self.shutdown.clone();
             let result = tokio::select! {
                 _ = shutdown.wait_for(|stop| *stop) => return None,
+                // Its lifetime is over: the client resumes after the last id it got.
+                _ = tokio::time::sleep_until(self.ends_at) => return None,
                 r = tokio::time::timeout(BLOCK + self.timeout, read) => r,
             };
             match result {
@@ -220,6 +282,21 @@ impl Follow {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_streams_place_is_counted_while_it_is_open_and_given_back() {
+        let streams = Arc::new(OpenStreams::default());
+        let limits = crate::config::StreamArgs { max_streams: 3, max_tenant_streams: 2, ..Default::default() };
+        let a1 = streams.open("a", &limits).unwrap();
+        let _a2 = streams.open("a", &limits).unwrap();
+        assert!(matches!(streams.open("a", &limits), Err(ApiError::TooManyStreams(_))));
+        let _b1 = streams.open("b", &limits).unwrap();
+        assert!(matches!(streams.open("b", &limits), Err(ApiError::TooManyStreams(_))), "three in all");
+        drop(a1);
+        let _a3 = streams.open("a", &limits).unwrap();
+        let open = streams.0.lock().unwrap();
+        assert_eq!((open.0, open.1.get("a").copied(), open.1.get("b").copied()), (3, Some(2), Some(1)));
+    }
 
     #[test]
     fn run_end_events_are_terminal() {

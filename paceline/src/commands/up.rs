@@ -69,6 +69,9 @@ pub struct Args {
     /// The operator's token, and the open-mode safety catch.
     #[command(flatten)]
     access: api::config::AccessArgs,
+    /// Bounds on the API's event streams.
+    #[command(flatten)]
+    streams: api::config::StreamArgs,
     /// Largest request body accepted, in bytes.
     #[arg(long = "body-limit", env = "PACELINE_BODY_LIMIT", default_value_t = api::config::DEFAULT_BODY_LIMIT)]
     body_limit: usize,
@@ -155,6 +158,7 @@ async fn serve(
         redis_timeout_ms: args.redis_timeout_ms,
         providers: provider.named.clone(),
         access: args.access.clone(),
+        streams: args.streams.clone(),
     };
     let worker_config = worker::WorkerConfig {
         redis: redis.clone(),

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use api::config::ApiTokens;
 use api::{ApiConfig, Application};
-use paceline_tests::{unique_prefix, within, RedisServer};
+use paceline_tests::{eventually, unique_prefix, within, RedisServer};
 use serde_json::{json, Value};
 use shared::config::RedisArgs;
 use shared::keys::Keys;
@@ -628,6 +628,62 @@ async fn a_live_runs_events_are_followed_until_it_finishes() {
     let kinds: Vec<String> = parse_sse(&text).into_iter().map(|(_, k, _)| k).collect();
     assert_eq!(kinds, ["run.queued", "turn.paced", "run.cancelled"]);
     assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+#[tokio::test]
+async fn event_streams_are_bounded_per_tenant_in_all_and_in_time() {
+    let app = spawn_app_with(|c| {
+        c.streams.max_tenant_streams = 2;
+        c.streams.max_streams = 3;
+        c.streams.lifetime = Duration::from_secs(1);
+    })
+    .await;
+    let id = app.submit(ACME, &spec()).await["id"].as_str().unwrap().to_owned();
+    let beta_id = app.submit(BETA, &spec()).await["id"].as_str().unwrap().to_owned();
+    let open = |token: &'static str, id: String| {
+        let req = app.req(reqwest::Method::GET, &format!("/v1/runs/{id}/events"), Some(token));
+        async move { req.send().await.unwrap() }
+    };
+    // Two for acme; a third is 429 with the error body; beta still gets one.
+    let a1 = open(ACME, id.clone()).await;
+    let a2 = open(ACME, id.clone()).await;
+    assert_eq!((a1.status().as_u16(), a2.status().as_u16()), (200, 200));
+    let (status, body) = read(open(ACME, id.clone()).await).await;
+    assert_eq!(status, 429, "{body}");
+    assert_eq!(error_type(&body), "too_many_streams");
+    assert!(body["error"]["message"].as_str().unwrap().contains("PACELINE_MAX_TENANT_STREAMS"), "{body}");
+    let b1 = open(BETA, beta_id.clone()).await;
+    assert_eq!(b1.status(), 200);
+    // Three in all: a fourth, of a tenant under its own bound, is 429 too.
+    let (status, body) = read(open(BETA, beta_id.clone()).await).await;
+    assert_eq!(status, 429, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("PACELINE_MAX_STREAMS"), "{body}");
+    // Each ends after its lifetime (1 s) though the run is live, having sent
+    // what there was; the client resumes with Last-Event-ID.
+    let started = Instant::now();
+    let text = within("a stream to end at its lifetime", Duration::from_secs(5), a1.text()).await.unwrap();
+    assert!(started.elapsed() < Duration::from_secs(4));
+    let events = parse_sse(&text);
+    assert_eq!(events.iter().map(|(_, k, _)| k.as_str()).collect::<Vec<_>>(), ["run.queued"]);
+    for r in [a2, b1] {
+        within("the others to end", Duration::from_secs(5), r.text()).await.unwrap();
+    }
+    // Ended streams give their places back.
+    let again = eventually("a place for acme again", Duration::from_secs(5), || async {
+        let r = open(ACME, id.clone()).await;
+        (r.status() == 200).then_some(r)
+    })
+    .await;
+    let resumed = app
+        .req(reqwest::Method::GET, &format!("/v1/runs/{id}/events"), Some(ACME))
+        .header("Last-Event-ID", events[0].0.as_str())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resumed.status(), 200);
+    let text = within("the resumed stream to end", Duration::from_secs(5), resumed.text()).await.unwrap();
+    assert!(parse_sse(&text).is_empty(), "nothing after the last id: {text}");
+    drop(again);
 }
 
 #[tokio::test]
