@@ -76,6 +76,12 @@ impl Keys {
         format!("{{{}}}", self.prefix)
     }
 
+    /// The pub/sub channel a cancel is announced on (the run id), so a worker
+    /// holding that run's turn aborts its call: `prefix:{prefix}:cancels`.
+    pub fn cancel_channel(&self) -> String {
+        format!("{}:{}:cancels", self.prefix, self.slot_tag())
+    }
+
     /// One key of the turn queue: `prefix:{prefix}:q:name` (see `queue::keys`).
     pub fn queue_key(&self, name: &str) -> String {
         format!("{}:{}:q:{}", self.prefix, self.slot_tag(), name)

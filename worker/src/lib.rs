@@ -13,6 +13,7 @@
 //! A worker is `worker::run(config, shutdown)`: apalis's worker runtime over
 //! our Redis queue (`shared::queue`), `concurrency` turns at once.
 
+pub mod cancels;
 pub mod estimate;
 pub mod provider;
 pub mod request;
@@ -123,6 +124,7 @@ pub async fn runner(config: &WorkerConfig) -> anyhow::Result<(Runner, TurnQueue)
         config: Arc::new(turn_config),
         tenants: Arc::new(tenants),
         calibration: Arc::default(),
+        cancels: cancels::Cancels::default(),
     };
     Ok((runner, queue))
 }
@@ -155,18 +157,22 @@ async fn handle_turn(job: TurnJob, lease: Lease, runner: Data<Runner>) -> Result
 /// hands back the ones in flight, and returns.
 pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
     let (runner, queue) = runner(&config).await?;
+    let listener =
+        tokio::spawn(runner.cancels.clone().listen(config.redis.url.clone(), config.redis.keys().cancel_channel()));
     let backend = queue.backend::<TurnJob>(config.concurrency.max(1));
     let name = backend.identity().to_owned();
     tracing::info!(message = "worker started", worker.id = %name, concurrency = config.concurrency,
         pacer = ?config.pacer.kind, providers = ?runner.routes.names());
     let worker = WorkerBuilder::new(name.as_str()).backend(backend).data(runner).build(handle_turn);
-    worker
+    let ran = worker
         .run_until(async move {
             shutdown.await;
             Ok::<(), std::io::Error>(())
         })
         .await
-        .context("worker")?;
+        .context("worker");
+    listener.abort();
+    ran?;
     tracing::info!(message = "worker stopped", worker.id = %name);
     Ok(())
 }

@@ -8,6 +8,7 @@
 //! worker slot. A wait cut short is not a wait saved — the turn comes back when
 //! its time is paid, not before.
 
+use crate::cancels::Cancel;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -71,6 +72,8 @@ pub struct Runner {
     /// from reported usage, so reservations fit a provider that counts
     /// differently (a proxy, another tokenizer, the mock).
     pub calibration: Arc<std::sync::Mutex<std::collections::HashMap<String, crate::estimate::Calibration>>>,
+    /// The turns a cancel can reach (`cancels.rs`).
+    pub cancels: crate::cancels::Cancels,
 }
 
 /// A turn that could not finish for a reason outside the run (Redis trouble):
@@ -138,19 +141,27 @@ impl Runner {
                 return Ok(Outcome::Stopped);
             }
         };
+        // From here a cancel of the run reaches this turn (cancels.rs).
+        let cancel = self.cancels.watch(&lease.id);
         let outcome = if ctx.phase == "tools" {
             // The model's output is committed; its tool calls were interrupted.
             let calls = pending_tool_calls(&ctx.transcript, job.turn + 1);
-            self.run_tools_and_commit(lease, job, &ctx, &calls).await?
+            self.run_tools_and_commit(lease, job, &ctx, &calls, &cancel).await?
         } else {
-            self.call_model(lease, job, &ctx).await?
+            self.call_model(lease, job, &ctx, &cancel).await?
         };
         metrics::counter!(metric::TURNS, "outcome" => outcome.as_str()).increment(1);
         metrics::histogram!(metric::TURN_LATENCY).record(started.elapsed().as_secs_f64());
         Ok(outcome)
     }
 
-    async fn call_model(&self, lease: &Lease, job: TurnJob, ctx: &TurnContext) -> Result<Outcome, TurnError> {
+    async fn call_model(
+        &self,
+        lease: &Lease,
+        job: TurnJob,
+        ctx: &TurnContext,
+        cancel: &Cancel,
+    ) -> Result<Outcome, TurnError> {
         let spec = &ctx.spec;
         let Some(route) = self.routes.get(spec.provider.as_deref()) else {
             // The API knew the name (it checks PACELINE_PROVIDERS at submit);
@@ -237,15 +248,26 @@ impl Runner {
                 let _ = tx.send(delta);
             }
         };
-        let result = route.provider.call_answering(body, answer_tool.as_deref(), &mut on_event).await;
+        // A cancel of the run drops the call: its stream is aborted mid-way.
+        let call = route.provider.call_answering(body, answer_tool.as_deref(), &mut on_event);
+        let result = tokio::select! {
+            r = call => Some(r),
+            () = cancel.wait() => None,
+        };
         drop(on_event);
         let _ = forward.await;
+        let Some(result) = result else {
+            // What the provider counted of an aborted call is not known: the
+            // reservation settles as a call without usage.
+            self.settle_pacer(spec, &reservation, &CallOutcome::default()).await;
+            return self.cancelled(lease, ctx).await;
+        };
         if let Ok(CallSuccess { usage: Some(u), .. }) = &result {
             self.calibration(&spec.model, |c| c.observe(input, u.input_tokens));
         }
 
         match result {
-            Ok(success) => self.on_success(lease, job, ctx, &reservation, success).await,
+            Ok(success) => self.on_success(lease, job, ctx, &reservation, success, cancel).await,
             Err(failure) => self.on_failure(lease, job, ctx, &reservation, failure).await,
         }
     }
@@ -257,6 +279,7 @@ impl Runner {
         ctx: &TurnContext,
         reservation: &str,
         success: CallSuccess,
+        cancel: &Cancel,
     ) -> Result<Outcome, TurnError> {
         metrics::counter!(metric::PROVIDER_CALLS, "status" => success.status.to_string()).increment(1);
         let usage = success.usage.map(|u| Usage {
@@ -302,7 +325,7 @@ impl Runner {
         if let Fence::Stop(why) = self.store.record_output(lease, job, &success.output, usage).await? {
             return Ok(settled(lease, Fence::Stop(why), Outcome::Stopped));
         }
-        self.run_tools_and_commit(lease, job, ctx, &success.tool_calls).await
+        self.run_tools_and_commit(lease, job, ctx, &success.tool_calls, cancel).await
     }
 
     async fn run_tools_and_commit(
@@ -311,14 +334,22 @@ impl Runner {
         job: TurnJob,
         ctx: &TurnContext,
         calls: &[ToolCall],
+        cancel: &Cancel,
     ) -> Result<Outcome, TurnError> {
+        if cancel.is_cancelled() {
+            return self.cancelled(lease, ctx).await;
+        }
         let announced: Vec<Value> = calls
             .iter()
             .map(|c| json!({"turn": job.turn, "call_id": c.call_id, "name": c.name, "arguments": c.arguments}))
             .collect();
         self.store.emit_all(&lease.id, event::TURN_TOOL_CALL, &announced).await?;
         let endpoint = ctx.spec.tool_endpoint.as_deref().unwrap_or_default();
-        let results = self.tools.run(endpoint, &ctx.tenant, &lease.id, calls).await;
+        // A cancel drops the tool calls still running; none starts after it.
+        let results = tokio::select! {
+            r = self.tools.run(endpoint, &ctx.tenant, &lease.id, calls) => r,
+            () = cancel.wait() => return self.cancelled(lease, ctx).await,
+        };
         let mut items = Vec::with_capacity(results.len());
         let mut reported = Vec::with_capacity(results.len());
         for r in &results {
@@ -415,6 +446,22 @@ impl Runner {
     /// Notes a call into the pacer of the run's provider. A pacer that cannot
     /// be written is logged, not fatal: the call happened, and its turn must
     /// still be committed.
+    /// The run was cancelled while this turn ran: the turn ends here. The
+    /// cancel script ended the run; the queue's record of the turn goes when
+    /// the handler returns (the backend completes an unsettled lease). A wake
+    /// for a run that is not cancelled (it cannot be: a cancel is final) is
+    /// handed back to the queue as an error, to run again.
+    async fn cancelled(&self, lease: &Lease, ctx: &TurnContext) -> Result<Outcome, TurnError> {
+        let run = self.store.get(&ctx.tenant, &lease.id).await?;
+        if run.is_some_and(|r| r.status != shared::runs::RunStatus::Cancelled) {
+            return Err(TurnError::Store(StoreError::Protocol(
+                "woken by a cancel of a run that is not cancelled".into(),
+            )));
+        }
+        tracing::info!(message = "turn stopped by a cancel", run.id = %lease.id);
+        Ok(Outcome::Stopped)
+    }
+
     async fn settle_pacer(&self, spec: &shared::runs::RunSpec, reservation: &str, outcome: &CallOutcome) {
         let Some(route): Option<&Route> = self.routes.get(spec.provider.as_deref()) else { return };
         let model = spec.model.as_str();

@@ -144,7 +144,6 @@ impl OpenStreams {
         per.insert(tenant.to_owned(), mine + 1);
         Ok(StreamSlot { streams: self.clone(), tenant: tenant.to_owned() })
     }
-
 }
 
 /// One open stream's place in [`OpenStreams`], given back when the stream ends.

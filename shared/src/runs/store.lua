@@ -138,7 +138,7 @@ if op == 'create' then
 end
 
 if op == 'cancel' then
-  -- ARGV[3] tenant, [4] retention ms
+  -- ARGV[3] tenant, [4] retention ms, [5] the cancel channel (keys.rs cancel_channel)
   if redis.call('HGET', RUN, 'tenant') ~= ARGV[3] then return {'not_found'} end
   local status = redis.call('HGET', RUN, 'status')
   if finished(status) then return {'conflict', status} end
@@ -151,6 +151,9 @@ if op == 'cancel' then
   if r and r.flag == 'q' then
     redis.call('ZREM', Q_DUE, id)
     redis.call('HDEL', Q_JOBS, id)
+  elseif r and r.flag == 'l' and ARGV[5] then
+    -- In flight: its worker aborts the call and runs no tool (worker's cancels).
+    redis.call('PUBLISH', ARGV[5], id)
   end
   return {'cancelled', status}
 end

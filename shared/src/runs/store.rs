@@ -462,7 +462,7 @@ impl RunStore {
             return Err(StoreError::NotFound);
         }
         let mut inv = self.invocation("cancel", id, tenant, None);
-        inv.arg(tenant).arg(self.retention_ms());
+        inv.arg(tenant).arg(self.retention_ms()).arg(self.keys.cancel_channel());
         let reply = self.invoke(inv).await?;
         match reply.first().map(String::as_str) {
             Some("cancelled") => self.get(tenant, id).await?.ok_or(StoreError::NotFound),

@@ -611,3 +611,34 @@ pub(crate) async fn wait_finished_for(app: &App, tenant: &str, id: &str, timeout
     })
     .await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_aborts_the_call_in_flight_and_no_tool_runs_after_it() {
+    // The model takes 6 s to answer, and would ask for a tool.
+    let mut app =
+        App::start(MockConfig { latency: Duration::from_secs(6), tool_rounds: 1, ..MockConfig::default() }).await;
+    app.spawn_worker(app.config());
+    let run = app.submit(tool_run(&app, "lookup")).await;
+    eventually("the model call in flight", secs(10), || async { (app.mock.stats().requests >= 1).then_some(()) }).await;
+    let cancelled_at = Instant::now();
+    app.store.cancel(TENANT, &run.id).await.unwrap();
+    // The turn stops at the cancel, not when the provider would have answered:
+    // its lease goes long before the 6 s are up.
+    let queue =
+        shared::queue::TurnQueue::new(&RedisArgs::new(app.redis.url(), &app.prefix), Default::default()).unwrap();
+    let q = &queue;
+    eventually("the turn to stop", secs(4), || async move {
+        let c = q.counts().await.ok()?;
+        (c.in_flight + c.ready + c.delayed == 0).then_some(())
+    })
+    .await;
+    assert!(cancelled_at.elapsed() < secs(4), "stopped {:?} after the cancel", cancelled_at.elapsed());
+    // Nothing of the turn was written after the cancel: no tool call, no output.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let events = app.store.events(TENANT, &run.id, None, None, 100).await.unwrap().unwrap();
+    let kinds: Vec<&str> = events.iter().map(|e| e.kind.as_str()).collect();
+    assert_eq!(kinds, ["run.queued", "turn.started", "run.cancelled"], "{kinds:?}");
+    assert_eq!(app.store.transcript(TENANT, &run.id).await.unwrap().unwrap().len(), 1, "the task alone");
+    assert_eq!(app.mock.stats().requests, 1, "no second call");
+    app.stop_workers().await;
+}
