@@ -209,9 +209,9 @@ impl Trial {
         let tool_url = env.tool_url();
         let api = api_server(redis.clone(), &tool_url, &spec.tokens).await?;
         let deliveries_key = spec.log_deliveries.then(|| redis.keys().queue_key("bench:deliveries"));
+        // Redis's URL goes by the environment, not the command line (every
+        // process on the machine can read a command line).
         let mut args: Vec<String> = vec![
-            "--redis-url".into(),
-            redis.url.clone(),
             "--prefix".into(),
             redis.prefix.clone(),
             "--provider-url".into(),
@@ -225,7 +225,11 @@ impl Trial {
         let fleet_spec = FleetSpec {
             workers: spec.workers,
             args,
-            env: deliveries_key.iter().map(|k| (DELIVERIES_ENV.to_owned(), k.clone())).collect(),
+            env: deliveries_key
+                .iter()
+                .map(|k| (DELIVERIES_ENV.to_owned(), k.clone()))
+                .chain([("REDIS_URL".to_owned(), redis.url.clone())])
+                .collect(),
             log_dir: env.redis.dir().to_path_buf(),
             label: format!("{n}-{}", spec.label),
         };

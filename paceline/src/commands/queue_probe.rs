@@ -193,7 +193,9 @@ fn spawn_consumer(
     record: bool,
 ) -> anyhow::Result<std::process::Child> {
     let mut cmd = std::process::Command::new(std::env::current_exe()?);
-    cmd.args(["queue-probe", "consume", "--redis-url", &redis.url, "--prefix", &redis.prefix])
+    // Redis's URL (a password in it) goes by the environment, not the command line.
+    cmd.args(["queue-probe", "consume", "--prefix", &redis.prefix])
+        .env("REDIS_URL", &redis.url)
         .args(["--concurrency", &concurrency.to_string(), "--queue-fetch-batch", &fetch_batch.to_string()])
         .env("RUST_LOG", "warn");
     if record {
