@@ -137,10 +137,16 @@ impl App {
         .await
     }
 
+    /// Stops the in-process workers: each must drain and return within 15 s;
+    /// one that panicked or hangs fails the test.
     pub(crate) async fn stop_workers(&mut self) {
         for (tx, handle) in self.workers.drain(..) {
             let _ = tx.send(());
-            let _ = tokio::time::timeout(Duration::from_secs(15), handle).await;
+            match tokio::time::timeout(Duration::from_secs(15), handle).await {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => panic!("a worker panicked: {error}"),
+                Err(_) => panic!("a worker did not stop within 15 s of its shutdown"),
+            }
         }
     }
 }
