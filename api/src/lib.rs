@@ -13,6 +13,7 @@
 mod auth;
 pub mod config;
 mod error;
+mod hub;
 pub mod metrics;
 mod openapi;
 mod routes;

@@ -63,7 +63,19 @@ impl Application {
         let addr = listener.local_addr()?;
         let (stop, shutdown) = watch::channel(false);
         let streams = Default::default();
-        let state = AppState::new(Inner { runs, queue, pacer, conn, auth, policy, config, shutdown, streams });
+        // The event reader blocks on a connection of its own (a blocking read
+        // on the shared one would hold up every other request).
+        let reader = shared::redis_util::lazy_manager(
+            &config.redis.url,
+            std::time::Duration::from_secs(2) + config.redis_timeout(),
+        )
+        .context("the event reader's connection")?;
+        let hub = crate::hub::EventHub::start(
+            RunStore::new(reader, config.redis.keys(), config.retention),
+            config.redis_timeout(),
+            shutdown.clone(),
+        );
+        let state = AppState::new(Inner { runs, queue, pacer, conn, auth, policy, config, shutdown, streams, hub });
         let router = crate::routes::router(state);
         Ok(Self { listener, addr, router, stop })
     }

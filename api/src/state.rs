@@ -39,6 +39,8 @@ pub struct Inner {
     pub shutdown: watch::Receiver<bool>,
     /// The event streams open now, per tenant and in all.
     pub streams: Arc<crate::routes::events::OpenStreams>,
+    /// The one Redis reader every event stream of this process follows its run with.
+    pub hub: crate::hub::EventHub,
 }
 
 impl std::ops::Deref for AppState {

@@ -5,11 +5,13 @@
 //! replays and closes; a live one is followed with blocking reads until its
 //! `run.completed` / `run.failed` / `run.cancelled` event has been sent.
 //!
-//! Each stream blocks on its own Redis connection: a blocking `XREAD` on the
-//! shared multiplexed connection would hold up every other request. So open
-//! streams are bounded per tenant and per process (`--max-tenant-streams`,
-//! `--max-streams`; one more answers 429) and in time (`--stream-lifetime`:
-//! then the stream ends, and the client resumes with `Last-Event-ID`).
+//! A stream reads its backlog itself, then follows its run through the
+//! process's one event reader (`hub.rs`: one blocking `XREAD` over every
+//! followed run, on one connection), so open streams cost Redis no
+//! connection each. They are bounded per tenant and per process
+//! (`--max-tenant-streams`, `--max-streams`; one more answers 429) and in
+//! time (`--stream-lifetime`: then the stream ends, and the client resumes
+//! with `Last-Event-ID`).
 
 use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
@@ -30,7 +32,7 @@ use crate::auth::Tenant;
 use crate::error::{ApiError, ErrorBody};
 use crate::state::AppState;
 
-/// How long one blocking read waits for new events.
+/// How long a stream waits for an event before it looks whether its run is over.
 const BLOCK: Duration = Duration::from_secs(10);
 /// Events read at once.
 const BATCH: usize = 200;
@@ -91,12 +93,14 @@ pub async fn events(
         .redis("read events", state.runs.events(&tenant, &id, after.as_deref(), None, BATCH))
         .await?
         .ok_or_else(|| ApiError::NotFound(format!("no run {id}")))?;
+    // The reader follows the run from the last event read here (duplicates
+    // are skipped, and what came in between is read by the stream itself).
+    let from = first.last().map(|e| e.id.clone()).or_else(|| after.clone()).unwrap_or_else(|| "0-0".into());
+    let sub = state.hub.subscribe(&id, &from);
     let mut follow = Follow {
         store: state.runs.clone(),
-        blocking: None,
-        url: state.config.redis.url.clone(),
-        keys: state.config.redis.keys(),
-        retention: state.config.retention,
+        sub,
+        caught_up: false,
         timeout: state.config.redis_timeout(),
         tenant,
         id,
@@ -171,11 +175,10 @@ impl Drop for StreamSlot {
 struct Follow {
     /// For non-blocking reads (shared connection).
     store: RunStore,
-    /// For blocking reads (this stream's own connection, opened on first use).
-    blocking: Option<RunStore>,
-    url: String,
-    keys: shared::keys::Keys,
-    retention: Duration,
+    /// Its run's new events, from the process's reader.
+    sub: crate::hub::Subscription,
+    /// Whether it has read what came before it subscribed.
+    caught_up: bool,
     timeout: Duration,
     tenant: String,
     id: String,
@@ -216,20 +219,13 @@ impl Follow {
         self.done = true;
     }
 
-    fn blocking_store(&mut self) -> Result<RunStore, ApiError> {
-        if let Some(s) = &self.blocking {
-            return Ok(s.clone());
-        }
-        let conn = shared::redis_util::lazy_manager(&self.url, BLOCK + self.timeout)?;
-        let store = RunStore::new(conn, self.keys.clone(), self.retention);
-        self.blocking = Some(store.clone());
-        Ok(store)
-    }
-
     /// The next event to send, or `None` to close the stream.
     async fn next(&mut self) -> Option<Event> {
         loop {
             if let Some(e) = self.pending.pop_front() {
+                if self.after.as_deref().is_some_and(|a| !crate::hub::is_after(&e.id, a)) {
+                    continue; // read twice: by the stream and by the reader
+                }
                 self.after = Some(e.id.clone());
                 if is_terminal(&e.kind) {
                     self.done = true;
@@ -240,35 +236,33 @@ impl Follow {
             if self.done || *self.shutdown.borrow() || tokio::time::Instant::now() >= self.ends_at {
                 return None;
             }
-            let store = match self.blocking_store() {
-                Ok(s) => s,
-                Err(error) => {
-                    tracing::warn!(message = "event stream cannot open its connection", %error, run.id = %self.id);
-                    return None;
+            if !self.caught_up {
+                // What came before the reader followed the run for it, until a short page.
+                let read = self.store.read_events(&self.id, self.after.as_deref(), None, BATCH);
+                match tokio::time::timeout(self.timeout, read).await {
+                    Ok(Ok(events)) => {
+                        self.caught_up = events.len() < BATCH;
+                        self.pending.extend(events);
+                        continue;
+                    }
+                    _ => {
+                        tracing::warn!(message = "event stream read failed; closing it", run.id = %self.id);
+                        return None;
+                    }
                 }
-            };
-            // The run's tenant was checked when the stream opened; a run that
-            // is gone since reads as nothing, and `check_finished` ends the stream.
-            let read = store.read_events(&self.id, self.after.as_deref(), Some(BLOCK), BATCH);
+            }
             let mut shutdown = self.shutdown.clone();
-            let result = tokio::select! {
+            let next = tokio::select! {
                 _ = shutdown.wait_for(|stop| *stop) => return None,
                 // Its lifetime is over: the client resumes after the last id it got.
                 _ = tokio::time::sleep_until(self.ends_at) => return None,
-                r = tokio::time::timeout(BLOCK + self.timeout, read) => r,
+                e = self.sub.next(BLOCK) => e,
             };
-            match result {
-                Ok(Ok(events)) if !events.is_empty() => self.pending.extend(events),
-                Ok(Ok(_)) => self.check_finished().await,
-                Ok(Err(error)) => {
-                    // The client reconnects with Last-Event-ID and resumes.
-                    tracing::warn!(message = "event stream read failed; closing it", %error, run.id = %self.id);
-                    return None;
-                }
-                Err(_) => {
-                    tracing::warn!(message = "event stream read timed out; closing it", run.id = %self.id);
-                    return None;
-                }
+            match next {
+                Some(e) => self.pending.push_back(e),
+                // Quiet for BLOCK: is the run over (or gone)? The run's tenant
+                // was checked when the stream opened.
+                None => self.check_finished().await,
             }
         }
     }

@@ -544,6 +544,49 @@ impl RunStore {
         Ok(out)
     }
 
+    /// One read over many runs' events: for each `(run id, after)`, the events
+    /// after `after`, at most `count` a run, waiting up to `block` until any
+    /// has one (one `XREAD` for every stream an API process follows). Runs
+    /// with nothing new are left out of the answer.
+    pub async fn read_many(
+        &self,
+        from: &[(String, String)],
+        block: Duration,
+        count: usize,
+    ) -> Result<Vec<(String, Vec<RunEvent>)>, StoreError> {
+        let from: Vec<&(String, String)> = from.iter().filter(|(id, _)| valid_id(id)).collect();
+        if from.is_empty() {
+            return Ok(vec![]);
+        }
+        let mut cmd = redis::cmd("XREAD");
+        cmd.arg("COUNT").arg(count.max(1)).arg("BLOCK").arg(block.as_millis().max(1) as u64).arg("STREAMS");
+        for (id, _) in &from {
+            cmd.arg(self.events_key(id));
+        }
+        for (_, after) in &from {
+            cmd.arg(if valid_stream_id(after) { after.as_str() } else { "0-0" });
+        }
+        let mut conn = self.conn.clone();
+        let reply: Option<redis::streams::StreamReadReply> = cmd.query_async(&mut conn).await?;
+        let by_key: std::collections::HashMap<String, &str> =
+            from.iter().map(|(id, _)| (self.events_key(id), id.as_str())).collect();
+        let mut out = vec![];
+        for key in reply.map(|r| r.keys).unwrap_or_default() {
+            let Some(id) = by_key.get(&key.key) else { continue };
+            let events = key
+                .ids
+                .into_iter()
+                .map(|entry| {
+                    let kind: String = entry.get("type").unwrap_or_default();
+                    let data: String = entry.get("data").unwrap_or_default();
+                    RunEvent { id: entry.id, kind, data: serde_json::from_str(&data).unwrap_or(Value::Null) }
+                })
+                .collect();
+            out.push(((*id).to_owned(), events));
+        }
+        Ok(out)
+    }
+
     /// Appends an event outside a commit (text deltas).
     pub async fn emit(&self, id: &str, kind: &str, data: &Value) -> Result<(), StoreError> {
         self.emit_all(id, kind, std::slice::from_ref(data)).await

@@ -686,6 +686,60 @@ async fn event_streams_are_bounded_per_tenant_in_all_and_in_time() {
     drop(again);
 }
 
+/// Redis's `connected_clients`.
+async fn redis_clients(app: &TestApp) -> i64 {
+    let mut conn = app.redis.conn().await;
+    let info: String = redis::cmd("INFO").arg("clients").query_async(&mut conn).await.unwrap();
+    info.lines().find_map(|l| l.strip_prefix("connected_clients:")).unwrap().trim().parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn five_hundred_open_event_streams_share_one_redis_reader() {
+    let app = spawn_app_with(|c| {
+        c.streams.max_tenant_streams = 1_000;
+        c.streams.max_streams = 1_000;
+    })
+    .await;
+    let mut ids: Vec<String> = vec![];
+    for _ in 0..5 {
+        ids.push(app.submit(ACME, &spec()).await["id"].as_str().unwrap().to_owned());
+    }
+    // One stream open first: the API's connections (requests, the reader) are up.
+    let first = app.req(reqwest::Method::GET, &format!("/v1/runs/{}/events", ids[0]), Some(ACME)).send().await.unwrap();
+    assert_eq!(first.status(), 200);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = redis_clients(&app).await;
+    let http = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
+    let opened = futures::future::join_all((0..500).map(|i| {
+        let url = format!("{}/v1/runs/{}/events", app.url, ids[i % ids.len()]);
+        let http = http.clone();
+        async move { http.get(url).bearer_auth(ACME).send().await.unwrap() }
+    }))
+    .await;
+    assert!(opened.iter().all(|r| r.status() == 200));
+    let after = redis_clients(&app).await;
+    assert!(after - before <= 2, "Redis clients went from {before} to {after} for 500 streams");
+    // Each still gets its run's events: one emitted now reaches every stream.
+    let store = app.store().await;
+    for id in &ids {
+        store.emit(id, "turn.paced", &json!({"owed_ms": 5})).await.unwrap();
+        let (status, _) = app.post(&format!("/v1/runs/{id}/cancel"), ACME, &json!({})).await;
+        assert_eq!(status, 200);
+    }
+    let texts = within(
+        "500 streams to close after run.cancelled",
+        Duration::from_secs(20),
+        futures::future::join_all(opened.into_iter().map(|r| r.text())),
+    )
+    .await;
+    for text in texts {
+        let kinds: Vec<String> = parse_sse(&text.unwrap()).into_iter().map(|(_, k, _)| k).collect();
+        assert_eq!(kinds, ["run.queued", "turn.paced", "run.cancelled"]);
+    }
+    eprintln!("500 event streams: Redis clients {before} -> {after}");
+    drop(first);
+}
+
 #[tokio::test]
 async fn a_live_runs_stream_ends_when_the_run_is_gone() {
     let app = spawn_app().await;

@@ -1,0 +1,169 @@
+//! One Redis reader for every event stream of an API process. Each open
+//! stream subscribes to its run here; one task follows all the runs with a
+//! single blocking `XREAD` over their streams and hands each new event to the
+//! streams of its run. So a thousand open streams hold one Redis connection
+//! between them, not a thousand, and Redis sees one read per batch of events
+//! (or per `BLOCK` when nothing happens), however many streams are open.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use shared::runs::{RunEvent, RunStore};
+use tokio::sync::{mpsc, watch, Notify};
+
+/// How long the reader's `XREAD` blocks: the longest a newly followed run
+/// waits to join the read (its backlog is read at once by its stream).
+const BLOCK: Duration = Duration::from_millis(500);
+/// Events read per run at once.
+const COUNT: usize = 200;
+
+/// The process's reader (cheap to clone).
+#[derive(Clone)]
+pub struct EventHub(Arc<Inner>);
+
+struct Inner {
+    state: Mutex<State>,
+    /// Wakes the reader when it follows nothing and a stream subscribes.
+    wake: Notify,
+}
+
+#[derive(Default)]
+struct State {
+    next: u64,
+    runs: HashMap<String, Followed>,
+}
+
+/// A run the reader follows: the last event id it read, and the streams to hand events to.
+struct Followed {
+    after: String,
+    streams: HashMap<u64, mpsc::UnboundedSender<RunEvent>>,
+}
+
+impl EventHub {
+    /// Starts the reader on `store` (a connection of its own, with a timeout
+    /// longer than [`BLOCK`]); it ends when `shutdown` turns true.
+    pub fn start(store: RunStore, timeout: Duration, mut shutdown: watch::Receiver<bool>) -> Self {
+        let hub = Self(Arc::new(Inner { state: Mutex::default(), wake: Notify::new() }));
+        let reader = hub.clone();
+        tokio::spawn(async move {
+            loop {
+                if *shutdown.borrow() {
+                    return;
+                }
+                let from = reader.positions();
+                if from.is_empty() {
+                    tokio::select! {
+                        () = reader.0.wake.notified() => {}
+                        _ = shutdown.changed() => {}
+                    }
+                    continue;
+                }
+                let read = tokio::time::timeout(BLOCK + timeout, store.read_many(&from, BLOCK, COUNT));
+                let result = tokio::select! {
+                    r = read => r,
+                    _ = shutdown.changed() => continue,
+                };
+                match result {
+                    Ok(Ok(batches)) => reader.hand_out(batches),
+                    Ok(Err(error)) => {
+                        tracing::warn!(message = "the event reader's read failed; retrying", %error);
+                        tokio::time::sleep(BLOCK).await;
+                    }
+                    Err(_) => tracing::warn!(message = "the event reader's read timed out; retrying"),
+                }
+            }
+        });
+        hub
+    }
+
+    /// Follows run `id` for one stream, from event `after` (`0-0`: the
+    /// start) if the reader does not follow it yet. The stream reads what it
+    /// missed itself (see `events.rs`) and skips what it has seen.
+    pub fn subscribe(&self, id: &str, after: &str) -> Subscription {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut state = self.0.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.next += 1;
+        let key = state.next;
+        let was_idle = state.runs.is_empty();
+        let followed = state
+            .runs
+            .entry(id.to_owned())
+            .or_insert_with(|| Followed { after: after.to_owned(), streams: HashMap::new() });
+        followed.streams.insert(key, tx);
+        drop(state);
+        if was_idle {
+            self.0.wake.notify_one();
+        }
+        Subscription { rx, hub: self.clone(), id: id.to_owned(), key }
+    }
+
+    /// Every followed run and the id to read after.
+    fn positions(&self) -> Vec<(String, String)> {
+        let state = self.0.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.runs.iter().map(|(id, f)| (id.clone(), f.after.clone())).collect()
+    }
+
+    fn hand_out(&self, batches: Vec<(String, Vec<RunEvent>)>) {
+        let mut state = self.0.state.lock().unwrap_or_else(|e| e.into_inner());
+        for (id, events) in batches {
+            let Some(followed) = state.runs.get_mut(&id) else { continue };
+            for event in events {
+                if !is_after(&event.id, &followed.after) {
+                    continue;
+                }
+                followed.after = event.id.clone();
+                followed.streams.retain(|_, tx| tx.send(event.clone()).is_ok());
+            }
+        }
+    }
+}
+
+/// One stream's share of the reader; it stops following when dropped.
+pub struct Subscription {
+    rx: mpsc::UnboundedReceiver<RunEvent>,
+    hub: EventHub,
+    id: String,
+    key: u64,
+}
+
+impl Subscription {
+    /// The next event of the run, or `None` after `wait` without one.
+    pub async fn next(&mut self, wait: Duration) -> Option<RunEvent> {
+        tokio::time::timeout(wait, self.rx.recv()).await.ok().flatten()
+    }
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        let mut state = self.hub.0.state.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(followed) = state.runs.get_mut(&self.id) {
+            followed.streams.remove(&self.key);
+            if followed.streams.is_empty() {
+                state.runs.remove(&self.id);
+            }
+        }
+    }
+}
+
+/// Whether stream id `a` comes after `b` (`ms-seq`, compared as numbers).
+pub fn is_after(a: &str, b: &str) -> bool {
+    fn parts(s: &str) -> (u64, u64) {
+        let (ms, seq) = s.split_once('-').unwrap_or((s, "0"));
+        (ms.parse().unwrap_or(0), seq.parse().unwrap_or(0))
+    }
+    parts(a) > parts(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stream_ids_compare_as_numbers() {
+        assert!(is_after("10-0", "9-5"));
+        assert!(is_after("10-10", "10-9"));
+        assert!(!is_after("10-9", "10-9"));
+        assert!(is_after("1-0", "0-0"));
+    }
+}
