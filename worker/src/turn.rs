@@ -343,7 +343,11 @@ impl Runner {
             .iter()
             .map(|c| json!({"turn": job.turn, "call_id": c.call_id, "name": c.name, "arguments": c.arguments}))
             .collect();
-        self.store.emit_all(&lease.id, event::TURN_TOOL_CALL, &announced).await?;
+        // Events before a commit are best-effort: a Redis blip here must not
+        // make the queue run the turn (and its paid call) again.
+        if let Err(error) = self.store.emit_all(&lease.id, event::TURN_TOOL_CALL, &announced).await {
+            tracing::warn!(message = "could not write the tool calls' events", %error, run.id = %lease.id);
+        }
         let endpoint = ctx.spec.tool_endpoint.as_deref().unwrap_or_default();
         // A cancel drops the tool calls still running; none starts after it.
         let results = tokio::select! {
@@ -360,7 +364,9 @@ impl Runner {
                                  "error": r.error, "chars": clipped.total}));
             items.push(json!({"type": "function_call_output", "call_id": r.call_id, "output": clipped.text}));
         }
-        self.store.emit_all(&lease.id, event::TURN_TOOL_RESULT, &reported).await?;
+        if let Err(error) = self.store.emit_all(&lease.id, event::TURN_TOOL_RESULT, &reported).await {
+            tracing::warn!(message = "could not write the tool results' events", %error, run.id = %lease.id);
+        }
         let fence = self.store.commit(lease, job, &items, Usage::default(), &Next::Continue).await?;
         Ok(settled(lease, fence, Outcome::Continued))
     }

@@ -75,6 +75,27 @@ impl TenantCounts {
     }
 }
 
+/// How long a fenced write keeps retrying Redis trouble in place (see
+/// `RunStore::invoke_fenced`); past it the queue's own retry takes over.
+pub const FENCED_WRITE_PATIENCE: Duration = Duration::from_secs(30);
+
+/// Whether a Redis error is trouble that passes (the connection, a timeout,
+/// a server loading, busy or failing over), not a wrong command.
+pub fn transient(error: &redis::RedisError) -> bool {
+    use redis::{ErrorKind, ServerErrorKind};
+    match error.kind() {
+        ErrorKind::Parse | ErrorKind::UnexpectedReturnType | ErrorKind::InvalidClientConfig => false,
+        ErrorKind::Server(kind) => matches!(
+            kind,
+            ServerErrorKind::BusyLoading
+                | ServerErrorKind::TryAgain
+                | ServerErrorKind::MasterDown
+                | ServerErrorKind::ReadOnly
+        ),
+        _ => true,
+    }
+}
+
 /// The queue payload of a run's next turn. The queue item's id is the run id:
 /// a run has at most one turn queued at a time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -259,6 +280,30 @@ impl RunStore {
     async fn invoke(&self, inv: redis::ScriptInvocation<'static>) -> Result<Vec<String>, StoreError> {
         let mut conn = self.conn.clone();
         Ok(inv.invoke_async(&mut conn).await?)
+    }
+
+    /// A lease holder's fenced write (start, wait, output, commit, fail):
+    /// Redis trouble (a dropped connection, a timeout, a server loading or
+    /// failing over) is retried in place with backoff, 100 ms doubling to 2 s,
+    /// for up to [`FENCED_WRITE_PATIENCE`]. Each is idempotent — a write that
+    /// landed before its answer was lost is found done by its fence the second
+    /// time (`committed`, `not_leased`) — so a blip never makes the queue run a
+    /// paid turn again. A script's own error is not retried.
+    async fn invoke_fenced(&self, inv: redis::ScriptInvocation<'static>) -> Result<Vec<String>, StoreError> {
+        let deadline = std::time::Instant::now() + FENCED_WRITE_PATIENCE;
+        let mut delay = Duration::from_millis(100);
+        loop {
+            match inv.invoke_async::<Vec<String>>(&mut self.conn.clone()).await {
+                Ok(reply) => return Ok(reply),
+                Err(error) if transient(&error) && std::time::Instant::now() + delay < deadline => {
+                    tracing::warn!(message = "a fenced write met Redis trouble; retrying it in place", %error,
+                        retry_in_ms = delay.as_millis() as u64);
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(2));
+                }
+                Err(error) => return Err(error.into()),
+            }
+        }
     }
 
     fn retention_ms(&self) -> u64 {
@@ -667,7 +712,7 @@ impl RunStore {
     ) -> Result<Started, StoreError> {
         let mut inv = self.invocation("start", &lease.id, "", None);
         inv.arg(lease.epoch).arg(job.turn).arg(job.attempt).arg(max_history);
-        let reply = self.invoke(inv).await?;
+        let reply = self.invoke_fenced(inv).await?;
         if let Fence::Stop(why) = Self::fence(&reply)? {
             return Ok(Started::Stop(why));
         }
@@ -720,7 +765,7 @@ impl RunStore {
             .arg(counter)
             .arg(event_kind)
             .arg(event_data.to_string());
-        Self::fence(&self.invoke(inv).await?)
+        Self::fence(&self.invoke_fenced(inv).await?)
     }
 
     /// Commits the model's output of a turn whose tool calls are still to run,
@@ -739,7 +784,7 @@ impl RunStore {
                 serde_json::to_string(&TranscriptEntry { turn: job.turn + 1, item: item.clone() }).unwrap_or_default(),
             );
         }
-        Self::fence(&self.invoke(inv).await?)
+        Self::fence(&self.invoke_fenced(inv).await?)
     }
 
     /// Commits a turn: its items appended to the transcript, usage added, and
@@ -776,7 +821,7 @@ impl RunStore {
                 serde_json::to_string(&TranscriptEntry { turn: job.turn + 1, item: item.clone() }).unwrap_or_default(),
             );
         }
-        Self::fence(&self.invoke(inv).await?)
+        Self::fence(&self.invoke_fenced(inv).await?)
     }
 
     /// Fails the run (fenced): `error.kind` and message; usage of a call that
@@ -791,7 +836,7 @@ impl RunStore {
     ) -> Result<Fence, StoreError> {
         let mut inv = self.invocation("fail", &lease.id, "", None);
         inv.arg(lease.epoch).arg(job.turn).arg(kind).arg(message).arg(self.retention_ms()).arg(usage_arg(usage));
-        Self::fence(&self.invoke(inv).await?)
+        Self::fence(&self.invoke_fenced(inv).await?)
     }
 }
 

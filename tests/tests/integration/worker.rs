@@ -648,3 +648,47 @@ async fn a_cancel_aborts_the_call_in_flight_and_no_tool_runs_after_it() {
     assert_eq!(app.mock.stats().requests, 1, "no second call");
     app.stop_workers().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_refuses_writes_for_a_while_during_a_commit_runs_no_tool_and_no_call_twice() {
+    // A tool endpoint that, as it answers its first call, makes Redis refuse
+    // every write for 3 s (a replica of a primary that is not there, as in a
+    // failover): the tool results' events (best-effort) are lost, and the
+    // commit that follows meets READONLY; it is retried in place until Redis
+    // takes writes again, so the turn is not run again.
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let mut app = App::start(MockConfig { tool_rounds: 1, ..MockConfig::default() }).await;
+    let calls = std::sync::Arc::new(AtomicUsize::new(0));
+    let tools = {
+        let calls = calls.clone();
+        let client = app.redis.client();
+        let tool = move || {
+            let calls = calls.clone();
+            let client = client.clone();
+            async move {
+                if calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+                    let _: () = redis::cmd("REPLICAOF").arg("127.0.0.1").arg(1).query_async(&mut conn).await.unwrap();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_secs(3)).await;
+                        let _: () = redis::cmd("REPLICAOF").arg("NO").arg("ONE").query_async(&mut conn).await.unwrap();
+                    });
+                }
+                axum::Json(json!({"output": "found"}))
+            }
+        };
+        let router = axum::Router::new().route("/tools", axum::routing::post(tool));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, router).await.ok() });
+        format!("http://{addr}/tools")
+    };
+    app.tools = tools;
+    app.spawn_worker(app.config());
+    let run = app.submit(tool_run(&app, "lookup")).await;
+    let done = app.wait_finished(&run.id, secs(40)).await;
+    assert_eq!(done.status, RunStatus::Completed, "{:?}", done.error);
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the tool ran again: the turn was retried, not its commit");
+    assert_eq!(app.mock.stats().requests, 2, "a model call was paid twice");
+    app.stop_workers().await;
+}
