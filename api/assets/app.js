@@ -329,8 +329,16 @@
     const live = $('#live-text');
 
     const loadTranscript = async () => {
-      const t = await api('/v1/runs/' + encodeURIComponent(id) + '/transcript');
-      $('#transcript').replaceChildren(...t.items.map(transcriptItem));
+      // Every page of it (1 000 items a page).
+      const items = [];
+      let cursor = null;
+      do {
+        const page = await api('/v1/runs/' + encodeURIComponent(id) + '/transcript'
+          + (cursor ? '?cursor=' + encodeURIComponent(cursor) : ''));
+        items.push(...page.items);
+        cursor = page.next_cursor;
+      } while (cursor);
+      $('#transcript').replaceChildren(...items.map(transcriptItem));
     };
 
     const render = (r) => {

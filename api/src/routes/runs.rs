@@ -110,14 +110,31 @@ pub struct RunList {
     pub has_more: bool,
 }
 
-/// A run's transcript.
+/// A run's transcript, a page at a time.
 #[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct Transcript {
     /// The run.
     pub run_id: String,
     /// Items in order, each tagged with the turn that added it.
     pub items: Vec<TranscriptEntry>,
+    /// Pass as `cursor` for the next page; `null` on the last one.
+    pub next_cursor: Option<String>,
+    /// Whether more items follow.
+    pub has_more: bool,
 }
+
+/// Query of `GET /v1/runs/{id}/transcript`.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct TranscriptQuery {
+    /// Items per page, 1 to 1000 (default 1000).
+    limit: Option<String>,
+    /// `next_cursor` of the previous page.
+    cursor: Option<String>,
+}
+
+/// Default (and largest) page of `GET /v1/runs/{id}/transcript`.
+pub const TRANSCRIPT_MAX_LIMIT: usize = 1_000;
 
 /// Query of `GET /v1/runs`.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
@@ -275,9 +292,10 @@ pub async fn get(
 /// A run's transcript, as the model was last allowed to read it.
 #[utoipa::path(
     get, path = "/v1/runs/{id}/transcript", tag = "runs",
-    params(("id" = String, Path, description = "Run id (`run_…`)")),
+    params(("id" = String, Path, description = "Run id (`run_…`)"), TranscriptQuery),
     responses(
-        (status = 200, description = "The transcript (clipped tool outputs stay clipped)", body = Transcript),
+        (status = 200, description = "The transcript (clipped tool outputs stay clipped), in pages of up to 1000 items", body = Transcript),
+        (status = 400, description = "A cursor that is not one, or a limit out of range", body = ErrorBody),
         (status = 401, description = "No or bad token", body = ErrorBody),
         (status = 404, description = "No such run for this tenant", body = ErrorBody),
         (status = 503, description = "Redis unavailable", body = ErrorBody),
@@ -288,15 +306,32 @@ pub async fn transcript(
     State(state): State<AppState>,
     Tenant(tenant): Tenant,
     Path(id): Path<String>,
+    Query(q): Query<TranscriptQuery>,
 ) -> Result<Json<Transcript>, ApiError> {
     if !valid_id(&id) {
         return Err(ApiError::NotFound(format!("no run {id}")));
     }
-    let items = state
-        .redis("read transcript", state.runs.transcript(&tenant, &id))
+    let limit = match q.limit.as_deref() {
+        None => TRANSCRIPT_MAX_LIMIT,
+        Some(v) => v
+            .parse::<usize>()
+            .ok()
+            .filter(|n| (1..=TRANSCRIPT_MAX_LIMIT).contains(n))
+            .ok_or_else(|| ApiError::BadRequest(format!("limit must be 1 to {TRANSCRIPT_MAX_LIMIT}")))?,
+    };
+    let from = match q.cursor.as_deref() {
+        None => 0,
+        Some(c) => c
+            .strip_prefix("tx_")
+            .and_then(|n| n.parse::<usize>().ok())
+            .ok_or_else(|| ApiError::BadRequest("cursor is not a next_cursor of this route".into()))?,
+    };
+    let (items, has_more) = state
+        .redis("read transcript", state.runs.transcript_page(&tenant, &id, from, limit))
         .await?
         .ok_or_else(|| ApiError::NotFound(format!("no run {id}")))?;
-    Ok(Json(Transcript { run_id: id, items }))
+    let next_cursor = has_more.then(|| format!("tx_{}", from + items.len()));
+    Ok(Json(Transcript { run_id: id, items, next_cursor, has_more }))
 }
 
 /// Cancel a run that has not finished.

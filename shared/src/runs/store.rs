@@ -493,6 +493,31 @@ impl RunStore {
         Ok(Some(self.read_transcript(id).await?))
     }
 
+    /// A page of a run's transcript: at most `limit` entries from entry
+    /// `from` (0: the first), and whether more follow; `None` for an unknown run.
+    pub async fn transcript_page(
+        &self,
+        tenant: &str,
+        id: &str,
+        from: usize,
+        limit: usize,
+    ) -> Result<Option<(Vec<TranscriptEntry>, bool)>, StoreError> {
+        if self.get(tenant, id).await?.is_none() {
+            return Ok(None);
+        }
+        let limit = limit.max(1);
+        let mut conn = self.conn.clone();
+        // One entry more than asked for says whether there is a next page.
+        let raw: Vec<String> = redis::cmd("LRANGE")
+            .arg(self.transcript_key(id))
+            .arg(from)
+            .arg(from + limit)
+            .query_async(&mut conn)
+            .await?;
+        let more = raw.len() > limit;
+        Ok(Some((parse_transcript(&raw[..raw.len().min(limit)])?, more)))
+    }
+
     async fn read_transcript(&self, id: &str) -> Result<Vec<TranscriptEntry>, StoreError> {
         let mut conn = self.conn.clone();
         let raw: Vec<String> =

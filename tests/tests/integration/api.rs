@@ -741,6 +741,42 @@ async fn five_hundred_open_event_streams_share_one_redis_reader() {
 }
 
 #[tokio::test]
+async fn a_transcript_is_read_in_pages() {
+    let app = spawn_app().await;
+    let id = app.submit(ACME, &spec()).await["id"].as_str().unwrap().to_owned();
+    // Four more entries behind the task, as turns would append them.
+    let mut conn = app.redis.conn().await;
+    let key = format!("{}:{{{}}}:tx:{id}", app.prefix, app.prefix);
+    for n in 1..=4 {
+        let entry =
+            json!({"turn": n, "item": {"type": "message", "role": "assistant", "content": format!("step {n}")}});
+        let _: () = redis::cmd("RPUSH").arg(&key).arg(entry.to_string()).query_async(&mut conn).await.unwrap();
+    }
+    let (status, whole) = app.get(&format!("/v1/runs/{id}/transcript"), ACME).await;
+    assert_eq!(status, 200);
+    assert_eq!((whole["items"].as_array().unwrap().len(), &whole["has_more"]), (5, &json!(false)));
+    assert!(whole["next_cursor"].is_null());
+    // Pages of two: 2 + 2 + 1, in order, the last without a cursor.
+    let mut seen = vec![];
+    let mut cursor: Option<String> = None;
+    loop {
+        let q = cursor.as_ref().map(|c| format!("&cursor={c}")).unwrap_or_default();
+        let (status, page) = app.get(&format!("/v1/runs/{id}/transcript?limit=2{q}"), ACME).await;
+        assert_eq!(status, 200, "{page}");
+        seen.extend(page["items"].as_array().unwrap().iter().map(|e| e["turn"].as_u64().unwrap()));
+        match page["next_cursor"].as_str() {
+            Some(c) => cursor = Some(c.to_owned()),
+            None => break,
+        }
+    }
+    assert_eq!(seen, [0, 1, 2, 3, 4]);
+    for bad in ["limit=0", "limit=1001", "limit=x", "cursor=zz"] {
+        let (status, body) = app.get(&format!("/v1/runs/{id}/transcript?{bad}"), ACME).await;
+        assert_eq!((status, error_type(&body)), (400, "bad_request"), "{bad}: {body}");
+    }
+}
+
+#[tokio::test]
 async fn a_live_runs_stream_ends_when_the_run_is_gone() {
     let app = spawn_app().await;
     let run = app.submit(ACME, &spec()).await;
