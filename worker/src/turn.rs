@@ -182,6 +182,15 @@ impl Runner {
             metadata: Some(&spec.metadata),
             generation: Some(&spec.generation),
         };
+        // A companion turn delivered again (its worker died, or lost its
+        // lease, mid-answer) whose text already reached its listeners fails
+        // rather than say it twice.
+        if spec.mode == Mode::Companion && lease.deliveries > 1 && self.store.streamed_text(&lease.id, job.turn).await?
+        {
+            let message = "the turn was delivered again after it had streamed text (its worker stopped mid-answer)";
+            let fence = self.store.fail(lease, job, "partial_output", message, Usage::default()).await?;
+            return Ok(settled(lease, fence, Outcome::Failed));
+        }
         let style = route.provider.api_style();
         let (body, answer_tool, input) = cpu_bound(|| {
             let context = prepare_context(&ctx.transcript, self.config.max_history);

@@ -657,6 +657,27 @@ impl RunStore {
         Ok(out)
     }
 
+    /// Whether turn `turn` of run `id` already streamed text to its listeners
+    /// (a `turn.output_text.delta` of that turn among the run's newest 500
+    /// events): a companion turn delivered again must not say it twice.
+    pub async fn streamed_text(&self, id: &str, turn: u32) -> Result<bool, StoreError> {
+        let mut conn = self.conn.clone();
+        let reply: redis::streams::StreamRangeReply = redis::cmd("XREVRANGE")
+            .arg(self.events_key(id))
+            .arg("+")
+            .arg("-")
+            .arg("COUNT")
+            .arg(500)
+            .query_async(&mut conn)
+            .await?;
+        Ok(reply.ids.iter().any(|e| {
+            e.get::<String>("type").as_deref() == Some(crate::runs::state::event::TURN_OUTPUT_TEXT_DELTA)
+                && e.get::<String>("data")
+                    .and_then(|d| serde_json::from_str::<Value>(&d).ok())
+                    .is_some_and(|d| d["turn"].as_u64() == Some(turn as u64))
+        }))
+    }
+
     /// Appends an event outside a commit (text deltas).
     pub async fn emit(&self, id: &str, kind: &str, data: &Value) -> Result<(), StoreError> {
         self.emit_all(id, kind, std::slice::from_ref(data)).await

@@ -692,3 +692,27 @@ async fn a_redis_that_refuses_writes_for_a_while_during_a_commit_runs_no_tool_an
     assert_eq!(app.mock.stats().requests, 2, "a model call was paid twice");
     app.stop_workers().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_companion_turn_delivered_again_after_it_streamed_text_fails_instead_of_repeating_it() {
+    // Answers pause 8 s mid-way, after some text.
+    let mut app =
+        App::start(MockConfig { output_tokens: 40, stall: Duration::from_secs(8), ..MockConfig::default() }).await;
+    let run = app.submit(json!({"model": "gpt-test", "input": "talk to me", "mode": "companion"})).await;
+    // A worker process streams the first words, then dies mid-answer.
+    let mut first = app.worker_process(&["--queue-lease-ms", "1000"], "warn");
+    let store = &app.store;
+    let id = run.id.clone();
+    eventually("text to stream", secs(15), || async { store.streamed_text(&id, 0).await.unwrap().then_some(()) }).await;
+    first.0.kill().unwrap();
+    let _ = first.0.wait();
+    // Another worker takes the turn back when its lease expires.
+    let mut config = app.config();
+    config.queue.lease_ms = 1_000;
+    app.spawn_worker(config);
+    let done = app.wait_finished(&run.id, secs(20)).await;
+    assert_eq!(done.status, RunStatus::Failed);
+    assert_eq!(done.error.as_ref().map(|e| e.kind.as_str()), Some("partial_output"), "{:?}", done.error);
+    assert_eq!(app.mock.stats().requests, 1, "the model was not asked again");
+    app.stop_workers().await;
+}
