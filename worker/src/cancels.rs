@@ -25,12 +25,19 @@ impl Cancels {
     /// Registers the turn of run `id` that this process runs now; the
     /// registration ends when the returned [`Cancel`] is dropped.
     pub fn watch(&self, id: &str) -> Cancel {
+        self.watch_lease(id, None)
+    }
+
+    /// [`Cancels::watch`] for a turn that also stops when `lease` is taken
+    /// back (its worker's heartbeat found it expired and delivered again): no
+    /// more calls or tool calls on a stale lease.
+    pub fn watch_lease(&self, id: &str, lease: Option<shared::queue::Lease>) -> Cancel {
         let (tx, rx) = watch::channel(false);
         let mut reg = self.0.lock().unwrap_or_else(|e| e.into_inner());
         reg.next += 1;
         let generation = reg.next;
         reg.turns.insert(id.to_owned(), (generation, tx));
-        Cancel { rx, cancels: self.clone(), id: id.to_owned(), generation }
+        Cancel { rx, cancels: self.clone(), id: id.to_owned(), generation, lease }
     }
 
     /// Wakes the turn of run `id`, if this process runs it.
@@ -76,19 +83,29 @@ pub struct Cancel {
     cancels: Cancels,
     id: String,
     generation: u64,
+    lease: Option<shared::queue::Lease>,
 }
 
 impl Cancel {
-    /// Whether the run was cancelled while this turn ran.
+    /// Whether the run was cancelled, or the turn's lease taken back, while it ran.
     pub fn is_cancelled(&self) -> bool {
-        *self.rx.borrow()
+        *self.rx.borrow() || self.lease.as_ref().is_some_and(|l| l.is_lost())
     }
 
-    /// Resolves when the run is cancelled (never, otherwise).
+    /// Resolves when the run is cancelled or the lease taken back (never, otherwise).
     pub async fn wait(&self) {
         let mut rx = self.rx.clone();
-        if rx.wait_for(|cancelled| *cancelled).await.is_err() {
-            std::future::pending::<()>().await;
+        let cancelled = async {
+            if rx.wait_for(|cancelled| *cancelled).await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        };
+        match &self.lease {
+            Some(lease) => tokio::select! {
+                () = cancelled => {}
+                () = lease.lost() => {}
+            },
+            None => cancelled.await,
         }
     }
 }

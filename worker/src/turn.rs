@@ -142,7 +142,7 @@ impl Runner {
             }
         };
         // From here a cancel of the run reaches this turn (cancels.rs).
-        let cancel = self.cancels.watch(&lease.id);
+        let cancel = self.cancels.watch_lease(&lease.id, Some(lease.clone()));
         let outcome = if ctx.phase == "tools" {
             // The model's output is committed; its tool calls were interrupted.
             let calls = pending_tool_calls(&ctx.transcript, job.turn + 1);
@@ -467,6 +467,12 @@ impl Runner {
     /// for a run that is not cancelled (it cannot be: a cancel is final) is
     /// handed back to the queue as an error, to run again.
     async fn cancelled(&self, lease: &Lease, ctx: &TurnContext) -> Result<Outcome, TurnError> {
+        if lease.is_lost() {
+            // Another delivery owns the turn now: write nothing, settle nothing.
+            tracing::warn!(message = "turn stopped: its lease was taken back; it runs again elsewhere", run.id = %lease.id);
+            lease.mark_settled();
+            return Ok(Outcome::Stopped);
+        }
         let run = self.store.get(&ctx.tenant, &lease.id).await?;
         if run.is_some_and(|r| r.status != shared::runs::RunStatus::Cancelled) {
             return Err(TurnError::Store(StoreError::Protocol(

@@ -84,9 +84,16 @@ impl Shared {
         }
     }
 
-    /// Whether this worker still holds `id` at `epoch` (not settled since).
-    fn holds(&self, id: &str, epoch: u64) -> bool {
-        self.held.lock().expect("held lock").get(id).is_some_and(|l| l.epoch == epoch)
+    /// Tells the handler of `id` at `epoch` that its lease was taken back.
+    fn lost(&self, id: &str, epoch: u64) -> bool {
+        let held = self.held.lock().expect("held lock");
+        match held.get(id).filter(|l| l.epoch == epoch) {
+            Some(lease) => {
+                lease.mark_lost();
+                true
+            }
+            None => false,
+        }
     }
 
     fn leases(&self) -> Vec<(String, u64)> {
@@ -524,7 +531,9 @@ async fn heartbeat_loop(queue: TurnQueue, shared: Arc<Shared>, worker: WorkerCon
                         );
                     }
                     for (id, epoch) in suspects.drain(..) {
-                        if shared.holds(&id, epoch) {
+                        // Still held a beat later: lost for real; its handler stops
+                        // (no more calls or tool calls on a stale lease).
+                        if shared.lost(&id, epoch) {
                             warn!(message = super::LEASE_LOST_MESSAGE, queue.id = %id);
                         }
                     }

@@ -229,6 +229,9 @@ pub struct Lease {
     /// When it was leased (server clock, ms); `fetched_at_ms - due_ms` is its start lateness.
     pub fetched_at_ms: i64,
     settled: Arc<AtomicBool>,
+    /// Turns true when this worker's heartbeat finds the lease taken back
+    /// (it expired and another delivery began): the handler should stop.
+    lost: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
 impl Lease {
@@ -241,6 +244,24 @@ impl Lease {
     /// Whether the turn was settled (or found fenced) during this delivery.
     pub fn is_settled(&self) -> bool {
         self.settled.load(Ordering::SeqCst)
+    }
+
+    /// Records that the lease was taken back while its handler held it.
+    pub fn mark_lost(&self) {
+        self.lost.send_replace(true);
+    }
+
+    /// Whether the lease was taken back (see [`Lease::mark_lost`]).
+    pub fn is_lost(&self) -> bool {
+        *self.lost.borrow()
+    }
+
+    /// Resolves when the lease is taken back (never, while it is held).
+    pub async fn lost(&self) {
+        let mut rx = self.lost.subscribe();
+        if rx.wait_for(|lost| *lost).await.is_err() {
+            std::future::pending::<()>().await;
+        }
     }
 
     /// How late it was leased relative to its due time, ms.
@@ -745,6 +766,7 @@ fn parse_fetch(reply: Vec<String>, worker: &str) -> Result<Fetched, QueueError> 
                 due_ms: due.parse::<f64>().map_err(|_| bad())? as i64,
                 fetched_at_ms: now_ms,
                 settled: Arc::new(AtomicBool::new(false)),
+                lost: Arc::new(tokio::sync::watch::channel(false).0),
             },
             payload,
         });

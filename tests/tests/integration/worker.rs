@@ -716,3 +716,39 @@ async fn a_companion_turn_delivered_again_after_it_streamed_text_fails_instead_o
     assert_eq!(app.mock.stats().requests, 1, "the model was not asked again");
     app.stop_workers().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_whose_lease_is_taken_back_stops_its_call_and_writes_no_text() {
+    // Answers take 3 s; two workers of one slot each.
+    let mut app =
+        App::start(MockConfig { latency: Duration::from_secs(3), output_tokens: 20, ..MockConfig::default() }).await;
+    for _ in 0..2 {
+        let mut config = app.config();
+        config.concurrency = 1;
+        config.queue.lease_ms = 1_000;
+        app.spawn_worker(config);
+    }
+    let run = app.submit(json!({"model": "gpt-test", "input": "say something"})).await;
+    eventually("the first call", secs(10), || async { (app.mock.stats().requests >= 1).then_some(()) }).await;
+    // Its lease is taken back while the call is out (as when its worker
+    // stalls past the lease): the turn goes to the other worker.
+    let queue =
+        shared::queue::TurnQueue::new(&RedisArgs::new(app.redis.url(), &app.prefix), Default::default()).unwrap();
+    let mut conn = app.redis.conn().await;
+    let _: () = redis::cmd("ZADD").arg(&queue.keys().lease).arg(0).arg(&run.id).query_async(&mut conn).await.unwrap();
+    let report = queue.heartbeat("test-reclaimer", None, &[]).await.unwrap();
+    assert_eq!(report.reclaimed, 1);
+    let done = app.wait_finished(&run.id, secs(20)).await;
+    assert_eq!(done.status, RunStatus::Completed, "{:?}", done.error);
+    assert_eq!(app.mock.stats().requests, 2);
+    // The stale holder stopped when its heartbeat found the lease gone: its
+    // answer never reached the stream, so the streamed text is said once.
+    let events = app.store.events(TENANT, &run.id, None, None, 500).await.unwrap().unwrap();
+    let streamed: String = events
+        .iter()
+        .filter(|e| e.kind == "turn.output_text.delta")
+        .map(|e| e.data["delta"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    assert_eq!(Some(streamed.as_str()), done.output_text.as_deref(), "text from two holders interleaved");
+    app.stop_workers().await;
+}
