@@ -197,6 +197,8 @@
       } else {
         const params = new URLSearchParams({ limit: '50' });
         if (status) params.set('status', status);
+        // The API searches every run of the tenant (id and metadata values), not just this page.
+        if (q) params.set('q', q);
         const cursor = runsState.cursors[runsState.page];
         if (cursor) params.set('cursor', cursor);
         const page = await api('/v1/runs?' + params);

@@ -146,6 +146,8 @@ pub struct ListQuery {
     limit: Option<String>,
     /// `next_cursor` of the previous page.
     cursor: Option<String>,
+    /// Only runs whose id or a metadata value contains this (case-insensitive, up to 200 characters).
+    q: Option<String>,
 }
 
 /// Reads a body whose size the router has bounded; a body over the limit is a
@@ -255,7 +257,12 @@ pub async fn list(
     if cursor.is_some_and(|c| parse_cursor(c).is_none()) {
         return Err(ApiError::invalid("cursor", "is not a cursor this API gave out"));
     }
-    let (data, next_cursor) = state.redis("list runs", state.runs.list(&tenant, status, limit, cursor)).await?;
+    let search = q.q.as_deref().map(str::trim).filter(|s| !s.is_empty());
+    if search.is_some_and(|s| s.chars().count() > 200) {
+        return Err(ApiError::invalid("q", "must be at most 200 characters"));
+    }
+    let (data, next_cursor) =
+        state.redis("list runs", state.runs.list_matching(&tenant, status, search, limit, cursor)).await?;
     // The store hands a cursor back when the page is full (or its scan
     // bound was reached); an exactly full last page costs one more request.
     let has_more = next_cursor.is_some();

@@ -75,6 +75,15 @@ impl TenantCounts {
     }
 }
 
+/// Whether run `run`'s id or one of its metadata values contains `q` (lower case).
+fn run_matches(run: &Run, q: &str) -> bool {
+    run.id.to_lowercase().contains(q)
+        || run.metadata.as_object().into_iter().flat_map(|m| m.values()).any(|v| match v {
+            Value::String(s) => s.to_lowercase().contains(q),
+            other => other.to_string().to_lowercase().contains(q),
+        })
+}
+
 /// How long a fenced write keeps retrying Redis trouble in place (see
 /// `RunStore::invoke_fenced`); past it the queue's own retry takes over.
 pub const FENCED_WRITE_PATIENCE: Duration = Duration::from_secs(30);
@@ -384,6 +393,20 @@ impl RunStore {
         limit: usize,
         cursor: Option<&str>,
     ) -> Result<(Vec<Run>, Option<String>), StoreError> {
+        self.list_matching(tenant, status, None, limit, cursor).await
+    }
+
+    /// [`RunStore::list`], keeping only the runs whose id or a metadata value
+    /// contains `search` (case-insensitive), scanned in the same bounded batches.
+    pub async fn list_matching(
+        &self,
+        tenant: &str,
+        status: Option<RunStatus>,
+        search: Option<&str>,
+        limit: usize,
+        cursor: Option<&str>,
+    ) -> Result<(Vec<Run>, Option<String>), StoreError> {
+        let search = search.map(str::to_lowercase).filter(|s| !s.is_empty());
         let limit = limit.clamp(1, 200);
         let mut after: Option<(i64, String)> = cursor.and_then(parse_cursor).map(|(ms, id)| (ms, id.to_owned()));
         let mut out = vec![];
@@ -425,7 +448,10 @@ impl RunStore {
                 let f: HashMap<String, String> =
                     Run::FIELDS.iter().zip(values).filter_map(|(k, v)| v.map(|v| ((*k).to_owned(), v))).collect();
                 match tenant_run(tenant, &id, &f) {
-                    Some(run) if status.is_none_or(|s| s == run.status) => {
+                    Some(run)
+                        if status.is_none_or(|s| s == run.status)
+                            && search.as_deref().is_none_or(|q| run_matches(&run, q)) =>
+                    {
                         out.push(run);
                         if out.len() == limit {
                             return Ok((out, Some(format!("{ms}:{id}"))));

@@ -519,6 +519,45 @@ async fn runs_list_newest_first_in_pages_and_by_status() {
 }
 
 #[tokio::test]
+async fn runs_are_searched_by_id_and_metadata_value_across_pages() {
+    let app = spawn_app().await;
+    let mut tagged = vec![];
+    for i in 0..30 {
+        let mut body = spec();
+        body["metadata"] = json!({"customer": if i % 10 == 3 { "Acme-Widgets" } else { "other" }, "n": i.to_string()});
+        let run = app.submit(ACME, &body).await;
+        if i % 10 == 3 {
+            tagged.push(run["id"].as_str().unwrap().to_owned());
+        }
+    }
+    // Beta's run with the same metadata is not acme's.
+    let mut body = spec();
+    body["metadata"] = json!({"customer": "Acme-Widgets"});
+    app.submit(BETA, &body).await;
+    // Three matches spread over 30 runs, found through pages of 2 (case-insensitive).
+    let mut found = vec![];
+    let mut cursor = String::new();
+    loop {
+        let (status, page) = app.get(&format!("/v1/runs?limit=2&q=acme-widgets{cursor}"), ACME).await;
+        assert_eq!(status, 200, "{page}");
+        found.extend(page["data"].as_array().unwrap().iter().map(|r| r["id"].as_str().unwrap().to_owned()));
+        match page["next_cursor"].as_str() {
+            Some(c) => cursor = format!("&cursor={c}"),
+            None => break,
+        }
+    }
+    tagged.reverse(); // newest first
+    assert_eq!(found, tagged);
+    // By a part of an id.
+    let part = &tagged[0][tagged[0].len() - 8..];
+    let (_, page) = app.get(&format!("/v1/runs?q={part}"), ACME).await;
+    assert_eq!(page["data"][0]["id"], tagged[0]);
+    // Too long a search is a 422 naming q.
+    let (status, body) = app.get(&format!("/v1/runs?q={}", "x".repeat(201)), ACME).await;
+    assert_eq!((status, body["error"]["field"].as_str()), (422, Some("q")), "{body}");
+}
+
+#[tokio::test]
 async fn an_idempotency_key_returns_the_first_run() {
     let app = spawn_app().await;
     let send = |token: &'static str, key: &'static str, body: Value| {
