@@ -386,12 +386,19 @@
       if (FINISHED.has(r.status)) p.stop(); // nothing more to poll: a retry restarts it
     };
 
+    // The delivery now running: text from an older one (a holder that lost its
+    // lease and had not stopped yet) is not shown.
+    let epoch = 0;
+    const parse = (s) => { try { return JSON.parse(s); } catch (_) { return {}; } };
     const startStream = () => {
       unfollow = follow(id, (ev) => {
         if (ev.event === 'turn.output_text.delta') {
-          try { live.append(JSON.parse(ev.data).delta || ''); } catch (_) { /* a frame we cannot read */ }
+          const d = parse(ev.data);
+          if ((d.epoch || 0) < epoch) return;
+          live.append(d.delta || '');
           live.scrollTop = live.scrollHeight;
         } else if (ev.event === 'turn.started') {
+          epoch = parse(ev.data).epoch || 0;
           live.textContent = '';
         } else if (/^(turn\.completed|turn\.tool_result|run\.)/.test(ev.event)) {
           p.now();

@@ -239,6 +239,7 @@ impl Runner {
         let store = self.store.clone();
         let run_id = lease.id.clone();
         let turn = job.turn;
+        let epoch = lease.epoch;
         let forward = tokio::spawn(async move {
             while let Some(first) = rx.recv().await {
                 let mut text = first;
@@ -246,7 +247,7 @@ impl Runner {
                 while let Ok(Some(more)) = tokio::time::timeout_at(flush_at, rx.recv()).await {
                     text.push_str(&more);
                 }
-                let data = json!({"turn": turn, "delta": text});
+                let data = json!({"turn": turn, "epoch": epoch, "delta": text});
                 if let Err(error) = store.emit(&run_id, event::TURN_OUTPUT_TEXT_DELTA, &data).await {
                     tracing::warn!(message = "could not emit a text delta", %error, run.id = %run_id);
                 }
@@ -350,7 +351,10 @@ impl Runner {
         }
         let announced: Vec<Value> = calls
             .iter()
-            .map(|c| json!({"turn": job.turn, "call_id": c.call_id, "name": c.name, "arguments": c.arguments}))
+            .map(|c| {
+                json!({"turn": job.turn, "epoch": lease.epoch, "call_id": c.call_id, "name": c.name,
+                       "arguments": c.arguments})
+            })
             .collect();
         // Events before a commit are best-effort: a Redis blip here must not
         // make the queue run the turn (and its paid call) again.
@@ -369,7 +373,7 @@ impl Runner {
             // The transcript keeps the clipped text: what the API shows is what
             // the model was allowed to read — one constant, not two.
             let clipped = clip_tool_output(&r.name, &r.output);
-            reported.push(json!({"turn": job.turn, "call_id": r.call_id, "name": r.name, "clipped": clipped.clipped,
+            reported.push(json!({"turn": job.turn, "epoch": lease.epoch, "call_id": r.call_id, "name": r.name, "clipped": clipped.clipped,
                                  "error": r.error, "chars": clipped.total}));
             items.push(json!({"type": "function_call_output", "call_id": r.call_id, "output": clipped.text}));
         }

@@ -215,9 +215,13 @@ if op == 'start' then
     q_finish(id)
     return {'stop', 'deadline'}
   end
-  redis.call('HSET', RUN, 'status', 'running', 'updated_ms', now, 'wait_reason', '', 'next_attempt_ms', '')
-  if status ~= 'running' then
-    event('turn.started', cjson.encode({turn = tonumber(ARGV[4]), attempt = tonumber(ARGV[5])}))
+  redis.call('HSET', RUN, 'status', 'running', 'updated_ms', now, 'wait_reason', '', 'next_attempt_ms', '',
+    'epoch', ARGV[3])
+  -- Every delivery that starts says so with its epoch, a redelivery of a
+  -- running turn too; its deltas and tool events carry the same epoch, so a
+  -- listener can drop what a stale holder wrote in the moment before it stopped.
+  if status ~= 'running' or f.epoch ~= ARGV[3] then
+    event('turn.started', cjson.encode({turn = tonumber(ARGV[4]), attempt = tonumber(ARGV[5]), epoch = tonumber(ARGV[3])}))
   end
   -- What the turn needs, in the same step: {'ok', n, n transcript entries,
   -- the record's field/value pairs} (appended, not unpacked: a long

@@ -750,5 +750,11 @@ async fn a_turn_whose_lease_is_taken_back_stops_its_call_and_writes_no_text() {
         .map(|e| e.data["delta"].as_str().unwrap_or_default().to_owned())
         .collect();
     assert_eq!(Some(streamed.as_str()), done.output_text.as_deref(), "text from two holders interleaved");
+    // Each delivery said it started, with its epoch; every delta carries the second's.
+    let started: Vec<u64> =
+        events.iter().filter(|e| e.kind == "turn.started").map(|e| e.data["epoch"].as_u64().unwrap()).collect();
+    assert_eq!(started.len(), 2, "{started:?}");
+    assert!(started[1] > started[0]);
+    assert!(events.iter().filter(|e| e.kind == "turn.output_text.delta").all(|e| e.data["epoch"] == started[1]));
     app.stop_workers().await;
 }
