@@ -116,25 +116,8 @@ impl ApiError {
     }
 }
 
-/// Whether a Redis error means "Redis is not there (now)" rather than "the
-/// command was wrong".
-pub fn redis_unavailable(error: &redis::RedisError) -> bool {
-    use redis::{ErrorKind, ServerErrorKind};
-    match error.kind() {
-        ErrorKind::Parse | ErrorKind::UnexpectedReturnType | ErrorKind::InvalidClientConfig => false,
-        ErrorKind::Server(kind) => matches!(
-            kind,
-            ServerErrorKind::BusyLoading
-                | ServerErrorKind::TryAgain
-                | ServerErrorKind::ClusterDown
-                | ServerErrorKind::MasterDown
-                | ServerErrorKind::ReadOnly
-        ),
-        // Io, Client (a dropped or not-yet-reconnected manager), auth, cluster
-        // routing: Redis is not usable now.
-        _ => true,
-    }
-}
+/// Whether a Redis error means "Redis is not there (now)" (a 503), not a bug.
+pub use shared::redis_util::unavailable as redis_unavailable;
 
 impl From<redis::RedisError> for ApiError {
     fn from(error: redis::RedisError) -> Self {

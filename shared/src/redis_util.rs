@@ -42,6 +42,28 @@ fn config(timeout: Duration) -> ConnectionManagerConfig {
         .set_number_of_retries(3)
 }
 
+/// Whether a Redis error means "Redis is not there (now)" — the connection,
+/// a timeout, a server loading, busy, down or failing over — rather than "the
+/// command was wrong": trouble that passes, worth a retry (a fenced write) or
+/// a 503 (the API), never a bug report.
+pub fn unavailable(error: &redis::RedisError) -> bool {
+    use redis::{ErrorKind, ServerErrorKind};
+    match error.kind() {
+        ErrorKind::Parse | ErrorKind::UnexpectedReturnType | ErrorKind::InvalidClientConfig => false,
+        ErrorKind::Server(kind) => matches!(
+            kind,
+            ServerErrorKind::BusyLoading
+                | ServerErrorKind::TryAgain
+                | ServerErrorKind::ClusterDown
+                | ServerErrorKind::MasterDown
+                | ServerErrorKind::ReadOnly
+        ),
+        // Io, Client (a dropped or not-yet-reconnected manager), auth, cluster
+        // routing: Redis is not usable now.
+        _ => true,
+    }
+}
+
 /// The Redis server's clock in milliseconds (`TIME`): the one clock shared state uses.
 pub async fn server_time_ms<C: redis::aio::ConnectionLike + Send>(conn: &mut C) -> redis::RedisResult<i64> {
     let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(conn).await?;

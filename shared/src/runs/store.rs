@@ -88,23 +88,6 @@ fn run_matches(run: &Run, q: &str) -> bool {
 /// `RunStore::invoke_fenced`); past it the queue's own retry takes over.
 pub const FENCED_WRITE_PATIENCE: Duration = Duration::from_secs(30);
 
-/// Whether a Redis error is trouble that passes (the connection, a timeout,
-/// a server loading, busy or failing over), not a wrong command.
-pub fn transient(error: &redis::RedisError) -> bool {
-    use redis::{ErrorKind, ServerErrorKind};
-    match error.kind() {
-        ErrorKind::Parse | ErrorKind::UnexpectedReturnType | ErrorKind::InvalidClientConfig => false,
-        ErrorKind::Server(kind) => matches!(
-            kind,
-            ServerErrorKind::BusyLoading
-                | ServerErrorKind::TryAgain
-                | ServerErrorKind::MasterDown
-                | ServerErrorKind::ReadOnly
-        ),
-        _ => true,
-    }
-}
-
 /// The queue payload of a run's next turn. The queue item's id is the run id:
 /// a run has at most one turn queued at a time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -304,7 +287,9 @@ impl RunStore {
         loop {
             match inv.invoke_async::<Vec<String>>(&mut self.conn.clone()).await {
                 Ok(reply) => return Ok(reply),
-                Err(error) if transient(&error) && std::time::Instant::now() + delay < deadline => {
+                Err(error)
+                    if crate::redis_util::unavailable(&error) && std::time::Instant::now() + delay < deadline =>
+                {
                     tracing::warn!(message = "a fenced write met Redis trouble; retrying it in place", %error,
                         retry_in_ms = delay.as_millis() as u64);
                     tokio::time::sleep(delay).await;
