@@ -159,6 +159,8 @@ pub mod field {
     /// retention when it was created): a turn the queue buries ends its run
     /// in the queue's own script, which knows no configuration.
     pub const RETENTION_MS: &str = "retention_ms";
+    /// The record's format version (`runs::store::RECORD_FORMAT`; absent: 1).
+    pub const FORMAT: &str = "format";
 }
 
 /// Formats Redis-clock milliseconds as RFC 3339 with milliseconds (UTC).

@@ -88,15 +88,58 @@ fn run_matches(run: &Run, q: &str) -> bool {
 /// `RunStore::invoke_fenced`); past it the queue's own retry takes over.
 pub const FENCED_WRITE_PATIENCE: Duration = Duration::from_secs(30);
 
+/// The version of the run record's format this code writes and reads; a
+/// record of a later one (field `format`) is not run by this version's workers.
+pub const RECORD_FORMAT: u32 = 1;
+
+/// The version of the queue payload's format ([`TurnJob`], field `v`) this
+/// code writes and reads; a later one is buried as undecodable with its
+/// reason, never run wrong.
+pub const PAYLOAD_FORMAT: u32 = 1;
+
 /// The queue payload of a run's next turn. The queue item's id is the run id:
 /// a run has at most one turn queued at a time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "TurnJobWire", into = "TurnJobWire")]
 pub struct TurnJob {
     /// The turn's index (= turns completed before it).
     pub turn: u32,
     /// The call's attempt (1-based; raised by 429s and transient errors, not
     /// by budget waits).
     pub attempt: u32,
+}
+
+/// [`TurnJob`] as stored, with its format's version (absent: 1, as the
+/// retry script writes it).
+#[derive(Serialize, Deserialize)]
+struct TurnJobWire {
+    turn: u32,
+    attempt: u32,
+    #[serde(default = "first_format")]
+    v: u32,
+}
+
+fn first_format() -> u32 {
+    1
+}
+
+impl From<TurnJob> for TurnJobWire {
+    fn from(j: TurnJob) -> Self {
+        Self { turn: j.turn, attempt: j.attempt, v: PAYLOAD_FORMAT }
+    }
+}
+
+impl TryFrom<TurnJobWire> for TurnJob {
+    type Error = String;
+    fn try_from(w: TurnJobWire) -> Result<Self, String> {
+        if w.v > PAYLOAD_FORMAT {
+            return Err(format!(
+                "turn payload format {} is newer than this paceline reads ({PAYLOAD_FORMAT}): run it with a newer worker",
+                w.v
+            ));
+        }
+        Ok(Self { turn: w.turn, attempt: w.attempt })
+    }
 }
 
 /// An `Idempotency-Key` and a fingerprint of the body it came with.
@@ -325,6 +368,7 @@ impl RunStore {
             field::MAX_TURNS: spec.max_turns.to_string(),
             field::METADATA: spec.metadata.to_string(),
             field::RETENTION_MS: self.retention_ms().to_string(),
+            field::FORMAT: RECORD_FORMAT.to_string(),
         });
         if let Some(s) = spec.max_run_seconds {
             fields[field::MAX_RUN_MS] = json!((u64::from(s) * 1_000).to_string());
@@ -729,6 +773,13 @@ impl RunStore {
         if Run::from_fields(id, &f).is_none() {
             return Ok(None);
         }
+        let format = f.get(field::FORMAT).and_then(|v| v.parse::<u32>().ok()).unwrap_or(1);
+        if format > RECORD_FORMAT {
+            // The queue retries, then buries the turn with this reason.
+            return Err(StoreError::Protocol(format!(
+                "run {id} was written in record format {format}, newer than this paceline reads ({RECORD_FORMAT})"
+            )));
+        }
         let spec: RunSpec = match f.get(field::SPEC).map(|s| serde_json::from_str(s)) {
             Some(Ok(spec)) => spec,
             _ => return Err(StoreError::Protocol(format!("run {id} has no readable spec"))),
@@ -965,7 +1016,10 @@ mod tests {
         // store.lua `retry` writes '{"turn":%d,"attempt":1}'.
         let job: TurnJob = serde_json::from_str(r#"{"turn":7,"attempt":1}"#).unwrap();
         assert_eq!(job, TurnJob { turn: 7, attempt: 1 });
-        assert_eq!(serde_json::to_string(&job).unwrap(), r#"{"turn":7,"attempt":1}"#);
+        // Written with its format's version; a later version is refused, by name.
+        assert_eq!(serde_json::to_string(&job).unwrap(), r#"{"turn":7,"attempt":1,"v":1}"#);
+        let newer = serde_json::from_str::<TurnJob>(r#"{"turn":7,"attempt":1,"v":2}"#).unwrap_err();
+        assert!(newer.to_string().contains("payload format 2"), "{newer}");
     }
 
     #[test]

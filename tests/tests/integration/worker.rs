@@ -758,3 +758,34 @@ async fn a_turn_whose_lease_is_taken_back_stops_its_call_and_writes_no_text() {
     assert!(events.iter().filter(|e| e.kind == "turn.output_text.delta").all(|e| e.data["epoch"] == started[1]));
     app.stop_workers().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payload_or_record_of_a_newer_format_ends_its_run_with_the_reason_not_a_wrong_turn() {
+    let mut app = App::start(MockConfig::default()).await;
+    let payload_run = app.submit(json!({"model": "gpt-test", "input": "x"})).await;
+    let record_run = app.submit(json!({"model": "gpt-test", "input": "y"})).await;
+    let queue =
+        shared::queue::TurnQueue::new(&RedisArgs::new(app.redis.url(), &app.prefix), Default::default()).unwrap();
+    let mut conn = app.redis.conn().await;
+    // What a newer paceline would have written: a turn payload of format 2,
+    // and a run record of format 2.
+    let newer = format!("0|0|q|{}", json!({"turn": 0, "attempt": 1, "v": 2}));
+    let _: () = redis::cmd("HSET")
+        .arg(&queue.keys().jobs)
+        .arg(&payload_run.id)
+        .arg(newer)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let record = format!("{}:{{{}}}:run:{}", app.prefix, app.prefix, record_run.id);
+    let _: () = redis::cmd("HSET").arg(&record).arg("format").arg("2").query_async(&mut conn).await.unwrap();
+    app.spawn_worker(app.config());
+    for (run, says) in [(&payload_run, "payload format 2"), (&record_run, "record format 2")] {
+        let done = app.wait_finished(&run.id, secs(30)).await;
+        let error = done.error.expect("an error");
+        assert_eq!((done.status, error.kind.as_str()), (RunStatus::Failed, "dead_lettered"), "{}", error.message);
+        assert!(error.message.contains(says), "{}", error.message);
+    }
+    assert_eq!(app.mock.stats().requests, 0, "neither was run");
+    app.stop_workers().await;
+}
