@@ -16,6 +16,7 @@ mod provider_client;
 mod queue;
 mod run_store;
 mod shapes;
+mod soak;
 mod styles;
 mod tools;
 mod up;

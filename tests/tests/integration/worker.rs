@@ -70,8 +70,12 @@ impl App {
     }
 
     pub(crate) async fn start(mock: MockConfig) -> Self {
+        Self::start_on(RedisServer::start(), mock).await
+    }
+
+    /// [`App::start`] on a given Redis (e.g. one with AOF, to restart it).
+    pub(crate) async fn start_on(redis: RedisServer, mock: MockConfig) -> Self {
         shared::telemetry::init("error");
-        let redis = RedisServer::start();
         let prefix = unique_prefix();
         let mock = MockServer::start(MockConfig {
             listen: "127.0.0.1:0".parse().unwrap(),
