@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use shared::runs::store::stream_id_after;
 use shared::runs::{RunEvent, RunStore};
 use tokio::sync::{mpsc, watch, Notify};
 
@@ -59,7 +60,7 @@ impl EventHub {
                     }
                     continue;
                 }
-                let read = tokio::time::timeout(BLOCK + timeout, store.read_many(&from, BLOCK, COUNT));
+                let read = tokio::time::timeout(BLOCK + timeout, store.read_many(&from, Some(BLOCK), COUNT));
                 let result = tokio::select! {
                     r = read => r,
                     _ = shutdown.changed() => continue,
@@ -109,7 +110,7 @@ impl EventHub {
         for (id, events) in batches {
             let Some(followed) = state.runs.get_mut(&id) else { continue };
             for event in events {
-                if !is_after(&event.id, &followed.after) {
+                if !stream_id_after(&event.id, &followed.after) {
                     continue;
                 }
                 followed.after = event.id.clone();
@@ -146,24 +147,15 @@ impl Drop for Subscription {
     }
 }
 
-/// Whether stream id `a` comes after `b` (`ms-seq`, compared as numbers).
-pub fn is_after(a: &str, b: &str) -> bool {
-    fn parts(s: &str) -> (u64, u64) {
-        let (ms, seq) = s.split_once('-').unwrap_or((s, "0"));
-        (ms.parse().unwrap_or(0), seq.parse().unwrap_or(0))
-    }
-    parts(a) > parts(b)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn stream_ids_compare_as_numbers() {
-        assert!(is_after("10-0", "9-5"));
-        assert!(is_after("10-10", "10-9"));
-        assert!(!is_after("10-9", "10-9"));
-        assert!(is_after("1-0", "0-0"));
+        assert!(stream_id_after("10-0", "9-5"));
+        assert!(stream_id_after("10-10", "10-9"));
+        assert!(!stream_id_after("10-9", "10-9"));
+        assert!(stream_id_after("1-0", "0-0"));
     }
 }

@@ -223,7 +223,7 @@ impl Follow {
     async fn next(&mut self) -> Option<Event> {
         loop {
             if let Some(e) = self.pending.pop_front() {
-                if self.after.as_deref().is_some_and(|a| !crate::hub::is_after(&e.id, a)) {
+                if self.after.as_deref().is_some_and(|a| !shared::runs::store::stream_id_after(&e.id, a)) {
                     continue; // read twice: by the stream and by the reader
                 }
                 self.after = Some(e.id.clone());

@@ -171,6 +171,15 @@ pub struct RunEvent {
     pub data: Value,
 }
 
+impl RunEvent {
+    /// An entry of a run's events stream (`type`, `data` fields).
+    fn from_entry(entry: redis::streams::StreamId) -> Self {
+        let kind: String = entry.get("type").unwrap_or_default();
+        let data: String = entry.get("data").unwrap_or_default();
+        Self { id: entry.id, kind, data: serde_json::from_str(&data).unwrap_or(Value::Null) }
+    }
+}
+
 /// Why a run store call did not happen.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -646,37 +655,19 @@ impl RunStore {
         block: Option<Duration>,
         count: usize,
     ) -> Result<Vec<RunEvent>, StoreError> {
-        if !valid_id(id) {
-            return Ok(vec![]);
-        }
-        let after = after.filter(|a| valid_stream_id(a)).unwrap_or("0-0");
-        let mut cmd = redis::cmd("XREAD");
-        cmd.arg("COUNT").arg(count.max(1));
-        if let Some(b) = block {
-            cmd.arg("BLOCK").arg(b.as_millis() as u64);
-        }
-        cmd.arg("STREAMS").arg(self.events_key(id)).arg(after);
-        let mut conn = self.conn.clone();
-        let reply: Option<redis::streams::StreamReadReply> = cmd.query_async(&mut conn).await?;
-        let mut out = vec![];
-        for key in reply.map(|r| r.keys).unwrap_or_default() {
-            for entry in key.ids {
-                let kind: String = entry.get("type").unwrap_or_default();
-                let data: String = entry.get("data").unwrap_or_default();
-                out.push(RunEvent { id: entry.id, kind, data: serde_json::from_str(&data).unwrap_or(Value::Null) });
-            }
-        }
-        Ok(out)
+        let from = [(id.to_owned(), after.unwrap_or("0-0").to_owned())];
+        Ok(self.read_many(&from, block, count).await?.into_iter().next().map(|(_, events)| events).unwrap_or_default())
     }
 
     /// One read over many runs' events: for each `(run id, after)`, the events
-    /// after `after`, at most `count` a run, waiting up to `block` until any
-    /// has one (one `XREAD` for every stream an API process follows). Runs
-    /// with nothing new are left out of the answer.
+    /// after `after` (not a stream id: from the start), at most `count` a run,
+    /// waiting up to `block` (if given) until any has one — one `XREAD` for
+    /// every stream an API process follows. Runs with nothing new, and ids
+    /// that are not run ids, are left out of the answer.
     pub async fn read_many(
         &self,
         from: &[(String, String)],
-        block: Duration,
+        block: Option<Duration>,
         count: usize,
     ) -> Result<Vec<(String, Vec<RunEvent>)>, StoreError> {
         let from: Vec<&(String, String)> = from.iter().filter(|(id, _)| valid_id(id)).collect();
@@ -684,7 +675,11 @@ impl RunStore {
             return Ok(vec![]);
         }
         let mut cmd = redis::cmd("XREAD");
-        cmd.arg("COUNT").arg(count.max(1)).arg("BLOCK").arg(block.as_millis().max(1) as u64).arg("STREAMS");
+        cmd.arg("COUNT").arg(count.max(1));
+        if let Some(b) = block {
+            cmd.arg("BLOCK").arg(b.as_millis().max(1) as u64);
+        }
+        cmd.arg("STREAMS");
         for (id, _) in &from {
             cmd.arg(self.events_key(id));
         }
@@ -698,15 +693,7 @@ impl RunStore {
         let mut out = vec![];
         for key in reply.map(|r| r.keys).unwrap_or_default() {
             let Some(id) = by_key.get(&key.key) else { continue };
-            let events = key
-                .ids
-                .into_iter()
-                .map(|entry| {
-                    let kind: String = entry.get("type").unwrap_or_default();
-                    let data: String = entry.get("data").unwrap_or_default();
-                    RunEvent { id: entry.id, kind, data: serde_json::from_str(&data).unwrap_or(Value::Null) }
-                })
-                .collect();
+            let events = key.ids.into_iter().map(RunEvent::from_entry).collect();
             out.push(((*id).to_owned(), events));
         }
         Ok(out)
@@ -725,11 +712,8 @@ impl RunStore {
             .arg(500)
             .query_async(&mut conn)
             .await?;
-        Ok(reply.ids.iter().any(|e| {
-            e.get::<String>("type").as_deref() == Some(crate::runs::state::event::TURN_OUTPUT_TEXT_DELTA)
-                && e.get::<String>("data")
-                    .and_then(|d| serde_json::from_str::<Value>(&d).ok())
-                    .is_some_and(|d| d["turn"].as_u64() == Some(turn as u64))
+        Ok(reply.ids.into_iter().map(RunEvent::from_entry).any(|e| {
+            e.kind == crate::runs::state::event::TURN_OUTPUT_TEXT_DELTA && e.data["turn"].as_u64() == Some(turn as u64)
         }))
     }
 
@@ -998,6 +982,15 @@ pub fn valid_stream_id(id: &str) -> bool {
         && ms.bytes().all(|b| b.is_ascii_digit())
         && (1..=20).contains(&seq.len())
         && seq.bytes().all(|b| b.is_ascii_digit())
+}
+
+/// Whether event id `a` comes after `b` in their stream (`ms-seq`, compared as numbers).
+pub fn stream_id_after(a: &str, b: &str) -> bool {
+    fn parts(s: &str) -> (u64, u64) {
+        let (ms, seq) = s.split_once('-').unwrap_or((s, "0"));
+        (ms.parse().unwrap_or(0), seq.parse().unwrap_or(0))
+    }
+    parts(a) > parts(b)
 }
 
 /// Transcript entries as stored (JSON).

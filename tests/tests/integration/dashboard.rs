@@ -51,7 +51,7 @@ impl Drop for Browser {
 impl Browser {
     /// Starts chromedriver on a free port and a headless session of `width`×`height`.
     async fn start(chromium: &Path, chromedriver: &Path, width: u32, height: u32) -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = paceline_tests::free_tcp_port();
         let mut cmd = Command::new(chromedriver);
         cmd.arg(format!("--port={port}")).stdout(Stdio::null()).stderr(Stdio::null());
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);

@@ -75,7 +75,7 @@ async fn a_worker_process_drains_its_turn_and_exits_0_on_sigterm_and_on_sigint()
 async fn an_api_process_with_an_open_event_stream_exits_0_on_sigterm_and_on_sigint() {
     for signal in ["TERM", "INT"] {
         let redis = RedisServer::start();
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = paceline_tests::free_tcp_port();
         let base = format!("http://127.0.0.1:{port}");
         let mut child = ChildGuard(
             Command::new(paceline_bin())

@@ -13,13 +13,21 @@ use serde_json::{json, Value};
 use shared::config::{KeySource, Secret, TOOL_SECRET_ENV};
 use shared::runs::{RunStatus, ToolEndpoints};
 
-use crate::worker::{secs, App};
+use crate::worker::{secs, serve, App};
 
-async fn serve(app: axum::Router) -> SocketAddr {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.ok() });
-    addr
+/// A tool server that answers every call with `output` and counts the calls.
+async fn counting_tool(output: &'static str) -> (SocketAddr, Arc<AtomicUsize>) {
+    let reached = Arc::new(AtomicUsize::new(0));
+    let counter = reached.clone();
+    let addr = serve(axum::Router::new().fallback(move || {
+        let counter = counter.clone();
+        async move {
+            counter.fetch_add(1, Ordering::SeqCst);
+            axum::Json(json!({"output": output}))
+        }
+    }))
+    .await;
+    (addr, reached)
 }
 
 /// A run that calls its tool once, at `endpoint`, then answers.
@@ -43,16 +51,7 @@ async fn tool_outputs(app: &App, run_id: &str) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redirecting_tool_endpoint_never_reaches_its_target_and_the_run_completes() {
     // The target counts what reaches it; the redirector sends everything there.
-    let reached = Arc::new(AtomicUsize::new(0));
-    let counter = reached.clone();
-    let target = serve(axum::Router::new().fallback(move || {
-        let counter = counter.clone();
-        async move {
-            counter.fetch_add(1, Ordering::SeqCst);
-            axum::Json(json!({"output": "the target answered"}))
-        }
-    }))
-    .await;
+    let (target, reached) = counting_tool("the target answered").await;
     let to = format!("http://{target}/internal");
     let location = to.clone();
     let redirector = serve(axum::Router::new().fallback(move || {
@@ -133,16 +132,7 @@ async fn tool_calls_name_the_tenant_and_carry_a_signature_the_tool_server_verifi
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_worker_refuses_a_tool_endpoint_allowed_to_another_tenant() {
-    let reached = Arc::new(AtomicUsize::new(0));
-    let counter = reached.clone();
-    let server = serve(axum::Router::new().fallback(move || {
-        let counter = counter.clone();
-        async move {
-            counter.fetch_add(1, Ordering::SeqCst);
-            axum::Json(json!({"output": "called"}))
-        }
-    }))
-    .await;
+    let (server, reached) = counting_tool("called").await;
     let endpoint = format!("http://{server}/tools");
 
     let mut app = App::start(MockConfig { tool_rounds: 1, ..MockConfig::default() }).await;

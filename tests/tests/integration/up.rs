@@ -15,10 +15,6 @@ fn secs(s: u64) -> Duration {
     Duration::from_secs(s)
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 /// `paceline up ARGS` in `dir`, its stderr going to `dir/up.err`, with none
 /// of the environment that would change what it connects to.
 fn up(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> ChildGuard {
@@ -67,7 +63,7 @@ async fn up_demo_brings_the_sample_runs_to_completed_and_stops_on_sigterm() {
     // Outside the repository: the examples built into the binary are used,
     // and a tool endpoint on another port than the examples name is rewritten.
     let dir = tempfile::tempdir().unwrap();
-    let port = free_port().to_string();
+    let port = paceline_tests::free_tcp_port().to_string();
     let listen = format!("127.0.0.1:{port}");
     let prefix = unique_prefix();
     let mut child = up(
@@ -145,8 +141,8 @@ impl Drop for PidFileGuard {
 async fn without_redis_url_up_starts_a_private_redis_server_and_stops_it_on_exit() {
     let dir = tempfile::tempdir().unwrap();
     let _leftover = PidFileGuard(dir.path().join(".paceline/redis/redis.pid"));
-    let listen = format!("127.0.0.1:{}", free_port());
-    let probe = format!("127.0.0.1:{}", free_port());
+    let listen = format!("127.0.0.1:{}", paceline_tests::free_tcp_port());
+    let probe = format!("127.0.0.1:{}", paceline_tests::free_tcp_port());
     let mut child = up(
         dir.path(),
         &["--listen", &listen, "--local-redis-probe", &probe, "--workers", "2"],
@@ -178,7 +174,7 @@ async fn without_redis_url_up_starts_a_private_redis_server_and_stops_it_on_exit
 fn without_redis_and_without_redis_server_up_says_how_to_install_one() {
     let dir = tempfile::tempdir().unwrap();
     let empty_path = tempfile::tempdir().unwrap();
-    let probe = format!("127.0.0.1:{}", free_port());
+    let probe = format!("127.0.0.1:{}", paceline_tests::free_tcp_port());
     let mut child = up(
         dir.path(),
         &["--listen", "127.0.0.1:0", "--local-redis-probe", &probe],

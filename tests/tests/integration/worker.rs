@@ -31,7 +31,11 @@ async fn tool_server() -> SocketAddr {
         };
         axum::Json(json!({ "output": output }))
     }
-    let app = axum::Router::new().route("/tools", axum::routing::post(tool));
+    serve(axum::Router::new().route("/tools", axum::routing::post(tool))).await
+}
+
+/// Serves `app` on a free port of 127.0.0.1 (the tests' tool endpoints).
+pub(crate) async fn serve(app: axum::Router) -> SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await.ok() });
@@ -681,10 +685,7 @@ async fn a_redis_that_refuses_writes_for_a_while_during_a_commit_runs_no_tool_an
                 axum::Json(json!({"output": "found"}))
             }
         };
-        let router = axum::Router::new().route("/tools", axum::routing::post(tool));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, router).await.ok() });
+        let addr = serve(axum::Router::new().route("/tools", axum::routing::post(tool))).await;
         format!("http://{addr}/tools")
     };
     app.tools = tools;
