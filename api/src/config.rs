@@ -2,8 +2,7 @@
 //! (flag > env > default). Tests and `paceline up` build it in code with
 //! [`ApiConfig::new`] and never set environment variables.
 
-use shared::config::{ProvidersArg, RedisArgs, Secret};
-use shared::runs::ToolEndpoints;
+use shared::config::{ProvidersArg, RedisArgs, RunArgs, Secret};
 use std::fmt;
 use std::net::SocketAddr;
 use std::str::FromStr;
@@ -11,37 +10,24 @@ use std::time::Duration;
 
 /// Default body limit of `POST /v1/runs` (SPEC §3: 1 MiB).
 pub const DEFAULT_BODY_LIMIT: usize = 1024 * 1024;
-/// Default retention of finished runs.
-pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
-/// How long one Redis round trip of a request may take before it is a 503.
-pub const DEFAULT_REDIS_TIMEOUT: Duration = Duration::from_secs(2);
+/// Default of `--redis-timeout-ms`: how long one Redis round trip of a
+/// request may take before it is a 503.
+pub const DEFAULT_REDIS_TIMEOUT_MS: u64 = 2000;
+/// Default of `--listen`.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 
 /// Everything `paceline api` needs.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ApiConfig {
-    /// Address to listen on (port 0 picks a free one).
-    #[arg(long, env = "PACELINE_LISTEN", default_value = "127.0.0.1:8080")]
-    pub listen: SocketAddr,
     /// Where Redis is, and the key prefix.
     #[command(flatten)]
     pub redis: RedisArgs,
-    /// Bearer tokens per tenant: `tenant:token,tenant:token`. Unset or empty:
-    /// open development mode (every request is tenant `default`).
-    #[arg(long = "api-tokens", env = "PACELINE_API_TOKENS", hide_env_values = true, default_value = "")]
-    pub tokens: ApiTokens,
-    /// URL prefixes a run's `tool_endpoint` may start with, comma-separated:
-    /// `PREFIX` for every tenant, `TENANT=PREFIX` for one.
-    #[arg(long = "tool-endpoints", env = "PACELINE_TOOL_ENDPOINTS", default_value = "", value_name = "LIST")]
-    pub tool_endpoints: ToolEndpoints,
-    /// Largest request body accepted, in bytes.
-    #[arg(long = "body-limit", env = "PACELINE_BODY_LIMIT", default_value_t = DEFAULT_BODY_LIMIT)]
-    pub body_limit: usize,
-    /// How long finished runs are kept (`90s`, `30m`, `12h`, `7d`, or seconds).
-    #[arg(long = "retention", env = "PACELINE_RETENTION", default_value = "7d", value_parser = parse_duration)]
-    pub retention: Duration,
-    /// How long one Redis command of a request may take before it answers 503 (ms).
-    #[arg(long = "redis-timeout-ms", env = "PACELINE_REDIS_TIMEOUT_MS", default_value_t = 2000)]
-    pub redis_timeout_ms: u64,
+    /// Where it listens, who may call it, how much a request may carry.
+    #[command(flatten)]
+    pub serve: ServeArgs,
+    /// Tool endpoints and retention, as the workers read them.
+    #[command(flatten)]
+    pub runs: RunArgs,
     /// The fleet's named providers: the API reads only their names (a run's
     /// `provider` must be one), never a key.
     #[command(flatten)]
@@ -52,6 +38,42 @@ pub struct ApiConfig {
     /// How many event streams may be open, and for how long.
     #[command(flatten)]
     pub streams: StreamArgs,
+}
+
+/// The API's own HTTP knobs. Declared once, flattened into `paceline api`
+/// and `paceline up`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// Address to listen on (port 0 picks a free one).
+    #[arg(long, env = "PACELINE_LISTEN", default_value = DEFAULT_LISTEN)]
+    pub listen: SocketAddr,
+    /// Bearer tokens per tenant: `tenant:token,tenant:token`. Unset or empty:
+    /// open development mode (every request is tenant `default`).
+    #[arg(long = "api-tokens", env = "PACELINE_API_TOKENS", hide_env_values = true, default_value = "")]
+    pub tokens: ApiTokens,
+    /// Largest request body accepted, in bytes.
+    #[arg(long = "body-limit", env = "PACELINE_BODY_LIMIT", default_value_t = DEFAULT_BODY_LIMIT)]
+    pub body_limit: usize,
+    /// How long one Redis command of a request may take before it answers 503 (ms).
+    #[arg(long = "redis-timeout-ms", env = "PACELINE_REDIS_TIMEOUT_MS", default_value_t = DEFAULT_REDIS_TIMEOUT_MS)]
+    pub redis_timeout_ms: u64,
+}
+
+impl ServeArgs {
+    /// Open mode on `listen`, the defaults elsewhere.
+    pub fn new(listen: SocketAddr) -> Self {
+        Self {
+            listen,
+            tokens: ApiTokens::default(),
+            body_limit: DEFAULT_BODY_LIMIT,
+            redis_timeout_ms: DEFAULT_REDIS_TIMEOUT_MS,
+        }
+    }
+
+    /// The Redis timeout as a duration (at least 50 ms).
+    pub fn redis_timeout(&self) -> Duration {
+        Duration::from_millis(self.redis_timeout_ms.max(50))
+    }
 }
 
 /// Bounds on the event streams (`GET /v1/runs/{id}/events`) of one API
@@ -67,7 +89,7 @@ pub struct StreamArgs {
     pub max_tenant_streams: usize,
     /// The longest one event stream stays open (`90s`, `15m`, …); then it ends
     /// and the client resumes with `Last-Event-ID`, as SSE clients do.
-    #[arg(long = "stream-lifetime", env = "PACELINE_STREAM_LIFETIME", default_value = "15m", value_parser = parse_duration)]
+    #[arg(long = "stream-lifetime", env = "PACELINE_STREAM_LIFETIME", default_value = DEFAULT_STREAM_LIFETIME, value_parser = shared::config::parse_duration)]
     pub lifetime: Duration,
 }
 
@@ -76,14 +98,14 @@ pub const DEFAULT_MAX_STREAMS: usize = 1_000;
 /// Default of `--max-tenant-streams`.
 pub const DEFAULT_MAX_TENANT_STREAMS: usize = 100;
 /// Default of `--stream-lifetime`.
-pub const DEFAULT_STREAM_LIFETIME: Duration = Duration::from_secs(15 * 60);
+pub const DEFAULT_STREAM_LIFETIME: &str = "15m";
 
 impl Default for StreamArgs {
     fn default() -> Self {
         Self {
             max_streams: DEFAULT_MAX_STREAMS,
             max_tenant_streams: DEFAULT_MAX_TENANT_STREAMS,
-            lifetime: DEFAULT_STREAM_LIFETIME,
+            lifetime: shared::config::parse_duration(DEFAULT_STREAM_LIFETIME).expect("the default lifetime parses"),
         }
     }
 }
@@ -157,22 +179,13 @@ impl ApiConfig {
     /// A config built in code: open mode, no tool endpoints, the defaults.
     pub fn new(listen: SocketAddr, redis: RedisArgs) -> Self {
         Self {
-            listen,
             redis,
-            tokens: ApiTokens::default(),
-            tool_endpoints: ToolEndpoints::default(),
-            body_limit: DEFAULT_BODY_LIMIT,
-            retention: DEFAULT_RETENTION,
-            redis_timeout_ms: DEFAULT_REDIS_TIMEOUT.as_millis() as u64,
+            serve: ServeArgs::new(listen),
+            runs: RunArgs::default(),
             providers: ProvidersArg::default(),
             access: AccessArgs::default(),
             streams: StreamArgs::default(),
         }
-    }
-
-    /// The Redis timeout as a duration (at least 50 ms).
-    pub fn redis_timeout(&self) -> Duration {
-        Duration::from_millis(self.redis_timeout_ms.max(50))
     }
 }
 
@@ -235,9 +248,6 @@ impl FromStr for ApiTokens {
     }
 }
 
-/// Parses `90s`, `30m`, `12h`, `7d`, `1500ms` or a bare number of seconds.
-pub use shared::config::parse_duration;
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -292,24 +302,15 @@ mod tests {
     }
 
     #[test]
-    fn durations() {
-        assert_eq!(parse_duration("7d").unwrap(), Duration::from_secs(604_800));
-        assert_eq!(parse_duration("90").unwrap(), Duration::from_secs(90));
-        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
-        assert!(parse_duration("soon").is_err());
-        assert!(parse_duration("3w").is_err());
-    }
-
-    #[test]
     fn flags_and_defaults() {
         let cli =
             Cli::try_parse_from(["x", "--tool-endpoints", "http://a/tools,http://b/t", "--retention", "1h"]).unwrap();
-        assert_eq!(cli.api.tool_endpoints.0.len(), 2);
-        assert_eq!(cli.api.retention, Duration::from_secs(3600));
-        assert_eq!(cli.api.body_limit, DEFAULT_BODY_LIMIT);
+        assert_eq!(cli.api.runs.tool_endpoints.0.len(), 2);
+        assert_eq!(cli.api.runs.retention, Duration::from_secs(3600));
+        assert_eq!(cli.api.serve.body_limit, DEFAULT_BODY_LIMIT);
         assert!(Cli::try_parse_from(["x", "--api-tokens", "nocolon"]).is_err());
         let cli = Cli::try_parse_from(["x", "--tool-endpoints", "http://a/tools,acme=http://b/t"]).unwrap();
-        assert_eq!(cli.api.tool_endpoints.0[1].tenant.as_deref(), Some("acme"));
+        assert_eq!(cli.api.runs.tool_endpoints.0[1].tenant.as_deref(), Some("acme"));
         assert!(Cli::try_parse_from(["x", "--tool-endpoints", "not-a-url"]).is_err());
         let cli = Cli::try_parse_from(["x", "--companion-tenants", "acme, beta,"]).unwrap();
         assert_eq!(cli.api.access.companion_tenants(), vec!["acme", "beta"]);

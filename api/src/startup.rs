@@ -31,17 +31,18 @@ impl std::fmt::Debug for Application {
 }
 
 impl Application {
-    /// Binds `config.listen` and prepares the routes.
+    /// Binds `config.serve.listen` and prepares the routes.
     pub async fn build(config: ApiConfig) -> anyhow::Result<Self> {
-        let conn = shared::redis_util::lazy_manager(&config.redis.url, config.redis_timeout())
+        let conn = shared::redis_util::lazy_manager(&config.redis.url, config.serve.redis_timeout())
             .with_context(|| "the Redis URL is not valid".to_string())?;
         let keys = config.redis.keys();
         let queue = TurnQueue::new(&config.redis, QueueConfig::default()).context("the turn queue")?;
         // The API only reads the pacer: its snapshot lists every budget under the prefix.
         let pacer = SharedPacer::new(conn.clone(), keys.clone(), "default", PacingConfig::default());
-        let runs = RunStore::new(conn.clone(), keys, config.retention);
-        crate::config::check_access(config.listen, &config.tokens, &config.access).map_err(anyhow::Error::msg)?;
-        let auth = Auth::new(&config.tokens, config.access.operator());
+        let runs = RunStore::new(conn.clone(), keys, config.runs.retention);
+        crate::config::check_access(config.serve.listen, &config.serve.tokens, &config.access)
+            .map_err(anyhow::Error::msg)?;
+        let auth = Auth::new(&config.serve.tokens, config.access.operator());
         match &auth {
             Auth::Open => tracing::warn!(
                 message = "PACELINE_API_TOKENS is not set: open development mode, every request is tenant `default`"
@@ -53,13 +54,14 @@ impl Application {
             ),
         }
         let policy = SubmitPolicy {
-            tool_endpoints: config.tool_endpoints.clone(),
+            tool_endpoints: config.runs.tool_endpoints.clone(),
             providers: config.providers.names(),
             companion_tenants: config.access.companion_tenants(),
         };
         let _ = crate::metrics::handle();
-        let listener =
-            TcpListener::bind(config.listen).await.with_context(|| format!("cannot listen on {}", config.listen))?;
+        let listener = TcpListener::bind(config.serve.listen)
+            .await
+            .with_context(|| format!("cannot listen on {}", config.serve.listen))?;
         let addr = listener.local_addr()?;
         let (stop, shutdown) = watch::channel(false);
         let streams = Default::default();
@@ -67,12 +69,12 @@ impl Application {
         // on the shared one would hold up every other request).
         let reader = shared::redis_util::lazy_manager(
             &config.redis.url,
-            std::time::Duration::from_secs(2) + config.redis_timeout(),
+            std::time::Duration::from_secs(2) + config.serve.redis_timeout(),
         )
         .context("the event reader's connection")?;
         let hub = crate::hub::EventHub::start(
-            RunStore::new(reader, config.redis.keys(), config.retention),
-            config.redis_timeout(),
+            RunStore::new(reader, config.redis.keys(), config.runs.retention),
+            config.serve.redis_timeout(),
             shutdown.clone(),
         );
         let state = AppState::new(Inner { runs, queue, pacer, conn, auth, policy, config, shutdown, streams, hub });

@@ -62,7 +62,7 @@ impl AppState {
     where
         ApiError: From<E>,
     {
-        bounded(self.config.redis_timeout(), what, fut).await
+        bounded(self.config.serve.redis_timeout(), what, fut).await
     }
 }
 

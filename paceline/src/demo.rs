@@ -554,7 +554,7 @@ mod tests {
 
     #[test]
     fn a_browser_page_is_bigger_than_the_model_may_see() {
-        assert!(browser_page("https://x", 1).len() > shared::runs::backpressure::BROWSER_TOOL_OUTPUT_CAP * 2);
+        assert!(browser_page("https://x", 1).len() > shared::runs::context::BROWSER_TOOL_OUTPUT_CAP * 2);
     }
 
     #[test]

@@ -203,7 +203,7 @@ pub struct PacerArgs {
     #[arg(long = "pacer", env = "PACELINE_PACER", value_enum, default_value = "shared")]
     pub kind: crate::pacer::PacerKind,
     /// The budget's name: processes that share a provider account share it.
-    #[arg(long = "budget", env = "PACELINE_BUDGET", default_value = "default")]
+    #[arg(long = "budget", env = "PACELINE_BUDGET", default_value = DEFAULT_BUDGET)]
     pub budget: String,
     /// Tokens per minute, for providers that send no rate-limit headers.
     #[arg(long = "tpm", env = "PACELINE_TPM")]
@@ -212,16 +212,22 @@ pub struct PacerArgs {
     #[arg(long = "rpm", env = "PACELINE_RPM")]
     pub rpm: Option<u64>,
     /// Headroom work turns leave in the bucket, percent of the limit.
-    #[arg(long = "work-floor-pct", env = "PACELINE_WORK_FLOOR_PCT", default_value_t = 5.0)]
+    #[arg(long = "work-floor-pct", env = "PACELINE_WORK_FLOOR_PCT", default_value_t = DEFAULT_WORK_FLOOR_PCT)]
     pub work_floor_pct: f64,
-    /// Headroom companion (live) turns leave, percent of the limit.
-    #[arg(long = "floor-pct", env = "PACELINE_FLOOR_PCT", default_value_t = 2.0)]
-    pub floor_pct: f64,
+    /// Headroom companion turns leave, percent of the limit (below the work
+    /// floor: a person waiting may dig deeper).
+    #[arg(
+        long = "companion-floor-pct",
+        alias = "floor-pct",
+        env = "PACELINE_COMPANION_FLOOR_PCT",
+        default_value_t = DEFAULT_COMPANION_FLOOR_PCT
+    )]
+    pub companion_floor_pct: f64,
     /// A reset further out than this (ms) is not paced on.
-    #[arg(long = "max-pace-ms", env = "PACELINE_MAX_PACE_MS", default_value_t = 90_000)]
+    #[arg(long = "max-pace-ms", env = "PACELINE_MAX_PACE_MS", default_value_t = DEFAULT_MAX_PACE_MS)]
     pub max_pace_ms: u64,
     /// Owed time up to this (ms) is waited in place; more is a requeue.
-    #[arg(long = "in-place-wait-ms", env = "PACELINE_IN_PLACE_WAIT_MS", default_value_t = 250)]
+    #[arg(long = "in-place-wait-ms", env = "PACELINE_IN_PLACE_WAIT_MS", default_value_t = DEFAULT_IN_PLACE_WAIT_MS)]
     pub in_place_wait_ms: u64,
     /// Tenants' weights when the budget is scarce (`alpha:2,beta:1`; default 1 each).
     #[arg(long = "tenant-weights", env = "PACELINE_TENANT_WEIGHTS", default_value = "")]
@@ -229,6 +235,64 @@ pub struct PacerArgs {
     /// Tenants' caps, a share of the budget even when others are idle (`alpha:50%`).
     #[arg(long = "tenant-caps", env = "PACELINE_TENANT_CAPS", default_value = "")]
     pub tenant_caps: String,
+}
+
+/// Default of `--budget`.
+pub const DEFAULT_BUDGET: &str = "default";
+/// Default of `--work-floor-pct`.
+pub const DEFAULT_WORK_FLOOR_PCT: f64 = 5.0;
+/// Default of `--companion-floor-pct`.
+pub const DEFAULT_COMPANION_FLOOR_PCT: f64 = 2.0;
+/// Default of `--max-pace-ms`.
+pub const DEFAULT_MAX_PACE_MS: u64 = 90_000;
+/// Default of `--in-place-wait-ms`.
+pub const DEFAULT_IN_PLACE_WAIT_MS: u64 = 250;
+
+impl Default for PacerArgs {
+    /// The flags' defaults: the shared pacer on budget `default`, no configured limits.
+    fn default() -> Self {
+        Self {
+            kind: crate::pacer::PacerKind::Shared,
+            budget: DEFAULT_BUDGET.into(),
+            tpm: None,
+            rpm: None,
+            work_floor_pct: DEFAULT_WORK_FLOOR_PCT,
+            companion_floor_pct: DEFAULT_COMPANION_FLOOR_PCT,
+            max_pace_ms: DEFAULT_MAX_PACE_MS,
+            in_place_wait_ms: DEFAULT_IN_PLACE_WAIT_MS,
+            tenant_weights: String::new(),
+            tenant_caps: String::new(),
+        }
+    }
+}
+
+/// What the API and the workers both read about runs: which tool endpoints a
+/// run may name, and how long a finished run is kept. Declared once,
+/// flattened into `paceline api`, `paceline worker` and `paceline up`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RunArgs {
+    /// URL prefixes a run's `tool_endpoint` may start with, comma-separated:
+    /// `PREFIX` for every tenant, `TENANT=PREFIX` for one (the API checks a
+    /// run against it; a worker checks again before each call).
+    #[arg(long = "tool-endpoints", env = "PACELINE_TOOL_ENDPOINTS", default_value = "", value_name = "LIST")]
+    pub tool_endpoints: crate::runs::ToolEndpoints,
+    /// How long a finished run's record, transcript and events are kept
+    /// (`90s`, `30m`, `12h`, `7d`, or seconds).
+    #[arg(long = "retention", env = "PACELINE_RETENTION", default_value = DEFAULT_RETENTION, value_parser = parse_duration)]
+    pub retention: std::time::Duration,
+}
+
+/// Default of `--retention`.
+pub const DEFAULT_RETENTION: &str = "7d";
+
+impl Default for RunArgs {
+    /// No tool endpoint; the default retention.
+    fn default() -> Self {
+        Self {
+            tool_endpoints: crate::runs::ToolEndpoints::default(),
+            retention: parse_duration(DEFAULT_RETENTION).expect("the default retention parses"),
+        }
+    }
 }
 
 /// Tenants' weights and caps (fair admission, SPEC §4).
@@ -293,7 +357,7 @@ impl PacerArgs {
     pub fn pacing_config(&self) -> crate::pacer::PacingConfig {
         crate::pacer::PacingConfig {
             floor_work: (self.work_floor_pct / 100.0).clamp(0.0, 0.9),
-            floor_companion: (self.floor_pct / 100.0).clamp(0.0, 0.9),
+            floor_companion: (self.companion_floor_pct / 100.0).clamp(0.0, 0.9),
             max_pace_ms: self.max_pace_ms,
             configured_tpm: self.tpm,
             configured_rpm: self.rpm,
@@ -330,22 +394,15 @@ impl PacerArgs {
     }
 }
 
-/// Parses `90s`, `30m`, `12h`, `7d`, `1500ms` or a bare number of seconds
-/// (`PACELINE_RETENTION` and other long durations; one parser for every process).
+/// Parses a duration for a flag: `90s`, `30m`, `12h`, `7d`, `1500ms`, `1h 30m`
+/// (humantime's grammar) or a bare number of seconds. One parser for every
+/// long duration of every process (`PACELINE_RETENTION`, `--stream-lifetime`).
 pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
     let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: u64 = num.parse().map_err(|_| format!("{s:?} is not a duration like 7d, 12h, 30m, 90s"))?;
-    let secs = match unit {
-        "" | "s" => n,
-        "ms" => return Ok(std::time::Duration::from_millis(n)),
-        "m" => n * 60,
-        "h" => n * 3600,
-        "d" => n * 86_400,
-        _ => return Err(format!("{s:?} is not a duration like 7d, 12h, 30m, 90s")),
-    };
-    Ok(std::time::Duration::from_secs(secs))
+    if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) {
+        return s.parse().map(std::time::Duration::from_secs).map_err(|_| format!("{s:?} is too many seconds"));
+    }
+    humantime::parse_duration(s).map_err(|e| format!("{s:?} is not a duration like 7d, 12h, 30m, 90s ({e})"))
 }
 
 /// A secret string whose `Debug` and `Display` never show it.

@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use shared::config::{KeySource, PacerArgs, ProviderArgs, RedisArgs};
+use shared::config::{KeySource, PacerArgs, ProviderArgs, RedisArgs, RunArgs};
 use shared::queue::apalis_core::error::BoxDynError;
 use shared::queue::apalis_core::task::data::Data;
 use shared::queue::apalis_core::worker::builder::WorkerBuilder;
@@ -41,6 +41,9 @@ pub struct WorkerConfig {
     /// Redis.
     #[command(flatten)]
     pub redis: RedisArgs,
+    /// Tool endpoints and retention, as the API reads them.
+    #[command(flatten)]
+    pub runs: RunArgs,
     /// The provider.
     #[command(flatten)]
     pub provider: ProviderArgs,
@@ -50,19 +53,9 @@ pub struct WorkerConfig {
     /// The queue's leases and batches.
     #[command(flatten)]
     pub queue: QueueConfig,
-    /// Turns run at once by this process.
-    #[arg(long, env = "PACELINE_CONCURRENCY", default_value_t = 16)]
-    pub concurrency: usize,
-    /// History depth sent to the model, in turns (one number for every transport).
-    #[arg(long = "max-history", env = "PACELINE_MAX_HISTORY", default_value_t = shared::runs::backpressure::DEFAULT_MAX_HISTORY)]
-    pub max_history: usize,
-    /// Allowed tool endpoints, comma-separated: `PREFIX` for every tenant,
-    /// `TENANT=PREFIX` for one (the API's list; checked again before each call).
-    #[arg(long = "tool-endpoints", env = "PACELINE_TOOL_ENDPOINTS", default_value = "", value_name = "LIST")]
-    pub tool_endpoints: shared::runs::ToolEndpoints,
-    /// How long a finished run's record, transcript and events are kept (`7d`, `12h`, `3600`).
-    #[arg(long = "retention", env = "PACELINE_RETENTION", default_value = "7d", value_parser = shared::config::parse_duration)]
-    pub retention: Duration,
+    /// Slots and history depth.
+    #[command(flatten)]
+    pub slots: SlotArgs,
     /// Where the providers' keys and `PACELINE_TOOL_SECRET` are read (the
     /// environment; tests give them in code). Never a flag: a secret on a
     /// command line is in every `ps`.
@@ -70,29 +63,37 @@ pub struct WorkerConfig {
     pub keys: KeySource,
 }
 
+/// How much one worker process takes on. Declared once, flattened into
+/// `paceline worker` and `paceline up`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SlotArgs {
+    /// Worker slots in this process: turns run at once.
+    #[arg(long, alias = "workers", env = "PACELINE_CONCURRENCY", default_value_t = DEFAULT_CONCURRENCY)]
+    pub concurrency: usize,
+    /// History depth sent to the model, in turns (one number for every transport).
+    #[arg(long = "max-history", env = "PACELINE_MAX_HISTORY", default_value_t = shared::runs::context::DEFAULT_MAX_HISTORY)]
+    pub max_history: usize,
+}
+
+/// Default of `--concurrency`.
+pub const DEFAULT_CONCURRENCY: usize = 16;
+
+impl Default for SlotArgs {
+    fn default() -> Self {
+        Self { concurrency: DEFAULT_CONCURRENCY, max_history: shared::runs::context::DEFAULT_MAX_HISTORY }
+    }
+}
+
 impl WorkerConfig {
     /// A config built in code (tests, `paceline up`): defaults everywhere else.
     pub fn new(redis: RedisArgs, provider_url: impl Into<String>) -> Self {
         Self {
             redis,
+            runs: RunArgs::default(),
             provider: ProviderArgs::single(provider_url, shared::runs::ApiStyle::Responses),
-            pacer: PacerArgs {
-                kind: shared::pacer::PacerKind::Shared,
-                budget: "default".into(),
-                tpm: None,
-                rpm: None,
-                work_floor_pct: 5.0,
-                floor_pct: 2.0,
-                max_pace_ms: 90_000,
-                in_place_wait_ms: 250,
-                tenant_weights: String::new(),
-                tenant_caps: String::new(),
-            },
+            pacer: PacerArgs::default(),
             queue: QueueConfig::default(),
-            concurrency: 16,
-            max_history: shared::runs::backpressure::DEFAULT_MAX_HISTORY,
-            tool_endpoints: shared::runs::ToolEndpoints::default(),
-            retention: shared::runs::store::DEFAULT_RETENTION,
+            slots: SlotArgs::default(),
             // Hermetic: a config built in code reads no environment.
             keys: KeySource::Given(Default::default()),
         }
@@ -105,16 +106,16 @@ pub async fn runner(config: &WorkerConfig) -> anyhow::Result<(Runner, TurnQueue)
     let conn = shared::redis_util::lazy_manager(&config.redis.url, shared::redis_util::COMMAND_TIMEOUT)
         .context("connect to Redis")?;
     let keys = config.redis.keys();
-    let store = RunStore::new(conn.clone(), keys.clone(), config.retention);
+    let store = RunStore::new(conn.clone(), keys.clone(), config.runs.retention);
     let routes = routes::Routes::build(&config.provider, &config.pacer, &config.keys, conn, &keys)?;
     let turn_config = TurnConfig {
-        max_history: config.max_history.max(1),
+        max_history: config.slots.max_history.max(1),
         in_place_wait: Duration::from_millis(config.pacer.in_place_wait_ms),
         ..TurnConfig::default()
     };
     let secret = config.keys.get(shared::config::TOOL_SECRET_ENV);
-    let tools = tools::ToolClient::new(config.tool_endpoints.clone(), secret, tools::DEFAULT_TOOL_TIMEOUT)?;
-    tracing::info!(message = "tool calls", endpoints = %config.tool_endpoints, signed = tools.signs());
+    let tools = tools::ToolClient::new(config.runs.tool_endpoints.clone(), secret, tools::DEFAULT_TOOL_TIMEOUT)?;
+    tracing::info!(message = "tool calls", endpoints = %config.runs.tool_endpoints, signed = tools.signs());
     let tenants = config.pacer.tenant_policy().map_err(anyhow::Error::msg)?;
     crate::estimate::warm_up();
     let runner = Runner {
@@ -159,9 +160,9 @@ pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()> + Send
     let (runner, queue) = runner(&config).await?;
     let listener =
         tokio::spawn(runner.cancels.clone().listen(config.redis.url.clone(), config.redis.keys().cancel_channel()));
-    let backend = queue.backend::<TurnJob>(config.concurrency.max(1));
+    let backend = queue.backend::<TurnJob>(config.slots.concurrency.max(1));
     let name = backend.identity().to_owned();
-    tracing::info!(message = "worker started", worker.id = %name, concurrency = config.concurrency,
+    tracing::info!(message = "worker started", worker.id = %name, concurrency = config.slots.concurrency,
         pacer = ?config.pacer.kind, providers = ?runner.routes.names());
     let worker = WorkerBuilder::new(name.as_str()).backend(backend).data(runner).build(handle_turn);
     let ran = worker

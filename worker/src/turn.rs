@@ -19,7 +19,7 @@ use shared::pacer::{
     RetryPolicy,
 };
 use shared::queue::Lease;
-use shared::runs::backpressure::{clip_tool_output, prepare_context};
+use shared::runs::context::{clip_tool_output, prepare_context};
 use shared::runs::state::event;
 use shared::runs::{
     Fence, Next, RunStore, Started, StoreError, TranscriptEntry, TurnContext, TurnJob, Usage, WaitReason,
@@ -47,8 +47,8 @@ pub struct TurnConfig {
 impl Default for TurnConfig {
     fn default() -> Self {
         Self {
-            max_history: shared::runs::backpressure::DEFAULT_MAX_HISTORY,
-            in_place_wait: Duration::from_millis(250),
+            max_history: shared::runs::context::DEFAULT_MAX_HISTORY,
+            in_place_wait: Duration::from_millis(shared::config::DEFAULT_IN_PLACE_WAIT_MS),
             retry: RetryPolicy::default(),
         }
     }

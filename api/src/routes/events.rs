@@ -101,7 +101,7 @@ pub async fn events(
         store: state.runs.clone(),
         sub,
         caught_up: false,
-        timeout: state.config.redis_timeout(),
+        timeout: state.config.serve.redis_timeout(),
         tenant,
         id,
         after,

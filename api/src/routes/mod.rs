@@ -23,7 +23,7 @@ use crate::state::AppState;
 
 /// All routes over `state`.
 pub fn router(state: AppState) -> Router {
-    let limit = state.config.body_limit;
+    let limit = state.config.serve.body_limit;
     Router::new()
         .route("/", get(dashboard::index))
         .route("/assets/{name}", get(dashboard::asset))
@@ -67,7 +67,7 @@ async fn method_not_allowed(method: Method) -> ApiError {
 
 /// 413 for a `Content-Length` over the limit, without reading the body.
 async fn reject_declared_oversize(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    let limit = state.config.body_limit;
+    let limit = state.config.serve.body_limit;
     let declared =
         request.headers().get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit as u64) {

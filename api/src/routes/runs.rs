@@ -203,7 +203,7 @@ pub async fn submit(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let value = json_body(body, state.config.body_limit)?;
+    let value = json_body(body, state.config.serve.body_limit)?;
     let spec = RunSpec::from_json(&value, &state.policy)?;
     state.policy.admit(&tenant, &spec)?;
     let idem = idempotency(&headers, &spec)?;

@@ -157,9 +157,9 @@ pub async fn tool_server() -> anyhow::Result<Served> {
 /// `token`) or, when empty, in open mode (tenant `default`).
 pub async fn api_server(redis: RedisArgs, tool_prefix: &str, tokens: &[(String, String)]) -> anyhow::Result<Served> {
     let mut config = api::ApiConfig::new(SocketAddr::from(([127, 0, 0, 1], 0)), redis);
-    config.tool_endpoints = shared::runs::ToolEndpoints::every_tenant([tool_prefix]);
+    config.runs.tool_endpoints = shared::runs::ToolEndpoints::every_tenant([tool_prefix]);
     for (tenant, token) in tokens {
-        config.tokens = config.tokens.with(tenant.clone(), token.clone());
+        config.serve.tokens = config.serve.tokens.with(tenant.clone(), token.clone());
     }
     let app = api::Application::build(config).await?;
     let addr = app.local_addr();

@@ -22,31 +22,37 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use shared::config::{KeySource, PacerArgs, ProviderArgs, RedisArgs};
+use shared::config::{KeySource, PacerArgs, ProviderArgs, RedisArgs, RunArgs};
 use shared::queue::QueueConfig;
 use tokio::sync::watch;
 
 use crate::demo::{self, DemoArgs};
 
 /// Arguments of `paceline up`: what `paceline api` and `paceline worker` take,
-/// from one set of flags.
+/// from one set of flags — the same argument groups, flattened once each.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Address the API listens on (port 0 picks a free one).
-    #[arg(long, env = "PACELINE_LISTEN", default_value = "127.0.0.1:8080")]
-    listen: SocketAddr,
     /// Redis URL. Unset: the Redis on 127.0.0.1:6379 if one answers, else a private redis-server.
     #[arg(id = "redis_url", long = "redis-url", env = "REDIS_URL", hide_env_values = true, value_name = "URL")]
     redis_url: Option<String>,
     /// Prefix of every Redis key [default: paceline; paceline-demo with --demo, so demo runs never reach real workers].
     #[arg(long = "prefix", env = "PACELINE_PREFIX")]
     prefix: Option<String>,
-    /// Worker slots in this process: turns run at once.
-    #[arg(long = "workers", visible_alias = "concurrency", env = "PACELINE_CONCURRENCY", default_value_t = 16)]
-    workers: usize,
     /// Where a private redis-server keeps its data (`DIR/redis`).
     #[arg(long = "data-dir", env = "PACELINE_DATA_DIR", default_value = ".paceline")]
     data_dir: PathBuf,
+    /// The API: where it listens, tokens, body limit.
+    #[command(flatten)]
+    serve: api::config::ServeArgs,
+    /// The operator's token, and the open-mode safety catch.
+    #[command(flatten)]
+    access: api::config::AccessArgs,
+    /// Bounds on the API's event streams.
+    #[command(flatten)]
+    streams: api::config::StreamArgs,
+    /// Tool endpoints and retention (the API's and the workers').
+    #[command(flatten)]
+    runs: RunArgs,
     /// The provider.
     #[command(flatten)]
     provider: Box<ProviderArgs>,
@@ -56,31 +62,9 @@ pub struct Args {
     /// The queue's leases and batches.
     #[command(flatten)]
     queue: Box<QueueConfig>,
-    /// History depth sent to the model, in turns.
-    #[arg(long = "max-history", env = "PACELINE_MAX_HISTORY", default_value_t = shared::runs::backpressure::DEFAULT_MAX_HISTORY)]
-    max_history: usize,
-    /// URL prefixes a run's `tool_endpoint` may start with, comma-separated:
-    /// `PREFIX` for every tenant, `TENANT=PREFIX` for one.
-    #[arg(long = "tool-endpoints", env = "PACELINE_TOOL_ENDPOINTS", default_value = "", value_name = "LIST")]
-    tool_endpoints: shared::runs::ToolEndpoints,
-    /// Bearer tokens per tenant: `tenant:token,tenant:token`. Unset: open development mode.
-    #[arg(long = "api-tokens", env = "PACELINE_API_TOKENS", hide_env_values = true, default_value = "")]
-    tokens: api::config::ApiTokens,
-    /// The operator's token, and the open-mode safety catch.
+    /// Worker slots and history depth.
     #[command(flatten)]
-    access: api::config::AccessArgs,
-    /// Bounds on the API's event streams.
-    #[command(flatten)]
-    streams: api::config::StreamArgs,
-    /// Largest request body accepted, in bytes.
-    #[arg(long = "body-limit", env = "PACELINE_BODY_LIMIT", default_value_t = api::config::DEFAULT_BODY_LIMIT)]
-    body_limit: usize,
-    /// How long finished runs are kept (`90s`, `30m`, `12h`, `7d`, or seconds).
-    #[arg(long = "retention", env = "PACELINE_RETENTION", default_value = "7d", value_parser = api::config::parse_duration)]
-    retention: Duration,
-    /// How long one Redis command of an API request may take before it answers 503 (ms).
-    #[arg(long = "redis-timeout-ms", env = "PACELINE_REDIS_TIMEOUT_MS", default_value_t = 2000)]
-    redis_timeout_ms: u64,
+    slots: worker::SlotArgs,
     /// Also start the mock provider and a demo tool endpoint, submit the sample runs, and show them progressing.
     #[arg(long)]
     demo: bool,
@@ -135,11 +119,11 @@ async fn serve(
     stop_rx: watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
     let demo = if args.demo { Some(demo::Demo::start(&args.demo_args).await?) } else { None };
-    let mut tool_endpoints = args.tool_endpoints.clone();
+    let mut runs = args.runs.clone();
     let mut provider = (*args.provider).clone();
     let mut keys = KeySource::Environment;
     if let Some(d) = &demo {
-        tool_endpoints = tool_endpoints.with(None, d.tool_endpoint());
+        runs.tool_endpoints = runs.tool_endpoints.with(None, d.tool_endpoint());
         // One provider per wire style, each its own mock and budget.
         provider = ProviderArgs::single(String::new(), shared::runs::ApiStyle::Responses);
         provider.named.providers = d.providers();
@@ -149,26 +133,20 @@ async fn serve(
         warn_missing_keys(&provider, &args.pacer);
     }
     let api_config = api::ApiConfig {
-        listen: args.listen,
         redis: redis.clone(),
-        tokens: args.tokens.clone(),
-        tool_endpoints: tool_endpoints.clone(),
-        body_limit: args.body_limit,
-        retention: args.retention,
-        redis_timeout_ms: args.redis_timeout_ms,
+        serve: args.serve.clone(),
+        runs: runs.clone(),
         providers: provider.named.clone(),
         access: args.access.clone(),
         streams: args.streams.clone(),
     };
     let worker_config = worker::WorkerConfig {
         redis: redis.clone(),
+        runs,
         provider: provider.clone(),
         pacer: (*args.pacer).clone(),
         queue: (*args.queue).clone(),
-        concurrency: args.workers.max(1),
-        max_history: args.max_history,
-        tool_endpoints,
-        retention: args.retention,
+        slots: worker::SlotArgs { concurrency: args.slots.concurrency.max(1), ..args.slots.clone() },
         keys,
     };
     let providers = describe_providers(&provider);
@@ -201,7 +179,7 @@ async fn serve(
     });
     say(format!(
         "API on http://{addr}, {} worker slots, Redis {} (prefix {}), {providers}",
-        args.workers.max(1),
+        args.slots.concurrency.max(1),
         shared::config::redact_url(&redis.url),
         redis.prefix,
     ));
@@ -260,7 +238,7 @@ fn describe_providers(provider: &ProviderArgs) -> String {
 async fn run_demo(args: &Args, d: &demo::Demo, addr: SocketAddr, stop: watch::Receiver<bool>) -> anyhow::Result<()> {
     let (mut examples, source) = demo::load_examples(&args.demo_args.examples, &d.tool_endpoint())?;
     demo::assign_providers(&mut examples);
-    let token = args.tokens.0.first().map(|(_, t)| t.expose().to_owned());
+    let token = args.serve.tokens.0.first().map(|(_, t)| t.expose().to_owned());
     let client = demo::ApiClient::new(format!("http://{addr}"), token)?;
     say(format!("submitting {} sample runs from {source} through the API:", examples.len()));
     let started = Instant::now();
@@ -276,8 +254,11 @@ async fn run_demo(args: &Args, d: &demo::Demo, addr: SocketAddr, stop: watch::Re
         started.elapsed().as_secs_f64()
     ));
     let bin = invocation();
-    let api_flag =
-        if args.listen.to_string() == "127.0.0.1:8080" { String::new() } else { format!(" --api http://{addr}") };
+    let api_flag = if args.serve.listen.to_string() == api::config::DEFAULT_LISTEN {
+        String::new()
+    } else {
+        format!(" --api http://{addr}")
+    };
     let example_file = args.demo_args.examples.join("browse-work.json");
     let submit = if example_file.is_file() && d.tool_endpoint() == demo::EXAMPLES_TOOL_ENDPOINT {
         format!("{bin} submit {}{api_flag} --watch", example_file.display())
@@ -544,12 +525,13 @@ mod tests {
         Cli::command().debug_assert();
         let cli =
             Cli::try_parse_from(["up", "--concurrency", "4", "--demo", "--demo-tpm", "5000", "--tpm", "900"]).unwrap();
-        assert_eq!(cli.up.workers, 4);
+        assert_eq!(cli.up.slots.concurrency, 4);
         assert!(cli.up.demo);
         assert_eq!(cli.up.demo_args.demo_tpm, 5000);
         assert_eq!(cli.up.pacer.tpm, Some(900));
-        assert_eq!(cli.up.listen.to_string(), "127.0.0.1:8080");
-        assert!(Cli::try_parse_from(["up", "--workers", "2", "--retention", "90"]).is_ok());
+        assert_eq!(cli.up.serve.listen.to_string(), "127.0.0.1:8080");
+        let cli = Cli::try_parse_from(["up", "--workers", "2", "--retention", "90", "--floor-pct", "1"]).unwrap();
+        assert_eq!((cli.up.slots.concurrency, cli.up.pacer.companion_floor_pct), (2, 1.0), "the old names still parse");
     }
 
     #[tokio::test]

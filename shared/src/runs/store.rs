@@ -31,8 +31,6 @@ static SCRIPT: LazyLock<redis::Script> = LazyLock::new(|| {
 
 /// How long an `Idempotency-Key` is remembered.
 pub const IDEMPOTENCY_TTL: Duration = Duration::from_secs(24 * 3600);
-/// Default retention of a finished run's keys (`PACELINE_RETENTION`).
-pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// The most unfinished runs of one tenant that [`RunStore::tenant_counts`] reads.
 pub const MAX_ACTIVE_READ: usize = 10_000;
@@ -793,7 +791,7 @@ impl RunStore {
 
     /// [`RunStore::start_turn`], reading only the transcript entries a context
     /// of `max_history` turns needs (0: all): turn 0's and every turn from the
-    /// one before the window on, which [`crate::runs::backpressure::prepare_context`]
+    /// one before the window on, which [`crate::runs::context::prepare_context`]
     /// bounds to what it would make of the whole transcript. A long run's
     /// turn no longer copies its whole transcript through Lua (O(n²) over the run).
     pub async fn start_turn_with_history(

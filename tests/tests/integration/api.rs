@@ -47,9 +47,9 @@ async fn spawn_app_with(tweak: impl FnOnce(&mut ApiConfig)) -> TestApp {
     let redis = RedisServer::start();
     let prefix = unique_prefix();
     let mut config = ApiConfig::new("127.0.0.1:0".parse().unwrap(), RedisArgs::new(redis.url(), prefix.clone()));
-    config.tokens = ApiTokens::default().with("acme", ACME).with("beta", BETA);
+    config.serve.tokens = ApiTokens::default().with("acme", ACME).with("beta", BETA);
     config.access.operator_token = Some(shared::config::Secret::new(OPERATOR));
-    config.tool_endpoints = ToolEndpoints::every_tenant([TOOLS]);
+    config.runs.tool_endpoints = ToolEndpoints::every_tenant([TOOLS]);
     tweak(&mut config);
     let app = Application::build(config).await.expect("build the app");
     let url = format!("http://{}", app.local_addr());
@@ -165,7 +165,7 @@ async fn probes_answer_without_a_token() {
     assert_eq!(r.status(), 200);
     // In open mode it is open, as every route is.
     let open = spawn_app_with(|c| {
-        c.tokens = ApiTokens::default();
+        c.serve.tokens = ApiTokens::default();
         c.access.operator_token = None;
     })
     .await;
@@ -247,7 +247,7 @@ async fn no_token_or_a_bad_one_is_401_on_every_v1_route() {
 #[tokio::test]
 async fn open_mode_without_tokens_is_tenant_default() {
     let app = spawn_app_with(|c| {
-        c.tokens = ApiTokens::default();
+        c.serve.tokens = ApiTokens::default();
         c.access.operator_token = None;
     })
     .await;
@@ -1070,7 +1070,7 @@ async fn a_wrong_method_on_a_known_route_is_405_with_the_error_body() {
 async fn open_mode_refuses_a_host_that_is_not_loopback() {
     let open = |insecure: bool| {
         spawn_app_with(move |c| {
-            c.tokens = ApiTokens::default();
+            c.serve.tokens = ApiTokens::default();
             c.access.operator_token = None;
             c.access.insecure_open = insecure;
         })
@@ -1151,7 +1151,7 @@ async fn the_dashboard_is_served_without_a_token_and_behind_the_open_mode_host_g
     assert_eq!(r.status(), 401);
 
     let open = spawn_app_with(|c| {
-        c.tokens = ApiTokens::default();
+        c.serve.tokens = ApiTokens::default();
         c.access.operator_token = None;
     })
     .await;
@@ -1174,7 +1174,7 @@ async fn open_mode_refuses_to_start_on_a_non_loopback_address() {
     config.access.insecure_open = true;
     Application::build(config.clone()).await.expect("--insecure-open starts");
     config.access.insecure_open = false;
-    config.tokens = ApiTokens::default().with("acme", ACME);
+    config.serve.tokens = ApiTokens::default().with("acme", ACME);
     Application::build(config).await.expect("with tokens it starts");
 }
 
@@ -1183,10 +1183,10 @@ async fn open_mode_refuses_to_start_on_a_non_loopback_address() {
 async fn duplicate_tokens_refuse_to_start() {
     let redis = RedisServer::start();
     let mut config = ApiConfig::new("127.0.0.1:0".parse().unwrap(), RedisArgs::new(redis.url(), unique_prefix()));
-    config.tokens = ApiTokens::default().with("acme", ACME).with("beta", ACME);
+    config.serve.tokens = ApiTokens::default().with("acme", ACME).with("beta", ACME);
     let err = Application::build(config.clone()).await.unwrap_err().to_string();
     assert!(err.contains("acme") && err.contains("beta") && !err.contains(ACME), "{err}");
-    config.tokens = ApiTokens::default().with("acme", ACME).with("beta", BETA);
+    config.serve.tokens = ApiTokens::default().with("acme", ACME).with("beta", BETA);
     config.access.operator_token = Some(shared::config::Secret::new(BETA));
     let err = Application::build(config).await.unwrap_err().to_string();
     assert!(err.contains("PACELINE_OPERATOR_TOKEN") && !err.contains(BETA), "{err}");
@@ -1581,7 +1581,7 @@ async fn paceline_submit_watch_follows_a_real_worker_to_completion() {
 async fn a_tenants_own_tool_endpoint_is_refused_to_another_tenant_at_submit() {
     const ACME_TOOLS: &str = "http://tools.acme.internal/v1";
     let app =
-        spawn_app_with(|c| c.tool_endpoints = ToolEndpoints::every_tenant([TOOLS]).with(Some("acme"), ACME_TOOLS))
+        spawn_app_with(|c| c.runs.tool_endpoints = ToolEndpoints::every_tenant([TOOLS]).with(Some("acme"), ACME_TOOLS))
             .await;
     let tools = json!([{"type": "function", "name": "search"}]);
     let acmes = json!({"model": "m", "input": "x", "tools": tools, "tool_endpoint": format!("{ACME_TOOLS}/search")});

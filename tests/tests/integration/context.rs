@@ -12,7 +12,7 @@
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
-use shared::runs::backpressure::{
+use shared::runs::context::{
     clip_tool_output, prepare_context, BROWSER_PLACEHOLDER, BROWSER_TOOL_OUTPUT_CAP, DEFAULT_MAX_HISTORY,
 };
 use shared::runs::{ApiStyle, TranscriptEntry};

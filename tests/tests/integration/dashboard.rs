@@ -209,7 +209,7 @@ async fn the_dashboard_shows_a_tenants_runs_live_its_transcript_and_budget_and_n
     .await;
     let (api, _stop_api) = start_api(&app).await;
     let mut config = app.config();
-    config.concurrency = 4;
+    config.slots.concurrency = 4;
     app.spawn_worker(config);
     let http = reqwest::Client::new();
 

@@ -669,7 +669,7 @@ async fn sigterm_drains_in_flight_turns_and_exits_0() {
 async fn sigterm_hands_back_turns_still_running_after_the_grace() {
     let env = Env::start(QueueConfig::default());
     let q = &env.queue;
-    let mut worker = env.spawn_probe(&["--concurrency", "4", "--queue-grace-ms", "300"]);
+    let mut worker = env.spawn_probe(&["--concurrency", "4", "--shutdown-grace-ms", "300"]);
     env.enqueue_many("run", 2, json!({"sleep_ms": 600_000}), 0).await;
     eventually("the worker to take both turns", secs(10), || async {
         (q.counts().await.ok()?.in_flight == 2).then_some(())

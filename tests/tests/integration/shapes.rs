@@ -44,7 +44,7 @@ async fn run_all(app: &mut App, n: usize, tools: bool, timeout: Duration) -> (Ve
     let started = Instant::now();
     for _ in 0..2 {
         let mut config = app.config();
-        config.concurrency = 16;
+        config.slots.concurrency = 16;
         app.spawn_worker(config);
     }
     let mut runs = vec![];

@@ -64,7 +64,7 @@ async fn a_redirecting_tool_endpoint_never_reaches_its_target_and_the_run_comple
     let mut app = App::start(MockConfig { tool_rounds: 1, ..MockConfig::default() }).await;
     let mut config = app.config();
     // Both are allowed: what is refused is following a redirect at all.
-    config.tool_endpoints = ToolEndpoints::every_tenant([endpoint.clone(), format!("http://{target}/")]);
+    config.runs.tool_endpoints = ToolEndpoints::every_tenant([endpoint.clone(), format!("http://{target}/")]);
     app.spawn_worker(config);
     let run = app.submit(one_tool_round(&endpoint)).await;
     let run = app.wait_finished(&run.id, secs(30)).await;
@@ -112,7 +112,7 @@ async fn tool_calls_name_the_tenant_and_carry_a_signature_the_tool_server_verifi
 
     let mut app = App::start(MockConfig { tool_rounds: 2, ..MockConfig::default() }).await;
     let mut config = app.config();
-    config.tool_endpoints = ToolEndpoints::every_tenant([endpoint.clone()]);
+    config.runs.tool_endpoints = ToolEndpoints::every_tenant([endpoint.clone()]);
     config.keys = KeySource::Given([(TOOL_SECRET_ENV.to_owned(), Secret::new(SECRET))].into_iter().collect());
     app.spawn_worker(config);
     let run = app.submit(one_tool_round(&endpoint)).await;
@@ -139,7 +139,7 @@ async fn the_worker_refuses_a_tool_endpoint_allowed_to_another_tenant() {
     let mut config = app.config();
     // The run is tenant `default`'s; the endpoint is acme's alone (a run
     // written before the list changed, or by another API's list).
-    config.tool_endpoints = ToolEndpoints::default().with(Some("acme"), endpoint.clone());
+    config.runs.tool_endpoints = ToolEndpoints::default().with(Some("acme"), endpoint.clone());
     app.spawn_worker(config);
     let run = app.submit(one_tool_round(&endpoint)).await;
     let run = app.wait_finished(&run.id, secs(30)).await;
@@ -166,7 +166,7 @@ async fn without_a_secret_calls_name_the_tenant_and_carry_no_signature() {
     let endpoint = format!("http://{server}/tools");
     let mut app = App::start(MockConfig { tool_rounds: 1, ..MockConfig::default() }).await;
     let mut config = app.config();
-    config.tool_endpoints = ToolEndpoints::every_tenant([endpoint.clone()]);
+    config.runs.tool_endpoints = ToolEndpoints::every_tenant([endpoint.clone()]);
     app.spawn_worker(config);
     let run = app.submit(one_tool_round(&endpoint)).await;
     let run = app.wait_finished(&run.id, secs(30)).await;

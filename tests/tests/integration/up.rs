@@ -74,7 +74,7 @@ async fn up_demo_brings_the_sample_runs_to_completed_and_stops_on_sigterm() {
             &listen,
             "--prefix",
             &prefix,
-            "--workers",
+            "--concurrency",
             "8",
             "--demo-tools-listen",
             "127.0.0.1:0",
@@ -145,7 +145,7 @@ async fn without_redis_url_up_starts_a_private_redis_server_and_stops_it_on_exit
     let probe = format!("127.0.0.1:{}", paceline_tests::free_tcp_port());
     let mut child = up(
         dir.path(),
-        &["--listen", &listen, "--local-redis-probe", &probe, "--workers", "2"],
+        &["--listen", &listen, "--local-redis-probe", &probe, "--concurrency", "2"],
         &[("PACELINE_PROVIDER_URL", "http://127.0.0.1:9/v1")],
     );
     let http = reqwest::Client::builder().timeout(secs(2)).build().unwrap();

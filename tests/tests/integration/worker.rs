@@ -60,10 +60,10 @@ impl App {
     pub(crate) async fn tenant_api(&self, tenants: &[(&str, &str)], operator: &str) -> (String, oneshot::Sender<()>) {
         let mut config =
             api::ApiConfig::new("127.0.0.1:0".parse().unwrap(), RedisArgs::new(self.redis.url(), self.prefix.clone()));
-        config.tokens =
+        config.serve.tokens =
             tenants.iter().fold(api::config::ApiTokens::default(), |tokens, (name, token)| tokens.with(*name, *token));
         config.access.operator_token = Some(shared::config::Secret::new(operator));
-        config.tool_endpoints = ToolEndpoints::every_tenant([self.tools.clone()]);
+        config.runs.tool_endpoints = ToolEndpoints::every_tenant([self.tools.clone()]);
         let built = api::Application::build(config).await.expect("build the API");
         let url = format!("http://{}", built.local_addr());
         let (stop, stopped) = oneshot::channel::<()>();
@@ -96,7 +96,7 @@ impl App {
 
     pub(crate) fn config(&self) -> worker::WorkerConfig {
         let mut c = worker::WorkerConfig::new(RedisArgs::new(self.redis.url(), &self.prefix), self.mock.base_url());
-        c.tool_endpoints = shared::runs::ToolEndpoints::every_tenant([self.tools.clone()]);
+        c.runs.tool_endpoints = shared::runs::ToolEndpoints::every_tenant([self.tools.clone()]);
         c.queue.lease_ms = 2_000;
         c
     }
@@ -222,7 +222,7 @@ async fn a_run_with_tools_completes_and_the_provider_saw_the_back_pressure() {
     }
     // ... and the newest is clipped to its cap, saying so.
     let newest = outputs[2];
-    assert!(newest.chars().count() <= shared::runs::backpressure::BROWSER_TOOL_OUTPUT_CAP);
+    assert!(newest.chars().count() <= shared::runs::context::BROWSER_TOOL_OUTPUT_CAP);
     assert!(newest.contains("30013"), "the clip note says how much there was: {}", &newest[newest.len() - 200..]);
     // The transcript shows the clipped text too: one constant, not two.
     let tx = app.store.transcript(TENANT, &run.id).await.unwrap().unwrap();
@@ -236,7 +236,7 @@ async fn a_run_with_tools_completes_and_the_provider_saw_the_back_pressure() {
 async fn history_is_bounded_without_orphaning_a_tool_output() {
     let mut app = App::start(MockConfig { tool_rounds: 6, ..MockConfig::default() }).await;
     let mut config = app.config();
-    config.max_history = 2;
+    config.slots.max_history = 2;
     app.spawn_worker(config);
     // The scripted model never sees more than 2 tool outputs, so it keeps
     // asking for tools until max_turns: 10 bounded requests.
@@ -729,7 +729,7 @@ async fn a_turn_whose_lease_is_taken_back_stops_its_call_and_writes_no_text() {
         App::start(MockConfig { latency: Duration::from_secs(3), output_tokens: 20, ..MockConfig::default() }).await;
     for _ in 0..2 {
         let mut config = app.config();
-        config.concurrency = 1;
+        config.slots.concurrency = 1;
         config.queue.lease_ms = 1_000;
         app.spawn_worker(config);
     }
