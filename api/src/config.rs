@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::str::FromStr;
 use std::time::Duration;
 
-/// Default body limit of `POST /v1/runs` (SPEC §3: 1 MiB).
+/// Default body limit of `POST /v1/runs` (1 MiB).
 pub const DEFAULT_BODY_LIMIT: usize = 1024 * 1024;
 /// Default retention of finished runs.
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
@@ -89,7 +89,7 @@ impl Default for StreamArgs {
 }
 
 /// Who may do more than a tenant, and when open mode may face a network
-/// (SPEC §1, §3). Declared once, flattened into `paceline api` and `paceline up`.
+/// (README, "Who sees what"). Declared once, flattened into `paceline api` and `paceline up`.
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct AccessArgs {
     /// The operator's bearer token: `/metrics`, `/v1/workers`, `/v1/dead`, the

@@ -1,4 +1,4 @@
-//! paceline's HTTP API (SPEC §3): takes runs and reports their progress.
+//! paceline's HTTP API (README, "Submitting a run"; the OpenAPI document): takes runs and reports their progress.
 //!
 //! - `startup.rs` — `Application::build(config)`, `.local_addr()`,
 //!   `.run_until_stopped(shutdown)`.

@@ -3,13 +3,13 @@
 //! The worker records most families through the `metrics` facade (in
 //! `paceline up` they share this process's recorder); the API sets the queue
 //! depth and the pacer's remaining tokens itself, from Redis, when scraped.
-//! Every SPEC family is registered at start so a scrape lists it even before
+//! Every family is registered at start so a scrape lists it even before
 //! the first turn.
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::sync::OnceLock;
 
-/// Metric names (SPEC §3's families), shared with the worker.
+/// Metric names, shared with the worker.
 pub use shared::telemetry::metric as name;
 
 /// Buckets of the requeue-delay histogram (seconds): 50 ms to 2 min.

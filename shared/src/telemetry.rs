@@ -12,7 +12,7 @@ pub fn init(default_filter: &str) {
     let _ = if json { builder.json().try_init() } else { builder.try_init() };
 }
 
-/// Metric names (SPEC §3's families): the worker records them, the API
+/// Metric names: the worker records them, the API
 /// exports them; one list so the two cannot drift.
 pub mod metric {
     /// Counter, label `outcome` (`completed`, `continued`, `waiting`, `failed`, …).

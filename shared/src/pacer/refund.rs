@@ -6,7 +6,7 @@
 //! gateways keep it. A pacer that credits refunds the provider never gives sits
 //! above the provider's bucket and sends into 429s; one that credits none
 //! against a refunding provider leaves a quarter of the budget idle. So the
-//! pacer learns the share from the headers (SPEC §4, provider shapes).
+//! pacer learns the share from the headers (docs/pacing.md, "Provider shapes").
 //!
 //! Between two header snapshots of the token bucket, sent at `h1 < h2`:
 //!

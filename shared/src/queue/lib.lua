@@ -143,7 +143,7 @@ local function q_run_retire(run, tx, ev, now, retention)
   end
 end
 
--- A buried turn ends its run (SPEC §2), in the same script: the run record beside the
+-- A buried turn ends its run, in the same script: the run record beside the
 -- queue's keys (the same prefix and slot, '<prefix>:<slot>:run:<id>', runs/store.rs) fails
 -- with error.kind "dead_lettered", writes run.failed, and starts its retention (the
 -- record's retention_ms). A queue used without runs has no such record.

@@ -2,7 +2,7 @@
 //!
 //! Why our own: `apalis-redis` 1.0 starts scheduled tasks up to a second early,
 //! chokes on 8 000 due tasks, recovers orphans on worker clocks after 300 s and
-//! has no fencing (see the queue issue). Here every time is the Redis server's
+//! has no fencing (ARCHITECTURE.md, "The turn queue", lists what ruled it out). Here every time is the Redis server's
 //! clock in ms, every state change is one Lua script, and every lease carries a
 //! fencing epoch.
 //!
