@@ -2,7 +2,7 @@
 //! turn queue and an exact provider bucket around the pacer's policy, on an
 //! injected clock, seeded. The property tests drive thousands of random
 //! workloads through it and check what must hold on every one of them
-//! (STYLE §14):
+//! (docs/pacing.md, "Liveness is a property, not a case"):
 //!
 //! - **never stalls**: whenever turns wait, a slot is free and the provider's
 //!   bucket could take the head turn (its estimate above the pacer's floor),

@@ -1,6 +1,6 @@
 -- paceline turn queue: the Lua library every queue script starts with.
 --
--- Prepend QUEUE_LUA_LIB (Rust: shared::queue::LUA_LIB) to a script and pass the
+-- Prepend this file (Rust: shared::queue::LUA_LIB) to a script and pass the
 -- queue's seven keys FIRST, in this order (Rust: QueueKeys::script_keys()):
 --   KEYS[1] due      ZSET  id -> due time (ms, Redis TIME); queued turns, ready or delayed
 --   KEYS[2] lease    ZSET  id -> lease deadline (ms); turns in flight
