@@ -1,6 +1,7 @@
 //! The API's configuration: clap arguments with environment fallbacks
-//! (flag > env > default). Tests and `paceline up` build it in code with
-//! [`ApiConfig::new`] and never set environment variables.
+//! (flag > env > default). Tests and the bench build it in code with
+//! [`ApiConfig::new`], `paceline up` field by field from its own flags; none of
+//! them sets environment variables.
 
 use shared::config::{ProvidersArg, RedisArgs, Secret};
 use shared::runs::ToolEndpoints;

@@ -1,5 +1,5 @@
-//! What the shared machinery is doing: `/v1/pacer`, `/v1/queue`, `/v1/workers`,
-//! `/v1/dead`.
+//! What the shared machinery is doing: `/v1/pacer`, `/v1/pacer/history`,
+//! `/v1/queue`, `/v1/workers`, `/v1/dead`.
 //! Times are shown as RFC 3339 (Redis clock) and, where useful, as ms.
 //!
 //! Scopes (README, "Who sees what"): the operator (and open mode) sees every budget with

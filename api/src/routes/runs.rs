@@ -1,4 +1,4 @@
-//! `/v1/runs`: submit, list, read, transcript, cancel. Every input is checked
+//! `/v1/runs`: submit, list (and search), read, transcript, cancel, retry. Every input is checked
 //! here or in `RunSpec::from_json` before anything reaches Redis.
 
 use axum::body::Bytes;
