@@ -320,7 +320,7 @@ mod tests {
             (55_000, RetryAfter, 1), // 55 s is honoured as ≥ 55 s, not cut to the 30 s cap
             (55_000, RetryAfterMs, 5),
             (31_000, MsRetryAfterMs, 2), // just over the cap
-            (90_000, RetryAfter, 1),     // exactly max_retry_after: still honoured
+            (90_000, RetryAfter, 1),     // exactly max_retry_after_ms: still honoured
             (1_146, MessageHint, 3),     // shorter than the ladder's guess: the server's number wins
             (0, RetryAfter, 1),          // "now": only the jitter
             (45_000, SharedReset, 1),
@@ -460,7 +460,7 @@ mod tests {
             }
         }
 
-        /// Past max_retry_after, the turn fails rather than parks.
+        /// Past max_retry_after_ms, the turn fails rather than parks.
         #[test]
         fn too_long_server_delay_gives_up(ms in 90_001u64.., attempt in 1u32..6, seed in any::<u64>()) {
             let got = next_retry(&RetryPolicy::default(), attempt, RateLimited, Some((ms, DelaySource::RetryAfter)), &mut rng(seed));

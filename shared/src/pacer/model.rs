@@ -11,9 +11,10 @@
 //! are expected to use plus its own reservation above the floor; otherwise it
 //! is owed the time until the refill brings that, and waits in line. What the
 //! turns ahead hold is *summed from the line each time*, never kept in a
-//! counter beside it, so nothing can drift (docs/pacing.md, "One line per budget"). A waiter that does not
-//! come back by `due + late_ms` stops holding budget for the turns behind it
-//! (it keeps its place), and leaves the line at `due + booking_grace_ms`.
+//! counter beside it, so nothing can drift (docs/pacing.md, "One line per
+//! budget"). A waiter that does not come back by `due + late_ms` stops
+//! holding budget for the turns behind it (it keeps its place), and leaves
+//! the line at `due + booking_grace_ms`.
 //!
 //! Liveness follows: the head of the line needs only its own reservation above
 //! the floor (never more than the limit), the level refills to the limit, and

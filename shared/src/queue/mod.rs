@@ -2,9 +2,9 @@
 //!
 //! Why our own: `apalis-redis` 1.0 starts scheduled tasks up to a second early,
 //! chokes on 8 000 due tasks, recovers orphans on worker clocks after 300 s and
-//! has no fencing (ARCHITECTURE.md, "The turn queue", lists what ruled it out). Here every time is the Redis server's
-//! clock in ms, every state change is one Lua script, and every lease carries a
-//! fencing epoch.
+//! has no fencing (ARCHITECTURE.md, "The turn queue", lists what ruled it
+//! out). Here every time is the Redis server's clock in ms, every state
+//! change is one Lua script, and every lease carries a fencing epoch.
 //!
 //! Shape (all keys under one hash tag, the prefix: `prefix:{prefix}:q:*`):
 //! - `due` ZSET id → due ms: queued turns, ready (due ≤ now) or delayed;

@@ -1,8 +1,10 @@
 //! `paceline bench` through the real binary, tiny (seconds), so the command
-//! cannot rot: the JSON has every field README's "The pacing benchmark" reports, and every run
-//! completes under the shared pacer. The bucket is small enough (3 000 tokens
-//! per 2 s) that turns wait for budget, so the pacing path runs too. The
-//! fairness scenario likewise, tiny: its JSON has the fairness figures (companion waits, efficiency, shares, Jain's index, the 2:1 ratio).
+//! cannot rot: the JSON has every field README's "The pacing benchmark"
+//! reports, and every run completes under the shared pacer. The bucket is
+//! small enough (3 000 tokens per 2 s) that turns wait for budget, so the
+//! pacing path runs too. The fairness scenario likewise, tiny: its JSON has
+//! the fairness figures (companion waits, efficiency, shares, Jain's index,
+//! the 2:1 ratio).
 
 use paceline_tests::paceline_bin;
 use serde_json::Value;
