@@ -11,7 +11,9 @@
 //! - `lease` ZSET id → lease deadline ms: turns in flight;
 //! - `jobs` HASH id → `epoch|deliveries|flag|payload`, the one record of a turn;
 //! - `dead` ZSET + `reasons` HASH: turns that used up their deliveries;
-//! - `notify` LIST: wake-up tokens idle workers `BLPOP` (see `backend.rs`).
+//! - `notify` LIST: wake-up tokens idle workers `BLPOP` (see `backend.rs`);
+//! - `timer` STRING `due_ms|worker`: the one idle worker that watches the
+//!   earliest delayed turn.
 //!
 //! A delivery hands the handler a [`Lease`] (id, epoch, worker, deliveries). The
 //! holder settles it with [`TurnQueue::complete`], [`TurnQueue::requeue`] or
