@@ -1,4 +1,4 @@
-// paceline's dashboard: plain JS over the API (SPEC §3), no build step.
+// paceline's dashboard: plain JS over the API (README, "The dashboard"), no build step.
 //
 // Pages are hash routes (#/runs, #/run/<id>, #/budget, #/fleet). Only the page on
 // screen polls, and nothing polls while the tab is hidden: one open page costs the

@@ -1,6 +1,7 @@
 //! The API's configuration: clap arguments with environment fallbacks
-//! (flag > env > default). Tests and `paceline up` build it in code with
-//! [`ApiConfig::new`] and never set environment variables.
+//! (flag > env > default). Tests and the bench build it in code with
+//! [`ApiConfig::new`], `paceline up` field by field from its own flags; none of
+//! them sets environment variables.
 
 use shared::config::{ProvidersArg, RedisArgs, RunArgs, Secret};
 use std::fmt;
@@ -8,7 +9,7 @@ use std::net::SocketAddr;
 use std::str::FromStr;
 use std::time::Duration;
 
-/// Default body limit of `POST /v1/runs` (SPEC §3: 1 MiB).
+/// Default body limit of `POST /v1/runs` (1 MiB).
 pub const DEFAULT_BODY_LIMIT: usize = 1024 * 1024;
 /// Default of `--redis-timeout-ms`: how long one Redis round trip of a
 /// request may take before it is a 503.
@@ -111,7 +112,7 @@ impl Default for StreamArgs {
 }
 
 /// Who may do more than a tenant, and when open mode may face a network
-/// (SPEC §1, §3). Declared once, flattened into `paceline api` and `paceline up`.
+/// (README, "Who sees what"). Declared once, flattened into `paceline api` and `paceline up`.
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct AccessArgs {
     /// The operator's bearer token: `/metrics`, `/v1/workers`, `/v1/dead`, the

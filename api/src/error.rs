@@ -1,5 +1,5 @@
 //! Every error a client can see, in one place: its HTTP status, its stable
-//! `type` code, and the SPEC's body `{"error": {"type", "message", "field"?}}`.
+//! `type` code, and the one error body `{"error": {"type", "message", "field"?}}`.
 //!
 //! The last variant, `Unexpected`, is a bug or an unforeseen failure: it is
 //! logged with its whole cause chain and answered with a generic message,
@@ -57,7 +57,7 @@ pub enum ApiError {
     Unexpected(#[from] anyhow::Error),
 }
 
-/// The error body's inner object (the SPEC's shape).
+/// The error body's inner object.
 #[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct ErrorDetail {
     /// A stable code: `invalid_json`, `bad_request`, `unauthorized`,

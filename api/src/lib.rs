@@ -1,4 +1,5 @@
-//! paceline's HTTP API (SPEC §3): takes runs and reports their progress.
+//! paceline's HTTP API: takes runs and reports their progress (README,
+//! "Submitting a run"; the OpenAPI document at `/v1/openapi.json`).
 //!
 //! - `startup.rs` — `Application::build(config)`, `.local_addr()`,
 //!   `.run_until_stopped(shutdown)`.

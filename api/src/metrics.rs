@@ -2,14 +2,17 @@
 //!
 //! The worker records most families through the `metrics` facade (in
 //! `paceline up` they share this process's recorder); the API sets the queue
-//! depth and the pacer's remaining tokens itself, from Redis, when scraped.
-//! Every SPEC family is registered at start so a scrape lists it even before
-//! the first turn.
+//! depth and the pacer's gauges (remaining tokens, the watchdog's, the
+//! tenants') itself, from Redis, when scraped. The families whose labels are
+//! known beforehand (turns, provider calls, 429s, budget waits, the requeue
+//! delay, turn latency, queue depth) are registered at start so a scrape lists
+//! them even before the first turn; the per-budget and per-tenant gauges appear
+//! once a budget is known, the unblock fallbacks once one is counted.
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::sync::OnceLock;
 
-/// Metric names (SPEC §3's families), shared with the worker.
+/// Metric names, shared with the worker.
 pub use shared::telemetry::metric as name;
 
 /// Buckets of the requeue-delay histogram (seconds): 50 ms to 2 min.

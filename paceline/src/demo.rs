@@ -190,7 +190,7 @@ impl Demo {
     }
 }
 
-/// The demo tool endpoint (SPEC §5's tool protocol): `{"name", "arguments"}`
+/// The demo tool endpoint (the tool protocol of README, "Tool endpoints"): `{"name", "arguments"}`
 /// in, `{"output"}` out.
 async fn tool(axum::Json(call): axum::Json<Value>) -> (axum::http::StatusCode, axum::Json<Value>) {
     let name = call["name"].as_str().unwrap_or("");

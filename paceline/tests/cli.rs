@@ -1,4 +1,4 @@
-//! The binary's command line: every subcommand of SPEC §1 is there.
+//! The binary's command line: `--help` lists the main subcommands.
 //! (Having an integration test here also makes `cargo test --workspace` build
 //! the `paceline` binary that the integration tests start as real processes.)
 

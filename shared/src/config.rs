@@ -195,7 +195,7 @@ impl ProviderArgs {
     }
 }
 
-/// The pacer a worker uses, and its knobs (SPEC §4).
+/// The pacer a worker uses, and its knobs (docs/pacing.md).
 #[derive(Debug, Clone, clap::Args)]
 pub struct PacerArgs {
     /// Where the budget state lives: `shared` (Redis, every worker), `local`
@@ -295,7 +295,7 @@ impl Default for RunArgs {
     }
 }
 
-/// Tenants' weights and caps (fair admission, SPEC §4).
+/// Tenants' weights and caps (fair admission: docs/pacing.md).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct TenantPolicy {
     weights: std::collections::HashMap<String, f64>,
@@ -463,7 +463,7 @@ mod tests {
         let c = cli.pacer.pacing_config();
         assert_eq!(c.configured_tpm, Some(6000));
         assert!((c.floor_work - 0.05).abs() < 1e-9);
-        assert!((c.floor_companion - 0.02).abs() < 1e-9, "the SPEC's default floor is 2 %");
+        assert!((c.floor_companion - 0.02).abs() < 1e-9, "the default companion floor is 2 %");
         assert!(Cli::try_parse_from(["x", "--pacer", "fast"]).is_err());
     }
 

@@ -82,7 +82,7 @@ impl Keys {
         format!("{}:{}:cancels", self.prefix, self.slot_tag())
     }
 
-    /// One key of the turn queue: `prefix:{prefix}:q:name` (see `queue::keys`).
+    /// One key of the turn queue: `prefix:{prefix}:q:name` (see `queue::QueueKeys`).
     pub fn queue_key(&self, name: &str) -> String {
         format!("{}:{}:q:{}", self.prefix, self.slot_tag(), name)
     }

@@ -2,9 +2,11 @@
 //!
 //! Commands go through a [`ConnectionManager`], which reconnects with backoff
 //! when Redis goes away, so no process has to exit because Redis restarted.
-//! Blocking reads (`BLMOVE`, `BZPOPMIN`, `XREAD BLOCK`) need their own
-//! connection with a longer response timeout: the redis crate's default 500 ms
-//! timeout would otherwise cut them (see `notes/apalis-1.0.md`).
+//! Blocking reads (the queue's `BLPOP` on its wake-up list, `XREAD BLOCK` on
+//! run streams) need their own connection whose response timeout is longer
+//! than their block ([`manager_with_timeout`]): a response timeout cuts a
+//! blocking command too, and the redis crate's async connections default to
+//! 500 ms (ordinary commands here get [`COMMAND_TIMEOUT`]).
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use std::time::Duration;

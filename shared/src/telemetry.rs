@@ -12,12 +12,12 @@ pub fn init(default_filter: &str) {
     let _ = if json { builder.json().try_init() } else { builder.try_init() };
 }
 
-/// Metric names (SPEC §3's families): the worker records them, the API
+/// Metric names: the worker records them, the API
 /// exports them; one list so the two cannot drift.
 pub mod metric {
-    /// Counter, label `outcome` (`completed`, `continued`, `waiting`, `failed`, …).
+    /// Counter, label `outcome` (`completed`, `continued`, `requeued`, `failed`, `stopped`).
     pub const TURNS: &str = "paceline_turns_total";
-    /// Counter, label `status` (HTTP status, or `error` for a transport failure).
+    /// Counter, label `status` (HTTP status, or `none` for a failure with no status).
     pub const PROVIDER_CALLS: &str = "paceline_provider_calls_total";
     /// Counter: 429 answers from the provider.
     pub const RATE_LIMITED: &str = "paceline_rate_limited_total";
@@ -25,13 +25,13 @@ pub mod metric {
     pub const BUDGET_WAITS: &str = "paceline_budget_waits_total";
     /// Counter: a worker found `CLIENT UNBLOCK` forbidden and watches due times with `BLPOP` timeouts instead.
     pub const QUEUE_UNBLOCK_FALLBACKS: &str = "paceline_queue_unblock_fallbacks_total";
-    /// Histogram (seconds), label `reason`: how long turns were requeued for.
+    /// Histogram (seconds), label `reason` (`budget`, `rate_limited`, `retry`): how long turns were requeued for.
     pub const REQUEUE_DELAY: &str = "paceline_requeue_delay_seconds";
     /// Gauge, labels `budget`, `model`: the shared estimate of tokens left.
     pub const PACER_REMAINING_TOKENS: &str = "paceline_pacer_remaining_tokens";
-    /// Gauge: how long the oldest turn in a budget's line has waited (watchdog).
+    /// Gauge, labels `budget`, `model`: how long the oldest turn in a budget's line has waited (watchdog).
     pub const PACER_OLDEST_WAIT: &str = "paceline_pacer_oldest_wait_seconds";
-    /// Gauge: time since a budget last cleared a call (watchdog).
+    /// Gauge, labels `budget`, `model`: time since a budget last cleared a call (watchdog).
     pub const PACER_SINCE_ADMISSION: &str = "paceline_pacer_since_admission_seconds";
     /// Gauge, label `state` (`ready`, `delayed`, `in_flight`, `dead`).
     pub const QUEUE_DEPTH: &str = "paceline_queue_depth";

@@ -1,5 +1,5 @@
 //! The call's token estimate, which the worker asks the pacer to reserve
-//! before it sends (SPEC §4): input tokens counted by a real tokenizer
+//! before it sends (docs/pacing.md): input tokens counted by a real tokenizer
 //! (tiktoken's `o200k_base`, the encoding of GPT-4o, GPT-4.1, GPT-5 and the
 //! o-series) over everything that is billed, plus `max_output_tokens` —
 //! providers admit a call on input + its output limit, so that is what must

@@ -171,7 +171,7 @@ const METADATA_MAX_VALUE: usize = 512;
 
 /// The run's metadata as the provider accepts it, or `None`.
 ///
-/// A run's metadata is any JSON (SPEC §3) and belongs to paceline; the
+/// A run's metadata is any JSON and belongs to paceline; the
 /// Responses API takes only string → string within limits and answers 400 to
 /// anything else — a 400 that would fail the run for a label. So it is
 /// forwarded whole when it fits, and not at all otherwise: never a silently

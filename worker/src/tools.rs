@@ -1,4 +1,4 @@
-//! Calling the run's tool endpoint (SPEC §5).
+//! Calling the run's tool endpoint (README, "Tool endpoints").
 //!
 //! Each function call of a turn is POSTed as `{"run_id","call_id","name",
 //! "arguments","tenant"}` and answered with `{"output": "..."}`; the calls of
@@ -31,7 +31,7 @@ use shared::runs::ToolEndpoints;
 
 pub use crate::provider::ToolCall;
 
-/// The default time a tool has to answer (SPEC §5).
+/// The default time a tool has to answer.
 pub const DEFAULT_TOOL_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The most of a tool's answer that is read. Far above what the model is

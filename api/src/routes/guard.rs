@@ -1,4 +1,4 @@
-//! What a request must be before a handler reads it (SPEC §1, §3):
+//! What a request must be before a handler reads it:
 //!
 //! - in open mode (no tokens) the API answers only requests addressed to a
 //!   loopback name — `localhost`, `127.x.y.z`, `[::1]`, any port — so a web

@@ -1,4 +1,4 @@
-//! The router: every route of SPEC §3, the body limit, request tracing, a
+//! The router: every route of the API, the body limit, request tracing, a
 //! JSON 404 for anything else and a JSON 405 for a known route's wrong method;
 //! in open mode, requests addressed to a loopback name only (`guard.rs`).
 

@@ -1,8 +1,8 @@
-//! What the shared machinery is doing: `/v1/pacer`, `/v1/queue`, `/v1/workers`,
-//! `/v1/dead`.
+//! What the shared machinery is doing: `/v1/pacer`, `/v1/pacer/history`,
+//! `/v1/queue`, `/v1/workers`, `/v1/dead`.
 //! Times are shown as RFC 3339 (Redis clock) and, where useful, as ms.
 //!
-//! Scopes (SPEC §3): the operator (and open mode) sees every budget with
+//! Scopes (README, "Who sees what"): the operator (and open mode) sees every budget with
 //! every tenant's line, the global queue counts and the workers; a tenant sees
 //! the budgets and models its turns used, with its own line only, and its own
 //! runs' counts.

@@ -1,4 +1,4 @@
-//! `/v1/runs`: submit, list, read, transcript, cancel. Every input is checked
+//! `/v1/runs`: submit, list (and search), read, transcript, cancel, retry. Every input is checked
 //! here or in `RunSpec::from_json` before anything reaches Redis.
 
 use axum::body::Bytes;
@@ -25,7 +25,7 @@ pub const MAX_LIMIT: usize = 100;
 /// Longest `Idempotency-Key` accepted.
 pub const MAX_IDEMPOTENCY_KEY: usize = 255;
 
-/// The body of `POST /v1/runs` (SPEC §3), for the OpenAPI document; the
+/// The body of `POST /v1/runs`, for the OpenAPI document; the
 /// handler validates the JSON itself (`shared::runs::spec`, `generation`) so
 /// that each broken rule names its field.
 #[allow(dead_code)]

@@ -1,4 +1,4 @@
-//! The fairness scenario (issue 8, SPEC §4 "Fair admission"): three trials
+//! The fairness scenario (fair admission: docs/pacing.md, "One line per budget"): three trials
 //! under the shared pacer, each with its own fleet of worker processes and
 //! its own mock, runs submitted through the API with tenant tokens.
 //!

@@ -11,7 +11,7 @@
 //! - `shapes.rs` — the provider shapes `--shape` runs the pacing scenario against.
 //! - `fairness.rs` — the fairness scenario: live turns first, tenants' shares, weights.
 //! - `throughput.rs` — the throughput scenario: an unlimited instant mock, one worker.
-//! - `report.rs` — SPEC §7's figures, the floor's formula, the table.
+//! - `report.rs` — the figures, the floor's formula, the table.
 
 pub mod fairness;
 pub mod fleet;

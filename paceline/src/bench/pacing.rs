@@ -1,6 +1,6 @@
 //! The pacing scenario: the same workload against a fresh rate-limited mock,
 //! once per pacer (`shared`, `local`, `off`), each trial on its own key prefix
-//! with its own worker processes; then the figures of SPEC §7 per pacer.
+//! with its own worker processes; then the figures of `report.rs` per pacer.
 
 use indicatif::ProgressBar;
 use mock_provider::{BucketMode, LimitsMode, MockConfig, Stats};

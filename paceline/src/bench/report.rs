@@ -1,4 +1,4 @@
-//! The figures a bench reports — SPEC §7's JSON object (field names are the
+//! The figures a bench reports — its JSON object (field names are the
 //! contract; more may be added) and the human table — and the arithmetic
 //! behind them: the physical floor, percentiles.
 
@@ -41,7 +41,7 @@ pub struct Setup {
     pub input_chars: usize,
 }
 
-/// The configuration, as SPEC §7 names it (plus the rest of the knobs).
+/// The configuration: the workload, the budget and the fleet, and the rest of the knobs.
 #[derive(Debug, Clone, Serialize)]
 pub struct ConfigOut {
     /// Fleet and budget.
@@ -122,7 +122,7 @@ pub struct PacerFigures {
     /// Fetches that found nothing due, per completed turn.
     #[serde(default)]
     pub empty_fetches_per_turn: f64,
-    // --- more than SPEC §7 asks ---
+    // --- beyond the pacing comparison's own figures ---
     /// Runs that completed.
     pub runs_completed: usize,
     /// Runs that failed.

@@ -1,5 +1,5 @@
 //! The provider shapes `paceline bench --shape` measures the pacers against
-//! (SPEC §6–§7): how a real provider's bucket refills, whether it gives back
+//! (docs/pacing.md, "Provider shapes"): how a real provider's bucket refills, whether it gives back
 //! the unused output reservation, and what its headers tell. Each shape is a
 //! mock configuration (and, for `configured`, worker flags) at its own
 //! default limits; the pacing trial is the same for every shape.

@@ -1,4 +1,4 @@
-//! `paceline bench` (SPEC §7): the shared pacer against its baselines in one
+//! `paceline bench` (README, "The pacing benchmark"): the shared pacer against its baselines in one
 //! invocation, and the queue's throughput through the real worker. Thin: the
 //! machinery lives in `crate::bench`; this file is the flags, the order of
 //! the trials, the progress bar and the output.
@@ -29,7 +29,7 @@ pub enum Scenario {
     Pacing,
     /// One worker process, an instant mock without limits: turns/s and Redis commands per turn.
     Throughput,
-    /// Fair admission under the shared pacer (SPEC §4), three trials: companion
+    /// Fair admission under the shared pacer, three trials: companion
     /// runs of tenant `live` cutting into tenant `bulk`'s saturating work
     /// (`fairness.companion.{p50_ms,p95_ms,max_ms,n}`: submit → the mock's
     /// admission of the run's first call; `fairness.work_efficiency`: floor /
@@ -154,7 +154,7 @@ pub struct Args {
     /// Fleet scenario: worker process counts to compare, the same total slots split among them.
     #[arg(long, value_delimiter = ',', default_value = "2,16,64")]
     fleet_sizes: Vec<usize>,
-    /// Write the figures as one JSON object (SPEC §7) to this file.
+    /// Write the figures as one JSON object to this file.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
 }
@@ -311,7 +311,7 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
 }
 
 /// `--scenario fleet`: the shared pacer's trial at each fleet size, one table
-/// row per size, the bar (commands per turn at the largest size within
+/// row per size, the cost bar (commands per turn at the largest size within
 /// 1.5× of the smallest) checked.
 async fn fleet(
     args: &Args,
@@ -480,7 +480,7 @@ struct ShapeReport {
     mock: ShapeMock,
     /// `paceline worker` flags the shape adds (configured limits).
     worker_args: Vec<String>,
-    /// Figures per pacer, SPEC §7's names.
+    /// Figures per pacer, as `report.rs` names them.
     pacers: BTreeMap<String, report::PacerFigures>,
 }
 
@@ -499,7 +499,7 @@ struct ShapeMock {
 }
 
 /// `--shape`: the pacing comparison against each provider shape, one table
-/// row per shape and pacer, and the bars checked on `shared`.
+/// row per shape and pacer, and each shape's bars checked on `shared`.
 #[allow(clippy::too_many_arguments)]
 async fn shape_matrix(
     args: &Args,

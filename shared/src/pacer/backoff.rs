@@ -1,6 +1,6 @@
 //! The reactive ladder: how long to wait before the next attempt, and when to stop.
 //!
-//! SPEC §4, with the design note's reasons:
+//! The rules, with their reasons (docs/pacing.md has the rest):
 //!
 //! - Only rate limits and transient failures retry; at most `max_attempts` (6)
 //!   attempts for one call in all.
@@ -24,7 +24,9 @@ use serde::{Deserialize, Serialize};
 use super::classify::{try_again_hint_ms, FailureKind};
 use super::headers::HeaderSnapshot;
 
-/// The ladder's knobs. `Default` is SPEC §4's.
+/// The ladder's knobs. `Default` is the policy's: 6 attempts, 1 s doubling
+/// to 30 s with 20 % jitter, a server's delay honoured up to 90 s plus up to
+/// 250 ms of jitter.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RetryPolicy {
     /// Attempts for one call, the first included (6).
@@ -130,7 +132,7 @@ pub enum GiveUp {
     },
 }
 
-/// The server's own delay for a failed call, in SPEC §4's order:
+/// The server's own delay for a failed call, in this order:
 /// `retry-after-ms`, `x-ms-retry-after-ms`, `retry-after` (already chosen in
 /// that order by [`HeaderSnapshot::from_headers`]), then the message's "try
 /// again in …" hint. The shared state's reset, the last source, is the caller's
@@ -152,7 +154,7 @@ pub fn server_delay(snapshot: &HeaderSnapshot, message: &str) -> Option<(u64, De
 ///
 /// One exception: a [`DelaySource::SharedReset`] past `max_retry_after_ms` is
 /// not the provider answering this call but our state's view of a far reset
-/// (a daily cap, clock skew). SPEC §4 says not to pace on such a reset and to
+/// (a daily cap, clock skew). The policy is not to pace on such a reset but to
 /// let the reactive layer carry the call, so it falls back to the ladder
 /// instead of failing the turn.
 pub fn next_retry<R: Rng + ?Sized>(
@@ -318,7 +320,7 @@ mod tests {
             (55_000, RetryAfter, 1), // 55 s is honoured as ≥ 55 s, not cut to the 30 s cap
             (55_000, RetryAfterMs, 5),
             (31_000, MsRetryAfterMs, 2), // just over the cap
-            (90_000, RetryAfter, 1),     // exactly max_retry_after: still honoured
+            (90_000, RetryAfter, 1),     // exactly max_retry_after_ms: still honoured
             (1_146, MessageHint, 3),     // shorter than the ladder's guess: the server's number wins
             (0, RetryAfter, 1),          // "now": only the jitter
             (45_000, SharedReset, 1),
@@ -458,7 +460,7 @@ mod tests {
             }
         }
 
-        /// Past max_retry_after, the turn fails rather than parks.
+        /// Past max_retry_after_ms, the turn fails rather than parks.
         #[test]
         fn too_long_server_delay_gives_up(ms in 90_001u64.., attempt in 1u32..6, seed in any::<u64>()) {
             let got = next_retry(&RetryPolicy::default(), attempt, RateLimited, Some((ms, DelaySource::RetryAfter)), &mut rng(seed));

@@ -277,7 +277,7 @@ impl Bucket {
     /// them): the head of the line may go, once per window, to find out. The
     /// provider answers it or refuses it with the reset; either way the next
     /// lift is known. Without this such a bucket could hold the fleet with
-    /// budget available (SPEC §4, liveness).
+    /// budget available (docs/pacing.md, "Liveness is a property, not a case").
     pub(crate) fn may_probe(&self, now: Millis) -> bool {
         let window = self.window_ms().max(MIN_WINDOW_MS) as Millis;
         self.windowed() && self.full_at_ms <= now && now - self.boundary_ms >= window && now - self.probed_ms >= window

@@ -53,7 +53,7 @@ impl FailureKind {
     ///
     /// | kind | `error.kind` | when the run fails |
     /// | --- | --- | --- |
-    /// | `RateLimited` | `rate_limited` | the ladder is exhausted (SPEC §4) |
+    /// | `RateLimited` | `rate_limited` | the ladder is exhausted (6 attempts) |
     /// | `Quota` | `quota` | at once |
     /// | `RequestTooLarge` | `request_too_large` | at once |
     /// | `SpendLimit` | `spend_limit` | at once |
@@ -104,7 +104,7 @@ pub struct FailedCall<'a> {
 /// Rate-limit wording. Short tokens are matched on word boundaries, because a
 /// bare "429" used to match request ids and byte counts, "sending an ordinary
 /// failure through six exponential backoffs (about a minute) before producing
-/// the same error" (design note). `429` must not touch a letter, digit, `_` or
+/// the same error". `429` must not touch a letter, digit, `_` or
 /// `-` on either side, nor be part of a decimal: `req_4291ab`, `req-429-x`,
 /// `429.5` and `14290 bytes` are not rate limits; `429 Too Many Requests` and
 /// `Error code: 429 - {…}` are.
@@ -176,7 +176,7 @@ const TRANSIENT_CODES: &[&str] =
 /// Codes and types of a spend or billing hard limit.
 const SPEND_CODES: &[&str] = &["enforced_spend_limit_reached", "billing_hard_limit_reached"];
 
-/// Classifies a failed call (SPEC §4, "Reactive layer"). See the module doc
+/// Classifies a failed call (the reactive layer: docs/pacing.md, "Two layers"). See the module doc
 /// for the order of the rules.
 pub fn classify(call: &FailedCall<'_>) -> FailureKind {
     let code_is = |names: &[&str]| {

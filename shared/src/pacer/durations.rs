@@ -2,12 +2,12 @@
 //!
 //! Every parser here answers `Option<u64>` milliseconds: a value we cannot read
 //! is ignored (`None`), never fatal and never a panic — a malformed header must
-//! not take a turn down (SPEC §4: "anything else is ignored, not fatal").
+//! not take a turn down: anything else is ignored, not fatal.
 //!
 //! Every conversion rounds **up**: a reset of `1.0001ms` is 2 ms, not 1. A
 //! delay that comes out shorter than the server's number sends the retry back
 //! into a window we were just told is closed — "a wait cut short is not a wait
-//! saved" (design note).
+//! saved" (docs/pacing.md).
 //!
 //! Instants (`2026-11-30T10:00:05Z`, HTTP dates) are turned into "ms from
 //! `now_ms`" with `now_ms` passed in: no function here reads a clock.
@@ -38,7 +38,7 @@ pub fn parse_duration_ms(s: &str) -> Option<u64> {
     if s.is_empty() {
         return None;
     }
-    // A bare number is seconds (SPEC §4; Go itself only allows a bare `0`).
+    // A bare number is seconds (`retry-after: 2`; Go itself only allows a bare `0`).
     if let Some(ms) = parse_scaled(s, 1000 * AS_PER_MS) {
         return Some(ms);
     }
@@ -195,7 +195,7 @@ mod tests {
     #[test]
     fn durations_as_providers_send_them() {
         let cases: &[(&str, Option<u64>)] = &[
-            // SPEC §4 shapes.
+            // The shapes providers send.
             ("6m0s", Some(360_000)),
             ("1m30.5s", Some(90_500)),
             ("1.5s", Some(1_500)),

@@ -19,7 +19,9 @@
 //! tokens count in its tenant's cap and share (`model.rs`, `fresh_place`).
 //!
 //! Nothing here is a count that must be kept in step with the waiting turns:
-//! the tags are stored on the turns themselves (STYLE §13).
+//! the tags are stored on the turns themselves (a counter kept in step with a
+//! sum drifts on the path nobody tested: docs/pacing.md, "One line per budget,
+//! summed anew on every ask").
 
 use crate::clock::Millis;
 use serde::{Deserialize, Serialize};

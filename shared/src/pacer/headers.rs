@@ -1,6 +1,6 @@
 //! Reading a response's rate-limit headers into one snapshot.
 //!
-//! Read after every call, streamed or not, 2xx or 429 (SPEC §4). Three
+//! Read after every call, streamed or not, 2xx or 429 (docs/pacing.md). Three
 //! families are understood, by case-insensitive header name:
 //!
 //! - OpenAI (and Azure, LiteLLM, Groq, …): `x-ratelimit-{limit,remaining,reset}-{tokens,requests}`,
@@ -61,7 +61,7 @@ pub struct HeaderSnapshot {
     #[serde(default)]
     pub output_tokens: LimitSnapshot,
     /// The server's own delay: the first valid of `retry-after-ms`,
-    /// `x-ms-retry-after-ms`, `retry-after` (SPEC §4, "Delay sources, in order").
+    /// `x-ms-retry-after-ms`, `retry-after` (the delay sources, in this order).
     pub retry_after_ms: Option<u64>,
     /// Which header `retry_after_ms` came from (for `turn.retry` and logs);
     /// `Some` exactly when `retry_after_ms` is.

@@ -1,6 +1,6 @@
 //! The pacer: when do we wait, and for how long?
 //!
-//! Two layers (see the design note behind SPEC §4):
+//! Two layers (docs/pacing.md has the reasoning):
 //! - proactive: before every call a worker asks the pacer to reserve the call's
 //!   estimated tokens; the answer is "clear" or "owed N ms". Owed time is paid in
 //!   full — a wait cut short is not a wait saved.

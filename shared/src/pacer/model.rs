@@ -11,9 +11,10 @@
 //! are expected to use plus its own reservation above the floor; otherwise it
 //! is owed the time until the refill brings that, and waits in line. What the
 //! turns ahead hold is *summed from the line each time*, never kept in a
-//! counter beside it, so nothing can drift (STYLE §13). A waiter that does not
-//! come back by `due + late_ms` stops holding budget for the turns behind it
-//! (it keeps its place), and leaves the line at `due + booking_grace_ms`.
+//! counter beside it, so nothing can drift (docs/pacing.md, "One line per
+//! budget"). A waiter that does not come back by `due + late_ms` stops
+//! holding budget for the turns behind it (it keeps its place), and leaves
+//! the line at `due + booking_grace_ms`.
 //!
 //! Liveness follows: the head of the line needs only its own reservation above
 //! the floor (never more than the limit), the level refills to the limit, and
@@ -62,7 +63,7 @@ impl Mode {
     }
 }
 
-/// The pacing knobs (SPEC §4). All durations in milliseconds.
+/// The pacing knobs (docs/pacing.md). All durations in milliseconds.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PacingConfig {
     /// Headroom work turns leave in the bucket, as a fraction of the limit.
@@ -172,7 +173,7 @@ impl Estimate {
     }
 }
 
-/// Who asks: the tenant, its weight and its optional cap (SPEC §4, fair admission).
+/// Who asks: the tenant, its weight and its optional cap (fair admission: docs/pacing.md).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Who<'a> {
     /// The tenant.
@@ -549,7 +550,7 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
     if !state.any_known() {
         if state.headerless {
             // No headers, no configured limits and no 429 yet: no proactive
-            // pacing (SPEC §4); a 429 closes the window above and teaches a
+            // pacing (docs/pacing.md, "A provider without headers"); a 429 closes the window above and teaches a
             // bucket (`learn_headerless`).
             return admit(state, cfg, now, ask, raw_input, None);
         }

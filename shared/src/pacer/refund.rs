@@ -6,7 +6,7 @@
 //! gateways keep it. A pacer that credits refunds the provider never gives sits
 //! above the provider's bucket and sends into 429s; one that credits none
 //! against a refunding provider leaves a quarter of the budget idle. So the
-//! pacer learns the share from the headers (SPEC §4, provider shapes).
+//! pacer learns the share from the headers (docs/pacing.md, "Provider shapes").
 //!
 //! Between two header snapshots of the token bucket, sent at `h1 < h2`:
 //!
@@ -42,8 +42,8 @@
 //! documented rule (nothing comes back), which cannot send into a 429. Against
 //! a refunding provider that costs only the first few seconds: the refunds it
 //! withheld meanwhile are credited when the share is learned
-//! (`Bucket::unused_since`). The line's spacing, a prediction, assumes the
-//! refunds meanwhile: a turn that wakes too early is re-timed, where one that
+//! (`Bucket::withheld`, credited by `learn_refund_share` in `model.rs`). The
+//! line's spacing, a prediction, assumes the refunds meanwhile: a turn that wakes too early is re-timed, where one that
 //! sleeps on a pessimistic prediction leaves budget idle.
 
 use serde::{Deserialize, Serialize};

@@ -2,7 +2,7 @@
 //! turn queue and an exact provider bucket around the pacer's policy, on an
 //! injected clock, seeded. The property tests drive thousands of random
 //! workloads through it and check what must hold on every one of them
-//! (STYLE §14):
+//! (docs/pacing.md, "Liveness is a property, not a case"):
 //!
 //! - **never stalls**: whenever turns wait, a slot is free and the provider's
 //!   bucket could take the head turn (its estimate above the pacer's floor),
@@ -257,7 +257,8 @@ impl Workload {
         }
     }
 
-    /// The one-tenant case at a real per-minute limit: 4 × 16 slots,
+    /// The one-tenant case that once stalled at a real per-minute limit (README,
+    /// "Measured", one tenant at a real per-minute limit): 4 × 16 slots,
     /// 40 000 tokens per minute, 150 one-turn runs of ~2 000 characters
     /// (500 tokens) with `max_output_tokens` 300, of which little is used.
     pub fn one_tenant_per_minute(seed: u64) -> Self {

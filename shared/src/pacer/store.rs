@@ -79,8 +79,8 @@ pub struct BudgetSnapshot {
     pub shape: BudgetShape,
 }
 
-/// What the pacer learned of a budget's buckets from the headers (SPEC §4,
-/// provider shapes).
+/// What the pacer learned of a budget's buckets from the headers (docs/pacing.md,
+/// "Provider shapes").
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct BudgetShape {

@@ -105,11 +105,11 @@ impl Shared {
 ///
 /// Build a worker with it:
 /// ```ignore
-/// let backend = queue.backend::<TurnMsg>(16);
+/// let backend = queue.backend::<TurnJob>(16);
 /// let name = backend.identity().to_owned();
 /// WorkerBuilder::new(name).backend(backend).data(queue.clone()).build(handle_turn)
 ///     .run_until(shutdown).await?;
-/// async fn handle_turn(turn: TurnMsg, lease: Lease, queue: Data<TurnQueue>) -> Result<(), BoxDynError>
+/// async fn handle_turn(turn: TurnJob, lease: Lease, queue: Data<TurnQueue>) -> Result<(), BoxDynError>
 /// ```
 /// It caps running handlers at `concurrency` itself (no `.concurrency()` layer
 /// needed) and fetches no more than the free slots. Each task carries its

@@ -1,6 +1,6 @@
 -- paceline turn queue: the Lua library every queue script starts with.
 --
--- Prepend QUEUE_LUA_LIB (Rust: shared::queue::LUA_LIB) to a script and pass the
+-- Prepend this file (Rust: shared::queue::LUA_LIB) to a script and pass the
 -- queue's seven keys FIRST, in this order (Rust: QueueKeys::script_keys()):
 --   KEYS[1] due      ZSET  id -> due time (ms, Redis TIME); queued turns, ready or delayed
 --   KEYS[2] lease    ZSET  id -> lease deadline (ms); turns in flight
@@ -143,7 +143,7 @@ local function q_run_retire(run, tx, ev, now, retention)
   end
 end
 
--- A buried turn ends its run (SPEC §2), in the same script: the run record beside the
+-- A buried turn ends its run, in the same script: the run record beside the
 -- queue's keys (the same prefix and slot, '<prefix>:<slot>:run:<id>', runs/store.rs) fails
 -- with error.kind "dead_lettered", writes run.failed, and starts its retention (the
 -- record's retention_ms). A queue used without runs has no such record.

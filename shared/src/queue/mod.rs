@@ -2,16 +2,18 @@
 //!
 //! Why our own: `apalis-redis` 1.0 starts scheduled tasks up to a second early,
 //! chokes on 8 000 due tasks, recovers orphans on worker clocks after 300 s and
-//! has no fencing (see the queue issue). Here every time is the Redis server's
-//! clock in ms, every state change is one Lua script, and every lease carries a
-//! fencing epoch.
+//! has no fencing (ARCHITECTURE.md, "The turn queue", lists what ruled it
+//! out). Here every time is the Redis server's clock in ms, every state
+//! change is one Lua script, and every lease carries a fencing epoch.
 //!
 //! Shape (all keys under one hash tag, the prefix: `prefix:{prefix}:q:*`):
 //! - `due` ZSET id → due ms: queued turns, ready (due ≤ now) or delayed;
 //! - `lease` ZSET id → lease deadline ms: turns in flight;
 //! - `jobs` HASH id → `epoch|deliveries|flag|payload`, the one record of a turn;
 //! - `dead` ZSET + `reasons` HASH: turns that used up their deliveries;
-//! - `notify` LIST: wake-up tokens idle workers `BLPOP` (see `backend.rs`).
+//! - `notify` LIST: wake-up tokens idle workers `BLPOP` (see `backend.rs`);
+//! - `timer` STRING `due_ms|worker`: the one idle worker that watches the
+//!   earliest delayed turn.
 //!
 //! A delivery hands the handler a [`Lease`] (id, epoch, worker, deliveries). The
 //! holder settles it with [`TurnQueue::complete`], [`TurnQueue::requeue`] or

@@ -1,4 +1,4 @@
-//! The model's context, bounded (back-pressure, SPEC §5): tool outputs clipped to a cap
+//! The model's context, bounded (back-pressure; README, "Tool endpoints"): tool outputs clipped to a cap
 //! with a note saying so, every browser view but the newest elided, and the
 //! history bounded to the last turns without ever separating a function call
 //! from its output.

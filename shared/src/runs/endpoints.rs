@@ -1,4 +1,4 @@
-//! Which tool endpoints a run may name (`PACELINE_TOOL_ENDPOINTS`, SPEC §5):
+//! Which tool endpoints a run may name (`PACELINE_TOOL_ENDPOINTS`; README, "Tool endpoints"):
 //! one parser and one check, read by the API at submit and by the worker
 //! again before each tool call.
 //!

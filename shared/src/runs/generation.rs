@@ -1,4 +1,4 @@
-//! The generation parameters a run may set (SPEC §3): sampling, reasoning
+//! The generation parameters a run may set (README, "Generation parameters"): sampling, reasoning
 //! effort, structured output, tool choice, stop sequences and the provider's
 //! own knobs. They are validated here, in the run spec's names (the Responses
 //! API's), and each wire format passes them in its own names

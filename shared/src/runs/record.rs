@@ -1,4 +1,4 @@
-//! The run object as the API shows it (SPEC §3), and its Redis hash fields.
+//! The run object as the API shows it (`GET /v1/runs/{id}`), and its Redis hash fields.
 //!
 //! The record is a Redis hash so the commit scripts can change single fields
 //! atomically; this module is the one place that names those fields and turns

@@ -1,4 +1,4 @@
-//! The run spec a client submits (`POST /v1/runs`, SPEC §3), and the rules it
+//! The run spec a client submits (`POST /v1/runs`; README, "Submitting a run"), and the rules it
 //! must keep. Validation happens here, before anything reaches Redis: a body
 //! that breaks a rule is a 422 naming the field, never a half-written run.
 

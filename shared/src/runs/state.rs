@@ -1,4 +1,4 @@
-//! A run's state machine, in one place (SPEC §2):
+//! A run's state machine, in one place (ARCHITECTURE.md, "Runs and turns"):
 //! `queued` → `running` ⇄ `waiting` → `completed` | `failed` | `cancelled`.
 //!
 //! This table is the reference: the run store's scripts (`store.lua`) make
@@ -127,7 +127,7 @@ impl RunStatus {
     }
 }
 
-/// The event types of a run's stream (SPEC §3), as they are named on the wire.
+/// The event types of a run's stream, as they are named on the wire.
 pub mod event {
     /// The run was accepted.
     pub const RUN_QUEUED: &str = "run.queued";
@@ -154,7 +154,7 @@ pub mod event {
     /// The run was cancelled.
     pub const RUN_CANCELLED: &str = "run.cancelled";
 
-    /// Every event type, in the SPEC's order.
+    /// Every event type.
     pub const ALL: [&str; 12] = [
         RUN_QUEUED,
         TURN_STARTED,

@@ -499,7 +499,7 @@ impl RunStore {
                         let _: () =
                             redis::cmd("ZREM").arg(self.index_key(tenant)).arg(&id).query_async(&mut conn).await?;
                     }
-                    // A record this version cannot read stays indexed (#14):
+                    // A record this version cannot read (a later format) stays indexed:
                     // it is not shown, and not lost.
                     None => tracing::warn!(message = "unreadable run record left in the index", run.id = %id),
                 }

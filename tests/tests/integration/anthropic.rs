@@ -2,7 +2,7 @@
 //! against the mock's `POST /v1/messages` and a tiny server for what the mock
 //! cannot show (the `x-api-key` and `anthropic-version` headers): answers,
 //! tool use, thinking, the output limit, Anthropic's rate-limit headers and
-//! every error the issue names, classified as SPEC §4 says.
+//! every error README's "Providers" section names, classified as it says.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -1,5 +1,5 @@
 //! The HTTP API against a private redis-server: every route and every error
-//! status of SPEC §3, tenant isolation, idempotency (sequential and
+//! status of README's "Submitting a run", tenant isolation, idempotency (sequential and
 //! concurrent), SSE with Last-Event-ID, the OpenAPI document, /metrics, and
 //! Redis going away; the CLI as a process against a spawned app, and
 //! `paceline submit --watch` following a real worker and the mock provider to

@@ -1,8 +1,10 @@
 //! `paceline bench` through the real binary, tiny (seconds), so the command
-//! cannot rot: the JSON has every field SPEC §7 names, and every run
-//! completes under the shared pacer. The bucket is small enough (3 000 tokens
-//! per 2 s) that turns wait for budget, so the pacing path runs too. The
-//! fairness scenario likewise, tiny: its JSON has the fields issue 8 names.
+//! cannot rot: the JSON has every field README's "The pacing benchmark"
+//! reports, and every run completes under the shared pacer. The bucket is
+//! small enough (3 000 tokens per 2 s) that turns wait for budget, so the
+//! pacing path runs too. The fairness scenario likewise, tiny: its JSON has
+//! the fairness figures (companion waits, efficiency, shares, Jain's index,
+//! the 2:1 ratio).
 
 use paceline_tests::paceline_bin;
 use serde_json::Value;
@@ -91,7 +93,7 @@ fn a_tiny_bench_writes_every_spec_field_and_completes_every_shared_run() {
     assert_eq!(t["turns"], 60, "20 runs x 3 turns: {t:#}");
 }
 
-/// `--scenario fairness`, tiny: the JSON has the figures issue 8 names (the
+/// `--scenario fairness`, tiny: the JSON has the fairness figures (the
 /// targets are the real bench's business, not a few-second run's).
 #[test]
 fn a_tiny_fairness_bench_writes_its_fields() {

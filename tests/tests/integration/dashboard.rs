@@ -1,4 +1,4 @@
-//! The dashboard (#16) in headless Chromium, driven over WebDriver
+//! The dashboard (README, "The dashboard") in headless Chromium, driven over WebDriver
 //! (`chromedriver`, plain JSON over HTTP): runs submitted through the API against
 //! the mock with a small budget appear and reach `completed` without a reload,
 //! a run shows its transcript and live text, the budget chart draws points, the
@@ -361,7 +361,7 @@ async fn the_dashboard_shows_a_tenants_runs_live_its_transcript_and_budget_and_n
     let budget_page = commands_per_s(&app, secs(10)).await;
     browser.goto("about:blank").await;
     let closed = commands_per_s(&app, secs(5)).await;
-    // One GET /v1/runs and one GET /v1/pacer, as the yardstick.
+    // One GET /v1/runs and one GET /v1/pacer a second: the bar the dashboard must stay under.
     let before = redis_commands(&app).await;
     http.get(format!("{api}/v1/runs")).bearer_auth(ACME).send().await.unwrap();
     http.get(format!("{api}/v1/pacer")).bearer_auth(ACME).send().await.unwrap();

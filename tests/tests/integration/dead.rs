@@ -1,4 +1,4 @@
-//! Dead turns (#14): a turn that used its deliveries ends its run
+//! Dead turns (README, "Dead turns and retries"): a turn that used its deliveries ends its run
 //! `failed`/`dead_lettered`, the operator lists it in `GET /v1/dead` (a tenant
 //! may not), and `POST /v1/runs/{id}/retry` re-drives the run from its last
 //! committed turn to completion against the mock provider; the dead set keeps

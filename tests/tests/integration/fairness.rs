@@ -1,4 +1,4 @@
-//! Fair admission under a scarce budget (SPEC §4), on the pacer's model with an
+//! Fair admission under a scarce budget (docs/pacing.md), on the pacer's model with an
 //! injected clock: many backlogged turns per tenant ask, are owed time, come
 //! back when told, and are admitted. What each tenant got over a window shows
 //! the rules: weights hold, a lone tenant gets the whole budget, a cap holds,

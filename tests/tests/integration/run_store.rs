@@ -488,7 +488,7 @@ async fn commands(conn: &mut redis::aio::ConnectionManager) -> u64 {
 }
 
 /// What each step of a turn costs in Redis commands, scripts' inner commands
-/// included (#18's lean turn): a turn that calls its model and one tool, the
+/// included (the lean turn): a turn that calls its model and one tool, the
 /// next turn that answers, and one budget wait. Each step is held to a ceiling
 /// a little above what it costs now, so a change that makes a step dearer is
 /// seen here; `--nocapture` prints the table (README's figures).

@@ -1,4 +1,4 @@
-//! The pacer against each provider shape with real workers (SPEC §4, provider
+//! The pacer against each provider shape with real workers (docs/pacing.md, provider
 //! shapes): a cold start, a provider that keeps the charge, a fixed window,
 //! Anthropic's separate input and output buckets. Each test's workload is
 //! small and its window scaled to 2 s; the bench measures the same shapes at

@@ -1,4 +1,5 @@
-//! Real workers on each wire style and on several named providers (issue 15):
+//! Real workers on each wire style and on several named providers (README,
+//! "Providers: OpenAI, Anthropic, several in one fleet"):
 //! a tool-using run completes on Responses, Chat Completions and Anthropic's
 //! Messages API; the generation parameters reach each provider in its own
 //! names (the mock keeps the bodies); an Anthropic 529 is retried and a 400

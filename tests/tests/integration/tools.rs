@@ -1,4 +1,4 @@
-//! Tool calls as a tool server sees them (SPEC §5): no redirect is followed,
+//! Tool calls as a tool server sees them (README, "Tool endpoints"): no redirect is followed,
 //! the worker checks a run's tenant against the allow-list again, and each
 //! call names its tenant and is signed with `PACELINE_TOOL_SECRET`.
 

@@ -1,7 +1,7 @@
 //! The worker end to end against real Redis, the mock provider and a tool
 //! endpoint: runs with tools complete; what the provider received shows the
 //! back-pressure; 429s, quota, transient errors and mid-stream failures follow
-//! SPEC §4; a cancelled run calls the provider no more; a SIGKILLed worker
+//! docs/pacing.md; a cancelled run calls the provider no more; a SIGKILLed worker
 //! process loses no run and doubles no turn.
 
 use std::collections::HashSet;
@@ -481,8 +481,8 @@ async fn four_worker_processes_share_a_tight_budget_with_almost_no_429s() {
     assert!(per_100 <= 1.0, "{per_100:.2} 429s per 100 calls");
 }
 
-/// The workload that once stalled the fleet with a full bucket (issue: "the
-/// pacer never stalls"), scaled from 10 s to a 2 s window: three worker
+/// The workload that once stalled the fleet with a full bucket (the pacer never
+/// stalls: docs/pacing.md, "Liveness is a property, not a case"), scaled from 10 s to a 2 s window: three worker
 /// processes × 16 slots; tenant `alpha` submits 40 work runs of 5 turns
 /// (~2 000 characters of input, `max_output_tokens` 300, one tool, little of
 /// the output used, so the learned usage ratio falls far below 1); from 1 s
@@ -570,7 +570,7 @@ async fn work_and_companion_runs_all_finish_with_a_full_bucket_never_idle() {
 }
 
 /// A provider without rate-limit headers (vLLM, Ollama) and no configured
-/// limits: no proactive pacing (SPEC §4). The first answer shows there are no
+/// limits: no proactive pacing (docs/pacing.md, "A provider without headers"). The first answer shows there are no
 /// headers; from then on nothing waits for a probe, so 32 one-call runs on 16
 /// slots take about two latencies, not one latency each.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

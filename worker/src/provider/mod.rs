@@ -6,7 +6,7 @@
 //! **Architecture Invariant:** the client never retries and never sleeps. A
 //! failed call comes back at once as a [`CallFailure`] with its headers and
 //! its [`FailureKind`]; waiting is the pacer's business and re-sending is the
-//! queue's (SPEC §4). This is why there is no SDK here: the SDKs retry 429s
+//! queue's (docs/pacing.md). This is why there is no SDK here: the SDKs retry 429s
 //! inside the call, which blinds the shared pacer.
 //!
 //! - `sse.rs` — the incremental Server-Sent Events parser.
@@ -401,7 +401,7 @@ impl Provider {
             };
             let mut headers = headers;
             if let (None, Some(ms)) = (headers.retry_after_ms, body.retry_delay_ms) {
-                // No header said how long: the body's RetryInfo does (SPEC §4,
+                // No header said how long: the body's RetryInfo does (docs/pacing.md,
                 // a delay stated in the error body).
                 headers.retry_after_ms = Some(ms);
                 headers.retry_after_source = Some(DelaySource::RetryDelay);
