@@ -24,4 +24,5 @@ mod state;
 pub use config::ApiConfig;
 pub use error::ApiError;
 pub use openapi::{document as openapi_document, ApiDoc};
+pub use routes::runs::RunList;
 pub use startup::Application;

@@ -19,7 +19,10 @@ use std::time::Duration;
 use anyhow::Context as _;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
+use shared::runs::{Run, RunStatus};
 use tokio::sync::watch;
+
+use crate::api_client::ApiClient;
 
 /// The tool endpoint the example files name; the demo's default address.
 pub const EXAMPLES_TOOL_ENDPOINT: &str = "http://127.0.0.1:8090/tools";
@@ -314,55 +317,6 @@ pub fn assign_providers(examples: &mut [Example]) {
     }
 }
 
-/// Where the demo's API calls go.
-pub struct ApiClient {
-    http: reqwest::Client,
-    base: String,
-    token: Option<String>,
-}
-
-impl ApiClient {
-    /// A client of the API at `base` (`http://127.0.0.1:8080`).
-    pub fn new(base: String, token: Option<String>) -> anyhow::Result<Self> {
-        let http = reqwest::Client::builder().timeout(Duration::from_secs(10)).build()?;
-        Ok(Self { http, base, token })
-    }
-
-    fn req(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
-        let r = self.http.request(method, format!("{}{path}", self.base));
-        match &self.token {
-            Some(t) => r.bearer_auth(t),
-            None => r,
-        }
-    }
-
-    async fn json(&self, r: reqwest::RequestBuilder) -> anyhow::Result<Value> {
-        let resp = r.send().await?;
-        let status = resp.status();
-        let body: Value = resp.json().await.unwrap_or(Value::Null);
-        if !status.is_success() {
-            let msg = body["error"]["message"].as_str().unwrap_or("");
-            let field = body["error"]["field"].as_str().map(|f| format!(" ({f})")).unwrap_or_default();
-            anyhow::bail!("API {}{field}: {msg}", status.as_u16());
-        }
-        Ok(body)
-    }
-
-    /// Submits a run through the API, as any client would.
-    pub async fn submit(&self, body: &Value) -> anyhow::Result<String> {
-        let run = self.json(self.req(reqwest::Method::POST, "/v1/runs").json(body)).await?;
-        run["id"].as_str().map(str::to_owned).context("the API's answer has no run id")
-    }
-
-    async fn get(&self, path: &str) -> anyhow::Result<Value> {
-        self.json(self.req(reqwest::Method::GET, path)).await
-    }
-}
-
-fn is_finished(status: &str) -> bool {
-    matches!(status, "completed" | "failed" | "cancelled")
-}
-
 /// `12 345`.
 fn thousands(n: u64) -> String {
     let digits: Vec<char> = n.to_string().chars().rev().collect();
@@ -378,36 +332,32 @@ fn seconds_until(at: &str) -> Option<f64> {
 }
 
 /// One run's line: `waiting  turn 1/12 · 1 234 tokens · budget 2.3s`.
-fn describe_run(run: &Value) -> String {
-    let status = run["status"].as_str().unwrap_or("?");
-    let turns = run["turns_completed"].as_u64().unwrap_or(0);
-    let max = run["max_turns"].as_u64().unwrap_or(0);
-    let tokens = run["usage"]["total_tokens"].as_u64().unwrap_or(0);
-    let mut line = format!("{status:<9} turn {turns}/{max} · {} tokens", thousands(tokens));
-    let p = &run["pacing"];
-    match status {
-        "waiting" => {
-            let why = run["wait_reason"].as_str().unwrap_or("budget");
-            match run["next_attempt_at"].as_str().and_then(seconds_until) {
-                Some(s) => line.push_str(&format!(" · {why} wait {s:.1}s")),
-                None => line.push_str(&format!(" · {why} wait")),
-            }
+fn describe_run(run: &Run) -> String {
+    let status = run.status.as_str();
+    let mut line = format!(
+        "{status:<9} turn {}/{} · {} tokens",
+        run.turns_completed,
+        run.max_turns,
+        thousands(run.usage.total_tokens)
+    );
+    let p = &run.pacing;
+    if run.status == RunStatus::Waiting {
+        let why = run.wait_reason.map_or("budget", |w| w.as_str());
+        match run.next_attempt_at.as_deref().and_then(seconds_until) {
+            Some(s) => line.push_str(&format!(" · {why} wait {s:.1}s")),
+            None => line.push_str(&format!(" · {why} wait")),
         }
-        "completed" | "failed" | "cancelled" => {
-            let waits = p["budget_waits"].as_u64().unwrap_or(0);
-            if waits > 0 {
-                let waited = p["waited_ms"].as_u64().unwrap_or(0) as f64 / 1000.0;
-                line.push_str(&format!(" · waited {waited:.1}s for budget ({waits}×)"));
-            }
-            if let Some(kind) = run["error"]["kind"].as_str() {
-                line.push_str(&format!(" · {kind}: {}", run["error"]["message"].as_str().unwrap_or("")));
-            }
+    } else if run.status.is_finished() {
+        if p.budget_waits > 0 {
+            let waited = p.waited_ms as f64 / 1000.0;
+            line.push_str(&format!(" · waited {waited:.1}s for budget ({}×)", p.budget_waits));
         }
-        _ => {}
+        if let Some(e) = &run.error {
+            line.push_str(&format!(" · {}: {}", e.kind, e.message));
+        }
     }
-    let limited = p["rate_limited"].as_u64().unwrap_or(0);
-    if limited > 0 {
-        line.push_str(&format!(" · {limited} rate limited"));
+    if p.rate_limited > 0 {
+        line.push_str(&format!(" · {} rate limited", p.rate_limited));
     }
     line
 }
@@ -439,7 +389,7 @@ pub async fn drive(
     api: &ApiClient,
     examples: &[Example],
     mut stop: watch::Receiver<bool>,
-) -> anyhow::Result<BTreeMap<String, String>> {
+) -> anyhow::Result<BTreeMap<String, RunStatus>> {
     let multi = MultiProgress::new();
     let fancy = std::io::stderr().is_terminal();
     let width = examples.iter().map(|e| e.name.len() + 12).max().unwrap_or(8);
@@ -450,7 +400,8 @@ pub async fn drive(
         .set_style(ProgressStyle::with_template("  {wide_msg}").unwrap_or_else(|_| ProgressStyle::default_spinner()));
     let mut runs = Vec::new();
     for ex in examples {
-        let id = api.submit(&ex.body).await.with_context(|| format!("submitting example {}", ex.name))?;
+        let id =
+            api.submit(ex.body.to_string(), None).await.with_context(|| format!("submitting example {}", ex.name))?.id;
         let bar = multi.add(ProgressBar::new_spinner());
         bar.set_style(style.clone());
         let label = match ex.body["provider"].as_str() {
@@ -476,7 +427,7 @@ pub async fn drive(
         if *stop.borrow() {
             break;
         }
-        if let Ok(p) = api.get("/v1/pacer").await {
+        if let Ok(p) = api.pacer().await {
             if let Some(line) = describe_pacer(&p) {
                 budget_bar.set_message(line);
             }
@@ -486,21 +437,20 @@ pub async fn drive(
                 continue;
             }
             // A failed poll (the API busy for a moment) is just tried again.
-            let Ok(run) = api.get(&format!("/v1/runs/{id}")).await else { continue };
-            let status = run["status"].as_str().unwrap_or("?").to_owned();
+            let Ok(run) = api.run(id).await else { continue };
             let line = describe_run(&run);
             if !fancy {
                 // Without a terminal: one plain line whenever the state changes.
-                let key = format!("{status}/{}/{}", run["turns_completed"], run["wait_reason"]);
+                let key = format!("{}/{}/{:?}", run.status.as_str(), run.turns_completed, run.wait_reason);
                 if key != *last {
                     eprintln!("{label:<width$}  {line}");
                     *last = key;
                 }
             }
-            if is_finished(&status) {
-                let mark = if status == "completed" { "✓" } else { "✗" };
+            if run.status.is_finished() {
+                let mark = if run.status == RunStatus::Completed { "✓" } else { "✗" };
                 bar.finish_with_message(format!("{mark} {line}"));
-                finals.insert(id.clone(), status);
+                finals.insert(id.clone(), run.status);
             } else {
                 bar.set_message(line);
             }
@@ -561,8 +511,15 @@ mod tests {
     fn lines() {
         assert_eq!(thousands(12_345), "12 345");
         assert_eq!(thousands(999), "999");
-        let run = json!({"status": "completed", "turns_completed": 3, "max_turns": 12,
-            "usage": {"total_tokens": 9000}, "pacing": {"budget_waits": 2, "waited_ms": 4200, "rate_limited": 0}});
+        let run: Run = serde_json::from_value(json!({"id": "run_1", "status": "completed", "mode": "work",
+            "model": "gpt-test", "turns_completed": 3, "max_turns": 12,
+            "usage": {"input_tokens": 8000, "output_tokens": 1000, "total_tokens": 9000,
+                      "reasoning_tokens": 0, "cached_input_tokens": 0},
+            "pacing": {"budget_waits": 2, "waited_ms": 4200, "rate_limited": 0, "retries": 0},
+            "wait_reason": null, "next_attempt_at": null, "output_text": "done", "error": null,
+            "created_at": "2026-12-02T10:00:00.000Z", "updated_at": "2026-12-02T10:01:00.000Z",
+            "finished_at": "2026-12-02T10:01:00.000Z", "metadata": {}}))
+        .unwrap();
         assert_eq!(describe_run(&run), "completed turn 3/12 · 9 000 tokens · waited 4.2s for budget (2×)");
     }
 }

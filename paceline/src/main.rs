@@ -2,6 +2,7 @@
 //! `commands/<name>.rs` with its own `Args` and an async `run` that calls the
 //! library doing the work.
 
+mod api_client;
 mod bench;
 mod commands;
 mod demo;

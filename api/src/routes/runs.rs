@@ -99,8 +99,8 @@ pub struct SubmitRun {
     truncation: Option<String>,
 }
 
-/// A page of runs.
-#[derive(Debug, Serialize, utoipa::ToSchema)]
+/// A page of runs (`paceline runs` reads it back with the same type).
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct RunList {
     /// Newest first.
     pub data: Vec<Run>,

@@ -343,7 +343,7 @@ async fn live(env: &Env, plan: &FairnessPlan, progress: &ProgressBar) -> anyhow:
     let bodies = (0..lp.work_runs).map(|i| body(&work, &tool_url, "bulk", i, false)).collect();
     let started = Instant::now();
     let bulk = token("bulk");
-    trial.submit(env, Some(("bulk", &bulk)), bodies, 16).await?;
+    trial.submit(Some(("bulk", &bulk)), bodies, 16).await?;
     let live = token("live");
     let mut submitted_us = Vec::with_capacity(lp.companions);
     for i in 0..lp.companions {
@@ -352,7 +352,7 @@ async fn live(env: &Env, plan: &FairnessPlan, progress: &ProgressBar) -> anyhow:
         progress.set_position(trial.mock.summary().ok);
         // Taken just before the POST: the wait includes the API's own answer.
         submitted_us.push(trial.mock_clock_us());
-        trial.submit(env, Some(("live", &live)), vec![body(&work, &tool_url, "live", i, true)], 1).await?;
+        trial.submit(Some(("live", &live)), vec![body(&work, &tool_url, "live", i, true)], 1).await?;
     }
     let drained = trial.wait_drained(plan.timeout, |mock| progress.set_position(mock.summary().ok)).await?;
     let data = trial.finish(drained).await?;
@@ -429,7 +429,7 @@ async fn shares(
         for (tenant, n) in runs {
             if i < *n {
                 let tok = token(tenant);
-                trial.submit(env, Some((tenant, &tok)), vec![body(&work, &tool_url, tenant, i, false)], 1).await?;
+                trial.submit(Some((tenant, &tok)), vec![body(&work, &tool_url, tenant, i, false)], 1).await?;
             }
         }
     }

@@ -58,7 +58,7 @@ pub async fn measure(
     progress.set_position(0);
     progress.set_message(format!("pacer {pacer}"));
     let trace = plan.dump_dir.as_ref().map(|_| trace_budget(&trial));
-    trial.submit(env, None, bodies, 16).await?;
+    trial.submit(None, bodies, 16).await?;
     let drained = trial.wait_drained(plan.timeout, |mock| progress.set_position(mock.summary().ok)).await?;
     let trace = match trace {
         Some((stop, task)) => {

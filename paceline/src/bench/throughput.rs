@@ -63,7 +63,7 @@ pub async fn measure(env: &Env, plan: &ThroughputPlan, progress: &ProgressBar) -
     progress.set_length(workload.total_turns());
     progress.set_position(0);
     progress.set_message("throughput");
-    trial.submit(env, None, bodies, 32).await?;
+    trial.submit(None, bodies, 32).await?;
     let drained = trial.wait_drained(plan.timeout, |mock| progress.set_position(mock.summary().ok)).await?;
     let data = trial.finish(drained).await?;
     let turns = data.turns_completed();

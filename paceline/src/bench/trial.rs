@@ -17,16 +17,13 @@ use super::fleet::{Fleet, FleetSpec, DELIVERIES_ENV};
 use super::redis::{CommandDelta, CommandStats, PrivateRedis};
 use super::workload::{api_server, submit_all, tool_server, Served};
 
-/// What every trial of one bench invocation shares: Redis, the tool endpoint,
-/// an HTTP client.
+/// What every trial of one bench invocation shares: Redis and the tool endpoint.
 #[derive(Debug)]
 pub struct Env {
     /// The private redis-server.
     pub redis: PrivateRedis,
     /// The tool endpoint.
     pub tools: Served,
-    /// For submits.
-    pub http: reqwest::Client,
     trials: std::sync::atomic::AtomicUsize,
 }
 
@@ -35,8 +32,7 @@ impl Env {
     pub async fn start() -> anyhow::Result<Self> {
         let redis = PrivateRedis::start("bench").await?;
         let tools = tool_server().await?;
-        let http = reqwest::Client::builder().pool_max_idle_per_host(64).build()?;
-        Ok(Self { redis, tools, http, trials: Default::default() })
+        Ok(Self { redis, tools, trials: Default::default() })
     }
 
     /// The tool endpoint's URL (`POST` target of every run's tool calls).
@@ -259,13 +255,13 @@ impl Trial {
     /// in open mode, tenant `default`), `parallel` at a time.
     pub async fn submit(
         &mut self,
-        env: &Env,
         tenant: Option<(&str, &str)>,
         bodies: Vec<Value>,
         parallel: usize,
     ) -> anyhow::Result<Vec<String>> {
         self.first_submit.get_or_insert_with(Instant::now);
-        let ids = submit_all(&env.http, &self.api.url(), tenant.map(|t| t.1), bodies, parallel).await?;
+        let api = crate::api_client::ApiClient::new(&self.api.url(), tenant.map(|t| shared::config::Secret::new(t.1)))?;
+        let ids = submit_all(&api, bodies, parallel).await?;
         let name = tenant.map(|t| t.0).unwrap_or("default");
         self.submitted.extend(ids.iter().map(|id| (name.to_owned(), id.clone())));
         Ok(ids)

@@ -175,31 +175,16 @@ pub async fn api_server(redis: RedisArgs, tool_prefix: &str, tokens: &[(String, 
     Ok(Served { addr, stop: Some(stop), task: Some(task) })
 }
 
-/// POSTs `bodies` to `{api}/v1/runs`, `parallel` at a time; returns the run ids
-/// in submit order. Any answer but 202 fails the bench: a bench whose runs were
+/// Submits `bodies` through `api`, `parallel` at a time; returns the run ids
+/// in submit order. Any refusal fails the bench: a bench whose runs were
 /// refused measures nothing.
 pub async fn submit_all(
-    http: &reqwest::Client,
-    api: &str,
-    token: Option<&str>,
+    api: &crate::api_client::ApiClient,
     bodies: Vec<Value>,
     parallel: usize,
 ) -> anyhow::Result<Vec<String>> {
-    let url = format!("{api}/v1/runs");
     let results: Vec<anyhow::Result<String>> = futures::stream::iter(bodies)
-        .map(|body| {
-            let mut req = http.post(&url).json(&body);
-            if let Some(token) = token {
-                req = req.bearer_auth(token);
-            }
-            async move {
-                let resp = req.send().await.context("POST /v1/runs")?;
-                let status = resp.status();
-                let value: Value = resp.json().await.context("the submit answer")?;
-                anyhow::ensure!(status.as_u16() == 202, "POST /v1/runs answered {status}: {value}");
-                value["id"].as_str().map(str::to_owned).context("the run object has no id")
-            }
-        })
+        .map(|body| async move { Ok(api.submit(body.to_string(), None).await.context("POST /v1/runs")?.id) })
         .buffered(parallel.max(1))
         .collect()
         .await;

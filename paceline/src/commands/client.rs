@@ -12,7 +12,11 @@ use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::Value;
 use shared::config::Secret;
+use shared::runs::state::event;
+use shared::runs::{Run, RunStatus};
 use worker::provider::sse::SseParser;
+
+use crate::api_client::{ApiClient, ApiFailure};
 
 /// Exit code of `watch` when the run failed.
 const EXIT_FAILED: u8 = 1;
@@ -138,95 +142,14 @@ pub struct RetryArgs {
     pub api: ApiArgs,
 }
 
-/// A small client of the API.
-struct Client {
-    http: reqwest::Client,
-    base: String,
-    token: Option<Secret>,
+/// With the tenant's token (else the operator's).
+fn client(args: &ApiArgs) -> anyhow::Result<ApiClient> {
+    ApiClient::new(&args.api, args.tenant_first())
 }
 
-impl Client {
-    /// With the tenant's token (else the operator's).
-    fn new(args: &ApiArgs) -> anyhow::Result<Self> {
-        Self::with_token(args, args.tenant_first())
-    }
-
-    /// With the operator's token (else the tenant's).
-    fn operator(args: &ApiArgs) -> anyhow::Result<Self> {
-        Self::with_token(args, args.operator_first())
-    }
-
-    fn with_token(args: &ApiArgs, token: Option<Secret>) -> anyhow::Result<Self> {
-        let http = reqwest::Client::builder().connect_timeout(Duration::from_secs(5)).build()?;
-        Ok(Self { http, base: args.api.trim_end_matches('/').to_owned(), token })
-    }
-
-    fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
-        let r = self.http.request(method, format!("{}{path}", self.base));
-        match &self.token {
-            Some(t) if !t.is_empty() => r.bearer_auth(t.expose()),
-            _ => r,
-        }
-    }
-
-    /// Sends, and turns a non-2xx answer into one clear line.
-    async fn send(&self, r: reqwest::RequestBuilder) -> anyhow::Result<reqwest::Response> {
-        let resp =
-            r.send().await.map_err(|e| anyhow::anyhow!("cannot reach the API at {}: {}", self.base, root(&e)))?;
-        if resp.status().is_success() {
-            return Ok(resp);
-        }
-        let status = resp.status().as_u16();
-        let text = resp.text().await.unwrap_or_default();
-        Err(ApiFailure { status, line: api_error_line(status, &text) }.into())
-    }
-
-    async fn json(&self, r: reqwest::RequestBuilder) -> anyhow::Result<Value> {
-        let resp = self.send(r.timeout(Duration::from_secs(30))).await?;
-        resp.json().await.context("the API answered something that is not JSON")
-    }
-
-    async fn get(&self, path: &str) -> anyhow::Result<Value> {
-        self.json(self.request(reqwest::Method::GET, path)).await
-    }
-}
-
-/// The API answered with an error status.
-#[derive(Debug, thiserror::Error)]
-#[error("{line}")]
-struct ApiFailure {
-    status: u16,
-    line: String,
-}
-
-/// The innermost cause of a reqwest error (`connection refused`), not the
-/// whole nested chain.
-fn root(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut cur = e;
-    while let Some(next) = cur.source() {
-        cur = next;
-    }
-    cur.to_string()
-}
-
-/// `API 422 invalid_request (max_turns): must be an integer from 1 to 1000`.
-fn api_error_line(status: u16, body: &str) -> String {
-    let parsed: Option<Value> = serde_json::from_str(body).ok();
-    let err = parsed.as_ref().map(|v| &v["error"]);
-    match err {
-        Some(e) if e.is_object() => {
-            let kind = e["type"].as_str().unwrap_or("error");
-            let message = e["message"].as_str().unwrap_or("");
-            match e["field"].as_str() {
-                Some(f) if !f.is_empty() => format!("API {status} {kind} ({f}): {message}"),
-                _ => format!("API {status} {kind}: {message}"),
-            }
-        }
-        _ => {
-            let text: String = body.chars().take(200).collect::<String>().replace('\n', " ");
-            format!("API {status}: {}", if text.trim().is_empty() { "(no body)" } else { text.trim() })
-        }
-    }
+/// With the operator's token (else the tenant's).
+fn operator_client(args: &ApiArgs) -> anyhow::Result<ApiClient> {
+    ApiClient::new(&args.api, args.operator_first())
 }
 
 /// Submits a run spec; prints the run id (and follows it with `--watch`).
@@ -238,26 +161,18 @@ pub async fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
     } else {
         std::fs::read_to_string(&args.file).with_context(|| format!("reading {}", args.file))?
     };
-    let client = Client::new(&args.api)?;
-    let mut r = client
-        .request(reqwest::Method::POST, "/v1/runs")
-        .header(reqwest::header::CONTENT_TYPE, "application/json")
-        .body(body);
-    if let Some(k) = &args.idempotency_key {
-        r = r.header("Idempotency-Key", k);
-    }
-    let run = client.json(r).await?;
-    let id = run["id"].as_str().context("the API's answer has no run id")?.to_owned();
-    println!("{id}");
+    let client = client(&args.api)?;
+    let run = client.submit(body, args.idempotency_key.as_deref()).await?;
+    println!("{}", run.id);
     if args.watch {
-        return follow(&client, &id).await;
+        return follow(&client, &run.id).await;
     }
     Ok(ExitCode::SUCCESS)
 }
 
 /// Follows a run.
 pub async fn watch(args: WatchArgs) -> anyhow::Result<ExitCode> {
-    let client = Client::new(&args.api)?;
+    let client = client(&args.api)?;
     follow(&client, &args.run_id).await
 }
 
@@ -315,27 +230,27 @@ impl Progress {
     fn apply(&mut self, kind: &str, data: &Value) -> bool {
         let num = |k: &str| data[k].as_u64().unwrap_or(0);
         match kind {
-            "run.queued" => self.state = "queued".into(),
-            "turn.started" => {
+            event::RUN_QUEUED => self.state = "queued".into(),
+            event::TURN_STARTED => {
                 self.state = "running".into();
                 self.until = None;
             }
-            "turn.paced" => self.wait("waiting for budget", num("owed_ms")),
-            "turn.rate_limited" => {
+            event::TURN_PACED => self.wait("waiting for budget", num("owed_ms")),
+            event::TURN_RATE_LIMITED => {
                 self.wait(&format!("rate limited (attempt {})", num("attempt")), num("retry_after_ms"))
             }
-            "turn.retry" => {
+            event::TURN_RETRY => {
                 let reason = data["reason"].as_str().unwrap_or("transient error").to_owned();
                 self.wait(&format!("retrying after {reason} (attempt {})", num("attempt")), num("delay_ms"))
             }
-            "turn.tool_call" => self.say(format!("  tool call: {}", data["name"].as_str().unwrap_or("?"))),
-            "turn.completed" => {
+            event::TURN_TOOL_CALL => self.say(format!("  tool call: {}", data["name"].as_str().unwrap_or("?"))),
+            event::TURN_COMPLETED => {
                 self.turns += 1;
                 self.tokens += data["usage"]["total_tokens"].as_u64().unwrap_or(0);
                 self.state = "running".into();
                 self.until = None;
             }
-            "run.completed" | "run.failed" | "run.cancelled" => return true,
+            event::RUN_COMPLETED | event::RUN_FAILED | event::RUN_CANCELLED => return true,
             _ => {}
         }
         false
@@ -345,21 +260,15 @@ impl Progress {
 /// Follows `id` from its event stream until it finishes, reconnecting with
 /// `Last-Event-ID` when the stream breaks; then prints the final text (stdout)
 /// or the error (stderr) and answers the exit code.
-async fn follow(client: &Client, id: &str) -> anyhow::Result<ExitCode> {
-    let run = client.get(&format!("/v1/runs/{id}")).await?;
-    let mut progress = Progress::new(run["max_turns"].as_u64().unwrap_or(1));
+async fn follow(client: &ApiClient, id: &str) -> anyhow::Result<ExitCode> {
+    let run = client.run(id).await?;
+    let mut progress = Progress::new(u64::from(run.max_turns));
     let mut last_id: Option<String> = None;
     let mut failures = 0u32;
-    let mut finished = false;
+    let mut finished = run.status.is_finished();
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     while !finished {
-        let mut r = client
-            .request(reqwest::Method::GET, &format!("/v1/runs/{id}/events"))
-            .header("accept", "text/event-stream");
-        if let Some(l) = &last_id {
-            r = r.header("Last-Event-ID", l);
-        }
-        let resp = match client.send(r).await {
+        let resp = match client.events(id, last_id.as_deref()).await {
             Ok(resp) => resp,
             // The API itself refused (404, 401): reconnecting will not help.
             Err(e) if e.downcast_ref::<ApiFailure>().is_some_and(|f| f.status < 500) => return Err(e),
@@ -403,9 +312,7 @@ async fn follow(client: &Client, id: &str) -> anyhow::Result<ExitCode> {
         }
         if !finished {
             // The stream ended without the run ending: was it already over?
-            let run = client.get(&format!("/v1/runs/{id}")).await?;
-            let status = run["status"].as_str().unwrap_or("");
-            if matches!(status, "completed" | "failed" | "cancelled") {
+            if client.run(id).await?.status.is_finished() {
                 finished = true;
             } else {
                 tokio::time::sleep(Duration::from_millis(200)).await;
@@ -413,22 +320,23 @@ async fn follow(client: &Client, id: &str) -> anyhow::Result<ExitCode> {
         }
     }
     progress.bar.finish_and_clear();
-    let run = client.get(&format!("/v1/runs/{id}")).await?;
-    let usage = run["usage"]["total_tokens"].as_u64().unwrap_or(progress.tokens);
-    let turns = run["turns_completed"].as_u64().unwrap_or(progress.turns);
-    match run["status"].as_str().unwrap_or("") {
-        "completed" => {
+    let run = client.run(id).await?;
+    let (turns, usage) = (run.turns_completed, run.usage.total_tokens);
+    match run.status {
+        RunStatus::Completed => {
             eprintln!("{id} completed: {turns} turns, {usage} tokens");
-            println!("{}", run["output_text"].as_str().unwrap_or(""));
+            println!("{}", run.output_text.as_deref().unwrap_or(""));
             Ok(ExitCode::SUCCESS)
         }
-        "cancelled" => {
+        RunStatus::Cancelled => {
             eprintln!("{id} cancelled after {turns} turns");
             Ok(ExitCode::from(EXIT_CANCELLED))
         }
         other => {
-            let kind = run["error"]["kind"].as_str().unwrap_or(other);
-            let message = run["error"]["message"].as_str().unwrap_or("");
+            let (kind, message) = match &run.error {
+                Some(e) => (e.kind.as_str(), e.message.as_str()),
+                None => (other.as_str(), ""),
+            };
             eprintln!("{id} failed ({kind}) after {turns} turns: {message}");
             Ok(ExitCode::from(EXIT_FAILED))
         }
@@ -437,29 +345,24 @@ async fn follow(client: &Client, id: &str) -> anyhow::Result<ExitCode> {
 
 /// Lists runs.
 pub async fn runs(args: RunsArgs) -> anyhow::Result<ExitCode> {
-    let client = Client::new(&args.api)?;
-    let mut r = client.request(reqwest::Method::GET, "/v1/runs").query(&[("limit", args.limit.to_string())]);
-    if let Some(s) = &args.status {
-        r = r.query(&[("status", s)]);
-    }
-    let page = client.json(r).await?;
+    let page = client(&args.api)?.runs(args.status.as_deref(), args.limit).await?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&page)?);
         return Ok(ExitCode::SUCCESS);
     }
     println!("{:<30}  {:<9}  {:<20}  {:>7}  {:>9}  {:<24}", "ID", "STATUS", "MODEL", "TURNS", "TOKENS", "CREATED");
-    for run in page["data"].as_array().into_iter().flatten() {
+    for run in &page.data {
         println!(
             "{:<30}  {:<9}  {:<20}  {:>7}  {:>9}  {:<24}",
-            run["id"].as_str().unwrap_or(""),
-            run["status"].as_str().unwrap_or(""),
-            truncate(run["model"].as_str().unwrap_or(""), 20),
-            format!("{}/{}", run["turns_completed"], run["max_turns"]),
-            run["usage"]["total_tokens"],
-            run["created_at"].as_str().unwrap_or(""),
+            run.id,
+            run.status.as_str(),
+            truncate(&run.model, 20),
+            format!("{}/{}", run.turns_completed, run.max_turns),
+            run.usage.total_tokens,
+            run.created_at,
         );
     }
-    if page["has_more"].as_bool() == Some(true) {
+    if page.has_more {
         eprintln!("(more: --limit to see more)");
     }
     Ok(ExitCode::SUCCESS)
@@ -475,53 +378,62 @@ fn truncate(s: &str, n: usize) -> String {
 
 /// Shows one run.
 pub async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
-    let client = Client::new(&args.api)?;
-    let run = client.get(&format!("/v1/runs/{}", args.run_id)).await?;
+    let run = client(&args.api)?.run(&args.run_id).await?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&run)?);
         return Ok(ExitCode::SUCCESS);
     }
-    let s = |k: &str| run[k].as_str().unwrap_or("-").to_owned();
-    println!("id:          {}", s("id"));
-    println!("status:      {}", s("status"));
-    println!("mode/model:  {} / {}", s("mode"), s("model"));
-    println!("turns:       {}/{}", run["turns_completed"], run["max_turns"]);
-    let u = &run["usage"];
-    println!("usage:       {} in + {} out = {} tokens", u["input_tokens"], u["output_tokens"], u["total_tokens"]);
-    let (cached, reasoning) =
-        (u["cached_input_tokens"].as_u64().unwrap_or(0), u["reasoning_tokens"].as_u64().unwrap_or(0));
-    if cached > 0 || reasoning > 0 {
-        println!("             {cached} of the input cached, {reasoning} of the output reasoning");
-    }
-    let p = &run["pacing"];
-    println!(
-        "pacing:      {} budget waits ({} ms waited), {} rate limited, {} retries",
-        p["budget_waits"], p["waited_ms"], p["rate_limited"], p["retries"]
-    );
-    if run["status"] == "waiting" {
-        println!("waiting:     {} until {}", s("wait_reason"), s("next_attempt_at"));
-    }
-    println!("created:     {}", s("created_at"));
-    if let Some(f) = run["finished_at"].as_str() {
-        println!("finished:    {f}");
-    }
-    if let Some(e) = run["error"].as_object() {
-        println!(
-            "error:       {}: {}",
-            e.get("kind").and_then(Value::as_str).unwrap_or(""),
-            e.get("message").and_then(Value::as_str).unwrap_or("")
+    print!("{}", describe(&run));
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `paceline status`'s summary of a run.
+fn describe(run: &Run) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let _ = writeln!(out, "id:          {}", run.id);
+    let _ = writeln!(out, "status:      {}", run.status.as_str());
+    let _ = writeln!(out, "mode/model:  {} / {}", run.mode.as_str(), run.model);
+    let _ = writeln!(out, "turns:       {}/{}", run.turns_completed, run.max_turns);
+    let u = &run.usage;
+    let _ = writeln!(out, "usage:       {} in + {} out = {} tokens", u.input_tokens, u.output_tokens, u.total_tokens);
+    if u.cached_input_tokens > 0 || u.reasoning_tokens > 0 {
+        let _ = writeln!(
+            out,
+            "             {} of the input cached, {} of the output reasoning",
+            u.cached_input_tokens, u.reasoning_tokens
         );
     }
-    if let Some(t) = run["output_text"].as_str() {
-        println!("output:\n{t}");
+    let p = &run.pacing;
+    let _ = writeln!(
+        out,
+        "pacing:      {} budget waits ({} ms waited), {} rate limited, {} retries",
+        p.budget_waits, p.waited_ms, p.rate_limited, p.retries
+    );
+    if run.status == RunStatus::Waiting {
+        let _ = writeln!(
+            out,
+            "waiting:     {} until {}",
+            run.wait_reason.map_or("-", |w| w.as_str()),
+            run.next_attempt_at.as_deref().unwrap_or("-")
+        );
     }
-    Ok(ExitCode::SUCCESS)
+    let _ = writeln!(out, "created:     {}", run.created_at);
+    if let Some(f) = &run.finished_at {
+        let _ = writeln!(out, "finished:    {f}");
+    }
+    if let Some(e) = &run.error {
+        let _ = writeln!(out, "error:       {}: {}", e.kind, e.message);
+    }
+    if let Some(t) = &run.output_text {
+        let _ = writeln!(out, "output:\n{t}");
+    }
+    out
 }
 
 /// Shows the pacer state.
 pub async fn pacer(args: PacerArgs) -> anyhow::Result<ExitCode> {
-    let client = Client::new(&args.api)?;
-    let v = client.get("/v1/pacer").await?;
+    let v = client(&args.api)?.pacer().await?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(ExitCode::SUCCESS);
@@ -556,9 +468,7 @@ pub async fn pacer(args: PacerArgs) -> anyhow::Result<ExitCode> {
 
 /// Lists the dead-lettered turns (operator).
 pub async fn dead(args: DeadArgs) -> anyhow::Result<ExitCode> {
-    let client = Client::operator(&args.api)?;
-    let r = client.request(reqwest::Method::GET, "/v1/dead").query(&[("limit", args.limit.to_string())]);
-    let page = client.json(r).await?;
+    let page = operator_client(&args.api)?.dead(args.limit).await?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&page)?);
         return Ok(ExitCode::SUCCESS);
@@ -588,13 +498,12 @@ pub async fn dead(args: DeadArgs) -> anyhow::Result<ExitCode> {
 /// Re-drives a failed run from its last committed turn; prints its id (and
 /// follows it with `--watch`).
 pub async fn retry(args: RetryArgs) -> anyhow::Result<ExitCode> {
-    let client = Client::new(&args.api)?;
-    let run = client.json(client.request(reqwest::Method::POST, &format!("/v1/runs/{}/retry", args.run_id))).await?;
-    let id = run["id"].as_str().context("the API's answer has no run id")?.to_owned();
-    eprintln!("{id} queued again from turn {}", run["turns_completed"]);
-    println!("{id}");
+    let client = client(&args.api)?;
+    let run = client.retry(&args.run_id).await?;
+    eprintln!("{} queued again from turn {}", run.id, run.turns_completed);
+    println!("{}", run.id);
     if args.watch {
-        return follow(&client, &id).await;
+        return follow(&client, &run.id).await;
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -621,27 +530,14 @@ mod tests {
     }
 
     #[test]
-    fn api_errors_are_one_line() {
-        let body =
-            r#"{"error":{"type":"invalid_request","message":"must be an integer from 1 to 1000","field":"max_turns"}}"#;
-        assert_eq!(api_error_line(422, body), "API 422 invalid_request (max_turns): must be an integer from 1 to 1000");
-        assert_eq!(
-            api_error_line(401, r#"{"error":{"type":"unauthorized","message":"missing or invalid bearer token"}}"#),
-            "API 401 unauthorized: missing or invalid bearer token"
-        );
-        assert_eq!(api_error_line(502, "<html>\nbad gateway\n</html>"), "API 502: <html> bad gateway </html>");
-        assert_eq!(api_error_line(500, ""), "API 500: (no body)");
-    }
-
-    #[test]
     fn events_drive_the_progress() {
         let mut p = Progress::new(5);
-        assert!(!p.apply("turn.started", &serde_json::json!({"turn": 0})));
-        p.apply("turn.paced", &serde_json::json!({"owed_ms": 1500}));
+        assert!(!p.apply(event::TURN_STARTED, &serde_json::json!({"turn": 0})));
+        p.apply(event::TURN_PACED, &serde_json::json!({"owed_ms": 1500}));
         assert!(p.until.is_some());
-        p.apply("turn.completed", &serde_json::json!({"usage": {"total_tokens": 120}}));
+        p.apply(event::TURN_COMPLETED, &serde_json::json!({"usage": {"total_tokens": 120}}));
         assert_eq!((p.turns, p.tokens), (1, 120));
         assert!(p.until.is_none());
-        assert!(p.apply("run.completed", &serde_json::json!({})));
+        assert!(p.apply(event::RUN_COMPLETED, &serde_json::json!({})));
     }
 }

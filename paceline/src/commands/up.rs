@@ -238,15 +238,15 @@ fn describe_providers(provider: &ProviderArgs) -> String {
 async fn run_demo(args: &Args, d: &demo::Demo, addr: SocketAddr, stop: watch::Receiver<bool>) -> anyhow::Result<()> {
     let (mut examples, source) = demo::load_examples(&args.demo_args.examples, &d.tool_endpoint())?;
     demo::assign_providers(&mut examples);
-    let token = args.serve.tokens.0.first().map(|(_, t)| t.expose().to_owned());
-    let client = demo::ApiClient::new(format!("http://{addr}"), token)?;
+    let token = args.serve.tokens.0.first().map(|(_, t)| t.clone());
+    let client = crate::api_client::ApiClient::new(&format!("http://{addr}"), token)?;
     say(format!("submitting {} sample runs from {source} through the API:", examples.len()));
     let started = Instant::now();
     let finals = demo::drive(&client, &examples, stop.clone()).await?;
     if *stop.borrow() {
         return Ok(());
     }
-    let completed = finals.values().filter(|s| *s == "completed").count();
+    let completed = finals.values().filter(|s| **s == shared::runs::RunStatus::Completed).count();
     let (calls, limited) = d.provider_counts();
     say(format!(
         "all {} demo runs finished in {:.1} s ({completed} completed); the mock providers answered {calls} calls, {limited} of them 429s",

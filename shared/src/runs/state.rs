@@ -46,6 +46,18 @@ pub enum WaitReason {
     Retry,
 }
 
+impl WaitReason {
+    /// The name used in the API and in Redis (its serde name).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Budget => "budget",
+            Self::FairShare => "fair_share",
+            Self::RateLimited => "rate_limited",
+            Self::Retry => "retry",
+        }
+    }
+}
+
 /// What happens to a run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Transition {
