@@ -462,7 +462,7 @@ pub async fn drive(
             bar.abandon();
         }
     }
-    Ok(runs.iter().filter_map(|(name, _, id, ..)| finals.get(id).map(|s| (name.clone(), s.clone()))).collect())
+    Ok(runs.iter().filter_map(|(name, _, id, ..)| finals.get(id).map(|s| (name.clone(), *s))).collect())
 }
 
 #[cfg(test)]
