@@ -13,6 +13,7 @@ pub mod keys;
 pub mod pacer;
 pub mod providers;
 pub mod queue;
+pub mod redis_server;
 pub mod redis_util;
 pub mod runs;
 pub mod telemetry;

@@ -7,7 +7,9 @@
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+
+use shared::redis_server::{Persistence, RedisChild, RedisServerOptions};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 /// Options for a private redis-server.
@@ -25,12 +27,13 @@ pub fn free_tcp_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free TCP port").port()
 }
 
-/// A private `redis-server` listening on a Unix socket in its own temp dir.
-/// Killed when dropped.
+/// A private `redis-server` listening on a Unix socket in its own temp dir
+/// (started by `shared::redis_server`, the launcher `paceline up` and the
+/// bench use too). Killed when dropped.
 #[derive(Debug)]
 pub struct RedisServer {
     dir: tempfile::TempDir,
-    child: Option<Child>,
+    child: Option<RedisChild>,
     opts: RedisOptions,
 }
 
@@ -49,14 +52,22 @@ impl RedisServer {
         server
     }
 
+    fn options(&self) -> RedisServerOptions {
+        RedisServerOptions {
+            tcp_port: self.opts.tcp_port,
+            persistence: if self.opts.aof { Persistence::AofAlways } else { Persistence::None },
+            ..RedisServerOptions::unix(self.dir.path())
+        }
+    }
+
     /// Path of the Unix socket.
     pub fn socket(&self) -> PathBuf {
-        self.dir.path().join("redis.sock")
+        self.options().socket()
     }
 
     /// `redis+unix://` URL for the redis crate and for child processes.
     pub fn url(&self) -> String {
-        format!("redis+unix://{}", self.socket().display())
+        self.options().url()
     }
 
     /// A fresh multiplexed client for test assertions.
@@ -72,10 +83,8 @@ impl RedisServer {
     /// Kills the server (SIGKILL) and leaves it down; `restart` brings it back.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
+            child.kill();
         }
-        let _ = std::fs::remove_file(self.socket());
     }
 
     /// Brings the server back on the same socket (with the same data when AOF is on).
@@ -87,54 +96,9 @@ impl RedisServer {
     /// Starts the server process again on the same socket and dir.
     pub fn spawn(&mut self) {
         assert!(self.child.is_none(), "redis-server already running");
-        let dir = self.dir.path();
-        let log = dir.join("redis.log");
-        let mut cmd = Command::new("redis-server");
-        cmd.arg("--port")
-            .arg(self.opts.tcp_port.unwrap_or(0).to_string())
-            .arg("--bind")
-            .arg("127.0.0.1")
-            .arg("--unixsocket")
-            .arg(self.socket())
-            .arg("--unixsocketperm")
-            .arg("700")
-            .arg("--save")
-            .arg("")
-            .arg("--dir")
-            .arg(dir)
-            .arg("--logfile")
-            .arg(&log)
-            .arg("--appendonly")
-            .arg(if self.opts.aof { "yes" } else { "no" });
-        if self.opts.aof {
-            cmd.arg("--appendfsync").arg("always");
-        }
-        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
-        let child = match cmd.spawn() {
-            Ok(child) => child,
-            Err(err) => panic!("cannot start redis-server ({err}); install it (apt-get install redis-server)"),
-        };
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if ping(&self.socket()) {
-                return;
-            }
-            if let Some(child) = self.child.as_mut() {
-                if let Ok(Some(status)) = child.try_wait() {
-                    panic!(
-                        "redis-server exited at start ({status}); its log:\n{}",
-                        std::fs::read_to_string(&log).unwrap_or_default()
-                    );
-                }
-            }
-            if Instant::now() > deadline {
-                panic!(
-                    "redis-server did not answer within 10 s; its log:\n{}",
-                    std::fs::read_to_string(&log).unwrap_or_default()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(5));
+        match self.options().start() {
+            Ok(child) => self.child = Some(child),
+            Err(e) => panic!("cannot start a private redis-server: {e}"),
         }
     }
 }
@@ -143,20 +107,6 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         self.kill();
     }
-}
-
-/// A blocking PING over the Unix socket, used only to learn that the server is up.
-fn ping(socket: &Path) -> bool {
-    use std::io::{Read, Write};
-    let Ok(mut stream) = std::os::unix::net::UnixStream::connect(socket) else {
-        return false;
-    };
-    let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
-    if stream.write_all(b"PING\r\n").is_err() {
-        return false;
-    }
-    let mut buf = [0u8; 16];
-    matches!(stream.read(&mut buf), Ok(n) if buf[..n].starts_with(b"+PONG"))
 }
 
 /// A key prefix no other test uses.

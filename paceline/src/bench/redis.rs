@@ -3,14 +3,15 @@
 //! measure behind every "Redis commands per turn" figure.
 
 use anyhow::Context as _;
+use shared::redis_server::{RedisChild, RedisServerOptions};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
 
-/// A private `redis-server` for a bench, killed (and its dir removed) on drop.
+/// A private `redis-server` for a bench (Unix socket in a temp dir, nothing on
+/// disk; `shared::redis_server` starts it), killed and its dir removed on drop.
 #[derive(Debug)]
 pub struct PrivateRedis {
-    child: std::process::Child,
+    child: Option<RedisChild>,
     dir: PathBuf,
 }
 
@@ -20,37 +21,14 @@ impl PrivateRedis {
         let nanos =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().subsec_nanos();
         let dir = std::env::temp_dir().join(format!("paceline-{label}-{}-{nanos:x}", std::process::id()));
-        std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
-        let child = std::process::Command::new("redis-server")
-            .args(["--port", "0", "--save", "", "--appendonly", "no"])
-            .arg("--unixsocket")
-            .arg(dir.join("redis.sock"))
-            .arg("--dir")
-            .arg(&dir)
-            .arg("--logfile")
-            .arg(dir.join("redis.log"))
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .context("start redis-server (install it: apt-get install redis-server)")?;
-        let server = Self { child, dir };
-        let client = redis::Client::open(server.url())?;
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Ok(mut conn) = client.get_multiplexed_async_connection().await {
-                if redis::cmd("PING").query_async::<String>(&mut conn).await.is_ok() {
-                    return Ok(server);
-                }
-            }
-            anyhow::ensure!(Instant::now() < deadline, "redis-server did not answer within 10 s");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let options = RedisServerOptions::unix(&dir);
+        let child = tokio::task::spawn_blocking(move || options.start()).await?.context("the bench's Redis")?;
+        Ok(Self { child: Some(child), dir })
     }
 
     /// `redis+unix://…`, for this process and the children it starts.
     pub fn url(&self) -> String {
-        format!("redis+unix://{}", self.dir.join("redis.sock").display())
+        RedisServerOptions::unix(&self.dir).url()
     }
 
     /// The server's own temp dir (logs of the bench's children go here too).
@@ -61,8 +39,7 @@ impl PrivateRedis {
 
 impl Drop for PrivateRedis {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        drop(self.child.take());
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

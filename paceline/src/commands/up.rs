@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use shared::config::{KeySource, PacerArgs, ProviderArgs, RedisArgs, RunArgs};
 use shared::queue::QueueConfig;
+use shared::redis_server::{LaunchError, Persistence, RedisChild, RedisServerOptions};
 use tokio::sync::watch;
 
 use crate::demo::{self, DemoArgs};
@@ -376,7 +377,7 @@ struct PrivateRedis {
     dir: PathBuf,
     port: u16,
     /// `None` when it was adopted from a killed earlier `up`.
-    child: Option<tokio::process::Child>,
+    child: Option<RedisChild>,
 }
 
 impl PrivateRedis {
@@ -400,61 +401,25 @@ impl PrivateRedis {
             .and_then(|l| l.local_addr())
             .context("finding a free port for redis-server")?
             .port();
-        let mut cmd = tokio::process::Command::new("redis-server");
-        cmd.arg("--bind")
-            .arg("127.0.0.1")
-            .arg("--port")
-            .arg(port.to_string())
-            .arg("--protected-mode")
-            .arg("yes")
-            .arg("--dir")
-            .arg(&dir)
-            .arg("--appendonly")
-            .arg("yes")
-            .arg("--appendfsync")
-            .arg("everysec")
-            .arg("--save")
-            .arg("")
-            .arg("--logfile")
-            .arg(dir.join("redis.log"))
-            .arg("--pidfile")
-            .arg(dir.join("redis.pid"))
-            .arg("--daemonize")
-            .arg("no")
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .kill_on_drop(true);
-        // Its own process group: a terminal's Ctrl-C reaches only us, and we
-        // stop Redis after the workers have drained into it.
-        #[cfg(unix)]
-        cmd.process_group(0);
-        let mut child = match cmd.spawn() {
-            Ok(c) => c,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => anyhow::bail!(
+        let options = RedisServerOptions {
+            dir: dir.clone(),
+            unix_socket: false,
+            tcp_port: Some(port),
+            persistence: Persistence::AofEverySec,
+            // Its own process group: a terminal's Ctrl-C reaches only us, and
+            // we stop Redis after the workers have drained into it.
+            own_process_group: true,
+        };
+        let child = match tokio::task::spawn_blocking(move || options.start()).await? {
+            Ok(child) => child,
+            Err(LaunchError::NotInstalled) => anyhow::bail!(
                 "no Redis to use: REDIS_URL is not set, nothing answers on {probed}, and there is no `redis-server` \
                  on PATH to start a private one. Install Redis (Debian/Ubuntu: `sudo apt-get install redis-server`; \
                  macOS: `brew install redis`), or set REDIS_URL to a Redis you have."
             ),
-            Err(e) => return Err(e).context("starting redis-server"),
+            Err(e) => return Err(e.into()),
         };
-        let pid = child.id().unwrap_or(0);
-        let addr = SocketAddr::from(([127, 0, 0, 1], port));
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if probe(addr).await == Probe::Pong {
-                break;
-            }
-            let log = || std::fs::read_to_string(dir.join("redis.log")).unwrap_or_default();
-            if let Ok(Some(status)) = child.try_wait() {
-                anyhow::bail!("redis-server exited at start ({status}); the end of its log:\n{}", tail(&log(), 10));
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill().await;
-                anyhow::bail!("redis-server did not answer within 10 s; the end of its log:\n{}", tail(&log(), 10));
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let pid = child.pid().unwrap_or(0);
         let _ = std::fs::write(dir.join(PORT_FILE), port.to_string());
         say(format!(
             "REDIS_URL is not set and nothing answers on {probed}, so paceline started a private redis-server \
@@ -479,14 +444,14 @@ impl PrivateRedis {
             }
         }
         let addr = SocketAddr::from(([127, 0, 0, 1], self.port));
-        let gone = match self.child.as_mut() {
-            Some(child) => match tokio::time::timeout(Duration::from_secs(10), child.wait()).await {
-                Ok(_) => true,
-                Err(_) => {
-                    let _ = child.kill().await;
-                    false
-                }
-            },
+        let gone = match self.child.take() {
+            Some(mut child) => tokio::task::spawn_blocking(move || {
+                let gone = child.wait_exit(Duration::from_secs(10));
+                child.kill();
+                gone
+            })
+            .await
+            .unwrap_or(false),
             None => {
                 let deadline = Instant::now() + Duration::from_secs(10);
                 while probe(addr).await != Probe::Nothing && Instant::now() < deadline {
@@ -502,11 +467,6 @@ impl PrivateRedis {
             say("the private redis-server did not stop within 10 s after SHUTDOWN");
         }
     }
-}
-
-fn tail(text: &str, n: usize) -> String {
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 #[cfg(test)]

@@ -1,0 +1,280 @@
+//! A private `redis-server` child: the one launcher behind `paceline up`
+//! (when no Redis is given and none answers), the bench and the integration
+//! tests. Each says where the server keeps its files, how it listens (a Unix
+//! socket in that directory, a TCP port on 127.0.0.1, or both) and whether it
+//! persists; the launcher builds the command line, starts it and waits until
+//! it answers `PING`.
+//!
+//! Starting is synchronous (a child process and a blocking `PING`, at most
+//! [`START_TIMEOUT`]): async callers run it on a blocking thread.
+
+use std::io::{Read as _, Write as _};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+/// How long a started server has to answer `PING`.
+pub const START_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What the server does with its data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Persistence {
+    /// Nothing on disk (benches, most tests).
+    #[default]
+    None,
+    /// An append-only file, fsynced once a second (`paceline up`).
+    AofEverySec,
+    /// An append-only file, fsynced on every write (tests that restart the
+    /// server and count on every acknowledged write).
+    AofAlways,
+}
+
+/// Where and how one private server runs.
+#[derive(Debug, Clone)]
+pub struct RedisServerOptions {
+    /// Its directory: data, `redis.log`, `redis.pid` and, with
+    /// [`RedisServerOptions::unix_socket`], `redis.sock`.
+    pub dir: PathBuf,
+    /// Listen on `DIR/redis.sock` (mode 700).
+    pub unix_socket: bool,
+    /// Also listen on 127.0.0.1 on this port (`None`: no TCP).
+    pub tcp_port: Option<u16>,
+    /// What it keeps on disk.
+    pub persistence: Persistence,
+    /// Start it in its own process group, so a terminal's Ctrl-C reaches only
+    /// its parent, which stops it after draining into it.
+    pub own_process_group: bool,
+}
+
+impl RedisServerOptions {
+    /// A server on a Unix socket in `dir`, nothing on disk.
+    pub fn unix(dir: impl Into<PathBuf>) -> Self {
+        Self {
+            dir: dir.into(),
+            unix_socket: true,
+            tcp_port: None,
+            persistence: Persistence::None,
+            own_process_group: false,
+        }
+    }
+
+    /// The Unix socket's path (whether or not it listens there).
+    pub fn socket(&self) -> PathBuf {
+        self.dir.join("redis.sock")
+    }
+
+    /// The URL a client connects with: the Unix socket when there is one,
+    /// else the TCP port.
+    pub fn url(&self) -> String {
+        match (self.unix_socket, self.tcp_port) {
+            (false, Some(port)) => format!("redis://127.0.0.1:{port}"),
+            _ => format!("redis+unix://{}", self.socket().display()),
+        }
+    }
+
+    /// The `redis-server` command line these options describe.
+    pub fn command(&self) -> Command {
+        let mut cmd = Command::new("redis-server");
+        cmd.arg("--bind").arg("127.0.0.1").arg("--port").arg(self.tcp_port.unwrap_or(0).to_string());
+        cmd.arg("--protected-mode").arg("yes");
+        if self.unix_socket {
+            cmd.arg("--unixsocket").arg(self.socket()).arg("--unixsocketperm").arg("700");
+        }
+        cmd.arg("--dir").arg(&self.dir).arg("--save").arg("");
+        cmd.arg("--logfile").arg(self.dir.join("redis.log")).arg("--pidfile").arg(self.dir.join("redis.pid"));
+        cmd.arg("--daemonize").arg("no");
+        match self.persistence {
+            Persistence::None => cmd.arg("--appendonly").arg("no"),
+            Persistence::AofEverySec => cmd.arg("--appendonly").arg("yes").arg("--appendfsync").arg("everysec"),
+            Persistence::AofAlways => cmd.arg("--appendonly").arg("yes").arg("--appendfsync").arg("always"),
+        };
+        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
+        #[cfg(unix)]
+        if self.own_process_group {
+            use std::os::unix::process::CommandExt as _;
+            cmd.process_group(0);
+        }
+        cmd
+    }
+
+    /// Starts the server and waits until it answers `PING` (at most
+    /// [`START_TIMEOUT`]); a server that exits or stays silent is killed and
+    /// its log's end is in the error.
+    pub fn start(&self) -> Result<RedisChild, LaunchError> {
+        std::fs::create_dir_all(&self.dir).map_err(LaunchError::Io)?;
+        let child = match self.command().spawn() {
+            Ok(c) => c,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(LaunchError::NotInstalled),
+            Err(e) => return Err(LaunchError::Io(e)),
+        };
+        let mut server = RedisChild { child: Some(child), options: self.clone() };
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            if server.answers() {
+                return Ok(server);
+            }
+            if let Some(Ok(Some(status))) = server.child.as_mut().map(Child::try_wait) {
+                server.child = None;
+                return Err(LaunchError::Exited { status, log: self.log_tail(10) });
+            }
+            if Instant::now() > deadline {
+                server.kill();
+                return Err(LaunchError::Silent { log: self.log_tail(10) });
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// The last `n` lines of the server's log.
+    pub fn log_tail(&self, n: usize) -> String {
+        let text = std::fs::read_to_string(self.dir.join("redis.log")).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
+    }
+}
+
+/// Why a private server did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// There is no `redis-server` on `PATH`.
+    #[error(
+        "there is no `redis-server` on PATH (Debian/Ubuntu: `sudo apt-get install redis-server`; macOS: `brew install redis`)"
+    )]
+    NotInstalled,
+    /// It exited before it answered.
+    #[error("redis-server exited at start ({status}); the end of its log:\n{log}")]
+    Exited {
+        /// Its exit status.
+        status: ExitStatus,
+        /// The end of its log.
+        log: String,
+    },
+    /// It did not answer `PING` in time (it was killed).
+    #[error("redis-server did not answer within {} s; the end of its log:\n{log}", START_TIMEOUT.as_secs())]
+    Silent {
+        /// The end of its log.
+        log: String,
+    },
+    /// Its directory or the process could not be made.
+    #[error("starting redis-server: {0}")]
+    Io(std::io::Error),
+}
+
+/// A running private server. Dropping it kills it (SIGKILL): stop it with
+/// `SHUTDOWN` first when its data matters.
+#[derive(Debug)]
+pub struct RedisChild {
+    child: Option<Child>,
+    options: RedisServerOptions,
+}
+
+impl RedisChild {
+    /// How it was started.
+    pub fn options(&self) -> &RedisServerOptions {
+        &self.options
+    }
+
+    /// Its process id.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Whether it answers `PING` now (a blocking probe of at most 0.5 s).
+    pub fn answers(&self) -> bool {
+        if self.options.unix_socket {
+            ping_unix(&self.options.socket())
+        } else {
+            self.options.tcp_port.is_some_and(|p| ping_tcp(std::net::SocketAddr::from(([127, 0, 0, 1], p))))
+        }
+    }
+
+    /// Kills it (SIGKILL) and reaps it; its socket file is removed.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if self.options.unix_socket {
+            let _ = std::fs::remove_file(self.options.socket());
+        }
+    }
+
+    /// Waits up to `timeout` for it to exit on its own (after `SHUTDOWN`);
+    /// false when it is still running.
+    pub fn wait_exit(&mut self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let Some(child) = self.child.as_mut() else { return true };
+        loop {
+            if let Ok(Some(_)) | Err(_) = child.try_wait() {
+                self.child = None;
+                return true;
+            }
+            if Instant::now() > deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for RedisChild {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A blocking `PING` over a Unix socket: true on `+PONG`.
+fn ping_unix(socket: &Path) -> bool {
+    #[cfg(unix)]
+    {
+        let Ok(mut stream) = std::os::unix::net::UnixStream::connect(socket) else { return false };
+        let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
+        if stream.write_all(b"PING\r\n").is_err() {
+            return false;
+        }
+        let mut buf = [0u8; 16];
+        matches!(stream.read(&mut buf), Ok(n) if buf[..n].starts_with(b"+PONG"))
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = socket;
+        false
+    }
+}
+
+/// A blocking `PING` over TCP: true on `+PONG`.
+fn ping_tcp(addr: std::net::SocketAddr) -> bool {
+    let Ok(mut stream) = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(300)) else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
+    if stream.write_all(b"PING\r\n").is_err() {
+        return false;
+    }
+    let mut buf = [0u8; 16];
+    matches!(stream.read(&mut buf), Ok(n) if buf[..n].starts_with(b"+PONG"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_command_line_says_what_the_options_say() {
+        let mut o = RedisServerOptions::unix("/tmp/x");
+        let args = |o: &RedisServerOptions| -> Vec<String> {
+            o.command().get_args().map(|a| a.to_string_lossy().into_owned()).collect()
+        };
+        let a = args(&o);
+        assert!(a.windows(2).any(|w| w == ["--unixsocket", "/tmp/x/redis.sock"]), "{a:?}");
+        assert!(a.windows(2).any(|w| w == ["--port", "0"]) && a.windows(2).any(|w| w == ["--appendonly", "no"]));
+        assert_eq!(o.url(), "redis+unix:///tmp/x/redis.sock");
+        o.unix_socket = false;
+        o.tcp_port = Some(7001);
+        o.persistence = Persistence::AofEverySec;
+        let a = args(&o);
+        assert!(!a.contains(&"--unixsocket".to_owned()));
+        assert!(a.windows(2).any(|w| w == ["--appendfsync", "everysec"]), "{a:?}");
+        assert_eq!(o.url(), "redis://127.0.0.1:7001");
+    }
+}
