@@ -38,7 +38,7 @@ const BODY_LIMIT: usize = 64 * 1024 * 1024;
 #[derive(Debug)]
 pub struct MockServer {
     addr: SocketAddr,
-    shared: Arc<Shared>,
+    shared: Arc<ServerState>,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<std::io::Result<()>>>,
 }
@@ -48,7 +48,7 @@ impl MockServer {
     pub async fn start(config: MockConfig) -> std::io::Result<Self> {
         let listener = tokio::net::TcpListener::bind(config.listen).await?;
         let addr = listener.local_addr()?;
-        let shared = Arc::new(Shared::new(config));
+        let shared = Arc::new(ServerState::new(config));
         let (stop, stopped) = oneshot::channel::<()>();
         let app = router(shared.clone());
         let task = tokio::spawn(async move {
@@ -127,7 +127,7 @@ impl Drop for MockServer {
     }
 }
 
-fn router(shared: Arc<Shared>) -> Router {
+fn router(shared: Arc<ServerState>) -> Router {
     Router::new()
         .route("/v1/responses", post(responses))
         .route("/v1/chat/completions", post(chat_completions))
@@ -140,15 +140,15 @@ fn router(shared: Arc<Shared>) -> Router {
         .with_state(shared)
 }
 
-async fn responses(AxState(shared): AxState<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn responses(AxState(shared): AxState<Arc<ServerState>>, headers: HeaderMap, body: Bytes) -> Response {
     shared.handle(Api::Responses, &headers, body).await
 }
 
-async fn chat_completions(AxState(shared): AxState<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn chat_completions(AxState(shared): AxState<Arc<ServerState>>, headers: HeaderMap, body: Bytes) -> Response {
     shared.handle(Api::Chat, &headers, body).await
 }
 
-async fn messages(AxState(shared): AxState<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn messages(AxState(shared): AxState<Arc<ServerState>>, headers: HeaderMap, body: Bytes) -> Response {
     shared.handle(Api::Messages, &headers, body).await
 }
 
@@ -166,17 +166,17 @@ struct StatsQuery {
     log: Option<bool>,
 }
 
-async fn stats(AxState(shared): AxState<Arc<Shared>>, Query(q): Query<StatsQuery>) -> Response {
+async fn stats(AxState(shared): AxState<Arc<ServerState>>, Query(q): Query<StatsQuery>) -> Response {
     Json(shared.stats(q.log.unwrap_or(true))).into_response()
 }
 
-async fn reset(AxState(shared): AxState<Arc<Shared>>) -> Response {
+async fn reset(AxState(shared): AxState<Arc<ServerState>>) -> Response {
     shared.reset();
     Json(json!({"reset": true})).into_response()
 }
 
 /// Takes one fault object or a list of them.
-async fn faults(AxState(shared): AxState<Arc<Shared>>, body: Bytes) -> Response {
+async fn faults(AxState(shared): AxState<Arc<ServerState>>, body: Bytes) -> Response {
     let parsed: Result<Vec<Fault>, _> = serde_json::from_slice::<Vec<Fault>>(&body)
         .or_else(|_| serde_json::from_slice::<Fault>(&body).map(|f| vec![f]));
     match parsed {
@@ -200,7 +200,7 @@ async fn not_found(method: Method, uri: Uri) -> Response {
 
 /// State shared by every handler.
 #[derive(Debug)]
-struct Shared {
+struct ServerState {
     cfg: MockConfig,
     start: Instant,
     state: Mutex<State>,
@@ -235,7 +235,7 @@ struct Admission {
     stall: Duration,
 }
 
-impl Shared {
+impl ServerState {
     fn new(cfg: MockConfig) -> Self {
         let state = State::new(&cfg);
         Self { cfg, start: Instant::now(), state: Mutex::new(state) }

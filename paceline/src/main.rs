@@ -38,7 +38,7 @@ enum Command {
     /// One run.
     Status(commands::client::StatusArgs),
     /// The shared budget state(s), as the workers see them.
-    Pacer(commands::client::PacerArgs),
+    Pacer(commands::client::PacerViewArgs),
     /// Dead-lettered turns, newest first (the operator's token).
     Dead(commands::client::DeadArgs),
     /// Re-drive a failed or dead-lettered run from its last committed turn.

@@ -33,7 +33,7 @@ use shared::queue::apalis_core::worker::builder::WorkerBuilder;
 use shared::queue::{Lease, QueueConfig, TurnQueue};
 use shared::runs::{RunStore, TurnJob};
 
-pub use turn::{Outcome, Runner, TurnConfig};
+pub use turn::{Runner, TurnConfig, TurnOutcome};
 
 /// A worker process's configuration (flag > env > default).
 #[derive(Debug, Clone, clap::Args)]

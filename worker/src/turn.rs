@@ -22,7 +22,8 @@ use shared::queue::Lease;
 use shared::runs::context::{clip_tool_output, prepare_context};
 use shared::runs::state::event;
 use shared::runs::{
-    Fence, Next, RunStore, Started, StoreError, TranscriptEntry, TurnContext, TurnJob, Usage, WaitReason,
+    ErrorKind, Fence, Next, Phase, RunStore, Started, StoreError, TranscriptEntry, TurnContext, TurnJob, Usage,
+    WaitReason,
 };
 
 use crate::provider::{CallFailure, CallSuccess, StreamEvent, ToolCall};
@@ -90,7 +91,7 @@ pub enum TurnError {
 
 /// How a turn ended for this worker (for metrics and tests).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
+pub enum TurnOutcome {
     /// Committed; the next turn is queued.
     Continued,
     /// Committed; the run is completed.
@@ -103,7 +104,7 @@ pub enum Outcome {
     Stopped,
 }
 
-impl Outcome {
+impl TurnOutcome {
     /// The metric label.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -116,7 +117,7 @@ impl Outcome {
     }
 }
 
-fn settled(lease: &Lease, fence: Fence, ok: Outcome) -> Outcome {
+fn settled(lease: &Lease, fence: Fence, ok: TurnOutcome) -> TurnOutcome {
     // Whatever the script did (written, or finished/stale), the queue item is
     // no longer this handler's to complete.
     lease.mark_settled();
@@ -124,26 +125,26 @@ fn settled(lease: &Lease, fence: Fence, ok: Outcome) -> Outcome {
         Fence::Ok => ok,
         Fence::Stop(why) => {
             tracing::info!(message = "turn stopped", run.id = %lease.id, why = %why);
-            Outcome::Stopped
+            TurnOutcome::Stopped
         }
     }
 }
 
 impl Runner {
     /// Runs turn `job` of the run `lease.id`.
-    pub async fn run_turn(&self, job: TurnJob, lease: &Lease) -> Result<Outcome, TurnError> {
+    pub async fn run_turn(&self, job: TurnJob, lease: &Lease) -> Result<TurnOutcome, TurnError> {
         let started = Instant::now();
         let ctx = match self.store.start_turn_with_history(lease, job, self.config.max_history).await? {
             Started::Run(ctx) => ctx,
             Started::Stop(why) => {
                 tracing::info!(message = "turn not started", run.id = %lease.id, why = %why);
                 lease.mark_settled();
-                return Ok(Outcome::Stopped);
+                return Ok(TurnOutcome::Stopped);
             }
         };
         // From here a cancel of the run reaches this turn (cancels.rs).
         let cancel = self.cancels.watch_lease(&lease.id, Some(lease.clone()));
-        let outcome = if ctx.phase == "tools" {
+        let outcome = if ctx.phase == Phase::Tools {
             // The model's output is committed; its tool calls were interrupted.
             let calls = pending_tool_calls(&ctx.transcript, job.turn + 1);
             self.run_tools_and_commit(lease, job, &ctx, &calls, &cancel).await?
@@ -161,7 +162,7 @@ impl Runner {
         job: TurnJob,
         ctx: &TurnContext,
         cancel: &Cancel,
-    ) -> Result<Outcome, TurnError> {
+    ) -> Result<TurnOutcome, TurnError> {
         let spec = &ctx.spec;
         let Some(route) = self.routes.get(spec.provider.as_deref()) else {
             // The API knew the name (it checks PACELINE_PROVIDERS at submit);
@@ -171,8 +172,8 @@ impl Runner {
                 spec.provider.as_deref().unwrap_or_default(),
                 self.routes.names().join(", ")
             );
-            let fence = self.store.fail(lease, job, "provider_error", &message, Usage::default()).await?;
-            return Ok(settled(lease, fence, Outcome::Failed));
+            let fence = self.store.fail(lease, job, ErrorKind::ProviderError, &message, Usage::default()).await?;
+            return Ok(settled(lease, fence, TurnOutcome::Failed));
         };
         let params = TurnParams {
             model: &spec.model,
@@ -188,8 +189,8 @@ impl Runner {
         if spec.mode == Mode::Companion && lease.deliveries > 1 && self.store.streamed_text(&lease.id, job.turn).await?
         {
             let message = "the turn was delivered again after it had streamed text (its worker stopped mid-answer)";
-            let fence = self.store.fail(lease, job, "partial_output", message, Usage::default()).await?;
-            return Ok(settled(lease, fence, Outcome::Failed));
+            let fence = self.store.fail(lease, job, ErrorKind::PartialOutput, message, Usage::default()).await?;
+            return Ok(settled(lease, fence, TurnOutcome::Failed));
         }
         let style = route.provider.api_style();
         let (body, answer_tool, input) = cpu_bound(|| {
@@ -225,7 +226,7 @@ impl Runner {
                     };
                     let data = json!({"turn": job.turn, "owed_ms": ms, "reason": reason_name});
                     let fence = self.store.wait(lease, job, job, ms, wait_reason, event::TURN_PACED, &data).await?;
-                    return Ok(settled(lease, fence, Outcome::Requeued));
+                    return Ok(settled(lease, fence, TurnOutcome::Requeued));
                 }
             }
         }
@@ -290,7 +291,7 @@ impl Runner {
         reservation: &str,
         success: CallSuccess,
         cancel: &Cancel,
-    ) -> Result<Outcome, TurnError> {
+    ) -> Result<TurnOutcome, TurnError> {
         metrics::counter!(metric::PROVIDER_CALLS, "status" => success.status.to_string()).increment(1);
         let usage = success.usage.map(|u| Usage {
             input_tokens: u.input_tokens,
@@ -319,21 +320,21 @@ impl Runner {
                 .store
                 .commit(lease, job, &success.output, usage, &Next::Complete(success.output_text.clone()))
                 .await?;
-            return Ok(settled(lease, fence, Outcome::Completed));
+            return Ok(settled(lease, fence, TurnOutcome::Completed));
         }
         if job.turn + 1 >= ctx.spec.max_turns {
             // The model wants another turn and there is none left.
             let next = Next::Fail {
-                kind: "max_turns".into(),
+                kind: ErrorKind::MaxTurns,
                 message: format!("the run reached max_turns ({}) with tool calls pending", ctx.spec.max_turns),
             };
             let fence = self.store.commit(lease, job, &success.output, usage, &next).await?;
-            return Ok(settled(lease, fence, Outcome::Failed));
+            return Ok(settled(lease, fence, TurnOutcome::Failed));
         }
         // Commit the model's output before running tools: a crash while they
         // run then re-calls no model.
         if let Fence::Stop(why) = self.store.record_output(lease, job, &success.output, usage).await? {
-            return Ok(settled(lease, Fence::Stop(why), Outcome::Stopped));
+            return Ok(settled(lease, Fence::Stop(why), TurnOutcome::Stopped));
         }
         self.run_tools_and_commit(lease, job, ctx, &success.tool_calls, cancel).await
     }
@@ -345,7 +346,7 @@ impl Runner {
         ctx: &TurnContext,
         calls: &[ToolCall],
         cancel: &Cancel,
-    ) -> Result<Outcome, TurnError> {
+    ) -> Result<TurnOutcome, TurnError> {
         if cancel.is_cancelled() {
             return self.cancelled(lease, ctx).await;
         }
@@ -381,7 +382,7 @@ impl Runner {
             tracing::warn!(message = "could not write the tool results' events", %error, run.id = %lease.id);
         }
         let fence = self.store.commit(lease, job, &items, Usage::default(), &Next::Continue).await?;
-        Ok(settled(lease, fence, Outcome::Continued))
+        Ok(settled(lease, fence, TurnOutcome::Continued))
     }
 
     async fn on_failure(
@@ -391,7 +392,7 @@ impl Runner {
         ctx: &TurnContext,
         reservation: &str,
         failure: CallFailure,
-    ) -> Result<Outcome, TurnError> {
+    ) -> Result<TurnOutcome, TurnError> {
         let status = failure.status.map(|s| s.to_string()).unwrap_or_else(|| "none".into());
         metrics::counter!(metric::PROVIDER_CALLS, "status" => status).increment(1);
         let delay = server_delay(&failure.headers, &failure.message);
@@ -416,8 +417,8 @@ impl Runner {
         if ctx.spec.mode == Mode::Companion && failure.streamed_text {
             // Re-sending would say the same words twice to a live listener.
             let message = format!("the call failed after it had streamed text: {}", failure.message);
-            let fence = self.store.fail(lease, job, "partial_output", &message, Usage::default()).await?;
-            return Ok(settled(lease, fence, Outcome::Failed));
+            let fence = self.store.fail(lease, job, ErrorKind::PartialOutput, &message, Usage::default()).await?;
+            return Ok(settled(lease, fence, TurnOutcome::Failed));
         }
         let mut rng = rand::rngs::StdRng::from_os_rng();
         match next_retry(&self.config.retry, job.attempt, failure.kind, delay, &mut rng) {
@@ -437,7 +438,7 @@ impl Runner {
                 tracing::info!(message = "call failed; requeued", run.id = %lease.id, turn.index = job.turn,
                     attempt = job.attempt, delay_ms, kind = ?failure.kind, source = ?source);
                 let fence = self.store.wait(lease, job, next, delay_ms, reason, kind, &data).await?;
-                Ok(settled(lease, fence, Outcome::Requeued))
+                Ok(settled(lease, fence, TurnOutcome::Requeued))
             }
             RetryDecision::GiveUp(give_up) => {
                 let message = match give_up {
@@ -452,7 +453,7 @@ impl Runner {
                 tracing::warn!(message = "call failed; the run fails", run.id = %lease.id, turn.index = job.turn,
                     attempt = job.attempt, kind = ?failure.kind, error = %message);
                 let fence = self.store.fail(lease, job, failure.kind.error_kind(), &message, Usage::default()).await?;
-                Ok(settled(lease, fence, Outcome::Failed))
+                Ok(settled(lease, fence, TurnOutcome::Failed))
             }
         }
     }
@@ -470,12 +471,12 @@ impl Runner {
     /// the handler returns (the backend completes an unsettled lease). A wake
     /// for a run that is not cancelled (it cannot be: a cancel is final) is
     /// handed back to the queue as an error, to run again.
-    async fn cancelled(&self, lease: &Lease, ctx: &TurnContext) -> Result<Outcome, TurnError> {
+    async fn cancelled(&self, lease: &Lease, ctx: &TurnContext) -> Result<TurnOutcome, TurnError> {
         if lease.is_lost() {
             // Another delivery owns the turn now: write nothing, settle nothing.
             tracing::warn!(message = "turn stopped: its lease was taken back; it runs again elsewhere", run.id = %lease.id);
             lease.mark_settled();
-            return Ok(Outcome::Stopped);
+            return Ok(TurnOutcome::Stopped);
         }
         let run = self.store.get(&ctx.tenant, &lease.id).await?;
         if run.is_some_and(|r| r.status != shared::runs::RunStatus::Cancelled) {
@@ -484,7 +485,7 @@ impl Runner {
             )));
         }
         tracing::info!(message = "turn stopped by a cancel", run.id = %lease.id);
-        Ok(Outcome::Stopped)
+        Ok(TurnOutcome::Stopped)
     }
 
     async fn settle_pacer(&self, spec: &shared::runs::RunSpec, reservation: &str, outcome: &CallOutcome) {

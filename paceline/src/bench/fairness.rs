@@ -330,7 +330,7 @@ pub async fn measure(env: &Env, plan: &FairnessPlan, progress: &ProgressBar) -> 
     })
 }
 
-/// Trial 1: live turns first.
+/// Trial 1: companion turns first.
 async fn live(env: &Env, plan: &FairnessPlan, progress: &ProgressBar) -> anyhow::Result<(CompanionWaits, LiveWork)> {
     let lp = &plan.live;
     let work = plan.workload(lp.work_turns);

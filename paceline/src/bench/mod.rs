@@ -9,7 +9,7 @@
 //! - `trial.rs` — one configuration measured on its own (fresh prefix, fresh mock).
 //! - `pacing.rs` — the pacing scenario: one trial per pacer, same workload.
 //! - `shapes.rs` — the provider shapes `--shape` runs the pacing scenario against.
-//! - `fairness.rs` — the fairness scenario: live turns first, tenants' shares, weights.
+//! - `fairness.rs` — the fairness scenario: companion turns first, tenants' shares, weights.
 //! - `throughput.rs` — the throughput scenario: an unlimited instant mock, one worker.
 //! - `report.rs` — the figures, the floor's formula, the table.
 

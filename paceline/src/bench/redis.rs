@@ -10,12 +10,12 @@ use std::path::PathBuf;
 /// A private `redis-server` for a bench (Unix socket in a temp dir, nothing on
 /// disk; `shared::redis_server` starts it), killed and its dir removed on drop.
 #[derive(Debug)]
-pub struct PrivateRedis {
+pub struct BenchRedis {
     child: Option<RedisChild>,
     dir: PathBuf,
 }
 
-impl PrivateRedis {
+impl BenchRedis {
     /// Starts one and waits (at most 10 s) until it answers.
     pub async fn start(label: &str) -> anyhow::Result<Self> {
         let nanos =
@@ -37,7 +37,7 @@ impl PrivateRedis {
     }
 }
 
-impl Drop for PrivateRedis {
+impl Drop for BenchRedis {
     fn drop(&mut self) {
         drop(self.child.take());
         let _ = std::fs::remove_dir_all(&self.dir);

@@ -14,14 +14,14 @@ use shared::runs::{Run, RunStore};
 use std::time::{Duration, Instant};
 
 use super::fleet::{Fleet, FleetSpec, DELIVERIES_ENV};
-use super::redis::{CommandDelta, CommandStats, PrivateRedis};
+use super::redis::{BenchRedis, CommandDelta, CommandStats};
 use super::workload::{api_server, submit_all, tool_server, Served};
 
 /// What every trial of one bench invocation shares: Redis and the tool endpoint.
 #[derive(Debug)]
 pub struct Env {
     /// The private redis-server.
-    pub redis: PrivateRedis,
+    pub redis: BenchRedis,
     /// The tool endpoint.
     pub tools: Served,
     trials: std::sync::atomic::AtomicUsize,
@@ -30,7 +30,7 @@ pub struct Env {
 impl Env {
     /// Starts Redis and the tool endpoint.
     pub async fn start() -> anyhow::Result<Self> {
-        let redis = PrivateRedis::start("bench").await?;
+        let redis = BenchRedis::start("bench").await?;
         let tools = tool_server().await?;
         Ok(Self { redis, tools, trials: Default::default() })
     }

@@ -109,7 +109,7 @@ pub struct StatusArgs {
 
 /// `paceline pacer`.
 #[derive(Debug, clap::Args)]
-pub struct PacerArgs {
+pub struct PacerViewArgs {
     /// Print the API's JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -432,7 +432,7 @@ fn describe(run: &Run) -> String {
 }
 
 /// Shows the pacer state.
-pub async fn pacer(args: PacerArgs) -> anyhow::Result<ExitCode> {
+pub async fn pacer(args: PacerViewArgs) -> anyhow::Result<ExitCode> {
     let v = client(&args.api)?.pacer().await?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&v)?);

@@ -14,7 +14,7 @@
 //! bench` live in `crate::bench`; [`queue_only`] is also that bench's
 //! queue-alone figure.
 
-use crate::bench::redis::{CommandStats, PrivateRedis};
+use crate::bench::redis::{BenchRedis, CommandStats};
 use crate::bench::report::{Percentiles, QueueOnly};
 use anyhow::Context as _;
 use shared::config::RedisArgs;
@@ -252,8 +252,8 @@ pub async fn queue_only(
 
 async fn bench(args: BenchArgs) -> anyhow::Result<ExitCode> {
     shared::telemetry::init("warn");
-    let private = if args.external_redis { None } else { Some(PrivateRedis::start("queue-bench").await?) };
-    let url = private.as_ref().map(PrivateRedis::url).unwrap_or_else(|| args.redis.url.clone());
+    let private = if args.external_redis { None } else { Some(BenchRedis::start("queue-bench").await?) };
+    let url = private.as_ref().map(BenchRedis::url).unwrap_or_else(|| args.redis.url.clone());
     let prefix = format!("bench{}", std::process::id());
 
     // Phase 1: throughput and commands per turn, one consumer process.

@@ -301,7 +301,7 @@ enum RedisSource {
     /// The one that answered on 127.0.0.1:6379.
     Local(String),
     /// A child (or one a killed `up` left behind) that `up` stops on exit.
-    Private(PrivateRedis),
+    Private(OwnRedis),
 }
 
 impl RedisSource {
@@ -335,7 +335,7 @@ async fn find_redis(args: &Args) -> anyhow::Result<RedisSource> {
              Set REDIS_URL (with its password: redis://:PASSWORD@{probe_addr}) or free the port."
         ),
         Probe::Nothing => {
-            let p = PrivateRedis::start(&args.data_dir.join("redis"), probe_addr).await?;
+            let p = OwnRedis::start(&args.data_dir.join("redis"), probe_addr).await?;
             Ok(RedisSource::Private(p))
         }
     }
@@ -373,14 +373,14 @@ async fn probe(addr: SocketAddr) -> Probe {
 const PORT_FILE: &str = "paceline-port";
 
 /// A private `redis-server` on 127.0.0.1 with its data and AOF in `dir`.
-struct PrivateRedis {
+struct OwnRedis {
     dir: PathBuf,
     port: u16,
     /// `None` when it was adopted from a killed earlier `up`.
     child: Option<RedisChild>,
 }
 
-impl PrivateRedis {
+impl OwnRedis {
     async fn start(dir: &Path, probed: SocketAddr) -> anyhow::Result<Self> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let dir = dir.canonicalize().with_context(|| format!("{}", dir.display()))?;

@@ -11,7 +11,7 @@
 //!   was closed: it 429'd again, burned a slot out of the bounded ladder, and
 //!   made the total wait longer than honouring the number would have been."
 //! - A server delay past `max_retry_after_ms` "is a daily or monthly quota, and
-//!   parking a live turn on it is worse than letting the bounded ladder fail the
+//!   parking a companion turn on it is worse than letting the bounded ladder fail the
 //!   turn": we give up at once.
 //! - Without a server delay, our own guess: `base × 2^(attempt-1)`, capped at
 //!   `cap_ms`, ± `jitter`. "The cap bounds our guess and nothing else."

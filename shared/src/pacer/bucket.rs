@@ -422,7 +422,7 @@ impl Bucket {
 
     /// The floor kept on this bucket at `now`: in a window, the floor's share
     /// of the window still to come (what is left at the boundary is lost, so
-    /// the headroom for live turns shrinks with the time they have to use
+    /// the headroom for companion turns shrinks with the time they have to use
     /// it, to none at the boundary). Kept whole, 5 % of every window went
     /// unused, and a workload of six windows ran into a seventh.
     pub(crate) fn floor_at(&self, now: Millis, floor: f64) -> f64 {

@@ -59,14 +59,15 @@ impl FailureKind {
     /// | `SpendLimit` | `spend_limit` | at once |
     /// | `Transient` | `provider_unavailable` | the ladder is exhausted |
     /// | `Terminal` | `provider_error` | at once, with the provider's message |
-    pub fn error_kind(self) -> &'static str {
+    pub fn error_kind(self) -> crate::runs::ErrorKind {
+        use crate::runs::ErrorKind;
         match self {
-            Self::RateLimited => "rate_limited",
-            Self::Quota => "quota",
-            Self::RequestTooLarge => "request_too_large",
-            Self::SpendLimit => "spend_limit",
-            Self::Transient => "provider_unavailable",
-            Self::Terminal => "provider_error",
+            Self::RateLimited => ErrorKind::RateLimited,
+            Self::Quota => ErrorKind::Quota,
+            Self::RequestTooLarge => ErrorKind::RequestTooLarge,
+            Self::SpendLimit => ErrorKind::SpendLimit,
+            Self::Transient => ErrorKind::ProviderUnavailable,
+            Self::Terminal => ErrorKind::ProviderError,
         }
     }
 }
@@ -408,7 +409,7 @@ mod tests {
             (Terminal, "provider_error", false),
         ];
         for (kind, error_kind, retryable) in cases {
-            assert_eq!(kind.error_kind(), error_kind);
+            assert_eq!(kind.error_kind().as_str(), error_kind);
             assert_eq!(kind.is_retryable(), retryable, "{kind:?}");
         }
         assert_eq!(serde_json::to_string(&RequestTooLarge).unwrap(), "\"request_too_large\"");

@@ -2,8 +2,8 @@
 //!
 //! Every budget keeps one line of waiting turns, ordered by a number each turn
 //! is given once, when it first asks:
-//! - companion (live) turns first, in the order they arrived
-//!   ([`LIVE_BASE`] + arrival time, always below any work tag);
+//! - companion turns (a person listening) first, in the order they arrived
+//!   ([`COMPANION_BASE`] + arrival time, always below any work tag);
 //! - work turns by start-time fair queuing: a turn's tag is its tenant's
 //!   virtual time, `max(system virtual time, the tenant's finish tag)`, and the
 //!   tenant's finish tag then moves on by the turn's expected use over the
@@ -26,9 +26,9 @@
 use crate::clock::Millis;
 use serde::{Deserialize, Serialize};
 
-/// Companion turns are ordered at `LIVE_BASE + arrival ms`: negative for any
+/// Companion turns are ordered at `COMPANION_BASE + arrival ms`: negative for any
 /// time before the year 2286, so below every work tag (which are >= 0).
-pub const LIVE_BASE: f64 = -1e13;
+pub const COMPANION_BASE: f64 = -1e13;
 
 /// One tenant's fair-admission state in a budget.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
@@ -54,8 +54,8 @@ pub fn place_work(tenant: &mut Tenant, weight: f64, virtual_time: f64, line: f64
 }
 
 /// The order of a companion turn that arrives at `now`.
-pub fn place_live(now: Millis) -> f64 {
-    LIVE_BASE + now as f64
+pub fn place_companion(now: Millis) -> f64 {
+    COMPANION_BASE + now as f64
 }
 
 /// Whether an order belongs to a work turn.
@@ -119,7 +119,7 @@ mod tests {
 
     #[test]
     fn companion_turns_order_before_every_work_turn() {
-        assert!(place_live(4_000_000_000_000) < 0.0);
-        assert!(!is_work(place_live(1_800_000_000_000)) && is_work(0.0));
+        assert!(place_companion(4_000_000_000_000) < 0.0);
+        assert!(!is_work(place_companion(1_800_000_000_000)) && is_work(0.0));
     }
 }

@@ -68,7 +68,7 @@ impl Mode {
 pub struct PacingConfig {
     /// Headroom work turns leave in the bucket, as a fraction of the limit.
     pub floor_work: f64,
-    /// Headroom companion turns leave (smaller: a live turn draws lower).
+    /// Headroom companion turns leave (smaller: a companion turn draws lower).
     pub floor_companion: f64,
     /// A reset further out than this describes something else (a daily cap,
     /// clock skew): we do not pace on it and let the reactive layer carry the
@@ -786,7 +786,7 @@ fn fresh_place(state: &mut PacerState, now: Millis, mode: Mode, who: &Who<'_>, l
     // A companion turn goes first in line, but its tokens count in its
     // tenant's cap (above) and share (the finish tag moved past them) as a
     // work turn's do: switching to companion mode buys a tenant nothing.
-    Ok(if mode == Mode::Companion { fair::place_live(now) } else { tag })
+    Ok(if mode == Mode::Companion { fair::place_companion(now) } else { tag })
 }
 
 /// An owed answer for something other than the line (a closed window, a
@@ -1437,7 +1437,7 @@ mod tests {
         let live = |id| Ask { id, est, mode: Mode::Companion, who: capped };
         assert_eq!(acquire(&mut s, &cfg, T0, &live("l1"), 0.0), Decision::Clear);
         // The cap (a quarter of 1 000 tokens a second) paid for l1 until T0 + 4 s:
-        // a second live turn of the same tenant waits for it, as a work turn would.
+        // a second companion turn of the same tenant waits for it, as a work turn would.
         assert_eq!(
             acquire(&mut s, &cfg, T0 + 1, &live("l2"), 0.0),
             Decision::Owed { ms: 3_999, reason: OwedReason::FairShare }

@@ -93,7 +93,7 @@ local function hist(field, n)
   end
 end
 
-local LIVE_BASE = -1e13
+local COMPANION_BASE = -1e13
 local PROBE_HOLD_MS = 10000
 local RECHECK_TURNS = 4
 local RECHECK_SHARE = 0.75
@@ -588,7 +588,7 @@ end
 if op == 'acquire' then
   local id = ARGV[14]
   local tokens, requests, u = tonumber(ARGV[15]), tonumber(ARGV[16]), tonumber(ARGV[17])
-  local live = ARGV[18] == 'companion'
+  local companion = ARGV[18] == 'companion'
   local weight, cap, tenant = tonumber(ARGV[19]), tonumber(ARGV[20]), ARGV[21]
   local output = tonumber(ARGV[22])
   local fl = floor
@@ -661,7 +661,7 @@ if op == 'acquire' then
       tenant_entry(tenant)
       S['tadm:' .. tenant] = get('tadm:' .. tenant) + line
     end
-    if not live and order then
+    if not companion and order then
       local least = redis.call('ZRANGEBYSCORE', line_key, 0, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
       local v = order
       if #least > 0 then v = math.min(tonumber(least[2]), order) end
@@ -726,7 +726,7 @@ if op == 'acquire' then
     S['tf:' .. tenant] = order + line / math.max(weight, 0.001)
     -- A companion turn goes first in line; its tokens count in its tenant's cap
     -- and share as a work turn's do (model.rs, fresh_place).
-    if live then order = LIVE_BASE + now end
+    if companion then order = COMPANION_BASE + now end
   end
   -- 5. Clear if the bucket holds the turns ahead and this one above the floor.
   -- The turns ahead of it: before it by order, then id (as ZRANK ranks them),

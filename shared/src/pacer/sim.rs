@@ -1079,7 +1079,7 @@ impl<'w> Sim<'w> {
             RunState::Queued => !(r.due <= now && now < r.back),
             _ => false,
         };
-        // The head the policy names, when it is a live turn of this workload;
+        // The head the policy names, when it is a companion turn of this workload;
         // else every waiting turn must fit (capped tenants' turns may wait).
         let head = policy
             .head(self.now)

@@ -49,7 +49,7 @@ use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
 /// State one worker process's backend shares with its layer and heartbeat.
-struct Shared {
+struct BackendState {
     identity: String,
     concurrency: usize,
     /// Handlers running now (slots in use).
@@ -72,7 +72,7 @@ struct Shared {
     fetching: AtomicUsize,
 }
 
-impl Shared {
+impl BackendState {
     fn hold(&self, lease: &Lease) {
         self.held.lock().expect("held lock").insert(lease.id.clone(), lease.clone());
     }
@@ -123,7 +123,7 @@ impl Shared {
 /// the backend logs them and retries with backoff.
 pub struct QueueBackend<T> {
     queue: TurnQueue,
-    shared: Arc<Shared>,
+    shared: Arc<BackendState>,
     fetcher: Option<BoxStream<'static, Task<T>>>,
     heartbeat: Option<tokio::task::JoinHandle<()>>,
     closing: Option<BoxFuture<'static, ()>>,
@@ -149,7 +149,7 @@ impl<T> QueueBackend<T> {
         let (grace, _) = watch::channel(false);
         Self {
             queue,
-            shared: Arc::new(Shared {
+            shared: Arc::new(BackendState {
                 identity: super::new_worker_identity(),
                 concurrency: concurrency.max(1),
                 running: AtomicUsize::new(0),
@@ -236,7 +236,7 @@ impl<T: DeserializeOwned + Send + 'static> Backend for QueueBackend<T> {
                     let unstarted: Vec<Lease> =
                         shared.held.lock().expect("held lock").drain().map(|(_, l)| l).collect();
                     for lease in &unstarted {
-                        settle_patiently(&queue, lease, Outcome::Release).await;
+                        settle_patiently(&queue, lease, Settlement::Release).await;
                     }
                     if let Some(h) = heartbeat {
                         h.abort();
@@ -269,10 +269,10 @@ impl<T: DeserializeOwned + Send + 'static> BackendConfig for QueueBackend<T> {
     }
 }
 
-/// One fetch, in a task of its own (see `Shared::fetching`).
+/// One fetch, in a task of its own (see `BackendState::fetching`).
 async fn fetch_in_task(
     queue: TurnQueue,
-    shared: Arc<Shared>,
+    shared: Arc<BackendState>,
     want: usize,
 ) -> Result<crate::queue::Fetched, QueueError> {
     shared.fetching.fetch_add(1, Ordering::SeqCst);
@@ -292,7 +292,7 @@ async fn fetch_in_task(
 /// Fetches leases into a small buffer, sized to the free slots.
 struct Fetcher<T> {
     queue: TurnQueue,
-    shared: Arc<Shared>,
+    shared: Arc<BackendState>,
     buffer: VecDeque<Task<T>>,
     /// What the last fetch said to do once its deliveries started.
     then: Option<Then>,
@@ -485,7 +485,7 @@ fn backoff(failures: u32) -> Duration {
 /// While it holds no lease it beats less often, the more so the larger the
 /// fleet (up to 8×): the fleet's idle beats, and so its reclaims of dead
 /// workers' leases, stay about as frequent as two workers' would.
-async fn heartbeat_loop(queue: TurnQueue, shared: Arc<Shared>, worker: WorkerContext) {
+async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, worker: WorkerContext) {
     let every = queue.config().heartbeat_every();
     let idle_every = |fleet: usize| every.mul_f64((fleet as f64 / 2.0).clamp(1.0, IDLE_BEAT_SCALE));
     let grace = Duration::from_millis(queue.config().grace_ms);
@@ -566,7 +566,7 @@ async fn heartbeat_loop(queue: TurnQueue, shared: Arc<Shared>, worker: WorkerCon
 const IDLE_BEAT_SCALE: f64 = 8.0;
 
 /// What the layer does with a delivery whose handler returned.
-enum Outcome {
+enum Settlement {
     Complete,
     Retry { delay_ms: u64, reason: String },
     Dead { reason: String },
@@ -575,15 +575,15 @@ enum Outcome {
 
 /// Settles `lease`, retrying Redis errors with backoff for about two leases
 /// (after that the lease has expired and the turn comes back on its own).
-async fn settle_patiently(queue: &TurnQueue, lease: &Lease, outcome: Outcome) {
+async fn settle_patiently(queue: &TurnQueue, lease: &Lease, outcome: Settlement) {
     let deadline = Instant::now() + Duration::from_millis(queue.config().lease_ms * 2);
     let mut failures = 0;
     loop {
         let result = match &outcome {
-            Outcome::Complete => queue.complete(lease).await.map(|()| Settled::Done),
-            Outcome::Retry { delay_ms, reason } => queue.retry(lease, *delay_ms, reason).await,
-            Outcome::Dead { reason } => queue.dead(lease, reason).await.map(|()| Settled::Dead),
-            Outcome::Release => queue.release(lease).await.map(|()| Settled::Done),
+            Settlement::Complete => queue.complete(lease).await.map(|()| Settled::Done),
+            Settlement::Retry { delay_ms, reason } => queue.retry(lease, *delay_ms, reason).await,
+            Settlement::Dead { reason } => queue.dead(lease, reason).await.map(|()| Settled::Dead),
+            Settlement::Release => queue.release(lease).await.map(|()| Settled::Done),
         };
         match result {
             Ok(Settled::Dead) => {
@@ -612,7 +612,7 @@ async fn settle_patiently(queue: &TurnQueue, lease: &Lease, outcome: Outcome) {
 #[derive(Clone)]
 pub struct LeaseLayer {
     queue: TurnQueue,
-    shared: Arc<Shared>,
+    shared: Arc<BackendState>,
 }
 
 impl std::fmt::Debug for LeaseLayer {
@@ -635,7 +635,7 @@ impl<S> tower::Layer<S> for LeaseLayer {
 pub struct LeaseService<S> {
     inner: S,
     queue: TurnQueue,
-    shared: Arc<Shared>,
+    shared: Arc<BackendState>,
 }
 
 impl<S> std::fmt::Debug for LeaseService<S> {
@@ -645,7 +645,7 @@ impl<S> std::fmt::Debug for LeaseService<S> {
 }
 
 /// Frees a slot when a handler's future ends, however it ends.
-struct SlotGuard(Arc<Shared>);
+struct SlotGuard(Arc<BackendState>);
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
@@ -704,17 +704,17 @@ where
                 () = grace_over => None,
             };
             let (outcome, result) = match returned {
-                None => (Some(Outcome::Release), Err(BoxDynError::from("handed back: shutdown grace over"))),
-                Some(Ok(Ok(response))) => (Some(Outcome::Complete), Ok(response)),
+                None => (Some(Settlement::Release), Err(BoxDynError::from("handed back: shutdown grace over"))),
+                Some(Ok(Ok(response))) => (Some(Settlement::Complete), Ok(response)),
                 Some(Ok(Err(error))) => {
                     let error: BoxDynError = error.into();
                     let reason = error.to_string();
                     let outcome = if error.downcast_ref::<AbortError>().is_some() {
-                        Outcome::Dead { reason }
+                        Settlement::Dead { reason }
                     } else if let Some(after) = error.downcast_ref::<RetryAfterError>() {
-                        Outcome::Retry { delay_ms: after.get_duration().as_millis() as u64, reason }
+                        Settlement::Retry { delay_ms: after.get_duration().as_millis() as u64, reason }
                     } else {
-                        Outcome::Retry { delay_ms: queue.config().retry_delay_ms(lease.deliveries), reason }
+                        Settlement::Retry { delay_ms: queue.config().retry_delay_ms(lease.deliveries), reason }
                     };
                     (Some(outcome), Err(error))
                 }
@@ -726,7 +726,7 @@ where
                         .unwrap_or_else(|| "a panic".into());
                     let reason = format!("handler panicked: {what}");
                     let delay_ms = queue.config().retry_delay_ms(lease.deliveries);
-                    (Some(Outcome::Retry { delay_ms, reason: reason.clone() }), Err(BoxDynError::from(reason)))
+                    (Some(Settlement::Retry { delay_ms, reason: reason.clone() }), Err(BoxDynError::from(reason)))
                 }
             };
             if let Err(error) = &result {

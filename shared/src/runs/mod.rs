@@ -15,10 +15,11 @@ pub mod transcript;
 
 pub use endpoints::{valid_tenant, ToolEndpoint, ToolEndpoints};
 pub use generation::{Effort, Format, Generation, JsonSchema, ServiceTier, ToolChoice, Truncation};
-pub use record::{PacingCounters, Run, RunError, Usage};
+pub use record::{ErrorKind, PacingCounters, Run, RunError, Usage};
 pub use spec::{Refusal, RunSpec, SpecError, SubmitPolicy};
 pub use state::{InvalidTransition, RunStatus, Transition, WaitReason};
 pub use store::{
-    Created, Fence, Idempotency, Next, RunEvent, RunStore, Started, StoreError, TenantCounts, TurnContext, TurnJob,
+    Created, Fence, Idempotency, Next, Phase, RunEvent, RunStore, Started, StopReason, StoreError, TenantCounts,
+    TurnContext, TurnJob,
 };
 pub use transcript::{ApiStyle, TranscriptEntry};

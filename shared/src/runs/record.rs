@@ -62,6 +62,66 @@ pub struct RunError {
     pub message: String,
 }
 
+/// What a failed run's `error.kind` says: every kind this version writes
+/// (the Lua scripts write `dead_lettered` and `deadline` themselves; a test
+/// holds them to these names). [`RunError::kind`] stays a string: a record
+/// may come from another version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// The model wanted another turn and there was none left.
+    MaxTurns,
+    /// 429s outlasted the retry ladder.
+    RateLimited,
+    /// The account's quota is spent.
+    Quota,
+    /// The request is larger than the model or the budget allows.
+    RequestTooLarge,
+    /// The account's spend limit is reached.
+    SpendLimit,
+    /// Transient provider errors outlasted the retry ladder.
+    ProviderUnavailable,
+    /// The provider refused the call for good.
+    ProviderError,
+    /// A companion turn delivered again after it had streamed text.
+    PartialOutput,
+    /// The turn's deliveries were spent: the queue buried it.
+    DeadLettered,
+    /// The run passed its `max_run_seconds`.
+    Deadline,
+}
+
+impl ErrorKind {
+    /// Every kind, in declaration order.
+    pub const ALL: [Self; 10] = [
+        Self::MaxTurns,
+        Self::RateLimited,
+        Self::Quota,
+        Self::RequestTooLarge,
+        Self::SpendLimit,
+        Self::ProviderUnavailable,
+        Self::ProviderError,
+        Self::PartialOutput,
+        Self::DeadLettered,
+        Self::Deadline,
+    ];
+
+    /// The name in `error.kind`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::MaxTurns => "max_turns",
+            Self::RateLimited => "rate_limited",
+            Self::Quota => "quota",
+            Self::RequestTooLarge => "request_too_large",
+            Self::SpendLimit => "spend_limit",
+            Self::ProviderUnavailable => "provider_unavailable",
+            Self::ProviderError => "provider_error",
+            Self::PartialOutput => "partial_output",
+            Self::DeadLettered => "dead_lettered",
+            Self::Deadline => "deadline",
+        }
+    }
+}
+
 /// The run object (`GET /v1/runs/{id}`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

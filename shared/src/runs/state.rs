@@ -214,6 +214,32 @@ mod tests {
         assert!(seen >= 6, "found only {seen} event names in the scripts");
     }
 
+    /// The error kinds the scripts write (`error_kind`, `kind = …`) and the
+    /// reasons their fences give (`return nil, '…'`, `{'stop', '…'}`) are the
+    /// ones the Rust types name: [`crate::runs::ErrorKind`] and
+    /// [`crate::runs::StopReason`] (where an unknown one would read as `Other`).
+    #[test]
+    fn every_error_kind_and_stop_reason_the_lua_scripts_write_has_a_name() {
+        use crate::runs::{ErrorKind, StopReason};
+        let sources =
+            [("runs/store.lua", include_str!("store.lua")), ("queue/lib.lua", include_str!("../queue/lib.lua"))];
+        let kind = regex::Regex::new(r"(?:'error_kind', |kind = )'([a-z_]+)'").unwrap();
+        let stop = regex::Regex::new(r"(?:return nil, |return |\{'stop', )'([a-z_]+)'").unwrap();
+        let (mut kinds, mut stops) = (0, 0);
+        for (file, text) in sources {
+            // (`'error_kind', 'error_message'` is an HDEL of both fields.)
+            for c in kind.captures_iter(text).filter(|c| !c[1].starts_with("error_")) {
+                assert!(ErrorKind::ALL.iter().any(|k| k.as_str() == &c[1]), "{file} writes error kind {:?}", &c[1]);
+                kinds += 1;
+            }
+            for c in stop.captures_iter(text).filter(|c| c[0].contains("nil") || c[0].contains("stop")) {
+                assert!(!matches!(StopReason::parse(&c[1]), StopReason::Other(_)), "{file} stops with {:?}", &c[1]);
+                stops += 1;
+            }
+        }
+        assert!(kinds >= 3 && stops >= 3, "found only {kinds} error kinds and {stops} stop reasons in the scripts");
+    }
+
     const ALL: [RunStatus; 6] = [Queued, Running, Waiting, Completed, Failed, Cancelled];
 
     #[test]

@@ -14,7 +14,7 @@ use redis::aio::ConnectionManager;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use super::record::{field, Run, Usage};
+use super::record::{field, ErrorKind, Run, Usage};
 use super::spec::RunSpec;
 use super::state::{RunStatus, WaitReason};
 use super::transcript::TranscriptEntry;
@@ -203,10 +203,60 @@ pub enum StoreError {
 pub enum Fence {
     /// Written.
     Ok,
-    /// Not written: the lease is stale (`stale`, `not_leased`), the turn is
-    /// gone, already committed (`committed`), or the run finished or was
-    /// cancelled (its status). The turn ends here for this worker.
-    Stop(String),
+    /// Not written, and why. The turn ends here for this worker.
+    Stop(StopReason),
+}
+
+/// Why a fenced script wrote nothing: its `{'stop', why}` answer, as a type.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StopReason {
+    /// The turn was delivered again since this lease (`stale`).
+    Stale,
+    /// Its lease expired and the turn went back to the queue (`not_leased`).
+    NotLeased,
+    /// No such turn, or its run is gone (`gone`).
+    Gone,
+    /// This turn was committed already: a redelivery (`committed`).
+    Committed,
+    /// The run passed its wall-clock deadline and failed (`deadline`).
+    Deadline,
+    /// The run finished or was cancelled while the turn was out (its status).
+    Finished(RunStatus),
+    /// A reason this version does not know (a newer script wrote it).
+    Other(String),
+}
+
+impl StopReason {
+    /// Reads a script's reason.
+    pub fn parse(why: &str) -> Self {
+        match why {
+            "stale" => Self::Stale,
+            "not_leased" => Self::NotLeased,
+            "gone" => Self::Gone,
+            "committed" => Self::Committed,
+            "deadline" => Self::Deadline,
+            other => RunStatus::parse(other).map_or_else(|| Self::Other(other.to_owned()), Self::Finished),
+        }
+    }
+
+    /// The script's word for it.
+    pub fn as_str(&self) -> &str {
+        match self {
+            Self::Stale => "stale",
+            Self::NotLeased => "not_leased",
+            Self::Gone => "gone",
+            Self::Committed => "committed",
+            Self::Deadline => "deadline",
+            Self::Finished(status) => status.as_str(),
+            Self::Other(why) => why,
+        }
+    }
+}
+
+impl std::fmt::Display for StopReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// What starting a turn found.
@@ -217,7 +267,7 @@ pub enum Started {
     /// The turn runs, with the run as it needs it.
     Run(TurnContext),
     /// It does not (cancelled, finished, already committed, a stale lease, gone): why.
-    Stop(String),
+    Stop(StopReason),
 }
 
 /// How a committed turn leaves the run.
@@ -230,10 +280,31 @@ pub enum Next {
     /// The run fails (e.g. `max_turns`).
     Fail {
         /// `error.kind`.
-        kind: String,
+        kind: ErrorKind,
         /// `error.message`.
         message: String,
     },
+}
+
+/// Where a turn stands when a delivery starts it (the record's `phase`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// The model has not answered this turn yet (no `phase`): call it.
+    Model,
+    /// The model's output is committed (`tools`); its tool calls still have to
+    /// run. A redelivery runs them without calling the model again.
+    Tools,
+}
+
+impl Phase {
+    /// Reads the record's `phase` field.
+    pub fn parse(phase: &str) -> Self {
+        if phase == "tools" {
+            Self::Tools
+        } else {
+            Self::Model
+        }
+    }
 }
 
 /// A run as a worker needs it to run a turn.
@@ -245,9 +316,8 @@ pub struct TurnContext {
     pub tenant: String,
     /// The whole transcript.
     pub transcript: Vec<TranscriptEntry>,
-    /// `tools` when the current turn's model output is committed and its tool
-    /// calls still have to run.
-    pub phase: String,
+    /// Where the current turn stands.
+    pub phase: Phase,
 }
 
 /// The run store.
@@ -770,13 +840,13 @@ impl RunStore {
             spec,
             tenant: f.get(field::TENANT).cloned().unwrap_or_default(),
             transcript,
-            phase: f.get(field::PHASE).cloned().unwrap_or_default(),
+            phase: Phase::parse(f.get(field::PHASE).map_or("", String::as_str)),
         }))
     }
 
     fn fence(reply: &[String]) -> Result<Fence, StoreError> {
         match reply.first().map(String::as_str) {
-            Some("stop") => Ok(Fence::Stop(reply.get(1).cloned().unwrap_or_default())),
+            Some("stop") => Ok(Fence::Stop(StopReason::parse(reply.get(1).map_or("", String::as_str)))),
             Some(_) => Ok(Fence::Ok),
             None => Err(StoreError::Protocol("empty reply".into())),
         }
@@ -813,7 +883,7 @@ impl RunStore {
         let fields = reply[2 + n..].chunks_exact(2).map(|kv| (kv[0].clone(), kv[1].clone())).collect();
         Ok(match Self::turn_context(&lease.id, fields, transcript)? {
             Some(ctx) => Started::Run(ctx),
-            None => Started::Stop("gone".into()),
+            None => Started::Stop(StopReason::Gone),
         })
     }
 
@@ -893,7 +963,7 @@ impl RunStore {
                 ("continue", serde_json::to_string(&job).unwrap_or_default(), String::new())
             }
             Next::Complete(text) => ("complete", text.clone(), String::new()),
-            Next::Fail { kind, message } => ("fail", kind.clone(), message.clone()),
+            Next::Fail { kind, message } => ("fail", kind.as_str().to_owned(), message.clone()),
         };
         let usage = Usage { total_tokens: usage.input_tokens + usage.output_tokens, ..usage };
         let data = json!({"turn": job.turn, "usage": usage});
@@ -920,12 +990,17 @@ impl RunStore {
         &self,
         lease: &Lease,
         job: TurnJob,
-        kind: &str,
+        kind: ErrorKind,
         message: &str,
         usage: Usage,
     ) -> Result<Fence, StoreError> {
         let mut inv = self.invocation("fail", &lease.id, "", None);
-        inv.arg(lease.epoch).arg(job.turn).arg(kind).arg(message).arg(self.retention_ms()).arg(usage_arg(usage));
+        inv.arg(lease.epoch)
+            .arg(job.turn)
+            .arg(kind.as_str())
+            .arg(message)
+            .arg(self.retention_ms())
+            .arg(usage_arg(usage));
         Self::fence(&self.invoke_fenced(inv).await?)
     }
 }

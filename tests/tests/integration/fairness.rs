@@ -2,7 +2,7 @@
 //! injected clock: many backlogged turns per tenant ask, are owed time, come
 //! back when told, and are admitted. What each tenant got over a window shows
 //! the rules: weights hold, a lone tenant gets the whole budget, a cap holds,
-//! and a live turn overtakes waiting work.
+//! and a companion turn overtakes waiting work.
 //!
 //! The Redis script is the same policy as this model (the differential test in
 //! `pacer.rs` checks them step by step, tenants included), so the rules hold
@@ -178,8 +178,12 @@ async fn a_live_turn_overtakes_waiting_work() {
     let mut sorted = live_waits.clone();
     sorted.sort_unstable();
     let p95 = sorted[(sorted.len() * 95 / 100).min(sorted.len() - 1)];
-    eprintln!("fairness: live turn waits p95 {p95} ms over {} turns; bulk admitted {}", sorted.len(), admitted["bulk"]);
-    assert!(p95 <= 1_000, "a live turn waited {p95} ms behind work");
+    eprintln!(
+        "fairness: companion turn waits p95 {p95} ms over {} turns; bulk admitted {}",
+        sorted.len(),
+        admitted["bulk"]
+    );
+    assert!(p95 <= 1_000, "a companion turn waited {p95} ms behind work");
     let used = (admitted["bulk"] + admitted["listener"]) as f64 / 55_000.0;
     assert!(used >= 0.9, "work did not get the rest of the budget: {used:.3} used");
 }

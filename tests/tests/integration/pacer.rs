@@ -214,7 +214,7 @@ async fn a_429_closes_the_window_for_every_worker() {
     a.settle("m", "a1", &CallOutcome { rate_limited_ms: Some(3_000), tokens: headers, ..CallOutcome::default() })
         .await
         .unwrap();
-    // Another worker, on another connection, even a live turn: owed the window.
+    // Another worker, on another connection, even a companion turn: owed the window.
     match b
         .acquire("m", "b1", Estimate { tokens: 10, requests: 1, output: 0 }, Mode::Companion, &Who::DEFAULT)
         .await

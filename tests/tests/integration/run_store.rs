@@ -215,7 +215,7 @@ async fn cancelling_removes_the_queued_turn_and_stops_one_in_flight() {
     env.store.cancel("alpha", &flying.id).await.unwrap();
     let job = TurnJob { turn: 0, attempt: 1 };
     let fence = env.store.commit(&lease, job, &[], Usage::default(), &Next::Continue).await.unwrap();
-    assert_eq!(fence, Fence::Stop("cancelled".into()));
+    assert_eq!(fence, Fence::Stop(shared::runs::StopReason::Finished(shared::runs::RunStatus::Cancelled)));
     let c = env.queue.counts().await.unwrap();
     assert_eq!((c.ready, c.delayed, c.in_flight), (0, 0, 0), "no turn of a cancelled run is left");
     let tail = env.store.events("alpha", &flying.id, None, None, 50).await.unwrap().unwrap();
@@ -335,7 +335,10 @@ async fn every_move_the_store_makes_is_one_the_state_table_allows() {
     let lease = env.queue.fetch("w", 1).await.unwrap().deliveries.remove(0).lease;
     assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Ok);
     let at = status(id.clone()).await;
-    assert_eq!(env.store.fail(&lease, job, "provider", "gone", usage).await.unwrap(), Fence::Ok);
+    assert_eq!(
+        env.store.fail(&lease, job, shared::runs::ErrorKind::ProviderError, "gone", usage).await.unwrap(),
+        Fence::Ok
+    );
     moved(at, Transition::Fail, status(id.clone()).await);
 
     // failed -> (retry) queued, its turn enqueued again; a queued run is not retried.
@@ -393,7 +396,9 @@ async fn a_retried_run_resumes_at_its_last_committed_turn() {
     let payload: TurnJob = env.queue.payload(&run.id).await.unwrap().unwrap();
     assert_eq!(payload, job);
     match env.store.start_turn(&lease, job).await.unwrap() {
-        shared::runs::Started::Run(ctx) => assert_eq!(ctx.phase, "tools", "the model's output stays committed"),
+        shared::runs::Started::Run(ctx) => {
+            assert_eq!(ctx.phase, shared::runs::Phase::Tools, "the model's output stays committed")
+        }
         shared::runs::Started::Stop(why) => panic!("stopped: {why}"),
     }
     let events = env.store.events("alpha", &run.id, None, None, 50).await.unwrap().unwrap();
@@ -464,7 +469,7 @@ async fn a_run_past_its_deadline_fails_at_its_next_turn_before_any_call() {
     // Within its second the turn starts; a redelivery of it after the deadline does not.
     assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Ok);
     tokio::time::sleep(Duration::from_millis(1_100)).await;
-    assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Stop("deadline".into()));
+    assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Stop(shared::runs::StopReason::Deadline));
     let failed = env.store.get("alpha", &run.id).await.unwrap().unwrap();
     assert_eq!(failed.status, RunStatus::Failed);
     let error = failed.error.expect("an error");

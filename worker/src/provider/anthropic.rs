@@ -28,7 +28,7 @@ use std::collections::BTreeMap;
 use serde_json::{json, Value};
 use shared::pacer::FailureKind;
 
-use super::decode::{count, str_field, Decoded, ErrorBody, Outcome};
+use super::decode::{count, str_field, Decoded, ProviderErrorBody, Verdict};
 use super::responses::assistant_message;
 use super::sse::SseEvent;
 use super::{StreamEvent, ToolCall, Usage};
@@ -67,12 +67,12 @@ impl AnthropicDecoder {
     }
 
     /// Decodes one SSE event.
-    pub fn event(&mut self, ev: &SseEvent, emit: &mut dyn FnMut(StreamEvent)) -> Outcome {
+    pub fn event(&mut self, ev: &SseEvent, emit: &mut dyn FnMut(StreamEvent)) -> Verdict {
         let data: Value = match serde_json::from_str(&ev.data) {
             Ok(v) => v,
             Err(error) => {
                 tracing::warn!(message = "unreadable Anthropic stream frame skipped", %error, event = ?ev.event);
-                return Outcome::Pending;
+                return Verdict::Pending;
             }
         };
         let kind = str_field(&data, "type").or(ev.event.as_deref()).unwrap_or_default();
@@ -114,7 +114,7 @@ impl AnthropicDecoder {
             }
             "content_block_delta" => {
                 let delta = data.get("delta").cloned().unwrap_or(Value::Null);
-                let Some(block) = self.blocks.get_mut(&index) else { return Outcome::Pending };
+                let Some(block) = self.blocks.get_mut(&index) else { return Verdict::Pending };
                 match str_field(&delta, "type") {
                     Some("text_delta") => {
                         if let Some(text) = str_field(&delta, "text").filter(|t| !t.is_empty()) {
@@ -165,27 +165,27 @@ impl AnthropicDecoder {
                     }
                 }
             }
-            "message_stop" => return Outcome::Finished(self.finish()),
+            "message_stop" => return Verdict::Finished(self.finish()),
             "error" => {
                 let obj = data.get("error").filter(|e| e.is_object()).unwrap_or(&data);
-                let mut body = ErrorBody::from_object(obj);
+                let mut body = ProviderErrorBody::from_object(obj);
                 if body.error_type.as_deref() == Some("error") {
                     body.error_type = None;
                 }
-                return Outcome::Failed(body);
+                return Verdict::Failed(body);
             }
             // ping, and whatever comes next.
             _ => {}
         }
-        Outcome::Pending
+        Verdict::Pending
     }
 
     /// The stream closed: finished if a `stop_reason` came, else nothing.
-    pub fn eof(&mut self) -> Outcome {
+    pub fn eof(&mut self) -> Verdict {
         if self.stop_reason.is_some() {
-            Outcome::Finished(self.finish())
+            Verdict::Finished(self.finish())
         } else {
-            Outcome::Pending
+            Verdict::Pending
         }
     }
 
@@ -307,12 +307,12 @@ mod tests {
         SseEvent { event: data["type"].as_str().map(str::to_string), data: data.to_string(), id: None }
     }
 
-    fn run(events: &[Value], answer_tool: Option<&str>) -> (Vec<StreamEvent>, Outcome) {
+    fn run(events: &[Value], answer_tool: Option<&str>) -> (Vec<StreamEvent>, Verdict) {
         let mut dec = AnthropicDecoder::new(answer_tool.map(str::to_owned));
         let mut seen = Vec::new();
         for e in events {
             match dec.event(&frame(e.clone()), &mut |ev| seen.push(ev)) {
-                Outcome::Pending => {}
+                Verdict::Pending => {}
                 done => return (seen, done),
             }
         }
@@ -345,7 +345,7 @@ mod tests {
             None,
         );
         assert_eq!(seen, vec![StreamEvent::TextDelta("Hello".into()), StreamEvent::TextDelta("!".into())]);
-        let Outcome::Finished(d) = out else { panic!("{out:?}") };
+        let Verdict::Finished(d) = out else { panic!("{out:?}") };
         assert_eq!(d.output, vec![assistant_message("Hello!")]);
         assert_eq!(d.output_text, "Hello!");
         let u = d.usage.unwrap();
@@ -384,7 +384,7 @@ mod tests {
             arguments: r#"{"location":"San Francisco, CA"}"#.into(),
         };
         assert_eq!(seen, vec![StreamEvent::TextDelta("Checking.".into()), call]);
-        let Outcome::Finished(d) = out else { panic!("{out:?}") };
+        let Verdict::Finished(d) = out else { panic!("{out:?}") };
         assert_eq!(
             d.output,
             vec![
@@ -418,7 +418,7 @@ mod tests {
             ],
             None,
         );
-        let Outcome::Finished(d) = out else { panic!("{out:?}") };
+        let Verdict::Finished(d) = out else { panic!("{out:?}") };
         assert_eq!(d.incomplete_reason.as_deref(), Some("max_output_tokens"));
         assert!(d.tool_calls.is_empty());
         assert_eq!(d.output_text, "Partial");
@@ -438,7 +438,7 @@ mod tests {
             Some("verdict"),
         );
         assert_eq!(seen, vec![StreamEvent::TextDelta("{\"ok\":true}".into())]);
-        let Outcome::Finished(d) = out else { panic!("{out:?}") };
+        let Verdict::Finished(d) = out else { panic!("{out:?}") };
         assert!(d.tool_calls.is_empty(), "the answer is not a call to run");
         assert_eq!(d.output, vec![assistant_message("{\"ok\":true}")]);
     }
@@ -457,7 +457,7 @@ mod tests {
         assert_eq!(seen.len(), 1);
         assert_eq!(
             out,
-            Outcome::Failed(ErrorBody {
+            Verdict::Failed(ProviderErrorBody {
                 code: None,
                 error_type: Some("overloaded_error".into()),
                 message: "Overloaded".into(),
@@ -466,11 +466,11 @@ mod tests {
         );
         // Closed before message_delta: no answer (the client calls it a reset).
         let (_, out) = run(&[start(5, 0)], None);
-        assert_eq!(out, Outcome::Pending);
+        assert_eq!(out, Verdict::Pending);
         // Closed after message_delta without message_stop: the answer is whole.
         let (_, out) =
             run(&[start(5, 0), json!({"type": "message_delta", "delta": {"stop_reason": "end_turn"}})], None);
-        assert!(matches!(out, Outcome::Finished(_)));
+        assert!(matches!(out, Verdict::Finished(_)));
     }
 
     /// A non-streamed answer (the docs' tool-use example) reads the same.
@@ -484,11 +484,11 @@ mod tests {
             "usage": {"input_tokens": 472, "cache_creation_input_tokens": 100, "cache_read_input_tokens": 0, "output_tokens": 91}});
         let mut dec = AnthropicDecoder::new(None);
         let mut seen = vec![];
-        let mut out = Outcome::Pending;
+        let mut out = Verdict::Pending;
         for f in frames_of_message(&message) {
             out = dec.event(&frame(f), &mut |e| seen.push(e));
         }
-        let Outcome::Finished(d) = out else { panic!("{out:?}") };
+        let Verdict::Finished(d) = out else { panic!("{out:?}") };
         assert_eq!(d.output_text, "I'll check.");
         assert_eq!(d.tool_calls[0].arguments, r#"{"location":"San Francisco, CA","unit":"celsius"}"#);
         let u = d.usage.unwrap();

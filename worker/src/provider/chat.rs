@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 
 use serde_json::{json, Value};
 
-use super::decode::{count, str_field, Decoded, ErrorBody, Outcome};
+use super::decode::{count, str_field, Decoded, ProviderErrorBody, Verdict};
 use super::responses::assistant_message;
 use super::sse::SseEvent;
 use super::{StreamEvent, ToolCall, Usage};
@@ -45,24 +45,26 @@ pub(crate) struct ChatDecoder {
 
 impl ChatDecoder {
     /// Decodes one SSE event.
-    pub fn event(&mut self, ev: &SseEvent, emit: &mut dyn FnMut(StreamEvent)) -> Outcome {
+    pub fn event(&mut self, ev: &SseEvent, emit: &mut dyn FnMut(StreamEvent)) -> Verdict {
         if ev.data.trim() == "[DONE]" {
-            return Outcome::Finished(self.finish(emit));
+            return Verdict::Finished(self.finish(emit));
         }
         let chunk: Value = match serde_json::from_str(&ev.data) {
             Ok(v) => v,
             Err(error) => {
                 tracing::warn!(message = "unreadable chat stream chunk skipped", %error);
-                return Outcome::Pending;
+                return Verdict::Pending;
             }
         };
         match chunk.get("error") {
-            Some(e @ Value::Object(_)) => return Outcome::Failed(ErrorBody::from_object(e)),
-            Some(Value::String(s)) => return Outcome::Failed(ErrorBody { message: s.clone(), ..ErrorBody::default() }),
+            Some(e @ Value::Object(_)) => return Verdict::Failed(ProviderErrorBody::from_object(e)),
+            Some(Value::String(s)) => {
+                return Verdict::Failed(ProviderErrorBody { message: s.clone(), ..ProviderErrorBody::default() })
+            }
             _ => {}
         }
         if str_field(&chunk, "object") == Some("error") {
-            return Outcome::Failed(ErrorBody::from_object(&chunk));
+            return Verdict::Failed(ProviderErrorBody::from_object(&chunk));
         }
         if let Some(u) = chunk.get("usage").filter(|u| u.is_object()) {
             let input_tokens = count(u, "prompt_tokens").unwrap_or(0);
@@ -93,15 +95,15 @@ impl ChatDecoder {
                 self.tool_call_fragment(position, frag);
             }
         }
-        Outcome::Pending
+        Verdict::Pending
     }
 
     /// The stream closed: finished if a `finish_reason` came, else nothing.
-    pub fn eof(&mut self, emit: &mut dyn FnMut(StreamEvent)) -> Outcome {
+    pub fn eof(&mut self, emit: &mut dyn FnMut(StreamEvent)) -> Verdict {
         if self.finish_reason.is_some() {
-            Outcome::Finished(self.finish(emit))
+            Verdict::Finished(self.finish(emit))
         } else {
-            Outcome::Pending
+            Verdict::Pending
         }
     }
 
@@ -174,17 +176,17 @@ impl ChatDecoder {
 mod tests {
     use super::*;
 
-    fn run(frames: &[&str], close: bool) -> (Vec<StreamEvent>, Outcome) {
+    fn run(frames: &[&str], close: bool) -> (Vec<StreamEvent>, Verdict) {
         let mut dec = ChatDecoder::default();
         let mut seen = Vec::new();
         for f in frames {
             let ev = SseEvent { event: None, data: f.to_string(), id: None };
             match dec.event(&ev, &mut |e| seen.push(e)) {
-                Outcome::Pending => {}
+                Verdict::Pending => {}
                 done => return (seen, done),
             }
         }
-        let out = if close { dec.eof(&mut |e| seen.push(e)) } else { Outcome::Pending };
+        let out = if close { dec.eof(&mut |e| seen.push(e)) } else { Verdict::Pending };
         (seen, out)
     }
 
@@ -203,7 +205,7 @@ mod tests {
             "[DONE]".to_string(),
         ];
         let frames: Vec<&str> = frames.iter().map(String::as_str).collect();
-        let Outcome::Finished(d) = run(&frames, false).1 else { panic!() };
+        let Verdict::Finished(d) = run(&frames, false).1 else { panic!() };
         let u = d.usage.unwrap();
         assert_eq!((u.input_tokens, u.cached_input_tokens, u.reasoning_tokens), (1200, 1024, 256));
         assert_eq!(u.charged_input_tokens, 1200, "OpenAI counts cached input against the limit");
@@ -223,7 +225,7 @@ mod tests {
         let frames: Vec<&str> = frames.iter().map(String::as_str).collect();
         let (seen, out) = run(&frames, false);
         assert_eq!(seen, vec![StreamEvent::TextDelta("Hello".into()), StreamEvent::TextDelta(" there".into())]);
-        let Outcome::Finished(d) = out else { panic!("{out:?}") };
+        let Verdict::Finished(d) = out else { panic!("{out:?}") };
         assert_eq!(d.output, vec![assistant_message("Hello there")]);
         assert_eq!(d.usage, Some(Usage::new(9, 2)));
         assert_eq!(d.incomplete_reason, None);
@@ -252,7 +254,7 @@ mod tests {
         ];
         let frames: Vec<&str> = frames.iter().map(String::as_str).collect();
         let (seen, out) = run(&frames, false);
-        let Outcome::Finished(d) = out else { panic!("{out:?}") };
+        let Verdict::Finished(d) = out else { panic!("{out:?}") };
         assert_eq!(
             d.output,
             vec![
@@ -275,19 +277,19 @@ mod tests {
         let frames: Vec<&str> = frames.iter().map(String::as_str).collect();
         let (seen, out) = run(&frames, false);
         assert_eq!(seen.len(), 1);
-        let Outcome::Failed(e) = out else { panic!("{out:?}") };
+        let Verdict::Failed(e) = out else { panic!("{out:?}") };
         assert_eq!(e.code.as_deref(), Some("rate_limit_exceeded"));
         let (_, out) = run(&[r#"{"object":"error","message":"boom","type":"InternalServerError","code":500}"#], false);
-        assert!(matches!(out, Outcome::Failed(e) if e.message == "boom"));
+        assert!(matches!(out, Verdict::Failed(e) if e.message == "boom"));
     }
 
     #[test]
     fn close_without_done_is_pending_unless_finished() {
         let text = chunk(json!({"content": "Hi"}), Value::Null);
-        assert_eq!(run(&[&text], true).1, Outcome::Pending);
+        assert_eq!(run(&[&text], true).1, Verdict::Pending);
         let fin = chunk(json!({}), json!("stop"));
         assert!(
-            matches!(run(&[&text, &fin], true).1, Outcome::Finished(d) if d.output_text == "Hi" && d.usage.is_none())
+            matches!(run(&[&text, &fin], true).1, Verdict::Finished(d) if d.output_text == "Hi" && d.usage.is_none())
         );
     }
 
@@ -304,7 +306,7 @@ mod tests {
         ];
         let frames: Vec<&str> = frames.iter().map(String::as_str).collect();
         let (_, out) = run(&frames, false);
-        let Outcome::Finished(d) = out else { panic!("{out:?}") };
+        let Verdict::Finished(d) = out else { panic!("{out:?}") };
         assert_eq!(d.incomplete_reason.as_deref(), Some("max_output_tokens"));
         assert_eq!(d.tool_calls.len(), 1);
         assert_eq!(d.tool_calls[0].name, "ok");
@@ -328,7 +330,7 @@ mod tests {
         ];
         let frames: Vec<&str> = frames.iter().map(String::as_str).collect();
         let (_, out) = run(&frames, false);
-        let Outcome::Finished(d) = out else { panic!("{out:?}") };
+        let Verdict::Finished(d) = out else { panic!("{out:?}") };
         let got: Vec<_> =
             d.tool_calls.iter().map(|c| (c.call_id.as_str(), c.name.as_str(), c.arguments.as_str())).collect();
         assert_eq!(got, vec![("call_x", "f", "{\"a\":1}"), ("call_y", "g", "{}")]);

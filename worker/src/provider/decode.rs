@@ -7,13 +7,13 @@ use super::{ToolCall, Usage};
 
 /// A decoder's verdict after one event, or at the end of the stream.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) enum Outcome {
+pub(crate) enum Verdict {
     /// No terminal event yet.
     Pending,
     /// The answer is complete.
     Finished(Decoded),
     /// The provider said, inside the stream, that the call failed.
-    Failed(ErrorBody),
+    Failed(ProviderErrorBody),
 }
 
 /// A finished answer, already in the Responses shape.
@@ -29,7 +29,7 @@ pub(crate) struct Decoded {
 /// OpenAI's error object `{"message","type","code","param"}`, as far as it
 /// was readable.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub(crate) struct ErrorBody {
+pub(crate) struct ProviderErrorBody {
     pub code: Option<String>,
     pub error_type: Option<String>,
     pub message: String,
@@ -37,7 +37,7 @@ pub(crate) struct ErrorBody {
     pub retry_delay_ms: Option<u64>,
 }
 
-impl ErrorBody {
+impl ProviderErrorBody {
     /// Reads an error object: `{"message","type","code","param"}`. A `code`
     /// may be a number (some proxies, vLLM); it is kept as text.
     pub fn from_object(obj: &Value) -> Self {
@@ -116,21 +116,23 @@ mod tests {
     #[test]
     fn reads_openai_error_bodies_in_their_shapes() {
         let body = json!({"error": {"message": "Rate limit reached", "type": "tokens", "param": null, "code": "rate_limit_exceeded"}});
-        let e = ErrorBody::from_body(body.to_string().as_bytes());
+        let e = ProviderErrorBody::from_body(body.to_string().as_bytes());
         assert_eq!(e.code.as_deref(), Some("rate_limit_exceeded"));
         assert_eq!(e.error_type.as_deref(), Some("tokens"));
         assert_eq!(e.message, "Rate limit reached");
 
-        let e = ErrorBody::from_body(br#"{"error": "model not loaded"}"#);
+        let e = ProviderErrorBody::from_body(br#"{"error": "model not loaded"}"#);
         assert_eq!((e.code, e.message.as_str()), (None, "model not loaded"));
 
-        let e = ErrorBody::from_body(br#"{"object":"error","message":"too long","type":"BadRequestError","code":400}"#);
+        let e = ProviderErrorBody::from_body(
+            br#"{"object":"error","message":"too long","type":"BadRequestError","code":400}"#,
+        );
         assert_eq!(e.code.as_deref(), Some("400"));
         assert_eq!(e.error_type.as_deref(), Some("BadRequestError"));
 
-        let e = ErrorBody::from_body(b"<html>502 Bad Gateway</html>");
+        let e = ProviderErrorBody::from_body(b"<html>502 Bad Gateway</html>");
         assert_eq!(e.message, "<html>502 Bad Gateway</html>");
-        assert_eq!(ErrorBody::from_body(b"  ").message, "(empty body)");
+        assert_eq!(ProviderErrorBody::from_body(b"  ").message, "(empty body)");
         let usage = json!({"input_tokens": 1_200, "output_tokens": u64::MAX, "total_tokens": -3});
         assert_eq!(count(&usage, "input_tokens"), Some(1_200));
         assert_eq!(count(&usage, "output_tokens"), None, "an impossible count is not taken");
@@ -138,9 +140,9 @@ mod tests {
         let gemini = br#"{"error":{"code":429,"message":"Resource has been exhausted","status":"RESOURCE_EXHAUSTED",
             "details":[{"@type":"type.googleapis.com/google.rpc.Help"},
                        {"@type":"type.googleapis.com/google.rpc.RetryInfo","retryDelay":"1.500s"}]}}"#;
-        assert_eq!(ErrorBody::from_body(gemini).retry_delay_ms, Some(1_500));
+        assert_eq!(ProviderErrorBody::from_body(gemini).retry_delay_ms, Some(1_500));
         let odd = br#"{"error":{"message":"x","details":[{"retryDelay":"soon"},{"retryDelay":"-3s"}]}}"#;
-        assert_eq!(ErrorBody::from_body(odd).retry_delay_ms, None);
-        assert!(ErrorBody::from_body("x".repeat(5000).as_bytes()).message.ends_with("(5000 bytes in all)"));
+        assert_eq!(ProviderErrorBody::from_body(odd).retry_delay_ms, None);
+        assert!(ProviderErrorBody::from_body("x".repeat(5000).as_bytes()).message.ends_with("(5000 bytes in all)"));
     }
 }

@@ -44,7 +44,7 @@ use shared::runs::ApiStyle;
 
 use anthropic::AnthropicDecoder;
 use chat::ChatDecoder;
-use decode::{clip, Decoded, ErrorBody, Outcome};
+use decode::{clip, Decoded, ProviderErrorBody, Verdict};
 use responses::ResponsesDecoder;
 pub(crate) use scrub::shown_url;
 use sse::SseParser;
@@ -184,7 +184,7 @@ impl CallFailure {
     /// A failure, classified by [`shared::pacer::classify`].
     fn new(
         status: Option<u16>,
-        error: ErrorBody,
+        error: ProviderErrorBody,
         transport: Option<Transport>,
         headers: HeaderSnapshot,
         headers_received: Option<Instant>,
@@ -215,7 +215,7 @@ impl CallFailure {
             Some((status, headers, at)) => (Some(status), headers, Some(at)),
             None => (None, HeaderSnapshot::default(), None),
         };
-        Self::new(status, ErrorBody { message, ..ErrorBody::default() }, Some(transport), headers, at)
+        Self::new(status, ProviderErrorBody { message, ..ProviderErrorBody::default() }, Some(transport), headers, at)
     }
 }
 
@@ -343,7 +343,10 @@ impl Provider {
         on_event: &mut (dyn FnMut(StreamEvent) + Send),
     ) -> Result<CallSuccess, CallFailure> {
         let Some(obj) = body.as_object_mut() else {
-            let error = ErrorBody { message: "the request body is not a JSON object".into(), ..ErrorBody::default() };
+            let error = ProviderErrorBody {
+                message: "the request body is not a JSON object".into(),
+                ..ProviderErrorBody::default()
+            };
             // No request was sent: terminal, whatever classify would guess.
             let mut failure = CallFailure::new(None, error, None, HeaderSnapshot::default(), None);
             failure.kind = FailureKind::Terminal;
@@ -392,11 +395,11 @@ impl Provider {
 
         if !response.status().is_success() {
             let body = match self.read_body(response, MAX_ERROR_BODY).await {
-                Ok(bytes) => ErrorBody::from_body(&bytes),
+                Ok(bytes) => ProviderErrorBody::from_body(&bytes),
                 // The status alone still classifies the failure.
-                Err(_) => ErrorBody {
+                Err(_) => ProviderErrorBody {
                     message: format!("HTTP {status} (the error body could not be read)"),
-                    ..ErrorBody::default()
+                    ..ProviderErrorBody::default()
                 },
             };
             let mut headers = headers;
@@ -518,7 +521,7 @@ impl Provider {
             .map_err(|e| StreamFailure::Transport(Transport::Other, format!("unreadable JSON answer: {e}")))?;
         if let Some(error) = body.get("error").filter(|e| e.is_object()) {
             if body.get("status").and_then(Value::as_str) != Some("completed") {
-                return Err(StreamFailure::InBand(ErrorBody::from_object(error)));
+                return Err(StreamFailure::InBand(ProviderErrorBody::from_object(error)));
             }
         }
         let frames: Vec<Value> = match self.style {
@@ -608,7 +611,7 @@ impl Provider {
 #[derive(Debug)]
 enum StreamFailure {
     /// The provider said so inside the stream.
-    InBand(ErrorBody),
+    InBand(ProviderErrorBody),
     /// The stream broke, stalled or closed early.
     Transport(Transport, String),
 }
@@ -629,7 +632,7 @@ impl Decoder {
         }
     }
 
-    fn event(&mut self, event: &sse::SseEvent, emit: &mut dyn FnMut(StreamEvent)) -> Outcome {
+    fn event(&mut self, event: &sse::SseEvent, emit: &mut dyn FnMut(StreamEvent)) -> Verdict {
         match self {
             Self::Responses(d) => d.event(event, emit),
             Self::Chat(d) => d.event(event, emit),
@@ -637,7 +640,7 @@ impl Decoder {
         }
     }
 
-    fn eof(&mut self, emit: &mut dyn FnMut(StreamEvent)) -> Outcome {
+    fn eof(&mut self, emit: &mut dyn FnMut(StreamEvent)) -> Verdict {
         match self {
             Self::Responses(d) => d.eof(),
             Self::Chat(d) => d.eof(emit),
@@ -646,13 +649,13 @@ impl Decoder {
     }
 }
 
-impl Outcome {
+impl Verdict {
     /// `None` while pending, else the call's result.
     fn settle(self) -> Option<Result<Decoded, StreamFailure>> {
         match self {
-            Outcome::Pending => None,
-            Outcome::Finished(decoded) => Some(Ok(decoded)),
-            Outcome::Failed(error) => Some(Err(StreamFailure::InBand(error))),
+            Verdict::Pending => None,
+            Verdict::Finished(decoded) => Some(Ok(decoded)),
+            Verdict::Failed(error) => Some(Err(StreamFailure::InBand(error))),
         }
     }
 }
@@ -770,7 +773,7 @@ mod tests {
 
     #[test]
     fn a_failure_is_classified_once() {
-        let quota = ErrorBody {
+        let quota = ProviderErrorBody {
             code: Some("insufficient_quota".into()),
             error_type: None,
             message: "You exceeded your current quota".into(),
@@ -785,7 +788,7 @@ mod tests {
 
     #[test]
     fn a_failure_is_classified_on_the_raw_text_and_shown_scrubbed() {
-        let bad_key = ErrorBody {
+        let bad_key = ProviderErrorBody {
             code: None,
             error_type: None,
             message: "Rate limit reached for key sk-proj-abcdef0123456789; see https://platform.openai.com/x".into(),

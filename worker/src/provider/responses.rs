@@ -9,7 +9,7 @@
 
 use serde_json::{json, Value};
 
-use super::decode::{count, str_field, Decoded, ErrorBody, Outcome};
+use super::decode::{count, str_field, Decoded, ProviderErrorBody, Verdict};
 use super::sse::SseEvent;
 use super::{StreamEvent, ToolCall, Usage};
 
@@ -33,14 +33,14 @@ pub(crate) struct ResponsesDecoder {
 
 impl ResponsesDecoder {
     /// Decodes one SSE event.
-    pub fn event(&mut self, ev: &SseEvent, emit: &mut dyn FnMut(StreamEvent)) -> Outcome {
+    pub fn event(&mut self, ev: &SseEvent, emit: &mut dyn FnMut(StreamEvent)) -> Verdict {
         let data: Value = match serde_json::from_str(&ev.data) {
             Ok(v) => v,
             Err(error) => {
                 // One unreadable frame is skipped like an unknown event; if it
                 // was the terminal, the stream ends without one and is retried.
                 tracing::warn!(message = "unreadable Responses stream frame skipped", %error, event = ?ev.event);
-                return Outcome::Pending;
+                return Verdict::Pending;
             }
         };
         let kind = str_field(&data, "type").or(ev.event.as_deref()).unwrap_or_default();
@@ -50,7 +50,7 @@ impl ResponsesDecoder {
                     self.text.push_str(delta);
                     emit(StreamEvent::TextDelta(delta.to_string()));
                 }
-                Outcome::Pending
+                Verdict::Pending
             }
             "response.output_item.done" => {
                 if let Some(item) = data.get("item") {
@@ -63,43 +63,43 @@ impl ResponsesDecoder {
                     }
                     self.items.push(item.clone());
                 }
-                Outcome::Pending
+                Verdict::Pending
             }
-            "response.completed" => Outcome::Finished(self.finish(data.get("response"), None)),
+            "response.completed" => Verdict::Finished(self.finish(data.get("response"), None)),
             "response.incomplete" => {
                 let response = data.get("response");
                 let reason = response
                     .and_then(|r| r.get("incomplete_details"))
                     .and_then(|d| str_field(d, "reason"))
                     .unwrap_or("unknown");
-                Outcome::Finished(self.finish(response, Some(reason.to_string())))
+                Verdict::Finished(self.finish(response, Some(reason.to_string())))
             }
             "response.failed" => {
                 let error = data.get("response").and_then(|r| r.get("error")).filter(|e| e.is_object());
-                Outcome::Failed(match error {
-                    Some(e) => ErrorBody::from_object(e),
-                    None => ErrorBody {
+                Verdict::Failed(match error {
+                    Some(e) => ProviderErrorBody::from_object(e),
+                    None => ProviderErrorBody {
                         message: "the response failed without an error object".into(),
-                        ..ErrorBody::default()
+                        ..ProviderErrorBody::default()
                     },
                 })
             }
             "error" => {
                 // Documented flat, sent nested: read the nested object when there is one.
                 let obj = data.get("error").filter(|e| e.is_object()).unwrap_or(&data);
-                let mut body = ErrorBody::from_object(obj);
+                let mut body = ProviderErrorBody::from_object(obj);
                 if body.error_type.as_deref() == Some("error") {
                     body.error_type = None; // the flat shape's `type` is the event's own
                 }
-                Outcome::Failed(body)
+                Verdict::Failed(body)
             }
-            _ => Outcome::Pending,
+            _ => Verdict::Pending,
         }
     }
 
     /// The stream closed: without a terminal event there is no answer.
-    pub fn eof(&mut self) -> Outcome {
-        Outcome::Pending
+    pub fn eof(&mut self) -> Verdict {
+        Verdict::Pending
     }
 
     fn finish(&mut self, response: Option<&Value>, incomplete_reason: Option<String>) -> Decoded {
@@ -231,12 +231,12 @@ mod tests {
         SseEvent { event: data["type"].as_str().map(str::to_string), data: data.to_string(), id: None }
     }
 
-    fn run(events: &[Value]) -> (Vec<StreamEvent>, Outcome) {
+    fn run(events: &[Value]) -> (Vec<StreamEvent>, Verdict) {
         let mut dec = ResponsesDecoder::default();
         let mut seen = Vec::new();
         for e in events {
             match dec.event(&frame(e.clone()), &mut |ev| seen.push(ev)) {
-                Outcome::Pending => {}
+                Verdict::Pending => {}
                 done => return (seen, done),
             }
         }
@@ -257,7 +257,7 @@ mod tests {
         let usage = json!({"input_tokens": 2000, "input_tokens_details": {"cached_tokens": 1536},
                            "output_tokens": 900, "output_tokens_details": {"reasoning_tokens": 640}, "total_tokens": 2900});
         let (_, out) = run(&[json!({"type": "response.completed", "response": {"output": [], "usage": usage}})]);
-        let Outcome::Finished(d) = out else { panic!("{out:?}") };
+        let Verdict::Finished(d) = out else { panic!("{out:?}") };
         let u = d.usage.unwrap();
         assert_eq!(
             (u.input_tokens, u.cached_input_tokens, u.output_tokens, u.reasoning_tokens),
@@ -279,7 +279,7 @@ mod tests {
             json!({"type": "response.completed", "response": {"status": "completed", "output": [msg], "usage": usage()}}),
         ]);
         assert_eq!(seen, vec![StreamEvent::TextDelta("Hello".into()), StreamEvent::TextDelta(" world".into())]);
-        let Outcome::Finished(d) = out else { panic!("{out:?}") };
+        let Verdict::Finished(d) = out else { panic!("{out:?}") };
         assert_eq!(d.output, vec![assistant_message("Hello world")]);
         assert_eq!(d.output_text, "Hello world");
         assert_eq!(d.usage, Some(Usage::new(10, 5)));
@@ -304,7 +304,7 @@ mod tests {
                 arguments: call.arguments.clone()
             }]
         );
-        let Outcome::Finished(d) = out else { panic!("{out:?}") };
+        let Verdict::Finished(d) = out else { panic!("{out:?}") };
         assert_eq!(
             d.output,
             vec![json!({"type": "function_call", "call_id": "call_1", "name": "search", "arguments": "{\"q\":\"x\"}"})]
@@ -320,7 +320,7 @@ mod tests {
             "output": [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "cut"}]},
                        call_item("incomplete", "{\"q\":")],
             "usage": usage()}})]);
-        let Outcome::Finished(d) = out else { panic!("{out:?}") };
+        let Verdict::Finished(d) = out else { panic!("{out:?}") };
         assert_eq!(d.incomplete_reason.as_deref(), Some("max_output_tokens"));
         assert_eq!(d.output_text, "cut");
         assert!(d.tool_calls.is_empty());
@@ -336,7 +336,7 @@ mod tests {
         assert_eq!(seen.len(), 1);
         assert_eq!(
             out,
-            Outcome::Failed(ErrorBody {
+            Verdict::Failed(ProviderErrorBody {
                 code: Some("rate_limit_exceeded".into()),
                 error_type: Some("tokens".into()),
                 message: "Rate limit reached".into(),
@@ -346,7 +346,7 @@ mod tests {
         let (_, out) = run(&[json!({"type": "error", "code": "server_error", "message": "boom", "param": null})]);
         assert_eq!(
             out,
-            Outcome::Failed(ErrorBody {
+            Verdict::Failed(ProviderErrorBody {
                 code: Some("server_error".into()),
                 error_type: None,
                 message: "boom".into(),
@@ -357,7 +357,7 @@ mod tests {
             "error": {"code": "server_error", "message": "The model failed"}}})]);
         assert_eq!(
             out,
-            Outcome::Failed(ErrorBody {
+            Verdict::Failed(ProviderErrorBody {
                 code: Some("server_error".into()),
                 error_type: None,
                 message: "The model failed".into(),
@@ -370,9 +370,9 @@ mod tests {
     fn no_terminal_event_is_pending_and_bad_frames_are_skipped() {
         let mut dec = ResponsesDecoder::default();
         let bad = SseEvent { event: Some("response.output_text.delta".into()), data: "{not json".into(), id: None };
-        assert_eq!(dec.event(&bad, &mut |_| {}), Outcome::Pending);
+        assert_eq!(dec.event(&bad, &mut |_| {}), Verdict::Pending);
         let (_, out) = run(&[json!({"type": "response.output_text.delta", "delta": "Hi"})]);
-        assert_eq!(out, Outcome::Pending);
+        assert_eq!(out, Verdict::Pending);
     }
 
     #[test]
@@ -381,14 +381,14 @@ mod tests {
             json!({"type": "response.output_item.done", "item": call_item("completed", "{}")}),
             json!({"type": "response.completed", "response": {"usage": null}}),
         ]);
-        let Outcome::Finished(d) = out else { panic!("{out:?}") };
+        let Verdict::Finished(d) = out else { panic!("{out:?}") };
         assert_eq!(d.tool_calls.len(), 1);
         assert_eq!(d.usage, None);
         let (_, out) = run(&[
             json!({"type": "response.output_text.delta", "delta": "only deltas"}),
             json!({"type": "response.completed", "response": {"output": []}}),
         ]);
-        let Outcome::Finished(d) = out else { panic!("{out:?}") };
+        let Verdict::Finished(d) = out else { panic!("{out:?}") };
         assert_eq!(d.output, vec![assistant_message("only deltas")]);
     }
 
