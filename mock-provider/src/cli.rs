@@ -16,7 +16,7 @@ pub struct MockArgs {
     #[arg(long, env = "MOCK_LISTEN", default_value = "127.0.0.1:8089")]
     pub listen: SocketAddr,
     /// Token bucket capacity per window (tokens per minute with the default 60 s window).
-    #[arg(long, env = "MOCK_TPM", default_value_t = 40_000)]
+    #[arg(long, env = "MOCK_TPM", default_value_t = MockConfig::default().tpm)]
     pub tpm: u64,
     /// Input token bucket per window, with --headers anthropic [default: --tpm].
     #[arg(long, env = "MOCK_ITPM")]
@@ -25,17 +25,17 @@ pub struct MockArgs {
     #[arg(long, env = "MOCK_OTPM")]
     pub otpm: Option<u64>,
     /// Request bucket capacity per window (requests per minute with the default window).
-    #[arg(long, env = "MOCK_RPM", default_value_t = 600)]
+    #[arg(long, env = "MOCK_RPM", default_value_t = MockConfig::default().rpm)]
     pub rpm: u64,
     /// Bucket window in seconds: 60 like OpenAI, shorter to scale a minute down for fast tests.
-    #[arg(long, env = "MOCK_WINDOW_S", default_value_t = 60.0)]
+    #[arg(long, env = "MOCK_WINDOW_S", default_value_t = MockConfig::default().window.as_secs_f64())]
     pub window_s: f64,
     /// How the buckets refill: continuously at capacity/window, or fully at each window boundary.
-    #[arg(long, env = "MOCK_BUCKET", value_enum, default_value_t = BucketMode::Continuous)]
+    #[arg(long, env = "MOCK_BUCKET", value_enum, default_value_t = MockConfig::default().bucket)]
     pub bucket: BucketMode,
     /// What happens to a call's unused output reservation: given back after the answer
     /// (`refund`), or kept (`keep`, OpenAI's documented admission rule).
-    #[arg(long, env = "MOCK_CHARGE", value_enum, default_value_t = ChargeMode::Refund)]
+    #[arg(long, env = "MOCK_CHARGE", value_enum, default_value_t = MockConfig::default().charge)]
     pub charge: ChargeMode,
     /// Whose rate-limit headers and 429 retry hints to speak; `anthropic` also splits the
     /// token bucket into --itpm and --otpm, `none` puts the delay only in the 429's body
@@ -44,28 +44,28 @@ pub struct MockArgs {
     pub headers: Option<HeaderStyle>,
     /// Enforce the buckets, or admit every request and send no rate-limit headers
     /// (`none`, like vLLM, Ollama or TGI).
-    #[arg(long, env = "MOCK_LIMITS", value_enum, default_value_t = LimitsMode::Enforced)]
+    #[arg(long, env = "MOCK_LIMITS", value_enum, default_value_t = MockConfig::default().limits)]
     pub limits: LimitsMode,
     /// Delay before the first byte of an admitted answer, in ms (429s answer at once).
-    #[arg(long, env = "MOCK_LATENCY_MS", default_value_t = 0)]
+    #[arg(long, env = "MOCK_LATENCY_MS", default_value_t = MockConfig::default().latency.as_millis() as u64)]
     pub latency_ms: u64,
     /// Tool outputs a conversation must hold before the model answers in text (when it offers tools).
-    #[arg(long, env = "MOCK_TOOL_ROUNDS", default_value_t = 2)]
+    #[arg(long, env = "MOCK_TOOL_ROUNDS", default_value_t = MockConfig::default().tool_rounds)]
     pub tool_rounds: usize,
     /// Function calls per tool round (parallel calls in one answer).
-    #[arg(long, env = "MOCK_CALLS_PER_ROUND", default_value_t = 1)]
+    #[arg(long, env = "MOCK_CALLS_PER_ROUND", default_value_t = MockConfig::default().calls_per_round)]
     pub calls_per_round: usize,
     /// Length of the final text answer in tokens (one word = one token).
-    #[arg(long, env = "MOCK_OUTPUT_TOKENS", default_value_t = 200)]
+    #[arg(long, env = "MOCK_OUTPUT_TOKENS", default_value_t = MockConfig::default().output_tokens)]
     pub output_tokens: u64,
     /// Output tokens charged at admission when a request sets no limit [default: --output-tokens].
     #[arg(long, env = "MOCK_DEFAULT_MAX_OUTPUT_TOKENS")]
     pub default_max_output_tokens: Option<u64>,
     /// Fraction (0..1) of requests that fail with 500, 503 or 529 before admission.
-    #[arg(long, env = "MOCK_FAIL_RATE", default_value_t = 0.0)]
+    #[arg(long, env = "MOCK_FAIL_RATE", default_value_t = MockConfig::default().fail_rate)]
     pub fail_rate: f64,
     /// Fraction (0..1) of streamed answers that break after some text with an error event.
-    #[arg(long, env = "MOCK_MIDSTREAM_ERROR_RATE", default_value_t = 0.0)]
+    #[arg(long, env = "MOCK_MIDSTREAM_ERROR_RATE", default_value_t = MockConfig::default().midstream_error_rate)]
     pub midstream_error_rate: f64,
     /// The code of a mid-stream error.
     #[arg(long, env = "MOCK_MIDSTREAM_ERROR_CODE", default_value = "server_error",
@@ -78,19 +78,19 @@ pub struct MockArgs {
     #[arg(long, env = "MOCK_DAILY_CAP")]
     pub daily_cap: bool,
     /// Pause every streamed answer this many ms mid-way, after some text.
-    #[arg(long, env = "MOCK_STALL_MS", default_value_t = 0)]
+    #[arg(long, env = "MOCK_STALL_MS", default_value_t = MockConfig::default().stall.as_millis() as u64)]
     pub stall_ms: u64,
     /// The old spelling of --headers none (hidden); --headers or MOCK_HEADERS wins over it.
     #[arg(long, env = "MOCK_NO_HEADERS", hide = true)]
     pub no_headers: bool,
     /// Seed of the fault dice (--fail-rate, --midstream-error-rate), so a run is repeatable.
-    #[arg(long, env = "MOCK_SEED", default_value_t = 0)]
+    #[arg(long, env = "MOCK_SEED", default_value_t = MockConfig::default().seed)]
     pub seed: u64,
     /// How many of the latest request bodies GET /_mock/stats keeps.
-    #[arg(long, env = "MOCK_KEEP_BODIES", default_value_t = 32)]
+    #[arg(long, env = "MOCK_KEEP_BODIES", default_value_t = MockConfig::default().keep_bodies)]
     pub keep_bodies: usize,
     /// How many of the latest requests the GET /_mock/stats log keeps.
-    #[arg(long, env = "MOCK_LOG_LIMIT", default_value_t = 100_000)]
+    #[arg(long, env = "MOCK_LOG_LIMIT", default_value_t = MockConfig::default().log_limit)]
     pub log_limit: usize,
     /// The organization named in rate-limit messages.
     #[arg(long, env = "MOCK_ORGANIZATION", default_value = "org-mock")]
@@ -231,6 +231,15 @@ mod tests {
         assert_eq!(cfg.seed, 11);
         assert_eq!(cfg.midstream_error_code, "rate_limit_exceeded");
         assert_eq!(cfg.default_max_output(), 7);
+    }
+
+    /// The flags' defaults are `MockConfig::default()` (the listen address
+    /// aside: the command serves on 8089, a config built in code on port 0).
+    #[test]
+    fn the_flags_default_to_the_configs_defaults() {
+        let from_flags = Cli::try_parse_from(["mock"]).unwrap().mock.into_config().unwrap();
+        let defaults = MockConfig::default();
+        assert_eq!(format!("{:?}", MockConfig { listen: defaults.listen, ..from_flags }), format!("{defaults:?}"));
     }
 
     #[test]
