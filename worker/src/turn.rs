@@ -274,7 +274,7 @@ impl Runner {
             return self.cancelled(lease, ctx).await;
         };
         if let Ok(CallSuccess { usage: Some(u), .. }) = &result {
-            self.calibration(&spec.model, |c| c.observe(input, u.input_tokens));
+            self.calibration(&spec.model, |c| c.observe(input, u.tokens.input_tokens));
         }
 
         match result {
@@ -293,13 +293,8 @@ impl Runner {
         cancel: &Cancel,
     ) -> Result<TurnOutcome, TurnError> {
         metrics::counter!(metric::PROVIDER_CALLS, "status" => success.status.to_string()).increment(1);
-        let usage = success.usage.map(|u| Usage {
-            input_tokens: u.input_tokens,
-            output_tokens: u.output_tokens,
-            total_tokens: u.input_tokens + u.output_tokens,
-            reasoning_tokens: u.reasoning_tokens,
-            cached_input_tokens: u.cached_input_tokens,
-        });
+        let usage =
+            success.usage.map(|u| Usage { total_tokens: u.tokens.input_tokens + u.tokens.output_tokens, ..u.tokens });
         // The pacer settles with what the provider's limit counted (Anthropic
         // does not count cache reads), not what the run is told it read.
         let charged = success.usage.map(|u| u.charged_input_tokens);

@@ -53,8 +53,8 @@ async fn a_streamed_answer_with_anthropics_headers_and_usage() {
         ]
     );
     let usage = ok.usage.expect("usage from message_start and message_delta");
-    assert_eq!(usage.output_tokens, 40);
-    assert!(usage.input_tokens > 0);
+    assert_eq!(usage.tokens.output_tokens, 40);
+    assert!(usage.tokens.input_tokens > 0);
     // anthropic-ratelimit-* headers: the pacer sees the input and output buckets, each
     // on its own, and the requests.
     assert!(ok.headers.input_tokens.limit.is_some() && ok.headers.output_tokens.limit.is_some(), "{:?}", ok.headers);
@@ -227,7 +227,7 @@ async fn the_key_goes_in_x_api_key_with_the_version_and_never_as_a_bearer() {
         let ok = result.expect("an answer");
         assert_eq!(events, vec![StreamEvent::TextDelta("Hi".into())]);
         let u = ok.usage.unwrap();
-        assert_eq!((u.input_tokens, u.cached_input_tokens, u.charged_input_tokens), (10, 3, 7));
+        assert_eq!((u.tokens.input_tokens, u.tokens.cached_input_tokens, u.charged_input_tokens), (10, 3, 7));
     }
     let seen = seen.0.lock().unwrap();
     assert_eq!(seen[0].api_key.as_deref(), Some("sk-ant-canary-7f3a"));

@@ -131,9 +131,9 @@ async fn text_deltas_arrive_in_order_with_usage_and_headers() {
         assert_eq!(ok.status, 200);
         assert_eq!(ok.incomplete_reason, None);
         let usage = ok.usage.unwrap_or_else(|| panic!("{style:?}: usage"));
-        assert_eq!(usage.output_tokens, 40);
-        assert!(usage.input_tokens > 0);
-        assert_eq!(usage.total_tokens, usage.input_tokens + usage.output_tokens);
+        assert_eq!(usage.tokens.output_tokens, 40);
+        assert!(usage.tokens.input_tokens > 0);
+        assert_eq!(usage.tokens.total_tokens, usage.tokens.input_tokens + usage.tokens.output_tokens);
         assert_eq!(ok.headers.tokens.limit, Some(50_000), "{style:?}: x-ratelimit-limit-tokens");
         assert_eq!(ok.headers.requests.limit, Some(700));
         assert!(ok.headers.tokens.remaining.is_some_and(|r| r < 50_000));
@@ -419,7 +419,7 @@ async fn a_server_that_does_not_stream_is_read_all_the_same() {
         vec![json!({"type": "function_call", "call_id": "call_j", "name": "search", "arguments": "{\"query\":\"q\"}"})]
     );
     assert_eq!(events.len(), 1);
-    assert_eq!(ok.usage.map(|u| u.total_tokens), Some(15));
+    assert_eq!(ok.usage.map(|u| u.tokens.total_tokens), Some(15));
 }
 
 // ------------------------------------------------------------------ tools

@@ -31,7 +31,8 @@ use shared::pacer::FailureKind;
 use super::decode::{count, str_field, Decoded, ProviderErrorBody, Verdict};
 use super::responses::assistant_message;
 use super::sse::SseEvent;
-use super::{StreamEvent, ToolCall, Usage};
+use super::{CallUsage, StreamEvent, ToolCall};
+use shared::runs::Usage;
 
 /// One content block as it streams in.
 #[derive(Debug, Default)]
@@ -257,18 +258,20 @@ fn block_arguments(block: &Block) -> Option<String> {
 /// uncached part: the input is that plus the cache writes and reads; the
 /// cache reads are the cached part; and what its input rate limit counts is
 /// the input without the cache reads (Anthropic does not count those).
-fn usage(u: &Value) -> Usage {
+fn usage(u: &Value) -> CallUsage {
     let uncached = count(u, "input_tokens").unwrap_or(0);
     let written = count(u, "cache_creation_input_tokens").unwrap_or(0);
     let read = count(u, "cache_read_input_tokens").unwrap_or(0);
     let output_tokens = count(u, "output_tokens").unwrap_or(0);
     let input_tokens = uncached + written + read;
-    Usage {
-        input_tokens,
-        output_tokens,
-        total_tokens: input_tokens + output_tokens,
-        reasoning_tokens: 0,
-        cached_input_tokens: read,
+    CallUsage {
+        tokens: Usage {
+            input_tokens,
+            output_tokens,
+            total_tokens: input_tokens + output_tokens,
+            reasoning_tokens: 0,
+            cached_input_tokens: read,
+        },
         charged_input_tokens: uncached + written,
     }
 }
@@ -349,7 +352,10 @@ mod tests {
         assert_eq!(d.output, vec![assistant_message("Hello!")]);
         assert_eq!(d.output_text, "Hello!");
         let u = d.usage.unwrap();
-        assert_eq!((u.input_tokens, u.output_tokens, u.total_tokens, u.cached_input_tokens), (25, 15, 40, 0));
+        assert_eq!(
+            (u.tokens.input_tokens, u.tokens.output_tokens, u.tokens.total_tokens, u.tokens.cached_input_tokens),
+            (25, 15, 40, 0)
+        );
         assert_eq!(d.incomplete_reason, None);
     }
 
@@ -398,8 +404,8 @@ mod tests {
         );
         assert_eq!(d.tool_calls.len(), 1);
         let u = d.usage.unwrap();
-        assert_eq!(u.input_tokens, 2010, "cache reads are input too");
-        assert_eq!(u.cached_input_tokens, 2000);
+        assert_eq!(u.tokens.input_tokens, 2010, "cache reads are input too");
+        assert_eq!(u.tokens.cached_input_tokens, 2000);
         assert_eq!(u.charged_input_tokens, 10, "Anthropic's input limit does not count cache reads");
     }
 
@@ -492,7 +498,7 @@ mod tests {
         assert_eq!(d.output_text, "I'll check.");
         assert_eq!(d.tool_calls[0].arguments, r#"{"location":"San Francisco, CA","unit":"celsius"}"#);
         let u = d.usage.unwrap();
-        assert_eq!((u.input_tokens, u.charged_input_tokens, u.output_tokens), (572, 572, 91));
+        assert_eq!((u.tokens.input_tokens, u.charged_input_tokens, u.tokens.output_tokens), (572, 572, 91));
         assert_eq!(seen.len(), 2);
     }
 

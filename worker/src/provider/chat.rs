@@ -14,7 +14,8 @@ use serde_json::{json, Value};
 use super::decode::{count, str_field, Decoded, ProviderErrorBody, Verdict};
 use super::responses::assistant_message;
 use super::sse::SseEvent;
-use super::{StreamEvent, ToolCall, Usage};
+use super::{CallUsage, StreamEvent, ToolCall};
+use shared::runs::Usage;
 
 /// One tool call being assembled from its fragments.
 #[derive(Debug, Default)]
@@ -40,7 +41,7 @@ pub(crate) struct ChatDecoder {
     text: String,
     calls: BTreeMap<u64, PartialCall>,
     finish_reason: Option<String>,
-    usage: Option<Usage>,
+    usage: Option<CallUsage>,
 }
 
 impl ChatDecoder {
@@ -70,12 +71,14 @@ impl ChatDecoder {
             let input_tokens = count(u, "prompt_tokens").unwrap_or(0);
             let output_tokens = count(u, "completion_tokens").unwrap_or(0);
             let detail = |outer: &str, inner: &str| u.get(outer).and_then(|d| count(d, inner)).unwrap_or(0);
-            self.usage = Some(Usage {
-                input_tokens,
-                output_tokens,
-                total_tokens: count(u, "total_tokens").unwrap_or(input_tokens + output_tokens),
-                reasoning_tokens: detail("completion_tokens_details", "reasoning_tokens"),
-                cached_input_tokens: detail("prompt_tokens_details", "cached_tokens"),
+            self.usage = Some(CallUsage {
+                tokens: Usage {
+                    input_tokens,
+                    output_tokens,
+                    total_tokens: count(u, "total_tokens").unwrap_or(input_tokens + output_tokens),
+                    reasoning_tokens: detail("completion_tokens_details", "reasoning_tokens"),
+                    cached_input_tokens: detail("prompt_tokens_details", "cached_tokens"),
+                },
                 charged_input_tokens: input_tokens,
             });
         }
@@ -207,7 +210,7 @@ mod tests {
         let frames: Vec<&str> = frames.iter().map(String::as_str).collect();
         let Verdict::Finished(d) = run(&frames, false).1 else { panic!() };
         let u = d.usage.unwrap();
-        assert_eq!((u.input_tokens, u.cached_input_tokens, u.reasoning_tokens), (1200, 1024, 256));
+        assert_eq!((u.tokens.input_tokens, u.tokens.cached_input_tokens, u.tokens.reasoning_tokens), (1200, 1024, 256));
         assert_eq!(u.charged_input_tokens, 1200, "OpenAI counts cached input against the limit");
     }
 
@@ -227,7 +230,7 @@ mod tests {
         assert_eq!(seen, vec![StreamEvent::TextDelta("Hello".into()), StreamEvent::TextDelta(" there".into())]);
         let Verdict::Finished(d) = out else { panic!("{out:?}") };
         assert_eq!(d.output, vec![assistant_message("Hello there")]);
-        assert_eq!(d.usage, Some(Usage::new(9, 2)));
+        assert_eq!(d.usage, Some(CallUsage::new(9, 2)));
         assert_eq!(d.incomplete_reason, None);
     }
 
@@ -264,7 +267,7 @@ mod tests {
         );
         assert_eq!(seen.len(), 2);
         assert!(matches!(&seen[0], StreamEvent::ToolCall { call_id, .. } if call_id == "call_a"));
-        assert_eq!(d.usage, Some(Usage::new(3, 4)));
+        assert_eq!(d.usage, Some(CallUsage::new(3, 4)));
         assert_eq!(d.output_text, "");
     }
 

@@ -3,7 +3,7 @@
 
 use serde_json::Value;
 
-use super::{ToolCall, Usage};
+use super::{CallUsage, ToolCall};
 
 /// A decoder's verdict after one event, or at the end of the stream.
 #[derive(Debug, Clone, PartialEq)]
@@ -22,7 +22,7 @@ pub(crate) struct Decoded {
     pub output: Vec<Value>,
     pub output_text: String,
     pub tool_calls: Vec<ToolCall>,
-    pub usage: Option<Usage>,
+    pub usage: Option<CallUsage>,
     pub incomplete_reason: Option<String>,
 }
 

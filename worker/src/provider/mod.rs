@@ -40,7 +40,7 @@ use serde_json::{json, Value};
 use shared::clock::{Clock, SystemClock};
 use shared::config::Secret;
 use shared::pacer::{classify, DelaySource, FailedCall, FailureKind, HeaderSnapshot, Transport};
-use shared::runs::ApiStyle;
+use shared::runs::{ApiStyle, Usage};
 
 use anthropic::AnthropicDecoder;
 use chat::ChatDecoder;
@@ -89,34 +89,30 @@ pub struct ToolCall {
     pub arguments: String,
 }
 
-/// Tokens the provider says one call used.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Usage {
-    /// Input (prompt) tokens, cached ones included (Anthropic's uncached
-    /// `input_tokens` plus its cache writes and reads).
-    pub input_tokens: u64,
-    /// Output (completion) tokens, reasoning included.
-    pub output_tokens: u64,
-    /// Their sum, as the provider reports it.
-    pub total_tokens: u64,
-    /// The part of the output spent reasoning, where the provider says.
-    pub reasoning_tokens: u64,
-    /// The part of the input read from the provider's prompt cache.
-    pub cached_input_tokens: u64,
+/// Tokens the provider says one call used: the run's [`Usage`] counters and
+/// what the provider's rate limit counted of the input.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CallUsage {
+    /// Input (cached included: Anthropic's uncached `input_tokens` plus its
+    /// cache writes and reads), output (reasoning included), their sum as
+    /// the provider reports it, and the reasoning and cached parts.
+    pub tokens: Usage,
     /// The input the provider's rate limit counts: all of it for OpenAI;
     /// for Anthropic, without the cache reads (its input limit skips them).
     pub charged_input_tokens: u64,
 }
 
-impl Usage {
+impl CallUsage {
     /// `input` + `output`, nothing cached or reasoned, all input charged.
     pub fn new(input_tokens: u64, output_tokens: u64) -> Self {
         Self {
-            input_tokens,
-            output_tokens,
-            total_tokens: input_tokens + output_tokens,
+            tokens: Usage {
+                input_tokens,
+                output_tokens,
+                total_tokens: input_tokens + output_tokens,
+                ..Usage::default()
+            },
             charged_input_tokens: input_tokens,
-            ..Self::default()
         }
     }
 }
@@ -137,7 +133,7 @@ pub struct CallSuccess {
     pub tool_calls: Vec<ToolCall>,
     /// What the provider reported (absent when it reported nothing, e.g. a
     /// chat server that ignores `stream_options`).
-    pub usage: Option<Usage>,
+    pub usage: Option<CallUsage>,
     /// The answer's rate-limit headers.
     pub headers: HeaderSnapshot,
     /// When the headers arrived (their resets count from here).

@@ -11,7 +11,8 @@ use serde_json::{json, Value};
 
 use super::decode::{count, str_field, Decoded, ProviderErrorBody, Verdict};
 use super::sse::SseEvent;
-use super::{StreamEvent, ToolCall, Usage};
+use super::{CallUsage, StreamEvent, ToolCall};
+use shared::runs::Usage;
 
 /// Decoder state for one Responses stream.
 ///
@@ -120,12 +121,14 @@ impl ResponsesDecoder {
             let input_tokens = count(u, "input_tokens").unwrap_or(0);
             let output_tokens = count(u, "output_tokens").unwrap_or(0);
             let detail = |outer: &str, inner: &str| u.get(outer).and_then(|d| count(d, inner)).unwrap_or(0);
-            Usage {
-                input_tokens,
-                output_tokens,
-                total_tokens: count(u, "total_tokens").unwrap_or(input_tokens + output_tokens),
-                reasoning_tokens: detail("output_tokens_details", "reasoning_tokens"),
-                cached_input_tokens: detail("input_tokens_details", "cached_tokens"),
+            CallUsage {
+                tokens: Usage {
+                    input_tokens,
+                    output_tokens,
+                    total_tokens: count(u, "total_tokens").unwrap_or(input_tokens + output_tokens),
+                    reasoning_tokens: detail("output_tokens_details", "reasoning_tokens"),
+                    cached_input_tokens: detail("input_tokens_details", "cached_tokens"),
+                },
                 charged_input_tokens: input_tokens,
             }
         });
@@ -260,7 +263,7 @@ mod tests {
         let Verdict::Finished(d) = out else { panic!("{out:?}") };
         let u = d.usage.unwrap();
         assert_eq!(
-            (u.input_tokens, u.cached_input_tokens, u.output_tokens, u.reasoning_tokens),
+            (u.tokens.input_tokens, u.tokens.cached_input_tokens, u.tokens.output_tokens, u.tokens.reasoning_tokens),
             (2000, 1536, 900, 640)
         );
         assert_eq!(u.charged_input_tokens, 2000);
@@ -282,7 +285,7 @@ mod tests {
         let Verdict::Finished(d) = out else { panic!("{out:?}") };
         assert_eq!(d.output, vec![assistant_message("Hello world")]);
         assert_eq!(d.output_text, "Hello world");
-        assert_eq!(d.usage, Some(Usage::new(10, 5)));
+        assert_eq!(d.usage, Some(CallUsage::new(10, 5)));
         assert_eq!(d.incomplete_reason, None);
     }
 
