@@ -58,3 +58,20 @@ pub fn document() -> &'static utoipa::openapi::OpenApi {
     static DOC: std::sync::OnceLock<utoipa::openapi::OpenApi> = std::sync::OnceLock::new();
     DOC.get_or_init(ApiDoc::openapi)
 }
+
+#[cfg(test)]
+mod tests {
+    /// `BudgetView` flattens the pacer's snapshot: its fields are documented
+    /// at the top level, under the API's names.
+    #[test]
+    fn a_budget_view_documents_the_snapshot_fields() {
+        let doc = serde_json::to_value(super::document()).unwrap();
+        let schemas = &doc["components"]["schemas"];
+        let view = format!("{}{}", schemas["BudgetView"], schemas["BudgetSnapshot"]);
+        assert!(view.contains("#/components/schemas/BudgetSnapshot"), "{view}");
+        for field in ["remaining_tokens", "reset_in_ms", "blocked_for_ms", "shape", "observed_at", "tenant"] {
+            assert!(view.contains(&format!("\"{field}\"")), "BudgetView lacks {field}: {view}");
+        }
+        assert!(!view.contains("observed_at_ms") && !view.contains("reset_tokens_in_ms"), "{view}");
+    }
+}

@@ -11,7 +11,7 @@ use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
 use axum::Json;
 use serde::{Deserialize, Serialize};
-use shared::pacer::{BudgetShape, TenantShare};
+use shared::pacer::TenantShare;
 use shared::runs::record::rfc3339_ms;
 use shared::runs::store::parse_cursor;
 use shared::runs::TurnJob;
@@ -20,53 +20,21 @@ use crate::auth::{Caller, Operator};
 use crate::error::{ApiError, ErrorBody};
 use crate::state::AppState;
 
-/// One budget and model, as every worker sees it.
+/// One budget and model, as every worker sees it: the pacer's snapshot as it
+/// is, with the caller's view of the tenants' lines.
 #[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct BudgetView {
-    /// Budget name (`PACELINE_BUDGET`).
-    pub budget: String,
-    /// Model (providers report limits per model).
-    pub model: String,
-    /// Estimated tokens available now (`null`: no limit known yet).
-    pub remaining_tokens: Option<i64>,
-    /// Token limit.
-    pub limit_tokens: Option<u64>,
-    /// Time until the token bucket is full again, ms.
-    pub reset_in_ms: Option<u64>,
-    /// Tokens reserved by calls in flight.
-    pub reserved_tokens: u64,
-    /// Tokens the turns waiting in line are expected to use.
-    pub booked_tokens: u64,
-    /// Turns waiting in line.
-    pub waiting_turns: u64,
-    /// How long the oldest turn in line has waited, ms (watchdog).
-    pub oldest_wait_ms: u64,
-    /// Time since a call was last cleared, ms (watchdog); null if never.
-    pub since_admission_ms: Option<u64>,
-    /// Estimated requests available now.
-    pub remaining_requests: Option<i64>,
-    /// Request limit.
-    pub limit_requests: Option<u64>,
-    /// Time until the request bucket is full again, ms.
-    pub reset_requests_in_ms: Option<u64>,
-    /// Requests reserved by calls in flight.
-    pub reserved_requests: u64,
-    /// A 429 closed the window for this long from now, ms.
-    pub blocked_for_ms: u64,
+    /// The budget's state (its fields, at the top level).
+    #[serde(flatten)]
+    pub snapshot: shared::pacer::BudgetSnapshot,
     /// When rate-limit headers were last read (RFC 3339, Redis clock).
     pub observed_at: Option<String>,
-    /// The share of a call's unused output the provider gives back, learned
-    /// from its headers (1 refunds, 0 keeps, as OpenAI documents); null until learned.
-    pub refund_share: Option<f64>,
     /// The calling tenant's line in this budget (fair admission); null for
     /// the operator, who reads every line in `tenants`.
     pub tenant: Option<TenantShare>,
     /// Every tenant's line: shown to the operator (and in open mode) only.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tenants: Option<Vec<TenantShare>>,
-    /// What the pacer learned of the provider's buckets (refill shape,
-    /// separate input and output buckets).
-    pub shape: BudgetShape,
 }
 
 /// `GET /v1/pacer`.
@@ -151,29 +119,8 @@ pub async fn pacer(State(state): State<AppState>, caller: Caller) -> Result<Json
             if !caller.is_operator() && own.is_none() {
                 return None;
             }
-            let tenants = caller.is_operator().then_some(s.tenants);
-            Some(BudgetView {
-                budget: s.budget,
-                model: s.model,
-                remaining_tokens: s.remaining_tokens,
-                limit_tokens: s.limit_tokens,
-                reset_in_ms: s.reset_tokens_in_ms,
-                reserved_tokens: s.reserved_tokens,
-                booked_tokens: s.booked_tokens,
-                waiting_turns: s.waiting_turns,
-                oldest_wait_ms: s.oldest_wait_ms,
-                since_admission_ms: s.since_admission_ms,
-                remaining_requests: s.remaining_requests,
-                limit_requests: s.limit_requests,
-                reset_requests_in_ms: s.reset_requests_in_ms,
-                reserved_requests: s.reserved_requests,
-                blocked_for_ms: s.blocked_for_ms,
-                observed_at: s.observed_at_ms.map(rfc3339_ms),
-                refund_share: s.refund_share,
-                tenant: own,
-                tenants,
-                shape: s.shape,
-            })
+            let tenants = caller.is_operator().then(|| s.tenants.clone());
+            Some(BudgetView { observed_at: s.observed_at_ms.map(rfc3339_ms), tenant: own, tenants, snapshot: s })
         })
         .collect();
     Ok(Json(PacerView { budgets }))

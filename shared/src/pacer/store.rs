@@ -35,8 +35,11 @@ pub enum PacerKind {
     Off,
 }
 
-/// One budget and model as the workers see it (`GET /v1/pacer`).
+/// One budget and model as the workers see it: `GET /v1/pacer` serialises it
+/// as it is (the field names are the API's), with the time of the last
+/// headers and the tenants' lines added as the caller may see them.
 #[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct BudgetSnapshot {
     /// The budget name (`PACELINE_BUDGET`).
     pub budget: String,
@@ -46,7 +49,8 @@ pub struct BudgetSnapshot {
     pub remaining_tokens: Option<i64>,
     /// Token limit.
     pub limit_tokens: Option<u64>,
-    /// Time until the token bucket is full again.
+    /// Time until the token bucket is full again, ms.
+    #[serde(rename = "reset_in_ms")]
     pub reset_tokens_in_ms: Option<u64>,
     /// Tokens reserved by calls in flight.
     pub reserved_tokens: u64,
@@ -68,12 +72,16 @@ pub struct BudgetSnapshot {
     pub reserved_requests: u64,
     /// A 429 closed the window for this long from now.
     pub blocked_for_ms: u64,
-    /// When headers were last read (ms since the epoch, Redis clock); None if never.
+    /// When headers were last read (ms since the epoch, Redis clock); None if
+    /// never. The API shows it as `observed_at` (RFC 3339).
+    #[serde(skip)]
     pub observed_at_ms: Option<Millis>,
     /// The share of a call's unused output the provider gives back, as learned
     /// from its headers (1 refunds, 0 keeps); None until learned.
     pub refund_share: Option<f64>,
-    /// Each tenant's line (fair admission).
+    /// Each tenant's line (fair admission). The API shows the caller's own,
+    /// and every line to the operator only.
+    #[serde(skip)]
     pub tenants: Vec<TenantShare>,
     /// What the pacer learned of the provider's buckets.
     pub shape: BudgetShape,
