@@ -302,10 +302,10 @@ impl Runner {
             used_tokens: charged.zip(usage).map(|(input, u)| input + u.output_tokens),
             input_tokens: charged,
             rate_limited_ms: None,
-            tokens: success.headers.tokens.into(),
-            requests: success.headers.requests.into(),
-            input: success.headers.input_tokens.into(),
-            output: success.headers.output_tokens.into(),
+            tokens: success.headers.tokens,
+            requests: success.headers.requests,
+            input: success.headers.input_tokens,
+            output: success.headers.output_tokens,
             headers_age_ms: success.headers_received.elapsed().as_millis() as u64,
         };
         self.settle_pacer(&ctx.spec, reservation, &outcome).await;
@@ -401,10 +401,10 @@ impl Runner {
             used_tokens: None,
             input_tokens: None,
             rate_limited_ms: rate_limited.then(|| delay.map(|(ms, _)| ms).unwrap_or(1_000)),
-            tokens: failure.headers.tokens.into(),
-            requests: failure.headers.requests.into(),
-            input: failure.headers.input_tokens.into(),
-            output: failure.headers.output_tokens.into(),
+            tokens: failure.headers.tokens,
+            requests: failure.headers.requests,
+            input: failure.headers.input_tokens,
+            output: failure.headers.output_tokens,
             headers_age_ms: failure.headers_received.map(|t| t.elapsed().as_millis() as u64).unwrap_or(0),
         };
         self.settle_pacer(&ctx.spec, reservation, &outcome).await;

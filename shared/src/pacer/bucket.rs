@@ -31,15 +31,25 @@
 use crate::clock::Millis;
 use serde::{Deserialize, Serialize};
 
-/// One bucket's view in a header snapshot: limit, remaining, time to full.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// One bucket (tokens or requests) as a response's headers describe it:
+/// limit, remaining, time to full.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct Observation {
-    /// `x-ratelimit-limit-*`.
+    /// The bucket's capacity (`x-ratelimit-limit-*`).
     pub limit: Option<u64>,
-    /// `x-ratelimit-remaining-*`.
+    /// What is left in it now (`x-ratelimit-remaining-*`).
     pub remaining: Option<u64>,
-    /// `x-ratelimit-reset-*`, in ms from when the headers were sent.
+    /// Milliseconds from when the headers were read until the bucket is full
+    /// again (`x-ratelimit-reset-*`, OpenAI's meaning; Anthropic's instant is
+    /// converted to the same).
     pub reset_ms: Option<u64>,
+}
+
+impl Observation {
+    /// No field was read.
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
 }
 
 /// How a provider's bucket gets its budget back.

@@ -21,45 +21,20 @@ use super::bucket::Observation;
 use super::durations::{parse_millis, parse_reset_ms, parse_retry_after_ms};
 use crate::clock::Millis;
 
-/// One bucket (tokens or requests) as a response's headers describe it.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct LimitSnapshot {
-    /// The bucket's capacity.
-    pub limit: Option<u64>,
-    /// What is left in it now.
-    pub remaining: Option<u64>,
-    /// Milliseconds from when the headers were read until the bucket is full
-    /// again (OpenAI's meaning; Anthropic's instant is converted to the same).
-    pub reset_ms: Option<u64>,
-}
-
-impl LimitSnapshot {
-    /// No field was read.
-    pub fn is_empty(&self) -> bool {
-        *self == Self::default()
-    }
-}
-
-impl From<LimitSnapshot> for Observation {
-    fn from(s: LimitSnapshot) -> Self {
-        Observation { limit: s.limit, remaining: s.remaining, reset_ms: s.reset_ms }
-    }
-}
-
 /// Everything a response's headers say about rate limits, relative to the
 /// `now_ms` they were read at.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HeaderSnapshot {
     /// The token bucket.
-    pub tokens: LimitSnapshot,
+    pub tokens: Observation,
     /// The request bucket.
-    pub requests: LimitSnapshot,
+    pub requests: Observation,
     /// A separate input token bucket (`anthropic-ratelimit-input-tokens-*`).
     #[serde(default)]
-    pub input_tokens: LimitSnapshot,
+    pub input_tokens: Observation,
     /// A separate output token bucket (`anthropic-ratelimit-output-tokens-*`).
     #[serde(default)]
-    pub output_tokens: LimitSnapshot,
+    pub output_tokens: Observation,
     /// The server's own delay: the first valid of `retry-after-ms`,
     /// `x-ms-retry-after-ms`, `retry-after` (the delay sources, in this order).
     pub retry_after_ms: Option<u64>,
@@ -126,7 +101,7 @@ impl HeaderSnapshot {
     /// twice, its first readable value counts. Resets and dates are turned into
     /// milliseconds from `now_ms`.
     pub fn from_headers<'a, I: IntoIterator<Item = (&'a str, &'a str)>>(headers: I, now_ms: Millis) -> Self {
-        let mut families = [LimitSnapshot::default(); FAMILIES];
+        let mut families = [Observation::default(); FAMILIES];
         // retry-after-ms, x-ms-retry-after-ms, retry-after, in that order.
         let mut delays: [Option<u64>; 3] = [None; 3];
 
@@ -206,8 +181,8 @@ mod tests {
         HeaderSnapshot::from_headers(headers.iter().copied(), NOW)
     }
 
-    fn limit(limit: u64, remaining: u64, reset_ms: u64) -> LimitSnapshot {
-        LimitSnapshot { limit: Some(limit), remaining: Some(remaining), reset_ms: Some(reset_ms) }
+    fn limit(limit: u64, remaining: u64, reset_ms: u64) -> Observation {
+        Observation { limit: Some(limit), remaining: Some(remaining), reset_ms: Some(reset_ms) }
     }
 
     #[test]
@@ -254,8 +229,8 @@ mod tests {
             ("x-ratelimit-frobs-tokens", "1"),
             ("anthropic-ratelimit-widgets-limit", "1"),
         ]);
-        assert_eq!(snap.tokens, LimitSnapshot::default());
-        assert_eq!(snap.requests, LimitSnapshot { limit: Some(100), ..Default::default() });
+        assert_eq!(snap.tokens, Observation::default());
+        assert_eq!(snap.requests, Observation { limit: Some(100), ..Default::default() });
         assert_eq!(snap.retry_after_ms, None);
     }
 
@@ -357,13 +332,7 @@ mod tests {
     #[test]
     fn openai_family_wins_over_anthropic_when_a_proxy_sends_both() {
         let snap = read(&[("anthropic-ratelimit-tokens-remaining", "1"), ("x-ratelimit-remaining-tokens", "500")]);
-        assert_eq!(snap.tokens, LimitSnapshot { remaining: Some(500), ..Default::default() });
-    }
-
-    #[test]
-    fn converts_to_the_bucket_observation() {
-        let obs: Observation = limit(1, 2, 3).into();
-        assert_eq!(obs, Observation { limit: Some(1), remaining: Some(2), reset_ms: Some(3) });
+        assert_eq!(snap.tokens, Observation { remaining: Some(500), ..Default::default() });
     }
 
     #[test]

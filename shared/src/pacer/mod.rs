@@ -31,7 +31,7 @@ pub mod store;
 pub use backoff::{next_retry, server_delay, DelaySource, GiveUp, RetryDecision, RetryPolicy};
 pub use bucket::Observation;
 pub use classify::{classify, FailedCall, FailureKind, Transport};
-pub use headers::{HeaderSnapshot, LimitSnapshot};
+pub use headers::HeaderSnapshot;
 pub use history::History;
 pub use local::LocalPacer;
 pub use model::{Ask, CallOutcome, Decision, Estimate, Mode, OwedReason, PacerState, PacingConfig, Who};
