@@ -204,7 +204,7 @@ impl Trial {
         let mock = MockServer::start(spec.mock.clone()).await.context("start the mock provider")?;
         let tool_url = env.tool_url();
         let api = api_server(redis.clone(), &tool_url, &spec.tokens).await?;
-        let deliveries_key = spec.log_deliveries.then(|| redis.keys().queue_key("bench:deliveries"));
+        let deliveries_key = spec.log_deliveries.then(|| redis.keys().bench_deliveries());
         // Redis's URL goes by the environment, not the command line (every
         // process on the machine can read a command line).
         let mut args: Vec<String> = vec![
