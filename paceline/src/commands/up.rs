@@ -148,6 +148,7 @@ async fn serve(
         queue: (*args.queue).clone(),
         slots: worker::SlotArgs { concurrency: args.slots.concurrency.max(1), ..args.slots.clone() },
         keys,
+        bench_deliveries_key: None,
     };
     let providers = describe_providers(&provider);
     let app = match api::Application::build(api_config).await {
