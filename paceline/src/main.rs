@@ -3,8 +3,10 @@
 //! library doing the work.
 
 mod api_client;
+#[cfg(feature = "mock")]
 mod bench;
 mod commands;
+#[cfg(feature = "mock")]
 mod demo;
 
 use clap::{Parser, Subcommand};
@@ -44,10 +46,13 @@ enum Command {
     /// Re-drive a failed or dead-lettered run from its last committed turn.
     Retry(commands::client::RetryArgs),
     /// An OpenAI-compatible provider simulator (tests, demos, benchmarks).
+    #[cfg(feature = "mock")]
     MockProvider(commands::mock::Args),
     /// The pacing benchmark.
+    #[cfg(feature = "mock")]
     Bench(commands::bench::Args),
     /// A no-op turn consumer on the queue, for the queue's tests and benchmark.
+    #[cfg(feature = "mock")]
     #[command(hide = true)]
     QueueProbe(commands::queue_probe::Args),
 }
@@ -66,8 +71,11 @@ async fn main() -> ExitCode {
         Command::Pacer(args) => commands::client::pacer(args).await,
         Command::Dead(args) => commands::client::dead(args).await,
         Command::Retry(args) => commands::client::retry(args).await,
+        #[cfg(feature = "mock")]
         Command::MockProvider(args) => commands::mock::run(args).await,
+        #[cfg(feature = "mock")]
         Command::Bench(args) => commands::bench::run(args).await,
+        #[cfg(feature = "mock")]
         Command::QueueProbe(args) => commands::queue_probe::run(args).await,
     };
     match result {

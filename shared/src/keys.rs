@@ -82,9 +82,69 @@ impl Keys {
         format!("{}:{}:cancels", self.prefix, self.slot_tag())
     }
 
-    /// One key of the turn queue: `prefix:{prefix}:q:name` (see `queue::QueueKeys`).
-    pub fn queue_key(&self, name: &str) -> String {
+    /// One key of the turn queue: `prefix:{prefix}:q:name` (see `queue::QueueKeys`,
+    /// which names them). Crate-private: a new key outside the queue gets a
+    /// method of its own here.
+    pub(crate) fn queue_key(&self, name: &str) -> String {
         format!("{}:{}:q:{}", self.prefix, self.slot_tag(), name)
+    }
+
+    /// A run's record, a HASH (`runs::RunRecord`'s fields; `runs/store.lua`
+    /// writes it): `prefix:{prefix}:run:<id>`. Under the queue's hash tag, so
+    /// one script commits a turn and enqueues the next; `queue/lib.lua`
+    /// (`q_fail_run`, `q_run_active`) finds it beside the queue's keys by this shape.
+    pub fn run_record(&self, id: &str) -> String {
+        format!("{}:{}:run:{}", self.prefix, self.slot_tag(), id)
+    }
+
+    /// A run's transcript, a LIST of Responses-shape items tagged by turn:
+    /// `prefix:{prefix}:tx:<id>`.
+    pub fn run_transcript(&self, id: &str) -> String {
+        format!("{}:{}:tx:{}", self.prefix, self.slot_tag(), id)
+    }
+
+    /// A run's events, a STREAM (`run.*` events, read by the API's SSE hub):
+    /// `prefix:{prefix}:ev:<id>`.
+    pub fn run_events(&self, id: &str) -> String {
+        format!("{}:{}:ev:{}", self.prefix, self.slot_tag(), id)
+    }
+
+    /// A tenant's runs, a ZSET id -> created ms (the run list's index):
+    /// `prefix:{prefix}:tenant:<tenant>:runs`.
+    pub fn tenant_runs(&self, tenant: &str) -> String {
+        format!("{}:{}:tenant:{}:runs", self.prefix, self.slot_tag(), tenant)
+    }
+
+    /// A tenant's unfinished runs, a ZSET id -> created ms, joined when a run
+    /// is created or retried and left when it finishes (`store.lua` and
+    /// `queue/lib.lua`'s `q_run_active`, which derives it from the run record's
+    /// key): `prefix:{prefix}:tenant:<tenant>:active`.
+    pub fn tenant_active(&self, tenant: &str) -> String {
+        format!("{}:{}:tenant:{}:active", self.prefix, self.slot_tag(), tenant)
+    }
+
+    /// A submit's idempotency record, a STRING `run id|fingerprint` that
+    /// expires with the idempotency window: `prefix:{prefix}:idem:<tenant>:<key>`.
+    pub fn idempotency(&self, tenant: &str, key: &str) -> String {
+        format!("{}:{}:idem:{}:{}", self.prefix, self.slot_tag(), tenant, key)
+    }
+
+    /// Bench only: a LIST of one line per turn delivery (run, turn, attempt,
+    /// due and leased ms, outcome) that a worker started with
+    /// `--bench-deliveries-key` pushes to; `paceline bench` reads it.
+    pub fn bench_deliveries(&self) -> String {
+        self.queue_key("bench:deliveries")
+    }
+
+    /// Queue probe only (`paceline queue-probe`): a HASH turn id -> times the
+    /// no-op consumer ran it (a turn run twice shows as 2).
+    pub fn probe_done(&self) -> String {
+        self.queue_key("probe:done")
+    }
+
+    /// Queue probe only: a LIST of each delivery's lateness (leased - due, ms).
+    pub fn probe_lateness(&self) -> String {
+        self.queue_key("probe:lateness")
     }
 }
 
@@ -99,5 +159,195 @@ mod tests {
         assert_eq!(k.pacer_line("b", "m"), "pl:pacer:{b}:line:m");
         assert_eq!(k.queue_key("due"), "pl:{pl}:q:due");
         assert_eq!(k.pacer_history_minute("b", "m", 7), "pl:pacer:{b}:hist:m:7");
+        assert_eq!(k.run_record("r1"), "pl:{pl}:run:r1");
+        assert_eq!(k.tenant_active("t"), "pl:{pl}:tenant:t:active");
+        assert_eq!(k.idempotency("t", "k"), "pl:{pl}:idem:t:k");
+    }
+
+    /// The workspace's root (this crate is one level below it).
+    fn workspace() -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("the workspace root").to_path_buf()
+    }
+
+    /// Every file under `dir` whose name ends with `ext`, outside `target/`
+    /// and hidden directories.
+    fn sources(dir: &std::path::Path, ext: &str, out: &mut Vec<std::path::PathBuf>) {
+        for entry in std::fs::read_dir(dir).unwrap().flatten() {
+            let path = entry.path();
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if path.is_dir() {
+                if !name.starts_with('.') && name != "target" {
+                    sources(&path, ext, out);
+                }
+            } else if name.ends_with(ext) {
+                out.push(path);
+            }
+        }
+    }
+
+    /// The key families this file builds (the segment after the prefix or the
+    /// hash tag): a format string with one of them between colons builds a key.
+    const FAMILIES: &[&str] = &[
+        "run", "tx", "ev", "tenant", "idem", "runs", "active", "q", "cancels", "pacer", "state", "expiry", "records",
+        "line", "hist", "models", "budgets", "workers",
+    ];
+
+    /// Whether a `format!` string looks like a Redis key: a literal hash tag
+    /// beside a separator (`:{{…}}:`), `{prefix}:`, or a key family as a
+    /// segment after a colon (`"{}:{}:run:{}"`). A family word before the first
+    /// colon is prose (`"state: {s}"`), not a key.
+    fn looks_like_a_key(format: &str) -> bool {
+        format.contains(":{{")
+            || format.contains("}}:")
+            || format.contains("{prefix}:")
+            || format.split(':').skip(1).any(|segment| FAMILIES.contains(&segment))
+    }
+
+    /// The format string of each `format!(` in `text` (plain and raw
+    /// literals), with its line.
+    fn format_strings(text: &str) -> Vec<(usize, String)> {
+        let mut out = vec![];
+        for (at, _) in text.match_indices("format!(") {
+            let rest = text[at + "format!(".len()..].trim_start();
+            let literal = if let Some(raw) = rest.strip_prefix('r') {
+                let hashes = raw.chars().take_while(|&c| c == '#').count();
+                let body = &raw[hashes..];
+                let Some(body) = body.strip_prefix('"') else { continue };
+                let close = format!("\"{}", "#".repeat(hashes));
+                body.find(&close).map(|end| body[..end].to_owned())
+            } else if let Some(body) = rest.strip_prefix('"') {
+                let mut end = None;
+                let mut escaped = false;
+                for (i, c) in body.char_indices() {
+                    match (escaped, c) {
+                        (true, _) => escaped = false,
+                        (false, '\\') => escaped = true,
+                        (false, '"') => {
+                            end = Some(i);
+                            break;
+                        }
+                        _ => {}
+                    }
+                }
+                end.map(|end| body[..end].to_owned())
+            } else {
+                None // a format string from a variable or a macro: not a literal key
+            };
+            if let Some(literal) = literal {
+                out.push((text[..at].matches('\n').count() + 1, literal));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn the_key_detector_knows_a_key_from_prose() {
+        for key in ["{}:{}:run:{}", "{p}:{{{p}}}:tx:{id}", "{}:pacer:{{{}}}:state:{}", "{prefix}:x", "{}:q:due"] {
+            assert!(looks_like_a_key(key), "{key}");
+        }
+        for prose in ["state: {s}", "`{prefix}` is not a URL ({e})", "{ms}:{id}", "127.0.0.1:{port}", "{t}:{w}"] {
+            assert!(!looks_like_a_key(prose), "{prose}");
+        }
+        let text = "let a = format!(\"{}:{}:ev:{}\", p, t, id);\nlet b = format!(r#\"{}:run\"#, p);\n";
+        let found: Vec<_> = format_strings(text).into_iter().map(|(_, f)| f).collect();
+        assert_eq!(found, ["{}:{}:ev:{}", "{}:run"]);
+    }
+
+    /// Architecture invariant: every Redis key is built here. A `format!` that
+    /// builds a key anywhere else in the workspace (run store, API, worker,
+    /// bench, tests: a test that inspects a key asks `Keys` for it too) fails
+    /// this test. What it cannot see: a key assembled by `+`, `concat!` or
+    /// `join` — the queue's names go through the crate-private `queue_key`.
+    #[test]
+    fn no_redis_key_is_built_outside_keys_rs() {
+        // (path from the workspace root, format string): a key-shaped format
+        // string that is not a key, with the reason. None today.
+        const ALLOWED: &[(&str, &str)] = &[];
+        let root = workspace();
+        let mut files = vec![];
+        sources(&root, ".rs", &mut files);
+        assert!(files.len() > 50, "the scan found the workspace's sources ({} files)", files.len());
+        let mut found = vec![];
+        for file in files {
+            let relative = file.strip_prefix(&root).unwrap().to_string_lossy().replace('\\', "/");
+            if relative == "shared/src/keys.rs" {
+                continue;
+            }
+            let text = std::fs::read_to_string(&file).unwrap();
+            for (line, format) in format_strings(&text) {
+                if looks_like_a_key(&format) && !ALLOWED.contains(&(relative.as_str(), format.as_str())) {
+                    found.push(format!("{relative}:{line}: format!(\"{format}\")"));
+                }
+            }
+        }
+        assert!(
+            found.is_empty(),
+            "Redis keys built outside shared/src/keys.rs (add a `Keys` method):\n{}",
+            found.join("\n")
+        );
+    }
+
+    /// Lua scripts receive their keys as `KEYS[]`; a key family joined with
+    /// `..` (`base .. 'run:' .. id`), or anything joined onto a given key
+    /// (`KEYS[5] .. ':'`), builds a key name in the script. (Hash fields such
+    /// as `'tw:' .. tenant` are not keys.) The ones that must stay are listed
+    /// with their reason: each derives a key from one it was given, by the
+    /// shape the method named here documents.
+    #[test]
+    fn lua_scripts_build_no_key_names_but_the_listed_ones() {
+        const ALLOWED: &[(&str, &str)] = &[
+            // `q_fail_run`: a turn buried by fetch, heartbeat or settle ends its
+            // run, whose id the script only learns then; the run's record,
+            // transcript and events sit beside the queue's dead set
+            // (`Keys::run_record`, `run_transcript`, `run_events`).
+            ("shared/src/queue/lib.lua", "run:"),
+            ("shared/src/queue/lib.lua", "ev:"),
+            ("shared/src/queue/lib.lua", "tx:"),
+            // `q_run_active`: the tenant is read from the run's record inside
+            // the script (`Keys::tenant_active`).
+            ("shared/src/queue/lib.lua", "tenant:"),
+            ("shared/src/queue/lib.lua", ":active"),
+            // `hist`: one hash per minute of the Redis clock under the base it
+            // is given (`Keys::pacer_history_minute`).
+            ("shared/src/pacer/scripts.lua", "KEYS[5] .."),
+        ];
+        let root = workspace();
+        let mut files = vec![];
+        sources(&root, ".lua", &mut files);
+        assert!(files.len() >= 5, "the scan found the Lua scripts ({} files)", files.len());
+        let mut found = vec![];
+        for file in files {
+            let relative = file.strip_prefix(&root).unwrap().to_string_lossy().replace('\\', "/");
+            let text = std::fs::read_to_string(&file).unwrap();
+            for (n, line) in text.lines().enumerate() {
+                let code = line.split("--").next().unwrap_or("");
+                if !code.contains("..") {
+                    continue;
+                }
+                let mut built = vec![];
+                // A key family among the line's quoted literals (every other
+                // piece between quotes).
+                for literal in code.split('\'').skip(1).step_by(2) {
+                    let key_like = literal.contains(':')
+                        && literal.chars().all(|c| c.is_ascii_lowercase() || c == '_' || c == ':')
+                        && literal.split(':').any(|segment| FAMILIES.contains(&segment));
+                    if key_like {
+                        built.push(literal.to_owned());
+                    }
+                }
+                // Something joined onto a key the script was given.
+                if let Some(at) = code.find("KEYS[") {
+                    if let Some(close) = code[at..].find("] ..") {
+                        built.push(code[at..at + close + "] ..".len()].to_owned());
+                    }
+                }
+                for b in built {
+                    if !ALLOWED.contains(&(relative.as_str(), b.as_str())) {
+                        found.push(format!("{relative}:{}: {b}", n + 1));
+                    }
+                }
+            }
+        }
+        assert!(found.is_empty(), "Lua builds key names (pass them as KEYS[]):\n{}", found.join("\n"));
     }
 }

@@ -61,6 +61,11 @@ pub struct WorkerConfig {
     /// command line is in every `ps`.
     #[arg(skip)]
     pub keys: KeySource,
+    /// Bench only (`paceline bench` passes it to the worker processes it
+    /// starts, `Keys::bench_deliveries`): a Redis list this worker pushes one
+    /// line per delivery to. Hidden: no deployment sets it.
+    #[arg(long = "bench-deliveries-key", hide = true)]
+    pub bench_deliveries_key: Option<String>,
 }
 
 /// How much one worker process takes on. Declared once, flattened into
@@ -96,6 +101,7 @@ impl WorkerConfig {
             slots: SlotArgs::default(),
             // Hermetic: a config built in code reads no environment.
             keys: KeySource::Given(Default::default()),
+            bench_deliveries_key: None,
         }
     }
 }
@@ -126,6 +132,7 @@ pub async fn runner(config: &WorkerConfig) -> anyhow::Result<(Runner, TurnQueue)
         tenants: Arc::new(tenants),
         calibration: Arc::default(),
         cancels: cancels::Cancels::default(),
+        bench_deliveries_key: config.bench_deliveries_key.clone(),
     };
     Ok((runner, queue))
 }
@@ -134,12 +141,12 @@ async fn handle_turn(job: TurnJob, lease: Lease, runner: Data<Runner>) -> Result
     use tracing::Instrument as _;
     let span = tracing::info_span!("turn", run.id = %lease.id, turn.index = job.turn, attempt = job.attempt);
     let result = runner.run_turn(job, &lease).instrument(span).await;
-    // Bench-only (`paceline bench` sets this on the worker processes it starts):
-    // one RPUSH per delivery — run, turn, attempt, due and leased ms (server
-    // clock), outcome — so the bench can tell requeued deliveries and measure
-    // their lateness. Unset (always, outside the bench), it costs nothing.
-    static BENCH_DELIVERIES_KEY: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
-    if let Some(key) = BENCH_DELIVERIES_KEY.get_or_init(|| std::env::var("PACELINE_BENCH_DELIVERIES_KEY").ok()) {
+    // Bench-only (`paceline bench` passes `--bench-deliveries-key` to the worker
+    // processes it starts): one RPUSH per delivery — run, turn, attempt, due and
+    // leased ms (server clock), outcome — so the bench can tell requeued
+    // deliveries and measure their lateness. Unset (always, outside the bench),
+    // it costs nothing.
+    if let Some(key) = &runner.bench_deliveries_key {
         let outcome = result.as_ref().map_or("error", |o| o.as_str());
         let line =
             format!("{} {} {} {} {} {outcome}", lease.id, job.turn, job.attempt, lease.due_ms, lease.fetched_at_ms);

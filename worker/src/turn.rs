@@ -75,6 +75,9 @@ pub struct Runner {
     pub calibration: Arc<std::sync::Mutex<std::collections::HashMap<String, crate::estimate::Calibration>>>,
     /// The turns a cancel can reach (`cancels.rs`).
     pub cancels: crate::cancels::Cancels,
+    /// Bench only: the list each delivery is logged to
+    /// (`WorkerConfig::bench_deliveries_key`).
+    pub bench_deliveries_key: Option<String>,
 }
 
 /// A turn that could not finish for a reason outside the run (Redis trouble):

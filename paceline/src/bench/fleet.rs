@@ -8,10 +8,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// The environment variable that makes a worker log every delivery into a
-/// Redis list (the bench-only hook in `worker::handle_turn`).
-pub const DELIVERIES_ENV: &str = "PACELINE_BENCH_DELIVERIES_KEY";
-
 /// How to start the fleet.
 #[derive(Debug, Clone)]
 pub struct FleetSpec {

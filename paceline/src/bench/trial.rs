@@ -13,7 +13,7 @@ use shared::queue::{QueueConfig, TurnQueue};
 use shared::runs::{Run, RunStore};
 use std::time::{Duration, Instant};
 
-use super::fleet::{Fleet, FleetSpec, DELIVERIES_ENV};
+use super::fleet::{Fleet, FleetSpec};
 use super::redis::{BenchRedis, CommandDelta, CommandStats};
 use super::workload::{api_server, submit_all, tool_server, Served};
 
@@ -204,7 +204,7 @@ impl Trial {
         let mock = MockServer::start(spec.mock.clone()).await.context("start the mock provider")?;
         let tool_url = env.tool_url();
         let api = api_server(redis.clone(), &tool_url, &spec.tokens).await?;
-        let deliveries_key = spec.log_deliveries.then(|| redis.keys().queue_key("bench:deliveries"));
+        let deliveries_key = spec.log_deliveries.then(|| redis.keys().bench_deliveries());
         // Redis's URL goes by the environment, not the command line (every
         // process on the machine can read a command line).
         let mut args: Vec<String> = vec![
@@ -217,15 +217,15 @@ impl Trial {
             "--concurrency".into(),
             spec.concurrency.to_string(),
         ];
+        if let Some(key) = &deliveries_key {
+            // The bench-only hook in `worker::handle_turn`: one line per delivery.
+            args.extend(["--bench-deliveries-key".into(), key.clone()]);
+        }
         args.extend(spec.worker_args.iter().cloned());
         let fleet_spec = FleetSpec {
             workers: spec.workers,
             args,
-            env: deliveries_key
-                .iter()
-                .map(|k| (DELIVERIES_ENV.to_owned(), k.clone()))
-                .chain([("REDIS_URL".to_owned(), redis.url.clone())])
-                .collect(),
+            env: vec![("REDIS_URL".to_owned(), redis.url.clone())],
             log_dir: env.redis.dir().to_path_buf(),
             label: format!("{n}-{}", spec.label),
         };

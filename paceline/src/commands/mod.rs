@@ -1,9 +1,12 @@
 //! One module per subcommand (or family of client subcommands).
 
 pub mod api;
+#[cfg(feature = "mock")]
 pub mod bench;
 pub mod client;
+#[cfg(feature = "mock")]
 pub mod mock;
+#[cfg(feature = "mock")]
 pub mod queue_probe;
 pub mod up;
 pub mod worker;

@@ -81,15 +81,6 @@ struct BenchArgs {
     fetch_batch: usize,
 }
 
-/// Redis keys the probe records into (under the queue's hash tag).
-fn done_key(redis: &RedisArgs) -> String {
-    redis.keys().queue_key("probe:done")
-}
-
-fn lateness_key(redis: &RedisArgs) -> String {
-    redis.keys().queue_key("probe:lateness")
-}
-
 /// Runs the subcommand.
 pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
     match args.mode {
@@ -140,8 +131,8 @@ async fn consume(args: ConsumeArgs) -> anyhow::Result<ExitCode> {
         conn: shared::redis_util::lazy_manager(&args.redis.url, shared::redis_util::COMMAND_TIMEOUT)?,
         record: args.record,
         max_sleep_ms: args.max_sleep_ms,
-        done_key: done_key(&args.redis),
-        lateness_key: lateness_key(&args.redis),
+        done_key: args.redis.keys().probe_done(),
+        lateness_key: args.redis.keys().probe_lateness(),
     };
     let backend = queue.backend::<serde_json::Value>(args.concurrency);
     let name = backend.identity().to_owned();
@@ -276,7 +267,8 @@ async fn bench(args: BenchArgs) -> anyhow::Result<ExitCode> {
     // Due 1 s from now, then evenly over the spread: all of them wait first.
     enqueue_many(&queue, "late", n, |i| 1000 + spread * i as u64 / n as u64).await?;
     wait_until_drained(&queue, Duration::from_secs(120)).await?;
-    let late: Vec<i64> = redis::cmd("LRANGE").arg(lateness_key(&redis)).arg(0).arg(-1).query_async(&mut admin).await?;
+    let late: Vec<i64> =
+        redis::cmd("LRANGE").arg(redis.keys().probe_lateness()).arg(0).arg(-1).query_async(&mut admin).await?;
     let early = late.iter().filter(|l| **l < 0).count();
     let p = Percentiles::of(late);
     println!(

@@ -9,7 +9,8 @@
 //!
 //! `--demo` adds the mock provider and a tool endpoint in-process (see
 //! `crate::demo`), points the workers at them, submits the sample runs through
-//! the API and shows them progressing, then keeps serving until Ctrl-C.
+//! the API and shows them progressing, then keeps serving until Ctrl-C. A build
+//! without the `mock` feature has no `--demo`.
 //!
 //! Shutdown (SIGINT/SIGTERM): the API stops taking requests, the workers finish
 //! or hand back their turns, then the demo servers and a private Redis stop —
@@ -27,6 +28,7 @@ use shared::queue::QueueConfig;
 use shared::redis_server::{LaunchError, Persistence, RedisChild, RedisServerOptions};
 use tokio::sync::watch;
 
+#[cfg(feature = "mock")]
 use crate::demo::{self, DemoArgs};
 
 /// Arguments of `paceline up`: what `paceline api` and `paceline worker` take,
@@ -67,8 +69,10 @@ pub struct Args {
     #[command(flatten)]
     slots: worker::SlotArgs,
     /// Also start the mock provider and a demo tool endpoint, submit the sample runs, and show them progressing.
+    #[cfg(feature = "mock")]
     #[arg(long)]
     demo: bool,
+    #[cfg(feature = "mock")]
     #[command(flatten)]
     demo_args: Box<DemoArgs>,
     /// Where to look for a running Redis when REDIS_URL is unset (tests point it at a free port).
@@ -76,10 +80,46 @@ pub struct Args {
     local_redis_probe: SocketAddr,
 }
 
+impl Args {
+    /// Whether `--demo` was given.
+    #[cfg(feature = "mock")]
+    fn demo(&self) -> bool {
+        self.demo
+    }
+
+    /// Never, in a build without the `mock` feature.
+    #[cfg(not(feature = "mock"))]
+    fn demo(&self) -> bool {
+        false
+    }
+}
+
+/// A build without the `mock` feature has no demo: this stands in for
+/// `crate::demo::Demo`, and no value of it can exist.
+#[cfg(not(feature = "mock"))]
+mod demo {
+    pub enum Demo {}
+
+    impl Demo {
+        pub fn tool_endpoint(&self) -> String {
+            match *self {}
+        }
+        pub fn providers(&self) -> shared::providers::ProviderTable {
+            match *self {}
+        }
+        pub fn describe(&self) -> String {
+            match *self {}
+        }
+        pub async fn stop(self) {
+            match self {}
+        }
+    }
+}
+
 /// Runs the subcommand until SIGINT/SIGTERM.
 pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
     // The demo draws progress lines on stderr: only warnings interrupt them.
-    shared::telemetry::init(if args.demo { "warn" } else { "info" });
+    shared::telemetry::init(if args.demo() { "warn" } else { "info" });
     let (stop_tx, stop_rx) = watch::channel(false);
     {
         let stop_tx = stop_tx.clone();
@@ -93,7 +133,8 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
         r = find_redis(&args) => r?,
         _ = stopped(stop_rx.clone()) => return Ok(ExitCode::SUCCESS),
     };
-    let prefix = args.prefix.clone().unwrap_or_else(|| if args.demo { "paceline-demo" } else { "paceline" }.to_owned());
+    let prefix =
+        args.prefix.clone().unwrap_or_else(|| if args.demo() { "paceline-demo" } else { "paceline" }.to_owned());
     let redis_args = RedisArgs::new(redis.url(), prefix);
     let result = serve(&args, redis_args, stop_tx, stop_rx).await;
     // Last: the drain above may still have been committing into it.
@@ -119,7 +160,10 @@ async fn serve(
     stop_tx: watch::Sender<bool>,
     stop_rx: watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
+    #[cfg(feature = "mock")]
     let demo = if args.demo { Some(demo::Demo::start(&args.demo_args).await?) } else { None };
+    #[cfg(not(feature = "mock"))]
+    let demo: Option<demo::Demo> = None;
     let mut runs = args.runs.clone();
     let mut provider = (*args.provider).clone();
     let mut keys = KeySource::Environment;
@@ -149,6 +193,7 @@ async fn serve(
         queue: (*args.queue).clone(),
         slots: worker::SlotArgs { concurrency: args.slots.concurrency.max(1), ..args.slots.clone() },
         keys,
+        bench_deliveries_key: None,
     };
     let providers = describe_providers(&provider);
     let app = match api::Application::build(api_config).await {
@@ -235,7 +280,14 @@ fn describe_providers(provider: &ProviderArgs) -> String {
     format!("providers {}", list.join(", "))
 }
 
+/// Without the `mock` feature there is no demo to run.
+#[cfg(not(feature = "mock"))]
+async fn run_demo(_: &Args, d: &demo::Demo, _: SocketAddr, _: watch::Receiver<bool>) -> anyhow::Result<()> {
+    match *d {}
+}
+
 /// Submits the examples, follows them to the end, then says what to try next.
+#[cfg(feature = "mock")]
 async fn run_demo(args: &Args, d: &demo::Demo, addr: SocketAddr, stop: watch::Receiver<bool>) -> anyhow::Result<()> {
     let (mut examples, source) = demo::load_examples(&args.demo_args.examples, &d.tool_endpoint())?;
     demo::assign_providers(&mut examples);
@@ -281,6 +333,7 @@ async fn run_demo(args: &Args, d: &demo::Demo, addr: SocketAddr, stop: watch::Re
 
 /// How the user ran this binary, for copy-paste: relative to the current
 /// directory when it lies under it (`./target/release/paceline`).
+#[cfg(feature = "mock")]
 fn invocation() -> String {
     let Ok(exe) = std::env::current_exe() else { return "paceline".into() };
     if let Ok(cwd) = std::env::current_dir() {
@@ -483,13 +536,16 @@ mod tests {
     #[test]
     fn the_flags_of_api_worker_and_demo_fit_in_one_command() {
         Cli::command().debug_assert();
-        let cli =
-            Cli::try_parse_from(["up", "--concurrency", "4", "--demo", "--demo-tpm", "5000", "--tpm", "900"]).unwrap();
-        assert_eq!(cli.up.slots.concurrency, 4);
-        assert!(cli.up.demo);
-        assert_eq!(cli.up.demo_args.demo_tpm, 5000);
-        assert_eq!(cli.up.pacer.tpm, Some(900));
-        assert_eq!(cli.up.serve.listen.to_string(), "127.0.0.1:8080");
+        #[cfg(feature = "mock")]
+        {
+            let cli = Cli::try_parse_from(["up", "--concurrency", "4", "--demo", "--demo-tpm", "5000", "--tpm", "900"])
+                .unwrap();
+            assert_eq!(cli.up.slots.concurrency, 4);
+            assert!(cli.up.demo);
+            assert_eq!(cli.up.demo_args.demo_tpm, 5000);
+            assert_eq!(cli.up.pacer.tpm, Some(900));
+            assert_eq!(cli.up.serve.listen.to_string(), "127.0.0.1:8080");
+        }
         let cli = Cli::try_parse_from(["up", "--workers", "2", "--retention", "90", "--floor-pct", "1"]).unwrap();
         assert_eq!((cli.up.slots.concurrency, cli.up.pacer.companion_floor_pct), (2, 1.0), "the old names still parse");
     }

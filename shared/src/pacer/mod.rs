@@ -36,3 +36,50 @@ pub use history::History;
 pub use local::LocalPacer;
 pub use model::{Ask, CallOutcome, Decision, Estimate, Mode, OwedReason, PacerState, PacingConfig, Who};
 pub use store::{BudgetShape, BudgetSnapshot, Pacer, PacerError, PacerKind, SharedPacer, TenantShare};
+
+#[cfg(test)]
+mod tests {
+    /// Architecture invariant: the pure policy never reads a clock or does
+    /// I/O; callers pass `now_ms` (and a random draw) in. Each pure module's
+    /// code, outside its tests, names no clock, no randomness source of its
+    /// own, no file, socket, environment, Redis or HTTP.
+    #[test]
+    fn the_pure_policy_reads_no_clock_and_does_no_io() {
+        let modules = [
+            ("durations.rs", include_str!("durations.rs")),
+            ("headers.rs", include_str!("headers.rs")),
+            ("classify.rs", include_str!("classify.rs")),
+            ("backoff.rs", include_str!("backoff.rs")),
+            ("bucket.rs", include_str!("bucket.rs")),
+            ("refund.rs", include_str!("refund.rs")),
+            ("fair.rs", include_str!("fair.rs")),
+            ("model.rs", include_str!("model.rs")),
+        ];
+        let forbidden = [
+            "SystemTime",
+            "Instant::",
+            "::now(",
+            "now_utc",
+            "thread_rng",
+            "rand::rng(",
+            "rand::random",
+            "std::fs",
+            "std::net",
+            "std::env",
+            "std::io",
+            "tokio",
+            "redis",
+            "reqwest",
+            "Clock", // the trait or a clock of its own; `Millis` is plain data
+        ];
+        for (name, text) in modules {
+            let code = text.split("#[cfg(test)]").next().unwrap();
+            for (n, line) in code.lines().enumerate() {
+                let line = line.split("//").next().unwrap();
+                for word in forbidden {
+                    assert!(!line.contains(word), "pacer/{name}:{}: `{word}` in the pure policy", n + 1);
+                }
+            }
+        }
+    }
+}

@@ -1427,6 +1427,21 @@ mod tests {
         Ask { id, est: Estimate { tokens: 1_000, requests: 1, output: 200 }, mode: Mode::Work, who: Who::DEFAULT }
     }
 
+    /// Architecture invariant: jitter is only ever added — owed time is paid
+    /// in full whatever the draw (even one out of range).
+    #[test]
+    fn jitter_only_ever_adds_to_owed_time() {
+        let cfg = PacingConfig { jitter_frac: 0.5, jitter_max_ms: 10_000, ..PacingConfig::default() };
+        for ms in [0.1, 1.0, 249.5, 1_000.0, 86_400_000.0] {
+            for u in [-1.0, 0.0, 0.3, 1.0, 7.0] {
+                let Decision::Owed { ms: got, .. } = owed(ms, OwedReason::RateLimited, &cfg, u) else {
+                    panic!("owed time is owed")
+                };
+                assert!(got as f64 >= ms.ceil(), "{ms} ms owed, {got} ms waited (u = {u})");
+            }
+        }
+    }
+
     #[test]
     fn companion_turns_count_in_their_tenants_cap_and_share() {
         let cfg =

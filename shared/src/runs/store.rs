@@ -347,43 +347,16 @@ impl RunStore {
         self.conn.clone()
     }
 
-    fn record_key(&self, id: &str) -> String {
-        format!("{}:{}:run:{}", self.keys.prefix(), self.keys.slot_tag(), id)
-    }
-
-    fn transcript_key(&self, id: &str) -> String {
-        format!("{}:{}:tx:{}", self.keys.prefix(), self.keys.slot_tag(), id)
-    }
-
-    fn events_key(&self, id: &str) -> String {
-        format!("{}:{}:ev:{}", self.keys.prefix(), self.keys.slot_tag(), id)
-    }
-
-    fn index_key(&self, tenant: &str) -> String {
-        format!("{}:{}:tenant:{}:runs", self.keys.prefix(), self.keys.slot_tag(), tenant)
-    }
-
-    /// A tenant's unfinished runs (ZSET id -> created ms); `store.lua` and
-    /// `queue/lib.lua` (`q_run_active`) keep it, in the scripts that start
-    /// and finish runs.
-    fn active_key(&self, tenant: &str) -> String {
-        format!("{}:{}:tenant:{}:active", self.keys.prefix(), self.keys.slot_tag(), tenant)
-    }
-
-    fn idempotency_key(&self, tenant: &str, key: &str) -> String {
-        format!("{}:{}:idem:{}:{}", self.keys.prefix(), self.keys.slot_tag(), tenant, key)
-    }
-
     fn invocation(&self, op: &str, id: &str, tenant: &str, idem: Option<&str>) -> redis::ScriptInvocation<'static> {
         let mut inv = SCRIPT.prepare_invoke();
         for k in self.queue.script_keys() {
             inv.key(k);
         }
-        inv.key(self.record_key(id))
-            .key(self.transcript_key(id))
-            .key(self.events_key(id))
-            .key(self.index_key(tenant))
-            .key(idem.map(|k| self.idempotency_key(tenant, k)).unwrap_or_else(|| self.idempotency_key(tenant, "")))
+        inv.key(self.keys.run_record(id))
+            .key(self.keys.run_transcript(id))
+            .key(self.keys.run_events(id))
+            .key(self.keys.tenant_runs(tenant))
+            .key(idem.map(|k| self.keys.idempotency(tenant, k)).unwrap_or_else(|| self.keys.idempotency(tenant, "")))
             .arg(op)
             .arg(id);
         inv
@@ -478,7 +451,7 @@ impl RunStore {
 
     async fn fields(&self, id: &str) -> Result<HashMap<String, String>, StoreError> {
         let mut conn = self.conn.clone();
-        Ok(redis::cmd("HGETALL").arg(self.record_key(id)).query_async(&mut conn).await?)
+        Ok(redis::cmd("HGETALL").arg(self.keys.run_record(id)).query_async(&mut conn).await?)
     }
 
     /// One run of `tenant`; another tenant's run is `None`, like an unknown one.
@@ -522,7 +495,7 @@ impl RunStore {
         for _ in 0..20 {
             let max = after.as_ref().map(|(ms, _)| ms.to_string()).unwrap_or_else(|| "+inf".into());
             let batch: Vec<(String, i64)> = redis::cmd("ZREVRANGEBYSCORE")
-                .arg(self.index_key(tenant))
+                .arg(self.keys.tenant_runs(tenant))
                 .arg(&max)
                 .arg("-inf")
                 .arg("WITHSCORES")
@@ -545,7 +518,7 @@ impl RunStore {
             // Only the fields a run shows (`Run::FIELDS`), not its spec.
             let mut pipe = redis::pipe();
             for (id, _) in &fresh {
-                pipe.cmd("HMGET").arg(self.record_key(id)).arg(&Run::FIELDS[..]);
+                pipe.cmd("HMGET").arg(self.keys.run_record(id)).arg(&Run::FIELDS[..]);
             }
             let records: Vec<Vec<Option<String>>> = pipe.query_async(&mut conn).await?;
             for ((id, ms), values) in fresh.into_iter().zip(records) {
@@ -566,8 +539,11 @@ impl RunStore {
                     Some(_) => {}
                     None if gone => {
                         // A retired (expired) run: drop it from the index.
-                        let _: () =
-                            redis::cmd("ZREM").arg(self.index_key(tenant)).arg(&id).query_async(&mut conn).await?;
+                        let _: () = redis::cmd("ZREM")
+                            .arg(self.keys.tenant_runs(tenant))
+                            .arg(&id)
+                            .query_async(&mut conn)
+                            .await?;
                     }
                     // A record this version cannot read (a later format) stays indexed:
                     // it is not shown, and not lost.
@@ -585,7 +561,7 @@ impl RunStore {
     pub async fn tenant_counts(&self, tenant: &str) -> Result<TenantCounts, StoreError> {
         let mut conn = self.conn.clone();
         let ids: Vec<String> = redis::cmd("ZRANGE")
-            .arg(self.active_key(tenant))
+            .arg(self.keys.tenant_active(tenant))
             .arg(0)
             .arg(MAX_ACTIVE_READ as i64 - 1)
             .query_async(&mut conn)
@@ -593,7 +569,7 @@ impl RunStore {
         let now_ms = crate::redis_util::server_time_ms(&mut conn).await?;
         let mut pipe = redis::pipe();
         for id in &ids {
-            pipe.cmd("HMGET").arg(self.record_key(id)).arg(field::STATUS).arg(field::NEXT_ATTEMPT_MS);
+            pipe.cmd("HMGET").arg(self.keys.run_record(id)).arg(field::STATUS).arg(field::NEXT_ATTEMPT_MS);
         }
         let records: Vec<(Option<String>, Option<String>)> =
             if ids.is_empty() { vec![] } else { pipe.query_async(&mut conn).await? };
@@ -611,7 +587,7 @@ impl RunStore {
         }
         let mut pipe = redis::pipe();
         for id in ids {
-            pipe.cmd("HGET").arg(self.record_key(id)).arg(field::TENANT);
+            pipe.cmd("HGET").arg(self.keys.run_record(id)).arg(field::TENANT);
         }
         let mut conn = self.conn.clone();
         Ok(pipe.query_async(&mut conn).await?)
@@ -641,7 +617,7 @@ impl RunStore {
         let mut conn = self.conn.clone();
         // One entry more than asked for says whether there is a next page.
         let raw: Vec<String> = redis::cmd("LRANGE")
-            .arg(self.transcript_key(id))
+            .arg(self.keys.run_transcript(id))
             .arg(from)
             .arg(from + limit)
             .query_async(&mut conn)
@@ -653,7 +629,7 @@ impl RunStore {
     async fn read_transcript(&self, id: &str) -> Result<Vec<TranscriptEntry>, StoreError> {
         let mut conn = self.conn.clone();
         let raw: Vec<String> =
-            redis::cmd("LRANGE").arg(self.transcript_key(id)).arg(0).arg(-1).query_async(&mut conn).await?;
+            redis::cmd("LRANGE").arg(self.keys.run_transcript(id)).arg(0).arg(-1).query_async(&mut conn).await?;
         parse_transcript(&raw)
     }
 
@@ -749,7 +725,7 @@ impl RunStore {
         }
         cmd.arg("STREAMS");
         for (id, _) in &from {
-            cmd.arg(self.events_key(id));
+            cmd.arg(self.keys.run_events(id));
         }
         for (_, after) in &from {
             cmd.arg(if valid_stream_id(after) { after.as_str() } else { "0-0" });
@@ -757,7 +733,7 @@ impl RunStore {
         let mut conn = self.conn.clone();
         let reply: Option<redis::streams::StreamReadReply> = cmd.query_async(&mut conn).await?;
         let by_key: std::collections::HashMap<String, &str> =
-            from.iter().map(|(id, _)| (self.events_key(id), id.as_str())).collect();
+            from.iter().map(|(id, _)| (self.keys.run_events(id), id.as_str())).collect();
         let mut out = vec![];
         for key in reply.map(|r| r.keys).unwrap_or_default() {
             let Some(id) = by_key.get(&key.key) else { continue };
@@ -773,7 +749,7 @@ impl RunStore {
     pub async fn streamed_text(&self, id: &str, turn: u32) -> Result<bool, StoreError> {
         let mut conn = self.conn.clone();
         let reply: redis::streams::StreamRangeReply = redis::cmd("XREVRANGE")
-            .arg(self.events_key(id))
+            .arg(self.keys.run_events(id))
             .arg("+")
             .arg("-")
             .arg("COUNT")
@@ -799,7 +775,7 @@ impl RunStore {
         let mut pipe = redis::pipe();
         for d in data {
             pipe.cmd("XADD")
-                .arg(self.events_key(id))
+                .arg(self.keys.run_events(id))
                 .arg("MAXLEN")
                 .arg("~")
                 .arg(EVENTS_MAXLEN)

@@ -325,8 +325,7 @@ async fn each_generation_parameter_out_of_range_is_a_422_naming_it_and_a_valid_s
     let run = app.submit(ACME, &all).await;
     assert_eq!(run["usage"]["reasoning_tokens"], 0);
     assert_eq!(run["usage"]["cached_input_tokens"], 0);
-    let key =
-        format!("{}:{}:run:{}", app.prefix, Keys::new(app.prefix.clone()).slot_tag(), run["id"].as_str().unwrap());
+    let key = Keys::new(app.prefix.clone()).run_record(run["id"].as_str().unwrap());
     let mut conn = app.redis.conn().await;
     let spec: String = redis::cmd("HGET").arg(&key).arg("spec").query_async(&mut conn).await.unwrap();
     let stored: Value = serde_json::from_str(&spec).unwrap();
@@ -799,7 +798,7 @@ async fn a_transcript_is_read_in_pages() {
     let id = app.submit(ACME, &spec()).await["id"].as_str().unwrap().to_owned();
     // Four more entries behind the task, as turns would append them.
     let mut conn = app.redis.conn().await;
-    let key = format!("{}:{{{}}}:tx:{id}", app.prefix, app.prefix);
+    let key = Keys::new(app.prefix.clone()).run_transcript(&id);
     for n in 1..=4 {
         let entry =
             json!({"turn": n, "item": {"type": "message", "role": "assistant", "content": format!("step {n}")}});
@@ -925,7 +924,7 @@ async fn the_pacer_history_counts_admissions_429s_and_waits_in_the_callers_scope
     // The counters live in their own keys, each gone within 16 minutes.
     let mut conn = app.redis.conn().await;
     let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("{}:pacer:{{default}}:hist:gpt-h:*", app.prefix))
+        .arg(format!("{}:*", Keys::new(app.prefix.clone()).pacer_history("default", "gpt-h")))
         .query_async(&mut conn)
         .await
         .unwrap();

@@ -103,7 +103,7 @@ async fn a_dead_lettered_run_is_listed_for_the_operator_and_completes_after_a_re
     // Then its spec becomes unreadable (a record this version cannot read):
     // each delivery of turn 1 fails until its deliveries are spent.
     let mut conn = app.redis.conn().await;
-    let key = format!("{p}:{{{p}}}:run:{id}", p = app.prefix);
+    let key = shared::keys::Keys::new(app.prefix.clone()).run_record(&id);
     let spec: String = redis::cmd("HGET").arg(&key).arg("spec").query_async(&mut conn).await.unwrap();
     let () = redis::cmd("HSET").arg(&key).arg("spec").arg("{not a spec").query_async(&mut conn).await.unwrap();
     let mut config = app.config();

@@ -21,3 +21,4 @@ mod styles;
 mod tools;
 mod up;
 mod worker;
+mod workspace;

@@ -297,8 +297,18 @@ async fn the_snapshot_lists_every_budget_and_model() {
     assert!((30_000..=40_000).contains(&remaining), "{remaining}");
     // A budget's keys expire a day after their last use; an expired model is not shown.
     let mut conn = server.client().get_multiplexed_async_connection().await.unwrap();
-    let keys: Vec<String> =
-        redis::cmd("KEYS").arg(format!("{prefix}:pacer:*gpt-a")).query_async(&mut conn).await.unwrap();
+    let k = Keys::new(prefix.as_str());
+    let mut keys = vec![];
+    for key in [
+        k.pacer_state("default", "gpt-a"),
+        k.pacer_expiry("default", "gpt-a"),
+        k.pacer_records("default", "gpt-a"),
+        k.pacer_line("default", "gpt-a"),
+    ] {
+        if redis::cmd("EXISTS").arg(&key).query_async::<bool>(&mut conn).await.unwrap() {
+            keys.push(key);
+        }
+    }
     assert!(!keys.is_empty());
     for key in &keys {
         let ttl: i64 = redis::cmd("PTTL").arg(key).query_async(&mut conn).await.unwrap();

@@ -275,6 +275,36 @@ async fn a_5xx_is_transient_with_its_headers() {
     }
 }
 
+/// Architecture invariant: the provider client never retries or sleeps — every
+/// retry is a requeue decided by `pacer::backoff`. A 429 (with a retry hint the
+/// client must not wait out) and a 5xx each reach the mock exactly once, in
+/// every wire style, and the call returns well before the hint.
+#[tokio::test]
+async fn a_failed_call_is_exactly_one_request_at_the_provider() {
+    let server = mock(MockConfig::default()).await;
+    for style in [ApiStyle::Responses, ApiStyle::Chat, ApiStyle::Anthropic] {
+        let faults = [
+            (Fault::RateLimited { retry_after_ms: 2_000 }, 429),
+            (Fault::ServerError { status: 500 }, 500),
+            (Fault::ServerError { status: 503 }, 503),
+        ];
+        for (fault, status) in faults {
+            server.reset();
+            server.inject(fault);
+            let started = Instant::now();
+            let (_, result) = call(&provider(&server, style), body(style, false)).await;
+            let took = started.elapsed();
+            assert_eq!(failure(style, result).status, Some(status), "{style:?}");
+            assert!(took < Duration::from_millis(1_000), "{style:?} {status}: the client waited ({took:?})");
+            // A retry in the background would arrive after the call returned.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let stats = server.stats();
+            assert_eq!(stats.requests, 1, "{style:?} {status}: one request, no retry");
+            assert_eq!(stats.by_status.get(&status), Some(&1), "{style:?} {status}");
+        }
+    }
+}
+
 #[tokio::test]
 async fn a_bad_request_is_terminal_with_the_providers_message() {
     let server = mock(MockConfig::default()).await;

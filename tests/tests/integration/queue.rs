@@ -51,11 +51,7 @@ impl Env {
     /// How many times the probe completed each turn (`--record`).
     async fn probe_done(&self) -> std::collections::HashMap<String, u64> {
         let mut conn = self.server.conn().await;
-        redis::cmd("HGETALL")
-            .arg(self.redis.keys().queue_key("probe:done"))
-            .query_async(&mut conn)
-            .await
-            .unwrap_or_default()
+        redis::cmd("HGETALL").arg(self.redis.keys().probe_done()).query_async(&mut conn).await.unwrap_or_default()
     }
 
     async fn enqueue_many(&self, tag: &str, n: usize, payload: Value, delay_ms: u64) {
@@ -432,7 +428,7 @@ async fn a_commit_script_built_on_the_lua_library_is_fenced_atomically() {
         return {'ok'}
         "#
     ));
-    let transcript = format!("{}:{}:run:run_x:transcript", env.redis.prefix, env.redis.keys().slot_tag());
+    let transcript = env.redis.keys().run_transcript("run_x");
     let server = &env.server;
     let run_commit = |lease: Lease, output: &'static str| {
         let commit = &commit;

@@ -18,6 +18,7 @@ struct Env {
     _server: RedisServer,
     store: RunStore,
     queue: TurnQueue,
+    keys: Keys,
 }
 
 async fn env() -> Env {
@@ -26,7 +27,7 @@ async fn env() -> Env {
     let conn = shared::redis_util::manager(&server.url()).await.unwrap();
     let store = RunStore::new(conn, Keys::new(&prefix), Duration::from_secs(60));
     let queue = TurnQueue::new(&RedisArgs::new(server.url(), &prefix), QueueConfig::default()).unwrap();
-    Env { _server: server, store, queue }
+    Env { _server: server, store, queue, keys: Keys::new(&prefix) }
 }
 
 fn spec(input: &str) -> RunSpec {
@@ -116,8 +117,10 @@ async fn a_retired_run_leaves_the_list_and_the_index() {
     }
     // The middle run's record expires (as retention does); its index entry stays.
     let mut conn = env.store.connection();
-    let record: Vec<String> = redis::cmd("KEYS").arg(format!("*:run:{}", ids[1])).query_async(&mut conn).await.unwrap();
-    let index: Vec<String> = redis::cmd("KEYS").arg("*:tenant:alpha:runs").query_async(&mut conn).await.unwrap();
+    let record: Vec<String> =
+        redis::cmd("KEYS").arg(env.keys.run_record(&ids[1])).query_async(&mut conn).await.unwrap();
+    let index: Vec<String> =
+        redis::cmd("KEYS").arg(env.keys.tenant_runs("alpha")).query_async(&mut conn).await.unwrap();
     assert_eq!((record.len(), index.len()), (1, 1));
     let _: () = redis::cmd("DEL").arg(&record[0]).query_async(&mut conn).await.unwrap();
     let (page, next) = env.store.list("alpha", None, 10, None).await.unwrap();
@@ -247,10 +250,8 @@ async fn a_dead_turn_fails_its_run_in_the_same_step() {
     let last = events.last().unwrap();
     assert_eq!(last.kind, "run.failed");
     assert_eq!(last.data["error"]["kind"], "dead_lettered");
-    for key in ["run", "tx", "ev"] {
-        let found: Vec<String> =
-            redis::cmd("KEYS").arg(format!("*:{key}:{}", buried.id)).query_async(&mut conn).await.unwrap();
-        let ttl: i64 = redis::cmd("PTTL").arg(&found[0]).query_async(&mut conn).await.unwrap();
+    for key in [env.keys.run_record(&buried.id), env.keys.run_transcript(&buried.id), env.keys.run_events(&buried.id)] {
+        let ttl: i64 = redis::cmd("PTTL").arg(&key).query_async(&mut conn).await.unwrap();
         assert!(ttl > 0 && ttl <= 60_000, "{key}: the retention runs ({ttl} ms)");
     }
     assert_eq!(env.queue.list_dead(10).await.unwrap().len(), 1);
@@ -378,11 +379,9 @@ async fn a_retried_run_resumes_at_its_last_committed_turn() {
     let retried = env.store.retry(None, &run.id).await.unwrap();
     assert_eq!((retried.status, retried.error, retried.finished_at), (RunStatus::Queued, None, None));
     assert!(env.queue.list_dead(10).await.unwrap().is_empty());
-    for kind in ["run", "tx", "ev"] {
-        let found: Vec<String> =
-            redis::cmd("KEYS").arg(format!("*:{kind}:{}", run.id)).query_async(&mut conn).await.unwrap();
-        let ttl: i64 = redis::cmd("PTTL").arg(&found[0]).query_async(&mut conn).await.unwrap();
-        assert_eq!(ttl, -1, "{kind}: the retention is cancelled");
+    for key in [env.keys.run_record(&run.id), env.keys.run_transcript(&run.id), env.keys.run_events(&run.id)] {
+        let ttl: i64 = redis::cmd("PTTL").arg(&key).query_async(&mut conn).await.unwrap();
+        assert_eq!(ttl, -1, "{key}: the retention is cancelled");
     }
 
     // The stale holder changes nothing; the new delivery starts turn 0 at its tools.
