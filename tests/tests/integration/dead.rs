@@ -14,7 +14,7 @@ use shared::queue::{QueueConfig, TurnQueue};
 use shared::runs::{Fence, Next, TurnJob, Usage};
 use tokio::sync::oneshot;
 
-use crate::worker::{secs, App};
+use crate::fixtures::{secs, App};
 
 const ACME: &str = "tok-acme-dead-0123456789";
 const BETA: &str = "tok-beta-dead-9876543210";

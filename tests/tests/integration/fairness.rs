@@ -205,8 +205,8 @@ async fn the_shared_script_keeps_the_weights_too() {
 // provider and the run store: what the pacer decides reaches the provider.
 
 mod with_workers {
-    use super::super::worker::App;
     use super::{Keys, PacingConfig, SharedPacer};
+    use crate::fixtures::{wait_finished_for, App};
     use mock_provider::MockConfig;
     use serde_json::json;
     use shared::runs::{RunSpec, RunStatus, SubmitPolicy, ToolEndpoints};
@@ -251,7 +251,7 @@ mod with_workers {
         tokio::time::sleep(Duration::from_millis(1_500)).await;
         let asked = Instant::now();
         let live = app.store.create("listener", &spec(&app, "a question", "companion", false), None).await.unwrap().run;
-        let live = super::super::worker::wait_finished_for(&app, "listener", &live.id, Duration::from_secs(20)).await;
+        let live = wait_finished_for(&app, "listener", &live.id, Duration::from_secs(20)).await;
         let waited = asked.elapsed();
         assert_eq!(live.status, RunStatus::Completed, "{live:?}");
         let mut unfinished = 0;
@@ -303,7 +303,7 @@ mod with_workers {
             );
         }
         for id in &ids {
-            let run = super::super::worker::wait_finished_for(&app, "capped", id, Duration::from_secs(60)).await;
+            let run = wait_finished_for(&app, "capped", id, Duration::from_secs(60)).await;
             assert_eq!(run.status, RunStatus::Completed, "{run:?}");
         }
         let elapsed = started.elapsed().as_secs_f64();

@@ -13,7 +13,7 @@ use mock_provider::MockConfig;
 use paceline_tests::{RedisOptions, RedisServer};
 use serde_json::json;
 
-use crate::worker::{secs, App};
+use crate::fixtures::{secs, App};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a soak of about a minute: run it with --ignored"]
