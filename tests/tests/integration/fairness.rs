@@ -248,7 +248,18 @@ mod with_workers {
                 app.store.create("bulk", &spec(&app, &format!("work {i}"), "work", true), None).await.unwrap().run.id,
             );
         }
-        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        // The work runs have emptied the bucket: one of them waits for the budget.
+        let store = &app.store;
+        let work_ids = &work;
+        paceline_tests::eventually("a work run to wait for the budget", Duration::from_secs(10), || async move {
+            for id in work_ids {
+                if store.get("bulk", id).await.ok().flatten().is_some_and(|r| r.status == RunStatus::Waiting) {
+                    return Some(());
+                }
+            }
+            None
+        })
+        .await;
         let asked = Instant::now();
         let live = app.store.create("listener", &spec(&app, "a question", "companion", false), None).await.unwrap().run;
         let live = wait_finished_for(&app, "listener", &live.id, Duration::from_secs(20)).await;
