@@ -374,7 +374,8 @@ mod with_workers {
                 ids.push((tenant.to_string(), app.store.create(tenant, &spec, None).await.unwrap().run.id));
             }
         }
-        // The bucket starts full: its first burst is no one's share.
+        // The bucket starts full: its first burst is no one's share. (These
+        // sleeps are the measurement: a fixed window of the trial.)
         tokio::time::sleep(OPEN.saturating_sub(started.elapsed())).await;
         let (before, stats_before) = admitted().await;
         let opened = Instant::now();

@@ -79,6 +79,7 @@ async fn two_hundred_runs_survive_killed_and_stalled_workers_and_a_redis_restart
             app.redis.restart();
             restarted = true;
         }
+        // The soak's pace: it looks at the runs twice a second (bounded above at 240 s).
         tokio::time::sleep(Duration::from_millis(500)).await;
     };
     let elapsed = started.elapsed();

@@ -231,6 +231,8 @@ async fn a_cancelled_run_makes_no_further_provider_request() {
     .await;
     // ... and is cancelled while it waits.
     app.store.cancel(TENANT, &run.id).await.unwrap();
+    // Time passes beyond the 2 s window, when the turn would have been sent
+    // again: nothing to wait for, the point is that nothing happens.
     tokio::time::sleep(Duration::from_millis(2_500)).await;
     assert_eq!(app.mock.stats().requests, 1, "the cancelled run called the provider again");
     assert_eq!(app.store.get(TENANT, &run.id).await.unwrap().unwrap().status, RunStatus::Cancelled);
@@ -354,6 +356,7 @@ async fn work_and_companion_runs_all_finish_with_a_full_bucket_never_idle() {
         let spec = RunSpec::from_json(&body, &policy).expect("valid spec");
         work.push(app.store.create("alpha", &spec, None).await.unwrap().run.id);
     }
+    // The workload's schedule (see above): companions from 1 s on, one every 0.4 s.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let mut live_waits = vec![];
     for i in 0..8 {
@@ -477,7 +480,8 @@ async fn a_cancel_aborts_the_call_in_flight_and_no_tool_runs_after_it() {
     })
     .await;
     assert!(cancelled_at.elapsed() < secs(4), "stopped {:?} after the cancel", cancelled_at.elapsed());
-    // Nothing of the turn was written after the cancel: no tool call, no output.
+    // Nothing of the turn was written after the cancel: no tool call, no output
+    // (the sleep lets the 6 s the answer would have taken pass).
     tokio::time::sleep(Duration::from_secs(6)).await;
     let events = app.store.events(TENANT, &run.id, None, None, 100).await.unwrap().unwrap();
     let kinds: Vec<&str> = events.iter().map(|e| e.kind.as_str()).collect();
