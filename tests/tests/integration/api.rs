@@ -594,7 +594,9 @@ async fn runs_are_searched_by_id_and_metadata_value_across_pages() {
     // Three matches spread over 30 runs, found through pages of 2 (case-insensitive).
     let mut found = vec![];
     let mut cursor = String::new();
-    loop {
+    // Bounded: a cursor that never ends fails here instead of looping.
+    for pages in 1.. {
+        assert!(pages <= 31, "more pages than acme has runs: {found:?}");
         let (status, page) = app.get(&format!("/v1/runs?limit=2&q=acme-widgets{cursor}"), ACME).await;
         assert_eq!(status, 200, "{page}");
         found.extend(page["data"].as_array().unwrap().iter().map(|r| r["id"].as_str().unwrap().to_owned()));
@@ -869,7 +871,8 @@ async fn a_transcript_is_read_in_pages() {
     // Pages of two: 2 + 2 + 1, in order, the last without a cursor.
     let mut seen = vec![];
     let mut cursor: Option<String> = None;
-    loop {
+    for pages in 1.. {
+        assert!(pages <= 5, "more pages than the run has items: {seen:?}");
         let q = cursor.as_ref().map(|c| format!("&cursor={c}")).unwrap_or_default();
         let (status, page) = app.get(&format!("/v1/runs/{id}/transcript?limit=2{q}"), ACME).await;
         assert_eq!(status, 200, "{page}");

@@ -66,9 +66,19 @@ async fn simulate(
     }
     let mut admitted: BTreeMap<&'static str, u64> = BTreeMap::new();
     let mut waits: BTreeMap<&'static str, Vec<Millis>> = BTreeMap::new();
+    // Bounded: the loop ends when the simulated clock passes `run_ms`, so the
+    // clock must move; asks at one instant beyond 100 a turn are a stall.
+    let most_at_once = 100 * loads.iter().map(|l| l.turns).sum::<usize>();
+    let (mut instant, mut asks_at_instant) = (T0, 0usize);
     while let Some(std::cmp::Reverse((at, l, t, call, first))) = events.pop() {
         if at > T0 + run_ms {
             break;
+        }
+        if at == instant {
+            asks_at_instant += 1;
+            assert!(asks_at_instant <= most_at_once, "the simulated clock stalled at {at}: {asks_at_instant} asks");
+        } else {
+            (instant, asks_at_instant) = (at, 1);
         }
         clock.set(at);
         let load = loads[l];
