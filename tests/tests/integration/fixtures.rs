@@ -228,3 +228,26 @@ pub(crate) async fn call(provider: &Provider, body: Value) -> (Vec<StreamEvent>,
     let result = within("a provider call", Duration::from_secs(15), provider.call(body, &mut |e| events.push(e))).await;
     (events, result)
 }
+
+// ------------------------------------------------------------------ the fixtures' own checks
+
+// `App::stop_workers` is what catches a worker that panicked or does not
+// stop: every test that starts in-process workers ends with it.
+
+#[tokio::test]
+#[should_panic(expected = "a worker panicked")]
+async fn stop_workers_fails_on_a_worker_that_panicked() {
+    let mut app = App::start(MockConfig::default()).await;
+    let (tx, _rx) = oneshot::channel::<()>();
+    app.workers.push((tx, tokio::spawn(async { panic!("boom") })));
+    app.stop_workers().await;
+}
+
+#[tokio::test]
+#[should_panic(expected = "did not stop within 15 s")]
+async fn stop_workers_fails_on_a_worker_that_hangs() {
+    let mut app = App::start(MockConfig::default()).await;
+    let (tx, _rx) = oneshot::channel::<()>();
+    app.workers.push((tx, tokio::spawn(std::future::pending::<()>())));
+    app.stop_workers().await;
+}
