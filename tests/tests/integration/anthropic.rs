@@ -19,7 +19,7 @@ use shared::pacer::FailureKind;
 use shared::runs::ApiStyle;
 use worker::provider::{Provider, StreamEvent};
 
-use crate::provider_client::{body, call};
+use crate::fixtures::{body, call};
 
 async fn mock(config: MockConfig) -> MockServer {
     MockServer::start(MockConfig { headers: HeaderStyle::Anthropic, ..config }).await.expect("start the mock")

@@ -144,6 +144,63 @@ fn parse_sse(text: &str) -> Vec<(String, String, Value)> {
     out
 }
 
+/// An event stream read as it arrives, so a test waits for an event instead of
+/// sleeping until it has probably come.
+struct OpenStream {
+    resp: reqwest::Response,
+    /// Everything read so far.
+    bytes: Vec<u8>,
+}
+
+impl OpenStream {
+    /// Opens `GET /v1/runs/{id}/events` as `token`.
+    async fn open(app: &TestApp, id: &str, token: &str) -> Self {
+        let resp = within(
+            "the event request",
+            Duration::from_secs(10),
+            app.req(reqwest::Method::GET, &format!("/v1/runs/{id}/events"), Some(token)).send(),
+        )
+        .await
+        .unwrap();
+        Self::new(resp)
+    }
+
+    /// Reads `resp`, an event stream's answer.
+    fn new(resp: reqwest::Response) -> Self {
+        assert_eq!(resp.status(), 200);
+        Self { resp, bytes: vec![] }
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.bytes).into_owned()
+    }
+
+    /// Reads until an event `kind` has arrived, at most `timeout`; fails if
+    /// the stream ends first.
+    async fn until_event(&mut self, kind: &str, timeout: Duration) {
+        within(&format!("event {kind} on the stream"), timeout, async {
+            while !parse_sse(&self.text()).iter().any(|(_, k, _)| k == kind) {
+                match self.resp.chunk().await.unwrap() {
+                    Some(chunk) => self.bytes.extend_from_slice(&chunk),
+                    None => panic!("the stream ended before {kind}: {}", self.text()),
+                }
+            }
+        })
+        .await;
+    }
+
+    /// Reads to the end of the stream, at most `timeout`: the whole body.
+    async fn rest(mut self, what: &str, timeout: Duration) -> String {
+        within(what, timeout, async {
+            while let Some(chunk) = self.resp.chunk().await.unwrap() {
+                self.bytes.extend_from_slice(&chunk);
+            }
+        })
+        .await;
+        self.text()
+    }
+}
+
 fn error_type(body: &Value) -> &str {
     body["error"]["type"].as_str().unwrap_or_else(|| panic!("not an error body: {body}"))
 }
@@ -536,7 +593,9 @@ async fn runs_are_searched_by_id_and_metadata_value_across_pages() {
     // Three matches spread over 30 runs, found through pages of 2 (case-insensitive).
     let mut found = vec![];
     let mut cursor = String::new();
-    loop {
+    // Bounded: a cursor that never ends fails here instead of looping.
+    for pages in 1.. {
+        assert!(pages <= 31, "more pages than acme has runs: {found:?}");
         let (status, page) = app.get(&format!("/v1/runs?limit=2&q=acme-widgets{cursor}"), ACME).await;
         assert_eq!(status, 200, "{page}");
         found.extend(page["data"].as_array().unwrap().iter().map(|r| r["id"].as_str().unwrap().to_owned()));
@@ -651,18 +710,18 @@ async fn a_live_runs_events_are_followed_until_it_finishes() {
     let app = spawn_app().await;
     let run = app.submit(ACME, &spec()).await;
     let id = run["id"].as_str().unwrap().to_owned();
-    let resp = app.req(reqwest::Method::GET, &format!("/v1/runs/{id}/events"), Some(ACME)).send().await.unwrap();
-    assert_eq!(resp.status(), 200);
     let started = Instant::now();
-    let body = tokio::spawn(async move { resp.text().await.unwrap() });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut stream = OpenStream::open(&app, &id, ACME).await;
+    // Its first event says it is open (it follows the run from there).
+    stream.until_event("run.queued", Duration::from_secs(5)).await;
     let store = app.store().await;
     store.emit(&id, "turn.paced", &json!({"owed_ms": 1200})).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert!(!body.is_finished(), "the stream closed while the run was live");
+    // A new event reaches it: it follows the live run (`until_event` fails
+    // if the stream ends first).
+    stream.until_event("turn.paced", Duration::from_secs(5)).await;
     let (status, _) = app.post(&format!("/v1/runs/{id}/cancel"), ACME, &json!({})).await;
     assert_eq!(status, 200);
-    let text = within("the stream to close after run.cancelled", Duration::from_secs(5), body).await.unwrap();
+    let text = stream.rest("the stream to close after run.cancelled", Duration::from_secs(5)).await;
     let kinds: Vec<String> = parse_sse(&text).into_iter().map(|(_, k, _)| k).collect();
     assert_eq!(kinds, ["run.queued", "turn.paced", "run.cancelled"]);
     assert!(started.elapsed() < Duration::from_secs(5));
@@ -811,7 +870,8 @@ async fn a_transcript_is_read_in_pages() {
     // Pages of two: 2 + 2 + 1, in order, the last without a cursor.
     let mut seen = vec![];
     let mut cursor: Option<String> = None;
-    loop {
+    for pages in 1.. {
+        assert!(pages <= 5, "more pages than the run has items: {seen:?}");
         let q = cursor.as_ref().map(|c| format!("&cursor={c}")).unwrap_or_default();
         let (status, page) = app.get(&format!("/v1/runs/{id}/transcript?limit=2{q}"), ACME).await;
         assert_eq!(status, 200, "{page}");
@@ -833,12 +893,10 @@ async fn a_live_runs_stream_ends_when_the_run_is_gone() {
     let app = spawn_app().await;
     let run = app.submit(ACME, &spec()).await;
     let id = run["id"].as_str().unwrap().to_owned();
-    let resp = app.req(reqwest::Method::GET, &format!("/v1/runs/{id}/events"), Some(ACME)).send().await.unwrap();
-    assert_eq!(resp.status(), 200);
-    let body = tokio::spawn(async move { resp.text().await.unwrap() });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut stream = OpenStream::open(&app, &id, ACME).await;
+    stream.until_event("run.queued", Duration::from_secs(5)).await;
     app.store().await.emit(&id, "turn.paced", &json!({"owed_ms": 1200})).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    stream.until_event("turn.paced", Duration::from_secs(5)).await;
     // The run's keys go (as they do when its retention ends) while the stream follows it.
     let mut conn = app.redis.conn().await;
     let keys: Vec<String> =
@@ -846,7 +904,7 @@ async fn a_live_runs_stream_ends_when_the_run_is_gone() {
     assert_eq!(keys.len(), 3, "{keys:?}");
     let _: () = redis::cmd("DEL").arg(&keys).query_async(&mut conn).await.unwrap();
     // It ends after its blocking read (10 s) comes back empty.
-    let text = within("the stream to close after the run is gone", Duration::from_secs(15), body).await.unwrap();
+    let text = stream.rest("the stream to close after the run is gone", Duration::from_secs(15)).await;
     let kinds: Vec<String> = parse_sse(&text).into_iter().map(|(_, k, _)| k).collect();
     assert_eq!(kinds, ["run.queued", "turn.paced"]);
 }
@@ -1529,13 +1587,14 @@ async fn shutdown_is_not_held_up_by_an_open_event_stream() {
     let http = reqwest::Client::new();
     let run: Value = http.post(format!("{url}/v1/runs")).json(&spec()).send().await.unwrap().json().await.unwrap();
     let resp = http.get(format!("{url}/v1/runs/{}/events", run["id"].as_str().unwrap())).send().await.unwrap();
-    assert_eq!(resp.status(), 200);
-    let body = tokio::spawn(async move { resp.text().await });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut stream = OpenStream::new(resp);
+    // Its first event: the stream is open and follows the live run.
+    stream.until_event("run.queued", Duration::from_secs(5)).await;
     stop.send(()).unwrap();
     within("the server to stop", Duration::from_secs(5), server).await.unwrap().unwrap();
-    let text = within("the stream to end", Duration::from_secs(5), body).await.unwrap().unwrap_or_default();
-    assert!(text.contains("run.queued"), "{text}");
+    // The stream ends (closed or cut) instead of holding the shutdown up.
+    within("the stream to end", Duration::from_secs(5), async { while let Ok(Some(_)) = stream.resp.chunk().await {} })
+        .await;
 }
 
 #[tokio::test]

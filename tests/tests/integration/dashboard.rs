@@ -20,7 +20,7 @@ use paceline_tests::{eventually, ChildGuard};
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
 
-use crate::worker::{secs, App};
+use crate::fixtures::{secs, App};
 
 const ACME: &str = "tok-acme-dashboard-0123456789";
 const BETA: &str = "tok-beta-dashboard-9876543210";

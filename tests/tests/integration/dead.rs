@@ -14,7 +14,7 @@ use shared::queue::{QueueConfig, TurnQueue};
 use shared::runs::{Fence, Next, TurnJob, Usage};
 use tokio::sync::oneshot;
 
-use crate::worker::{secs, App};
+use crate::fixtures::{secs, App};
 
 const ACME: &str = "tok-acme-dead-0123456789";
 const BETA: &str = "tok-beta-dead-9876543210";
@@ -194,6 +194,7 @@ async fn the_dead_set_keeps_its_retention_and_pages_newest_first() {
     let kept = TurnQueue::new(&args, QueueConfig::default()).unwrap();
     for id in ["run_a", "run_b", "run_c"] {
         bury(kept.clone(), id).await;
+        // Each dies in its own millisecond, so the order is by time, not by id.
         tokio::time::sleep(Duration::from_millis(3)).await;
     }
     let page = kept.list_dead_page(2, None).await.unwrap();
@@ -203,7 +204,8 @@ async fn the_dead_set_keeps_its_retention_and_pages_newest_first() {
     let rest = kept.list_dead_page(2, Some((last.died_at_ms, &last.id))).await.unwrap();
     assert_eq!(rest.iter().map(|d| d.id.as_str()).collect::<Vec<_>>(), ["run_a"]);
 
-    // A 50 ms retention: the next bury trims the three older ones.
+    // A 50 ms retention: the next bury trims the three older ones (the sleep
+    // makes them older than it).
     tokio::time::sleep(Duration::from_millis(80)).await;
     let short = TurnQueue::new(&args, QueueConfig { dead_retention_ms: 50, ..QueueConfig::default() }).unwrap();
     bury(short.clone(), "run_d").await;

@@ -66,9 +66,19 @@ async fn simulate(
     }
     let mut admitted: BTreeMap<&'static str, u64> = BTreeMap::new();
     let mut waits: BTreeMap<&'static str, Vec<Millis>> = BTreeMap::new();
+    // Bounded: the loop ends when the simulated clock passes `run_ms`, so the
+    // clock must move; asks at one instant beyond 100 a turn are a stall.
+    let most_at_once = 100 * loads.iter().map(|l| l.turns).sum::<usize>();
+    let (mut instant, mut asks_at_instant) = (T0, 0usize);
     while let Some(std::cmp::Reverse((at, l, t, call, first))) = events.pop() {
         if at > T0 + run_ms {
             break;
+        }
+        if at == instant {
+            asks_at_instant += 1;
+            assert!(asks_at_instant <= most_at_once, "the simulated clock stalled at {at}: {asks_at_instant} asks");
+        } else {
+            (instant, asks_at_instant) = (at, 1);
         }
         clock.set(at);
         let load = loads[l];
@@ -209,8 +219,8 @@ async fn the_shared_script_keeps_the_weights_too() {
 // provider and the run store: what the pacer decides reaches the provider.
 
 mod with_workers {
-    use super::super::worker::App;
     use super::{Keys, PacingConfig, SharedPacer};
+    use crate::fixtures::{wait_finished_for, App};
     use mock_provider::MockConfig;
     use serde_json::json;
     use shared::runs::{RunSpec, RunStatus, SubmitPolicy, ToolEndpoints};
@@ -252,10 +262,21 @@ mod with_workers {
                 app.store.create("bulk", &spec(&app, &format!("work {i}"), "work", true), None).await.unwrap().run.id,
             );
         }
-        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        // The work runs have emptied the bucket: one of them waits for the budget.
+        let store = &app.store;
+        let work_ids = &work;
+        paceline_tests::eventually("a work run to wait for the budget", Duration::from_secs(10), || async move {
+            for id in work_ids {
+                if store.get("bulk", id).await.ok().flatten().is_some_and(|r| r.status == RunStatus::Waiting) {
+                    return Some(());
+                }
+            }
+            None
+        })
+        .await;
         let asked = Instant::now();
         let live = app.store.create("listener", &spec(&app, "a question", "companion", false), None).await.unwrap().run;
-        let live = super::super::worker::wait_finished_for(&app, "listener", &live.id, Duration::from_secs(20)).await;
+        let live = wait_finished_for(&app, "listener", &live.id, Duration::from_secs(20)).await;
         let waited = asked.elapsed();
         assert_eq!(live.status, RunStatus::Completed, "{live:?}");
         let mut unfinished = 0;
@@ -307,7 +328,7 @@ mod with_workers {
             );
         }
         for id in &ids {
-            let run = super::super::worker::wait_finished_for(&app, "capped", id, Duration::from_secs(60)).await;
+            let run = wait_finished_for(&app, "capped", id, Duration::from_secs(60)).await;
             assert_eq!(run.status, RunStatus::Completed, "{run:?}");
         }
         let elapsed = started.elapsed().as_secs_f64();
@@ -367,7 +388,8 @@ mod with_workers {
                 ids.push((tenant.to_string(), app.store.create(tenant, &spec, None).await.unwrap().run.id));
             }
         }
-        // The bucket starts full: its first burst is no one's share.
+        // The bucket starts full: its first burst is no one's share. (These
+        // sleeps are the measurement: a fixed window of the trial.)
         tokio::time::sleep(OPEN.saturating_sub(started.elapsed())).await;
         let (before, stats_before) = admitted().await;
         let opened = Instant::now();

@@ -8,6 +8,7 @@ mod context;
 mod dashboard;
 mod dead;
 mod fairness;
+mod fixtures;
 mod harness;
 mod mock_provider;
 mod pacer;

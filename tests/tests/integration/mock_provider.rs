@@ -4,7 +4,7 @@
 
 use futures::StreamExt;
 use mock_provider::{BucketMode, ChargeMode, Fault, HeaderStyle, LimitsMode, MockConfig, MockServer, Stats};
-use paceline_tests::{paceline_bin, within, ChildGuard};
+use paceline_tests::{eventually, paceline_bin, within, ChildGuard};
 use serde_json::{json, Value};
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant, SystemTime};
@@ -556,14 +556,9 @@ async fn crowd(config: MockConfig) -> Stats {
         task.expect("a client panicked");
     }
     // A stream's refund comes just after its last frame: wait for them all.
-    let stats = within("the last refunds", Duration::from_secs(5), async {
-        loop {
-            let stats = server.stats();
-            if stats.log.iter().all(|e| e.status != 200 || e.refunded_at_us.is_some()) {
-                return stats;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+    let stats = eventually("the last refunds", Duration::from_secs(5), || async {
+        let stats = server.stats();
+        stats.log.iter().all(|e| e.status != 200 || e.refunded_at_us.is_some()).then_some(stats)
     })
     .await;
     server.shutdown().await;

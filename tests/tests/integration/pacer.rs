@@ -130,18 +130,23 @@ async fn thirty_two_acquirers(window: Option<Duration>) -> (u64, u64, f64) {
                 call += 1;
                 let id = format!("w{worker}-c{call}");
                 let est = Estimate { tokens: rng.random_range(500..2_000), requests: 1, output: 0 };
-                // Ask until clear; an owed turn pays its time in full, then comes back.
+                // Ask until clear; an owed turn pays its time in full (the
+                // sleep is the scenario: a turn waits what it owes), then comes
+                // back. Bounded: an acquirer the pacer never clears fails here.
+                let asked = Instant::now();
                 loop {
                     match pacer.acquire("gpt-test", &id, est, Mode::Work, &Who::DEFAULT).await.unwrap() {
                         Decision::Clear => break,
                         Decision::Owed { ms, .. } => tokio::time::sleep(Duration::from_millis(ms)).await,
                     }
+                    assert!(asked.elapsed() < Duration::from_secs(30), "{id} was not cleared within 30 s: a stall");
                 }
                 // Utilisation is measured while every acquirer still has work; the
                 // drain after the deadline (no new arrivals) is not counted.
                 let counted = start.elapsed() < run_for;
                 let admitted = sim.lock().unwrap().admit(est.tokens, counted);
                 let headers_at = Instant::now();
+                // The call's latency at the provider.
                 tokio::time::sleep(Duration::from_millis(rng.random_range(5..40))).await;
                 let outcome = match admitted {
                     Ok(tokens) => {

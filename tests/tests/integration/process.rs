@@ -10,7 +10,7 @@ use paceline_tests::{eventually, paceline_bin, unique_prefix, ChildGuard, RedisS
 use serde_json::{json, Value};
 use shared::runs::RunStatus;
 
-use crate::worker::{secs, App};
+use crate::fixtures::{secs, App};
 
 /// Secrets an operator's environment holds, each with a canary to look for.
 const SECRET_ENV: [(&str, &str); 6] = [

@@ -21,6 +21,8 @@ use shared::runs::ToolEndpoints;
 use worker::provider::{CallFailure, CallSuccess, Provider, StreamEvent};
 use worker::tools::{ToolCall, ToolClient};
 
+use crate::fixtures::{body, call};
+
 const STYLES: [ApiStyle; 2] = [ApiStyle::Responses, ApiStyle::Chat];
 
 // ------------------------------------------------------------------ helpers
@@ -38,46 +40,6 @@ fn provider_at(base_url: &str, key: &str, style: ApiStyle) -> Provider {
 fn provider(server: &MockServer, style: ApiStyle) -> Provider {
     let base = if style == ApiStyle::Anthropic { server.url() } else { server.base_url() };
     provider_at(&base, "sk-test", style)
-}
-
-/// A request body in `style`, offering a `search` tool when `tools`.
-pub(crate) fn body(style: ApiStyle, tools: bool) -> Value {
-    let params = json!({"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]});
-    match style {
-        ApiStyle::Responses => {
-            let mut b = json!({"model": "gpt-test", "instructions": "Be brief.", "store": false,
-                               "input": [{"role": "user", "content": "What is paceline?"}],
-                               "max_output_tokens": 500});
-            if tools {
-                b["tools"] = json!([{"type": "function", "name": "search", "parameters": params}]);
-            }
-            b
-        }
-        ApiStyle::Chat => {
-            let mut b = json!({"model": "gpt-test", "max_completion_tokens": 500,
-                               "messages": [{"role": "system", "content": "Be brief."},
-                                            {"role": "user", "content": "What is paceline?"}]});
-            if tools {
-                b["tools"] = json!([{"type": "function", "function": {"name": "search", "parameters": params}}]);
-            }
-            b
-        }
-        ApiStyle::Anthropic => {
-            let mut b = json!({"model": "claude-test", "max_tokens": 500, "system": "Be brief.",
-                               "messages": [{"role": "user", "content": "What is paceline?"}]});
-            if tools {
-                b["tools"] = json!([{"name": "search", "input_schema": params}]);
-            }
-            b
-        }
-    }
-}
-
-/// One call, bounded; the events the callback saw, and the result.
-pub(crate) async fn call(provider: &Provider, body: Value) -> (Vec<StreamEvent>, Result<CallSuccess, CallFailure>) {
-    let mut events = Vec::new();
-    let result = within("a provider call", Duration::from_secs(15), provider.call(body, &mut |e| events.push(e))).await;
-    (events, result)
 }
 
 fn deltas(events: &[StreamEvent]) -> Vec<&str> {

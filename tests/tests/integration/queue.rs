@@ -194,6 +194,14 @@ async fn empty_fetches(env: &Env) -> u64 {
     redis::cmd("HGET").arg(&env.queue.keys().stats).arg("empty_fetches").query_async(&mut conn).await.unwrap_or(0)
 }
 
+/// How many clients the server holds blocked (`INFO clients`): idle workers
+/// waiting on `BLPOP`.
+async fn blocked_clients(env: &Env) -> u64 {
+    let mut conn = env.server.conn().await;
+    let info: String = redis::cmd("INFO").arg("clients").query_async(&mut conn).await.unwrap();
+    info.lines().find_map(|l| l.strip_prefix("blocked_clients:")).and_then(|n| n.trim().parse().ok()).unwrap_or(0)
+}
+
 /// Eight idle worker processes (in-process backends, each its own identity)
 /// and 40 turns due one after another: each due time is watched by one of
 /// them, not slept towards by all (which cost ~7 fetches that found nothing per
@@ -203,8 +211,12 @@ async fn delayed_turns_reach_one_idle_worker(env: &Env) -> u64 {
     let workers: Vec<_> = (0..8)
         .map(|_| run_worker(&env.queue, 2, HandlerState { seen: seen.clone(), queue: env.queue.clone(), fail: false }))
         .collect();
-    // Let every worker make its first (empty) fetch and go idle.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Every worker has made its first (empty) fetch and gone idle: all eight
+    // block on the server (`BLPOP`).
+    eventually("8 idle workers to block on the queue", secs(10), || async {
+        (blocked_clients(env).await >= 8).then_some(())
+    })
+    .await;
     let before = empty_fetches(env).await;
     for i in 0..40u64 {
         env.queue.enqueue(&format!("run_{i}"), &json!({}), 300 + i * 60).await.unwrap();

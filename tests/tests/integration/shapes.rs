@@ -12,7 +12,7 @@ use shared::keys::Keys;
 use shared::pacer::{PacingConfig, SharedPacer};
 use shared::runs::{Run, RunStatus};
 
-use super::worker::App;
+use crate::fixtures::App;
 
 const WINDOW: Duration = Duration::from_secs(2);
 

@@ -13,7 +13,7 @@ use mock_provider::MockConfig;
 use paceline_tests::{RedisOptions, RedisServer};
 use serde_json::json;
 
-use crate::worker::{secs, App};
+use crate::fixtures::{secs, App};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a soak of about a minute: run it with --ignored"]
@@ -79,6 +79,7 @@ async fn two_hundred_runs_survive_killed_and_stalled_workers_and_a_redis_restart
             app.redis.restart();
             restarted = true;
         }
+        // The soak's pace: it looks at the runs twice a second (bounded above at 240 s).
         tokio::time::sleep(Duration::from_millis(500)).await;
     };
     let elapsed = started.elapsed();

@@ -15,7 +15,7 @@ use shared::config::ProviderArgs;
 use shared::providers::{ProviderEntry, ProviderTable};
 use shared::runs::{ApiStyle, RunStatus};
 
-use crate::worker::{secs, tool_run, App};
+use crate::fixtures::{secs, tool_run, App};
 
 const STYLES: [ApiStyle; 3] = [ApiStyle::Responses, ApiStyle::Chat, ApiStyle::Anthropic];
 

@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 use shared::config::{KeySource, Secret, TOOL_SECRET_ENV};
 use shared::runs::{RunStatus, ToolEndpoints};
 
-use crate::worker::{secs, serve, App};
+use crate::fixtures::{secs, serve, App};
 
 /// A tool server that answers every call with `output` and counts the calls.
 async fn counting_tool(output: &'static str) -> (SocketAddr, Arc<AtomicUsize>) {
