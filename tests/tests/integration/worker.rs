@@ -620,7 +620,7 @@ async fn a_payload_or_record_of_a_newer_format_ends_its_run_with_the_reason_not_
         .query_async(&mut conn)
         .await
         .unwrap();
-    let record = Keys::new(app.prefix.clone()).run_record(&record_run.id);
+    let record = shared::keys::Keys::new(app.prefix.clone()).run_record(&record_run.id);
     let _: () = redis::cmd("HSET").arg(&record).arg("format").arg("2").query_async(&mut conn).await.unwrap();
     app.spawn_worker(app.config());
     for (run, says) in [(&payload_run, "payload format 2"), (&record_run, "record format 2")] {
