@@ -18,14 +18,12 @@
 //! group so a terminal's Ctrl-C does not reach it before the workers are done.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use shared::config::{KeySource, PacerArgs, ProviderArgs, RedisArgs, RunArgs};
 use shared::queue::QueueConfig;
-use shared::redis_server::{LaunchError, Persistence, RedisChild, RedisServerOptions};
 use tokio::sync::watch;
 
 #[cfg(feature = "mock")]
@@ -294,7 +292,7 @@ async fn run_demo(args: &Args, d: &demo::Demo, addr: SocketAddr, stop: watch::Re
     let token = args.serve.tokens.0.first().map(|(_, t)| t.clone());
     let client = crate::api_client::ApiClient::new(&format!("http://{addr}"), token)?;
     say(format!("submitting {} sample runs from {source} through the API:", examples.len()));
-    let started = Instant::now();
+    let started = std::time::Instant::now();
     let finals = demo::drive(&client, &examples, stop.clone()).await?;
     if *stop.borrow() {
         return Ok(());
@@ -344,183 +342,9 @@ fn invocation() -> String {
     exe.display().to_string()
 }
 
-// ---------------------------------------------------------------------------
-// Finding Redis
+mod redis;
 
-/// The Redis `up` uses.
-enum RedisSource {
-    /// `REDIS_URL` / `--redis-url`.
-    Given(String),
-    /// The one that answered on 127.0.0.1:6379.
-    Local(String),
-    /// A child (or one a killed `up` left behind) that `up` stops on exit.
-    Private(OwnRedis),
-}
-
-impl RedisSource {
-    fn url(&self) -> String {
-        match self {
-            Self::Given(u) | Self::Local(u) => u.clone(),
-            Self::Private(p) => p.url(),
-        }
-    }
-
-    async fn stop(self) {
-        if let Self::Private(p) = self {
-            p.stop().await;
-        }
-    }
-}
-
-async fn find_redis(args: &Args) -> anyhow::Result<RedisSource> {
-    if let Some(url) = args.redis_url.as_deref().map(str::trim).filter(|u| !u.is_empty()) {
-        say(format!("using Redis at {} (REDIS_URL)", shared::config::redact_url(url)));
-        return Ok(RedisSource::Given(url.to_owned()));
-    }
-    let probe_addr = args.local_redis_probe;
-    match probe(probe_addr).await {
-        Probe::Pong => {
-            say(format!("REDIS_URL is not set; using the Redis that answers on {probe_addr}"));
-            Ok(RedisSource::Local(format!("redis://{probe_addr}")))
-        }
-        Probe::Other(reply) => anyhow::bail!(
-            "REDIS_URL is not set, and what answers on {probe_addr} is not an open Redis ({reply}). \
-             Set REDIS_URL (with its password: redis://:PASSWORD@{probe_addr}) or free the port."
-        ),
-        Probe::Nothing => {
-            let p = OwnRedis::start(&args.data_dir.join("redis"), probe_addr).await?;
-            Ok(RedisSource::Private(p))
-        }
-    }
-}
-
-#[derive(Debug, PartialEq)]
-enum Probe {
-    /// `+PONG`: an open Redis.
-    Pong,
-    /// Something answered, not `+PONG` (`-NOAUTH …`, another protocol).
-    Other(String),
-    /// Nothing listens (or nothing answered in time).
-    Nothing,
-}
-
-/// One PING with short timeouts.
-async fn probe(addr: SocketAddr) -> Probe {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let t = Duration::from_millis(300);
-    let Ok(Ok(mut s)) = tokio::time::timeout(t, tokio::net::TcpStream::connect(addr)).await else {
-        return Probe::Nothing;
-    };
-    if s.write_all(b"PING\r\n").await.is_err() {
-        return Probe::Nothing;
-    }
-    let mut buf = [0u8; 128];
-    match tokio::time::timeout(t, s.read(&mut buf)).await {
-        Ok(Ok(n)) if buf[..n].starts_with(b"+PONG") => Probe::Pong,
-        Ok(Ok(n)) if n > 0 => Probe::Other(String::from_utf8_lossy(&buf[..n]).trim().chars().take(80).collect()),
-        // Accepted but silent, or closed: something that is not Redis.
-        Ok(_) | Err(_) => Probe::Other("no answer to PING".into()),
-    }
-}
-
-const PORT_FILE: &str = "paceline-port";
-
-/// A private `redis-server` on 127.0.0.1 with its data and AOF in `dir`.
-struct OwnRedis {
-    dir: PathBuf,
-    port: u16,
-    /// `None` when it was adopted from a killed earlier `up`.
-    child: Option<RedisChild>,
-}
-
-impl OwnRedis {
-    async fn start(dir: &Path, probed: SocketAddr) -> anyhow::Result<Self> {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        let dir = dir.canonicalize().with_context(|| format!("{}", dir.display()))?;
-        // A private server an earlier `up` left running (it was SIGKILLed):
-        // use it rather than start a second one on the same files.
-        if let Some(port) = std::fs::read_to_string(dir.join(PORT_FILE)).ok().and_then(|s| s.trim().parse::<u16>().ok())
-        {
-            if probe(SocketAddr::from(([127, 0, 0, 1], port))).await == Probe::Pong {
-                say(format!(
-                    "REDIS_URL is not set and nothing answers on {probed}; using the private redis-server an earlier \
-                     `paceline up` left running on 127.0.0.1:{port} (data in {}); it stops when this one does",
-                    dir.display()
-                ));
-                return Ok(Self { dir, port, child: None });
-            }
-        }
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .context("finding a free port for redis-server")?
-            .port();
-        let options = RedisServerOptions {
-            dir: dir.clone(),
-            unix_socket: false,
-            tcp_port: Some(port),
-            persistence: Persistence::AofEverySec,
-            // Its own process group: a terminal's Ctrl-C reaches only us, and
-            // we stop Redis after the workers have drained into it.
-            own_process_group: true,
-        };
-        let child = match tokio::task::spawn_blocking(move || options.start()).await? {
-            Ok(child) => child,
-            Err(LaunchError::NotInstalled) => anyhow::bail!(
-                "no Redis to use: REDIS_URL is not set, nothing answers on {probed}, and there is no `redis-server` \
-                 on PATH to start a private one. Install Redis (Debian/Ubuntu: `sudo apt-get install redis-server`; \
-                 macOS: `brew install redis`), or set REDIS_URL to a Redis you have."
-            ),
-            Err(e) => return Err(e.into()),
-        };
-        let pid = child.pid().unwrap_or(0);
-        let _ = std::fs::write(dir.join(PORT_FILE), port.to_string());
-        say(format!(
-            "REDIS_URL is not set and nothing answers on {probed}, so paceline started a private redis-server \
-             (pid {pid}) on 127.0.0.1:{port}, data and AOF in {}; it stops when paceline up stops",
-            dir.display()
-        ));
-        Ok(Self { dir, port, child: Some(child) })
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    /// `SHUTDOWN` (Redis writes its AOF and exits), then waits for it; a kill
-    /// when it does not go within 10 s.
-    async fn stop(mut self) {
-        let t = Duration::from_secs(5);
-        if let Ok(client) = redis::Client::open(self.url()) {
-            if let Ok(Ok(mut conn)) = tokio::time::timeout(t, client.get_multiplexed_async_connection()).await {
-                // Answers with a closed connection when it worked.
-                let _ = tokio::time::timeout(t, redis::cmd("SHUTDOWN").query_async::<()>(&mut conn)).await;
-            }
-        }
-        let addr = SocketAddr::from(([127, 0, 0, 1], self.port));
-        let gone = match self.child.take() {
-            Some(mut child) => tokio::task::spawn_blocking(move || {
-                let gone = child.wait_exit(Duration::from_secs(10));
-                child.kill();
-                gone
-            })
-            .await
-            .unwrap_or(false),
-            None => {
-                let deadline = Instant::now() + Duration::from_secs(10);
-                while probe(addr).await != Probe::Nothing && Instant::now() < deadline {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                probe(addr).await == Probe::Nothing
-            }
-        };
-        let _ = std::fs::remove_file(self.dir.join(PORT_FILE));
-        if gone {
-            say(format!("the private redis-server stopped (its data stays in {})", self.dir.display()));
-        } else {
-            say("the private redis-server did not stop within 10 s after SHUTDOWN");
-        }
-    }
-}
+use redis::find_redis;
 
 #[cfg(test)]
 mod tests {
@@ -548,11 +372,5 @@ mod tests {
         }
         let cli = Cli::try_parse_from(["up", "--workers", "2", "--retention", "90", "--floor-pct", "1"]).unwrap();
         assert_eq!((cli.up.slots.concurrency, cli.up.pacer.companion_floor_pct), (2, 1.0), "the old names still parse");
-    }
-
-    #[tokio::test]
-    async fn a_closed_port_answers_nothing() {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
-        assert_eq!(probe(port).await, Probe::Nothing);
     }
 }

@@ -1,0 +1,90 @@
+//! The worker's heartbeat: renews its leases and registration, reclaims the
+//! expired leases of dead workers, finds leases taken back, and ends the
+//! shutdown grace.
+
+use super::*;
+
+/// Renews this worker's leases and registration every third of the lease,
+/// reclaims expired leases of dead workers, and ends the shutdown grace.
+/// While it holds no lease it beats less often, the more so the larger the
+/// fleet (up to 8×): the fleet's idle beats, and so its reclaims of dead
+/// workers' leases, stay about as frequent as two workers' would.
+pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, worker: WorkerContext) {
+    let every = queue.config().heartbeat_every();
+    let idle_every = |fleet: usize| every.mul_f64((fleet as f64 / 2.0).clamp(1.0, IDLE_BEAT_SCALE));
+    let grace = Duration::from_millis(queue.config().grace_ms);
+    let mut started_at_ms = None;
+    let mut last_beat: Option<Instant> = None;
+    let mut shutdown_seen: Option<Instant> = None;
+    // Leases the last beat found no longer this worker's. A lease its handler
+    // settled while the beat was under way reads so too; one still held a beat
+    // later was lost for real (it expired and was taken back).
+    let mut suspects: Vec<(String, u64)> = vec![];
+    loop {
+        let now = Instant::now();
+        let gap = if shared.held.lock().expect("held lock").is_empty() {
+            idle_every(shared.fleet.load(Ordering::Relaxed))
+        } else {
+            every
+        };
+        if last_beat.is_none_or(|at| now >= at + gap) {
+            last_beat = Some(now);
+            if started_at_ms.is_none() {
+                started_at_ms = queue.server_time_ms().await.ok();
+            }
+            let leases = shared.leases();
+            let info = WorkerInfo {
+                identity: shared.identity.clone(),
+                host: crate::queue::host_name(),
+                pid: std::process::id(),
+                concurrency: shared.concurrency,
+                in_flight: leases.len(),
+                started_at_ms: started_at_ms.unwrap_or_default(),
+                lease_ms: queue.config().lease_ms,
+                beat_ms: every.mul_f64(IDLE_BEAT_SCALE).as_millis() as u64,
+                last_heartbeat_ms: 0,
+            };
+            match queue.heartbeat(&shared.identity, Some(&info), &leases).await {
+                Ok(report) => {
+                    shared.fleet.store(report.fleet.max(1), Ordering::Relaxed);
+                    if report.reclaimed > 0 || report.buried > 0 {
+                        info!(
+                            message = "expired leases reclaimed",
+                            reclaimed = report.reclaimed,
+                            buried = report.buried
+                        );
+                    }
+                    for (id, epoch) in suspects.drain(..) {
+                        // Still held a beat later: lost for real; its handler stops
+                        // (no more calls or tool calls on a stale lease).
+                        if shared.lost(&id, epoch) {
+                            warn!(message = crate::queue::LEASE_LOST_MESSAGE, queue.id = %id);
+                        }
+                    }
+                    suspects = leases.into_iter().filter(|(id, _)| report.lost.contains(id)).collect();
+                }
+                Err(error) => warn!(message = "heartbeat failed; retrying", %error),
+            }
+        }
+        if shutdown_seen.is_none() && worker.is_shutting_down() {
+            info!(
+                message = "draining: no more fetches; in-flight turns get the grace period",
+                grace_ms = grace.as_millis() as u64
+            );
+            shutdown_seen = Some(now);
+        }
+        if let Some(seen) = shutdown_seen {
+            if now >= seen + grace && !*shared.grace.borrow() {
+                warn!(message = "shutdown grace over: handing back turns still running");
+                shared.grace.send_replace(true);
+            }
+        }
+        // Short ticks to notice shutdown (and a first lease) promptly; Redis is
+        // touched once per beat.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// How many times longer than [`QueueConfig::heartbeat_every`] an idle worker
+/// of a large fleet goes between beats.
+const IDLE_BEAT_SCALE: f64 = 8.0;
