@@ -1,0 +1,53 @@
+//! The queue's Redis keys (all under one hash tag, built by `crate::keys`).
+
+/// The names of the queue's keys.
+#[derive(Debug, Clone)]
+pub struct QueueKeys {
+    /// ZSET id → due ms.
+    pub due: String,
+    /// ZSET id → lease deadline ms.
+    pub lease: String,
+    /// HASH id → record.
+    pub jobs: String,
+    /// ZSET id → died at ms.
+    pub dead: String,
+    /// HASH id → reason it died.
+    pub reasons: String,
+    /// LIST of wake-up tokens.
+    pub notify: String,
+    /// STRING `due_ms|worker`: the idle worker that sleeps towards the next due turn.
+    pub timer: String,
+    /// Counter the epochs come from.
+    pub epoch_seq: String,
+    /// HASH of the queue's own counters (`empty_fetches`: fetches that found
+    /// nothing due, a worker woken for nothing).
+    pub stats: String,
+    /// ZSET worker identity → last heartbeat ms.
+    pub workers: String,
+    /// HASH worker identity → JSON registration.
+    pub worker_info: String,
+}
+
+impl QueueKeys {
+    /// The keys under `keys`'s prefix.
+    pub fn new(keys: &crate::keys::Keys) -> Self {
+        Self {
+            due: keys.queue_key("due"),
+            lease: keys.queue_key("lease"),
+            jobs: keys.queue_key("jobs"),
+            dead: keys.queue_key("dead"),
+            reasons: keys.queue_key("reasons"),
+            notify: keys.queue_key("notify"),
+            timer: keys.queue_key("timer"),
+            epoch_seq: keys.queue_key("epoch"),
+            stats: keys.queue_key("stats"),
+            workers: keys.queue_key("workers"),
+            worker_info: keys.queue_key("worker_info"),
+        }
+    }
+
+    /// `KEYS[1..7]` of any script built on [`LUA_LIB`](super::LUA_LIB), in order.
+    pub fn script_keys(&self) -> [&str; 7] {
+        [&self.due, &self.lease, &self.jobs, &self.dead, &self.reasons, &self.notify, &self.timer]
+    }
+}
