@@ -13,7 +13,9 @@
 //! A worker is `worker::run(config, shutdown)`: apalis's worker runtime over
 //! our Redis queue (`shared::queue`), `concurrency` turns at once.
 
+pub mod backend;
 pub mod cancels;
+pub mod context;
 pub mod estimate;
 pub mod provider;
 pub mod request;
@@ -76,7 +78,7 @@ pub struct SlotArgs {
     #[arg(long, alias = "workers", env = "PACELINE_CONCURRENCY", default_value_t = DEFAULT_CONCURRENCY)]
     pub concurrency: usize,
     /// History depth sent to the model, in turns (one number for every transport).
-    #[arg(long = "max-history", env = "PACELINE_MAX_HISTORY", default_value_t = shared::runs::context::DEFAULT_MAX_HISTORY)]
+    #[arg(long = "max-history", env = "PACELINE_MAX_HISTORY", default_value_t = crate::context::DEFAULT_MAX_HISTORY)]
     pub max_history: usize,
 }
 
@@ -85,7 +87,7 @@ pub const DEFAULT_CONCURRENCY: usize = 16;
 
 impl Default for SlotArgs {
     fn default() -> Self {
-        Self { concurrency: DEFAULT_CONCURRENCY, max_history: shared::runs::context::DEFAULT_MAX_HISTORY }
+        Self { concurrency: DEFAULT_CONCURRENCY, max_history: crate::context::DEFAULT_MAX_HISTORY }
     }
 }
 
@@ -167,7 +169,7 @@ pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()> + Send
     let (runner, queue) = runner(&config).await?;
     let listener =
         tokio::spawn(runner.cancels.clone().listen(config.redis.url.clone(), config.redis.keys().cancel_channel()));
-    let backend = queue.backend::<TurnJob>(config.slots.concurrency.max(1));
+    let backend = backend::QueueBackend::<TurnJob>::new(queue, config.slots.concurrency.max(1));
     let name = backend.identity().to_owned();
     tracing::info!(message = "worker started", worker.id = %name, concurrency = config.slots.concurrency,
         pacer = ?config.pacer.kind, providers = ?runner.routes.names());

@@ -3,7 +3,7 @@
 //!
 //! The transcript is kept in the Responses shape whatever the transport; this
 //! module is the one place that turns the context (what
-//! [`shared::runs::context::prepare_context`] chose to send) into a body.
+//! [`crate::context::prepare_context`] chose to send) into a body.
 //! Turns are stateless — `store: false` unless the run asks otherwise, the
 //! whole bounded history every time — so any server of the style can take any
 //! turn of any run, and no provider-side state can disagree with the transcript.

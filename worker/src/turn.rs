@@ -12,6 +12,7 @@ use crate::cancels::Cancel;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::context::{clip_tool_output, prepare_context};
 use rand::SeedableRng;
 use serde_json::{json, Value};
 use shared::pacer::{
@@ -19,7 +20,6 @@ use shared::pacer::{
     RetryPolicy,
 };
 use shared::queue::Lease;
-use shared::runs::context::{clip_tool_output, prepare_context};
 use shared::runs::state::event;
 use shared::runs::{
     ErrorKind, Fence, Next, Phase, RunStore, Started, StoreError, TranscriptEntry, TurnContext, TurnJob, Usage,
@@ -48,7 +48,7 @@ pub struct TurnConfig {
 impl Default for TurnConfig {
     fn default() -> Self {
         Self {
-            max_history: shared::runs::context::DEFAULT_MAX_HISTORY,
+            max_history: crate::context::DEFAULT_MAX_HISTORY,
             in_place_wait: Duration::from_millis(shared::config::DEFAULT_IN_PLACE_WAIT_MS),
             retry: RetryPolicy::default(),
         }

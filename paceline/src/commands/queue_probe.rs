@@ -134,7 +134,7 @@ async fn consume(args: ConsumeArgs) -> anyhow::Result<ExitCode> {
         done_key: args.redis.keys().probe_done(),
         lateness_key: args.redis.keys().probe_lateness(),
     };
-    let backend = queue.backend::<serde_json::Value>(args.concurrency);
+    let backend = worker::backend::QueueBackend::<serde_json::Value>::new(queue.clone(), args.concurrency);
     let name = backend.identity().to_owned();
     tracing::info!(message = "queue-probe consuming", worker.id = %name, concurrency = args.concurrency);
     let worker = WorkerBuilder::new(name.as_str()).backend(backend).data(probe).build(probe_turn);

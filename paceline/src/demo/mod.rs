@@ -243,6 +243,6 @@ mod tests {
 
     #[test]
     fn a_browser_page_is_bigger_than_the_model_may_see() {
-        assert!(browser_page("https://x", 1).len() > shared::runs::context::BROWSER_TOOL_OUTPUT_CAP * 2);
+        assert!(browser_page("https://x", 1).len() > worker::context::BROWSER_TOOL_OUTPUT_CAP * 2);
     }
 }

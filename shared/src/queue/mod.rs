@@ -11,7 +11,7 @@
 //! - `lease` ZSET id → lease deadline ms: turns in flight;
 //! - `jobs` HASH id → `epoch|deliveries|flag|payload`, the one record of a turn;
 //! - `dead` ZSET + `reasons` HASH: turns that used up their deliveries;
-//! - `notify` LIST: wake-up tokens idle workers `BLPOP` (see `backend/`);
+//! - `notify` LIST: wake-up tokens idle workers `BLPOP` (the worker crate's `backend/`);
 //! - `timer` STRING `due_ms|worker`: the one idle worker that watches the
 //!   earliest delayed turn.
 //!
@@ -21,11 +21,8 @@
 //! stale holder gets [`QueueError::Fenced`] and changes nothing. Other modules
 //! build their own atomic scripts on [`LUA_LIB`] (see its doc).
 
-mod backend;
-
 /// Re-exported so workers build on the same apalis-core as the backend.
 pub use apalis_core;
-pub use backend::{LeaseLayer, LeaseService, QueueBackend};
 
 use crate::config::RedisArgs;
 use crate::redis_util;
@@ -166,12 +163,6 @@ impl TurnQueue {
         &self.url
     }
 
-    /// An apalis backend that delivers turns of payload `T` to one worker
-    /// process with `concurrency` slots (see [`QueueBackend`]).
-    pub fn backend<T>(&self, concurrency: usize) -> QueueBackend<T> {
-        QueueBackend::new(self.clone(), concurrency)
-    }
-
     fn invocation<'a>(&'a self, script: &'a redis::Script) -> redis::ScriptInvocation<'a> {
         let mut inv = script.prepare_invoke();
         for k in self.keys.script_keys() {
@@ -197,7 +188,7 @@ impl TurnQueue {
     }
 
     /// Leases up to `max` due turns to `worker` (one script). Workers use this
-    /// through [`QueueBackend`]; it is public for tests and tools.
+    /// through their apalis backend (`worker::backend`); it is public for tests and tools.
     pub async fn fetch(&self, worker: &str, max: usize) -> Result<Fetched, QueueError> {
         let mut inv = self.invocation(&self.scripts.fetch);
         inv.key(&self.keys.epoch_seq)
@@ -421,7 +412,8 @@ impl TurnQueue {
         Ok(redis_util::server_time_ms(&mut self.conn.clone()).await?)
     }
 
-    pub(crate) fn conn(&self) -> ConnectionManager {
+    /// The queue's shared connection (its backend's `CLIENT UNBLOCK`).
+    pub fn conn(&self) -> ConnectionManager {
         self.conn.clone()
     }
 }

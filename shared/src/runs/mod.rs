@@ -1,10 +1,10 @@
 //! Runs: what a client submits (`spec.rs`, its generation parameters
 //! `generation.rs`, the tool endpoints it may name `endpoints.rs`), the run object (`record.rs`), its
-//! state machine (`state.rs`), its transcript (`transcript.rs`), what a turn
-//! sends (`context.rs`: what the model is sent is bounded there), and the store that keeps them in Redis
-//! (`store.rs` + `store.lua`, built on the queue's Lua library).
+//! state machine (`state.rs`), its transcript (`transcript.rs`), and the store
+//! that keeps them in Redis (`store.rs` + `store.lua`, built on the queue's Lua
+//! library). What a turn sends the model is bounded by the worker
+//! (`worker::context`).
 
-pub mod context;
 pub mod endpoints;
 pub mod generation;
 pub mod record;

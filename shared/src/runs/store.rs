@@ -837,7 +837,7 @@ impl RunStore {
 
     /// [`RunStore::start_turn`], reading only the transcript entries a context
     /// of `max_history` turns needs (0: all): turn 0's and every turn from the
-    /// one before the window on, which [`crate::runs::context::prepare_context`]
+    /// one before the window on, which `worker::context::prepare_context`
     /// bounds to what it would make of the whole transcript. A long run's
     /// turn no longer copies its whole transcript through Lua (O(n²) over the run).
     pub async fn start_turn_with_history(

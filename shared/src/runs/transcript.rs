@@ -4,7 +4,7 @@
 //! The items are kept in the Responses shape whatever the transport; the worker
 //! converts them for Chat Completions and Anthropic's Messages API when it
 //! sends, and converts their answers back. Tool outputs are stored
-//! already clipped (see `context.rs`), so the transcript the API shows is
+//! already clipped (see `worker::context`), so the transcript the API shows is
 //! the text the model was allowed to read — one constant, not two.
 
 use serde::{Deserialize, Serialize};

@@ -12,10 +12,10 @@
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
-use shared::runs::context::{
+use shared::runs::{ApiStyle, TranscriptEntry};
+use worker::context::{
     clip_tool_output, prepare_context, BROWSER_PLACEHOLDER, BROWSER_TOOL_OUTPUT_CAP, DEFAULT_MAX_HISTORY,
 };
-use shared::runs::{ApiStyle, TranscriptEntry};
 use worker::estimate::estimate_tokens;
 use worker::request::{build_body, TurnParams};
 

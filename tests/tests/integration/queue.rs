@@ -123,7 +123,7 @@ fn run_worker(
     concurrency: usize,
     state: HandlerState,
 ) -> (tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
-    let backend = queue.backend::<Value>(concurrency);
+    let backend = worker::backend::QueueBackend::<Value>::new(queue.clone(), concurrency);
     let name = backend.identity().to_owned();
     let worker = WorkerBuilder::new(name.as_str()).backend(backend).data(state).build(record_turn);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

@@ -409,7 +409,7 @@ async fn a_retried_run_resumes_at_its_last_committed_turn() {
 
 #[tokio::test]
 async fn a_turn_reads_only_the_history_its_model_sees() {
-    use shared::runs::context::prepare_context;
+    use worker::context::prepare_context;
     let env = env().await;
     let long = RunSpec::from_json(
         &json!({"model": "gpt-test", "input": "the task", "max_turns": 100}),

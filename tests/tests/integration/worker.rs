@@ -61,7 +61,7 @@ async fn a_run_with_tools_completes_and_the_provider_saw_the_back_pressure() {
     }
     // ... and the newest is clipped to its cap, saying so.
     let newest = outputs[2];
-    assert!(newest.chars().count() <= shared::runs::context::BROWSER_TOOL_OUTPUT_CAP);
+    assert!(newest.chars().count() <= worker::context::BROWSER_TOOL_OUTPUT_CAP);
     assert!(newest.contains("30013"), "the clip note says how much there was: {}", &newest[newest.len() - 200..]);
     // The transcript shows the clipped text too: one constant, not two.
     let tx = app.store.transcript(TENANT, &run.id).await.unwrap().unwrap();

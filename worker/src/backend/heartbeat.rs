@@ -35,7 +35,7 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
             let leases = shared.leases();
             let info = WorkerInfo {
                 identity: shared.identity.clone(),
-                host: crate::queue::host_name(),
+                host: shared::queue::host_name(),
                 pid: std::process::id(),
                 concurrency: shared.concurrency,
                 in_flight: leases.len(),
@@ -58,7 +58,7 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
                         // Still held a beat later: lost for real; its handler stops
                         // (no more calls or tool calls on a stale lease).
                         if shared.lost(&id, epoch) {
-                            warn!(message = crate::queue::LEASE_LOST_MESSAGE, queue.id = %id);
+                            warn!(message = shared::queue::LEASE_LOST_MESSAGE, queue.id = %id);
                         }
                     }
                     suspects = leases.into_iter().filter(|(id, _)| report.lost.contains(id)).collect();

@@ -26,18 +26,18 @@
 //! Redis), the watcher waits with `BLPOP`'s own timeout instead (coarser by up
 //! to `hz`), quietly, counted in `paceline_queue_unblock_fallbacks_total`.
 
-use super::{Lease, QueueConfig, QueueError, Settled, Then, TurnQueue, WorkerInfo};
-use apalis_core::backend::{finalize::Ephemeral, Backend, BackendConfig};
-use apalis_core::error::{AbortError, BoxDynError, RetryAfterError};
-use apalis_core::task::builder::TaskBuilder;
-use apalis_core::task::task_id::{RandomId, TaskId};
-use apalis_core::task::Task;
-use apalis_core::worker::context::WorkerContext;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use futures::task::AtomicWaker;
 use futures::{FutureExt, StreamExt};
 use serde::de::DeserializeOwned;
+use shared::queue::apalis_core::backend::{finalize::Ephemeral, Backend, BackendConfig};
+use shared::queue::apalis_core::error::{AbortError, BoxDynError, RetryAfterError};
+use shared::queue::apalis_core::task::builder::TaskBuilder;
+use shared::queue::apalis_core::task::task_id::{RandomId, TaskId};
+use shared::queue::apalis_core::task::Task;
+use shared::queue::apalis_core::worker::context::WorkerContext;
+use shared::queue::{Lease, QueueConfig, QueueError, Settled, Then, TurnQueue, WorkerInfo};
 use std::collections::{HashMap, VecDeque};
 use std::marker::PhantomData;
 use std::panic::AssertUnwindSafe;
@@ -152,12 +152,14 @@ impl<T> Drop for QueueBackend<T> {
 }
 
 impl<T> QueueBackend<T> {
-    pub(super) fn new(queue: TurnQueue, concurrency: usize) -> Self {
+    /// An apalis backend that delivers the turns of `queue` (payload `T`) to
+    /// this worker process, with `concurrency` slots.
+    pub fn new(queue: TurnQueue, concurrency: usize) -> Self {
         let (grace, _) = watch::channel(false);
         Self {
             queue,
             shared: Arc::new(BackendState {
-                identity: super::new_worker_identity(),
+                identity: shared::queue::new_worker_identity(),
                 concurrency: concurrency.max(1),
                 running: AtomicUsize::new(0),
                 handed: AtomicUsize::new(0),
@@ -281,7 +283,7 @@ async fn fetch_in_task(
     queue: TurnQueue,
     shared: Arc<BackendState>,
     want: usize,
-) -> Result<crate::queue::Fetched, QueueError> {
+) -> Result<shared::queue::Fetched, QueueError> {
     shared.fetching.fetch_add(1, Ordering::SeqCst);
     let task = tokio::spawn(async move {
         let result = queue.fetch(&shared.identity, want).await;
@@ -416,7 +418,7 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
                         if error.code().is_some() {
                             // Forbidden here (a managed Redis, an ACL): watch with BLPOP's own timeout from now on.
                             info!(message = "CLIENT UNBLOCK is not allowed; watching with BLPOP timeouts instead", %error);
-                            metrics::counter!(crate::telemetry::metric::QUEUE_UNBLOCK_FALLBACKS).increment(1);
+                            metrics::counter!(shared::telemetry::metric::QUEUE_UNBLOCK_FALLBACKS).increment(1);
                             self.unblock = false;
                         }
                         self.blocking = None;
@@ -453,7 +455,7 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
             let client = redis::Client::open(self.queue.url())?;
             let config = redis::AsyncConnectionConfig::new()
                 .set_response_timeout(Some(cap + Duration::from_secs(5)))
-                .set_connection_timeout(Some(crate::redis_util::CONNECT_TIMEOUT));
+                .set_connection_timeout(Some(shared::redis_util::CONNECT_TIMEOUT));
             let mut conn = client.get_multiplexed_async_connection_with_config(&config).await?;
             let id = match redis::cmd("CLIENT").arg("ID").query_async::<i64>(&mut conn).await {
                 Ok(id) => id,
@@ -467,7 +469,7 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
             Ok(b) => {
                 if b.1 < 0 && self.unblock {
                     info!(message = "CLIENT is not allowed; watching with BLPOP timeouts instead");
-                    metrics::counter!(crate::telemetry::metric::QUEUE_UNBLOCK_FALLBACKS).increment(1);
+                    metrics::counter!(shared::telemetry::metric::QUEUE_UNBLOCK_FALLBACKS).increment(1);
                     self.unblock = false;
                 }
                 self.blocking = Some(b.clone());

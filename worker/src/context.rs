@@ -14,7 +14,7 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 
 use serde_json::Value;
 
-use super::TranscriptEntry;
+use shared::runs::TranscriptEntry;
 
 /// Characters of one tool call's output fed back to the model.
 pub const TOOL_OUTPUT_CAP: usize = 16_000;
