@@ -15,6 +15,7 @@
 
 pub mod backend;
 pub mod cancels;
+pub mod config;
 pub mod context;
 pub mod estimate;
 pub mod provider;
@@ -27,8 +28,9 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::config::{KeySource, ProviderArgs};
 use anyhow::Context as _;
-use shared::config::{KeySource, PacerArgs, ProviderArgs, RedisArgs, RunArgs};
+use shared::config::{PacerArgs, RedisArgs, RunArgs};
 use shared::queue::apalis_core::error::BoxDynError;
 use shared::queue::apalis_core::task::data::Data;
 use shared::queue::apalis_core::worker::builder::WorkerBuilder;
@@ -121,7 +123,7 @@ pub async fn runner(config: &WorkerConfig) -> anyhow::Result<(Runner, TurnQueue)
         in_place_wait: Duration::from_millis(config.pacer.in_place_wait_ms),
         ..TurnConfig::default()
     };
-    let secret = config.keys.get(shared::config::TOOL_SECRET_ENV);
+    let secret = config.keys.get(crate::config::TOOL_SECRET_ENV);
     let tools = tools::ToolClient::new(config.runs.tool_endpoints.clone(), secret, tools::DEFAULT_TOOL_TIMEOUT)?;
     tracing::info!(message = "tool calls", endpoints = %config.runs.tool_endpoints, signed = tools.signs());
     let tenants = config.pacer.tenant_policy().map_err(anyhow::Error::msg)?;

@@ -4,8 +4,9 @@
 
 use std::sync::Arc;
 
+use crate::config::{KeySource, ProviderArgs};
 use anyhow::Context as _;
-use shared::config::{KeySource, PacerArgs, ProviderArgs};
+use shared::config::PacerArgs;
 use shared::keys::Keys;
 use shared::pacer::Pacer;
 

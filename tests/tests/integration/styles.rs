@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 use mock_provider::{Fault, HeaderStyle, MockConfig, MockServer};
 use paceline_tests::{eventually, ChildGuard};
 use serde_json::{json, Value};
-use shared::config::ProviderArgs;
 use shared::providers::{ProviderEntry, ProviderTable};
 use shared::runs::{ApiStyle, RunStatus};
+use worker::config::ProviderArgs;
 
 use crate::fixtures::{secs, tool_run, App};
 

@@ -10,8 +10,9 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::IntoResponse;
 use mock_provider::MockConfig;
 use serde_json::{json, Value};
-use shared::config::{KeySource, Secret, TOOL_SECRET_ENV};
+use shared::config::Secret;
 use shared::runs::{RunStatus, ToolEndpoints};
+use worker::config::{KeySource, TOOL_SECRET_ENV};
 
 use crate::fixtures::{secs, serve, App};
 

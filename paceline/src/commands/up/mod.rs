@@ -22,9 +22,10 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context as _;
-use shared::config::{KeySource, PacerArgs, ProviderArgs, RedisArgs, RunArgs};
+use shared::config::{PacerArgs, RedisArgs, RunArgs};
 use shared::queue::QueueConfig;
 use tokio::sync::watch;
+use worker::config::{KeySource, ProviderArgs};
 
 #[cfg(feature = "mock")]
 use crate::demo::{self, DemoArgs};
