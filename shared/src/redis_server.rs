@@ -44,6 +44,9 @@ pub struct RedisServerOptions {
     /// Start it in its own process group, so a terminal's Ctrl-C reaches only
     /// its parent, which stops it after draining into it.
     pub own_process_group: bool,
+    /// More `redis-server` arguments, after these (tests: a TLS port and its
+    /// certificates).
+    pub extra_args: Vec<String>,
 }
 
 impl RedisServerOptions {
@@ -55,6 +58,7 @@ impl RedisServerOptions {
             tcp_port: None,
             persistence: Persistence::None,
             own_process_group: false,
+            extra_args: vec![],
         }
     }
 
@@ -88,6 +92,7 @@ impl RedisServerOptions {
             Persistence::AofEverySec => cmd.arg("--appendonly").arg("yes").arg("--appendfsync").arg("everysec"),
             Persistence::AofAlways => cmd.arg("--appendonly").arg("yes").arg("--appendfsync").arg("always"),
         };
+        cmd.args(&self.extra_args);
         cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
         #[cfg(unix)]
         if self.own_process_group {

@@ -19,6 +19,8 @@ pub struct RedisOptions {
     pub aof: bool,
     /// Also listen on this TCP port on 127.0.0.1 (a replica's `REPLICAOF` needs one).
     pub tcp_port: Option<u16>,
+    /// More `redis-server` arguments (a TLS port and its certificates).
+    pub extra_args: Vec<String>,
 }
 
 /// A TCP port free on 127.0.0.1 now (bound and let go: another process may
@@ -56,6 +58,7 @@ impl RedisServer {
         RedisServerOptions {
             tcp_port: self.opts.tcp_port,
             persistence: if self.opts.aof { Persistence::AofAlways } else { Persistence::None },
+            extra_args: self.opts.extra_args.clone(),
             ..RedisServerOptions::unix(self.dir.path())
         }
     }

@@ -185,3 +185,96 @@ fn without_redis_and_without_redis_server_up_says_how_to_install_one() {
     assert!(!status.success(), "{err}");
     assert!(err.contains("apt-get install redis-server") && err.contains("brew install redis"), "{err}");
 }
+
+/// A CA and a server certificate for `localhost` / 127.0.0.1, made with the
+/// `openssl` command in `dir` (`ca.pem`, `server.pem`, `server.key`); `None`
+/// when there is no `openssl` to make them.
+fn tls_certificates(dir: &Path) -> Option<()> {
+    let openssl = |args: &[&str]| {
+        Command::new("openssl").args(args).current_dir(dir).stdout(Stdio::null()).stderr(Stdio::null()).status()
+    };
+    let ca = ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2"];
+    if !openssl(&[&ca[..], &["-subj", "/CN=paceline test CA"]].concat()).ok()?.success() {
+        return None;
+    }
+    std::fs::write(dir.join("ext.cnf"), "subjectAltName=DNS:localhost,IP:127.0.0.1\n").unwrap();
+    let csr = ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr"];
+    assert!(openssl(&[&csr[..], &["-subj", "/CN=localhost"]].concat()).unwrap().success());
+    let sign = ["x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial"];
+    let out = ["-out", "server.pem", "-days", "2", "-extfile", "ext.cnf"];
+    assert!(openssl(&[&sign[..], &out[..]].concat()).unwrap().success());
+    Some(())
+}
+
+/// Redis over TLS (`rediss://`, as managed Redis serves it): `paceline up
+/// --demo` runs its sample runs to `completed` with every connection — the
+/// API's, the shared event reader's, the workers' blocking fetches and the
+/// cancel subscriber — over TLS, verifying the server against the CA the
+/// process trusts (`SSL_CERT_FILE`, read as the platform's store). A Redis
+/// whose certificate the process does not trust is refused, not used.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_runs_its_demo_over_a_tls_redis_and_refuses_an_untrusted_one() {
+    let certs = tempfile::tempdir().unwrap();
+    if tls_certificates(certs.path()).is_none() {
+        eprintln!("SKIPPED: no `openssl` command to make test certificates");
+        return;
+    }
+    let cert = |f: &str| certs.path().join(f).display().to_string();
+    let tls_port = paceline_tests::free_tcp_port();
+    let _redis = RedisServer::start_with(paceline_tests::RedisOptions {
+        extra_args: vec![
+            "--tls-port".into(),
+            tls_port.to_string(),
+            "--tls-cert-file".into(),
+            cert("server.pem"),
+            "--tls-key-file".into(),
+            cert("server.key"),
+            "--tls-ca-cert-file".into(),
+            cert("ca.pem"),
+            "--tls-auth-clients".into(),
+            "no".into(),
+        ],
+        ..paceline_tests::RedisOptions::default()
+    });
+    let url = format!("rediss://localhost:{tls_port}");
+    let dir = tempfile::tempdir().unwrap();
+    let listen = format!("127.0.0.1:{}", paceline_tests::free_tcp_port());
+    let prefix = unique_prefix();
+    let args = ["--demo", "--listen", &listen, "--prefix", &prefix, "--demo-tools-listen", "127.0.0.1:0"];
+    let mut child = up(
+        dir.path(),
+        &[&args[..], &["--demo-tpm", "400000", "--demo-latency-ms", "20"]].concat(),
+        &[("REDIS_URL", &url), ("SSL_CERT_FILE", &cert("ca.pem"))],
+    );
+    let http = reqwest::Client::builder().timeout(secs(2)).build().unwrap();
+    let base = format!("http://{listen}");
+    let runs = eventually("the 4 demo runs over TLS", secs(40), || async {
+        let page = get(&http, &format!("{base}/v1/runs?limit=20")).await?;
+        let runs = page["data"].as_array()?.clone();
+        let done = runs.len() == 4
+            && runs.iter().all(|r| matches!(r["status"].as_str(), Some("completed" | "failed" | "cancelled")));
+        done.then_some(runs)
+    })
+    .await;
+    for run in &runs {
+        assert_eq!(run["status"], "completed", "{run}\n{}", stderr_of(dir.path()));
+    }
+    assert!(stderr_of(dir.path()).contains(&format!("using Redis at {url}")), "{}", stderr_of(dir.path()));
+    stop_cleanly(&mut child, dir.path(), secs(20));
+
+    // The same server, its CA not the one the process trusts (another CA's):
+    // the API answers, and Redis is unavailable to it, never used.
+    let untrusted = tempfile::tempdir().unwrap();
+    tls_certificates(untrusted.path()).expect("a second CA");
+    let other_ca = untrusted.path().join("ca.pem").display().to_string();
+    let listen = format!("127.0.0.1:{}", paceline_tests::free_tcp_port());
+    let args = ["--listen", &listen, "--prefix", &prefix];
+    let child = up(untrusted.path(), &args, &[("REDIS_URL", &url), ("SSL_CERT_FILE", &other_ca)]);
+    let base = format!("http://{listen}");
+    let status = eventually("the API to answer while Redis is refused", secs(20), || async {
+        Some(http.get(format!("{base}/v1/runs")).send().await.ok()?.status())
+    })
+    .await;
+    assert_eq!(status, 503, "an untrusted Redis is unavailable, never used:\n{}", stderr_of(untrusted.path()));
+    child.signal("KILL");
+}

@@ -127,6 +127,7 @@ impl OwnRedis {
             // Its own process group: a terminal's Ctrl-C reaches only us, and
             // we stop Redis after the workers have drained into it.
             own_process_group: true,
+            extra_args: vec![],
         };
         let child = match tokio::task::spawn_blocking(move || options.start()).await? {
             Ok(child) => child,
