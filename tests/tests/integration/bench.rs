@@ -8,7 +8,36 @@
 
 use paceline_tests::paceline_bin;
 use serde_json::Value;
+use std::path::Path;
 use std::time::{Duration, Instant};
+
+/// Runs `paceline ARGS` in `dir` to its end (bounded: a bench that hangs
+/// fails here instead of holding up CI), its output going to files there, not
+/// to pipes nobody reads while it runs; answers its exit status, its stdout
+/// and its stderr.
+fn run_to_end(dir: &Path, args: &[&str]) -> (std::process::ExitStatus, String, String) {
+    let (out, err) = (dir.join("stdout"), dir.join("stderr"));
+    let started = Instant::now();
+    let mut child = std::process::Command::new(paceline_bin())
+        .args(args)
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .expect("start paceline");
+    let limit = Duration::from_secs(180);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            panic!("paceline {args:?} did not finish within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let read = |p: &Path| std::fs::read_to_string(p).unwrap_or_default();
+    (status, read(&out), read(&err))
+}
 
 const PACER_FIELDS: &[&str] = &[
     "makespan_s",
@@ -28,9 +57,9 @@ const PACER_FIELDS: &[&str] = &[
 fn a_tiny_bench_writes_every_spec_field_and_completes_every_shared_run() {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("bench.json");
-    let started = Instant::now();
-    let mut child = std::process::Command::new(paceline_bin())
-        .args([
+    let json_path = json.display().to_string();
+    let args = [
+        &[
             "bench",
             "--workers",
             "2",
@@ -44,26 +73,13 @@ fn a_tiny_bench_writes_every_spec_field_and_completes_every_shared_run() {
             "2",
             "--tpm",
             "3000",
-        ])
-        .args(["--pacer", "shared,off", "--throughput-runs", "20", "--throughput-turns", "3", "--queue-turns", "500"])
-        .arg("--json")
-        .arg(&json)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("start paceline bench");
-    // Bounded: a bench that hangs fails here instead of holding up CI.
-    let limit = Duration::from_secs(180);
-    while child.try_wait().unwrap().is_none() {
-        if started.elapsed() > limit {
-            let _ = child.kill();
-            panic!("paceline bench did not finish within {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let out = child.wait_with_output().unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "bench failed: {}\n{stdout}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
+        ][..],
+        &["--pacer", "shared,off", "--throughput-runs", "20", "--throughput-turns", "3", "--queue-turns", "500"][..],
+        &["--json", json_path.as_str()][..],
+    ]
+    .concat();
+    let (status, stdout, stderr) = run_to_end(dir.path(), &args);
+    assert!(status.success(), "bench failed: {status}\n{stdout}\n{stderr}");
     assert!(stdout.contains("efficiency"), "the table is printed: {stdout}");
 
     let report: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
@@ -99,9 +115,9 @@ fn a_tiny_bench_writes_every_spec_field_and_completes_every_shared_run() {
 fn a_tiny_fairness_bench_writes_its_fields() {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("fairness.json");
-    let started = Instant::now();
-    let mut child = std::process::Command::new(paceline_bin())
-        .args([
+    let json_path = json.display().to_string();
+    let args = [
+        &[
             "bench",
             "--scenario",
             "fairness",
@@ -113,8 +129,8 @@ fn a_tiny_fairness_bench_writes_its_fields() {
             "2",
             "--tpm",
             "3000",
-        ])
-        .args([
+        ][..],
+        &[
             "--turns",
             "2",
             "--live-work-runs",
@@ -125,8 +141,8 @@ fn a_tiny_fairness_bench_writes_its_fields() {
             "0.5",
             "--companion-gap-s",
             "0.5",
-        ])
-        .args([
+        ][..],
+        &[
             "--share-runs",
             "4,1,1,1",
             "--weighted-runs",
@@ -137,24 +153,12 @@ fn a_tiny_fairness_bench_writes_its_fields() {
             "0.5",
             "--timeout-s",
             "60",
-        ])
-        .arg("--json")
-        .arg(&json)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("start paceline bench --scenario fairness");
-    let limit = Duration::from_secs(180);
-    while child.try_wait().unwrap().is_none() {
-        if started.elapsed() > limit {
-            let _ = child.kill();
-            panic!("paceline bench --scenario fairness did not finish within {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let out = child.wait_with_output().unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "bench failed: {}\n{stdout}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
+        ][..],
+        &["--json", json_path.as_str()][..],
+    ]
+    .concat();
+    let (status, stdout, stderr) = run_to_end(dir.path(), &args);
+    assert!(status.success(), "bench failed: {status}\n{stdout}\n{stderr}");
     assert!(stdout.contains("Jain"), "the table is printed: {stdout}");
 
     let report: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
