@@ -8,7 +8,6 @@
 //! Starting is synchronous (a child process and a blocking `PING`, at most
 //! [`START_TIMEOUT`]): async callers run it on a blocking thread.
 
-use std::io::{Read as _, Write as _};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -232,13 +231,10 @@ impl Drop for RedisChild {
 fn ping_unix(socket: &Path) -> bool {
     #[cfg(unix)]
     {
-        let Ok(mut stream) = std::os::unix::net::UnixStream::connect(socket) else { return false };
-        let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
-        if stream.write_all(b"PING\r\n").is_err() {
-            return false;
-        }
-        let mut buf = [0u8; 16];
-        matches!(stream.read(&mut buf), Ok(n) if buf[..n].starts_with(b"+PONG"))
+        std::os::unix::net::UnixStream::connect(socket).is_ok_and(|mut stream| {
+            let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
+            pong(&mut stream)
+        })
     }
     #[cfg(not(unix))]
     {
@@ -249,10 +245,14 @@ fn ping_unix(socket: &Path) -> bool {
 
 /// A blocking `PING` over TCP: true on `+PONG`.
 fn ping_tcp(addr: std::net::SocketAddr) -> bool {
-    let Ok(mut stream) = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(300)) else {
-        return false;
-    };
-    let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
+    std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(300)).is_ok_and(|mut stream| {
+        let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
+        pong(&mut stream)
+    })
+}
+
+/// Sends `PING` on `stream`; true when the answer is `+PONG`.
+fn pong(stream: &mut (impl std::io::Read + std::io::Write)) -> bool {
     if stream.write_all(b"PING\r\n").is_err() {
         return false;
     }

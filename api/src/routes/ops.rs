@@ -112,14 +112,16 @@ pub async fn pacer(State(state): State<AppState>, caller: Caller) -> Result<Json
     crate::metrics::set_pacer(&snapshots);
     let budgets = snapshots
         .into_iter()
-        .filter_map(|s| {
+        .filter_map(|mut s| {
             let own = caller.tenant().and_then(|t| s.tenants.iter().find(|l| l.tenant == t).cloned());
             // A tenant sees a budget and model its turns used (it has a line
             // there), never another tenant's line.
             if !caller.is_operator() && own.is_none() {
                 return None;
             }
-            let tenants = caller.is_operator().then(|| s.tenants.clone());
+            // The snapshot does not serialise its lines: the view shows them by caller.
+            let lines = std::mem::take(&mut s.tenants);
+            let tenants = caller.is_operator().then_some(lines);
             Some(BudgetView { observed_at: s.observed_at_ms.map(rfc3339_ms), tenant: own, tenants, snapshot: s })
         })
         .collect();

@@ -49,6 +49,18 @@ async fn get(http: &reqwest::Client, url: impl reqwest::IntoUrl) -> Option<Value
     resp.json().await.ok()
 }
 
+/// The 4 demo runs at `base`, once every one has finished (within `timeout`).
+async fn demo_runs_finished(http: &reqwest::Client, base: &str, timeout: Duration) -> Vec<Value> {
+    eventually("the 4 demo runs to finish", timeout, || async {
+        let page = get(http, &format!("{base}/v1/runs?limit=20")).await?;
+        let runs = page["data"].as_array()?.clone();
+        let done = runs.len() == 4
+            && runs.iter().all(|r| matches!(r["status"].as_str(), Some("completed" | "failed" | "cancelled")));
+        done.then_some(runs)
+    })
+    .await
+}
+
 /// SIGTERM, then a clean exit (0) within `timeout`.
 fn stop_cleanly(child: &mut ChildGuard, dir: &Path, timeout: Duration) {
     child.signal("TERM");
@@ -88,14 +100,7 @@ async fn up_demo_brings_the_sample_runs_to_completed_and_stops_on_sigterm() {
     let http = reqwest::Client::builder().timeout(secs(2)).build().unwrap();
     let base = format!("http://{listen}");
     eventually("the API answers", secs(20), || get(&http, format!("{base}/healthz"))).await;
-    let runs = eventually("the 4 demo runs completed", secs(30), || async {
-        let page = get(&http, &format!("{base}/v1/runs?limit=20")).await?;
-        let runs = page["data"].as_array()?.clone();
-        let done = runs.len() == 4
-            && runs.iter().all(|r| matches!(r["status"].as_str(), Some("completed" | "failed" | "cancelled")));
-        done.then_some(runs)
-    })
-    .await;
+    let runs = demo_runs_finished(&http, &base, secs(30)).await;
     for run in &runs {
         assert_eq!(run["status"], "completed", "{run}\n{}", stderr_of(dir.path()));
         let example = run["metadata"]["example"].as_str().unwrap_or("");
@@ -248,14 +253,7 @@ async fn up_runs_its_demo_over_a_tls_redis_and_refuses_an_untrusted_one() {
     );
     let http = reqwest::Client::builder().timeout(secs(2)).build().unwrap();
     let base = format!("http://{listen}");
-    let runs = eventually("the 4 demo runs over TLS", secs(40), || async {
-        let page = get(&http, &format!("{base}/v1/runs?limit=20")).await?;
-        let runs = page["data"].as_array()?.clone();
-        let done = runs.len() == 4
-            && runs.iter().all(|r| matches!(r["status"].as_str(), Some("completed" | "failed" | "cancelled")));
-        done.then_some(runs)
-    })
-    .await;
+    let runs = demo_runs_finished(&http, &base, secs(40)).await;
     for run in &runs {
         assert_eq!(run["status"], "completed", "{run}\n{}", stderr_of(dir.path()));
     }

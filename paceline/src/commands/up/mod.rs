@@ -190,7 +190,7 @@ async fn serve(
         provider: provider.clone(),
         pacer: (*args.pacer).clone(),
         queue: (*args.queue).clone(),
-        slots: worker::SlotArgs { concurrency: args.slots.concurrency.max(1), ..args.slots.clone() },
+        slots: args.slots.clone(),
         keys,
         bench_deliveries_key: None,
     };
