@@ -24,25 +24,17 @@ impl Keys {
 
     /// The pacer's state hash for one budget and model. The hash tag is the
     /// budget, so one budget's keys (state, reservations, fairness) share a slot.
+    /// `v2` is the script's storage format (`scripts.lua`: records packed, no
+    /// index beside them): a worker of an older format keeps its own keys and
+    /// never reads these as its own.
     pub fn pacer_state(&self, budget: &str, model: &str) -> String {
-        format!("{}:pacer:{{{}}}:state:{}", self.prefix, budget, model)
-    }
-
-    /// The pacer's expiry set for one budget and model: reservation id ->
-    /// when its record lapses (a waiter's due time plus the grace, a call's TTL).
-    pub fn pacer_expiry(&self, budget: &str, model: &str) -> String {
-        format!("{}:pacer:{{{}}}:expiry:{}", self.prefix, budget, model)
+        format!("{}:pacer:{{{}}}:v2:state:{}", self.prefix, budget, model)
     }
 
     /// The pacer's records for one budget and model: reservation id -> a
     /// waiter or a call in flight (`rec_encode` in `scripts.lua`).
     pub fn pacer_records(&self, budget: &str, model: &str) -> String {
-        format!("{}:pacer:{{{}}}:records:{}", self.prefix, budget, model)
-    }
-
-    /// The pacer's line for one budget and model: reservation id -> its place.
-    pub fn pacer_line(&self, budget: &str, model: &str) -> String {
-        format!("{}:pacer:{{{}}}:line:{}", self.prefix, budget, model)
+        format!("{}:pacer:{{{}}}:v2:records:{}", self.prefix, budget, model)
     }
 
     /// The base of the pacer's history for one budget and model (the
@@ -155,8 +147,8 @@ mod tests {
     #[test]
     fn keys_start_with_the_prefix_and_tag_the_budget() {
         let k = Keys::new("pl");
-        assert_eq!(k.pacer_state("default", "gpt-4.1"), "pl:pacer:{default}:state:gpt-4.1");
-        assert_eq!(k.pacer_line("b", "m"), "pl:pacer:{b}:line:m");
+        assert_eq!(k.pacer_state("default", "gpt-4.1"), "pl:pacer:{default}:v2:state:gpt-4.1");
+        assert_eq!(k.pacer_records("b", "m"), "pl:pacer:{b}:v2:records:m");
         assert_eq!(k.queue_key("due"), "pl:{pl}:q:due");
         assert_eq!(k.pacer_history_minute("b", "m", 7), "pl:pacer:{b}:hist:m:7");
         assert_eq!(k.run_record("r1"), "pl:{pl}:run:r1");
@@ -289,7 +281,7 @@ mod tests {
 
     /// Lua scripts receive their keys as `KEYS[]`; a key family joined with
     /// `..` (`base .. 'run:' .. id`), or anything joined onto a given key
-    /// (`KEYS[5] .. ':'`), builds a key name in the script. (Hash fields such
+    /// (`KEYS[3] .. ':'`), builds a key name in the script. (Hash fields such
     /// as `'tw:' .. tenant` are not keys.) The ones that must stay are listed
     /// with their reason: each derives a key from one it was given, by the
     /// shape the method named here documents.
@@ -309,7 +301,7 @@ mod tests {
             ("shared/src/queue/lib.lua", ":active"),
             // `hist`: one hash per minute of the Redis clock under the base it
             // is given (`Keys::pacer_history_minute`).
-            ("shared/src/pacer/scripts.lua", "KEYS[5] .."),
+            ("shared/src/pacer/scripts.lua", "KEYS[3] .."),
         ];
         let root = workspace();
         let mut files = vec![];

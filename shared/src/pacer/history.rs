@@ -4,7 +4,8 @@
 //! (`a`), the 429s settled (`r`) and the turns it told to wait (`w`), in one hash
 //! per budget, model and minute that expires after 16 minutes. These counters are
 //! kept beside the policy, never read by it: the differential test compares the
-//! state hash alone. Reading them is one `TIME` and one pipeline of 17 commands.
+//! state hash alone. Reading them is one `TIME` and one pipeline of 16 commands (and the
+//! refill rate, read from the state by the script's snapshot).
 
 use crate::keys::Keys;
 use redis::aio::ConnectionManager;
@@ -76,42 +77,35 @@ pub fn assemble<'a>(
     h
 }
 
-/// The refill rate per second from the state hash's `t_`/`i_` limit and rate
-/// (per ms); the token bucket's, else the input bucket's.
-fn refill_per_s(state: &HashMap<String, f64>) -> Option<f64> {
-    ["t_", "i_"].iter().find_map(|p| {
-        let limit = state.get(&format!("{p}limit")).copied().unwrap_or(0.0);
-        let rate = state.get(&format!("{p}rate")).copied().unwrap_or(0.0);
-        (limit > 0.0 && rate > 0.0).then_some(rate * 1000.0)
-    })
+/// The refill rate per second of a state: the token bucket's, else the input
+/// bucket's; none while neither has a limit and a rate.
+pub fn refill_per_s(state: &super::model::PacerState) -> Option<f64> {
+    [&state.tokens, &state.input].into_iter().find_map(|b| (b.limit > 0.0 && b.rate > 0.0).then_some(b.rate * 1000.0))
 }
 
-/// Reads one budget and model's history (Redis clock).
-pub async fn read(conn: &mut ConnectionManager, keys: &Keys, budget: &str, model: &str) -> Result<History, PacerError> {
+/// Reads one budget and model's history (Redis clock); `refill_tokens_per_s`
+/// is the state's ([`refill_per_s`]), read by the caller through the script.
+pub async fn read(
+    conn: &mut ConnectionManager,
+    keys: &Keys,
+    budget: &str,
+    model: &str,
+    refill_tokens_per_s: Option<f64>,
+) -> Result<History, PacerError> {
     let (secs, _micros): (i64, i64) = redis::cmd("TIME").query_async(conn).await?;
     let first_minute = (secs - SECONDS as i64 + 1).div_euclid(60);
     let last_minute = secs.div_euclid(60);
     let mut pipe = redis::pipe();
-    pipe.cmd("HMGET").arg(keys.pacer_state(budget, model)).arg(&["t_limit", "t_rate", "i_limit", "i_rate"][..]);
     for minute in first_minute..=last_minute {
         pipe.cmd("HGETALL").arg(keys.pacer_history_minute(budget, model, minute));
     }
-    let mut replies = pipe.query_async::<Vec<redis::Value>>(conn).await?.into_iter();
+    let replies = pipe.query_async::<Vec<redis::Value>>(conn).await?.into_iter();
     let protocol = |e: redis::ParsingError| PacerError::Protocol(e.to_string());
-    let rates: Vec<Option<f64>> = match replies.next() {
-        Some(v) => redis::from_redis_value(v).map_err(protocol)?,
-        None => vec![],
-    };
     let minutes = replies
         .map(|v| redis::from_redis_value::<HashMap<String, i64>>(v).map_err(protocol))
         .collect::<Result<Vec<_>, _>>()?;
-    let state: HashMap<String, f64> = ["t_limit", "t_rate", "i_limit", "i_rate"]
-        .iter()
-        .zip(rates)
-        .filter_map(|(k, v)| v.map(|v| (k.to_string(), v)))
-        .collect();
     let fields = minutes.iter().flat_map(|m| m.iter().map(|(k, v)| (k.as_str(), *v)));
-    Ok(assemble(budget, model, secs, fields, refill_per_s(&state)))
+    Ok(assemble(budget, model, secs, fields, refill_tokens_per_s))
 }
 
 #[cfg(test)]
@@ -143,9 +137,13 @@ mod tests {
 
     #[test]
     fn the_refill_rate_is_the_token_buckets_else_the_input_buckets() {
-        let m = |kv: &[(&str, f64)]| kv.iter().map(|(k, v)| (k.to_string(), *v)).collect::<HashMap<_, _>>();
-        assert_eq!(refill_per_s(&m(&[("t_limit", 600.0), ("t_rate", 0.01)])), Some(10.0));
-        assert_eq!(refill_per_s(&m(&[("i_limit", 600.0), ("i_rate", 0.02)])), Some(20.0));
-        assert_eq!(refill_per_s(&m(&[])), None);
+        let mut state = super::super::model::PacerState::default();
+        assert_eq!(refill_per_s(&state), None);
+        state.input.limit = 600.0;
+        state.input.rate = 0.02;
+        assert_eq!(refill_per_s(&state), Some(20.0));
+        state.tokens.limit = 600.0;
+        state.tokens.rate = 0.01;
+        assert_eq!(refill_per_s(&state), Some(10.0));
     }
 }

@@ -33,22 +33,24 @@
 --   last_admit_id (a string, outside the numbers: the call cleared last);
 --   per tenant t: tw:<t> weight, tf:<t> finish tag, tc:<t> cap due (ms),
 --   tadm:<t> expected tokens admitted, twait:<t> turns that waited.
--- KEYS[2] expiry zset: reservation id -> when its record lapses
--- KEYS[3] records hash: reservation id -> rec_encode(record)
+-- KEYS[2] records hash: reservation id -> rec_encode(record), the fields below as doubles
+--   (the snapshot hands them to Rust as text, in this order, separated by '|'):
 --   waiter: w|order|tokens|requests|output|line|due|clear|since|reason|tenant
---     (due: when it may come back, a checkpoint; clear: when it is predicted clear)
+--     (order: its place in line, companion turns < 0 <= work tags; due: when it may come
+--      back, a checkpoint; clear: when it is predicted clear; it lapses at due + grace_ms)
 --   flight: f|tokens|requests|output|mark|expiry|input|sent|alone|ih|oh|omark|rsent|isent|osent
---     (input: the worker's own input estimate, to learn input_ratio from;
---      mark, sent: t_refunded and t_sent when it was cleared; ih, oh: what it holds of the input
---      and output buckets; omark: o_refunded when it was cleared; rsent, isent, osent: the r_, i_
---      and o_ sent ledgers when it was cleared;
+--     (expiry: when the reservation lapses; input: the worker's own input estimate, to learn
+--      input_ratio from; mark, sent: t_refunded and t_sent when it was cleared; ih, oh: what it
+--      holds of the input and output buckets; omark: o_refunded when it was cleared; rsent,
+--      isent, osent: the r_, i_ and o_ sent ledgers when it was cleared;
 --      alone: 1 when no other call was cleared within BURST_GAP_MS of it)
--- KEYS[4] line zset: waiter id -> order (companion turns < 0 <= work tags)
--- KEYS[5] the history's base key (the dashboard's chart, GET /v1/pacer/history): counters
---   only, outside the policy, never read here. One hash per minute, KEYS[5]:<minute>, same
+--   The line and the lapses are read from the records themselves (every call reads them
+--   all): no index is kept beside them to drift.
+-- KEYS[3] the history's base key (the dashboard's chart, GET /v1/pacer/history): counters
+--   only, outside the policy, never read here. One hash per minute, KEYS[3]:<minute>, same
 --   hash tag; fields <second>:a (tokens cleared), <second>:r (429s settled), <second>:w
 --   (turns told to wait); each expires HIST_TTL_MS after its last write. The minute's key is
---   named here, on the Redis clock; it shares KEYS[5]'s hash tag, so it is in this call's slot.
+--   named here, on the Redis clock; it shares KEYS[3]'s hash tag, so it is in this call's slot.
 -- ARGV[1] op: acquire | settle | snapshot
 -- ARGV[2..13] config: floor, max_pace_ms, jitter_frac, jitter_max_ms, ttl_ms, probe_wait_ms,
 --          late_ms, tpm, rpm, now in ms ('' = the server's TIME; tests only), grace_ms, recheck_ms
@@ -61,7 +63,7 @@
 --          [25..27] input bucket limit, remaining, reset_ms, [28..30] same for the output bucket
 -- snapshot: -> flat field list of the state, 'now', and 'rec:<id>' -> record for each record
 
-local state, expiry, records, line_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local state, records = KEYS[1], KEYS[2]
 local op = ARGV[1]
 local floor = tonumber(ARGV[2])
 local max_pace = tonumber(ARGV[3])
@@ -83,9 +85,9 @@ local recheck_min = tonumber(ARGV[13])
 -- The history: two commands per event, in the call that decided it (no round trip more).
 local HIST_TTL_MS = 960000
 local function hist(field, n)
-  if not KEYS[5] or n <= 0 then return end
+  if not KEYS[3] or n <= 0 then return end
   local sec = math.floor(now / 1000)
-  local key = KEYS[5] .. ':' .. string.format('%d', math.floor(sec / 60))
+  local key = KEYS[3] .. ':' .. string.format('%d', math.floor(sec / 60))
   local add = math.ceil(n)
   -- A new second's first count (so also a new key's): its expiry is set then, once.
   if redis.call('HINCRBY', key, string.format('%d:%s', sec, field), string.format('%d', add)) == add then
@@ -121,16 +123,54 @@ local function fmt(x) return string.format('%.17g', x) end
 local BUCKETS = {'t_', 'r_', 'i_', 'o_'}
 
 -- The state as a table of numbers, and the id of the call cleared last (a string).
-local S = {}
+-- The numbers every budget has are one field, `n`: the values of FIXED, in its order, as
+-- little-endian doubles (reading and writing ~115 fields as text took more of a call's
+-- time than its policy). FIXED only grows at its end: a shorter `n` reads as far as it
+-- goes. Any other number (each tenant's, below) is a field of its own, written only when
+-- it changed; `read` keeps each as it was read, and `packed` the `n` that was read.
+-- (A number no one added to FIXED is still kept, as a field of its own.)
+local FIXED = {
+  't_limit', 't_rate', 't_level', 't_at', 't_inflight', 't_refunded', 't_full_at', 't_charged_since',
+  't_rated', 't_full_seen', 't_sent', 't_withheld', 't_refill', 't_votes', 't_max_reset', 't_obs_at',
+  't_obs_missing', 't_obs_reset', 't_boundary', 't_probed', 't_unknown_credit', 't_assumed', 'r_limit',
+  'r_rate', 'r_level', 'r_at', 'r_inflight', 'r_refunded', 'r_full_at', 'r_charged_since', 'r_rated',
+  'r_full_seen', 'r_sent', 'r_withheld', 'r_refill', 'r_votes', 'r_max_reset', 'r_obs_at',
+  'r_obs_missing', 'r_obs_reset', 'r_boundary', 'r_probed', 'r_unknown_credit', 'r_assumed', 'i_limit',
+  'i_rate', 'i_level', 'i_at', 'i_inflight', 'i_refunded', 'i_full_at', 'i_charged_since', 'i_rated',
+  'i_full_seen', 'i_sent', 'i_withheld', 'i_refill', 'i_votes', 'i_max_reset', 'i_obs_at',
+  'i_obs_missing', 'i_obs_reset', 'i_boundary', 'i_probed', 'i_unknown_credit', 'i_assumed', 'o_limit',
+  'o_rate', 'o_level', 'o_at', 'o_inflight', 'o_refunded', 'o_full_at', 'o_charged_since', 'o_rated',
+  'o_full_seen', 'o_sent', 'o_withheld', 'o_refill', 'o_votes', 'o_max_reset', 'o_obs_at',
+  'o_obs_missing', 'o_obs_reset', 'o_boundary', 'o_probed', 'o_unknown_credit', 'o_assumed',
+  'blocked_until', 'probe_until', 'headerless', 'hl_used', 'hl_since', 'hl_cut', 'hl_grow', 'hl_max',
+  'hl_prev', 'hl_prev_span', 'observed_at', 'last_admit', 'usage_ratio', 'input_ratio', 'fair_time',
+  'call_ms', 'ttl_at', 'rs_given', 'rs_unused', 'rs_pairs', 'rs_at', 'rs_remaining', 'rs_sent',
+  'rs_refunded', 'rs_until', 'rs_full', 'rs_seen'
+}
+local IS_FIXED = {}
+for _, k in ipairs(FIXED) do IS_FIXED[k] = true end
+local PACKED = '<' .. string.rep('d', #FIXED)
+local S, read = {}, {}
+local packed = nil
 local last_admit_id, last_admit_changed = nil, false
 do
   local raw = redis.call('HGETALL', state)
   for i = 1, #raw, 2 do
-    if raw[i] == 'last_admit_id' then
+    local k = raw[i]
+    if k == 'n' then
+      packed = raw[i + 1]
+    elseif k == 'last_admit_id' then
       last_admit_id = raw[i + 1]
     else
-      S[raw[i]] = tonumber(raw[i + 1])
+      local x = tonumber(raw[i + 1])
+      S[k] = x
+      read[k] = x
     end
+  end
+  if packed then
+    local n = math.min(math.floor(#packed / 8), #FIXED)
+    local vals = {struct.unpack('<' .. string.rep('d', n), packed)}
+    for i = 1, n do S[FIXED[i]] = vals[i] end
   end
 end
 local function get(k) return S[k] or 0 end
@@ -143,26 +183,24 @@ local IDLE_TTL_MS = 86400000
 -- the minute, as long as the budget is used.
 local TTL_REFRESH_MS = 60000
 
-local function save()
-  local refresh = now - get('ttl_at') >= TTL_REFRESH_MS or now < get('ttl_at')
-  if refresh then S['ttl_at'] = now end
-  local flat = {}
-  for k, v in pairs(S) do
-    flat[#flat + 1] = k
-    flat[#flat + 1] = fmt(v)
+-- Records: one encode/decode pair. A record is its kind's letter and its numbers as
+-- little-endian doubles (`struct.pack`: exact, as '%.17g' text is, and read in a tenth of
+-- the time — each ask and settle reads every record), a waiter's tenant after them.
+-- `rec_text` is the form the snapshot hands to Rust (store.rs, decode_record), and
+-- `rec_decode` still reads that text form, which records were written in before.
+local W_NUMS, W_LEN = '<ddddddddd', 1 + 9 * 8
+local F_NUMS, F_LEN = '<dddddddddddddd', 1 + 14 * 8
+
+local function rec_encode(r)
+  if r.kind == 'w' then
+    return 'W' .. struct.pack(W_NUMS, r.order, r.tokens, r.requests, r.output, r.line, r.due, r.clear, r.since,
+      r.reason) .. r.tenant
   end
-  if last_admit_changed then
-    flat[#flat + 1] = 'last_admit_id'
-    flat[#flat + 1] = last_admit_id
-  end
-  if #flat > 0 then redis.call('HSET', state, unpack(flat)) end
-  if refresh then
-    for _, k in ipairs({state, expiry, records, line_key}) do redis.call('PEXPIRE', k, IDLE_TTL_MS) end
-  end
+  return 'F' .. struct.pack(F_NUMS, r.tokens, r.requests, r.output, r.mark, r.expiry, r.input, r.sent, r.alone,
+    r.ih, r.oh, r.omark, r.rsent, r.isent, r.osent)
 end
 
--- Records: one encode/decode pair.
-local function rec_encode(r)
+local function rec_text(r)
   if r.kind == 'w' then
     return table.concat({'w', fmt(r.order), fmt(r.tokens), fmt(r.requests), fmt(r.output), fmt(r.line),
       fmt(r.due), fmt(r.clear), fmt(r.since), fmt(r.reason), r.tenant}, '|')
@@ -175,7 +213,15 @@ end
 local function rec_decode(s)
   if not s then return nil end
   local kind = string.sub(s, 1, 1)
-  if kind == 'w' then
+  if kind == 'F' and #s == F_LEN then
+    local tk, rq, out, mark, exp, input, sent, alone, ih, oh, omark, rsent, isent, osent = struct.unpack(F_NUMS, s, 2)
+    return {kind = 'f', tokens = tk, requests = rq, output = out, mark = mark, expiry = exp, input = input,
+      sent = sent, alone = alone, ih = ih, oh = oh, omark = omark, rsent = rsent, isent = isent, osent = osent}
+  elseif kind == 'W' and #s >= W_LEN then
+    local o, tk, rq, out, ln, due, clear, since, reason = struct.unpack(W_NUMS, s, 2)
+    return {kind = 'w', order = o, tokens = tk, requests = rq, output = out, line = ln, due = due, clear = clear,
+      since = since, reason = reason, tenant = string.sub(s, W_LEN + 1)}
+  elseif kind == 'w' then
     local o, tk, rq, out, ln, due, clear, since, reason, tenant =
       string.match(s, '^w|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|(.*)$')
     if not o then return nil end
@@ -192,18 +238,86 @@ local function rec_decode(s)
   return nil
 end
 
-local function put_waiter(id, w)
-  redis.call('HSET', records, id, rec_encode(w))
-  redis.call('ZADD', expiry, w.due + grace, id)
-  redis.call('ZADD', line_key, w.order, id)
+-- The records, read in one HGETALL (an ask or a settle looks at every one of them
+-- anyway): id -> record. Changed here (`put`, `drop`), written back by save() in
+-- one HSET and one HDEL: a reservation is one hash field, with no index beside it
+-- to keep in step (its lapse and its place in line are read from the record itself).
+local R, changed = {}, {}
+do
+  local raw = redis.call('HGETALL', records)
+  for i = 1, #raw, 2 do
+    local r = rec_decode(raw[i + 1])
+    -- A record this version cannot read is dropped (it could only hold budget for nothing).
+    if r then R[raw[i]] = r else changed[raw[i]] = true end
+  end
 end
+
+local function put(id, r)
+  R[id] = r
+  changed[id] = true
+end
+
+local function save_records()
+  local set, del = {}, {}
+  for id in pairs(changed) do
+    local r = R[id]
+    if r then
+      set[#set + 1] = id
+      set[#set + 1] = rec_encode(r)
+    else
+      del[#del + 1] = id
+    end
+  end
+  changed = {}
+  -- (In slices: unpack has a limit, and ten thousand waiters may lapse at once.)
+  for i = 1, #set, 1000 do redis.call('HSET', records, unpack(set, i, math.min(i + 999, #set))) end
+  for i = 1, #del, 500 do redis.call('HDEL', records, unpack(del, i, math.min(i + 499, #del))) end
+end
+
+local function save()
+  local refresh = now - get('ttl_at') >= TTL_REFRESH_MS or now < get('ttl_at')
+  if refresh then S['ttl_at'] = now end
+  local flat = {}
+  local vals, any = {}, false
+  for i, k in ipairs(FIXED) do
+    local v = S[k]
+    if v then any = true else v = 0 end
+    vals[i] = v
+  end
+  if any then
+    local n = struct.pack(PACKED, unpack(vals))
+    if n ~= packed then
+      flat[1], flat[2] = 'n', n
+      packed = n
+    end
+  end
+  for k, v in pairs(S) do
+    -- (NaN never equals itself: it is written, as it was before.)
+    if not IS_FIXED[k] and v ~= read[k] then
+      flat[#flat + 1] = k
+      flat[#flat + 1] = fmt(v)
+    end
+  end
+  if last_admit_changed then
+    flat[#flat + 1] = 'last_admit_id'
+    flat[#flat + 1] = last_admit_id
+  end
+  if #flat > 0 then redis.call('HSET', state, unpack(flat)) end
+  for k, v in pairs(S) do read[k] = v end
+  last_admit_changed = false
+  save_records()
+  if refresh then
+    for _, k in ipairs({state, records}) do redis.call('PEXPIRE', k, IDLE_TTL_MS) end
+  end
+end
+
+local function put_waiter(id, w) put(id, w) end
 
 -- Forgets reservation `id`; `r`: its record as read (only a waiter stands in
 -- line; nil: not known, so it is taken out of line too).
-local function drop(id, r)
-  redis.call('HDEL', records, id)
-  redis.call('ZREM', expiry, id)
-  if not r or r.kind ~= 'f' then redis.call('ZREM', line_key, id) end
+local function drop(id)
+  R[id] = nil
+  changed[id] = true
 end
 
 -- bucket.rs
@@ -505,15 +619,16 @@ local function refund_window_start(at, remaining, sent, refunded, until_ms)
 end
 
 -- model.rs
+-- Drops what lapsed: a call past its reservation's TTL, a waiter not back by due + grace.
 local function expire()
-  local gone = redis.call('ZRANGEBYSCORE', expiry, '-inf', now)
-  for _, id in ipairs(gone) do
-    local r = rec_decode(redis.call('HGET', records, id))
-    if r and r.kind == 'f' then
+  for id, r in pairs(R) do
+    if r.kind == 'f' and r.expiry <= now then
       local held = {r.tokens, r.requests, r.ih, r.oh}
       for i, p in ipairs(BUCKETS) do S[p .. 'inflight'] = math.max(get(p .. 'inflight') - held[i], 0) end
+      drop(id)
+    elseif r.kind == 'w' and r.due + grace <= now then
+      drop(id)
     end
-    drop(id, r)
   end
 end
 
@@ -527,10 +642,8 @@ local function lift_all()
     any = any or lifts[p]
   end
   if any then
-    local raw = redis.call('HVALS', records)
-    for i = 1, #raw do
-      local f = rec_decode(raw[i])
-      if f and f.kind == 'f' then
+    for _, f in pairs(R) do
+      if f.kind == 'f' then
         local held = {f.tokens, f.requests, f.ih, f.oh}
         for j, p in ipairs(BUCKETS) do
           if lifts[p] and f.expiry - ttl >= get(p .. 'full_at') - late_ms then recent[p] = recent[p] + held[j] end
@@ -577,10 +690,9 @@ if op == 'snapshot' then
   end
   out[#out + 1] = 'now'
   out[#out + 1] = tostring(now)
-  local raw = redis.call('HGETALL', records)
-  for i = 1, #raw, 2 do
-    out[#out + 1] = 'rec:' .. raw[i]
-    out[#out + 1] = raw[i + 1]
+  for id, r in pairs(R) do
+    out[#out + 1] = 'rec:' .. id
+    out[#out + 1] = rec_text(r)
   end
   return out
 end
@@ -602,7 +714,7 @@ if op == 'acquire' then
     end
   end
   expire()
-  local rec = rec_decode(redis.call('HGET', records, id))
+  local rec = R[id]
   -- 1. Asked again for a call already cleared (a redelivery): still clear.
   if rec and rec.kind == 'f' then
     save()
@@ -632,10 +744,10 @@ if op == 'acquire' then
       r.alone = 0
       local prev_id = last_admit_id
       if prev_id then
-        local prev = rec_decode(redis.call('HGET', records, prev_id))
+        local prev = R[prev_id]
         if prev and prev.kind == 'f' and prev.alone == 1 then
           prev.alone = 0
-          redis.call('HSET', records, prev_id, rec_encode(prev))
+          put(prev_id, prev)
         end
       end
     end
@@ -654,17 +766,17 @@ if op == 'acquire' then
     if known('t_') then r.output = output end
     r.sent = get('t_sent')
     r.rsent, r.isent, r.osent = get('r_sent'), get('i_sent'), get('o_sent')
-    if waiter then redis.call('ZREM', line_key, id) end
-    redis.call('HSET', records, id, rec_encode(r))
-    redis.call('ZADD', expiry, r.expiry, id)
+    put(id, r)
     if order then
       tenant_entry(tenant)
       S['tadm:' .. tenant] = get('tadm:' .. tenant) + line
     end
     if not companion and order then
-      local least = redis.call('ZRANGEBYSCORE', line_key, 0, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+      -- The least place among the work turns still in line.
       local v = order
-      if #least > 0 then v = math.min(tonumber(least[2]), order) end
+      for _, w in pairs(R) do
+        if w.kind == 'w' and w.order >= 0 and w.order < v then v = w.order end
+      end
       S['fair_time'] = math.max(get('fair_time'), v)
     end
     S['last_admit'] = now
@@ -729,27 +841,18 @@ if op == 'acquire' then
     if companion then order = COMPANION_BASE + now end
   end
   -- 5. Clear if the bucket holds the turns ahead and this one above the floor.
-  -- The turns ahead of it: before it by order, then id (as ZRANK ranks them),
-  -- read without putting it in line (a turn cleared now never stands in it;
-  -- one that waits is put there by put_waiter).
-  local ids = {}
-  do
-    local before = redis.call('ZRANGEBYSCORE', line_key, '-inf', order, 'WITHSCORES')
-    for i = 1, #before, 2 do
-      if before[i] ~= id and (tonumber(before[i + 1]) < order or before[i] < id) then ids[#ids + 1] = before[i] end
-    end
-  end
+  -- The turns ahead of it: the waiters before it by place, then id, found
+  -- without putting it in line (a turn cleared now never stands in it; one that
+  -- waits is put there by put_waiter).
   -- What the turns ahead hold of each bucket: their line cost, their requests,
   -- their input, the output they keep.
   local okept = get('usage_ratio')
   if okept > 0 then okept = math.min(math.max(okept, 0.05), 1) else okept = 1 end
   local ahead = {0, 0, 0, 0}
   local other, last_clear = false, 0
-  if #ids > 0 then
-    local recs = redis.call('HMGET', records, unpack(ids))
-    for i = 1, #ids do
-      local w = rec_decode(recs[i])
-      if w and w.kind == 'w' and now <= w.due + late_ms then
+  for wid, w in pairs(R) do
+    if w.kind == 'w' and wid ~= id and (w.order < order or (w.order == order and wid < id)) then
+      if now <= w.due + late_ms then
         local wout = math.min(w.output, w.tokens)
         ahead[1] = ahead[1] + w.line
         ahead[2] = ahead[2] + w.requests
@@ -769,14 +872,12 @@ if op == 'acquire' then
   local answering = now - PROBE_AFTER_LATE * late_ms
   local flights_n, coming, wave, outputs_flying = 0, 0, false, 0
   local holding = {0, 0, 0, 0}
-  local raw_all = redis.call('HVALS', records)
   local kept = get('usage_ratio')
   if kept <= 0 then kept = 1 end
   kept = math.min(math.max(kept, 0), 1)
   local share_now = refund_share(0)
-  for i = 1, #raw_all do
-    local f = rec_decode(raw_all[i])
-    if f and f.kind == 'f' then
+  for _, f in pairs(R) do
+    if f.kind == 'f' then
       flights_n = flights_n + 1
       coming = coming + f.output * (1 - kept) * share_now
       outputs_flying = outputs_flying + f.output
@@ -890,12 +991,12 @@ if op == 'settle' then
   ensure_configured()
   local tk, rq, out, mark, estimated_input, sent_mark = 0, 0, 0, nil, 0, 0
   local held = {0, 0, 0, 0}
-  local rec = rec_decode(redis.call('HGET', records, id))
+  local rec = R[id]
   if rec and rec.kind == 'f' then
     tk, rq, out, mark, estimated_input, sent_mark = rec.tokens, rec.requests, rec.output, rec.mark, rec.input, rec.sent
     held = {rec.tokens, rec.requests, rec.ih, rec.oh}
   end
-  drop(id, rec)
+  drop(id)
   if mark then S['probe_until'] = 0 end
   local output = tk
   if out > 0 then output = math.min(out, tk) end
@@ -947,20 +1048,12 @@ if op == 'settle' then
   -- With no bucket known every call in flight holds nothing: the scans below would add
   -- zeros (a provider without headers or limits, where each settle counts).
   local scan = any_known()
-  -- The records as scanned once here (nothing below writes them before the second look).
-  local scanned = nil
   if mark then
     others = math.max(get('t_refunded') - mark, 0)
     others_out = math.max(get('o_refunded') - rec.omark, 0)
     local later = {0, 0, 0, 0}
-    local raw = {}
-    if scan then
-      raw = redis.call('HVALS', records)
-      scanned = raw
-    end
-    for i = 1, #raw do
-      local g = rec_decode(raw[i])
-      if g and g.kind == 'f' then
+    for _, g in pairs(R) do
+      if scan and g.kind == 'f' then
         local gh = {g.tokens, g.requests, g.ih, g.oh}
         for j = 1, 4 do
           if g.expiry - rec.expiry > BURST_GAP_MS then after[j] = after[j] + gh[j] end
@@ -992,12 +1085,9 @@ if op == 'settle' then
   -- at the one between, less what was cleared since (this call among them).
   local cleared_at = nil
   if mark then cleared_at = rec.expiry - ttl end
-  local raw_f = {}
-  if scan then raw_f = scanned or redis.call('HVALS', records) end
   local flights = {}
-  for i = 1, #raw_f do
-    local g = rec_decode(raw_f[i])
-    if g and g.kind == 'f' then flights[#flights + 1] = g end
+  for _, g in pairs(R) do
+    if scan and g.kind == 'f' then flights[#flights + 1] = g end
   end
   for j, p in ipairs(BUCKETS) do
     local reset = obs[j][3]
@@ -1117,10 +1207,8 @@ if op == 'settle' then
         advance('t_')
         local elapsed = math.max(now - headers_at, 0)
         local pending = 0
-        local raw = redis.call('HVALS', records)
-        for i = 1, #raw do
-          local o = rec_decode(raw[i])
-          if o and o.kind == 'f' then
+        for _, o in pairs(R) do
+          if o.kind == 'f' then
             if o.sent < sent_mark then pending = pending + o.tokens else pending = pending + o.output end
           end
         end

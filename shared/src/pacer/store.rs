@@ -300,9 +300,7 @@ impl SharedPacer {
         let c = &self.config;
         let mut inv = SCRIPT.prepare_invoke();
         inv.key(self.keys.pacer_state(&self.budget, model))
-            .key(self.keys.pacer_expiry(&self.budget, model))
             .key(self.keys.pacer_records(&self.budget, model))
-            .key(self.keys.pacer_line(&self.budget, model))
             .key(self.keys.pacer_history(&self.budget, model))
             .arg(op)
             .arg(c.floor(mode))
@@ -405,7 +403,15 @@ impl SharedPacer {
     /// dashboard's chart); see [`history`].
     pub async fn history(&self, budget: &str, model: &str) -> Result<history::History, PacerError> {
         let mut conn = self.conn.clone();
-        history::read(&mut conn, &self.keys, budget, model).await
+        // The refill is the state's, read through the script (its numbers are packed).
+        let key = self.keys.pacer_state(budget, model);
+        let refill = if redis::cmd("EXISTS").arg(&key).query_async::<bool>(&mut conn).await? {
+            let other = Self { budget: budget.to_owned(), ..self.clone() };
+            history::refill_per_s(&other.state(model).await?.0)
+        } else {
+            None
+        };
+        history::read(&mut conn, &self.keys, budget, model, refill).await
     }
 
     /// See [`Pacer::snapshot`]: every budget and model under this prefix.
