@@ -51,21 +51,24 @@
 --   hash tag; fields <second>:a (tokens cleared), <second>:r (429s settled), <second>:w
 --   (turns told to wait); each expires HIST_TTL_MS after its last write. The minute's key is
 --   named here, on the Redis clock; it shares KEYS[3]'s hash tag, so it is in this call's slot.
--- ARGV[1] op: acquire | settle | snapshot
--- ARGV[2..13] config: floor, max_pace_ms, jitter_frac, jitter_max_ms, ttl_ms, probe_wait_ms,
---          late_ms, tpm, rpm, now in ms ('' = the server's TIME; tests only), grace_ms, recheck_ms
--- acquire: ARGV[14] id, [15] tokens, [16] requests, [17] jitter_u, [18] 'companion' | 'work',
---          [19] tenant weight, [20] tenant cap (0 none), [21] tenant, [22] output tokens reserved
---   -> {0} clear | {1, owed_ms, reason}   reason: 1 budget, 2 rate_limited, 3 probe, 4 fair_share
--- settle:  ARGV[14] id, [15] used_tokens (-1 unknown), [16] rate_limited_ms (-1 none),
---          [17..19] token limit, remaining, reset_ms, [20..22] same for requests (-1 missing),
---          [23] headers_age_ms, [24] input tokens the provider counted (-1 unknown),
---          [25..27] input bucket limit, remaining, reset_ms, [28..30] same for the output bucket
+-- ARGV[1] op: batch | snapshot
+-- ARGV[2..14] config: floor (work turns), max_pace_ms, jitter_frac, jitter_max_ms, ttl_ms,
+--          probe_wait_ms, late_ms, tpm, rpm, now in ms ('' = the server's TIME; tests only),
+--          grace_ms, recheck_ms, floor (companion turns)
+-- batch: ARGV[15..] a sequence of ops, each its name and its arguments, decided in order:
+--   acquire id, tokens, requests, jitter_u, 'companion' | 'work', tenant weight, tenant cap
+--           (0 none), tenant, output tokens reserved
+--     -> {0} clear | {1, owed_ms, reason}   reason: 1 budget, 2 rate_limited, 3 probe, 4 fair_share
+--   settle  id, used_tokens (-1 unknown), rate_limited_ms (-1 none), token limit, remaining,
+--           reset_ms, the same for requests (-1 missing), headers_age_ms, input tokens the
+--           provider counted (-1 unknown), input bucket limit, remaining, reset_ms, the same
+--           for the output bucket   -> {0}
+--   -> one answer per op
 -- snapshot: -> flat field list of the state, 'now', and 'rec:<id>' -> record for each record
 
 local state, records = KEYS[1], KEYS[2]
 local op = ARGV[1]
-local floor = tonumber(ARGV[2])
+local floor_work, floor_companion = tonumber(ARGV[2]), tonumber(ARGV[14])
 local max_pace = tonumber(ARGV[3])
 local jitter_frac = tonumber(ARGV[4])
 local jitter_max = tonumber(ARGV[5])
@@ -82,17 +85,25 @@ end
 local grace = tonumber(ARGV[12])
 local recheck_min = tonumber(ARGV[13])
 
--- The history: two commands per event, in the call that decided it (no round trip more).
+-- The history: counted here, written by save() in the call that decided it (no round
+-- trip more): one HINCRBY per kind of event a call saw, and the minute's expiry.
 local HIST_TTL_MS = 960000
+local hist_counts = {}
 local function hist(field, n)
   if not KEYS[3] or n <= 0 then return end
+  hist_counts[field] = (hist_counts[field] or 0) + math.ceil(n)
+end
+
+local function save_hist()
   local sec = math.floor(now / 1000)
   local key = KEYS[3] .. ':' .. string.format('%d', math.floor(sec / 60))
-  local add = math.ceil(n)
-  -- A new second's first count (so also a new key's): its expiry is set then, once.
-  if redis.call('HINCRBY', key, string.format('%d:%s', sec, field), string.format('%d', add)) == add then
-    redis.call('PEXPIRE', key, HIST_TTL_MS)
+  for field, add in pairs(hist_counts) do
+    -- A new second's first count (so also a new key's): its expiry is set then, once.
+    if redis.call('HINCRBY', key, string.format('%d:%s', sec, field), string.format('%d', add)) == add then
+      redis.call('PEXPIRE', key, HIST_TTL_MS)
+    end
   end
+  hist_counts = {}
 end
 
 local COMPANION_BASE = -1e13
@@ -185,55 +196,49 @@ local TTL_REFRESH_MS = 60000
 
 -- Records: one encode/decode pair. A record is its kind's letter and its numbers as
 -- little-endian doubles (`struct.pack`: exact, as '%.17g' text is, and read in a tenth of
--- the time — each ask and settle reads every record), a waiter's tenant after them.
--- `rec_text` is the form the snapshot hands to Rust (store.rs, decode_record), and
--- `rec_decode` still reads that text form, which records were written in before.
+-- the time — each batch reads every record), a waiter's tenant after them. Decoded, a
+-- record is an array (a table of named fields cost five times as much to build, and a
+-- busy budget has hundreds of records), read by the names below: the kind, then the
+-- numbers in their stored order. `rec_text` is the form the snapshot hands to Rust
+-- (store.rs, decode_record).
+local KIND, TOKENS, REQUESTS, OUTPUT = 1, 2, 3, 4
+-- A call in flight ('f').
+local MARK, EXPIRY, INPUT, SENT, ALONE, IH, OH, OMARK, RSENT, ISENT, OSENT = 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15
+-- A waiter ('w').
+local ORDER, LINE, DUE, CLEAR, SINCE, REASON, TENANT = 5, 6, 7, 8, 9, 10, 11
+-- What a call in flight holds of each bucket, in BUCKETS' order.
+local HELD_FIELDS = {TOKENS, REQUESTS, IH, OH}
 local W_NUMS, W_LEN = '<ddddddddd', 1 + 9 * 8
 local F_NUMS, F_LEN = '<dddddddddddddd', 1 + 14 * 8
 
 local function rec_encode(r)
-  if r.kind == 'w' then
-    return 'W' .. struct.pack(W_NUMS, r.order, r.tokens, r.requests, r.output, r.line, r.due, r.clear, r.since,
-      r.reason) .. r.tenant
+  if r[KIND] == 'w' then
+    return 'W' .. struct.pack(W_NUMS, unpack(r, TOKENS, REASON)) .. r[TENANT]
   end
-  return 'F' .. struct.pack(F_NUMS, r.tokens, r.requests, r.output, r.mark, r.expiry, r.input, r.sent, r.alone,
-    r.ih, r.oh, r.omark, r.rsent, r.isent, r.osent)
+  return 'F' .. struct.pack(F_NUMS, unpack(r, TOKENS, OSENT))
 end
 
 local function rec_text(r)
-  if r.kind == 'w' then
-    return table.concat({'w', fmt(r.order), fmt(r.tokens), fmt(r.requests), fmt(r.output), fmt(r.line),
-      fmt(r.due), fmt(r.clear), fmt(r.since), fmt(r.reason), r.tenant}, '|')
+  if r[KIND] == 'w' then
+    return table.concat({'w', fmt(r[ORDER]), fmt(r[TOKENS]), fmt(r[REQUESTS]), fmt(r[OUTPUT]), fmt(r[LINE]),
+      fmt(r[DUE]), fmt(r[CLEAR]), fmt(r[SINCE]), fmt(r[REASON]), r[TENANT]}, '|')
   end
-  return table.concat({'f', fmt(r.tokens), fmt(r.requests), fmt(r.output), fmt(r.mark), fmt(r.expiry),
-    fmt(r.input), fmt(r.sent), fmt(r.alone), fmt(r.ih), fmt(r.oh), fmt(r.omark), fmt(r.rsent), fmt(r.isent),
-    fmt(r.osent)}, '|')
+  local out = {'f'}
+  for k = TOKENS, OSENT do out[k] = fmt(r[k]) end
+  return table.concat(out, '|')
 end
 
 local function rec_decode(s)
   if not s then return nil end
   local kind = string.sub(s, 1, 1)
   if kind == 'F' and #s == F_LEN then
-    local tk, rq, out, mark, exp, input, sent, alone, ih, oh, omark, rsent, isent, osent = struct.unpack(F_NUMS, s, 2)
-    return {kind = 'f', tokens = tk, requests = rq, output = out, mark = mark, expiry = exp, input = input,
-      sent = sent, alone = alone, ih = ih, oh = oh, omark = omark, rsent = rsent, isent = isent, osent = osent}
+    local r = {'f', struct.unpack(F_NUMS, s, 2)}
+    r[OSENT + 1] = nil
+    return r
   elseif kind == 'W' and #s >= W_LEN then
-    local o, tk, rq, out, ln, due, clear, since, reason = struct.unpack(W_NUMS, s, 2)
-    return {kind = 'w', order = o, tokens = tk, requests = rq, output = out, line = ln, due = due, clear = clear,
-      since = since, reason = reason, tenant = string.sub(s, W_LEN + 1)}
-  elseif kind == 'w' then
-    local o, tk, rq, out, ln, due, clear, since, reason, tenant =
-      string.match(s, '^w|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|(.*)$')
-    if not o then return nil end
-    return {kind = 'w', order = tonumber(o), tokens = tonumber(tk), requests = tonumber(rq), output = tonumber(out),
-      line = tonumber(ln), due = tonumber(due), clear = tonumber(clear), since = tonumber(since),
-      reason = tonumber(reason), tenant = tenant}
-  elseif kind == 'f' then
-    local f = {}
-    for x in string.gmatch(string.sub(s, 3), '([^|]+)') do f[#f + 1] = tonumber(x) end
-    if #f < 14 then return nil end
-    return {kind = 'f', tokens = f[1], requests = f[2], output = f[3], mark = f[4], expiry = f[5], input = f[6],
-      sent = f[7], alone = f[8], ih = f[9], oh = f[10], omark = f[11], rsent = f[12], isent = f[13], osent = f[14]}
+    local r = {'w', struct.unpack(W_NUMS, s, 2)}
+    r[TENANT] = string.sub(s, W_LEN + 1)
+    return r
   end
   return nil
 end
@@ -242,18 +247,30 @@ end
 -- anyway): id -> record. Changed here (`put`, `drop`), written back by save() in
 -- one HSET and one HDEL: a reservation is one hash field, with no index beside it
 -- to keep in step (its lapse and its place in line are read from the record itself).
-local R, changed = {}, {}
+-- F and W are the same records split by kind, calls in flight and waiters, so a scan
+-- of one kind does not walk the other (a scarce budget has many waiters, few flights).
+local R, F, W, changed = {}, {}, {}, {}
 do
   local raw = redis.call('HGETALL', records)
   for i = 1, #raw, 2 do
-    local r = rec_decode(raw[i + 1])
+    local id, r = raw[i], rec_decode(raw[i + 1])
     -- A record this version cannot read is dropped (it could only hold budget for nothing).
-    if r then R[raw[i]] = r else changed[raw[i]] = true end
+    if not r then
+      changed[id] = true
+    else
+      R[id] = r
+      if r[KIND] == 'f' then F[id] = r else W[id] = r end
+    end
   end
 end
 
 local function put(id, r)
   R[id] = r
+  if r[KIND] == 'f' then
+    F[id], W[id] = r, nil
+  else
+    W[id], F[id] = r, nil
+  end
   changed[id] = true
 end
 
@@ -306,6 +323,7 @@ local function save()
   for k, v in pairs(S) do read[k] = v end
   last_admit_changed = false
   save_records()
+  save_hist()
   if refresh then
     for _, k in ipairs({state, records}) do redis.call('PEXPIRE', k, IDLE_TTL_MS) end
   end
@@ -316,7 +334,7 @@ local function put_waiter(id, w) put(id, w) end
 -- Forgets reservation `id`; `r`: its record as read (only a waiter stands in
 -- line; nil: not known, so it is taken out of line too).
 local function drop(id)
-  R[id] = nil
+  R[id], F[id], W[id] = nil, nil, nil
   changed[id] = true
 end
 
@@ -620,15 +638,20 @@ end
 
 -- model.rs
 -- Drops what lapsed: a call past its reservation's TTL, a waiter not back by due + grace.
+-- Once per `now`: what an op of the same batch puts lapses later (TTL and grace > 0).
+local expired_at = nil
 local function expire()
-  for id, r in pairs(R) do
-    if r.kind == 'f' and r.expiry <= now then
-      local held = {r.tokens, r.requests, r.ih, r.oh}
+  if expired_at == now and ttl > 0 and grace >= 0 then return end
+  expired_at = now
+  for id, r in pairs(F) do
+    if r[EXPIRY] <= now then
+      local held = {r[TOKENS], r[REQUESTS], r[IH], r[OH]}
       for i, p in ipairs(BUCKETS) do S[p .. 'inflight'] = math.max(get(p .. 'inflight') - held[i], 0) end
       drop(id)
-    elseif r.kind == 'w' and r.due + grace <= now then
-      drop(id)
     end
+  end
+  for id, w in pairs(W) do
+    if w[DUE] + grace <= now then drop(id) end
   end
 end
 
@@ -642,11 +665,11 @@ local function lift_all()
     any = any or lifts[p]
   end
   if any then
-    for _, f in pairs(R) do
-      if f.kind == 'f' then
-        local held = {f.tokens, f.requests, f.ih, f.oh}
+    for _, f in pairs(F) do
+      do
+        local held = {f[TOKENS], f[REQUESTS], f[IH], f[OH]}
         for j, p in ipairs(BUCKETS) do
-          if lifts[p] and f.expiry - ttl >= get(p .. 'full_at') - late_ms then recent[p] = recent[p] + held[j] end
+          if lifts[p] and f[EXPIRY] - ttl >= get(p .. 'full_at') - late_ms then recent[p] = recent[p] + held[j] end
         end
       end
     end
@@ -697,13 +720,16 @@ if op == 'snapshot' then
   return out
 end
 
-if op == 'acquire' then
-  local id = ARGV[14]
-  local tokens, requests, u = tonumber(ARGV[15]), tonumber(ARGV[16]), tonumber(ARGV[17])
-  local companion = ARGV[18] == 'companion'
-  local weight, cap, tenant = tonumber(ARGV[19]), tonumber(ARGV[20]), ARGV[21]
-  local output = tonumber(ARGV[22])
-  local fl = floor
+-- An ask for reservation a[1]: a[2] tokens, [3] requests, [4] jitter_u, [5] 'companion' |
+-- 'work', [6] tenant weight, [7] tenant cap (0 none), [8] tenant, [9] output tokens reserved.
+local function acquire(a)
+  local id = a[1]
+  local tokens, requests, u = tonumber(a[2]), tonumber(a[3]), tonumber(a[4])
+  local companion = a[5] == 'companion'
+  local weight, cap, tenant = tonumber(a[6]), tonumber(a[7]), a[8]
+  local output = tonumber(a[9])
+  local fl = floor_work
+  if companion then fl = floor_companion end
   -- Everything below charges what the provider will charge: the input part
   -- at the learned input ratio (an estimate that does not split is taken as is).
   local raw_input = 0
@@ -716,17 +742,15 @@ if op == 'acquire' then
   expire()
   local rec = R[id]
   -- 1. Asked again for a call already cleared (a redelivery): still clear.
-  if rec and rec.kind == 'f' then
-    save()
+  if rec and rec[KIND] == 'f' then
     return {0}
   end
   local waiter = nil
-  if rec and rec.kind == 'w' then waiter = rec end
+  if rec and rec[KIND] == 'w' then waiter = rec end
   -- 2. Back before its time: owed the rest.
-  if waiter and now < waiter.due then
-    save()
+  if waiter and now < waiter[DUE] then
     hist('w', 1)
-    return {1, waiter.due - now, waiter.reason}
+    return {1, waiter[DUE] - now, waiter[REASON]}
   end
   ensure_configured()
   -- What the call costs in each bucket: the whole estimate, a request, its input, its output reservation.
@@ -736,22 +760,19 @@ if op == 'acquire' then
   -- Clears the call; `order` and `line` are its place and line cost when it
   -- stood in line (nil for a probe, which no tenant's share is charged for).
   local function admit(order, line)
-    local r = {kind = 'f', tokens = 0, requests = 0, output = 0, mark = get('t_refunded'), expiry = now + ttl,
-      input = raw_input, sent = 0, alone = 1, ih = 0, oh = 0, omark = get('o_refunded'), rsent = 0, isent = 0,
-      osent = 0}
+    local r = {'f', 0, 0, 0, get('t_refunded'), now + ttl, raw_input, 0, 1, 0, 0, get('o_refunded'), 0, 0, 0}
     -- A call cleared within BURST_GAP_MS of the last one: neither is alone.
     if now - get('last_admit') < BURST_GAP_MS then
-      r.alone = 0
+      r[ALONE] = 0
       local prev_id = last_admit_id
       if prev_id then
         local prev = R[prev_id]
-        if prev and prev.kind == 'f' and prev.alone == 1 then
-          prev.alone = 0
+        if prev and prev[KIND] == 'f' and prev[ALONE] == 1 then
+          prev[ALONE] = 0
           put(prev_id, prev)
         end
       end
     end
-    local fields = {'tokens', 'requests', 'ih', 'oh'}
     for i, p in ipairs(BUCKETS) do
       if known(p) then
         local cost = costs[i]
@@ -760,12 +781,12 @@ if op == 'acquire' then
         S[p .. 'inflight'] = get(p .. 'inflight') + cost
         S[p .. 'charged_since'] = get(p .. 'charged_since') + cost
         S[p .. 'sent'] = get(p .. 'sent') + cost
-        r[fields[i]] = cost
+        r[HELD_FIELDS[i]] = cost
       end
     end
-    if known('t_') then r.output = output end
-    r.sent = get('t_sent')
-    r.rsent, r.isent, r.osent = get('r_sent'), get('i_sent'), get('o_sent')
+    if known('t_') then r[OUTPUT] = output end
+    r[SENT] = get('t_sent')
+    r[RSENT], r[ISENT], r[OSENT] = get('r_sent'), get('i_sent'), get('o_sent')
     put(id, r)
     if order then
       tenant_entry(tenant)
@@ -774,14 +795,13 @@ if op == 'acquire' then
     if not companion and order then
       -- The least place among the work turns still in line.
       local v = order
-      for _, w in pairs(R) do
-        if w.kind == 'w' and w.order >= 0 and w.order < v then v = w.order end
+      for _, w in pairs(W) do
+        if w[ORDER] >= 0 and w[ORDER] < v then v = w[ORDER] end
       end
       S['fair_time'] = math.max(get('fair_time'), v)
     end
     S['last_admit'] = now
     last_admit_id, last_admit_changed = id, true
-    save()
     hist('a', tokens)
     return {0}
   end
@@ -791,12 +811,11 @@ if op == 'acquire' then
     if waiter then uu = u end
     local r = owed(ms, reason, uu)
     if waiter then
-      waiter.due = now + r[2]
-      waiter.clear = math.max(waiter.clear, waiter.due)
-      waiter.reason = reason
+      waiter[DUE] = now + r[2]
+      waiter[CLEAR] = math.max(waiter[CLEAR], waiter[DUE])
+      waiter[REASON] = reason
       put_waiter(id, waiter)
     end
-    save()
     return r
   end
 
@@ -818,8 +837,8 @@ if op == 'acquire' then
   local line = line_cost(tokens, output)
   local order
   if waiter then
-    waiter.line = line
-    order = waiter.order
+    waiter[LINE] = line
+    order = waiter[ORDER]
   else
     tenant_entry(tenant)
     -- A cap is a share of the token bucket (or, split, of the input bucket).
@@ -828,7 +847,6 @@ if op == 'acquire' then
     if known(cb) and cap > 0 and share_rate(cb) > 0 then
       local due = get('tc:' .. tenant)
       if due > now then
-        save()
         return owed(due - now, 4, 0)
       end
       S['tc:' .. tenant] = now + math.ceil(line / (share_rate(cb) * cap))
@@ -850,16 +868,16 @@ if op == 'acquire' then
   if okept > 0 then okept = math.min(math.max(okept, 0.05), 1) else okept = 1 end
   local ahead = {0, 0, 0, 0}
   local other, last_clear = false, 0
-  for wid, w in pairs(R) do
-    if w.kind == 'w' and wid ~= id and (w.order < order or (w.order == order and wid < id)) then
-      if now <= w.due + late_ms then
-        local wout = math.min(w.output, w.tokens)
-        ahead[1] = ahead[1] + w.line
-        ahead[2] = ahead[2] + w.requests
-        ahead[3] = ahead[3] + (w.tokens - wout)
+  for wid, w in pairs(W) do
+    if wid ~= id and (w[ORDER] < order or (w[ORDER] == order and wid < id)) then
+      if now <= w[DUE] + late_ms then
+        local wout = math.min(w[OUTPUT], w[TOKENS])
+        ahead[1] = ahead[1] + w[LINE]
+        ahead[2] = ahead[2] + w[REQUESTS]
+        ahead[3] = ahead[3] + (w[TOKENS] - wout)
         ahead[4] = ahead[4] + wout * okept
-        if w.order >= 0 and w.tenant ~= tenant then other = true end
-        last_clear = math.max(last_clear, w.clear)
+        if w[ORDER] >= 0 and w[TENANT] ~= tenant then other = true end
+        last_clear = math.max(last_clear, w[CLEAR])
       end
     end
   end
@@ -876,18 +894,26 @@ if op == 'acquire' then
   if kept <= 0 then kept = 1 end
   kept = math.min(math.max(kept, 0), 1)
   local share_now = refund_share(0)
-  for _, f in pairs(R) do
-    if f.kind == 'f' then
-      flights_n = flights_n + 1
-      coming = coming + f.output * (1 - kept) * share_now
-      outputs_flying = outputs_flying + f.output
-      local fh = {f.tokens, f.requests, f.ih, f.oh}
-      local cleared = f.expiry - ttl
-      if cleared <= get('hl_cut') then wave = true end
-      for j, p in ipairs(BUCKETS) do
-        holding[j] = holding[j] + fh[j]
-        if known(p) and cleared >= math.max(get(p .. 'boundary'), answering) then probe = false end
-      end
+  -- (What the loop compares with, read once: the loop runs for every call in flight.)
+  local hl_cut = get('hl_cut')
+  local answered_since = {}
+  for j, p in ipairs(BUCKETS) do
+    if known(p) then answered_since[j] = math.max(get(p .. 'boundary'), answering) end
+  end
+  local a1, a2, a3, a4 = answered_since[1], answered_since[2], answered_since[3], answered_since[4]
+  for _, f in pairs(F) do
+    flights_n = flights_n + 1
+    coming = coming + f[OUTPUT] * (1 - kept) * share_now
+    outputs_flying = outputs_flying + f[OUTPUT]
+    local cleared = f[EXPIRY] - ttl
+    if cleared <= hl_cut then wave = true end
+    holding[1] = holding[1] + f[TOKENS]
+    holding[2] = holding[2] + f[REQUESTS]
+    holding[3] = holding[3] + f[IH]
+    holding[4] = holding[4] + f[OH]
+    if probe and ((a1 and cleared >= a1) or (a2 and cleared >= a2) or (a3 and cleared >= a3)
+      or (a4 and cleared >= a4)) then
+      probe = false
     end
   end
   local idle = flights_n == 0 and now - get('last_admit') >= BURST_GAP_MS
@@ -969,32 +995,35 @@ if op == 'acquire' then
   if last_clear > 0 then sleep = math.min(sleep, last_clear + late_ms - now) end
   local r = owed(math.max(sleep, 1), reason, u)
   if not waiter then
-    waiter = {kind = 'w', order = order, line = line, tenant = tenant, since = now}
+    waiter = {'w', 0, 0, 0, order, line, 0, 0, now, 0, tenant}
     tenant_entry(tenant)
     S['twait:' .. tenant] = get('twait:' .. tenant) + 1
   end
-  waiter.tokens, waiter.requests, waiter.output = tokens, requests, output
-  waiter.due = now + r[2]
-  waiter.clear = now + math.max(math.ceil(wait), r[2])
-  waiter.reason = reason
+  waiter[TOKENS], waiter[REQUESTS], waiter[OUTPUT] = tokens, requests, output
+  waiter[DUE] = now + r[2]
+  waiter[CLEAR] = now + math.max(math.ceil(wait), r[2])
+  waiter[REASON] = reason
   put_waiter(id, waiter)
-  save()
   return r
 end
 
-if op == 'settle' then
-  local id = ARGV[14]
-  local used = tonumber(ARGV[15])
-  local limited = tonumber(ARGV[16])
-  local counted = tonumber(ARGV[24])
+-- A call's report for reservation a[1]: [2] used_tokens (-1 unknown), [3] rate_limited_ms
+-- (-1 none), [4..6] token limit, remaining, reset_ms, [7..9] same for requests (-1 missing),
+-- [10] headers_age_ms, [11] input tokens the provider counted (-1 unknown), [12..14] input
+-- bucket limit, remaining, reset_ms, [15..17] same for the output bucket.
+local function settle(a)
+  local id = a[1]
+  local used = tonumber(a[2])
+  local limited = tonumber(a[3])
+  local counted = tonumber(a[11])
   expire()
   ensure_configured()
   local tk, rq, out, mark, estimated_input, sent_mark = 0, 0, 0, nil, 0, 0
   local held = {0, 0, 0, 0}
   local rec = R[id]
-  if rec and rec.kind == 'f' then
-    tk, rq, out, mark, estimated_input, sent_mark = rec.tokens, rec.requests, rec.output, rec.mark, rec.input, rec.sent
-    held = {rec.tokens, rec.requests, rec.ih, rec.oh}
+  if rec and rec[KIND] == 'f' then
+    tk, rq, out, mark, estimated_input, sent_mark = rec[TOKENS], rec[REQUESTS], rec[OUTPUT], rec[MARK], rec[INPUT], rec[SENT]
+    held = {rec[TOKENS], rec[REQUESTS], rec[IH], rec[OH]}
   end
   drop(id)
   if mark then S['probe_until'] = 0 end
@@ -1019,7 +1048,7 @@ if op == 'settle' then
   end
   if limited < 0 and mark then
     -- An answered call's time, clearance to settle: the first taken whole.
-    local seen = math.max(now - (rec.expiry - ttl), 0)
+    local seen = math.max(now - (rec[EXPIRY] - ttl), 0)
     local prior = get('call_ms')
     if prior <= 0 then prior = seen end
     S['call_ms'] = 0.8 * prior + 0.2 * seen
@@ -1050,18 +1079,22 @@ if op == 'settle' then
   local scan = any_known()
   if mark then
     others = math.max(get('t_refunded') - mark, 0)
-    others_out = math.max(get('o_refunded') - rec.omark, 0)
+    others_out = math.max(get('o_refunded') - rec[OMARK], 0)
     local later = {0, 0, 0, 0}
-    for _, g in pairs(R) do
-      if scan and g.kind == 'f' then
-        local gh = {g.tokens, g.requests, g.ih, g.oh}
-        for j = 1, 4 do
-          if g.expiry - rec.expiry > BURST_GAP_MS then after[j] = after[j] + gh[j] end
-          if g.expiry > rec.expiry then later[j] = later[j] + gh[j] end
+    if scan then
+      local e = rec[EXPIRY]
+      for _, g in pairs(F) do
+        if g[EXPIRY] > e then
+          later[1], later[2], later[3], later[4] =
+            later[1] + g[TOKENS], later[2] + g[REQUESTS], later[3] + g[IH], later[4] + g[OH]
+          if g[EXPIRY] - e > BURST_GAP_MS then
+            after[1], after[2], after[3], after[4] =
+              after[1] + g[TOKENS], after[2] + g[REQUESTS], after[3] + g[IH], after[4] + g[OH]
+          end
         end
       end
     end
-    local marks = {rec.sent, rec.rsent, rec.isent, rec.osent}
+    local marks = {rec[SENT], rec[RSENT], rec[ISENT], rec[OSENT]}
     for j, p in ipairs(BUCKETS) do
       settled_after[j] = math.max(get(p .. 'sent') - marks[j] - later[j], 0)
     end
@@ -1073,21 +1106,21 @@ if op == 'settle' then
   if limited < 0 and used >= 0 and counted >= 0 and held[4] > 0 then
     out_unused = math.max(held[4] - (used - counted), 0)
   end
-  local headers_at = now - tonumber(ARGV[23])
+  local headers_at = now - tonumber(a[10])
   local obs = {
-    {tonumber(ARGV[17]), tonumber(ARGV[18]), tonumber(ARGV[19])},
-    {tonumber(ARGV[20]), tonumber(ARGV[21]), tonumber(ARGV[22])},
-    {tonumber(ARGV[25]), tonumber(ARGV[26]), tonumber(ARGV[27])},
-    {tonumber(ARGV[28]), tonumber(ARGV[29]), tonumber(ARGV[30])},
+    {tonumber(a[4]), tonumber(a[5]), tonumber(a[6])},
+    {tonumber(a[7]), tonumber(a[8]), tonumber(a[9])},
+    {tonumber(a[12]), tonumber(a[13]), tonumber(a[14])},
+    {tonumber(a[15]), tonumber(a[16]), tonumber(a[17])},
   }
   -- A window whose boundary went by while no headers named it: the first headers from
   -- the window that began name the next boundary, a window later; the bucket was full
   -- at the one between, less what was cleared since (this call among them).
   local cleared_at = nil
-  if mark then cleared_at = rec.expiry - ttl end
+  if mark then cleared_at = rec[EXPIRY] - ttl end
   local flights = {}
-  for _, g in pairs(R) do
-    if scan and g.kind == 'f' then flights[#flights + 1] = g end
+  if scan then
+    for _, g in pairs(F) do flights[#flights + 1] = g end
   end
   for j, p in ipairs(BUCKETS) do
     local reset = obs[j][3]
@@ -1098,8 +1131,8 @@ if op == 'settle' then
         local since = start - late_ms
         local recent = 0
         for _, g in ipairs(flights) do
-          local gh = {g.tokens, g.requests, g.ih, g.oh}
-          if g.expiry - ttl >= since then recent = recent + gh[j] end
+          local gh = {g[TOKENS], g[REQUESTS], g[IH], g[OH]}
+          if g[EXPIRY] - ttl >= since then recent = recent + gh[j] end
         end
         if cleared_at and cleared_at >= since then recent = recent + held[j] end
         advance(p)
@@ -1118,20 +1151,28 @@ if op == 'settle' then
       if known(p) then
         local since = cleared_at
         if get(p .. 'refill') == 2 then since = math.max(cleared_at, get(p .. 'boundary') - late_ms) end
-        local later = {}
+        -- The calls cleared later, newest first; those cleared at one moment count
+        -- together (the least falls on the last of them, whatever their order).
+        local field = HELD_FIELDS[j]
+        local sums, ats = {}, {}
         for _, g in ipairs(flights) do
-          local gh = {g.tokens, g.requests, g.ih, g.oh}
-          local at = g.expiry - ttl
-          if at > since and gh[j] > 0 then later[#later + 1] = {at, gh[j]} end
+          local at, x = g[EXPIRY] - ttl, g[field]
+          if at > since and x > 0 then
+            if sums[at] then
+              sums[at] = sums[at] + x
+            else
+              sums[at] = x
+              ats[#ats + 1] = at
+            end
+          end
         end
-        table.sort(later, function(x, y)
-          if x[1] ~= y[1] then return x[1] > y[1] end
-          return x[2] > y[2]
-        end)
-        local rate, after, cap = refill_rate(p), 0, get(p .. 'limit')
-        for _, x in ipairs(later) do
-          after = after + x[2]
-          cap = math.min(cap, get(p .. 'limit') + rate * math.max(now - x[1], 0) - after)
+        table.sort(ats)
+        local rate, after, limit = refill_rate(p), 0, get(p .. 'limit')
+        local cap = limit
+        for k = #ats, 1, -1 do
+          local at = ats[k]
+          after = after + sums[at]
+          cap = math.min(cap, limit + rate * math.max(now - at, 0) - after)
         end
         caps[j] = cap
       end
@@ -1141,7 +1182,7 @@ if op == 'settle' then
   -- its lift; its headers tell which window it went into.
   local old_window = {false, false, false, false}
   if mark then
-    local cleared = rec.expiry - ttl
+    local cleared = rec[EXPIRY] - ttl
     for j, p in ipairs(BUCKETS) do
       local b = get(p .. 'boundary')
       if get(p .. 'refill') == 2 and obs[j][3] >= 0 and cleared < b and cleared >= b - late_ms
@@ -1191,7 +1232,7 @@ if op == 'settle' then
     local remaining = math.min(t_remaining, t_limit)
     local newest = headers_at > get('rs_seen')
     S['rs_seen'] = math.max(get('rs_seen'), headers_at)
-    if rec.alone == 1 then
+    if rec[ALONE] == 1 then
       -- A pair must not span the reset these headers name, unless the bucket is known continuous.
       local until_ms = 0
       if get('t_refill') ~= 1 and t_reset >= 0 then until_ms = headers_at + t_reset end
@@ -1207,10 +1248,8 @@ if op == 'settle' then
         advance('t_')
         local elapsed = math.max(now - headers_at, 0)
         local pending = 0
-        for _, o in pairs(R) do
-          if o.kind == 'f' then
-            if o.sent < sent_mark then pending = pending + o.tokens else pending = pending + o.output end
-          end
+        for _, o in pairs(F) do
+          if o[SENT] < sent_mark then pending = pending + o[TOKENS] else pending = pending + o[OUTPUT] end
         end
         local theirs = math.min(remaining + known_share * unused + refill_rate('t_') * elapsed, get('t_limit'))
           - math.max(get('t_sent') - sent_mark, 0) - pending
@@ -1231,7 +1270,7 @@ if op == 'settle' then
   end
   if get('headerless') == 1 and mark then
     -- The bucket of a budget without headers, learned from its 429s (model.rs, learn_headerless).
-    local cleared = rec.expiry - ttl
+    local cleared = rec[EXPIRY] - ttl
     if get('hl_since') == 0 then S['hl_since'] = cleared end
     if limited < 0 then
       local u = tk
@@ -1284,8 +1323,31 @@ if op == 'settle' then
       if known(p) and obs[j][2] < 0 then S[p .. 'level'] = math.min(get(p .. 'level'), 0) end
     end
   end
-  save()
   return {0}
+end
+
+-- A batch of asks and reports, in order, each as it would be alone at this `now`
+-- (store.rs sends a process's concurrent calls of one budget and model together):
+-- ARGV[15..] is each op's name and then its arguments (acquire: 9, settle: 17). The
+-- state and the records are read once and written once, by save(), for the whole batch.
+-- -> one reply per op: acquire {0} clear | {1, owed_ms, reason}; settle {0}.
+if op == 'batch' then
+  local out = {}
+  local i = 15
+  while i <= #ARGV do
+    local name = ARGV[i]
+    if name == 'acquire' then
+      out[#out + 1] = acquire({unpack(ARGV, i + 1, i + 9)})
+      i = i + 10
+    elseif name == 'settle' then
+      out[#out + 1] = settle({unpack(ARGV, i + 1, i + 17)})
+      i = i + 18
+    else
+      return redis.error_reply('unknown pacer op ' .. tostring(name))
+    end
+  end
+  save()
+  return out
 end
 
 return redis.error_reply('unknown pacer op ' .. tostring(op))

@@ -193,7 +193,7 @@ impl BudgetSnapshot {
 }
 
 /// An error of the pacer's store.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum PacerError {
     /// Redis did not answer or refused.
     #[error("pacer state in Redis: {0}")]
@@ -268,6 +268,71 @@ pub struct SharedPacer {
     test_clock: Option<Arc<dyn Clock>>,
     /// Models this process has already listed under the budget.
     registered: Arc<Mutex<std::collections::HashSet<String>>>,
+    /// Per budget and model, the queue of this process's calls waiting for
+    /// the next batch (see [`Batcher`]).
+    batchers: Arc<Mutex<HashMap<(String, String), Batcher>>>,
+}
+
+/// How many calls one batch takes at most.
+const MAX_BATCH: usize = 64;
+
+/// A call waiting for its batch: the op as the script reads it (its name, then
+/// its arguments) and where its answer goes.
+struct Pending {
+    op: Vec<String>,
+    reply: tokio::sync::oneshot::Sender<Result<Vec<i64>, PacerError>>,
+}
+
+/// A process's calls of one budget and model go to the script together: while
+/// one batch is in Redis, the calls that arrive meanwhile queue here and go as
+/// the next, in one script call that reads and writes the state once (the
+/// script's `batch`; each op is decided as it would be alone). No call waits for
+/// company: an idle pacer sends a lone call at once.
+#[derive(Clone)]
+struct Batcher {
+    tx: tokio::sync::mpsc::UnboundedSender<Pending>,
+}
+
+impl Batcher {
+    /// Starts the batch loop of `model` over `pacer`'s budget.
+    fn start(pacer: SharedPacer, model: String) -> Self {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Pending>();
+        // The loop holds no Batcher: it ends when the last sender (every clone
+        // of the pacer that made it) is gone.
+        let pacer = SharedPacer { batchers: Arc::default(), ..pacer };
+        tokio::spawn(async move {
+            while let Some(first) = rx.recv().await {
+                let mut batch = vec![first];
+                while batch.len() < MAX_BATCH {
+                    match rx.try_recv() {
+                        Ok(p) => batch.push(p),
+                        Err(_) => break,
+                    }
+                }
+                let answers = pacer.invoke_batch(&model, &batch).await;
+                match answers {
+                    Ok(answers) if answers.len() == batch.len() => {
+                        for (p, a) in batch.into_iter().zip(answers) {
+                            let _ = p.reply.send(Ok(a));
+                        }
+                    }
+                    Ok(answers) => {
+                        let e =
+                            PacerError::Protocol(format!("{} answers to a batch of {}", answers.len(), batch.len()));
+                        for p in batch {
+                            let _ = p.reply.send(Err(e.clone()));
+                        }
+                    }
+                    Err(e) => {
+                        for p in batch {
+                            let _ = p.reply.send(Err(e.clone()));
+                        }
+                    }
+                }
+            }
+        });
+        Self { tx }
+    }
 }
 
 impl std::fmt::Debug for SharedPacer {
@@ -286,6 +351,7 @@ impl SharedPacer {
             config: Arc::new(config),
             test_clock: None,
             registered: Arc::default(),
+            batchers: Arc::default(),
         }
     }
 
@@ -296,14 +362,14 @@ impl SharedPacer {
         self
     }
 
-    fn invocation(&self, op: &str, model: &str, mode: Mode) -> redis::ScriptInvocation<'static> {
+    fn invocation(&self, op: &str, model: &str) -> redis::ScriptInvocation<'static> {
         let c = &self.config;
         let mut inv = SCRIPT.prepare_invoke();
         inv.key(self.keys.pacer_state(&self.budget, model))
             .key(self.keys.pacer_records(&self.budget, model))
             .key(self.keys.pacer_history(&self.budget, model))
             .arg(op)
-            .arg(c.floor(mode))
+            .arg(c.floor(Mode::Work))
             .arg(c.max_pace_ms)
             .arg(c.jitter_frac)
             .arg(c.jitter_max_ms)
@@ -314,8 +380,47 @@ impl SharedPacer {
             .arg(c.configured_rpm.unwrap_or(0))
             .arg(self.test_clock.as_ref().map(|c| c.now_ms().to_string()).unwrap_or_default())
             .arg(c.booking_grace_ms)
-            .arg(c.recheck_ms);
+            .arg(c.recheck_ms)
+            .arg(c.floor(Mode::Companion));
         inv
+    }
+
+    /// Sends `batch` as one script call (`batch`); one answer per op.
+    async fn invoke_batch(&self, model: &str, batch: &[Pending]) -> Result<Vec<Vec<i64>>, PacerError> {
+        let mut inv = self.invocation("batch", model);
+        for p in batch {
+            inv.arg(&p.op);
+        }
+        let mut conn = self.conn.clone();
+        Ok(inv.invoke_async(&mut conn).await?)
+    }
+
+    /// Queues `op` for the next batch of `model` and waits for its answer.
+    async fn call(&self, model: &str, op: Vec<String>) -> Result<Vec<i64>, PacerError> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let mut pending = Pending { op, reply };
+        for _ in 0..2 {
+            let batcher = {
+                let mut map = self.batchers.lock().unwrap_or_else(|e| e.into_inner());
+                map.entry((self.budget.clone(), model.to_owned()))
+                    .or_insert_with(|| Batcher::start(self.clone(), model.to_owned()))
+                    .clone()
+            };
+            match batcher.tx.send(pending) {
+                Ok(()) => {
+                    return answer.await.map_err(|_| PacerError::Protocol("the batch loop stopped".into()))?;
+                }
+                // Its loop is gone (a runtime that ended): start another.
+                Err(tokio::sync::mpsc::error::SendError(p)) => {
+                    pending = p;
+                    self.batchers
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .remove(&(self.budget.clone(), model.to_owned()));
+                }
+            }
+        }
+        Err(PacerError::Protocol("no batch loop would take the call".into()))
     }
 
     /// Lists the model under the budget (once per process), for `snapshot`.
@@ -345,19 +450,20 @@ impl SharedPacer {
         who: &Who<'_>,
     ) -> Result<Decision, PacerError> {
         self.register(model).await?;
-        let mut inv = self.invocation("acquire", model, mode);
         let jitter_u = if self.config.jitter_frac > 0.0 { rand::random::<f64>() } else { 0.0 };
-        inv.arg(id)
-            .arg(est.tokens)
-            .arg(est.requests)
-            .arg(jitter_u)
-            .arg(mode.as_str())
-            .arg(who.weight)
-            .arg(who.cap)
-            .arg(who.tenant)
-            .arg(est.output);
-        let mut conn = self.conn.clone();
-        let reply: Vec<i64> = inv.invoke_async(&mut conn).await?;
+        let op = vec![
+            "acquire".to_owned(),
+            id.to_owned(),
+            est.tokens.to_string(),
+            est.requests.to_string(),
+            jitter_u.to_string(),
+            mode.as_str().to_owned(),
+            who.weight.to_string(),
+            who.cap.to_string(),
+            who.tenant.to_owned(),
+            est.output.to_string(),
+        ];
+        let reply = self.call(model, op).await?;
         match reply.as_slice() {
             [0] => Ok(Decision::Clear),
             [1, ms, reason] => Ok(Decision::Owed { ms: (*ms).max(0) as u64, reason: OwedReason::from_code(*reason) }),
@@ -367,33 +473,34 @@ impl SharedPacer {
 
     /// See [`Pacer::settle`].
     pub async fn settle(&self, model: &str, id: &str, o: &CallOutcome) -> Result<(), PacerError> {
-        let opt = |v: Option<u64>| v.map(|v| v as i64).unwrap_or(-1);
-        let mut inv = self.invocation("settle", model, Mode::Work);
-        inv.arg(id)
-            .arg(opt(o.used_tokens))
-            .arg(opt(o.rate_limited_ms))
-            .arg(opt(o.tokens.limit))
-            .arg(opt(o.tokens.remaining))
-            .arg(opt(o.tokens.reset_ms))
-            .arg(opt(o.requests.limit))
-            .arg(opt(o.requests.remaining))
-            .arg(opt(o.requests.reset_ms))
-            .arg(o.headers_age_ms)
-            .arg(opt(o.input_tokens))
-            .arg(opt(o.input.limit))
-            .arg(opt(o.input.remaining))
-            .arg(opt(o.input.reset_ms))
-            .arg(opt(o.output.limit))
-            .arg(opt(o.output.remaining))
-            .arg(opt(o.output.reset_ms));
-        let mut conn = self.conn.clone();
-        let _: Vec<i64> = inv.invoke_async(&mut conn).await?;
+        let opt = |v: Option<u64>| v.map(|v| v as i64).unwrap_or(-1).to_string();
+        let op = vec![
+            "settle".to_owned(),
+            id.to_owned(),
+            opt(o.used_tokens),
+            opt(o.rate_limited_ms),
+            opt(o.tokens.limit),
+            opt(o.tokens.remaining),
+            opt(o.tokens.reset_ms),
+            opt(o.requests.limit),
+            opt(o.requests.remaining),
+            opt(o.requests.reset_ms),
+            o.headers_age_ms.to_string(),
+            opt(o.input_tokens),
+            opt(o.input.limit),
+            opt(o.input.remaining),
+            opt(o.input.reset_ms),
+            opt(o.output.limit),
+            opt(o.output.remaining),
+            opt(o.output.reset_ms),
+        ];
+        self.call(model, op).await?;
         Ok(())
     }
 
     /// The state of one model of this budget, as the script sees it now.
     pub async fn state(&self, model: &str) -> Result<(PacerState, Millis), PacerError> {
-        let inv = self.invocation("snapshot", model, Mode::Work);
+        let inv = self.invocation("snapshot", model);
         let mut conn = self.conn.clone();
         let flat: Vec<String> = inv.invoke_async(&mut conn).await?;
         Ok(state_from_fields(&flat))

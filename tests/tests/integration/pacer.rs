@@ -666,3 +666,86 @@ async fn the_simulators_workloads_hold_through_the_redis_script() {
     eprintln!("pacer: {} simulated workloads, {asks} asks, script and model agreed on every one", SEEDS + 1);
     assert!(asks >= 1_000, "only {asks} asks: the workloads hardly ran");
 }
+
+/// A process's concurrent calls of one budget go to the script together (one
+/// script call reads and writes the state once for the batch), and each is
+/// decided as it would be alone: the same random asks and reports, sent one at
+/// a time to one pacer and in concurrent groups to another, get the same
+/// answers and leave the same state — with fewer script calls than calls.
+#[tokio::test]
+async fn concurrent_calls_are_batched_and_decided_as_one_at_a_time() {
+    let server = RedisServer::start();
+    let clock = ManualClock::new(9_000_000);
+    let config = PacingConfig { jitter_frac: 0.0, reservation_ttl_ms: 3_000, ..PacingConfig::default() };
+    let one = shared_pacer(&server, &unique_prefix(), config.clone()).await.with_test_clock(Arc::new(clock.clone()));
+    let grouped = shared_pacer(&server, &unique_prefix(), config).await.with_test_clock(Arc::new(clock.clone()));
+    let mut conn = server.client().get_multiplexed_async_connection().await.unwrap();
+    let scripts = |info: String| -> u64 {
+        info.lines()
+            .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+            .and_then(|v| v.split(',').next()?.parse().ok())
+            .unwrap_or(0)
+    };
+    let who = [Who { tenant: "alpha", weight: 2.0, cap: 0.0 }, Who { tenant: "beta", weight: 1.0, cap: 0.0 }];
+    let mut rng = rand::rngs::StdRng::seed_from_u64(18);
+    let mut cleared: Vec<String> = vec![];
+    let (mut calls, mut grouped_scripts, mut owed) = (0u64, 0u64, 0u64);
+    for group in 0..60 {
+        clock.advance(rng.random_range(50..400));
+        // A group: some new asks, some asks again, some reports of cleared calls.
+        let mut ops: Vec<(String, Option<Estimate>, usize)> = vec![];
+        for k in 0..rng.random_range(2..12) {
+            if !cleared.is_empty() && rng.random_bool(0.4) {
+                let id = cleared.swap_remove(rng.random_range(0..cleared.len()));
+                ops.push((id, None, 0));
+            } else {
+                let tokens = rng.random_range(500..9_000);
+                let est = Estimate { tokens, requests: 1, output: tokens / 3 };
+                ops.push((format!("g{group}k{k}"), Some(est), rng.random_range(0..2)));
+            }
+        }
+        let remaining = rng.random_range(0..60_000);
+        let report = CallOutcome {
+            used_tokens: Some(1_000),
+            input_tokens: Some(700),
+            tokens: Observation { limit: Some(60_000), remaining: Some(remaining), reset_ms: Some(20_000) },
+            requests: Observation { limit: Some(600), remaining: Some(590), reset_ms: Some(1_000) },
+            headers_age_ms: 5,
+            ..CallOutcome::default()
+        };
+        let run = |p: &SharedPacer, (id, est, w): &(String, Option<Estimate>, usize)| {
+            let (p, id, est, w) = (p.clone(), id.clone(), *est, *w);
+            async move {
+                match est {
+                    Some(est) => Some(p.acquire("m", &id, est, Mode::Work, &who[w]).await.unwrap()),
+                    None => {
+                        p.settle("m", &id, &report).await.unwrap();
+                        None
+                    }
+                }
+            }
+        };
+        let mut alone = vec![];
+        for op in &ops {
+            alone.push(run(&one, op).await);
+        }
+        let before = scripts(redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.unwrap());
+        let together = futures::future::join_all(ops.iter().map(|op| run(&grouped, op))).await;
+        let after = scripts(redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.unwrap());
+        grouped_scripts += after - before;
+        calls += ops.len() as u64;
+        assert_eq!(alone, together, "group {group}: {ops:?}");
+        for ((id, est, _), answer) in ops.iter().zip(&alone) {
+            match (est, answer) {
+                (Some(_), Some(Decision::Clear)) => cleared.push(id.clone()),
+                (Some(_), Some(Decision::Owed { .. })) => owed += 1,
+                _ => {}
+            }
+        }
+        let (a, _) = one.state("m").await.unwrap();
+        let (b, _) = grouped.state("m").await.unwrap();
+        assert_eq!(format!("{a:?}"), format!("{b:?}"), "group {group}: the states part");
+    }
+    assert!(owed >= 20, "only {owed} asks were owed: the groups never pressed the budget");
+    assert!(grouped_scripts < calls / 2, "{grouped_scripts} script calls for {calls} calls: not batched");
+}
