@@ -31,10 +31,28 @@ impl Keys {
         format!("{}:pacer:{{{}}}:v2:state:{}", self.prefix, budget, model)
     }
 
-    /// The pacer's records for one budget and model: reservation id -> a
-    /// waiter or a call in flight (`rec_encode` in `scripts.lua`).
-    pub fn pacer_records(&self, budget: &str, model: &str) -> String {
-        format!("{}:pacer:{{{}}}:v2:records:{}", self.prefix, budget, model)
+    /// The pacer's calls in flight for one budget and model: reservation id
+    /// -> its record (`rec_encode` in `scripts.lua`).
+    pub fn pacer_flights(&self, budget: &str, model: &str) -> String {
+        format!("{}:pacer:{{{}}}:v2:flights:{}", self.prefix, budget, model)
+    }
+
+    /// The pacer's waiters for one budget and model: reservation id -> its
+    /// record (its place in line, what it is expected to use, when it is due).
+    pub fn pacer_waiters(&self, budget: &str, model: &str) -> String {
+        format!("{}:pacer:{{{}}}:v2:waiters:{}", self.prefix, budget, model)
+    }
+
+    /// The line of a budget and model's waiters: id -> its place (an index of
+    /// [`pacer_waiters`](Self::pacer_waiters), written with it).
+    pub fn pacer_line(&self, budget: &str, model: &str) -> String {
+        format!("{}:pacer:{{{}}}:v2:line:{}", self.prefix, budget, model)
+    }
+
+    /// When each waiter of a budget and model lapses: id -> due + grace (an
+    /// index of [`pacer_waiters`](Self::pacer_waiters), written with it).
+    pub fn pacer_lapse(&self, budget: &str, model: &str) -> String {
+        format!("{}:pacer:{{{}}}:v2:lapse:{}", self.prefix, budget, model)
     }
 
     /// The base of the pacer's history for one budget and model (the
@@ -148,7 +166,7 @@ mod tests {
     fn keys_start_with_the_prefix_and_tag_the_budget() {
         let k = Keys::new("pl");
         assert_eq!(k.pacer_state("default", "gpt-4.1"), "pl:pacer:{default}:v2:state:gpt-4.1");
-        assert_eq!(k.pacer_records("b", "m"), "pl:pacer:{b}:v2:records:m");
+        assert_eq!(k.pacer_waiters("b", "m"), "pl:pacer:{b}:v2:waiters:m");
         assert_eq!(k.queue_key("due"), "pl:{pl}:q:due");
         assert_eq!(k.pacer_history_minute("b", "m", 7), "pl:pacer:{b}:hist:m:7");
         assert_eq!(k.run_record("r1"), "pl:{pl}:run:r1");
@@ -281,7 +299,7 @@ mod tests {
 
     /// Lua scripts receive their keys as `KEYS[]`; a key family joined with
     /// `..` (`base .. 'run:' .. id`), or anything joined onto a given key
-    /// (`KEYS[3] .. ':'`), builds a key name in the script. (Hash fields such
+    /// (`KEYS[6] .. ':'`), builds a key name in the script. (Hash fields such
     /// as `'tw:' .. tenant` are not keys.) The ones that must stay are listed
     /// with their reason: each derives a key from one it was given, by the
     /// shape the method named here documents.
@@ -301,7 +319,7 @@ mod tests {
             ("shared/src/queue/lib.lua", ":active"),
             // `hist`: one hash per minute of the Redis clock under the base it
             // is given (`Keys::pacer_history_minute`).
-            ("shared/src/pacer/scripts.lua", "KEYS[3] .."),
+            ("shared/src/pacer/scripts.lua", "KEYS[6] .."),
         ];
         let root = workspace();
         let mut files = vec![];

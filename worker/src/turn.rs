@@ -150,6 +150,11 @@ impl Runner {
         let outcome = if ctx.phase == Phase::Tools {
             // The model's output is committed; its tool calls were interrupted.
             let calls = pending_tool_calls(&ctx.transcript, job.turn + 1);
+            // Announced again: the delivery that recorded them may not have got that far.
+            let announced = tool_call_events(lease, job, &calls);
+            if let Err(error) = self.store.emit_all(&lease.id, event::TURN_TOOL_CALL, &announced).await {
+                tracing::warn!(message = "could not write the tool calls' events", %error, run.id = %lease.id);
+            }
             self.run_tools_and_commit(lease, job, &ctx, &calls, &cancel).await?
         } else {
             self.call_model(lease, job, &ctx, &cancel).await?
@@ -330,8 +335,12 @@ impl Runner {
             return Ok(settled(lease, fence, TurnOutcome::Failed));
         }
         // Commit the model's output before running tools: a crash while they
-        // run then re-calls no model.
-        if let Fence::Stop(why) = self.store.record_output(lease, job, &success.output, usage).await? {
+        // run then re-calls no model. The same script announces the tool calls.
+        let announced: Vec<(&str, Value)> =
+            tool_call_events(lease, job, &success.tool_calls).into_iter().map(|e| (event::TURN_TOOL_CALL, e)).collect();
+        if let Fence::Stop(why) =
+            self.store.record_output_with_events(lease, job, &success.output, usage, &announced).await?
+        {
             return Ok(settled(lease, Fence::Stop(why), TurnOutcome::Stopped));
         }
         self.run_tools_and_commit(lease, job, ctx, &success.tool_calls, cancel).await
@@ -348,18 +357,6 @@ impl Runner {
         if cancel.is_cancelled() {
             return self.cancelled(lease, ctx).await;
         }
-        let announced: Vec<Value> = calls
-            .iter()
-            .map(|c| {
-                json!({"turn": job.turn, "epoch": lease.epoch, "call_id": c.call_id, "name": c.name,
-                       "arguments": c.arguments})
-            })
-            .collect();
-        // Events before a commit are best-effort: a Redis blip here must not
-        // make the queue run the turn (and its paid call) again.
-        if let Err(error) = self.store.emit_all(&lease.id, event::TURN_TOOL_CALL, &announced).await {
-            tracing::warn!(message = "could not write the tool calls' events", %error, run.id = %lease.id);
-        }
         let endpoint = ctx.spec.tool_endpoint.as_deref().unwrap_or_default();
         // A cancel drops the tool calls still running; none starts after it.
         let results = tokio::select! {
@@ -372,14 +369,16 @@ impl Runner {
             // The transcript keeps the clipped text: what the API shows is what
             // the model was allowed to read — one constant, not two.
             let clipped = clip_tool_output(&r.name, &r.output);
-            reported.push(json!({"turn": job.turn, "epoch": lease.epoch, "call_id": r.call_id, "name": r.name, "clipped": clipped.clipped,
-                                 "error": r.error, "chars": clipped.total}));
+            reported.push((
+                event::TURN_TOOL_RESULT,
+                json!({"turn": job.turn, "epoch": lease.epoch, "call_id": r.call_id, "name": r.name,
+                       "clipped": clipped.clipped, "error": r.error, "chars": clipped.total}),
+            ));
             items.push(json!({"type": "function_call_output", "call_id": r.call_id, "output": clipped.text}));
         }
-        if let Err(error) = self.store.emit_all(&lease.id, event::TURN_TOOL_RESULT, &reported).await {
-            tracing::warn!(message = "could not write the tool results' events", %error, run.id = %lease.id);
-        }
-        let fence = self.store.commit(lease, job, &items, Usage::default(), &Next::Continue).await?;
+        // The results are written by the commit itself: once, and only if it lands.
+        let fence =
+            self.store.commit_with_events(lease, job, &items, Usage::default(), &Next::Continue, &reported).await?;
         Ok(settled(lease, fence, TurnOutcome::Continued))
     }
 
@@ -508,6 +507,17 @@ fn cpu_bound<R>(work: impl FnOnce() -> R) -> R {
         Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
         _ => work(),
     }
+}
+
+/// The `turn.tool_call` events of `calls`.
+fn tool_call_events(lease: &Lease, job: TurnJob, calls: &[ToolCall]) -> Vec<Value> {
+    calls
+        .iter()
+        .map(|c| {
+            json!({"turn": job.turn, "epoch": lease.epoch, "call_id": c.call_id, "name": c.name,
+                   "arguments": c.arguments})
+        })
+        .collect()
 }
 
 /// The function calls of `turn` whose outputs are not in the transcript yet.

@@ -33,8 +33,10 @@
 --   last_admit_id (a string, outside the numbers: the call cleared last);
 --   per tenant t: tw:<t> weight, tf:<t> finish tag, tc:<t> cap due (ms),
 --   tadm:<t> expected tokens admitted, twait:<t> turns that waited.
--- KEYS[2] records hash: reservation id -> rec_encode(record), the fields below as doubles
---   (the snapshot hands them to Rust as text, in this order, separated by '|'):
+-- KEYS[2] flights hash: reservation id -> rec_encode(a call in flight)
+-- KEYS[3] waiters hash: reservation id -> rec_encode(a waiter)
+--   A record's fields are doubles (the snapshot hands them to Rust as text, in this order,
+--   separated by '|'):
 --   waiter: w|order|tokens|requests|output|line|due|clear|since|reason|tenant
 --     (order: its place in line, companion turns < 0 <= work tags; due: when it may come
 --      back, a checkpoint; clear: when it is predicted clear; it lapses at due + grace_ms)
@@ -44,13 +46,15 @@
 --      holds of the input and output buckets; omark: o_refunded when it was cleared; rsent,
 --      isent, osent: the r_, i_ and o_ sent ledgers when it was cleared;
 --      alone: 1 when no other call was cleared within BURST_GAP_MS of it)
---   The line and the lapses are read from the records themselves (every call reads them
---   all): no index is kept beside them to drift.
--- KEYS[3] the history's base key (the dashboard's chart, GET /v1/pacer/history): counters
---   only, outside the policy, never read here. One hash per minute, KEYS[3]:<minute>, same
+-- KEYS[4] line zset: waiter id -> order; KEYS[5] lapse zset: waiter id -> due + grace_ms.
+--   Indexes of the waiters hash, written with it in the same step (put, forget_waiter), so
+--   an ask reads only the waiters ahead of it, not the whole line. What the turns ahead
+--   hold is still summed from their records on every ask: no counter is kept beside them.
+-- KEYS[6] the history's base key (the dashboard's chart, GET /v1/pacer/history): counters
+--   only, outside the policy, never read here. One hash per minute, KEYS[6]:<minute>, same
 --   hash tag; fields <second>:a (tokens cleared), <second>:r (429s settled), <second>:w
 --   (turns told to wait); each expires HIST_TTL_MS after its last write. The minute's key is
---   named here, on the Redis clock; it shares KEYS[3]'s hash tag, so it is in this call's slot.
+--   named here, on the Redis clock; it shares KEYS[6]'s hash tag, so it is in this call's slot.
 -- ARGV[1] op: batch | snapshot
 -- ARGV[2..14] config: floor (work turns), max_pace_ms, jitter_frac, jitter_max_ms, ttl_ms,
 --          probe_wait_ms, late_ms, tpm, rpm, now in ms ('' = the server's TIME; tests only),
@@ -66,7 +70,7 @@
 --   -> one answer per op
 -- snapshot: -> flat field list of the state, 'now', and 'rec:<id>' -> record for each record
 
-local state, records = KEYS[1], KEYS[2]
+local state, flights, waiters, line_key, lapse_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local op = ARGV[1]
 local floor_work, floor_companion = tonumber(ARGV[2]), tonumber(ARGV[14])
 local max_pace = tonumber(ARGV[3])
@@ -90,13 +94,13 @@ local recheck_min = tonumber(ARGV[13])
 local HIST_TTL_MS = 960000
 local hist_counts = {}
 local function hist(field, n)
-  if not KEYS[3] or n <= 0 then return end
+  if not KEYS[6] or n <= 0 then return end
   hist_counts[field] = (hist_counts[field] or 0) + math.ceil(n)
 end
 
 local function save_hist()
   local sec = math.floor(now / 1000)
-  local key = KEYS[3] .. ':' .. string.format('%d', math.floor(sec / 60))
+  local key = KEYS[6] .. ':' .. string.format('%d', math.floor(sec / 60))
   for field, add in pairs(hist_counts) do
     -- A new second's first count (so also a new key's): its expiry is set then, once.
     if redis.call('HINCRBY', key, string.format('%d:%s', sec, field), string.format('%d', add)) == add then
@@ -243,41 +247,99 @@ local function rec_decode(s)
   return nil
 end
 
--- The records, read in one HGETALL (an ask or a settle looks at every one of them
--- anyway): id -> record. Changed here (`put`, `drop`), written back by save() in
--- one HSET and one HDEL: a reservation is one hash field, with no index beside it
--- to keep in step (its lapse and its place in line are read from the record itself).
--- F and W are the same records split by kind, calls in flight and waiters, so a scan
--- of one kind does not walk the other (a scarce budget has many waiters, few flights).
-local R, F, W, changed = {}, {}, {}, {}
+-- The calls in flight (F), read in one HGETALL: every ask and settle looks at all of
+-- them, and there are no more than the fleet's slots. Changed here (`put`, `drop`),
+-- written back by save() in one HSET and one HDEL.
+-- The waiters, which a scarce budget has by the thousand, are read only as an op
+-- needs them: its own (`waiter_of`), the ones ahead of it in line (`waiters_ahead`,
+-- by the line's index), the least place, the lapsed (by the lapse index). A waiter
+-- is written at once with its two index entries, in the same script, so the next op
+-- of a batch reads what the last one left; Wc caches what was read (false: absent).
+local F, changed, Wc = {}, {}, {}
 do
-  local raw = redis.call('HGETALL', records)
+  local raw = redis.call('HGETALL', flights)
   for i = 1, #raw, 2 do
     local id, r = raw[i], rec_decode(raw[i + 1])
     -- A record this version cannot read is dropped (it could only hold budget for nothing).
-    if not r then
-      changed[id] = true
-    else
-      R[id] = r
-      if r[KIND] == 'f' then F[id] = r else W[id] = r end
-    end
+    if r and r[KIND] == 'f' then F[id] = r else changed[id] = true end
   end
 end
 
-local function put(id, r)
-  R[id] = r
-  if r[KIND] == 'f' then
-    F[id], W[id] = r, nil
-  else
-    W[id], F[id] = r, nil
+-- Waiter `id`, or nil.
+local function waiter_of(id)
+  local w = Wc[id]
+  if w == nil then
+    w = rec_decode(redis.call('HGET', waiters, id))
+    if not (w and w[KIND] == 'w') then w = false end
+    Wc[id] = w
   end
-  changed[id] = true
+  return w or nil
+end
+
+-- The waiters placed at or before `order` (its line's index), with their ids.
+local function waiters_upto(order)
+  local placed = redis.call('ZRANGEBYSCORE', line_key, '-inf', order, 'WITHSCORES')
+  local ids, out = {}, {}
+  for i = 1, #placed, 2 do ids[#ids + 1] = placed[i] end
+  if #ids == 0 then return out end
+  local missing = {}
+  for _, wid in ipairs(ids) do
+    if Wc[wid] == nil then missing[#missing + 1] = wid end
+  end
+  for i = 1, #missing, 1000 do
+    local chunk = {unpack(missing, i, math.min(i + 999, #missing))}
+    local raw = redis.call('HMGET', waiters, unpack(chunk))
+    for k, wid in ipairs(chunk) do
+      local w = rec_decode(raw[k])
+      if not (w and w[KIND] == 'w') then w = false end
+      Wc[wid] = w
+    end
+  end
+  for _, wid in ipairs(ids) do
+    local w = Wc[wid]
+    if w then out[wid] = w end
+  end
+  return out
+end
+
+-- The least place among the work turns in line (order >= 0), or nil.
+local function least_work_place()
+  local first = redis.call('ZRANGEBYSCORE', line_key, 0, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  if #first == 0 then return nil end
+  return tonumber(first[2])
+end
+
+local function forget_waiter(id)
+  if waiter_of(id) then
+    redis.call('HDEL', waiters, id)
+    redis.call('ZREM', line_key, id)
+    redis.call('ZREM', lapse_key, id)
+  end
+  Wc[id] = false
+end
+
+local function put(id, r)
+  if r[KIND] == 'f' then
+    forget_waiter(id)
+    F[id] = r
+    changed[id] = true
+  else
+    if F[id] then
+      F[id] = nil
+      changed[id] = true
+    end
+    redis.call('HSET', waiters, id, rec_encode(r))
+    redis.call('ZADD', line_key, r[ORDER], id)
+    -- It lapses at due + grace (model.rs, expire).
+    redis.call('ZADD', lapse_key, r[DUE] + grace, id)
+    Wc[id] = r
+  end
 end
 
 local function save_records()
   local set, del = {}, {}
   for id in pairs(changed) do
-    local r = R[id]
+    local r = F[id]
     if r then
       set[#set + 1] = id
       set[#set + 1] = rec_encode(r)
@@ -286,9 +348,9 @@ local function save_records()
     end
   end
   changed = {}
-  -- (In slices: unpack has a limit, and ten thousand waiters may lapse at once.)
-  for i = 1, #set, 1000 do redis.call('HSET', records, unpack(set, i, math.min(i + 999, #set))) end
-  for i = 1, #del, 500 do redis.call('HDEL', records, unpack(del, i, math.min(i + 499, #del))) end
+  -- (In slices: unpack has a limit.)
+  for i = 1, #set, 1000 do redis.call('HSET', flights, unpack(set, i, math.min(i + 999, #set))) end
+  for i = 1, #del, 500 do redis.call('HDEL', flights, unpack(del, i, math.min(i + 499, #del))) end
 end
 
 local function save()
@@ -325,17 +387,22 @@ local function save()
   save_records()
   save_hist()
   if refresh then
-    for _, k in ipairs({state, records}) do redis.call('PEXPIRE', k, IDLE_TTL_MS) end
+    for _, k in ipairs({state, flights, waiters, line_key, lapse_key}) do redis.call('PEXPIRE', k, IDLE_TTL_MS) end
   end
 end
 
 local function put_waiter(id, w) put(id, w) end
 
--- Forgets reservation `id`; `r`: its record as read (only a waiter stands in
--- line; nil: not known, so it is taken out of line too).
+-- Forgets reservation `id`, a call in flight or a waiter.
 local function drop(id)
-  R[id], F[id], W[id] = nil, nil, nil
-  changed[id] = true
+  if F[id] then
+    -- (A call in flight is no waiter: put took it out of line when it was cleared.)
+    F[id] = nil
+    changed[id] = true
+    Wc[id] = false
+    return
+  end
+  forget_waiter(id)
 end
 
 -- bucket.rs
@@ -650,8 +717,13 @@ local function expire()
       drop(id)
     end
   end
-  for id, w in pairs(W) do
-    if w[DUE] + grace <= now then drop(id) end
+  local lapsed = redis.call('ZRANGEBYSCORE', lapse_key, '-inf', now)
+  for i = 1, #lapsed, 500 do
+    local chunk = {unpack(lapsed, i, math.min(i + 499, #lapsed))}
+    redis.call('HDEL', waiters, unpack(chunk))
+    redis.call('ZREM', line_key, unpack(chunk))
+    redis.call('ZREM', lapse_key, unpack(chunk))
+    for _, id in ipairs(chunk) do Wc[id] = false end
   end
 end
 
@@ -713,11 +785,90 @@ if op == 'snapshot' then
   end
   out[#out + 1] = 'now'
   out[#out + 1] = tostring(now)
-  for id, r in pairs(R) do
+  for id, r in pairs(F) do
     out[#out + 1] = 'rec:' .. id
     out[#out + 1] = rec_text(r)
   end
+  local raw = redis.call('HGETALL', waiters)
+  for i = 1, #raw, 2 do
+    local w = rec_decode(raw[i + 1])
+    if w then
+      out[#out + 1] = 'rec:' .. raw[i]
+      out[#out + 1] = rec_text(w)
+    end
+  end
   return out
+end
+
+-- A call just cleared keeps the sent ledgers as they stand with its charge in them.
+-- (A function of its own, as turns_ahead and in_flight are: Lua 5.1 lets a function
+-- reach at most 60 locals of the script around it, and acquire is near that.)
+local function stamp_sent(r)
+  r[SENT] = get('t_sent')
+  r[RSENT], r[ISENT], r[OSENT] = get('r_sent'), get('i_sent'), get('o_sent')
+end
+
+-- What the turns ahead of `id` (at `order`, of `tenant`) in line hold of each bucket:
+-- their line cost, their requests, their input, the output they keep (the waiters
+-- before it by place, then id, found without putting it in line: a turn cleared now
+-- never stands in it; one that waits is put there by put_waiter); whether another
+-- tenant's work turn is among them; and the latest time one of them is predicted clear.
+local function turns_ahead(id, order, tenant)
+  local okept = get('usage_ratio')
+  if okept > 0 then okept = math.min(math.max(okept, 0.05), 1) else okept = 1 end
+  local ahead = {0, 0, 0, 0}
+  local other, last_clear = false, 0
+  for wid, w in pairs(waiters_upto(order)) do
+    if wid ~= id and (w[ORDER] < order or (w[ORDER] == order and wid < id)) then
+      if now <= w[DUE] + late_ms then
+        local wout = math.min(w[OUTPUT], w[TOKENS])
+        ahead[1] = ahead[1] + w[LINE]
+        ahead[2] = ahead[2] + w[REQUESTS]
+        ahead[3] = ahead[3] + (w[TOKENS] - wout)
+        ahead[4] = ahead[4] + wout * okept
+        if w[ORDER] >= 0 and w[TENANT] ~= tenant then other = true end
+        last_clear = math.max(last_clear, w[CLEAR])
+      end
+    end
+  end
+  return ahead, other, last_clear
+end
+
+-- The calls in flight: how many; the output they are expected to give back (at the
+-- refund share `share_now`); the output they reserve; what they hold of each bucket;
+-- whether one was cleared at or before the headerless bucket's last cut (`wave`); and
+-- whether one cleared since its bucket's last boundary, and since `answering`, may
+-- still bring that boundary (then the head does not go as a probe).
+local function in_flight(share_now, answering)
+  local flights_n, coming, wave, outputs_flying = 0, 0, false, 0
+  local holding = {0, 0, 0, 0}
+  local answered = false
+  local kept = get('usage_ratio')
+  if kept <= 0 then kept = 1 end
+  kept = math.min(math.max(kept, 0), 1)
+  -- (What the loop compares with, read once: the loop runs for every call in flight.)
+  local hl_cut = get('hl_cut')
+  local answered_since = {}
+  for j, p in ipairs(BUCKETS) do
+    if known(p) then answered_since[j] = math.max(get(p .. 'boundary'), answering) end
+  end
+  local a1, a2, a3, a4 = answered_since[1], answered_since[2], answered_since[3], answered_since[4]
+  for _, f in pairs(F) do
+    flights_n = flights_n + 1
+    coming = coming + f[OUTPUT] * (1 - kept) * share_now
+    outputs_flying = outputs_flying + f[OUTPUT]
+    local cleared = f[EXPIRY] - ttl
+    if cleared <= hl_cut then wave = true end
+    holding[1] = holding[1] + f[TOKENS]
+    holding[2] = holding[2] + f[REQUESTS]
+    holding[3] = holding[3] + f[IH]
+    holding[4] = holding[4] + f[OH]
+    if not answered and ((a1 and cleared >= a1) or (a2 and cleared >= a2) or (a3 and cleared >= a3)
+      or (a4 and cleared >= a4)) then
+      answered = true
+    end
+  end
+  return flights_n, coming, wave, outputs_flying, holding, answered
 end
 
 -- An ask for reservation a[1]: a[2] tokens, [3] requests, [4] jitter_u, [5] 'companion' |
@@ -740,7 +891,7 @@ local function acquire(a)
     end
   end
   expire()
-  local rec = R[id]
+  local rec = F[id] or waiter_of(id)
   -- 1. Asked again for a call already cleared (a redelivery): still clear.
   if rec and rec[KIND] == 'f' then
     return {0}
@@ -766,7 +917,7 @@ local function acquire(a)
       r[ALONE] = 0
       local prev_id = last_admit_id
       if prev_id then
-        local prev = R[prev_id]
+        local prev = F[prev_id]
         if prev and prev[KIND] == 'f' and prev[ALONE] == 1 then
           prev[ALONE] = 0
           put(prev_id, prev)
@@ -785,8 +936,7 @@ local function acquire(a)
       end
     end
     if known('t_') then r[OUTPUT] = output end
-    r[SENT] = get('t_sent')
-    r[RSENT], r[ISENT], r[OSENT] = get('r_sent'), get('i_sent'), get('o_sent')
+    stamp_sent(r)
     put(id, r)
     if order then
       tenant_entry(tenant)
@@ -795,9 +945,8 @@ local function acquire(a)
     if not companion and order then
       -- The least place among the work turns still in line.
       local v = order
-      for _, w in pairs(W) do
-        if w[ORDER] >= 0 and w[ORDER] < v then v = w[ORDER] end
-      end
+      local least = least_work_place()
+      if least and least < v then v = least end
       S['fair_time'] = math.max(get('fair_time'), v)
     end
     S['last_admit'] = now
@@ -864,23 +1013,7 @@ local function acquire(a)
   -- waits is put there by put_waiter).
   -- What the turns ahead hold of each bucket: their line cost, their requests,
   -- their input, the output they keep.
-  local okept = get('usage_ratio')
-  if okept > 0 then okept = math.min(math.max(okept, 0.05), 1) else okept = 1 end
-  local ahead = {0, 0, 0, 0}
-  local other, last_clear = false, 0
-  for wid, w in pairs(W) do
-    if wid ~= id and (w[ORDER] < order or (w[ORDER] == order and wid < id)) then
-      if now <= w[DUE] + late_ms then
-        local wout = math.min(w[OUTPUT], w[TOKENS])
-        ahead[1] = ahead[1] + w[LINE]
-        ahead[2] = ahead[2] + w[REQUESTS]
-        ahead[3] = ahead[3] + (w[TOKENS] - wout)
-        ahead[4] = ahead[4] + wout * okept
-        if w[ORDER] >= 0 and w[TENANT] ~= tenant then other = true end
-        last_clear = math.max(last_clear, w[CLEAR])
-      end
-    end
-  end
+  local ahead, other, last_clear = turns_ahead(id, order, tenant)
   local wait, fits = 0, true
   -- The head may go to find a window's next reset when nothing else holds it
   -- and no call cleared since the last reset will bring it (one in flight for
@@ -888,34 +1021,9 @@ local function acquire(a)
   local head = ahead[1] <= 0 and ahead[2] <= 0 and ahead[3] <= 0 and ahead[4] <= 0
   local probe = head
   local answering = now - PROBE_AFTER_LATE * late_ms
-  local flights_n, coming, wave, outputs_flying = 0, 0, false, 0
-  local holding = {0, 0, 0, 0}
-  local kept = get('usage_ratio')
-  if kept <= 0 then kept = 1 end
-  kept = math.min(math.max(kept, 0), 1)
   local share_now = refund_share(0)
-  -- (What the loop compares with, read once: the loop runs for every call in flight.)
-  local hl_cut = get('hl_cut')
-  local answered_since = {}
-  for j, p in ipairs(BUCKETS) do
-    if known(p) then answered_since[j] = math.max(get(p .. 'boundary'), answering) end
-  end
-  local a1, a2, a3, a4 = answered_since[1], answered_since[2], answered_since[3], answered_since[4]
-  for _, f in pairs(F) do
-    flights_n = flights_n + 1
-    coming = coming + f[OUTPUT] * (1 - kept) * share_now
-    outputs_flying = outputs_flying + f[OUTPUT]
-    local cleared = f[EXPIRY] - ttl
-    if cleared <= hl_cut then wave = true end
-    holding[1] = holding[1] + f[TOKENS]
-    holding[2] = holding[2] + f[REQUESTS]
-    holding[3] = holding[3] + f[IH]
-    holding[4] = holding[4] + f[OH]
-    if probe and ((a1 and cleared >= a1) or (a2 and cleared >= a2) or (a3 and cleared >= a3)
-      or (a4 and cleared >= a4)) then
-      probe = false
-    end
-  end
+  local flights_n, coming, wave, outputs_flying, holding, answered = in_flight(share_now, answering)
+  if answered then probe = false end
   local idle = flights_n == 0 and now - get('last_admit') >= BURST_GAP_MS
   local share_known = refund_share(-1) >= 0
   local shorts = {0, 0, 0, 0}
@@ -1020,7 +1128,7 @@ local function settle(a)
   ensure_configured()
   local tk, rq, out, mark, estimated_input, sent_mark = 0, 0, 0, nil, 0, 0
   local held = {0, 0, 0, 0}
-  local rec = R[id]
+  local rec = F[id] or waiter_of(id)
   if rec and rec[KIND] == 'f' then
     tk, rq, out, mark, estimated_input, sent_mark = rec[TOKENS], rec[REQUESTS], rec[OUTPUT], rec[MARK], rec[INPUT], rec[SENT]
     held = {rec[TOKENS], rec[REQUESTS], rec[IH], rec[OH]}

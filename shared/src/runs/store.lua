@@ -61,6 +61,15 @@ local function append_entries(from, tag, f, set)
   end
 end
 
+-- Writes the events ARGV[at+1 ..] (ARGV[at]: how many; each a type and its data) and
+-- returns where the arguments after them begin: the events a step announces are
+-- written by its own fenced script (a stale holder writes none, a retried step none twice).
+local function events_from(at)
+  local n = tonumber(ARGV[at]) or 0
+  for i = at + 1, at + 2 * n, 2 do event(ARGV[i], ARGV[i + 1]) end
+  return at + 1 + 2 * n
+end
+
 -- A finished run's keys live for the retention period, then go.
 local function retire(now, retention) q_run_retire(RUN, TX, EV, now, retention) end
 
@@ -261,13 +270,14 @@ end
 if op == 'output' then
   -- The model's output of a turn whose tool calls are still to run: committed
   -- first, so a crash while tools run re-calls no model.
-  -- ARGV[3] epoch, [4] turn, [5] usage JSON, [6..] entries
+  -- ARGV[3] epoch, [4] turn, [5] usage JSON, [6] n events (the tool calls announced), then
+  -- n type/data pairs, then the entries
   local tag = tonumber(ARGV[4]) + 1
   local r, f, why = fenced(ARGV[3], ARGV[4], usage_and({'phase', 'txi:' .. tag}))
   if not r then return {'stop', why} end
   if f.phase == 'tools' then return {'ok'} end
   local set = {'phase', 'tools', 'updated_ms', q_now()}
-  append_entries(6, tag, f, set)
+  append_entries(events_from(6), tag, f, set)
   add_usage(f, ARGV[5], set)
   redis.call('HSET', RUN, unpack(set))
   return {'ok'}
@@ -278,14 +288,15 @@ if op == 'commit' then
   -- [6] next: 'continue' | 'complete' | 'fail',
   -- [7] next job payload (continue) or final text (complete) or error kind (fail),
   -- [8] error message (fail), [9] turn.completed data, [10] retention ms,
-  -- [11..] entries appended
+  -- [11] n events written before turn.completed (the tool results), then n type/data
+  -- pairs, then the entries appended
   local tag = tonumber(ARGV[4]) + 1
   local r, f, why = fenced(ARGV[3], ARGV[4], usage_and({'txi:' .. tag}))
   if not r then return {'stop', why} end
   local now = q_now()
   local turns = (tonumber(f.turns) or 0) + 1
   local set = {'turns', turns, 'phase', '', 'updated_ms', now}
-  append_entries(11, tag, f, set)
+  append_entries(events_from(11), tag, f, set)
   add_usage(f, ARGV[5], set)
   local next = ARGV[6]
   if next == 'continue' then

@@ -913,8 +913,23 @@ impl RunStore {
         items: &[Value],
         usage: Usage,
     ) -> Result<Fence, StoreError> {
+        self.record_output_with_events(lease, job, items, usage, &[]).await
+    }
+
+    /// [`record_output`](Self::record_output), writing `events` (type, data)
+    /// in the same fenced script: the tool calls it announces reach the
+    /// stream once, and only from the holder whose output was recorded.
+    pub async fn record_output_with_events(
+        &self,
+        lease: &Lease,
+        job: TurnJob,
+        items: &[Value],
+        usage: Usage,
+        events: &[(&str, Value)],
+    ) -> Result<Fence, StoreError> {
         let mut inv = self.invocation("output", &lease.id, "", None);
         inv.arg(lease.epoch).arg(job.turn).arg(usage_arg(usage));
+        event_args(&mut inv, events);
         for item in items {
             inv.arg(
                 serde_json::to_string(&TranscriptEntry { turn: job.turn + 1, item: item.clone() }).unwrap_or_default(),
@@ -932,6 +947,21 @@ impl RunStore {
         items: &[Value],
         usage: Usage,
         next: &Next,
+    ) -> Result<Fence, StoreError> {
+        self.commit_with_events(lease, job, items, usage, next, &[]).await
+    }
+
+    /// [`commit`](Self::commit), writing `events` (type, data) before its
+    /// `turn.completed` in the same fenced script (the tool results: written
+    /// once, with the commit, or not at all).
+    pub async fn commit_with_events(
+        &self,
+        lease: &Lease,
+        job: TurnJob,
+        items: &[Value],
+        usage: Usage,
+        next: &Next,
+        events: &[(&str, Value)],
     ) -> Result<Fence, StoreError> {
         let (kind, a, b) = match next {
             Next::Continue => {
@@ -952,6 +982,7 @@ impl RunStore {
             .arg(b)
             .arg(data.to_string())
             .arg(self.retention_ms());
+        event_args(&mut inv, events);
         for item in items {
             inv.arg(
                 serde_json::to_string(&TranscriptEntry { turn: job.turn + 1, item: item.clone() }).unwrap_or_default(),
@@ -978,6 +1009,14 @@ impl RunStore {
             .arg(self.retention_ms())
             .arg(usage_arg(usage));
         Self::fence(&self.invoke_fenced(inv).await?)
+    }
+}
+
+/// A step's events as its script reads them: how many, then each type and data.
+fn event_args(inv: &mut redis::ScriptInvocation<'static>, events: &[(&str, Value)]) {
+    inv.arg(events.len());
+    for (kind, data) in events {
+        inv.arg(*kind).arg(data.to_string());
     }
 }
 

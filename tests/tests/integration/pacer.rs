@@ -304,7 +304,13 @@ async fn the_snapshot_lists_every_budget_and_model() {
     let mut conn = server.client().get_multiplexed_async_connection().await.unwrap();
     let k = Keys::new(prefix.as_str());
     let mut keys = vec![];
-    for key in [k.pacer_state("default", "gpt-a"), k.pacer_records("default", "gpt-a")] {
+    for key in [
+        k.pacer_state("default", "gpt-a"),
+        k.pacer_flights("default", "gpt-a"),
+        k.pacer_waiters("default", "gpt-a"),
+        k.pacer_line("default", "gpt-a"),
+        k.pacer_lapse("default", "gpt-a"),
+    ] {
         if redis::cmd("EXISTS").arg(&key).query_async::<bool>(&mut conn).await.unwrap() {
             keys.push(key);
         }

@@ -538,16 +538,33 @@ async fn each_step_of_a_turn_costs_few_redis_commands() {
         let d = step!("pacer acquire", pacer.acquire("gpt-test", &id, est, Mode::Work, &Who::DEFAULT).await.unwrap());
         assert!(matches!(d, Decision::Clear), "{d:?}");
         step!("pacer settle", pacer.settle("gpt-test", &id, &headers).await.unwrap());
-        let fence =
-            step!("record output", store.record_output(&lease, job, std::slice::from_ref(&call), usage).await.unwrap());
+        // The output announces its tool call, the commit its result (one script each).
+        let fence = step!(
+            "record output",
+            store
+                .record_output_with_events(
+                    &lease,
+                    job,
+                    std::slice::from_ref(&call),
+                    usage,
+                    &[("turn.tool_call", json!({"turn": turn}))]
+                )
+                .await
+                .unwrap()
+        );
         assert_eq!(fence, Fence::Ok);
-        step!("tool events", {
-            store.emit_all(&run.id, "turn.tool_call", &[json!({"turn": turn})]).await.unwrap();
-            store.emit_all(&run.id, "turn.tool_result", &[json!({"turn": turn})]).await.unwrap();
-        });
         let fence = step!(
             "commit",
-            store.commit(&lease, job, std::slice::from_ref(&answer), Usage::default(), &Next::Continue).await
+            store
+                .commit_with_events(
+                    &lease,
+                    job,
+                    std::slice::from_ref(&answer),
+                    Usage::default(),
+                    &Next::Continue,
+                    &[("turn.tool_result", json!({"turn": turn}))]
+                )
+                .await
         );
         assert_eq!(fence.unwrap(), Fence::Ok);
     }
