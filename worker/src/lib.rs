@@ -35,7 +35,7 @@ use shared::queue::apalis_core::error::BoxDynError;
 use shared::queue::apalis_core::task::data::Data;
 use shared::queue::apalis_core::worker::builder::WorkerBuilder;
 use shared::queue::{Lease, QueueConfig, TurnQueue};
-use shared::runs::{RunStore, TurnJob};
+use shared::runs::{RunStore, Turn};
 
 pub use turn::{Runner, TurnConfig, TurnOutcome};
 
@@ -141,10 +141,11 @@ pub async fn runner(config: &WorkerConfig) -> anyhow::Result<(Runner, TurnQueue)
     Ok((runner, queue))
 }
 
-async fn handle_turn(job: TurnJob, lease: Lease, runner: Data<Runner>) -> Result<(), BoxDynError> {
+async fn handle_turn(turn: Turn, lease: Lease, runner: Data<Runner>) -> Result<(), BoxDynError> {
     use tracing::Instrument as _;
+    let job = turn.job;
     let span = tracing::info_span!("turn", run.id = %lease.id, turn.index = job.turn, attempt = job.attempt);
-    let result = runner.run_turn(job, &lease).instrument(span).await;
+    let result = runner.run_turn_asking(job, turn.ask, &lease).instrument(span).await;
     // Bench-only (`paceline bench` passes `--bench-deliveries-key` to the worker
     // processes it starts): one RPUSH per delivery — run, turn, attempt, due and
     // leased ms (server clock), outcome — so the bench can tell requeued
@@ -171,7 +172,7 @@ pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()> + Send
     let (runner, queue) = runner(&config).await?;
     let listener =
         tokio::spawn(runner.cancels.clone().listen(config.redis.url.clone(), config.redis.keys().cancel_channel()));
-    let backend = backend::QueueBackend::<TurnJob>::new(queue, config.slots.concurrency.max(1));
+    let backend = backend::QueueBackend::<Turn>::new(queue, config.slots.concurrency.max(1));
     let name = backend.identity().to_owned();
     tracing::info!(message = "worker started", worker.id = %name, concurrency = config.slots.concurrency,
         pacer = ?config.pacer.kind, providers = ?runner.routes.names());

@@ -22,8 +22,8 @@ use shared::pacer::{
 use shared::queue::Lease;
 use shared::runs::state::event;
 use shared::runs::{
-    ErrorKind, Fence, Next, Phase, RunStore, Started, StoreError, TranscriptEntry, TurnContext, TurnJob, Usage,
-    WaitReason,
+    ErrorKind, Fence, Next, PacedAsk, Phase, RunStore, Started, StoreError, TranscriptEntry, Turn, TurnContext,
+    TurnJob, Usage, WaitReason,
 };
 
 use crate::provider::{CallFailure, CallSuccess, StreamEvent, ToolCall};
@@ -133,14 +133,57 @@ fn settled(lease: &Lease, fence: Fence, ok: TurnOutcome) -> TurnOutcome {
     }
 }
 
+/// What the pacer said of a call, once owed time short enough to wait in place was waited.
+enum Paced {
+    Clear,
+    /// Owed more than the in-place wait: requeue for this long.
+    Owed {
+        ms: u64,
+        reason: OwedReason,
+    },
+}
+
 impl Runner {
     /// Runs turn `job` of the run `lease.id`.
     pub async fn run_turn(&self, job: TurnJob, lease: &Lease) -> Result<TurnOutcome, TurnError> {
+        self.run_turn_asking(job, None, lease).await
+    }
+
+    /// Runs turn `job`; a turn back from a budget wait (`ask`) asks the pacer
+    /// first, and one still owed is requeued without starting: its record and
+    /// history are not read, its tokens not counted, again.
+    pub async fn run_turn_asking(
+        &self,
+        job: TurnJob,
+        ask: Option<PacedAsk>,
+        lease: &Lease,
+    ) -> Result<TurnOutcome, TurnError> {
         let started = Instant::now();
+        let mut cleared = None;
+        if let Some(ask) = ask {
+            if let Some(route) = self.routes.get(ask.provider.as_deref()) {
+                let est = Estimate { tokens: ask.tokens, requests: ask.requests, output: ask.output };
+                let reservation = reservation_id(lease, job);
+                let who = self.tenants.who(&ask.tenant);
+                match self.pace(route, &ask.model, &reservation, est, ask.mode, &who).await? {
+                    Paced::Clear => cleared = Some((route, ask, reservation)),
+                    Paced::Owed { ms, reason } => {
+                        let fence = self.budget_wait(lease, job, ms, reason, ask).await?;
+                        return Ok(settled(lease, fence, TurnOutcome::Requeued));
+                    }
+                }
+            }
+        }
         let ctx = match self.store.start_turn_with_history(lease, job, self.config.max_history).await? {
             Started::Run(ctx) => ctx,
             Started::Stop(why) => {
                 tracing::info!(message = "turn not started", run.id = %lease.id, why = %why);
+                if let Some((route, ask, reservation)) = &cleared {
+                    // Cleared, and not sent: the reservation goes back unused.
+                    if let Err(error) = route.pacer.settle(&ask.model, reservation, &CallOutcome::default()).await {
+                        tracing::warn!(message = "could not settle the pacer", %error, reservation);
+                    }
+                }
                 lease.mark_settled();
                 return Ok(TurnOutcome::Stopped);
             }
@@ -157,11 +200,55 @@ impl Runner {
             }
             self.run_tools_and_commit(lease, job, &ctx, &calls, &cancel).await?
         } else {
-            self.call_model(lease, job, &ctx, &cancel).await?
+            self.call_model(lease, job, &ctx, &cancel, cleared.is_some()).await?
         };
         metrics::counter!(metric::TURNS, "outcome" => outcome.as_str()).increment(1);
         metrics::histogram!(metric::TURN_LATENCY).record(started.elapsed().as_secs_f64());
         Ok(outcome)
+    }
+
+    /// Asks the pacer until it clears the call or owes more than the in-place wait.
+    async fn pace(
+        &self,
+        route: &Route,
+        model: &str,
+        reservation: &str,
+        est: Estimate,
+        mode: Mode,
+        who: &shared::pacer::Who<'_>,
+    ) -> Result<Paced, TurnError> {
+        loop {
+            match route.pacer.acquire(model, reservation, est, mode, who).await? {
+                Decision::Clear => return Ok(Paced::Clear),
+                Decision::Owed { ms, .. } if Duration::from_millis(ms) <= self.config.in_place_wait => {
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                }
+                Decision::Owed { ms, reason, .. } => return Ok(Paced::Owed { ms, reason }),
+            }
+        }
+    }
+
+    /// Requeues the turn for the `ms` it owes, carrying `ask` to make again
+    /// when it comes back. A budget wait is not a failure: the attempt stays.
+    async fn budget_wait(
+        &self,
+        lease: &Lease,
+        job: TurnJob,
+        ms: u64,
+        reason: OwedReason,
+        ask: PacedAsk,
+    ) -> Result<Fence, TurnError> {
+        metrics::counter!(metric::BUDGET_WAITS).increment(1);
+        metrics::histogram!(metric::REQUEUE_DELAY, "reason" => "budget").record(ms as f64 / 1000.0);
+        let (reason_name, wait_reason) = match reason {
+            OwedReason::Budget => ("budget", WaitReason::Budget),
+            OwedReason::RateLimited => ("window_closed", WaitReason::Budget),
+            OwedReason::Probe => ("probe", WaitReason::Budget),
+            OwedReason::FairShare => ("fair_share", WaitReason::FairShare),
+        };
+        let data = json!({"turn": job.turn, "owed_ms": ms, "reason": reason_name});
+        let next = Turn { job, ask: Some(ask) };
+        Ok(self.store.wait_asking(lease, job, next, ms, wait_reason, event::TURN_PACED, &data).await?)
     }
 
     async fn call_model(
@@ -170,6 +257,7 @@ impl Runner {
         job: TurnJob,
         ctx: &TurnContext,
         cancel: &Cancel,
+        cleared: bool,
     ) -> Result<TurnOutcome, TurnError> {
         let spec = &ctx.spec;
         let Some(route) = self.routes.get(spec.provider.as_deref()) else {
@@ -215,27 +303,23 @@ impl Runner {
         };
         // One reservation id per call attempt: a budget wait keeps it (so the
         // turn finds its booking when it comes back), a retry gets a new one.
-        let reservation = format!("{}:{}:{}", lease.id, job.turn, job.attempt);
-        let who = self.tenants.who(&ctx.tenant);
-        loop {
-            match route.pacer.acquire(&spec.model, &reservation, est, spec.mode, &who).await? {
-                Decision::Clear => break,
-                Decision::Owed { ms, .. } if Duration::from_millis(ms) <= self.config.in_place_wait => {
-                    tokio::time::sleep(Duration::from_millis(ms)).await;
-                }
-                Decision::Owed { ms, reason, .. } => {
-                    metrics::counter!(metric::BUDGET_WAITS).increment(1);
-                    metrics::histogram!(metric::REQUEUE_DELAY, "reason" => "budget").record(ms as f64 / 1000.0);
-                    let (reason_name, wait_reason) = match reason {
-                        OwedReason::Budget => ("budget", WaitReason::Budget),
-                        OwedReason::RateLimited => ("window_closed", WaitReason::Budget),
-                        OwedReason::Probe => ("probe", WaitReason::Budget),
-                        OwedReason::FairShare => ("fair_share", WaitReason::FairShare),
-                    };
-                    let data = json!({"turn": job.turn, "owed_ms": ms, "reason": reason_name});
-                    let fence = self.store.wait(lease, job, job, ms, wait_reason, event::TURN_PACED, &data).await?;
-                    return Ok(settled(lease, fence, TurnOutcome::Requeued));
-                }
+        let reservation = reservation_id(lease, job);
+        if !cleared {
+            let who = self.tenants.who(&ctx.tenant);
+            if let Paced::Owed { ms, reason } =
+                self.pace(route, &spec.model, &reservation, est, spec.mode, &who).await?
+            {
+                let ask = PacedAsk {
+                    model: spec.model.clone(),
+                    provider: spec.provider.clone(),
+                    mode: spec.mode,
+                    tenant: ctx.tenant.clone(),
+                    tokens: est.tokens,
+                    requests: est.requests,
+                    output: est.output,
+                };
+                let fence = self.budget_wait(lease, job, ms, reason, ask).await?;
+                return Ok(settled(lease, fence, TurnOutcome::Requeued));
             }
         }
 
@@ -507,6 +591,11 @@ fn cpu_bound<R>(work: impl FnOnce() -> R) -> R {
         Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
         _ => work(),
     }
+}
+
+/// The pacer's reservation id of a call attempt: `run:turn:attempt`.
+fn reservation_id(lease: &Lease, job: TurnJob) -> String {
+    format!("{}:{}:{}", lease.id, job.turn, job.attempt)
 }
 
 /// The `turn.tool_call` events of `calls`.

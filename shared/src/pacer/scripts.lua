@@ -276,37 +276,32 @@ local function waiter_of(id)
   return w or nil
 end
 
--- The waiters placed at or before `order` (its line's index), with their ids.
-local function waiters_upto(order)
-  local placed = redis.call('ZRANGEBYSCORE', line_key, '-inf', order, 'WITHSCORES')
-  local ids, out = {}, {}
-  for i = 1, #placed, 2 do ids[#ids + 1] = placed[i] end
-  if #ids == 0 then return out end
-  local missing = {}
-  for _, wid in ipairs(ids) do
-    if Wc[wid] == nil then missing[#missing + 1] = wid end
-  end
-  for i = 1, #missing, 1000 do
-    local chunk = {unpack(missing, i, math.min(i + 999, #missing))}
-    local raw = redis.call('HMGET', waiters, unpack(chunk))
-    for k, wid in ipairs(chunk) do
-      local w = rec_decode(raw[k])
-      if not (w and w[KIND] == 'w') then w = false end
-      Wc[wid] = w
+-- Calls visit(wid, w) for each waiter placed at or before `order` (its line's index):
+-- the ids from the line, the records read in one HMGET (a slice a time) but for those
+-- this script read already.
+local function each_waiter_upto(order, visit)
+  local ids = redis.call('ZRANGEBYSCORE', line_key, '-inf', order)
+  local n = #ids
+  for i = 1, n, 1000 do
+    local last = math.min(i + 999, n)
+    local missing = {}
+    for k = i, last do
+      if Wc[ids[k]] == nil then missing[#missing + 1] = ids[k] end
+    end
+    if #missing > 0 then
+      local raw = redis.call('HMGET', waiters, unpack(missing))
+      for k, wid in ipairs(missing) do
+        local w = rec_decode(raw[k])
+        if not (w and w[KIND] == 'w') then w = false end
+        Wc[wid] = w
+      end
+    end
+    for k = i, last do
+      local wid = ids[k]
+      local w = Wc[wid]
+      if w then visit(wid, w) end
     end
   end
-  for _, wid in ipairs(ids) do
-    local w = Wc[wid]
-    if w then out[wid] = w end
-  end
-  return out
-end
-
--- The least place among the work turns in line (order >= 0), or nil.
-local function least_work_place()
-  local first = redis.call('ZRANGEBYSCORE', line_key, 0, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
-  if #first == 0 then return nil end
-  return tonumber(first[2])
 end
 
 local function forget_waiter(id)
@@ -812,26 +807,32 @@ end
 -- their line cost, their requests, their input, the output they keep (the waiters
 -- before it by place, then id, found without putting it in line: a turn cleared now
 -- never stands in it; one that waits is put there by put_waiter); whether another
--- tenant's work turn is among them; and the latest time one of them is predicted clear.
+-- tenant's work turn is among them; the latest time one of them is predicted clear; and
+-- the least place of a work turn in line at or before `order` (none: `order` is the least).
 local function turns_ahead(id, order, tenant)
   local okept = get('usage_ratio')
   if okept > 0 then okept = math.min(math.max(okept, 0.05), 1) else okept = 1 end
-  local ahead = {0, 0, 0, 0}
-  local other, last_clear = false, 0
-  for wid, w in pairs(waiters_upto(order)) do
-    if wid ~= id and (w[ORDER] < order or (w[ORDER] == order and wid < id)) then
-      if now <= w[DUE] + late_ms then
-        local wout = math.min(w[OUTPUT], w[TOKENS])
-        ahead[1] = ahead[1] + w[LINE]
-        ahead[2] = ahead[2] + w[REQUESTS]
-        ahead[3] = ahead[3] + (w[TOKENS] - wout)
-        ahead[4] = ahead[4] + wout * okept
-        if w[ORDER] >= 0 and w[TENANT] ~= tenant then other = true end
-        last_clear = math.max(last_clear, w[CLEAR])
-      end
+  local a1, a2, a3, a4 = 0, 0, 0, 0
+  local other, last_clear, least = false, 0, nil
+  local held_until = now - late_ms
+  each_waiter_upto(order, function(wid, w)
+    if wid == id then return end
+    local o = w[ORDER]
+    if o >= 0 and (not least or o < least) then least = o end
+    if (o < order or (o == order and wid < id)) and w[DUE] >= held_until then
+      local tokens, output = w[TOKENS], w[OUTPUT]
+      local wout = output
+      if tokens < wout then wout = tokens end
+      a1 = a1 + w[LINE]
+      a2 = a2 + w[REQUESTS]
+      a3 = a3 + (tokens - wout)
+      a4 = a4 + wout * okept
+      if o >= 0 and w[TENANT] ~= tenant then other = true end
+      if w[CLEAR] > last_clear then last_clear = w[CLEAR] end
     end
-  end
-  return ahead, other, last_clear
+  end)
+  local ahead = {a1, a2, a3, a4}
+  return ahead, other, last_clear, least
 end
 
 -- The calls in flight: how many; the output they are expected to give back (at the
@@ -908,6 +909,8 @@ local function acquire(a)
   local out_part = math.min(output, tokens)
   local costs = {tokens, requests, tokens - out_part, out_part}
 
+  -- The least place of a work turn in line, found with the turns ahead (step 5).
+  local least_ahead = nil
   -- Clears the call; `order` and `line` are its place and line cost when it
   -- stood in line (nil for a probe, which no tenant's share is charged for).
   local function admit(order, line)
@@ -943,10 +946,10 @@ local function acquire(a)
       S['tadm:' .. tenant] = get('tadm:' .. tenant) + line
     end
     if not companion and order then
-      -- The least place among the work turns still in line.
+      -- The least place among the work turns still in line: read with the turns
+      -- ahead (one of a lower place than this turn's would be among them).
       local v = order
-      local least = least_work_place()
-      if least and least < v then v = least end
+      if least_ahead and least_ahead < v then v = least_ahead end
       S['fair_time'] = math.max(get('fair_time'), v)
     end
     S['last_admit'] = now
@@ -1013,7 +1016,8 @@ local function acquire(a)
   -- waits is put there by put_waiter).
   -- What the turns ahead hold of each bucket: their line cost, their requests,
   -- their input, the output they keep.
-  local ahead, other, last_clear = turns_ahead(id, order, tenant)
+  local ahead, other, last_clear
+  ahead, other, last_clear, least_ahead = turns_ahead(id, order, tenant)
   local wait, fits = 0, true
   -- The head may go to find a window's next reset when nothing else holds it
   -- and no call cleared since the last reset will bring it (one in flight for

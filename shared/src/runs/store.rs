@@ -140,6 +140,43 @@ impl TryFrom<TurnJobWire> for TurnJob {
     }
 }
 
+/// What a turn owed budget asks the pacer again when it comes back: carried
+/// in its payload, so it asks before it starts, and a turn still owed is
+/// requeued without its run's record or history being read again (a wait
+/// round then costs the ask and the requeue, not a whole start). The run
+/// cannot change while its turn waits, so neither can what the turn asks.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PacedAsk {
+    /// The model (the pacer keeps one state per budget and model).
+    pub model: String,
+    /// The run's provider (`PACELINE_PROVIDERS`), whose pacer it asks; none: the first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider: Option<String>,
+    /// Work or companion.
+    pub mode: crate::pacer::Mode,
+    /// The run's tenant (its line and share).
+    pub tenant: String,
+    /// The call's estimated tokens (input and output reservation).
+    pub tokens: u64,
+    /// Requests (1).
+    pub requests: u64,
+    /// The output tokens reserved.
+    pub output: u64,
+}
+
+/// A turn as the queue carries it: its job and, after a budget wait, the ask
+/// it makes again first. (The payload's format stays 1: a worker that does
+/// not know `ask` ignores it and starts the turn as before.)
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Turn {
+    /// Which turn, which attempt.
+    #[serde(flatten)]
+    pub job: TurnJob,
+    /// The pacer's ask of a turn that waited for budget.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ask: Option<PacedAsk>,
+}
+
 /// An `Idempotency-Key` and a fingerprint of the body it came with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Idempotency {
@@ -881,6 +918,22 @@ impl RunStore {
         lease: &Lease,
         job: TurnJob,
         next: TurnJob,
+        delay_ms: u64,
+        reason: WaitReason,
+        event_kind: &str,
+        event_data: &Value,
+    ) -> Result<Fence, StoreError> {
+        self.wait_asking(lease, job, Turn { job: next, ask: None }, delay_ms, reason, event_kind, event_data).await
+    }
+
+    /// [`wait`](Self::wait) for `next`, which carries the pacer's ask to make
+    /// again before the turn starts (a budget wait).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn wait_asking(
+        &self,
+        lease: &Lease,
+        job: TurnJob,
+        next: Turn,
         delay_ms: u64,
         reason: WaitReason,
         event_kind: &str,

@@ -632,3 +632,50 @@ async fn a_payload_or_record_of_a_newer_format_ends_its_run_with_the_reason_not_
     assert_eq!(app.mock.stats().requests, 0, "neither was run");
     app.stop_workers().await;
 }
+
+/// A turn owed budget is requeued, and when it comes back it asks the pacer
+/// again before it starts (the ask rides in its payload): one still owed is
+/// requeued again without reading its run or its history, so a turn starts
+/// once before its first wait and once when it is finally clear, however many
+/// times it waited — and every run still completes with every call paced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_still_owed_when_it_comes_back_waits_again_without_starting() {
+    // 3 000 tokens per 2 s window: 12 runs of ~700-token calls queue for it.
+    let app = App::start(MockConfig {
+        tpm: 3_000,
+        rpm: 10_000,
+        window: Duration::from_secs(2),
+        tool_rounds: 1,
+        latency: Duration::from_millis(20),
+        ..MockConfig::default()
+    })
+    .await;
+    let mut app = app;
+    app.spawn_worker(app.config());
+    let mut ids = vec![];
+    for i in 0..12 {
+        let mut body = tool_run(&app, "lookup");
+        body["input"] = json!(format!("task number {i}: {}", "background ".repeat(100)));
+        body["max_output_tokens"] = json!(300);
+        ids.push(app.submit(body).await.id);
+    }
+    let (mut waited_again, mut turns) = (0, 0);
+    for id in &ids {
+        let run = app.wait_finished(id, secs(90)).await;
+        assert_eq!(run.status, RunStatus::Completed, "{run:?}");
+        let events = app.store.events(TENANT, id, None, None, 1_000).await.unwrap().unwrap();
+        for turn in 0..run.turns_completed {
+            let of = |kind: &str| {
+                events.iter().filter(|e| e.kind == kind && e.data["turn"].as_u64() == Some(turn as u64)).count()
+            };
+            let (started, paced) = (of("turn.started"), of("turn.paced"));
+            turns += 1;
+            waited_again += usize::from(paced >= 2);
+            assert!(started <= 2, "run {id} turn {turn}: started {started} times for {paced} waits");
+            assert_eq!(started, 1 + usize::from(paced > 0), "run {id} turn {turn}: {paced} waits");
+        }
+    }
+    assert!(waited_again >= 3, "only {waited_again} of {turns} turns waited more than once: the test proves nothing");
+    assert_eq!(app.mock.stats().rate_limited, 0, "a turn asked again and sent before it was clear");
+    app.stop_workers().await;
+}
