@@ -64,12 +64,66 @@ pub fn warm_up() {
 
 /// Tokens of `text` in `o200k_base`. Special-token text (`<|endoftext|>`) in a
 /// tool output or a message is ordinary text to the provider, and is counted
-/// as such.
+/// as such. A long text is counted once per process and then remembered
+/// ([`Memo`]): every turn of a run sends its history again, and counting it
+/// again was a fifth of a worker's CPU.
 pub fn count_text(text: &str) -> u64 {
     if text.is_empty() {
         return 0;
     }
-    bpe().encode_ordinary(text).len() as u64
+    if text.len() < Memo::MIN_LEN {
+        return bpe().encode_ordinary(text).len() as u64;
+    }
+    let key = Memo::key(text);
+    if let Some(n) = MEMO.lock().unwrap_or_else(|e| e.into_inner()).get(key) {
+        return n;
+    }
+    let n = bpe().encode_ordinary(text).len() as u64;
+    MEMO.lock().unwrap_or_else(|e| e.into_inner()).put(key, n);
+    n
+}
+
+static MEMO: std::sync::LazyLock<std::sync::Mutex<Memo>> = std::sync::LazyLock::new(Default::default);
+
+/// The token counts of the long texts this process counted lately, by a
+/// 64-bit hash of the text and its length: two generations of at most
+/// [`Memo::GENERATION`] texts each, the older dropped when the newer fills (a
+/// text counted again moves to the newer). Bounded, and no clock.
+#[derive(Default)]
+struct Memo {
+    newer: std::collections::HashMap<(u64, usize), u64>,
+    older: std::collections::HashMap<(u64, usize), u64>,
+}
+
+impl Memo {
+    /// Texts shorter than this are counted each time. (Hashing a short text
+    /// costs a tenth of counting it: ids, names and roles repeat at every turn too.)
+    const MIN_LEN: usize = 8;
+    /// Texts per generation.
+    const GENERATION: usize = 8_192;
+
+    fn key(text: &str) -> (u64, usize) {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        text.hash(&mut h);
+        (h.finish(), text.len())
+    }
+
+    fn get(&mut self, key: (u64, usize)) -> Option<u64> {
+        if let Some(n) = self.newer.get(&key) {
+            return Some(*n);
+        }
+        let n = self.older.remove(&key)?;
+        self.put(key, n);
+        Some(n)
+    }
+
+    fn put(&mut self, key: (u64, usize), n: u64) {
+        if self.newer.len() >= Self::GENERATION {
+            self.older = std::mem::take(&mut self.newer);
+        }
+        self.newer.insert(key, n);
+    }
 }
 
 /// The tokens a request body may cost: its billed input plus
@@ -383,6 +437,26 @@ mod tests {
             assert!(took.as_secs() < 10, "{took:?}");
         }
     }
+    #[test]
+    fn a_long_text_counted_again_is_remembered_and_the_memo_stays_bounded() {
+        let long = "a tool's output, read again at every turn of its run. ".repeat(40);
+        let exact = bpe().encode_ordinary(&long).len() as u64;
+        assert_eq!(count_text(&long), exact);
+        assert_eq!(count_text(&long), exact, "remembered, and the same");
+        assert!(MEMO.lock().unwrap().get(Memo::key(&long)).is_some());
+        // A text one character off is another text, counted on its own.
+        let other = format!("{long}!");
+        assert_eq!(count_text(&other), bpe().encode_ordinary(&other).len() as u64);
+        // Two generations at most.
+        let mut memo = Memo::default();
+        for i in 0..(3 * Memo::GENERATION) {
+            memo.put((i as u64, 300), i as u64);
+        }
+        assert!(memo.newer.len() + memo.older.len() <= 2 * Memo::GENERATION);
+        assert_eq!(memo.get(((3 * Memo::GENERATION - 1) as u64, 300)), Some((3 * Memo::GENERATION - 1) as u64));
+        assert_eq!(memo.get((0, 300)), None, "the oldest generation is gone");
+    }
+
     #[test]
     fn calibration_learns_the_providers_count_within_bounds() {
         let mut c = Calibration::new();

@@ -256,6 +256,11 @@ end
 -- is written at once with its two index entries, in the same script, so the next op
 -- of a batch reads what the last one left; Wc caches what was read (false: absent).
 local F, changed, Wc = {}, {}, {}
+-- No waiter at all when the script began, and none put since: every waiter query
+-- answers "none" without asking (a budget with room has no line; its asks and settles
+-- then read no waiter). Waiters and their two indexes are written together, so an
+-- empty line is an empty lapse index too.
+local no_waiters = redis.call('ZCARD', line_key) == 0
 do
   local raw = redis.call('HGETALL', flights)
   for i = 1, #raw, 2 do
@@ -268,6 +273,7 @@ end
 -- Waiter `id`, or nil.
 local function waiter_of(id)
   local w = Wc[id]
+  if w == nil and no_waiters then return nil end
   if w == nil then
     w = rec_decode(redis.call('HGET', waiters, id))
     if not (w and w[KIND] == 'w') then w = false end
@@ -280,6 +286,7 @@ end
 -- the ids from the line, the records read in one HMGET (a slice a time) but for those
 -- this script read already.
 local function each_waiter_upto(order, visit)
+  if no_waiters then return end
   local ids = redis.call('ZRANGEBYSCORE', line_key, '-inf', order)
   local n = #ids
   for i = 1, n, 1000 do
@@ -323,6 +330,7 @@ local function put(id, r)
       F[id] = nil
       changed[id] = true
     end
+    no_waiters = false
     redis.call('HSET', waiters, id, rec_encode(r))
     redis.call('ZADD', line_key, r[ORDER], id)
     -- It lapses at due + grace (model.rs, expire).
@@ -712,7 +720,8 @@ local function expire()
       drop(id)
     end
   end
-  local lapsed = redis.call('ZRANGEBYSCORE', lapse_key, '-inf', now)
+  local lapsed = {}
+  if not no_waiters then lapsed = redis.call('ZRANGEBYSCORE', lapse_key, '-inf', now) end
   for i = 1, #lapsed, 500 do
     local chunk = {unpack(lapsed, i, math.min(i + 499, #lapsed))}
     redis.call('HDEL', waiters, unpack(chunk))

@@ -606,7 +606,7 @@ async fn each_step_of_a_turn_costs_few_redis_commands() {
     let ceiling = |name: &str| match name {
         "fetch" | "fetch again" => 9,
         "start" => 8,
-        "pacer acquire" => 10,
+        "pacer acquire" => 8,
         "pacer settle" => 7,
         "record output" => 8,
         "commit" => 13,
