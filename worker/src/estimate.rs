@@ -65,7 +65,7 @@ pub fn warm_up() {
 /// Tokens of `text` in `o200k_base`. Special-token text (`<|endoftext|>`) in a
 /// tool output or a message is ordinary text to the provider, and is counted
 /// as such. A long text is counted once per process and then remembered
-/// ([`Memo`]): every turn of a run sends its history again, and counting it
+/// (`Memo`, private): every turn of a run sends its history again, and counting it
 /// again was a fifth of a worker's CPU.
 pub fn count_text(text: &str) -> u64 {
     if text.is_empty() {
