@@ -22,8 +22,8 @@ use shared::pacer::{
 use shared::queue::Lease;
 use shared::runs::state::event;
 use shared::runs::{
-    ErrorKind, Fence, Next, PacedAsk, Phase, RunStore, Started, StoreError, TranscriptEntry, Turn, TurnContext,
-    TurnJob, Usage, WaitReason,
+    ErrorKind, Fence, ModelOutput, Next, PacedAsk, Phase, RunStore, Started, StoreError, TranscriptEntry, Turn,
+    TurnContext, TurnJob, Usage, WaitReason,
 };
 
 use crate::provider::{CallFailure, CallSuccess, StreamEvent, ToolCall};
@@ -33,6 +33,12 @@ use shared::telemetry::metric;
 
 /// Text deltas arriving within this of each other are one `turn.output_text.delta` event.
 const DELTA_BATCH: Duration = Duration::from_millis(50);
+
+/// Tool calls that answer within this of the model's output are committed
+/// with it in one script; slower ones see the output committed first, while
+/// they run, so a crash during them does not call the model again. (A crash
+/// inside this window does: the price of one script less for quick tools.)
+const OUTPUT_GRACE: Duration = Duration::from_millis(100);
 
 /// The knobs of running turns.
 #[derive(Debug, Clone)]
@@ -198,7 +204,7 @@ impl Runner {
             if let Err(error) = self.store.emit_all(&lease.id, event::TURN_TOOL_CALL, &announced).await {
                 tracing::warn!(message = "could not write the tool calls' events", %error, run.id = %lease.id);
             }
-            self.run_tools_and_commit(lease, job, &ctx, &calls, &cancel).await?
+            self.run_tools_and_commit(lease, job, &ctx, &calls, &cancel, None).await?
         } else {
             self.call_model(lease, job, &ctx, &cancel, cleared.is_some()).await?
         };
@@ -418,18 +424,17 @@ impl Runner {
             let fence = self.store.commit(lease, job, &success.output, usage, &next).await?;
             return Ok(settled(lease, fence, TurnOutcome::Failed));
         }
-        // Commit the model's output before running tools: a crash while they
-        // run then re-calls no model. The same script announces the tool calls.
+        // The tool calls, announced by whichever script commits the output.
         let announced: Vec<(&str, Value)> =
             tool_call_events(lease, job, &success.tool_calls).into_iter().map(|e| (event::TURN_TOOL_CALL, e)).collect();
-        if let Fence::Stop(why) =
-            self.store.record_output_with_events(lease, job, &success.output, usage, &announced).await?
-        {
-            return Ok(settled(lease, Fence::Stop(why), TurnOutcome::Stopped));
-        }
-        self.run_tools_and_commit(lease, job, ctx, &success.tool_calls, cancel).await
+        let output = ModelOutput { items: &success.output, usage, events: &announced };
+        self.run_tools_and_commit(lease, job, ctx, &success.tool_calls, cancel, Some(output)).await
     }
 
+    /// Runs the tool calls and commits their results. `output`, the model's
+    /// output when it is not committed yet, is committed before the tools
+    /// finish if they take longer than [`OUTPUT_GRACE`] (a crash while they
+    /// run then re-calls no model), else with their results, in one script.
     async fn run_tools_and_commit(
         &self,
         lease: &Lease,
@@ -437,16 +442,42 @@ impl Runner {
         ctx: &TurnContext,
         calls: &[ToolCall],
         cancel: &Cancel,
+        output: Option<ModelOutput<'_>>,
     ) -> Result<TurnOutcome, TurnError> {
         if cancel.is_cancelled() {
             return self.cancelled(lease, ctx).await;
         }
         let endpoint = ctx.spec.tool_endpoint.as_deref().unwrap_or_default();
-        // A cancel drops the tool calls still running; none starts after it.
-        let results = tokio::select! {
-            r = self.tools.run(endpoint, &ctx.tenant, &lease.id, calls) => r,
-            () = cancel.wait() => return self.cancelled(lease, ctx).await,
+        let tools = self.tools.run(endpoint, &ctx.tenant, &lease.id, calls);
+        let record = async {
+            match &output {
+                Some(o) => {
+                    tokio::time::sleep(OUTPUT_GRACE).await;
+                    self.store.record_output_with_events(lease, job, o.items, o.usage, o.events).await
+                }
+                None => std::future::pending().await,
+            }
         };
+        // An output step still under way when the tools answer is given up
+        // on (dropped with this box): the commit finds whether it landed (the
+        // turn's phase) and writes the output once.
+        let mut record = Box::pin(record);
+        tokio::pin!(tools);
+        let mut recording = output.is_some();
+        // A cancel drops the tool calls still running; none starts after it.
+        let results = loop {
+            tokio::select! {
+                r = &mut tools => break r,
+                fence = &mut record, if recording => {
+                    recording = false;
+                    if let Fence::Stop(why) = fence? {
+                        return Ok(settled(lease, Fence::Stop(why), TurnOutcome::Stopped));
+                    }
+                }
+                () = cancel.wait() => return self.cancelled(lease, ctx).await,
+            }
+        };
+        drop(record);
         let mut items = Vec::with_capacity(results.len());
         let mut reported = Vec::with_capacity(results.len());
         for r in &results {
@@ -461,8 +492,10 @@ impl Runner {
             items.push(json!({"type": "function_call_output", "call_id": r.call_id, "output": clipped.text}));
         }
         // The results are written by the commit itself: once, and only if it lands.
-        let fence =
-            self.store.commit_with_events(lease, job, &items, Usage::default(), &Next::Continue, &reported).await?;
+        let fence = self
+            .store
+            .commit_with_output(lease, job, output.as_ref(), &items, Usage::default(), &Next::Continue, &reported)
+            .await?;
         Ok(settled(lease, fence, TurnOutcome::Continued))
     }
 

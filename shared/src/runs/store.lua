@@ -19,18 +19,47 @@ local function event(kind, data)
   return redis.call('XADD', EV, 'MAXLEN', '~', EV_MAXLEN, '*', 'type', kind, 'data', data)
 end
 
+-- Writes the events `list` (type, data, type, data, …) as one entry of the stream:
+-- `type`/`data`, then `type1`/`data1`, … (store.rs `RunEvent::from_entry` reads them
+-- back as events of their own). A step's events cost one XADD, not one each.
+-- Returns the entry's id (nil: no events).
+local function event_entry(list)
+  if #list == 0 then return nil end
+  local args = {'XADD', EV, 'MAXLEN', '~', EV_MAXLEN, '*'}
+  for i = 1, #list, 2 do
+    local k = (i - 1) / 2
+    local suffix = k == 0 and '' or tostring(k)
+    args[#args + 1] = 'type' .. suffix
+    args[#args + 1] = list[i]
+    args[#args + 1] = 'data' .. suffix
+    args[#args + 1] = list[i + 1]
+  end
+  return redis.call(unpack(args))
+end
+
+-- The Redis server's clock in ms, read off the id of an event just written: XADD
+-- stamps an entry with the server's clock (never earlier than the stream's last
+-- entry), so a step that writes an event needs no TIME of its own.
+local function stamped(event_id)
+  return tonumber(string.match(event_id, '^(%d+)'))
+end
+
 local finished = q_run_finished
 
 -- The record's usage counters a call adds to (record.rs `field`).
 local USAGE_FIELDS = {'input_tokens', 'output_tokens', 'reasoning_tokens', 'cached_input_tokens'}
 
--- Adds one call's usage (a JSON object of those counters; missing ones are 0)
--- to the record's counters as read in `f`: the new values go into `set`, the
--- field/value pairs of the script's one HSET (one write, not one per counter).
-local function add_usage(f, json, set)
-  local u = cjson.decode(json)
+-- Adds calls' usage (JSON objects of those counters; missing ones are 0; ''
+-- none) to the record's counters as read in `f`: the new values go into `set`,
+-- the field/value pairs of the script's one HSET (one write, not one per counter).
+local function add_usage(f, set, ...)
+  local us = {}
+  for _, json in ipairs({...}) do
+    if json ~= '' then us[#us + 1] = cjson.decode(json) end
+  end
   for _, k in ipairs(USAGE_FIELDS) do
-    local add = math.floor(tonumber(u[k]) or 0)
+    local add = 0
+    for _, u in ipairs(us) do add = add + math.floor(tonumber(u[k]) or 0) end
     if add ~= 0 then
       set[#set + 1] = k
       set[#set + 1] = string.format('%d', (tonumber(f[k]) or 0) + add)
@@ -61,13 +90,12 @@ local function append_entries(from, tag, f, set)
   end
 end
 
--- Writes the events ARGV[at+1 ..] (ARGV[at]: how many; each a type and its data) and
--- returns where the arguments after them begin: the events a step announces are
+-- Writes the events ARGV[at+1 ..] (ARGV[at]: how many; each a type and its data), as
+-- one entry, and returns where the arguments after them begin, and the entry's id (nil: none): the events a step announces are
 -- written by its own fenced script (a stale holder writes none, a retried step none twice).
 local function events_from(at)
   local n = tonumber(ARGV[at]) or 0
-  for i = at + 1, at + 2 * n, 2 do event(ARGV[i], ARGV[i + 1]) end
-  return at + 1 + 2 * n
+  return at + 1 + 2 * n, event_entry({unpack(ARGV, at + 1, at + 2 * n)})
 end
 
 -- A finished run's keys live for the retention period, then go.
@@ -129,7 +157,7 @@ if op == 'create' then
     end
   end
   if redis.call('EXISTS', RUN) == 1 then return {'exists', id} end
-  local now = q_now()
+  local now = stamped(event('run.queued', ARGV[8]))
   local fields = cjson.decode(ARGV[7])
   local flat = {}
   for k, v in pairs(fields) do
@@ -137,8 +165,7 @@ if op == 'create' then
     flat[#flat + 1] = tostring(v)
   end
   redis.call('HSET', RUN, 'tenant', tenant, 'created_ms', now, 'updated_ms', now, unpack(flat))
-  for i = 9, #ARGV do redis.call('RPUSH', TX, ARGV[i]) end
-  event('run.queued', ARGV[8])
+  for i = 9, #ARGV, 500 do redis.call('RPUSH', TX, unpack(ARGV, i, math.min(i + 499, #ARGV))) end
   redis.call('ZADD', IDX, now, id)
   redis.call('ZADD', (q_run_active(RUN, tenant)), now, id)
   if fp ~= '' then redis.call('SET', IDEM, id .. '|' .. fp, 'PX', tonumber(ARGV[5])) end
@@ -213,9 +240,10 @@ if op == 'start' then
   why = check_run(f, ARGV[4])
   if why then return {'stop', why} end
   local status = f.status
-  local now = q_now()
+  local now
   -- A run past its wall-clock deadline (max_run_seconds) fails here, before any call.
   local max_run = tonumber(f.max_run_ms or '')
+  if max_run then now = q_now() end
   if max_run and now >= (tonumber(f.created_ms) or now) + max_run then
     local message = 'the run passed its max_run_seconds (' .. math.floor(max_run / 1000) .. ' s)'
     redis.call('HSET', RUN, 'status', 'failed', 'error_kind', 'deadline', 'error_message', message, 'updated_ms', now)
@@ -224,14 +252,16 @@ if op == 'start' then
     q_finish(id)
     return {'stop', 'deadline'}
   end
-  redis.call('HSET', RUN, 'status', 'running', 'updated_ms', now, 'wait_reason', '', 'next_attempt_ms', '',
-    'epoch', ARGV[3])
   -- Every delivery that starts says so with its epoch, a redelivery of a
   -- running turn too; its deltas and tool events carry the same epoch, so a
   -- listener can drop what a stale holder wrote in the moment before it stopped.
   if status ~= 'running' or f.epoch ~= ARGV[3] then
-    event('turn.started', cjson.encode({turn = tonumber(ARGV[4]), attempt = tonumber(ARGV[5]), epoch = tonumber(ARGV[3])}))
+    local eid = event('turn.started', cjson.encode({turn = tonumber(ARGV[4]), attempt = tonumber(ARGV[5]), epoch = tonumber(ARGV[3])}))
+    now = now or stamped(eid)
   end
+  now = now or q_now()
+  redis.call('HSET', RUN, 'status', 'running', 'updated_ms', now, 'wait_reason', '', 'next_attempt_ms', '',
+    'epoch', ARGV[3])
   -- What the turn needs, in the same step: {'ok', n, n transcript entries,
   -- the record's field/value pairs} (appended, not unpacked: a long
   -- transcript would overflow Lua's stack). The pairs are as read before this
@@ -251,7 +281,7 @@ if op == 'wait' then
   if counter ~= '' then more[2] = counter end
   local r, f, why = fenced(ARGV[3], ARGV[4], more)
   if not r then return {'stop', why} end
-  local now = q_now()
+  local now = stamped(event(ARGV[9], ARGV[10]))
   local delay = tonumber(ARGV[6])
   local set = {'status', 'waiting', 'wait_reason', ARGV[7], 'next_attempt_ms', now + delay, 'updated_ms', now,
     'waited_ms', string.format('%d', (tonumber(f.waited_ms) or 0) + delay)}
@@ -260,7 +290,6 @@ if op == 'wait' then
     set[#set + 1] = string.format('%d', (tonumber(f[counter]) or 0) + 1)
   end
   redis.call('HSET', RUN, unpack(set))
-  event(ARGV[9], ARGV[10])
   r.payload = ARGV[5]
   r.deliveries = 0
   q_schedule(id, r, now + delay, now)
@@ -276,9 +305,10 @@ if op == 'output' then
   local r, f, why = fenced(ARGV[3], ARGV[4], usage_and({'phase', 'txi:' .. tag}))
   if not r then return {'stop', why} end
   if f.phase == 'tools' then return {'ok'} end
-  local set = {'phase', 'tools', 'updated_ms', q_now()}
-  append_entries(events_from(6), tag, f, set)
-  add_usage(f, ARGV[5], set)
+  local from, eid = events_from(6)
+  local set = {'phase', 'tools', 'updated_ms', eid and stamped(eid) or q_now()}
+  append_entries(from, tag, f, set)
+  add_usage(f, set, ARGV[5])
   redis.call('HSET', RUN, unpack(set))
   return {'ok'}
 end
@@ -288,21 +318,41 @@ if op == 'commit' then
   -- [6] next: 'continue' | 'complete' | 'fail',
   -- [7] next job payload (continue) or final text (complete) or error kind (fail),
   -- [8] error message (fail), [9] turn.completed data, [10] retention ms,
-  -- [11] n events written before turn.completed (the tool results), then n type/data
-  -- pairs, then the entries appended
+  -- [11] the model output's usage JSON ('' none), [12] how many of the events and
+  -- [13] how many of the entries below are the model output's (its tool calls announced,
+  -- its items): a turn whose tools answered at once commits its output here rather than
+  -- in an 'output' step of its own; when that step did run (phase 'tools': the tools were
+  -- slow, or this is a redelivery) they are written already and are skipped here.
+  -- [14] n events written before turn.completed (the output's, then the tool results), then
+  -- n type/data pairs, then the entries appended
   local tag = tonumber(ARGV[4]) + 1
-  local r, f, why = fenced(ARGV[3], ARGV[4], usage_and({'txi:' .. tag}))
+  local r, f, why = fenced(ARGV[3], ARGV[4], usage_and({'txi:' .. tag, 'phase'}))
   if not r then return {'stop', why} end
-  local now = q_now()
   local turns = (tonumber(f.turns) or 0) + 1
-  local set = {'turns', turns, 'phase', '', 'updated_ms', now}
-  append_entries(events_from(11), tag, f, set)
-  add_usage(f, ARGV[5], set)
+  local recorded = f.phase == 'tools'
+  local n = tonumber(ARGV[14]) or 0
+  local skip = recorded and tonumber(ARGV[12]) or 0
+  -- The step's events, one entry: the output's tool calls (unless written), the
+  -- tool results, turn.completed, and the run's end when it ends here.
+  local events = {unpack(ARGV, 15 + 2 * skip, 14 + 2 * n)}
+  local from = 15 + 2 * n + (recorded and tonumber(ARGV[13]) or 0)
+  events[#events + 1] = 'turn.completed'
+  events[#events + 1] = ARGV[9]
   local next = ARGV[6]
+  if next == 'complete' then
+    events[#events + 1] = 'run.completed'
+    events[#events + 1] = cjson.encode({output_text = ARGV[7], turns = turns})
+  elseif next ~= 'continue' then
+    events[#events + 1] = 'run.failed'
+    events[#events + 1] = cjson.encode({error = {kind = ARGV[7], message = ARGV[8]}, turns = turns})
+  end
+  local now = stamped(event_entry(events))
+  local set = {'turns', turns, 'phase', '', 'updated_ms', now}
+  append_entries(from, tag, f, set)
+  add_usage(f, set, ARGV[5], recorded and '' or ARGV[11])
   if next == 'continue' then
     for _, v in ipairs({'status', 'queued', 'wait_reason', '', 'next_attempt_ms', ''}) do set[#set + 1] = v end
     redis.call('HSET', RUN, unpack(set))
-    event('turn.completed', ARGV[9])
     r.payload = ARGV[7]
     r.deliveries = 0
     q_schedule(id, r, now, now)
@@ -312,16 +362,12 @@ if op == 'commit' then
   if next == 'complete' then
     for _, v in ipairs({'status', 'completed', 'output_text', ARGV[7]}) do set[#set + 1] = v end
     redis.call('HSET', RUN, unpack(set))
-    event('turn.completed', ARGV[9])
     retire(now, ARGV[10])
-    event('run.completed', cjson.encode({output_text = ARGV[7], turns = turns}))
     return {'completed', tostring(turns)}
   end
   for _, v in ipairs({'status', 'failed', 'error_kind', ARGV[7], 'error_message', ARGV[8]}) do set[#set + 1] = v end
   redis.call('HSET', RUN, unpack(set))
-  event('turn.completed', ARGV[9])
   retire(now, ARGV[10])
-  event('run.failed', cjson.encode({error = {kind = ARGV[7], message = ARGV[8]}, turns = turns}))
   return {'failed', tostring(turns)}
 end
 
@@ -330,12 +376,11 @@ if op == 'fail' then
   -- [8] usage JSON (of a call that was answered)
   local r, f, why = fenced(ARGV[3], nil, usage_and({}))
   if not r then return {'stop', why} end
-  local now = q_now()
+  local now = stamped(event('run.failed', cjson.encode({error = {kind = ARGV[5], message = ARGV[6]}})))
   local set = {'status', 'failed', 'error_kind', ARGV[5], 'error_message', ARGV[6]}
-  add_usage(f, ARGV[8], set)
+  add_usage(f, set, ARGV[8])
   redis.call('HSET', RUN, unpack(set))
   retire(now, ARGV[7])
-  event('run.failed', cjson.encode({error = {kind = ARGV[5], message = ARGV[6]}}))
   q_finish(id)
   return {'failed'}
 end

@@ -207,11 +207,26 @@ pub struct RunEvent {
 }
 
 impl RunEvent {
-    /// An entry of a run's events stream (`type`, `data` fields).
-    fn from_entry(entry: redis::streams::StreamId) -> Self {
-        let kind: String = entry.get("type").unwrap_or_default();
-        let data: String = entry.get("data").unwrap_or_default();
-        Self { id: entry.id, kind, data: serde_json::from_str(&data).unwrap_or(Value::Null) }
+    /// The events of an entry of a run's events stream: `type` and `data`,
+    /// then `type1`/`data1`, `type2`/`data2`, … when one step wrote several
+    /// events at once (`store.lua` `event_entry`: one `XADD`, not one per
+    /// event). The entry's last event has the entry's id; those before it the
+    /// entry's id and their place, `<entry id>.<k>` (see [`valid_stream_id`]),
+    /// so a client that got them all resumes after the entry, and one that
+    /// stopped inside it resumes inside it.
+    fn from_entry(entry: redis::streams::StreamId) -> Vec<Self> {
+        let mut out = vec![];
+        for k in 0.. {
+            let suffix = if k == 0 { String::new() } else { k.to_string() };
+            let Some(kind) = entry.get::<String>(&format!("type{suffix}")) else { break };
+            let data: String = entry.get(&format!("data{suffix}")).unwrap_or_default();
+            let id = format!("{}.{k}", entry.id);
+            out.push(Self { id, kind, data: serde_json::from_str(&data).unwrap_or(Value::Null) });
+        }
+        if let Some(last) = out.last_mut() {
+            last.id = entry.id;
+        }
+        out
     }
 }
 
@@ -765,16 +780,26 @@ impl RunStore {
             cmd.arg(self.keys.run_events(id));
         }
         for (_, after) in &from {
-            cmd.arg(if valid_stream_id(after) { after.as_str() } else { "0-0" });
+            // After an event inside an entry, the read takes that entry again
+            // (from the id before it) and its events up to `after` are left out below.
+            cmd.arg(EventId::parse(after).map_or_else(|| "0-0".to_owned(), EventId::read_from));
         }
         let mut conn = self.conn.clone();
         let reply: Option<redis::streams::StreamReadReply> = cmd.query_async(&mut conn).await?;
         let by_key: std::collections::HashMap<String, &str> =
             from.iter().map(|(id, _)| (self.keys.run_events(id), id.as_str())).collect();
+        let after_of: std::collections::HashMap<&str, Option<EventId>> =
+            from.iter().map(|(id, after)| (id.as_str(), EventId::parse(after))).collect();
         let mut out = vec![];
         for key in reply.map(|r| r.keys).unwrap_or_default() {
             let Some(id) = by_key.get(&key.key) else { continue };
-            let events = key.ids.into_iter().map(RunEvent::from_entry).collect();
+            let after = after_of.get(id).copied().flatten();
+            let events = key
+                .ids
+                .into_iter()
+                .flat_map(RunEvent::from_entry)
+                .filter(|e| after.is_none_or(|a| EventId::parse(&e.id).is_some_and(|e| e > a)))
+                .collect();
             out.push(((*id).to_owned(), events));
         }
         Ok(out)
@@ -793,7 +818,7 @@ impl RunStore {
             .arg(500)
             .query_async(&mut conn)
             .await?;
-        Ok(reply.ids.into_iter().map(RunEvent::from_entry).any(|e| {
+        Ok(reply.ids.into_iter().flat_map(RunEvent::from_entry).any(|e| {
             e.kind == crate::runs::state::event::TURN_OUTPUT_TEXT_DELTA && e.data["turn"].as_u64() == Some(turn as u64)
         }))
     }
@@ -803,28 +828,20 @@ impl RunStore {
         self.emit_all(id, kind, std::slice::from_ref(data)).await
     }
 
-    /// Appends events of one kind outside a commit, in order, in one round
-    /// trip (a turn's tool calls, its tool results).
+    /// Appends events of one kind outside a commit, in order, as one entry
+    /// of the stream (a turn's tool calls announced again; see [`RunEvent`]).
     pub async fn emit_all(&self, id: &str, kind: &str, data: &[Value]) -> Result<(), StoreError> {
         if data.is_empty() {
             return Ok(());
         }
-        let mut pipe = redis::pipe();
-        for d in data {
-            pipe.cmd("XADD")
-                .arg(self.keys.run_events(id))
-                .arg("MAXLEN")
-                .arg("~")
-                .arg(EVENTS_MAXLEN)
-                .arg("*")
-                .arg("type")
-                .arg(kind)
-                .arg("data")
-                .arg(d.to_string())
-                .ignore();
+        let mut cmd = redis::cmd("XADD");
+        cmd.arg(self.keys.run_events(id)).arg("MAXLEN").arg("~").arg(EVENTS_MAXLEN).arg("*");
+        for (k, d) in data.iter().enumerate() {
+            let suffix = if k == 0 { String::new() } else { k.to_string() };
+            cmd.arg(format!("type{suffix}")).arg(kind).arg(format!("data{suffix}")).arg(d.to_string());
         }
         let mut conn = self.conn.clone();
-        let () = pipe.query_async(&mut conn).await?;
+        let _: String = cmd.query_async(&mut conn).await?;
         Ok(())
     }
 
@@ -1016,6 +1033,26 @@ impl RunStore {
         next: &Next,
         events: &[(&str, Value)],
     ) -> Result<Fence, StoreError> {
+        self.commit_with_output(lease, job, None, items, usage, next, events).await
+    }
+
+    /// [`commit_with_events`](Self::commit_with_events), committing the
+    /// model's `output` too when its own step ([`record_output_with_events`](Self::record_output_with_events))
+    /// has not (a turn whose tools answered at once: one script, not two). When
+    /// it has — the tools were slow, or it landed just before its answer was
+    /// given up on — the script finds the turn in its tools phase and writes
+    /// the output's items, events and usage once, not twice.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn commit_with_output(
+        &self,
+        lease: &Lease,
+        job: TurnJob,
+        output: Option<&ModelOutput<'_>>,
+        items: &[Value],
+        usage: Usage,
+        next: &Next,
+        events: &[(&str, Value)],
+    ) -> Result<Fence, StoreError> {
         let (kind, a, b) = match next {
             Next::Continue => {
                 let job = TurnJob { turn: job.turn + 1, attempt: 1 };
@@ -1034,9 +1071,18 @@ impl RunStore {
             .arg(a)
             .arg(b)
             .arg(data.to_string())
-            .arg(self.retention_ms());
-        event_args(&mut inv, events);
-        for item in items {
+            .arg(self.retention_ms())
+            .arg(output.map(|o| usage_arg(o.usage)).unwrap_or_default())
+            .arg(output.map_or(0, |o| o.events.len()))
+            .arg(output.map_or(0, |o| o.items.len()));
+        let no_events: &[(&str, Value)] = &[];
+        let output_events = output.map_or(no_events, |o| o.events);
+        inv.arg(output_events.len() + events.len());
+        for (kind, data) in output_events.iter().chain(events) {
+            inv.arg(*kind).arg(data.to_string());
+        }
+        let output_items = output.map_or(&[][..], |o| o.items);
+        for item in output_items.iter().chain(items) {
             inv.arg(
                 serde_json::to_string(&TranscriptEntry { turn: job.turn + 1, item: item.clone() }).unwrap_or_default(),
             );
@@ -1063,6 +1109,18 @@ impl RunStore {
             .arg(usage_arg(usage));
         Self::fence(&self.invoke_fenced(inv).await?)
     }
+}
+
+/// A model's output with tool calls to run: its items, its call's usage and
+/// the events that announce its tool calls (see [`RunStore::commit_with_output`]).
+#[derive(Debug, Clone, Copy)]
+pub struct ModelOutput<'a> {
+    /// The output items (function calls, messages, reasoning).
+    pub items: &'a [Value],
+    /// What the call used.
+    pub usage: Usage,
+    /// The `turn.tool_call` events (type, data).
+    pub events: &'a [(&'a str, Value)],
 }
 
 /// A step's events as its script reads them: how many, then each type and data.
@@ -1115,23 +1173,54 @@ pub fn parse_cursor(cursor: &str) -> Option<(i64, &str)> {
 }
 
 /// Event ids are the stream's ids: `1732960000000-0`, or the milliseconds
-/// alone (`1732960000000`). [`RunStore::events`] reads from the start after
-/// anything else; the API refuses it.
+/// alone (`1732960000000`), and for an event that is not the last of its
+/// entry, the entry's id and its place in it: `1732960000000-0.1` (see
+/// [`RunEvent`]). [`RunStore::events`] reads from the start after anything
+/// else; the API refuses it.
 pub fn valid_stream_id(id: &str) -> bool {
-    let (ms, seq) = id.split_once('-').unwrap_or((id, "0"));
-    (1..=20).contains(&ms.len())
-        && ms.bytes().all(|b| b.is_ascii_digit())
-        && (1..=20).contains(&seq.len())
-        && seq.bytes().all(|b| b.is_ascii_digit())
+    EventId::parse(id).is_some()
 }
 
-/// Whether event id `a` comes after `b` in their stream (`ms-seq`, compared as numbers).
+/// Whether event id `a` comes after `b` in their stream (compared as numbers:
+/// the entry's milliseconds and sequence, then the place in the entry, the
+/// entry's own id last). An id that is not one comes before every other.
 pub fn stream_id_after(a: &str, b: &str) -> bool {
-    fn parts(s: &str) -> (u64, u64) {
-        let (ms, seq) = s.split_once('-').unwrap_or((s, "0"));
-        (ms.parse().unwrap_or(0), seq.parse().unwrap_or(0))
+    EventId::parse(a) > EventId::parse(b)
+}
+
+/// An event id as numbers: its entry's `ms-seq`, and its place in the entry
+/// (`u64::MAX` for the entry's own id: its last event).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct EventId {
+    ms: u64,
+    seq: u64,
+    place: u64,
+}
+
+impl EventId {
+    fn parse(id: &str) -> Option<Self> {
+        fn number(s: &str) -> Option<u64> {
+            ((1..=20).contains(&s.len()) && s.bytes().all(|b| b.is_ascii_digit())).then(|| s.parse().ok())?
+        }
+        let (entry, place) = match id.split_once('.') {
+            Some((entry, place)) => (entry, number(place)?.min(u64::MAX - 1)),
+            None => (id, u64::MAX),
+        };
+        let (ms, seq) = entry.split_once('-').unwrap_or((entry, "0"));
+        Some(Self { ms: number(ms)?, seq: number(seq)?, place })
     }
-    parts(a) > parts(b)
+
+    /// The id an `XREAD` reads after to get the events after this one: its
+    /// entry's own for its last event, else the one before its entry (the
+    /// entry is read again).
+    fn read_from(self) -> String {
+        match (self.place, self.seq, self.ms) {
+            (u64::MAX, seq, ms) => format!("{ms}-{seq}"),
+            (_, 0, 0) => "0-0".to_owned(),
+            (_, 0, ms) => format!("{}-{}", ms - 1, u64::MAX),
+            (_, seq, ms) => format!("{ms}-{}", seq - 1),
+        }
+    }
 }
 
 /// Transcript entries as stored (JSON).
@@ -1175,12 +1264,32 @@ mod tests {
 
     #[test]
     fn stream_ids_are_checked() {
-        for ok in ["1732960000000-0", "1-1", "1732960000000"] {
+        for ok in ["1732960000000-0", "1-1", "1732960000000", "1732960000000-0.0", "1-1.12"] {
             assert!(valid_stream_id(ok), "{ok}");
         }
-        for bad in ["", "-1", "1-", "abc", "1-2-3", "1 -2", "99999999999999999999999-0"] {
+        for bad in
+            ["", "-1", "1-", "abc", "1-2-3", "1 -2", "99999999999999999999999-0", "1-0.", "1-0.x", ".1", "1-0.1.2"]
+        {
             assert!(!valid_stream_id(bad), "{bad}");
         }
+    }
+
+    #[test]
+    fn the_events_of_one_entry_come_in_order_and_before_the_next_entry() {
+        // An entry of three events: 10-1.0, 10-1.1, then 10-1 itself.
+        let order = ["9-5", "10-0", "10-1.0", "10-1.1", "10-1", "10-2.0", "10-2", "11-0"];
+        for w in order.windows(2) {
+            assert!(stream_id_after(w[1], w[0]) && !stream_id_after(w[0], w[1]), "{} then {}", w[0], w[1]);
+        }
+        assert!(!stream_id_after("10-1", "10-1"));
+        // A read after an entry's last event starts after the entry; after one
+        // inside it, before the entry (whose earlier events are then left out).
+        let from = |id: &str| EventId::parse(id).unwrap().read_from();
+        assert_eq!(from("10-1"), "10-1");
+        assert_eq!(from("10-1.0"), "10-0");
+        assert_eq!(from("10-0.3"), format!("9-{}", u64::MAX));
+        assert_eq!(from("0-0.1"), "0-0");
+        assert_eq!(from("1732960000000"), "1732960000000-0");
     }
 
     #[test]

@@ -706,6 +706,39 @@ async fn a_finished_runs_events_replay_close_and_resume_after_last_event_id() {
 }
 
 #[tokio::test]
+async fn events_written_in_one_step_are_events_of_their_own_and_resume_inside_it() {
+    // A step writes its events as one stream entry (one XADD): the stream
+    // shows each with an id of its own, in order, and a client that stopped
+    // inside the entry resumes after the last event it got, not after the entry.
+    let app = spawn_app().await;
+    let run = app.submit(ACME, &spec()).await;
+    let id = run["id"].as_str().unwrap();
+    let store = app.store().await;
+    let calls = [json!({"call_id": "a"}), json!({"call_id": "b"}), json!({"call_id": "c"})];
+    store.emit_all(id, "turn.tool_call", &calls).await.unwrap();
+    let (status, _) = app.post(&format!("/v1/runs/{id}/cancel"), ACME, &json!({})).await;
+    assert_eq!(status, 200);
+
+    let all = app.events(id, ACME, None).await;
+    let kinds: Vec<&str> = all.iter().map(|(_, k, _)| k.as_str()).collect();
+    assert_eq!(kinds, ["run.queued", "turn.tool_call", "turn.tool_call", "turn.tool_call", "run.cancelled"]);
+    let ids: std::collections::HashSet<&str> = all.iter().map(|(id, _, _)| id.as_str()).collect();
+    assert_eq!(ids.len(), 5, "every event has an id of its own: {all:?}");
+    assert_eq!(all[1].2, json!({"call_id": "a"}));
+    assert_eq!(all[3].2, json!({"call_id": "c"}));
+    for (after, expected) in [(1, ["b", "c"].as_slice()), (2, &["c"]), (3, &[])] {
+        let rest = app.events(id, ACME, Some(&all[after].0)).await;
+        let got: Vec<&str> = rest
+            .iter()
+            .filter(|(_, k, _)| k == "turn.tool_call")
+            .map(|(_, _, d)| d["call_id"].as_str().unwrap())
+            .collect();
+        assert_eq!(got, expected, "after {}", all[after].0);
+        assert_eq!(rest.last().map(|(_, k, _)| k.as_str()), Some("run.cancelled"));
+    }
+}
+
+#[tokio::test]
 async fn a_live_runs_events_are_followed_until_it_finishes() {
     let app = spawn_app().await;
     let run = app.submit(ACME, &spec()).await;

@@ -679,3 +679,56 @@ async fn a_turn_still_owed_when_it_comes_back_waits_again_without_starting() {
     assert_eq!(app.mock.stats().rate_limited, 0, "a turn asked again and sent before it was clear");
     app.stop_workers().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_tool_finds_the_models_output_committed_before_it_answers() {
+    // A tool that answers at once has the model's output committed with its
+    // result (one script); one that takes longer than the short grace finds
+    // the output committed while it runs, so a crash during it would not call
+    // the model again.
+    let mut app = App::start(MockConfig { tool_rounds: 1, ..MockConfig::default() }).await;
+    let release = std::sync::Arc::new(tokio::sync::Notify::new());
+    let called = std::sync::Arc::new(tokio::sync::Notify::new());
+    let tools = {
+        let (release, called) = (release.clone(), called.clone());
+        let tool = move || {
+            let (release, called) = (release.clone(), called.clone());
+            async move {
+                called.notify_one();
+                release.notified().await;
+                axum::Json(json!({"output": "found"}))
+            }
+        };
+        let addr = serve(axum::Router::new().route("/tools", axum::routing::post(tool))).await;
+        format!("http://{addr}/tools")
+    };
+    app.tools = tools;
+    app.spawn_worker(app.config());
+    let run = app.submit(tool_run(&app, "lookup")).await;
+    tokio::time::timeout(secs(15), called.notified()).await.expect("the tool was called");
+    // While the tool runs, the model's output reaches the transcript and the
+    // tool call its event.
+    let committed = eventually("the output to be committed while the tool runs", secs(5), || async {
+        let tx = app.store.transcript(TENANT, &run.id).await.ok()??;
+        tx.iter().any(|e| e.item["type"] == "function_call").then_some(tx)
+    })
+    .await;
+    assert!(
+        committed.iter().all(|e| e.item["type"] != "function_call_output"),
+        "the result came before the tool answered"
+    );
+    let events = app.store.read_events(&run.id, None, None, 50).await.unwrap();
+    assert!(events.iter().any(|e| e.kind == "turn.tool_call"));
+    release.notify_one();
+    let done = app.wait_finished(&run.id, secs(20)).await;
+    assert_eq!(done.status, RunStatus::Completed, "{:?}", done.error);
+    let tx = app.store.transcript(TENANT, &run.id).await.unwrap().unwrap();
+    let kinds: Vec<&str> = tx.iter().filter_map(|e| e.item["type"].as_str()).collect();
+    assert_eq!(kinds.iter().filter(|k| **k == "function_call").count(), 1, "{kinds:?}");
+    assert_eq!(kinds.iter().filter(|k| **k == "function_call_output").count(), 1, "{kinds:?}");
+    let events = app.store.read_events(&run.id, None, None, 50).await.unwrap();
+    let calls = events.iter().filter(|e| e.kind == "turn.tool_call").count();
+    assert_eq!(calls, 1, "the tool call was announced once");
+    assert_eq!(app.mock.stats().requests, 2);
+    app.stop_workers().await;
+}
