@@ -174,12 +174,14 @@ pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()> + Send
         tokio::spawn(runner.cancels.clone().listen(config.redis.url.clone(), config.redis.keys().cancel_channel()));
     let backend = backend::QueueBackend::<Turn>::new(queue, config.slots.concurrency.max(1));
     let name = backend.identity().to_owned();
+    let stopping = backend.stopping();
     tracing::info!(message = "worker started", worker.id = %name, concurrency = config.slots.concurrency,
         pacer = ?config.pacer.kind, providers = ?runner.routes.names());
     let worker = WorkerBuilder::new(name.as_str()).backend(backend).data(runner).build(handle_turn);
     let ran = worker
         .run_until(async move {
             shutdown.await;
+            stopping.stop();
             Ok::<(), std::io::Error>(())
         })
         .await

@@ -95,15 +95,17 @@ end
 
 -- Puts turn `id` (record `r`, as read) in the queue, due at `due_ms` (server
 -- clock; `now`: the script's), out of any lease. Set r.payload / r.deliveries
--- before calling to change them.
-local function q_schedule(id, r, due_ms, now)
+-- before calling to change them. `quiet`: wake nobody, because the caller's
+-- process fetches as soon as this turn's handler returns (its fetcher waits
+-- for a slot): it takes the turn, or takes a full batch and passes the baton.
+local function q_schedule(id, r, due_ms, now, quiet)
   r.flag = 'q'
   redis.call('HSET', Q_JOBS, id, q_encode(r))
   redis.call('ZREM', Q_LEASE, id)
   redis.call('ZADD', Q_DUE, due_ms, id)
   -- A requeue for later (a budget wait) wakes nobody when a worker already
   -- sleeps towards an earlier time: it would only look and sleep again.
-  q_wake_for(due_ms, now)
+  if not quiet then q_wake_for(due_ms, now) end
 end
 
 -- Removes leased turn `id` for good (it is done).

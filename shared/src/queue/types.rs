@@ -31,6 +31,20 @@ pub struct Lease {
     /// Turns true when this worker's heartbeat finds the lease taken back
     /// (it expired and another delivery began): the handler should stop.
     pub(super) lost: Arc<tokio::sync::watch::Sender<bool>>,
+    /// Asked (see [`Lease::refetches`]) whether the process fetches as soon
+    /// as this lease's handler returns; set by the worker's backend.
+    pub(super) refetch: Option<RefetchProbe>,
+}
+
+/// Tells whether a worker process fetches as soon as one of its handlers
+/// returns (every slot busy, and not shutting down).
+#[derive(Clone)]
+pub struct RefetchProbe(pub Arc<dyn Fn() -> bool + Send + Sync>);
+
+impl std::fmt::Debug for RefetchProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RefetchProbe")
+    }
 }
 
 impl Lease {
@@ -61,6 +75,22 @@ impl Lease {
         if rx.wait_for(|lost| *lost).await.is_err() {
             std::future::pending::<()>().await;
         }
+    }
+
+    /// This lease, with the probe that tells whether its process fetches as
+    /// soon as its handler returns (the worker's backend gives it).
+    pub fn with_refetch_probe(mut self, probe: RefetchProbe) -> Self {
+        self.refetch = Some(probe);
+        self
+    }
+
+    /// Whether the process fetches as soon as this lease's handler returns
+    /// (its every slot is busy, so the slot this one frees is filled at
+    /// once). A turn this handler requeues due now then needs no wake-up
+    /// token for another worker: this process takes it, or takes a full
+    /// batch and passes the baton (fetch.lua).
+    pub fn refetches(&self) -> bool {
+        self.refetch.as_ref().is_some_and(|p| (p.0)())
     }
 
     /// How late it was leased relative to its due time, ms.

@@ -323,19 +323,20 @@ if op == 'commit' then
   -- its items): a turn whose tools answered at once commits its output here rather than
   -- in an 'output' step of its own; when that step did run (phase 'tools': the tools were
   -- slow, or this is a redelivery) they are written already and are skipped here.
-  -- [14] n events written before turn.completed (the output's, then the tool results), then
-  -- n type/data pairs, then the entries appended
+  -- [14] '1': wake no worker for the next turn (this worker's process fetches next,
+  -- lib.lua q_schedule), [15] n events written before turn.completed (the output's, then
+  -- the tool results), then n type/data pairs, then the entries appended
   local tag = tonumber(ARGV[4]) + 1
   local r, f, why = fenced(ARGV[3], ARGV[4], usage_and({'txi:' .. tag, 'phase'}))
   if not r then return {'stop', why} end
   local turns = (tonumber(f.turns) or 0) + 1
   local recorded = f.phase == 'tools'
-  local n = tonumber(ARGV[14]) or 0
+  local n = tonumber(ARGV[15]) or 0
   local skip = recorded and tonumber(ARGV[12]) or 0
   -- The step's events, one entry: the output's tool calls (unless written), the
   -- tool results, turn.completed, and the run's end when it ends here.
-  local events = {unpack(ARGV, 15 + 2 * skip, 14 + 2 * n)}
-  local from = 15 + 2 * n + (recorded and tonumber(ARGV[13]) or 0)
+  local events = {unpack(ARGV, 16 + 2 * skip, 15 + 2 * n)}
+  local from = 16 + 2 * n + (recorded and tonumber(ARGV[13]) or 0)
   events[#events + 1] = 'turn.completed'
   events[#events + 1] = ARGV[9]
   local next = ARGV[6]
@@ -355,7 +356,7 @@ if op == 'commit' then
     redis.call('HSET', RUN, unpack(set))
     r.payload = ARGV[7]
     r.deliveries = 0
-    q_schedule(id, r, now, now)
+    q_schedule(id, r, now, now, ARGV[14] == '1')
     return {'continued', tostring(turns)}
   end
   q_finish(id)

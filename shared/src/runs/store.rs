@@ -1074,7 +1074,8 @@ impl RunStore {
             .arg(self.retention_ms())
             .arg(output.map(|o| usage_arg(o.usage)).unwrap_or_default())
             .arg(output.map_or(0, |o| o.events.len()))
-            .arg(output.map_or(0, |o| o.items.len()));
+            .arg(output.map_or(0, |o| o.items.len()))
+            .arg(if lease.refetches() { "1" } else { "0" });
         let no_events: &[(&str, Value)] = &[];
         let output_events = output.map_or(no_events, |o| o.events);
         inv.arg(output_events.len() + events.len());

@@ -732,3 +732,28 @@ async fn a_slow_tool_finds_the_models_output_committed_before_it_answers() {
     assert_eq!(app.mock.stats().requests, 2);
     app.stop_workers().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_worker_takes_its_runs_next_turns_without_a_wake_up_token() {
+    // A worker whose every slot is busy fetches as soon as a handler returns:
+    // the next turn its commit queues needs no token to wake another worker.
+    // One slot, one run of four turns: only the submit pushes a token, and
+    // the run still goes turn after turn without waiting for the safety net.
+    let mut app = App::start(MockConfig { tool_rounds: 3, ..MockConfig::default() }).await;
+    let mut config = app.config();
+    config.slots.concurrency = 1;
+    config.queue.idle_ms = 60_000;
+    app.spawn_worker(config);
+    let run = app.submit(tool_run(&app, "lookup")).await;
+    let done = app.wait_finished(&run.id, secs(20)).await;
+    assert_eq!((done.status, done.turns_completed), (RunStatus::Completed, 4), "{:?}", done.error);
+    let mut conn = app.redis.conn().await;
+    let info: String = redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.unwrap();
+    let pushes: u64 = info
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_lpush:calls="))
+        .and_then(|l| l.split(',').next()?.parse().ok())
+        .unwrap_or(0);
+    assert_eq!(pushes, 1, "wake-up tokens pushed: the submit's alone\n{info}");
+    app.stop_workers().await;
+}

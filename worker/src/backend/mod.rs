@@ -37,11 +37,11 @@ use shared::queue::apalis_core::task::builder::TaskBuilder;
 use shared::queue::apalis_core::task::task_id::{RandomId, TaskId};
 use shared::queue::apalis_core::task::Task;
 use shared::queue::apalis_core::worker::context::WorkerContext;
-use shared::queue::{Lease, QueueConfig, QueueError, Settled, Then, TurnQueue, WorkerInfo};
+use shared::queue::{Lease, QueueConfig, QueueError, RefetchProbe, Settled, Then, TurnQueue, WorkerInfo};
 use std::collections::{HashMap, VecDeque};
 use std::marker::PhantomData;
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -77,6 +77,8 @@ struct BackendState {
     /// leased before it returns, so a worker that closes mid-fetch still knows
     /// (and hands back) every lease Redis granted it.
     fetching: AtomicUsize,
+    /// The worker is shutting down: it fetches no more.
+    stopping: AtomicBool,
 }
 
 impl BackendState {
@@ -101,6 +103,16 @@ impl BackendState {
             }
             None => false,
         }
+    }
+
+    /// Whether a handler that returns now makes this process fetch at once:
+    /// every slot is busy (so the fetcher is not idle — it goes idle only
+    /// with a slot to spare — and apalis asks it for the next turn as soon
+    /// as a slot frees), and the worker is not shutting down
+    /// (`Lease::refetches`).
+    fn refetches(&self) -> bool {
+        !self.stopping.load(Ordering::SeqCst)
+            && self.running.load(Ordering::SeqCst) + self.handed.load(Ordering::SeqCst) >= self.concurrency
     }
 
     fn leases(&self) -> Vec<(String, u64)> {
@@ -169,6 +181,7 @@ impl<T> QueueBackend<T> {
                 slot_waker: AtomicWaker::new(),
                 grace,
                 fetching: AtomicUsize::new(0),
+                stopping: AtomicBool::new(false),
             }),
             fetcher: None,
             heartbeat: None,
@@ -180,6 +193,24 @@ impl<T> QueueBackend<T> {
     /// This worker process's identity (unique per start); use it as the apalis worker name.
     pub fn identity(&self) -> &str {
         &self.shared.identity
+    }
+
+    /// What tells the backend that its worker is shutting down (see [`Stopping`]).
+    pub fn stopping(&self) -> Stopping {
+        Stopping(self.shared.clone())
+    }
+}
+
+/// Tells a backend that its worker is shutting down: from then on it never
+/// counts on fetching again, so the turns its handlers requeue wake another
+/// worker. Call it as the shutdown begins (apalis stops asking for turns then).
+#[derive(Clone)]
+pub struct Stopping(Arc<BackendState>);
+
+impl Stopping {
+    /// The shutdown has begun.
+    pub fn stop(&self) {
+        self.0.stopping.store(true, Ordering::SeqCst);
     }
 }
 
@@ -364,6 +395,10 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
     async fn accept(&mut self, lease: Lease, payload: &str) {
         match serde_json::from_str::<T>(payload) {
             Ok(args) => {
+                // Weak: the backend's state holds its leases.
+                let shared = Arc::downgrade(&self.shared);
+                let probe = RefetchProbe(Arc::new(move || shared.upgrade().is_some_and(|s| s.refetches())));
+                let lease = lease.with_refetch_probe(probe);
                 self.shared.hold(&lease);
                 let task = TaskBuilder::new(args)
                     .task_id(TaskId::from(format!("{}#{}", lease.id, lease.epoch)))
