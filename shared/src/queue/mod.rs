@@ -445,7 +445,7 @@ fn parse_fetch(reply: Vec<String>, worker: &str) -> Result<Fetched, QueueError> 
                 fetched_at_ms: now_ms,
                 settled: Arc::new(AtomicBool::new(false)),
                 lost: Arc::new(tokio::sync::watch::channel(false).0),
-                refetch: None,
+                fetcher: None,
             },
             payload,
         });

@@ -31,20 +31,18 @@ pub struct Lease {
     /// Turns true when this worker's heartbeat finds the lease taken back
     /// (it expired and another delivery began): the handler should stop.
     pub(super) lost: Arc<tokio::sync::watch::Sender<bool>>,
-    /// Asked (see [`Lease::refetches`]) whether the process fetches as soon
-    /// as this lease's handler returns; set by the worker's backend.
-    pub(super) refetch: Option<RefetchProbe>,
+    /// The worker process's fetcher, as far as a handler may reach it (see
+    /// [`Lease::refetches`]); set by the worker's backend.
+    pub(super) fetcher: Option<Arc<dyn LocalFetcher>>,
 }
 
-/// Tells whether a worker process fetches as soon as one of its handlers
-/// returns (every slot busy, and not shutting down).
-#[derive(Clone)]
-pub struct RefetchProbe(pub Arc<dyn Fn() -> bool + Send + Sync>);
-
-impl std::fmt::Debug for RefetchProbe {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("RefetchProbe")
-    }
+/// What a handler may ask of its worker process's fetcher.
+pub trait LocalFetcher: Send + Sync + std::fmt::Debug {
+    /// Whether the process will fetch again (it is not shutting down).
+    fn will_fetch(&self) -> bool;
+    /// A turn was just queued with no wake-up token: fetch once more after
+    /// this, even if idle or about to be.
+    fn kick(&self);
 }
 
 impl Lease {
@@ -77,20 +75,26 @@ impl Lease {
         }
     }
 
-    /// This lease, with the probe that tells whether its process fetches as
-    /// soon as its handler returns (the worker's backend gives it).
-    pub fn with_refetch_probe(mut self, probe: RefetchProbe) -> Self {
-        self.refetch = Some(probe);
+    /// This lease, reaching its process's fetcher (the worker's backend gives it).
+    pub fn with_fetcher(mut self, fetcher: Arc<dyn LocalFetcher>) -> Self {
+        self.fetcher = Some(fetcher);
         self
     }
 
-    /// Whether the process fetches as soon as this lease's handler returns
-    /// (its every slot is busy, so the slot this one frees is filled at
-    /// once). A turn this handler requeues due now then needs no wake-up
-    /// token for another worker: this process takes it, or takes a full
+    /// Whether a turn this handler queues due now needs no wake-up token for
+    /// another worker: its own process will fetch after the turn is queued
+    /// (call [`Lease::kick`] once it is) — it takes the turn, or takes a full
     /// batch and passes the baton (fetch.lua).
     pub fn refetches(&self) -> bool {
-        self.refetch.as_ref().is_some_and(|p| (p.0)())
+        self.fetcher.as_ref().is_some_and(|f| f.will_fetch())
+    }
+
+    /// Tells the process's fetcher that a turn was queued quietly (see
+    /// [`Lease::refetches`]): it fetches once more, idle or not.
+    pub fn kick(&self) {
+        if let Some(f) = &self.fetcher {
+            f.kick();
+        }
     }
 
     /// How late it was leased relative to its due time, ms.

@@ -1063,6 +1063,8 @@ impl RunStore {
         };
         let usage = Usage { total_tokens: usage.input_tokens + usage.output_tokens, ..usage };
         let data = json!({"turn": job.turn, "usage": usage});
+        // The next turn wakes no other worker when this one's process fetches after it.
+        let quiet = matches!(next, Next::Continue) && lease.refetches();
         let mut inv = self.invocation("commit", &lease.id, "", None);
         inv.arg(lease.epoch)
             .arg(job.turn)
@@ -1075,7 +1077,7 @@ impl RunStore {
             .arg(output.map(|o| usage_arg(o.usage)).unwrap_or_default())
             .arg(output.map_or(0, |o| o.events.len()))
             .arg(output.map_or(0, |o| o.items.len()))
-            .arg(if lease.refetches() { "1" } else { "0" });
+            .arg(if quiet { "1" } else { "0" });
         let no_events: &[(&str, Value)] = &[];
         let output_events = output.map_or(no_events, |o| o.events);
         inv.arg(output_events.len() + events.len());
@@ -1088,7 +1090,12 @@ impl RunStore {
                 serde_json::to_string(&TranscriptEntry { turn: job.turn + 1, item: item.clone() }).unwrap_or_default(),
             );
         }
-        Self::fence(&self.invoke_fenced(inv).await?)
+        let reply = self.invoke_fenced(inv).await;
+        if quiet {
+            // Whatever the answer: the turn may be queued.
+            lease.kick();
+        }
+        Self::fence(&reply?)
     }
 
     /// Fails the run (fenced): `error.kind` and message; usage of a call that

@@ -734,26 +734,30 @@ async fn a_slow_tool_finds_the_models_output_committed_before_it_answers() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_busy_worker_takes_its_runs_next_turns_without_a_wake_up_token() {
-    // A worker whose every slot is busy fetches as soon as a handler returns:
-    // the next turn its commit queues needs no token to wake another worker.
-    // One slot, one run of four turns: only the submit pushes a token, and
-    // the run still goes turn after turn without waiting for the safety net.
-    let mut app = App::start(MockConfig { tool_rounds: 3, ..MockConfig::default() }).await;
-    let mut config = app.config();
-    config.slots.concurrency = 1;
-    config.queue.idle_ms = 60_000;
-    app.spawn_worker(config);
-    let run = app.submit(tool_run(&app, "lookup")).await;
-    let done = app.wait_finished(&run.id, secs(20)).await;
-    assert_eq!((done.status, done.turns_completed), (RunStatus::Completed, 4), "{:?}", done.error);
-    let mut conn = app.redis.conn().await;
-    let info: String = redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.unwrap();
-    let pushes: u64 = info
-        .lines()
-        .find_map(|l| l.strip_prefix("cmdstat_lpush:calls="))
-        .and_then(|l| l.split(',').next()?.parse().ok())
-        .unwrap_or(0);
-    assert_eq!(pushes, 1, "wake-up tokens pushed: the submit's alone\n{info}");
-    app.stop_workers().await;
+async fn a_worker_takes_its_runs_next_turns_without_a_wake_up_token() {
+    // A turn's commit queues the next turn with no token to wake another
+    // worker: its own process fetches after it — at once when its every slot
+    // is busy (one slot), and when idle (four slots) because the commit
+    // kicks its fetcher out of its wait. Only the submit pushes a token, and
+    // each run goes turn after turn without waiting for the safety net (a
+    // minute here).
+    for concurrency in [1, 4] {
+        let mut app = App::start(MockConfig { tool_rounds: 3, ..MockConfig::default() }).await;
+        let mut config = app.config();
+        config.slots.concurrency = concurrency;
+        config.queue.idle_ms = 60_000;
+        app.spawn_worker(config);
+        let run = app.submit(tool_run(&app, "lookup")).await;
+        let done = app.wait_finished(&run.id, secs(20)).await;
+        assert_eq!((done.status, done.turns_completed), (RunStatus::Completed, 4), "{:?}", done.error);
+        let mut conn = app.redis.conn().await;
+        let info: String = redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.unwrap();
+        let pushes: u64 = info
+            .lines()
+            .find_map(|l| l.strip_prefix("cmdstat_lpush:calls="))
+            .and_then(|l| l.split(',').next()?.parse().ok())
+            .unwrap_or(0);
+        assert_eq!(pushes, 1, "{concurrency} slots: wake-up tokens pushed: the submit's alone\n{info}");
+        app.stop_workers().await;
+    }
 }

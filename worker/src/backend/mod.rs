@@ -37,7 +37,7 @@ use shared::queue::apalis_core::task::builder::TaskBuilder;
 use shared::queue::apalis_core::task::task_id::{RandomId, TaskId};
 use shared::queue::apalis_core::task::Task;
 use shared::queue::apalis_core::worker::context::WorkerContext;
-use shared::queue::{Lease, QueueConfig, QueueError, RefetchProbe, Settled, Then, TurnQueue, WorkerInfo};
+use shared::queue::{Lease, LocalFetcher, QueueConfig, QueueError, Settled, Then, TurnQueue, WorkerInfo};
 use std::collections::{HashMap, VecDeque};
 use std::marker::PhantomData;
 use std::panic::AssertUnwindSafe;
@@ -79,6 +79,14 @@ struct BackendState {
     fetching: AtomicUsize,
     /// The worker is shutting down: it fetches no more.
     stopping: AtomicBool,
+    /// A handler queued a turn without a wake-up token since the last fetch
+    /// began (`Lease::kick`): fetch again before going idle.
+    kicked: AtomicBool,
+    /// Wakes an idle fetcher when kicked.
+    kick: tokio::sync::Notify,
+    /// The server lets this worker cancel its idle `BLPOP` (`CLIENT UNBLOCK`),
+    /// which a kick needs; without it, turns are queued with a token as before.
+    can_unblock: AtomicBool,
 }
 
 impl BackendState {
@@ -103,16 +111,6 @@ impl BackendState {
             }
             None => false,
         }
-    }
-
-    /// Whether a handler that returns now makes this process fetch at once:
-    /// every slot is busy (so the fetcher is not idle — it goes idle only
-    /// with a slot to spare — and apalis asks it for the next turn as soon
-    /// as a slot frees), and the worker is not shutting down
-    /// (`Lease::refetches`).
-    fn refetches(&self) -> bool {
-        !self.stopping.load(Ordering::SeqCst)
-            && self.running.load(Ordering::SeqCst) + self.handed.load(Ordering::SeqCst) >= self.concurrency
     }
 
     fn leases(&self) -> Vec<(String, u64)> {
@@ -182,6 +180,9 @@ impl<T> QueueBackend<T> {
                 grace,
                 fetching: AtomicUsize::new(0),
                 stopping: AtomicBool::new(false),
+                kicked: AtomicBool::new(false),
+                kick: tokio::sync::Notify::new(),
+                can_unblock: AtomicBool::new(true),
             }),
             fetcher: None,
             heartbeat: None,
@@ -198,6 +199,29 @@ impl<T> QueueBackend<T> {
     /// What tells the backend that its worker is shutting down (see [`Stopping`]).
     pub fn stopping(&self) -> Stopping {
         Stopping(self.shared.clone())
+    }
+}
+
+/// A handler's reach into its process's fetcher (`Lease::refetches`, `Lease::kick`).
+/// Weak: the backend's state holds its leases.
+struct FetcherHandle(std::sync::Weak<BackendState>);
+
+impl std::fmt::Debug for FetcherHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FetcherHandle")
+    }
+}
+
+impl LocalFetcher for FetcherHandle {
+    fn will_fetch(&self) -> bool {
+        self.0.upgrade().is_some_and(|s| !s.stopping.load(Ordering::SeqCst) && s.can_unblock.load(Ordering::SeqCst))
+    }
+
+    fn kick(&self) {
+        if let Some(s) = self.0.upgrade() {
+            s.kicked.store(true, Ordering::SeqCst);
+            s.kick.notify_waiters();
+        }
     }
 }
 
@@ -351,13 +375,24 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
                 return task;
             }
             self.free_slot().await;
+            let backlog = matches!(self.then, Some(Then::FetchAgain));
             match self.then.take() {
                 Some(Then::Listen) => self.idle(None).await,
                 Some(Then::Watch { ms }) => self.idle(Some(ms)).await,
                 Some(Then::FetchAgain) | None => {}
             }
+            // Kicks from here on are for turns this fetch may not see.
+            self.shared.kicked.store(false, Ordering::SeqCst);
             // Counted after the idle wait: handlers may have started or ended in it.
-            let free = self.free_slot().await;
+            let mut free = self.free_slot().await;
+            if backlog && free < self.queue.config().fetch_batch.min(self.shared.concurrency) {
+                // The last fetch filled every free slot and more was due: the
+                // slots free one by one as handlers return. Gather them for
+                // one fetch (its fixed cost shared by the batch), for at most
+                // GATHER, which no due turn notices.
+                tokio::time::sleep(GATHER).await;
+                free = self.free_slot().await;
+            }
             let want = free.min(self.queue.config().fetch_batch);
             match fetch_in_task(self.queue.clone(), self.shared.clone(), want).await {
                 Ok(fetched) => {
@@ -395,10 +430,7 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
     async fn accept(&mut self, lease: Lease, payload: &str) {
         match serde_json::from_str::<T>(payload) {
             Ok(args) => {
-                // Weak: the backend's state holds its leases.
-                let shared = Arc::downgrade(&self.shared);
-                let probe = RefetchProbe(Arc::new(move || shared.upgrade().is_some_and(|s| s.refetches())));
-                let lease = lease.with_refetch_probe(probe);
+                let lease = lease.with_fetcher(Arc::new(FetcherHandle(Arc::downgrade(&self.shared))));
                 self.shared.hold(&lease);
                 let task = TaskBuilder::new(args)
                     .task_id(TaskId::from(format!("{}#{}", lease.id, lease.epoch)))
@@ -420,8 +452,17 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
     }
 
     /// Waits until a token arrives, the watched due time passes (`watch_ms`),
-    /// or the safety-net interval elapses.
+    /// a handler of this process queues a turn quietly (a kick), or the
+    /// safety-net interval elapses.
     async fn idle(&mut self, watch_ms: Option<i64>) {
+        let shared = self.shared.clone();
+        let kicked = shared.kick.notified();
+        tokio::pin!(kicked);
+        kicked.as_mut().enable();
+        if shared.kicked.load(Ordering::SeqCst) {
+            // Queued since the last fetch began: it may not have seen it.
+            return;
+        }
         let cap = self.safety_net();
         // +1 ms: the timer must not fire before the due time; the fetch script
         // re-checks against the server clock anyway.
@@ -439,12 +480,21 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
             redis::cmd("BLPOP").arg(&key).arg(server_timeout).query_async::<Option<(String, String)>>(&mut c).await
         };
         tokio::pin!(blpop);
-        let result = if wait >= cap || !self.unblock {
+        // A kick ends the wait like the watch's timer (CLIENT UNBLOCK), so
+        // the BLPOP cannot take a token after this worker stopped listening.
+        let stop_at = if wait >= cap { None } else { Some(wait) };
+        let timer = async move {
+            match stop_at {
+                Some(w) => tokio::time::sleep(w).await,
+                None => std::future::pending().await,
+            }
+        };
+        let result = if !self.unblock {
             blpop.await
         } else {
             tokio::select! {
                 r = &mut blpop => r,
-                _ = tokio::time::sleep(wait) => {
+                _ = futures::future::select(Box::pin(timer), kicked) => {
                     // Cancel the BLPOP on the server so it cannot take a token
                     // after this worker stopped listening.
                     let unblock: redis::RedisResult<i64> = redis::cmd("CLIENT").arg("UNBLOCK").arg(client_id).arg("TIMEOUT")
@@ -455,6 +505,7 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
                             info!(message = "CLIENT UNBLOCK is not allowed; watching with BLPOP timeouts instead", %error);
                             metrics::counter!(shared::telemetry::metric::QUEUE_UNBLOCK_FALLBACKS).increment(1);
                             self.unblock = false;
+                            self.shared.can_unblock.store(false, Ordering::SeqCst);
                         }
                         self.blocking = None;
                         return;
@@ -506,6 +557,7 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
                     info!(message = "CLIENT is not allowed; watching with BLPOP timeouts instead");
                     metrics::counter!(shared::telemetry::metric::QUEUE_UNBLOCK_FALLBACKS).increment(1);
                     self.unblock = false;
+                    self.shared.can_unblock.store(false, Ordering::SeqCst);
                 }
                 self.blocking = Some(b.clone());
                 Some(b)
@@ -518,6 +570,9 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
         }
     }
 }
+
+/// How long a saturated worker gathers freed slots before it fetches.
+const GATHER: Duration = Duration::from_millis(2);
 
 /// Exponential backoff for Redis trouble: 50 ms doubling to 2 s.
 fn backoff(failures: u32) -> Duration {
