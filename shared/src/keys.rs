@@ -313,6 +313,12 @@ mod tests {
             ("shared/src/queue/lib.lua", "run:"),
             ("shared/src/queue/lib.lua", "ev:"),
             ("shared/src/queue/lib.lua", "tx:"),
+            // The run store's fetch starts each turn it leases: the run's id is
+            // the turn's, which the script learns as it leases it
+            // (`Keys::run_record`, `run_transcript`, `run_events`).
+            ("shared/src/runs/fetch.lua", "run:"),
+            ("shared/src/runs/fetch.lua", "tx:"),
+            ("shared/src/runs/fetch.lua", "ev:"),
             // `q_run_active`: the tenant is read from the run's record inside
             // the script (`Keys::tenant_active`).
             ("shared/src/queue/lib.lua", "tenant:"),

@@ -172,7 +172,9 @@ pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()> + Send
     let (runner, queue) = runner(&config).await?;
     let listener =
         tokio::spawn(runner.cancels.clone().listen(config.redis.url.clone(), config.redis.keys().cancel_channel()));
-    let backend = backend::QueueBackend::<Turn>::new(queue, config.slots.concurrency.max(1));
+    // Each turn is started by the fetch that leases it (one script a batch).
+    let fetch = runner.store.fetch_script(config.slots.max_history);
+    let backend = backend::QueueBackend::<Turn>::new(queue, config.slots.concurrency.max(1)).fetching_with(fetch);
     let name = backend.identity().to_owned();
     let stopping = backend.stopping();
     tracing::info!(message = "worker started", worker.id = %name, concurrency = config.slots.concurrency,

@@ -180,7 +180,12 @@ impl Runner {
                 }
             }
         }
-        let ctx = match self.store.start_turn_with_history(lease, job, self.config.max_history).await? {
+        // The fetch started it (a turn that did not ask first), or it starts now.
+        let start = match self.store.started(lease).filter(|_| cleared.is_none()) {
+            Some(start) => start?,
+            None => self.store.start_turn_with_history(lease, job, self.config.max_history).await?,
+        };
+        let ctx = match start {
             Started::Run(ctx) => ctx,
             Started::Stop(why) => {
                 tracing::info!(message = "turn not started", run.id = %lease.id, why = %why);

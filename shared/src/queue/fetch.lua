@@ -1,8 +1,14 @@
--- Fetch and lease up to ARGV[1] due turns for ARGV[2] ms for worker ARGV[4]
--- (ARGV[3]: the dead set's retention, ms). KEYS[Q_NKEYS+1]: the epoch counter;
--- KEYS[Q_NKEYS+2]: the queue's counters (empty_fetches: a fetch that found
--- nothing due is a cost to count, not to accept).
--- Returns {now, then, id, epoch, deliveries, due, payload, ...}; `then` says
+-- The queue's fetch, a function (prepended after lib.lua): the queue's own fetch script
+-- calls it, and so does a script that does more with each turn it leases (the run
+-- store's fetch starts them: runs/store.rs `fetch_script`).
+--
+-- q_fetch(max, lease_ms, dead_keep_ms, me, on_leased): fetch and lease up to `max` due
+-- turns for `lease_ms` ms for worker `me` (`dead_keep_ms`: the dead set's retention).
+-- KEYS[Q_NKEYS+1]: the epoch counter; KEYS[Q_NKEYS+2]: the queue's counters
+-- (empty_fetches: a fetch that found nothing due is a cost to count, not to accept).
+-- `on_leased(id, r)` (optional), called for each leased turn with its record once its
+-- lease is written, returns what the delivery carries besides (an array; nil: nothing).
+-- Returns {now, then, id, epoch, deliveries, due, payload, {extra}, ...}; `then` says
 -- what the worker does once it has started these (mod.rs `Then`):
 --   '-2'  the batch was full and more may be due: fetch again when a slot frees;
 --   '-1'  nothing more is due: wait for a wake-up token (or the safety net);
@@ -10,74 +16,80 @@
 --         turn, in `ms`: the one idle worker that does (KEYS[7], lib.lua).
 -- A worker asks for no more than its free slots, so a batch that is not full
 -- leaves it idle with a slot to spare: it is the one to watch.
-local max, lease_ms, dead_keep_ms, me = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4]
-local now = q_now()
--- The first max + 1 queued turns by due time: those due now (at most max), and
--- after them the next one, whose due time says whether more are due and when.
-local head = redis.call('ZRANGE', Q_DUE, 0, max, 'WITHSCORES')
-local due, nxt = {}, nil
-for i = 1, #head, 2 do
-  if #due < 2 * max and tonumber(head[i + 1]) <= now then
-    due[#due + 1] = head[i]; due[#due + 1] = head[i + 1]
-  else
-    nxt = tonumber(head[i + 1])
-    break
-  end
-end
-local n = #due / 2
-local out = {tostring(now), '-1'}
-if n == 0 then
-  redis.call('HINCRBY', KEYS[Q_NKEYS + 2], 'empty_fetches', 1)
-else
-  local ids = {}
-  for i = 1, n do ids[i] = due[2 * i - 1] end
-  redis.call('ZREM', Q_DUE, unpack(ids))
-  local recs = redis.call('HMGET', Q_JOBS, unpack(ids))
-  -- Epochs come from one counter, so an epoch is never reused, even by a later
-  -- turn under the same id.
-  local first = redis.call('INCRBY', KEYS[Q_NKEYS + 1], n) - n
-  local hset, zadd = {}, {}
-  for i = 1, n do
-    local r = q_decode(recs[i])
-    if r and r.flag == 'q' then
-      r.epoch = first + i
-      r.deliveries = r.deliveries + 1
-      r.flag = 'l'
-      hset[#hset + 1] = ids[i]; hset[#hset + 1] = q_encode(r)
-      zadd[#zadd + 1] = now + lease_ms; zadd[#zadd + 1] = ids[i]
-      out[#out + 1] = ids[i]; out[#out + 1] = tostring(r.epoch); out[#out + 1] = tostring(r.deliveries)
-      out[#out + 1] = due[2 * i]; out[#out + 1] = r.payload
-    elseif recs[i] and not r then
-      -- A record this version cannot read: buried with its raw text, and its run
-      -- failed, never dropped (a dropped turn left its run waiting forever).
-      local dead = {epoch = 0, deliveries = 0, flag = 'd', payload = recs[i]}
-      q_bury(ids[i], dead, 'unreadable queue record (written by another version?)', now, dead_keep_ms)
+local function q_fetch(max, lease_ms, dead_keep_ms, me, on_leased)
+  local now = q_now()
+  -- The first max + 1 queued turns by due time: those due now (at most max), and
+  -- after them the next one, whose due time says whether more are due and when.
+  local head = redis.call('ZRANGE', Q_DUE, 0, max, 'WITHSCORES')
+  local due, nxt = {}, nil
+  for i = 1, #head, 2 do
+    if #due < 2 * max and tonumber(head[i + 1]) <= now then
+      due[#due + 1] = head[i]; due[#due + 1] = head[i + 1]
+    else
+      nxt = tonumber(head[i + 1])
+      break
     end
   end
-  if #hset > 0 then
-    redis.call('HSET', Q_JOBS, unpack(hset))
-    redis.call('ZADD', Q_LEASE, unpack(zadd))
+  local n = #due / 2
+  local out = {tostring(now), '-1'}
+  if n == 0 then
+    redis.call('HINCRBY', KEYS[Q_NKEYS + 2], 'empty_fetches', 1)
+  else
+    local ids = {}
+    for i = 1, n do ids[i] = due[2 * i - 1] end
+    redis.call('ZREM', Q_DUE, unpack(ids))
+    local recs = redis.call('HMGET', Q_JOBS, unpack(ids))
+    -- Epochs come from one counter, so an epoch is never reused, even by a later
+    -- turn under the same id.
+    local first = redis.call('INCRBY', KEYS[Q_NKEYS + 1], n) - n
+    local hset, zadd, leased = {}, {}, {}
+    for i = 1, n do
+      local r = q_decode(recs[i])
+      if r and r.flag == 'q' then
+        r.epoch = first + i
+        r.deliveries = r.deliveries + 1
+        r.flag = 'l'
+        hset[#hset + 1] = ids[i]; hset[#hset + 1] = q_encode(r)
+        zadd[#zadd + 1] = now + lease_ms; zadd[#zadd + 1] = ids[i]
+        out[#out + 1] = ids[i]; out[#out + 1] = tostring(r.epoch); out[#out + 1] = tostring(r.deliveries)
+        out[#out + 1] = due[2 * i]; out[#out + 1] = r.payload
+        leased[#leased + 1] = {ids[i], r, #out + 1}
+        out[#out + 1] = {}
+      elseif recs[i] and not r then
+        -- A record this version cannot read: buried with its raw text, and its run
+        -- failed, never dropped (a dropped turn left its run waiting forever).
+        local dead = {epoch = 0, deliveries = 0, flag = 'd', payload = recs[i]}
+        q_bury(ids[i], dead, 'unreadable queue record (written by another version?)', now, dead_keep_ms)
+      end
+    end
+    if #hset > 0 then
+      redis.call('HSET', Q_JOBS, unpack(hset))
+      redis.call('ZADD', Q_LEASE, unpack(zadd))
+    end
+    if on_leased then
+      for _, l in ipairs(leased) do out[l[3]] = on_leased(l[1], l[2]) or {} end
+    end
+    if n == max then
+      -- This worker has no slot left, so it cannot watch. When more is due, pass
+      -- the baton, so 10 000 turns due at once are taken by every idle worker,
+      -- not just this one; when the watch it held fell due (it took that turn),
+      -- wake one idle worker to watch the next.
+      out[2] = '-2'
+      if nxt and (nxt <= now or not q_watched(now)) then q_wake() end
+      return out
+    end
   end
-  if n == max then
-    -- This worker has no slot left, so it cannot watch. When more is due, pass
-    -- the baton, so 10 000 turns due at once are taken by every idle worker,
-    -- not just this one; when the watch it held fell due (it took that turn),
-    -- wake one idle worker to watch the next.
-    out[2] = '-2'
-    if nxt and (nxt <= now or not q_watched(now)) then q_wake() end
+  -- Took everything due: leftover tokens would only wake workers for nothing.
+  redis.call('DEL', Q_NOTIFY)
+  if not nxt then return out end
+  local at = nxt
+  local watched, who = q_watched(now)
+  if watched and watched <= at and who ~= me then
+    -- Another idle worker sleeps towards this time or an earlier one; it takes
+    -- what is due when it wakes, then watches the next.
     return out
   end
-end
--- Took everything due: leftover tokens would only wake workers for nothing.
-redis.call('DEL', Q_NOTIFY)
-if not nxt then return out end
-local at = nxt
-local watched, who = q_watched(now)
-if watched and watched <= at and who ~= me then
-  -- Another idle worker sleeps towards this time or an earlier one; it takes
-  -- what is due when it wakes, then watches the next.
+  redis.call('SET', Q_TIMER, string.format('%d|%s', at, me), 'PX', math.max(at - now, 1) + lease_ms)
+  out[2] = tostring(math.max(at - now, 0))
   return out
 end
-redis.call('SET', Q_TIMER, string.format('%d|%s', at, me), 'PX', math.max(at - now, 1) + lease_ms)
-out[2] = tostring(math.max(at - now, 0))
-return out

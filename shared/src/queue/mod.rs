@@ -54,8 +54,14 @@ use std::sync::Arc;
 /// [`Lease::mark_settled`] so the backend does not also complete it.
 pub const LUA_LIB: &str = include_str!("lib.lua");
 
+/// The queue's fetch as a Lua function, `q_fetch(max, lease_ms, dead_keep_ms,
+/// me, on_leased)` (prepend it after [`LUA_LIB`]): the queue's own fetch
+/// script calls it; a [`FetchScript`] built on it does more with each turn it
+/// leases (`on_leased(id, record)` returns what the delivery carries besides:
+/// [`Lease::extra`]).
+pub const FETCH_LIB: &str = include_str!("fetch.lua");
+
 const ENQUEUE_LUA: &str = include_str!("enqueue.lua");
-const FETCH_LUA: &str = include_str!("fetch.lua");
 const SETTLE_LUA: &str = include_str!("settle.lua");
 const HEARTBEAT_LUA: &str = include_str!("heartbeat.lua");
 const READ_LUA: &str = include_str!("read.lua");
@@ -87,7 +93,9 @@ impl Scripts {
         let with_lib = |body: &str| redis::Script::new(&format!("{LUA_LIB}\n{body}"));
         Self {
             enqueue: with_lib(ENQUEUE_LUA),
-            fetch: with_lib(FETCH_LUA),
+            fetch: with_lib(&format!(
+                "{FETCH_LIB}\nreturn q_fetch(tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4])"
+            )),
             settle: with_lib(SETTLE_LUA),
             heartbeat: with_lib(HEARTBEAT_LUA),
             read: with_lib(READ_LUA),
@@ -190,14 +198,28 @@ impl TurnQueue {
     /// Leases up to `max` due turns to `worker` (one script). Workers use this
     /// through their apalis backend (`worker::backend`); it is public for tests and tools.
     pub async fn fetch(&self, worker: &str, max: usize) -> Result<Fetched, QueueError> {
-        let mut inv = self.invocation(&self.scripts.fetch);
+        self.fetch_with(worker, max, None).await
+    }
+
+    /// [`Self::fetch`] by `with`, a script built on [`FETCH_LIB`] that does
+    /// more with each turn it leases (`None`: the queue's own).
+    pub async fn fetch_with(
+        &self,
+        worker: &str,
+        max: usize,
+        with: Option<&FetchScript>,
+    ) -> Result<Fetched, QueueError> {
+        let mut inv = self.invocation(with.map_or(&self.scripts.fetch, |w| &*w.script));
         inv.key(&self.keys.epoch_seq)
             .key(&self.keys.stats)
             .arg(max.clamp(1, MAX_FETCH_BATCH))
             .arg(self.config.lease_ms)
             .arg(self.config.dead_retention_ms)
             .arg(worker);
-        let reply: Vec<String> = inv.invoke_async(&mut self.conn.clone()).await?;
+        for a in with.map_or(&[][..], |w| &w.args[..]) {
+            inv.arg(a);
+        }
+        let reply: Vec<redis::Value> = inv.invoke_async(&mut self.conn.clone()).await?;
         parse_fetch(reply, worker)
     }
 
@@ -418,23 +440,50 @@ impl TurnQueue {
     }
 }
 
-fn parse_fetch(reply: Vec<String>, worker: &str) -> Result<Fetched, QueueError> {
+/// A fetch script built on [`FETCH_LIB`] that does more with each turn it
+/// leases, and the arguments it takes after the queue's four.
+#[derive(Clone)]
+pub struct FetchScript {
+    script: Arc<redis::Script>,
+    args: Vec<String>,
+}
+
+impl std::fmt::Debug for FetchScript {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FetchScript").field("args", &self.args).finish()
+    }
+}
+
+impl FetchScript {
+    /// `body` (prepended with [`LUA_LIB`] and `libs`, then [`FETCH_LIB`]) must
+    /// `return q_fetch(tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4], on_leased)`;
+    /// `args` are its ARGV from 5 on.
+    pub fn new(libs: &str, body: &str, args: Vec<String>) -> Self {
+        let source = format!("{LUA_LIB}\n{libs}\n{FETCH_LIB}\n{body}");
+        Self { script: Arc::new(redis::Script::new(&source)), args }
+    }
+}
+
+fn parse_fetch(reply: Vec<redis::Value>, worker: &str) -> Result<Fetched, QueueError> {
     let bad = || QueueError::Protocol("fetch answered a malformed reply".into());
-    if reply.len() < 2 || !(reply.len() - 2).is_multiple_of(5) {
+    if reply.len() < 2 || !(reply.len() - 2).is_multiple_of(6) {
         return Err(bad());
     }
-    let now_ms: i64 = reply[0].parse().map_err(|_| bad())?;
-    let then = match reply[1].parse::<i64>().map_err(|_| bad())? {
+    let text = |v: redis::Value| redis::from_redis_value::<String>(v).map_err(|_| bad());
+    let mut it = reply.into_iter();
+    let now_ms: i64 = text(it.next().ok_or_else(bad)?)?.parse().map_err(|_| bad())?;
+    let then = match text(it.next().ok_or_else(bad)?)?.parse::<i64>().map_err(|_| bad())? {
         -2 => Then::FetchAgain,
         -1 => Then::Listen,
         ms if ms >= 0 => Then::Watch { ms },
         _ => return Err(bad()),
     };
-    let mut deliveries = Vec::with_capacity((reply.len() - 2) / 5);
-    let mut it = reply.into_iter().skip(2);
-    while let (Some(id), Some(epoch), Some(deliv), Some(due), Some(payload)) =
-        (it.next(), it.next(), it.next(), it.next(), it.next())
+    let mut deliveries = Vec::with_capacity(it.len() / 6);
+    while let (Some(id), Some(epoch), Some(deliv), Some(due), Some(payload), Some(extra)) =
+        (it.next(), it.next(), it.next(), it.next(), it.next(), it.next())
     {
+        let (id, epoch, deliv, due, payload) = (text(id)?, text(epoch)?, text(deliv)?, text(due)?, text(payload)?);
+        let extra: Vec<String> = redis::from_redis_value(extra).map_err(|_| bad())?;
         deliveries.push(Delivery {
             lease: Lease {
                 id,
@@ -446,6 +495,7 @@ fn parse_fetch(reply: Vec<String>, worker: &str) -> Result<Fetched, QueueError> 
                 settled: Arc::new(AtomicBool::new(false)),
                 lost: Arc::new(tokio::sync::watch::channel(false).0),
                 fetcher: None,
+                extra: (!extra.is_empty()).then(|| Arc::new(extra)),
             },
             payload,
         });
@@ -495,17 +545,25 @@ mod tests {
 
     #[test]
     fn a_fetch_reply_parses_into_leases() {
-        let reply = ["1000", "-2", "run_1", "7", "2", "990", "{\"a\":1}"].map(String::from).to_vec();
+        let text = |s: &str| redis::Value::BulkString(s.as_bytes().to_vec());
+        let words = |w: &[&str]| w.iter().map(|s| text(s)).collect::<Vec<_>>();
+        let mut reply = words(&["1000", "-2", "run_1", "7", "2", "990", "{\"a\":1}"]);
+        reply.push(redis::Value::Array(words(&["ok", "0"])));
+        reply.extend(words(&["run_2", "8", "1", "995", "{}"]));
+        reply.push(redis::Value::Array(vec![]));
         let f = parse_fetch(reply, "w").unwrap();
-        assert_eq!(f.deliveries.len(), 1);
+        assert_eq!(f.deliveries.len(), 2);
         let l = &f.deliveries[0].lease;
         assert_eq!((l.id.as_str(), l.epoch, l.deliveries, l.due_ms, l.lateness_ms()), ("run_1", 7, 2, 990, 10));
         assert_eq!(f.deliveries[0].payload, "{\"a\":1}");
+        assert_eq!(f.deliveries[0].lease.extra(), Some(&["ok".to_owned(), "0".to_owned()][..]));
+        assert!(f.deliveries[1].lease.extra().is_none());
         assert_eq!(f.then, Then::FetchAgain);
-        let idle = parse_fetch(["1000", "250"].map(String::from).to_vec(), "w").unwrap();
+        let idle = parse_fetch(words(&["1000", "250"]), "w").unwrap();
         assert_eq!(idle.then, Then::Watch { ms: 250 });
-        let empty = parse_fetch(["1000", "-1"].map(String::from).to_vec(), "w").unwrap();
+        let empty = parse_fetch(words(&["1000", "-1"]), "w").unwrap();
         assert_eq!(empty.then, Then::Listen);
-        assert!(parse_fetch(["1000", "-3"].map(String::from).to_vec(), "w").is_err());
+        assert!(parse_fetch(words(&["1000", "-3"]), "w").is_err());
+        assert!(parse_fetch(words(&["1000", "-2", "run_1", "7", "2", "990", "{}"]), "w").is_err(), "no extra");
     }
 }

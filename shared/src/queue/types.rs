@@ -34,6 +34,9 @@ pub struct Lease {
     /// The worker process's fetcher, as far as a handler may reach it (see
     /// [`Lease::refetches`]); set by the worker's backend.
     pub(super) fetcher: Option<Arc<dyn LocalFetcher>>,
+    /// What a [`FetchScript`](super::FetchScript) did with the turn besides
+    /// leasing it (the run store's fetch starts it), if anything.
+    pub(super) extra: Option<Arc<Vec<String>>>,
 }
 
 /// What a handler may ask of its worker process's fetcher.
@@ -87,6 +90,12 @@ impl Lease {
     /// batch and passes the baton (fetch.lua).
     pub fn refetches(&self) -> bool {
         self.fetcher.as_ref().is_some_and(|f| f.will_fetch())
+    }
+
+    /// What the fetch did with the turn besides leasing it (the run store's
+    /// fetch starts it: its start's reply), if anything.
+    pub fn extra(&self) -> Option<&[String]> {
+        self.extra.as_deref().map(Vec::as_slice)
     }
 
     /// Tells the process's fetcher that a turn was queued quietly (see

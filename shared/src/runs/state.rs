@@ -195,6 +195,7 @@ mod tests {
     fn every_event_the_lua_scripts_write_is_a_known_event_type() {
         let sources = [
             ("runs/store.lua", include_str!("store.lua")),
+            ("runs/lib.lua", include_str!("lib.lua")),
             ("queue/lib.lua", include_str!("../queue/lib.lua")),
             ("queue/fetch.lua", include_str!("../queue/fetch.lua")),
             ("queue/settle.lua", include_str!("../queue/settle.lua")),
@@ -221,8 +222,11 @@ mod tests {
     #[test]
     fn every_error_kind_and_stop_reason_the_lua_scripts_write_has_a_name() {
         use crate::runs::{ErrorKind, StopReason};
-        let sources =
-            [("runs/store.lua", include_str!("store.lua")), ("queue/lib.lua", include_str!("../queue/lib.lua"))];
+        let sources = [
+            ("runs/store.lua", include_str!("store.lua")),
+            ("runs/lib.lua", include_str!("lib.lua")),
+            ("queue/lib.lua", include_str!("../queue/lib.lua")),
+        ];
         let kind = regex::Regex::new(r"(?:'error_kind', |kind = )'([a-z_]+)'").unwrap();
         let stop = regex::Regex::new(r"(?:return nil, |return |\{'stop', )'([a-z_]+)'").unwrap();
         let (mut kinds, mut stops) = (0, 0);

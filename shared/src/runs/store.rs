@@ -19,15 +19,24 @@ use super::spec::RunSpec;
 use super::state::{RunStatus, WaitReason};
 use super::transcript::TranscriptEntry;
 use crate::keys::Keys;
-use crate::queue::{Lease, QueueKeys, LUA_LIB};
+use crate::queue::{FetchScript, Lease, QueueKeys, LUA_LIB};
 
 /// The most events a run's stream keeps (approximately): the script's
 /// appends are trimmed to it too (prepended to `store.lua` as `EV_MAXLEN`).
 const EVENTS_MAXLEN: u64 = 10_000;
 
-static SCRIPT: LazyLock<redis::Script> = LazyLock::new(|| {
-    redis::Script::new(&format!("{LUA_LIB}\nlocal EV_MAXLEN = {EVENTS_MAXLEN}\n{}", include_str!("store.lua")))
-});
+/// The run store's Lua library (runs/lib.lua: a run's helpers and a turn's
+/// start), with the stream length it trims to: prepended to the store's
+/// script and to its fetch (after the queue's library).
+fn runs_lib() -> String {
+    format!("local EV_MAXLEN = {EVENTS_MAXLEN}\n{}", include_str!("lib.lua"))
+}
+
+static SCRIPT: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(&format!("{LUA_LIB}\n{}\n{}", runs_lib(), include_str!("store.lua"))));
+
+/// The body of the run store's fetch (see [`RunStore::fetch_script`]).
+const FETCH_START_LUA: &str = include_str!("fetch.lua");
 
 /// How long an `Idempotency-Key` is remembered.
 pub const IDEMPOTENCY_TTL: Duration = Duration::from_secs(24 * 3600);
@@ -903,15 +912,36 @@ impl RunStore {
         let mut inv = self.invocation("start", &lease.id, "", None);
         inv.arg(lease.epoch).arg(job.turn).arg(job.attempt).arg(max_history);
         let reply = self.invoke_fenced(inv).await?;
-        if let Fence::Stop(why) = Self::fence(&reply)? {
+        Self::started_from(&lease.id, &reply)
+    }
+
+    /// The fetch a worker leases its turns with: each turn it leases is
+    /// started in the same script ([`RunStore::started`] reads what the
+    /// delivery carries), with the transcript a context of `max_history`
+    /// turns needs — one script per batch of turns, not one fetch and a start
+    /// each. A turn back from a budget wait (its payload carries the ask) is
+    /// leased only: it asks the pacer before it starts.
+    pub fn fetch_script(&self, max_history: usize) -> FetchScript {
+        FetchScript::new(&runs_lib(), FETCH_START_LUA, vec![max_history.to_string(), PAYLOAD_FORMAT.to_string()])
+    }
+
+    /// The start a fetch made of `lease`'s turn ([`RunStore::fetch_script`]),
+    /// if it made one.
+    pub fn started(&self, lease: &Lease) -> Option<Result<Started, StoreError>> {
+        lease.extra().map(|reply| Self::started_from(&lease.id, reply))
+    }
+
+    /// Reads a start's reply: `{'stop', why}` or `{'ok', n, n transcript
+    /// entries, the record's field/value pairs}`.
+    fn started_from(id: &str, reply: &[String]) -> Result<Started, StoreError> {
+        if let Fence::Stop(why) = Self::fence(reply)? {
             return Ok(Started::Stop(why));
         }
-        // {'ok', n, n transcript entries, the record's field/value pairs}
         let bad = || StoreError::Protocol("start: malformed reply".into());
         let n: usize = reply.get(1).and_then(|n| n.parse().ok()).ok_or_else(bad)?;
         let transcript = parse_transcript(reply.get(2..2 + n).ok_or_else(bad)?)?;
         let fields = reply[2 + n..].chunks_exact(2).map(|kv| (kv[0].clone(), kv[1].clone())).collect();
-        Ok(match Self::turn_context(&lease.id, fields, transcript)? {
+        Ok(match Self::turn_context(id, fields, transcript)? {
             Some(ctx) => Started::Run(ctx),
             None => Started::Stop(StopReason::Gone),
         })

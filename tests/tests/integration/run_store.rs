@@ -247,6 +247,77 @@ async fn a_model_output_commits_with_its_tool_results_once_whether_or_not_its_ow
 }
 
 #[tokio::test]
+async fn the_fetch_starts_the_turns_it_leases_as_a_start_would_but_not_one_that_asks_first() {
+    // The worker's fetch starts each turn it leases in the same script: the
+    // delivery carries what a start returns (the run marked running, its
+    // context), a run past its deadline fails there, and a turn back from a
+    // budget wait (its payload carries the pacer's ask) is leased only.
+    use shared::runs::{PacedAsk, Started, StopReason, Turn};
+    let env = env().await;
+    // A turn that waited for budget, carrying its ask.
+    let asking = env.store.create("alpha", &spec("asking"), None).await.unwrap().run;
+    let lease = env.queue.fetch("w0", 1).await.unwrap().deliveries.remove(0).lease;
+    assert_eq!(lease.id, asking.id);
+    let ask = PacedAsk {
+        model: "gpt-test".into(),
+        provider: None,
+        mode: shared::pacer::Mode::Work,
+        tenant: "alpha".into(),
+        tokens: 10,
+        requests: 1,
+        output: 5,
+    };
+    let job = TurnJob { turn: 0, attempt: 1 };
+    let data = json!({"turn": 0, "owed_ms": 1, "reason": "budget"});
+    let next = Turn { job, ask: Some(ask) };
+    let fence = env.store.wait_asking(&lease, job, next, 1, WaitReason::Budget, "turn.paced", &data).await.unwrap();
+    assert_eq!(fence, Fence::Ok);
+    let plain = env.store.create("alpha", &spec("plain"), None).await.unwrap().run;
+    let late = RunSpec::from_json(
+        &json!({"model": "gpt-test", "input": "x", "max_turns": 3, "max_run_seconds": 1}),
+        &SubmitPolicy::default(),
+    )
+    .unwrap();
+    let late = env.store.create("alpha", &late, None).await.unwrap().run;
+    // Past the late run's deadline.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+
+    let fetched = env.queue.fetch_with("w1", 10, Some(&env.store.fetch_script(24))).await.unwrap();
+    assert_eq!(fetched.deliveries.len(), 3);
+    let lease = |id: &str| fetched.deliveries.iter().find(|d| d.lease.id == id).unwrap().lease.clone();
+    let plain_lease = lease(&plain.id);
+    let Some(Ok(Started::Run(ctx))) = env.store.started(&plain_lease) else { panic!("the plain turn was not started") };
+    assert_eq!(ctx.spec.model, "gpt-test");
+    assert_eq!(ctx.transcript.len(), 1);
+    assert_eq!(ctx.transcript[0].item, json!({"role": "user", "content": "plain"}));
+    assert_eq!(env.store.get("alpha", &plain.id).await.unwrap().unwrap().status, RunStatus::Running);
+    let kinds: Vec<String> = env
+        .store
+        .events("alpha", &plain.id, None, None, 10)
+        .await
+        .unwrap()
+        .unwrap()
+        .into_iter()
+        .map(|e| e.kind)
+        .collect();
+    assert_eq!(kinds, ["run.queued", "turn.started"]);
+    // Its commit goes on from there: the start was a real one.
+    let fence = env.store.commit(&plain_lease, job, &[], Usage::default(), &Next::Continue).await.unwrap();
+    assert_eq!(fence, Fence::Ok);
+
+    let late_lease = lease(&late.id);
+    let Some(Ok(Started::Stop(why))) = env.store.started(&late_lease) else { panic!("the late turn was started") };
+    assert_eq!(why, StopReason::Deadline);
+    let failed = env.store.get("alpha", &late.id).await.unwrap().unwrap();
+    assert_eq!((failed.status, failed.error.unwrap().kind.as_str()), (RunStatus::Failed, "deadline"));
+
+    let asking_lease = lease(&asking.id);
+    assert!(asking_lease.extra().is_none(), "a turn that asks first is leased, not started");
+    assert!(env.store.started(&asking_lease).is_none());
+    assert_eq!(env.store.get("alpha", &asking.id).await.unwrap().unwrap().status, RunStatus::Waiting);
+}
+
+#[tokio::test]
 async fn a_waiting_run_shows_why_and_its_turn_comes_back_when_due() {
     let env = env().await;
     let run = env.store.create("alpha", &spec("x"), None).await.unwrap().run;
@@ -592,6 +663,7 @@ async fn each_step_of_a_turn_costs_few_redis_commands() {
         }};
     }
     let run = store.create("alpha", &spec("x"), None).await.unwrap().run;
+    let fetch = store.fetch_script(0);
     // Two warm-up turns (the pacer learns its bucket; the run has history),
     // then one whose tool is slow (its output committed first, in a step of
     // its own) and one whose tool answers at once (the output committed with
@@ -602,8 +674,10 @@ async fn each_step_of_a_turn_costs_few_redis_commands() {
         }
         let slow = turn < 3;
         let job = TurnJob { turn, attempt: 1 };
-        let lease = step!("fetch", queue.fetch("w", 4).await.unwrap().deliveries.remove(0).lease);
-        step!("start", store.start_turn_with_history(&lease, job, 0).await.unwrap());
+        // The worker's fetch starts the turn it leases (one script).
+        let lease =
+            step!("fetch+start", queue.fetch_with("w", 4, Some(&fetch)).await.unwrap().deliveries.remove(0).lease);
+        assert!(matches!(store.started(&lease), Some(Ok(shared::runs::Started::Run(_)))));
         let id = format!("{}:{turn}:1", run.id);
         let d = step!("pacer acquire", pacer.acquire("gpt-test", &id, est, Mode::Work, &Who::DEFAULT).await.unwrap());
         assert!(matches!(d, Decision::Clear), "{d:?}");
@@ -636,15 +710,8 @@ async fn each_step_of_a_turn_costs_few_redis_commands() {
     }
     let turn = 4u32;
     let job = TurnJob { turn, attempt: 1 };
-    let lease = step!("fetch", queue.fetch("w", 4).await.unwrap().deliveries.remove(0).lease);
-    step!("start", store.start_turn_with_history(&lease, job, 0).await.unwrap());
+    let lease = step!("fetch+start", queue.fetch_with("w", 4, Some(&fetch)).await.unwrap().deliveries.remove(0).lease);
     let data = json!({"turn": turn, "owed_ms": 5, "reason": "budget"});
-    let fence =
-        step!("budget wait", store.wait(&lease, job, job, 5, WaitReason::Budget, "turn.paced", &data).await.unwrap());
-    assert_eq!(fence, Fence::Ok);
-    // Back from its wait, the turn asks the pacer before it starts (the ask
-    // rides in its payload); still owed, it waits again without a start.
-    tokio::time::sleep(Duration::from_millis(10)).await;
     let ask = shared::runs::PacedAsk {
         model: "gpt-test".into(),
         provider: None,
@@ -654,7 +721,18 @@ async fn each_step_of_a_turn_costs_few_redis_commands() {
         requests: est.requests,
         output: est.output,
     };
-    let lease = step!("fetch again", queue.fetch("w", 4).await.unwrap().deliveries.remove(0).lease);
+    let next = shared::runs::Turn { job, ask: Some(ask.clone()) };
+    let fence = step!(
+        "budget wait",
+        store.wait_asking(&lease, job, next, 5, WaitReason::Budget, "turn.paced", &data).await.unwrap()
+    );
+    assert_eq!(fence, Fence::Ok);
+    // Back from its wait, the turn asks the pacer before it starts (the ask
+    // rides in its payload, and its fetch leases it without starting it);
+    // still owed, it waits again.
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let lease = step!("fetch again", queue.fetch_with("w", 4, Some(&fetch)).await.unwrap().deliveries.remove(0).lease);
+    assert!(lease.extra().is_none(), "a turn that asks first is not started by its fetch");
     let next = shared::runs::Turn { job, ask: Some(ask) };
     let fence = step!(
         "wait again",
@@ -668,8 +746,8 @@ async fn each_step_of_a_turn_costs_few_redis_commands() {
     eprintln!("{:>14}: {total}", "all");
     // Ceilings: a step may not grow unnoticed.
     let ceiling = |name: &str| match name {
-        "fetch" | "fetch again" => 9,
-        "start" => 6,
+        "fetch again" => 9,
+        "fetch+start" => 13,
         "pacer acquire" => 8,
         "pacer settle" => 7,
         "record output" => 6,

@@ -37,7 +37,7 @@ use shared::queue::apalis_core::task::builder::TaskBuilder;
 use shared::queue::apalis_core::task::task_id::{RandomId, TaskId};
 use shared::queue::apalis_core::task::Task;
 use shared::queue::apalis_core::worker::context::WorkerContext;
-use shared::queue::{Lease, LocalFetcher, QueueConfig, QueueError, Settled, Then, TurnQueue, WorkerInfo};
+use shared::queue::{FetchScript, Lease, LocalFetcher, QueueConfig, QueueError, Settled, Then, TurnQueue, WorkerInfo};
 use std::collections::{HashMap, VecDeque};
 use std::marker::PhantomData;
 use std::panic::AssertUnwindSafe;
@@ -140,6 +140,8 @@ impl BackendState {
 /// the backend logs them and retries with backoff.
 pub struct QueueBackend<T> {
     queue: TurnQueue,
+    /// The script it fetches with (`None`: the queue's own).
+    fetch_script: Option<FetchScript>,
     shared: Arc<BackendState>,
     fetcher: Option<BoxStream<'static, Task<T>>>,
     heartbeat: Option<tokio::task::JoinHandle<()>>,
@@ -168,6 +170,7 @@ impl<T> QueueBackend<T> {
         let (grace, _) = watch::channel(false);
         Self {
             queue,
+            fetch_script: None,
             shared: Arc::new(BackendState {
                 identity: shared::queue::new_worker_identity(),
                 concurrency: concurrency.max(1),
@@ -194,6 +197,14 @@ impl<T> QueueBackend<T> {
     /// This worker process's identity (unique per start); use it as the apalis worker name.
     pub fn identity(&self) -> &str {
         &self.shared.identity
+    }
+
+    /// This backend, fetching with `script` (a fetch that does more with
+    /// each turn it leases: the run store's starts it; what it did rides on
+    /// the task's [`Lease`], `Lease::extra`).
+    pub fn fetching_with(mut self, script: FetchScript) -> Self {
+        self.fetch_script = Some(script);
+        self
     }
 
     /// What tells the backend that its worker is shutting down (see [`Stopping`]).
@@ -263,6 +274,7 @@ impl<T: DeserializeOwned + Send + 'static> Backend for QueueBackend<T> {
         let fetcher = self.fetcher.get_or_insert_with(|| {
             let state = Fetcher::<T> {
                 queue: self.queue.clone(),
+                script: self.fetch_script.clone(),
                 shared: self.shared.clone(),
                 buffer: VecDeque::new(),
                 then: None,
@@ -336,12 +348,13 @@ impl<T: DeserializeOwned + Send + 'static> BackendConfig for QueueBackend<T> {
 /// One fetch, in a task of its own (see `BackendState::fetching`).
 async fn fetch_in_task(
     queue: TurnQueue,
+    script: Option<FetchScript>,
     shared: Arc<BackendState>,
     want: usize,
 ) -> Result<shared::queue::Fetched, QueueError> {
     shared.fetching.fetch_add(1, Ordering::SeqCst);
     let task = tokio::spawn(async move {
-        let result = queue.fetch(&shared.identity, want).await;
+        let result = queue.fetch_with(&shared.identity, want, script.as_ref()).await;
         if let Ok(fetched) = &result {
             for d in &fetched.deliveries {
                 shared.hold(&d.lease);
@@ -356,6 +369,7 @@ async fn fetch_in_task(
 /// Fetches leases into a small buffer, sized to the free slots.
 struct Fetcher<T> {
     queue: TurnQueue,
+    script: Option<FetchScript>,
     shared: Arc<BackendState>,
     buffer: VecDeque<Task<T>>,
     /// What the last fetch said to do once its deliveries started.
@@ -394,7 +408,7 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
                 free = self.free_slot().await;
             }
             let want = free.min(self.queue.config().fetch_batch);
-            match fetch_in_task(self.queue.clone(), self.shared.clone(), want).await {
+            match fetch_in_task(self.queue.clone(), self.script.clone(), self.shared.clone(), want).await {
                 Ok(fetched) => {
                     self.failures = 0;
                     self.then = Some(fetched.then);
