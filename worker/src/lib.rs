@@ -145,7 +145,7 @@ async fn handle_turn(turn: Turn, lease: Lease, runner: Data<Runner>) -> Result<(
     use tracing::Instrument as _;
     let job = turn.job;
     let span = tracing::info_span!("turn", run.id = %lease.id, turn.index = job.turn, attempt = job.attempt);
-    let result = runner.run_turn_asking(job, turn.ask, &lease).instrument(span).await;
+    let result = runner.run_turn_asking(turn, &lease).instrument(span).await;
     // Bench-only (`paceline bench` passes `--bench-deliveries-key` to the worker
     // processes it starts): one RPUSH per delivery — run, turn, attempt, due and
     // leased ms (server clock), outcome — so the bench can tell requeued

@@ -22,8 +22,8 @@ use shared::pacer::{
 use shared::queue::Lease;
 use shared::runs::state::event;
 use shared::runs::{
-    ErrorKind, Fence, ModelOutput, Next, PacedAsk, Phase, RunStore, Started, StoreError, TranscriptEntry, Turn,
-    TurnContext, TurnJob, Usage, WaitReason,
+    BudgetWait, ErrorKind, Fence, ModelOutput, Next, PacedAsk, Phase, RunStore, Started, StoreError, TranscriptEntry,
+    Turn, TurnContext, TurnJob, Usage, WaitReason,
 };
 
 use crate::provider::{CallFailure, CallSuccess, StreamEvent, ToolCall};
@@ -33,6 +33,12 @@ use shared::telemetry::metric;
 
 /// Text deltas arriving within this of each other are one `turn.output_text.delta` event.
 const DELTA_BATCH: Duration = Duration::from_millis(50);
+
+/// A turn the pacer cleared when the turn before it committed calls without
+/// asking again if it was leased within this of its due time; one that waited
+/// longer in the queue (every slot busy) asks again, which a reservation still
+/// held answers at once (clear) and a lapsed one decides afresh.
+pub const CLEARED_FRESH_MS: i64 = 10_000;
 
 /// Tool calls that answer within this of the model's output are committed
 /// with it in one script; slower ones see the output committed first, while
@@ -152,36 +158,39 @@ enum Paced {
 impl Runner {
     /// Runs turn `job` of the run `lease.id`.
     pub async fn run_turn(&self, job: TurnJob, lease: &Lease) -> Result<TurnOutcome, TurnError> {
-        self.run_turn_asking(job, None, lease).await
+        self.run_turn_asking(Turn { job, ask: None, cleared: false }, lease).await
     }
 
-    /// Runs turn `job`; a turn back from a budget wait (`ask`) asks the pacer
-    /// first, and one still owed is requeued without starting: its record and
-    /// history are not read, its tokens not counted, again.
-    pub async fn run_turn_asking(
-        &self,
-        job: TurnJob,
-        ask: Option<PacedAsk>,
-        lease: &Lease,
-    ) -> Result<TurnOutcome, TurnError> {
+    /// Runs `turn`; one back from a budget wait (`ask`) asks the pacer first,
+    /// and one still owed is requeued without starting: its record and
+    /// history are not read, its tokens not counted, again. One the pacer
+    /// cleared when the turn before it committed (`cleared`) calls without
+    /// asking, unless it waited in the queue so long that its reservation may
+    /// have lapsed ([`CLEARED_FRESH_MS`]).
+    pub async fn run_turn_asking(&self, turn: Turn, lease: &Lease) -> Result<TurnOutcome, TurnError> {
+        let job = turn.job;
         let started = Instant::now();
         let mut cleared = None;
-        if let Some(ask) = ask {
+        if let Some(ask) = turn.ask {
             if let Some(route) = self.routes.get(ask.provider.as_deref()) {
                 let est = Estimate { tokens: ask.tokens, requests: ask.requests, output: ask.output };
                 let reservation = reservation_id(lease, job);
                 let who = self.tenants.who(&ask.tenant);
-                match self.pace(route, &ask.model, &reservation, est, ask.mode, &who).await? {
-                    Paced::Clear => cleared = Some((route, ask, reservation)),
-                    Paced::Owed { ms, reason } => {
-                        let fence = self.budget_wait(lease, job, ms, reason, ask).await?;
-                        return Ok(settled(lease, fence, TurnOutcome::Requeued));
+                if turn.cleared && lease.lateness_ms() <= CLEARED_FRESH_MS {
+                    cleared = Some((route, ask, reservation));
+                } else {
+                    match self.pace(route, &ask.model, &reservation, est, ask.mode, &who).await? {
+                        Paced::Clear => cleared = Some((route, ask, reservation)),
+                        Paced::Owed { ms, reason } => {
+                            let fence = self.budget_wait(lease, job, ms, reason, ask).await?;
+                            return Ok(settled(lease, fence, TurnOutcome::Requeued));
+                        }
                     }
                 }
             }
         }
-        // The fetch started it (a turn that did not ask first), or it starts now.
-        let start = match self.store.started(lease).filter(|_| cleared.is_none()) {
+        // The fetch started it (unless it had to ask first), or it starts now.
+        let start = match self.store.started(lease) {
             Some(start) => start?,
             None => self.store.start_turn_with_history(lease, job, self.config.max_history).await?,
         };
@@ -218,6 +227,76 @@ impl Runner {
         Ok(outcome)
     }
 
+    /// The body of a call of `spec` over `transcript` (bounded to the history
+    /// depth), its answer tool, its input tokens as counted here, and what the
+    /// pacer is asked to reserve for it (the input calibrated to the
+    /// provider's count, plus the output reservation).
+    fn prepare_call(
+        &self,
+        route: &Route,
+        spec: &shared::runs::RunSpec,
+        transcript: &[TranscriptEntry],
+    ) -> (Value, Option<String>, u64, Estimate) {
+        let params = turn_params(spec);
+        let style = route.provider.api_style();
+        let (body, answer_tool, input) = cpu_bound(|| {
+            let context = prepare_context(transcript, self.config.max_history);
+            let body = build_body(style, &params, &context);
+            let input = crate::estimate::input_tokens(&body);
+            (body, answer_tool(style, &params), input)
+        });
+        let scaled = self.calibration(&spec.model, |c| c.apply(input));
+        let est = Estimate {
+            tokens: scaled + spec.max_output_tokens as u64,
+            requests: 1,
+            output: spec.max_output_tokens as u64,
+        };
+        (body, answer_tool, input, est)
+    }
+
+    /// Asks the pacer for the turn after `job`, as it commits: `new_items`
+    /// (the model's output and the tool results) end the history the next
+    /// call sends, so its ask is known now. Cleared, the next turn is queued
+    /// with its reservation held; owed, it waits in the queue from this
+    /// commit on — no delivery, start or requeue of its own for that first
+    /// wait. Without a pacer to ask, or when the pacer cannot be reached, the
+    /// next turn asks when it starts (`Next::Continue`).
+    async fn ask_for_next(&self, lease: &Lease, job: TurnJob, ctx: &TurnContext, new_items: &[Value]) -> Next {
+        let spec = &ctx.spec;
+        let Some(route) = self.routes.get(spec.provider.as_deref()) else { return Next::Continue };
+        if matches!(route.pacer, shared::pacer::Pacer::Off) {
+            return Next::Continue;
+        }
+        let next = TurnJob { turn: job.turn + 1, attempt: 1 };
+        let mut transcript = ctx.transcript.clone();
+        transcript.extend(new_items.iter().map(|item| TranscriptEntry { turn: next.turn, item: item.clone() }));
+        let (_, _, _, est) = self.prepare_call(route, spec, &transcript);
+        let reservation = reservation_id(lease, next);
+        let who = self.tenants.who(&ctx.tenant);
+        let ask = PacedAsk {
+            model: spec.model.clone(),
+            provider: spec.provider.clone(),
+            mode: spec.mode,
+            tenant: ctx.tenant.clone(),
+            tokens: est.tokens,
+            requests: est.requests,
+            output: est.output,
+        };
+        match self.pace(route, &spec.model, &reservation, est, spec.mode, &who).await {
+            Ok(Paced::Clear) => Next::Paced { turn: Turn { job: next, ask: Some(ask), cleared: true }, wait: None },
+            Ok(Paced::Owed { ms, reason }) => {
+                let (data, reason) = budget_wait_record(next, ms, reason);
+                let wait = Some(BudgetWait { ms, reason, data });
+                Next::Paced { turn: Turn { job: next, ask: Some(ask), cleared: false }, wait }
+            }
+            Err(error) => {
+                tracing::warn!(message = "could not ask the pacer for the next turn; it asks when it starts", %error,
+                    run.id = %lease.id);
+                Next::Continue
+            }
+        }
+    }
+
     /// Asks the pacer until it clears the call or owes more than the in-place wait.
     async fn pace(
         &self,
@@ -249,16 +328,8 @@ impl Runner {
         reason: OwedReason,
         ask: PacedAsk,
     ) -> Result<Fence, TurnError> {
-        metrics::counter!(metric::BUDGET_WAITS).increment(1);
-        metrics::histogram!(metric::REQUEUE_DELAY, "reason" => "budget").record(ms as f64 / 1000.0);
-        let (reason_name, wait_reason) = match reason {
-            OwedReason::Budget => ("budget", WaitReason::Budget),
-            OwedReason::RateLimited => ("window_closed", WaitReason::Budget),
-            OwedReason::Probe => ("probe", WaitReason::Budget),
-            OwedReason::FairShare => ("fair_share", WaitReason::FairShare),
-        };
-        let data = json!({"turn": job.turn, "owed_ms": ms, "reason": reason_name});
-        let next = Turn { job, ask: Some(ask) };
+        let (data, wait_reason) = budget_wait_record(job, ms, reason);
+        let next = Turn { job, ask: Some(ask), cleared: false };
         Ok(self.store.wait_asking(lease, job, next, ms, wait_reason, event::TURN_PACED, &data).await?)
     }
 
@@ -282,14 +353,6 @@ impl Runner {
             let fence = self.store.fail(lease, job, ErrorKind::ProviderError, &message, Usage::default()).await?;
             return Ok(settled(lease, fence, TurnOutcome::Failed));
         };
-        let params = TurnParams {
-            model: &spec.model,
-            instructions: spec.instructions.as_deref(),
-            tools: &spec.tools,
-            max_output_tokens: Some(spec.max_output_tokens),
-            metadata: Some(&spec.metadata),
-            generation: Some(&spec.generation),
-        };
         // A companion turn delivered again (its worker died, or lost its
         // lease, mid-answer) whose text already reached its listeners fails
         // rather than say it twice.
@@ -299,19 +362,7 @@ impl Runner {
             let fence = self.store.fail(lease, job, ErrorKind::PartialOutput, message, Usage::default()).await?;
             return Ok(settled(lease, fence, TurnOutcome::Failed));
         }
-        let style = route.provider.api_style();
-        let (body, answer_tool, input) = cpu_bound(|| {
-            let context = prepare_context(&ctx.transcript, self.config.max_history);
-            let body = build_body(style, &params, &context);
-            let input = crate::estimate::input_tokens(&body);
-            (body, answer_tool(style, &params), input)
-        });
-        let scaled = self.calibration(&spec.model, |c| c.apply(input));
-        let est = Estimate {
-            tokens: scaled + spec.max_output_tokens as u64,
-            requests: 1,
-            output: spec.max_output_tokens as u64,
-        };
+        let (body, answer_tool, input, est) = self.prepare_call(route, spec, &ctx.transcript);
         // One reservation id per call attempt: a budget wait keeps it (so the
         // turn finds its booking when it comes back), a retry gets a new one.
         let reservation = reservation_id(lease, job);
@@ -496,12 +547,29 @@ impl Runner {
             ));
             items.push(json!({"type": "function_call_output", "call_id": r.call_id, "output": clipped.text}));
         }
+        // The next turn asks the pacer now: its history ends with this turn's
+        // output (unless the transcript read at the start holds it already:
+        // a redelivery in the tools phase) and these results.
+        let new_items: Vec<Value> = output.iter().flat_map(|o| o.items.iter()).chain(&items).cloned().collect();
+        let next = self.ask_for_next(lease, job, ctx, &new_items).await;
         // The results are written by the commit itself: once, and only if it lands.
         let fence = self
             .store
-            .commit_with_output(lease, job, output.as_ref(), &items, Usage::default(), &Next::Continue, &reported)
-            .await?;
-        Ok(settled(lease, fence, TurnOutcome::Continued))
+            .commit_with_output(lease, job, output.as_ref(), &items, Usage::default(), &next, &reported)
+            .await;
+        // (Not on Redis trouble: the commit may have landed, and its turn holds the reservation.)
+        if matches!(fence, Ok(Fence::Stop(_))) {
+            if let Next::Paced { turn: Turn { ask: Some(ask), cleared: true, job: next_job }, .. } = &next {
+                // Cleared for a turn that was not queued: the reservation goes back unused.
+                if let Some(route) = self.routes.get(ask.provider.as_deref()) {
+                    let reservation = reservation_id(lease, *next_job);
+                    if let Err(error) = route.pacer.settle(&ask.model, &reservation, &CallOutcome::default()).await {
+                        tracing::warn!(message = "could not settle the pacer", %error, reservation);
+                    }
+                }
+            }
+        }
+        Ok(settled(lease, fence?, TurnOutcome::Continued))
     }
 
     async fn on_failure(
@@ -628,6 +696,32 @@ fn cpu_bound<R>(work: impl FnOnce() -> R) -> R {
     match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
         Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
         _ => work(),
+    }
+}
+
+/// A budget wait of `job` for `ms`: its `turn.paced` data and the run's wait
+/// reason; counted in the metrics here.
+fn budget_wait_record(job: TurnJob, ms: u64, reason: OwedReason) -> (Value, WaitReason) {
+    metrics::counter!(metric::BUDGET_WAITS).increment(1);
+    metrics::histogram!(metric::REQUEUE_DELAY, "reason" => "budget").record(ms as f64 / 1000.0);
+    let (reason_name, wait_reason) = match reason {
+        OwedReason::Budget => ("budget", WaitReason::Budget),
+        OwedReason::RateLimited => ("window_closed", WaitReason::Budget),
+        OwedReason::Probe => ("probe", WaitReason::Budget),
+        OwedReason::FairShare => ("fair_share", WaitReason::FairShare),
+    };
+    (json!({"turn": job.turn, "owed_ms": ms, "reason": reason_name}), wait_reason)
+}
+
+/// What a call of `spec` is built from.
+fn turn_params(spec: &shared::runs::RunSpec) -> TurnParams<'_> {
+    TurnParams {
+        model: &spec.model,
+        instructions: spec.instructions.as_deref(),
+        tools: &spec.tools,
+        max_output_tokens: Some(spec.max_output_tokens),
+        metadata: Some(&spec.metadata),
+        generation: Some(&spec.generation),
     }
 }
 

@@ -125,22 +125,33 @@ if op == 'commit' then
   -- in an 'output' step of its own; when that step did run (phase 'tools': the tools were
   -- slow, or this is a redelivery) they are written already and are skipped here.
   -- [14] '1': wake no worker for the next turn (this worker's process fetches next,
-  -- lib.lua q_schedule), [15] n events written before turn.completed (the output's, then
-  -- the tool results), then n type/data pairs, then the entries appended
+  -- lib.lua q_schedule); [15] the next turn's wait, ms (0: due now): it asked the pacer
+  -- at this commit and is owed that long, so the run waits at once, [16] its reason,
+  -- [17] the counter it adds to, [18] its turn.paced data; [19] n events written before
+  -- turn.completed (the output's, then the tool results), then n type/data pairs, then
+  -- the entries appended
   local tag = tonumber(ARGV[4]) + 1
-  local r, f, why = fenced(ARGV[3], ARGV[4], usage_and({'txi:' .. tag, 'phase'}))
+  local delay, counter = tonumber(ARGV[15]) or 0, ARGV[17]
+  local more = {'txi:' .. tag, 'phase', 'waited_ms'}
+  if counter ~= '' then more[#more + 1] = counter end
+  local r, f, why = fenced(ARGV[3], ARGV[4], usage_and(more))
   if not r then return {'stop', why} end
   local turns = (tonumber(f.turns) or 0) + 1
   local recorded = f.phase == 'tools'
-  local n = tonumber(ARGV[15]) or 0
+  local n = tonumber(ARGV[19]) or 0
   local skip = recorded and tonumber(ARGV[12]) or 0
   -- The step's events, one entry: the output's tool calls (unless written), the
-  -- tool results, turn.completed, and the run's end when it ends here.
-  local events = {unpack(ARGV, 16 + 2 * skip, 15 + 2 * n)}
-  local from = 16 + 2 * n + (recorded and tonumber(ARGV[13]) or 0)
+  -- tool results, turn.completed, and the run's end when it ends here, or the
+  -- next turn's wait.
+  local events = {unpack(ARGV, 20 + 2 * skip, 19 + 2 * n)}
+  local from = 20 + 2 * n + (recorded and tonumber(ARGV[13]) or 0)
   events[#events + 1] = 'turn.completed'
   events[#events + 1] = ARGV[9]
   local next = ARGV[6]
+  if next == 'continue' and delay > 0 then
+    events[#events + 1] = 'turn.paced'
+    events[#events + 1] = ARGV[18]
+  end
   if next == 'complete' then
     events[#events + 1] = 'run.completed'
     events[#events + 1] = cjson.encode({output_text = ARGV[7], turns = turns})
@@ -153,11 +164,20 @@ if op == 'commit' then
   append_entries(from, tag, f, set)
   add_usage(f, set, ARGV[5], recorded and '' or ARGV[11])
   if next == 'continue' then
-    for _, v in ipairs({'status', 'queued', 'wait_reason', '', 'next_attempt_ms', ''}) do set[#set + 1] = v end
+    if delay > 0 then
+      for _, v in ipairs({'status', 'waiting', 'wait_reason', ARGV[16], 'next_attempt_ms', now + delay,
+        'waited_ms', string.format('%d', (tonumber(f.waited_ms) or 0) + delay)}) do set[#set + 1] = v end
+      if counter ~= '' then
+        set[#set + 1] = counter
+        set[#set + 1] = string.format('%d', (tonumber(f[counter]) or 0) + 1)
+      end
+    else
+      for _, v in ipairs({'status', 'queued', 'wait_reason', '', 'next_attempt_ms', ''}) do set[#set + 1] = v end
+    end
     redis.call('HSET', RUN, unpack(set))
     r.payload = ARGV[7]
     r.deliveries = 0
-    q_schedule(id, r, now, now, ARGV[14] == '1')
+    q_schedule(id, r, now + delay, now, ARGV[14] == '1')
     return {'continued', tostring(turns)}
   end
   q_finish(id)

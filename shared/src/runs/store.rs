@@ -184,6 +184,10 @@ pub struct Turn {
     /// The pacer's ask of a turn that waited for budget.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ask: Option<PacedAsk>,
+    /// The pacer cleared this turn's call when the turn before it committed
+    /// (its reservation, `run:turn:attempt`, is held): it calls without asking.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub cleared: bool,
 }
 
 /// An `Idempotency-Key` and a fingerprint of the body it came with.
@@ -332,10 +336,21 @@ pub enum Started {
 }
 
 /// How a committed turn leaves the run.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Next {
-    /// Enqueue the next turn (due now).
+    /// Enqueue the next turn (due now); it asks the pacer when it starts.
     Continue,
+    /// Enqueue the next turn, which asked the pacer at this commit: cleared
+    /// (its reservation held: `Turn::cleared`), it is due now; owed, it
+    /// waits in the queue for that long, the run `waiting` at once, and asks
+    /// again when it comes back (`Turn::ask`). The first wait of a turn then
+    /// costs no delivery, start or requeue of its own.
+    Paced {
+        /// The next turn as the queue carries it.
+        turn: Turn,
+        /// What it owes, if it is owed.
+        wait: Option<BudgetWait>,
+    },
     /// The model answered without tool calls: the run is done with this text.
     Complete(String),
     /// The run fails (e.g. `max_turns`).
@@ -345,6 +360,17 @@ pub enum Next {
         /// `error.message`.
         message: String,
     },
+}
+
+/// A wait a commit puts its next turn in (see [`Next::Paced`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct BudgetWait {
+    /// How long, ms.
+    pub ms: u64,
+    /// Why (budget or fair share).
+    pub reason: WaitReason,
+    /// The `turn.paced` event's data.
+    pub data: Value,
 }
 
 /// Where a turn stands when a delivery starts it (the record's `phase`).
@@ -970,7 +996,16 @@ impl RunStore {
         event_kind: &str,
         event_data: &Value,
     ) -> Result<Fence, StoreError> {
-        self.wait_asking(lease, job, Turn { job: next, ask: None }, delay_ms, reason, event_kind, event_data).await
+        self.wait_asking(
+            lease,
+            job,
+            Turn { job: next, ask: None, cleared: false },
+            delay_ms,
+            reason,
+            event_kind,
+            event_data,
+        )
+        .await
     }
 
     /// [`wait`](Self::wait) for `next`, which carries the pacer's ask to make
@@ -986,11 +1021,7 @@ impl RunStore {
         event_kind: &str,
         event_data: &Value,
     ) -> Result<Fence, StoreError> {
-        let counter = match reason {
-            WaitReason::Budget | WaitReason::FairShare => field::BUDGET_WAITS,
-            WaitReason::RateLimited => field::RATE_LIMITED,
-            WaitReason::Retry => field::RETRIES,
-        };
+        let counter = wait_counter(reason);
         let reason = serde_json::to_value(reason).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
         let mut inv = self.invocation("wait", &lease.id, "", None);
         inv.arg(lease.epoch)
@@ -1088,13 +1119,23 @@ impl RunStore {
                 let job = TurnJob { turn: job.turn + 1, attempt: 1 };
                 ("continue", serde_json::to_string(&job).unwrap_or_default(), String::new())
             }
+            Next::Paced { turn, .. } => ("continue", serde_json::to_string(turn).unwrap_or_default(), String::new()),
             Next::Complete(text) => ("complete", text.clone(), String::new()),
             Next::Fail { kind, message } => ("fail", kind.as_str().to_owned(), message.clone()),
         };
         let usage = Usage { total_tokens: usage.input_tokens + usage.output_tokens, ..usage };
         let data = json!({"turn": job.turn, "usage": usage});
-        // The next turn wakes no other worker when this one's process fetches after it.
-        let quiet = matches!(next, Next::Continue) && lease.refetches();
+        // The next turn, due now, wakes no other worker when this one's process fetches after it.
+        let due_now = match next {
+            Next::Continue => true,
+            Next::Paced { wait, .. } => wait.is_none(),
+            _ => false,
+        };
+        let quiet = due_now && lease.refetches();
+        let wait = match next {
+            Next::Paced { wait: Some(w), .. } => Some(w),
+            _ => None,
+        };
         let mut inv = self.invocation("commit", &lease.id, "", None);
         inv.arg(lease.epoch)
             .arg(job.turn)
@@ -1107,7 +1148,11 @@ impl RunStore {
             .arg(output.map(|o| usage_arg(o.usage)).unwrap_or_default())
             .arg(output.map_or(0, |o| o.events.len()))
             .arg(output.map_or(0, |o| o.items.len()))
-            .arg(if quiet { "1" } else { "0" });
+            .arg(if quiet { "1" } else { "0" })
+            .arg(wait.map_or(0, |w| w.ms))
+            .arg(wait.map_or("", |w| w.reason.as_str()))
+            .arg(wait.map_or("", |w| wait_counter(w.reason)))
+            .arg(wait.map_or_else(String::new, |w| w.data.to_string()));
         let no_events: &[(&str, Value)] = &[];
         let output_events = output.map_or(no_events, |o| o.events);
         inv.arg(output_events.len() + events.len());
@@ -1159,6 +1204,15 @@ pub struct ModelOutput<'a> {
     pub usage: Usage,
     /// The `turn.tool_call` events (type, data).
     pub events: &'a [(&'a str, Value)],
+}
+
+/// The run record's counter a wait for `reason` adds one to.
+fn wait_counter(reason: WaitReason) -> &'static str {
+    match reason {
+        WaitReason::Budget | WaitReason::FairShare => field::BUDGET_WAITS,
+        WaitReason::RateLimited => field::RATE_LIMITED,
+        WaitReason::Retry => field::RETRIES,
+    }
 }
 
 /// A step's events as its script reads them: how many, then each type and data.

@@ -649,7 +649,9 @@ async fn sigterm_drains_in_flight_turns_and_exits_0() {
     let env = Env::start(QueueConfig::default());
     let q = &env.queue;
     let mut worker = env.spawn_probe(&["--concurrency", "4", "--record"]);
-    env.enqueue_many("run", 20, json!({"sleep_ms": 500}), 0).await;
+    // Turns long enough that all four slots stay busy for a while between
+    // fetches, however slowly a loaded machine starts the process.
+    env.enqueue_many("run", 20, json!({"sleep_ms": 2_000}), 0).await;
     let pid = worker.0.id();
     let registered = eventually("the worker to register and take turns", secs(10), || async {
         let workers = q.list_workers().await.ok()?;

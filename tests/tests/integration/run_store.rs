@@ -269,7 +269,7 @@ async fn the_fetch_starts_the_turns_it_leases_as_a_start_would_but_not_one_that_
     };
     let job = TurnJob { turn: 0, attempt: 1 };
     let data = json!({"turn": 0, "owed_ms": 1, "reason": "budget"});
-    let next = Turn { job, ask: Some(ask) };
+    let next = Turn { job, ask: Some(ask), cleared: false };
     let fence = env.store.wait_asking(&lease, job, next, 1, WaitReason::Budget, "turn.paced", &data).await.unwrap();
     assert_eq!(fence, Fence::Ok);
     let plain = env.store.create("alpha", &spec("plain"), None).await.unwrap().run;
@@ -315,6 +315,71 @@ async fn the_fetch_starts_the_turns_it_leases_as_a_start_would_but_not_one_that_
     assert!(asking_lease.extra().is_none(), "a turn that asks first is leased, not started");
     assert!(env.store.started(&asking_lease).is_none());
     assert_eq!(env.store.get("alpha", &asking.id).await.unwrap().unwrap().status, RunStatus::Waiting);
+}
+
+#[tokio::test]
+async fn a_commit_queues_a_next_turn_the_pacer_cleared_or_puts_it_to_wait_at_once() {
+    // The worker asks the pacer for the next turn as it commits: cleared, the
+    // turn is queued due now, marked cleared, and its fetch starts it; owed,
+    // the run waits from the commit on — status, reason, due time, counters
+    // and turn.paced written in the same step — and the turn comes back with
+    // its ask, leased but not started.
+    use shared::runs::{BudgetWait, PacedAsk, Turn};
+    let env = env().await;
+    let fetch = env.store.fetch_script(24);
+    let ask = PacedAsk {
+        model: "gpt-test".into(),
+        provider: None,
+        mode: shared::pacer::Mode::Work,
+        tenant: "alpha".into(),
+        tokens: 10,
+        requests: 1,
+        output: 5,
+    };
+    let job = TurnJob { turn: 0, attempt: 1 };
+    let next_job = TurnJob { turn: 1, attempt: 1 };
+    for owed in [false, true] {
+        let run = env.store.create("alpha", &spec("x"), None).await.unwrap().run;
+        let lease = env.queue.fetch_with("w", 1, Some(&fetch)).await.unwrap().deliveries.remove(0).lease;
+        let wait = owed.then(|| BudgetWait {
+            ms: 1_000,
+            reason: WaitReason::Budget,
+            data: json!({"turn": 1, "owed_ms": 1_000, "reason": "budget"}),
+        });
+        let turn = Turn { job: next_job, ask: Some(ask.clone()), cleared: !owed };
+        let next = Next::Paced { turn: turn.clone(), wait };
+        assert_eq!(env.store.commit(&lease, job, &[], Usage::default(), &next).await.unwrap(), Fence::Ok);
+        let now = env.store.get("alpha", &run.id).await.unwrap().unwrap();
+        assert_eq!(env.queue.payload::<Turn>(&run.id).await.unwrap(), Some(turn));
+        let kinds: Vec<String> = env
+            .store
+            .events("alpha", &run.id, None, None, 10)
+            .await
+            .unwrap()
+            .unwrap()
+            .into_iter()
+            .map(|e| e.kind)
+            .collect();
+        if owed {
+            assert_eq!((now.status, now.wait_reason), (RunStatus::Waiting, Some(WaitReason::Budget)));
+            assert_eq!((now.pacing.budget_waits, now.pacing.waited_ms), (1, 1_000));
+            assert!(now.next_attempt_at.is_some());
+            assert_eq!(kinds, ["run.queued", "turn.started", "turn.completed", "turn.paced"]);
+            let c = env.queue.counts().await.unwrap();
+            assert_eq!((c.ready, c.delayed), (0, 1), "due when its wait is paid");
+            tokio::time::sleep(Duration::from_millis(1_050)).await;
+            let lease = env.queue.fetch_with("w", 1, Some(&fetch)).await.unwrap().deliveries.remove(0).lease;
+            assert!(lease.extra().is_none(), "it asks again before it starts");
+        } else {
+            assert_eq!((now.status, now.pacing.budget_waits), (RunStatus::Queued, 0));
+            assert_eq!(kinds, ["run.queued", "turn.started", "turn.completed"]);
+            let lease = env.queue.fetch_with("w", 1, Some(&fetch)).await.unwrap().deliveries.remove(0).lease;
+            assert!(
+                matches!(env.store.started(&lease), Some(Ok(shared::runs::Started::Run(_)))),
+                "started by its fetch"
+            );
+        }
+    }
 }
 
 #[tokio::test]
@@ -721,7 +786,7 @@ async fn each_step_of_a_turn_costs_few_redis_commands() {
         requests: est.requests,
         output: est.output,
     };
-    let next = shared::runs::Turn { job, ask: Some(ask.clone()) };
+    let next = shared::runs::Turn { job, ask: Some(ask.clone()), cleared: false };
     let fence = step!(
         "budget wait",
         store.wait_asking(&lease, job, next, 5, WaitReason::Budget, "turn.paced", &data).await.unwrap()
@@ -733,7 +798,7 @@ async fn each_step_of_a_turn_costs_few_redis_commands() {
     tokio::time::sleep(Duration::from_millis(10)).await;
     let lease = step!("fetch again", queue.fetch_with("w", 4, Some(&fetch)).await.unwrap().deliveries.remove(0).lease);
     assert!(lease.extra().is_none(), "a turn that asks first is not started by its fetch");
-    let next = shared::runs::Turn { job, ask: Some(ask) };
+    let next = shared::runs::Turn { job, ask: Some(ask), cleared: false };
     let fence = step!(
         "wait again",
         store.wait_asking(&lease, job, next, 5, WaitReason::Budget, "turn.paced", &data).await.unwrap()
