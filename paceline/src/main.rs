@@ -12,6 +12,9 @@ mod demo;
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Debug, Parser)]
 #[command(
     name = "paceline",

@@ -23,6 +23,33 @@ pub struct Route {
     pub pacer: Pacer,
     /// The budget's name (`/v1/pacer`, metric labels).
     pub budget: String,
+    /// When this process last heard its pacer owe a call time.
+    pub owed: OwedLately,
+}
+
+/// When a process last heard a route's pacer owe a call time: a scarce
+/// budget. While it is, a turn asks the pacer for the next one as it commits
+/// (its first wait then costs no round of its own); while the budget has room
+/// it does not, as that ask would only add a round trip before every commit.
+#[derive(Debug, Clone, Default)]
+pub struct OwedLately(Arc<std::sync::Mutex<Option<std::time::Instant>>>);
+
+impl OwedLately {
+    /// How long a budget counts as scarce after the pacer last owed a call time.
+    pub const SCARCE_FOR: std::time::Duration = std::time::Duration::from_secs(30);
+
+    /// The pacer owed a call time just now, for `reason`. (A cold budget's
+    /// probe holds calls for its headers: that says nothing of the budget.)
+    pub fn note(&self, reason: shared::pacer::OwedReason) {
+        if reason != shared::pacer::OwedReason::Probe {
+            *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(std::time::Instant::now());
+        }
+    }
+
+    /// Whether it did within [`Self::SCARCE_FOR`].
+    pub fn scarce(&self) -> bool {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).is_some_and(|at| at.elapsed() < Self::SCARCE_FOR)
+    }
 }
 
 /// Every provider of this worker, in order: the first is the default.
@@ -47,7 +74,7 @@ impl Routes {
                 url = %crate::provider::shown_url(&p.url),
                 budget = %p.budget, key = if p.key.is_empty() { "none" } else { "set" }, key.from = %p.key_source);
             let pacer = pacer.build_for(conn.clone(), redis_keys.clone(), &p.budget, p.tpm, p.rpm);
-            routes.push(Route { name: p.name, provider, pacer, budget: p.budget });
+            routes.push(Route { name: p.name, provider, pacer, budget: p.budget, owed: OwedLately::default() });
         }
         anyhow::ensure!(!routes.is_empty(), "no provider to call");
         Ok(Self(Arc::new(routes)))

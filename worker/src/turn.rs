@@ -254,17 +254,20 @@ impl Runner {
         (body, answer_tool, input, est)
     }
 
-    /// Asks the pacer for the turn after `job`, as it commits: `new_items`
-    /// (the model's output and the tool results) end the history the next
-    /// call sends, so its ask is known now. Cleared, the next turn is queued
-    /// with its reservation held; owed, it waits in the queue from this
-    /// commit on — no delivery, start or requeue of its own for that first
-    /// wait. Without a pacer to ask, or when the pacer cannot be reached, the
-    /// next turn asks when it starts (`Next::Continue`).
+    /// Asks the pacer for the turn after `job`, as it commits, when its
+    /// budget is scarce (this process heard it owe a call time lately:
+    /// `OwedLately`): `new_items` (the model's output and the tool results)
+    /// end the history the next call sends, so its ask is known now. Cleared,
+    /// the next turn is queued with its reservation held; owed, it waits in
+    /// the queue from this commit on — no delivery, start or requeue of its
+    /// own for that first wait. With room in the budget, without a pacer to
+    /// ask, or when the pacer cannot be reached, the next turn asks when it
+    /// starts (`Next::Continue`): an ask here would only add a round trip
+    /// before the commit.
     async fn ask_for_next(&self, lease: &Lease, job: TurnJob, ctx: &TurnContext, new_items: &[Value]) -> Next {
         let spec = &ctx.spec;
         let Some(route) = self.routes.get(spec.provider.as_deref()) else { return Next::Continue };
-        if matches!(route.pacer, shared::pacer::Pacer::Off) {
+        if matches!(route.pacer, shared::pacer::Pacer::Off) || !route.owed.scarce() {
             return Next::Continue;
         }
         let next = TurnJob { turn: job.turn + 1, attempt: 1 };
@@ -310,10 +313,14 @@ impl Runner {
         loop {
             match route.pacer.acquire(model, reservation, est, mode, who).await? {
                 Decision::Clear => return Ok(Paced::Clear),
-                Decision::Owed { ms, .. } if Duration::from_millis(ms) <= self.config.in_place_wait => {
+                Decision::Owed { ms, reason, .. } if Duration::from_millis(ms) <= self.config.in_place_wait => {
+                    route.owed.note(reason);
                     tokio::time::sleep(Duration::from_millis(ms)).await;
                 }
-                Decision::Owed { ms, reason, .. } => return Ok(Paced::Owed { ms, reason }),
+                Decision::Owed { ms, reason, .. } => {
+                    route.owed.note(reason);
+                    return Ok(Paced::Owed { ms, reason });
+                }
             }
         }
     }
