@@ -399,12 +399,20 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
             self.shared.kicked.store(false, Ordering::SeqCst);
             // Counted after the idle wait: handlers may have started or ended in it.
             let mut free = self.free_slot().await;
-            if backlog && free < self.queue.config().fetch_batch.min(self.shared.concurrency) {
+            let batch = self.queue.config().fetch_batch.min(self.shared.concurrency);
+            if backlog && free < batch / 4 {
                 // The last fetch filled every free slot and more was due: the
-                // slots free one by one as handlers return. Gather them for
-                // one fetch (its fixed cost shared by the batch), for at most
-                // GATHER, which no due turn notices.
-                tokio::time::sleep(GATHER).await;
+                // slots free one by one as handlers return. Gather a quarter
+                // of a batch for one fetch (its fixed cost shared), for at
+                // most GATHER, which no due turn notices.
+                let until = tokio::time::Instant::now() + GATHER;
+                while free < batch / 4 {
+                    let freed = self.shared.slot_freed.notified();
+                    if tokio::time::timeout_at(until, freed).await.is_err() {
+                        break;
+                    }
+                    free = self.free_slot().await;
+                }
                 free = self.free_slot().await;
             }
             let want = free.min(self.queue.config().fetch_batch);
