@@ -276,15 +276,7 @@ impl Runner {
         let (_, _, _, est) = self.prepare_call(route, spec, &transcript);
         let reservation = reservation_id(lease, next);
         let who = self.tenants.who(&ctx.tenant);
-        let ask = PacedAsk {
-            model: spec.model.clone(),
-            provider: spec.provider.clone(),
-            mode: spec.mode,
-            tenant: ctx.tenant.clone(),
-            tokens: est.tokens,
-            requests: est.requests,
-            output: est.output,
-        };
+        let ask = PacedAsk::new(spec, &ctx.tenant, est);
         match self.pace(route, &spec.model, &reservation, est, spec.mode, &who).await {
             Ok(Paced::Clear) => Next::Paced { turn: Turn { job: next, ask: Some(ask), cleared: true }, wait: None },
             Ok(Paced::Owed { ms, reason }) => {
@@ -378,15 +370,7 @@ impl Runner {
             if let Paced::Owed { ms, reason } =
                 self.pace(route, &spec.model, &reservation, est, spec.mode, &who).await?
             {
-                let ask = PacedAsk {
-                    model: spec.model.clone(),
-                    provider: spec.provider.clone(),
-                    mode: spec.mode,
-                    tenant: ctx.tenant.clone(),
-                    tokens: est.tokens,
-                    requests: est.requests,
-                    output: est.output,
-                };
+                let ask = PacedAsk::new(spec, &ctx.tenant, est);
                 let fence = self.budget_wait(lease, job, ms, reason, ask).await?;
                 return Ok(settled(lease, fence, TurnOutcome::Requeued));
             }

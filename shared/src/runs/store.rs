@@ -173,6 +173,21 @@ pub struct PacedAsk {
     pub output: u64,
 }
 
+impl PacedAsk {
+    /// The ask of a call of run `spec` (of `tenant`) estimated at `est`.
+    pub fn new(spec: &RunSpec, tenant: &str, est: crate::pacer::Estimate) -> Self {
+        Self {
+            model: spec.model.clone(),
+            provider: spec.provider.clone(),
+            mode: spec.mode,
+            tenant: tenant.to_owned(),
+            tokens: est.tokens,
+            requests: est.requests,
+            output: est.output,
+        }
+    }
+}
+
 /// A turn as the queue carries it: its job and, after a budget wait, the ask
 /// it makes again first. (The payload's format stays 1: a worker that does
 /// not know `ask` ignores it and starts the turn as before.)

@@ -34,6 +34,17 @@ async fn tool_server() -> SocketAddr {
     serve(axum::Router::new().route("/tools", axum::routing::post(tool))).await
 }
 
+/// Serves `tool` as a tool endpoint (`POST /tools`) on a free port of
+/// 127.0.0.1, and returns its URL.
+pub(crate) async fn tool_endpoint<H, T>(tool: H) -> String
+where
+    H: axum::handler::Handler<T, ()>,
+    T: 'static,
+{
+    let addr = serve(axum::Router::new().route("/tools", axum::routing::post(tool))).await;
+    format!("http://{addr}/tools")
+}
+
 /// Serves `app` on a free port of 127.0.0.1 (the tests' tool endpoints).
 pub(crate) async fn serve(app: axum::Router) -> SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

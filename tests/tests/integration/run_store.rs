@@ -30,6 +30,24 @@ async fn env() -> Env {
     Env { _server: server, store, queue, keys: Keys::new(&prefix) }
 }
 
+/// The kinds of run `id`'s events (tenant `alpha`), in order.
+async fn event_kinds(env: &Env, id: &str) -> Vec<String> {
+    env.store.events("alpha", id, None, None, 100).await.unwrap().unwrap().into_iter().map(|e| e.kind).collect()
+}
+
+/// A pacer ask of tenant `alpha` (a turn that waited for budget carries it).
+fn asked() -> shared::runs::PacedAsk {
+    shared::runs::PacedAsk {
+        model: "gpt-test".into(),
+        provider: None,
+        mode: shared::pacer::Mode::Work,
+        tenant: "alpha".into(),
+        tokens: 10,
+        requests: 1,
+        output: 5,
+    }
+}
+
 fn spec(input: &str) -> RunSpec {
     RunSpec::from_json(&json!({"model": "gpt-test", "input": input, "max_turns": 3}), &SubmitPolicy::default()).unwrap()
 }
@@ -169,15 +187,7 @@ async fn a_turn_commits_once_and_enqueues_the_next_atomically() {
     assert!(run_now.finished_at.is_some());
     let c = env.queue.counts().await.unwrap();
     assert_eq!((c.ready, c.delayed, c.in_flight), (0, 0, 0));
-    let kinds: Vec<String> = env
-        .store
-        .events("alpha", &run.id, None, None, 50)
-        .await
-        .unwrap()
-        .unwrap()
-        .into_iter()
-        .map(|e| e.kind)
-        .collect();
+    let kinds = event_kinds(&env, &run.id).await;
     assert_eq!(
         kinds,
         ["run.queued", "turn.started", "turn.completed", "turn.started", "turn.completed", "run.completed"]
@@ -227,15 +237,7 @@ async fn a_model_output_commits_with_its_tool_results_once_whether_or_not_its_ow
         let items: Vec<&Value> = tx.iter().map(|e| &e.item).collect();
         assert_eq!(items[1..], [&call, &answer], "output step ran: {output_step_ran}");
         assert!(tx[1..].iter().all(|e| e.turn == 1));
-        let kinds: Vec<String> = env
-            .store
-            .events("alpha", &run.id, None, None, 50)
-            .await
-            .unwrap()
-            .unwrap()
-            .into_iter()
-            .map(|e| e.kind)
-            .collect();
+        let kinds = event_kinds(&env, &run.id).await;
         assert_eq!(kinds, ["run.queued", "turn.started", "turn.tool_call", "turn.tool_result", "turn.completed"]);
         // The next turn reads the whole history, in order.
         let lease = env.queue.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
@@ -252,21 +254,13 @@ async fn the_fetch_starts_the_turns_it_leases_as_a_start_would_but_not_one_that_
     // delivery carries what a start returns (the run marked running, its
     // context), a run past its deadline fails there, and a turn back from a
     // budget wait (its payload carries the pacer's ask) is leased only.
-    use shared::runs::{PacedAsk, Started, StopReason, Turn};
+    use shared::runs::{Started, StopReason, Turn};
     let env = env().await;
     // A turn that waited for budget, carrying its ask.
     let asking = env.store.create("alpha", &spec("asking"), None).await.unwrap().run;
     let lease = env.queue.fetch("w0", 1).await.unwrap().deliveries.remove(0).lease;
     assert_eq!(lease.id, asking.id);
-    let ask = PacedAsk {
-        model: "gpt-test".into(),
-        provider: None,
-        mode: shared::pacer::Mode::Work,
-        tenant: "alpha".into(),
-        tokens: 10,
-        requests: 1,
-        output: 5,
-    };
+    let ask = asked();
     let job = TurnJob { turn: 0, attempt: 1 };
     let data = json!({"turn": 0, "owed_ms": 1, "reason": "budget"});
     let next = Turn { job, ask: Some(ask), cleared: false };
@@ -291,15 +285,7 @@ async fn the_fetch_starts_the_turns_it_leases_as_a_start_would_but_not_one_that_
     assert_eq!(ctx.transcript.len(), 1);
     assert_eq!(ctx.transcript[0].item, json!({"role": "user", "content": "plain"}));
     assert_eq!(env.store.get("alpha", &plain.id).await.unwrap().unwrap().status, RunStatus::Running);
-    let kinds: Vec<String> = env
-        .store
-        .events("alpha", &plain.id, None, None, 10)
-        .await
-        .unwrap()
-        .unwrap()
-        .into_iter()
-        .map(|e| e.kind)
-        .collect();
+    let kinds = event_kinds(&env, &plain.id).await;
     assert_eq!(kinds, ["run.queued", "turn.started"]);
     // Its commit goes on from there: the start was a real one.
     let fence = env.store.commit(&plain_lease, job, &[], Usage::default(), &Next::Continue).await.unwrap();
@@ -324,18 +310,10 @@ async fn a_commit_queues_a_next_turn_the_pacer_cleared_or_puts_it_to_wait_at_onc
     // the run waits from the commit on — status, reason, due time, counters
     // and turn.paced written in the same step — and the turn comes back with
     // its ask, leased but not started.
-    use shared::runs::{BudgetWait, PacedAsk, Turn};
+    use shared::runs::{BudgetWait, Turn};
     let env = env().await;
     let fetch = env.store.fetch_script(24);
-    let ask = PacedAsk {
-        model: "gpt-test".into(),
-        provider: None,
-        mode: shared::pacer::Mode::Work,
-        tenant: "alpha".into(),
-        tokens: 10,
-        requests: 1,
-        output: 5,
-    };
+    let ask = asked();
     let job = TurnJob { turn: 0, attempt: 1 };
     let next_job = TurnJob { turn: 1, attempt: 1 };
     for owed in [false, true] {
@@ -351,15 +329,7 @@ async fn a_commit_queues_a_next_turn_the_pacer_cleared_or_puts_it_to_wait_at_onc
         assert_eq!(env.store.commit(&lease, job, &[], Usage::default(), &next).await.unwrap(), Fence::Ok);
         let now = env.store.get("alpha", &run.id).await.unwrap().unwrap();
         assert_eq!(env.queue.payload::<Turn>(&run.id).await.unwrap(), Some(turn));
-        let kinds: Vec<String> = env
-            .store
-            .events("alpha", &run.id, None, None, 10)
-            .await
-            .unwrap()
-            .unwrap()
-            .into_iter()
-            .map(|e| e.kind)
-            .collect();
+        let kinds = event_kinds(&env, &run.id).await;
         if owed {
             assert_eq!((now.status, now.wait_reason), (RunStatus::Waiting, Some(WaitReason::Budget)));
             assert_eq!((now.pacing.budget_waits, now.pacing.waited_ms), (1, 1_000));

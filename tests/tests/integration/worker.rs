@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 use shared::config::RedisArgs;
 use shared::runs::{RunSpec, RunStatus, SubmitPolicy, ToolEndpoints};
 
-use crate::fixtures::{secs, serve, tool_run, wait_finished_for, App, TENANT};
+use crate::fixtures::{secs, tool_endpoint, tool_run, wait_finished_for, App, TENANT};
 
 /// Every function_call_output in a sent body has its function_call before it.
 fn assert_no_orphans(body: &Value) {
@@ -523,8 +523,7 @@ async fn a_redis_that_refuses_writes_for_a_while_during_a_commit_runs_no_tool_an
                 axum::Json(json!({"output": "found"}))
             }
         };
-        let addr = serve(axum::Router::new().route("/tools", axum::routing::post(tool))).await;
-        format!("http://{addr}/tools")
+        tool_endpoint(tool).await
     };
     app.tools = tools;
     app.spawn_worker(app.config());
@@ -711,8 +710,7 @@ async fn a_slow_tool_finds_the_models_output_committed_before_it_answers() {
                 axum::Json(json!({"output": "found"}))
             }
         };
-        let addr = serve(axum::Router::new().route("/tools", axum::routing::post(tool))).await;
-        format!("http://{addr}/tools")
+        tool_endpoint(tool).await
     };
     app.tools = tools;
     app.spawn_worker(app.config());
