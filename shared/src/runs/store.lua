@@ -43,7 +43,10 @@ if op == 'create' then
   redis.call('ZADD', (q_run_active(RUN, tenant)), now, id)
   if fp ~= '' then redis.call('SET', IDEM, id .. '|' .. fp, 'PX', tonumber(ARGV[5])) end
   q_add(id, ARGV[6], now, now)
-  return {'created', id}
+  -- The run as this step wrote it (a worker may start its turn at once).
+  local out = {'created', id}
+  for _, v in ipairs(redis.call('HGETALL', RUN)) do out[#out + 1] = v end
+  return out
 end
 
 if op == 'cancel' then
@@ -252,7 +255,10 @@ if op == 'retry' then
   else
     q_add(id, payload, now, now)
   end
-  return {'queued', tostring(turns)}
+  -- The run as this step left it (a worker may start its turn at once).
+  local out = {'queued', tostring(turns)}
+  for _, v in ipairs(redis.call('HGETALL', RUN)) do out[#out + 1] = v end
+  return out
 end
 
 return redis.error_reply('unknown run store op ' .. tostring(op))

@@ -538,11 +538,18 @@ impl RunStore {
         }
         let reply = self.invoke(inv).await?;
         let (outcome, run_id) = match reply.as_slice() {
-            [o, r] => (o.as_str(), r.clone()),
+            [o, r, ..] => (o.as_str(), r.clone()),
             other => return Err(StoreError::Protocol(format!("{other:?}"))),
         };
         match outcome {
-            "created" | "replayed" => {
+            // The run as the script wrote it: a worker may have started its
+            // turn by the time a second read came.
+            "created" => {
+                let fields = reply[2..].chunks_exact(2).map(|kv| (kv[0].clone(), kv[1].clone())).collect();
+                let run = tenant_run(tenant, &run_id, &fields).ok_or(StoreError::NotFound)?;
+                Ok(Created { run, replayed: false })
+            }
+            "replayed" => {
                 let run = self.get(tenant, &run_id).await?.ok_or(StoreError::NotFound)?;
                 Ok(Created { run, replayed: outcome == "replayed" })
             }
@@ -765,7 +772,12 @@ impl RunStore {
         inv.arg(tenant.unwrap_or(""));
         let reply = self.invoke(inv).await?;
         match reply.first().map(String::as_str) {
-            Some("queued") => Run::from_fields(id, &self.fields(id).await?).ok_or(StoreError::NotFound),
+            // The run as the retry left it, read in the same script: a worker
+            // may have started its turn by the time a second read came.
+            Some("queued") => {
+                let fields = reply[2..].chunks_exact(2).map(|kv| (kv[0].clone(), kv[1].clone())).collect();
+                Run::from_fields(id, &fields).ok_or(StoreError::NotFound)
+            }
             Some("conflict") => Err(StoreError::Conflict(reply.get(1).cloned().unwrap_or_default())),
             Some("not_found") => Err(StoreError::NotFound),
             _ => Err(StoreError::Protocol(format!("{reply:?}"))),
