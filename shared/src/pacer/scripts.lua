@@ -331,8 +331,10 @@ local function put(id, r)
       changed[id] = true
     end
     no_waiters = false
+    local was = Wc[id]
     redis.call('HSET', waiters, id, rec_encode(r))
-    redis.call('ZADD', line_key, r[ORDER], id)
+    -- A waiter asking again keeps its place: its line entry is already that.
+    if not (was and was[ORDER] == r[ORDER]) then redis.call('ZADD', line_key, r[ORDER], id) end
     -- It lapses at due + grace (model.rs, expire).
     redis.call('ZADD', lapse_key, r[DUE] + grace, id)
     Wc[id] = r
