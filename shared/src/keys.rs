@@ -22,37 +22,32 @@ impl Keys {
         &self.prefix
     }
 
-    /// The pacer's state hash for one budget and model. The hash tag is the
+    /// The pacer's state hash for one budget and model, its calls in flight
+    /// beside its numbers (fields `f:<reservation id>`). The hash tag is the
     /// budget, so one budget's keys (state, reservations, fairness) share a slot.
-    /// `v2` is the script's storage format (`scripts.lua`: records packed, no
-    /// index beside them): a worker of an older format keeps its own keys and
-    /// never reads these as its own.
+    /// `v3` is the script's storage format (`scripts.lua`: records packed, the
+    /// calls in flight in the state's hash): a worker of an older format keeps
+    /// its own keys and never reads these as its own.
     pub fn pacer_state(&self, budget: &str, model: &str) -> String {
-        format!("{}:pacer:{{{}}}:v2:state:{}", self.prefix, budget, model)
-    }
-
-    /// The pacer's calls in flight for one budget and model: reservation id
-    /// -> its record (`rec_encode` in `scripts.lua`).
-    pub fn pacer_flights(&self, budget: &str, model: &str) -> String {
-        format!("{}:pacer:{{{}}}:v2:flights:{}", self.prefix, budget, model)
+        format!("{}:pacer:{{{}}}:v3:state:{}", self.prefix, budget, model)
     }
 
     /// The pacer's waiters for one budget and model: reservation id -> its
     /// record (its place in line, what it is expected to use, when it is due).
     pub fn pacer_waiters(&self, budget: &str, model: &str) -> String {
-        format!("{}:pacer:{{{}}}:v2:waiters:{}", self.prefix, budget, model)
+        format!("{}:pacer:{{{}}}:v3:waiters:{}", self.prefix, budget, model)
     }
 
     /// The line of a budget and model's waiters: id -> its place (an index of
     /// [`pacer_waiters`](Self::pacer_waiters), written with it).
     pub fn pacer_line(&self, budget: &str, model: &str) -> String {
-        format!("{}:pacer:{{{}}}:v2:line:{}", self.prefix, budget, model)
+        format!("{}:pacer:{{{}}}:v3:line:{}", self.prefix, budget, model)
     }
 
     /// When each waiter of a budget and model lapses: id -> due + grace (an
     /// index of [`pacer_waiters`](Self::pacer_waiters), written with it).
     pub fn pacer_lapse(&self, budget: &str, model: &str) -> String {
-        format!("{}:pacer:{{{}}}:v2:lapse:{}", self.prefix, budget, model)
+        format!("{}:pacer:{{{}}}:v3:lapse:{}", self.prefix, budget, model)
     }
 
     /// The base of the pacer's history for one budget and model (the
@@ -165,8 +160,8 @@ mod tests {
     #[test]
     fn keys_start_with_the_prefix_and_tag_the_budget() {
         let k = Keys::new("pl");
-        assert_eq!(k.pacer_state("default", "gpt-4.1"), "pl:pacer:{default}:v2:state:gpt-4.1");
-        assert_eq!(k.pacer_waiters("b", "m"), "pl:pacer:{b}:v2:waiters:m");
+        assert_eq!(k.pacer_state("default", "gpt-4.1"), "pl:pacer:{default}:v3:state:gpt-4.1");
+        assert_eq!(k.pacer_waiters("b", "m"), "pl:pacer:{b}:v3:waiters:m");
         assert_eq!(k.queue_key("due"), "pl:{pl}:q:due");
         assert_eq!(k.pacer_history_minute("b", "m", 7), "pl:pacer:{b}:hist:m:7");
         assert_eq!(k.run_record("r1"), "pl:{pl}:run:r1");
@@ -325,7 +320,7 @@ mod tests {
             ("shared/src/queue/lib.lua", ":active"),
             // `hist`: one hash per minute of the Redis clock under the base it
             // is given (`Keys::pacer_history_minute`).
-            ("shared/src/pacer/scripts.lua", "KEYS[6] .."),
+            ("shared/src/pacer/scripts.lua", "KEYS[5] .."),
         ];
         let root = workspace();
         let mut files = vec![];

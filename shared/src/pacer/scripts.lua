@@ -33,8 +33,10 @@
 --   last_admit_id (a string, outside the numbers: the call cleared last);
 --   per tenant t: tw:<t> weight, tf:<t> finish tag, tc:<t> cap due (ms),
 --   tadm:<t> expected tokens admitted, twait:<t> turns that waited.
--- KEYS[2] flights hash: reservation id -> rec_encode(a call in flight)
--- KEYS[3] waiters hash: reservation id -> rec_encode(a waiter)
+--   And each call in flight: field f:<reservation id> -> rec_encode(its record) (the
+--   state and the calls in flight are read by every op, so they are one hash: one
+--   HGETALL, and one HSET for what an op changed of both).
+-- KEYS[2] waiters hash: reservation id -> rec_encode(a waiter)
 --   A record's fields are doubles (the snapshot hands them to Rust as text, in this order,
 --   separated by '|'):
 --   waiter: w|order|tokens|requests|output|line|due|clear|since|reason|tenant
@@ -46,15 +48,15 @@
 --      holds of the input and output buckets; omark: o_refunded when it was cleared; rsent,
 --      isent, osent: the r_, i_ and o_ sent ledgers when it was cleared;
 --      alone: 1 when no other call was cleared within BURST_GAP_MS of it)
--- KEYS[4] line zset: waiter id -> order; KEYS[5] lapse zset: waiter id -> due + grace_ms.
+-- KEYS[3] line zset: waiter id -> order; KEYS[4] lapse zset: waiter id -> due + grace_ms.
 --   Indexes of the waiters hash, written with it in the same step (put, forget_waiter), so
 --   an ask reads only the waiters ahead of it, not the whole line. What the turns ahead
 --   hold is still summed from their records on every ask: no counter is kept beside them.
--- KEYS[6] the history's base key (the dashboard's chart, GET /v1/pacer/history): counters
---   only, outside the policy, never read here. One hash per minute, KEYS[6]:<minute>, same
+-- KEYS[5] the history's base key (the dashboard's chart, GET /v1/pacer/history): counters
+--   only, outside the policy, never read here. One hash per minute, KEYS[5]:<minute>, same
 --   hash tag; fields <second>:a (tokens cleared), <second>:r (429s settled), <second>:w
 --   (turns told to wait); each expires HIST_TTL_MS after its last write. The minute's key is
---   named here, on the Redis clock; it shares KEYS[6]'s hash tag, so it is in this call's slot.
+--   named here, on the Redis clock; it shares KEYS[5]'s hash tag, so it is in this call's slot.
 -- ARGV[1] op: batch | snapshot
 -- ARGV[2..14] config: floor (work turns), max_pace_ms, jitter_frac, jitter_max_ms, ttl_ms,
 --          probe_wait_ms, late_ms, tpm, rpm, now in ms ('' = the server's TIME; tests only),
@@ -70,7 +72,7 @@
 --   -> one answer per op
 -- snapshot: -> flat field list of the state, 'now', and 'rec:<id>' -> record for each record
 
-local state, flights, waiters, line_key, lapse_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local state, waiters, line_key, lapse_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local op = ARGV[1]
 local floor_work, floor_companion = tonumber(ARGV[2]), tonumber(ARGV[14])
 local max_pace = tonumber(ARGV[3])
@@ -94,13 +96,13 @@ local recheck_min = tonumber(ARGV[13])
 local HIST_TTL_MS = 960000
 local hist_counts = {}
 local function hist(field, n)
-  if not KEYS[6] or n <= 0 then return end
+  if not KEYS[5] or n <= 0 then return end
   hist_counts[field] = (hist_counts[field] or 0) + math.ceil(n)
 end
 
 local function save_hist()
   local sec = math.floor(now / 1000)
-  local key = KEYS[6] .. ':' .. string.format('%d', math.floor(sec / 60))
+  local key = KEYS[5] .. ':' .. string.format('%d', math.floor(sec / 60))
   for field, add in pairs(hist_counts) do
     -- A new second's first count (so also a new key's): its expiry is set then, once.
     if redis.call('HINCRBY', key, string.format('%d:%s', sec, field), string.format('%d', add)) == add then
@@ -168,6 +170,8 @@ local PACKED = '<' .. string.rep('d', #FIXED)
 local S, read = {}, {}
 local packed = nil
 local last_admit_id, last_admit_changed = nil, false
+-- The calls in flight's fields (f:<id>) as read, decoded below with the records.
+local flight_fields = {}
 do
   local raw = redis.call('HGETALL', state)
   for i = 1, #raw, 2 do
@@ -176,6 +180,9 @@ do
       packed = raw[i + 1]
     elseif k == 'last_admit_id' then
       last_admit_id = raw[i + 1]
+    elseif string.sub(k, 1, 2) == 'f:' then
+      flight_fields[#flight_fields + 1] = string.sub(k, 3)
+      flight_fields[#flight_fields + 1] = raw[i + 1]
     else
       local x = tonumber(raw[i + 1])
       S[k] = x
@@ -247,9 +254,9 @@ local function rec_decode(s)
   return nil
 end
 
--- The calls in flight (F), read in one HGETALL: every ask and settle looks at all of
--- them, and there are no more than the fleet's slots. Changed here (`put`, `drop`),
--- written back by save() in one HSET and one HDEL.
+-- The calls in flight (F), read with the state (fields f:<id>): every ask and settle
+-- looks at all of them, and there are no more than the fleet's slots. Changed here
+-- (`put`, `drop`), written back by save() in the state's one HSET and one HDEL.
 -- The waiters, which a scarce budget has by the thousand, are read only as an op
 -- needs them: its own (`waiter_of`), the ones ahead of it in line (`waiters_ahead`,
 -- by the line's index), the least place, the lapsed (by the lapse index). A waiter
@@ -262,7 +269,7 @@ local F, changed, Wc = {}, {}, {}
 -- empty line is an empty lapse index too.
 local no_waiters = redis.call('ZCARD', line_key) == 0
 do
-  local raw = redis.call('HGETALL', flights)
+  local raw = flight_fields
   for i = 1, #raw, 2 do
     local id, r = raw[i], rec_decode(raw[i + 1])
     -- A record this version cannot read is dropped (it could only hold budget for nothing).
@@ -341,21 +348,22 @@ local function put(id, r)
   end
 end
 
-local function save_records()
-  local set, del = {}, {}
+-- The calls in flight this op changed: their fields go into `flat` (the state's HSET),
+-- and the fields of those that left are deleted.
+local function save_records(flat)
+  local del = {}
   for id in pairs(changed) do
     local r = F[id]
     if r then
-      set[#set + 1] = id
-      set[#set + 1] = rec_encode(r)
+      flat[#flat + 1] = 'f:' .. id
+      flat[#flat + 1] = rec_encode(r)
     else
-      del[#del + 1] = id
+      del[#del + 1] = 'f:' .. id
     end
   end
   changed = {}
   -- (In slices: unpack has a limit.)
-  for i = 1, #set, 1000 do redis.call('HSET', flights, unpack(set, i, math.min(i + 999, #set))) end
-  for i = 1, #del, 500 do redis.call('HDEL', flights, unpack(del, i, math.min(i + 499, #del))) end
+  for i = 1, #del, 500 do redis.call('HDEL', state, unpack(del, i, math.min(i + 499, #del))) end
 end
 
 local function save()
@@ -386,13 +394,13 @@ local function save()
     flat[#flat + 1] = 'last_admit_id'
     flat[#flat + 1] = last_admit_id
   end
-  if #flat > 0 then redis.call('HSET', state, unpack(flat)) end
+  save_records(flat)
+  for i = 1, #flat, 1000 do redis.call('HSET', state, unpack(flat, i, math.min(i + 999, #flat))) end
   for k, v in pairs(S) do read[k] = v end
   last_admit_changed = false
-  save_records()
   save_hist()
   if refresh then
-    for _, k in ipairs({state, flights, waiters, line_key, lapse_key}) do redis.call('PEXPIRE', k, IDLE_TTL_MS) end
+    for _, k in ipairs({state, waiters, line_key, lapse_key}) do redis.call('PEXPIRE', k, IDLE_TTL_MS) end
   end
 end
 

@@ -366,7 +366,6 @@ impl SharedPacer {
         let c = &self.config;
         let mut inv = SCRIPT.prepare_invoke();
         inv.key(self.keys.pacer_state(&self.budget, model))
-            .key(self.keys.pacer_flights(&self.budget, model))
             .key(self.keys.pacer_waiters(&self.budget, model))
             .key(self.keys.pacer_line(&self.budget, model))
             .key(self.keys.pacer_lapse(&self.budget, model))

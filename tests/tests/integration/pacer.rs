@@ -306,7 +306,6 @@ async fn the_snapshot_lists_every_budget_and_model() {
     let mut keys = vec![];
     for key in [
         k.pacer_state("default", "gpt-a"),
-        k.pacer_flights("default", "gpt-a"),
         k.pacer_waiters("default", "gpt-a"),
         k.pacer_line("default", "gpt-a"),
         k.pacer_lapse("default", "gpt-a"),

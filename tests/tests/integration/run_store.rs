@@ -783,8 +783,8 @@ async fn each_step_of_a_turn_costs_few_redis_commands() {
     let ceiling = |name: &str| match name {
         "fetch again" => 9,
         "fetch+start" => 13,
-        "pacer acquire" => 8,
-        "pacer settle" => 7,
+        "pacer acquire" => 6,
+        "pacer settle" => 6,
         "record output" => 6,
         "commit" | "commit+output" => 10,
         "budget wait" | "wait again" => 10,
