@@ -211,6 +211,16 @@ impl TenantPolicy {
         Ok(policy)
     }
 
+    /// The tenants given a weight, and their weights.
+    pub fn weights(&self) -> impl Iterator<Item = (&str, f64)> {
+        self.weights.iter().map(|(t, w)| (t.as_str(), *w))
+    }
+
+    /// The tenants given a cap, and their caps.
+    pub fn caps(&self) -> impl Iterator<Item = (&str, f64)> {
+        self.caps.iter().map(|(t, c)| (t.as_str(), *c))
+    }
+
     /// `tenant` as the pacer sees it.
     pub fn who<'a>(&self, tenant: &'a str) -> crate::pacer::Who<'a> {
         crate::pacer::Who {

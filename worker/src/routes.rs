@@ -93,6 +93,29 @@ impl Routes {
         }
     }
 
+    /// What the fetch needs to ask the shared pacers itself
+    /// (`RunStore::fetch_script_asking`): the routes whose pacer is shared.
+    /// `None` when none is.
+    pub fn fetch_asks(&self, tenants: &shared::config::TenantPolicy) -> Option<shared::runs::FetchAsks> {
+        let routes: std::collections::BTreeMap<String, serde_json::Value> = self
+            .0
+            .iter()
+            .filter_map(|r| match &r.pacer {
+                Pacer::Shared(p) => p.script_route().map(|route| (r.name.clone(), route)),
+                _ => None,
+            })
+            .collect();
+        if routes.is_empty() {
+            return None;
+        }
+        Some(shared::runs::FetchAsks {
+            routes,
+            first: self.0.first().map(|r| r.name.clone()).unwrap_or_default(),
+            weights: tenants.weights().map(|(t, w)| (t.to_owned(), w)).collect(),
+            caps: tenants.caps().map(|(t, c)| (t.to_owned(), c)).collect(),
+        })
+    }
+
     /// The names, in order.
     pub fn names(&self) -> Vec<&str> {
         self.0.iter().map(|r| r.name.as_str()).collect()

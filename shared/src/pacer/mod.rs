@@ -35,7 +35,7 @@ pub use headers::HeaderSnapshot;
 pub use history::History;
 pub use local::LocalPacer;
 pub use model::{Ask, CallOutcome, Decision, Estimate, Mode, OwedReason, PacerState, PacingConfig, Who};
-pub use store::{BudgetShape, BudgetSnapshot, Pacer, PacerError, PacerKind, SharedPacer, TenantShare};
+pub use store::{lua_function, BudgetShape, BudgetSnapshot, Pacer, PacerError, PacerKind, SharedPacer, TenantShare};
 
 #[cfg(test)]
 mod tests {

@@ -23,6 +23,14 @@ use std::sync::{Arc, Mutex};
 static SCRIPT: std::sync::LazyLock<redis::Script> =
     std::sync::LazyLock::new(|| redis::Script::new(include_str!("scripts.lua")));
 
+/// The pacer's script as a Lua function, `pacer_call(KEYS, ARGV)`, for a
+/// script that asks the pacer itself (the run store's fetch asks it for a
+/// turn back from a budget wait: `runs/fetch.lua`). It answers what the
+/// script would, or a table with `err` (`redis.error_reply`).
+pub fn lua_function() -> String {
+    format!("local function pacer_call(KEYS, ARGV)\n{}\nend\n", include_str!("scripts.lua"))
+}
+
 /// Which pacer a worker uses (`PACELINE_PACER`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -362,29 +370,60 @@ impl SharedPacer {
         self
     }
 
-    fn invocation(&self, op: &str, model: &str) -> redis::ScriptInvocation<'static> {
+    /// The script's KEYS for `model`, in its order (scripts.lua).
+    fn script_keys(&self, model: &str) -> [String; 5] {
+        [
+            self.keys.pacer_state(&self.budget, model),
+            self.keys.pacer_waiters(&self.budget, model),
+            self.keys.pacer_line(&self.budget, model),
+            self.keys.pacer_lapse(&self.budget, model),
+            self.keys.pacer_history(&self.budget, model),
+        ]
+    }
+
+    /// The script's ARGV[2..14], the knobs (ARGV[11], the clock: `now`; empty
+    /// reads the server's).
+    fn config_args(&self, now: String) -> Vec<String> {
         let c = &self.config;
+        vec![
+            c.floor(Mode::Work).to_string(),
+            c.max_pace_ms.to_string(),
+            c.jitter_frac.to_string(),
+            c.jitter_max_ms.to_string(),
+            c.reservation_ttl_ms.to_string(),
+            c.probe_wait_ms.to_string(),
+            c.late_ms.to_string(),
+            c.configured_tpm.unwrap_or(0).to_string(),
+            c.configured_rpm.unwrap_or(0).to_string(),
+            now,
+            c.booking_grace_ms.to_string(),
+            c.recheck_ms.to_string(),
+            c.floor(Mode::Companion).to_string(),
+        ]
+    }
+
+    fn invocation(&self, op: &str, model: &str) -> redis::ScriptInvocation<'static> {
         let mut inv = SCRIPT.prepare_invoke();
-        inv.key(self.keys.pacer_state(&self.budget, model))
-            .key(self.keys.pacer_waiters(&self.budget, model))
-            .key(self.keys.pacer_line(&self.budget, model))
-            .key(self.keys.pacer_lapse(&self.budget, model))
-            .key(self.keys.pacer_history(&self.budget, model))
-            .arg(op)
-            .arg(c.floor(Mode::Work))
-            .arg(c.max_pace_ms)
-            .arg(c.jitter_frac)
-            .arg(c.jitter_max_ms)
-            .arg(c.reservation_ttl_ms)
-            .arg(c.probe_wait_ms)
-            .arg(c.late_ms)
-            .arg(c.configured_tpm.unwrap_or(0))
-            .arg(c.configured_rpm.unwrap_or(0))
-            .arg(self.test_clock.as_ref().map(|c| c.now_ms().to_string()).unwrap_or_default())
-            .arg(c.booking_grace_ms)
-            .arg(c.recheck_ms)
-            .arg(c.floor(Mode::Companion));
+        for key in self.script_keys(model) {
+            inv.key(key);
+        }
+        inv.arg(op);
+        for arg in self.config_args(self.test_clock.as_ref().map(|c| c.now_ms().to_string()).unwrap_or_default()) {
+            inv.arg(arg);
+        }
         inv
+    }
+
+    /// What a script that asks this pacer itself needs ([`lua_function`]):
+    /// the names of its keys for a model (each is the model's name appended
+    /// to one of these) and ARGV[2..14] with the clock left to the caller
+    /// (`""` at ARGV[11]). `None` on an injected test clock, which a script
+    /// cannot read.
+    pub fn script_route(&self) -> Option<serde_json::Value> {
+        if self.test_clock.is_some() {
+            return None;
+        }
+        Some(serde_json::json!({"keys": self.script_keys(""), "cfg": self.config_args(String::new())}))
     }
 
     /// Sends `batch` as one script call (`batch`); one answer per op.

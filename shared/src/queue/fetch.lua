@@ -8,7 +8,12 @@
 -- (empty_fetches: a fetch that found nothing due is a cost to count, not to accept).
 -- `on_leased(id, r)` (optional), called for each leased turn with its record once its
 -- lease is written, returns what the delivery carries besides (an array; nil: nothing).
--- Returns {now, then, id, epoch, deliveries, due, payload, {extra}, ...}; `then` says
+-- `hold(ids, recs, now)` (optional), called with the due turns before any is leased
+-- (`recs[i]` decoded, nil when unreadable; it may change a record's payload), returns
+-- the ones to leave queued, id -> their new due time (the run store's fetch asks the
+-- pacer for a turn back from a budget wait, and one still owed waits again here).
+-- Returns {now, then, held, id, epoch, deliveries, due, payload, {extra}, ...} (held:
+-- how many due turns `hold` left queued); `then` says
 -- what the worker does once it has started these (mod.rs `Then`):
 --   '-2'  the batch was full and more may be due: fetch again when a slot frees;
 --   '-1'  nothing more is due: wait for a wake-up token (or the safety net);
@@ -16,7 +21,7 @@
 --         turn, in `ms`: the one idle worker that does (KEYS[7], lib.lua).
 -- A worker asks for no more than its free slots, so a batch that is not full
 -- leaves it idle with a slot to spare: it is the one to watch.
-local function q_fetch(max, lease_ms, dead_keep_ms, me, on_leased)
+local function q_fetch(max, lease_ms, dead_keep_ms, me, on_leased, hold)
   local now = q_now()
   -- The first max + 1 queued turns by due time: those due now (at most max), and
   -- after them the next one, whose due time says whether more are due and when.
@@ -31,7 +36,7 @@ local function q_fetch(max, lease_ms, dead_keep_ms, me, on_leased)
     end
   end
   local n = #due / 2
-  local out = {tostring(now), '-1'}
+  local out = {tostring(now), '-1', '0'}
   if n == 0 then
     redis.call('HINCRBY', KEYS[Q_NKEYS + 2], 'empty_fetches', 1)
   else
@@ -42,10 +47,18 @@ local function q_fetch(max, lease_ms, dead_keep_ms, me, on_leased)
     -- Epochs come from one counter, so an epoch is never reused, even by a later
     -- turn under the same id.
     local first = redis.call('INCRBY', KEYS[Q_NKEYS + 1], n) - n
-    local hset, zadd, leased = {}, {}, {}
+    local hset, zadd, leased, held = {}, {}, {}, {}
+    local decoded = {}
+    for i = 1, n do decoded[i] = q_decode(recs[i]) end
+    local keep = hold and hold(ids, decoded, now) or {}
     for i = 1, n do
-      local r = q_decode(recs[i])
-      if r and r.flag == 'q' then
+      local r = decoded[i]
+      local again = keep[ids[i]]
+      if again and r and r.flag == 'q' then
+        -- Left queued (not a delivery): due again then; the watch below sees it.
+        held[#held + 1] = again; held[#held + 1] = ids[i]
+        if not nxt or again < nxt then nxt = again end
+      elseif r and r.flag == 'q' then
         r.epoch = first + i
         r.deliveries = r.deliveries + 1
         r.flag = 'l'
@@ -62,15 +75,18 @@ local function q_fetch(max, lease_ms, dead_keep_ms, me, on_leased)
         q_bury(ids[i], dead, 'unreadable queue record (written by another version?)', now, dead_keep_ms)
       end
     end
-    if #hset > 0 then
-      redis.call('HSET', Q_JOBS, unpack(hset))
-      redis.call('ZADD', Q_LEASE, unpack(zadd))
+    if #hset > 0 then redis.call('HSET', Q_JOBS, unpack(hset)) end
+    if #zadd > 0 then redis.call('ZADD', Q_LEASE, unpack(zadd)) end
+    if #held > 0 then
+      redis.call('ZADD', Q_DUE, unpack(held))
+      out[3] = tostring(#held / 2)
     end
     if on_leased then
       for _, l in ipairs(leased) do out[l[3]] = on_leased(l[1], l[2]) or {} end
     end
     if n == max then
-      -- This worker has no slot left, so it cannot watch. When more is due, pass
+      -- This worker has no slot left (or, if it held some back, fetches again at
+      -- once), so it cannot watch. When more is due, pass
       -- the baton, so 10 000 turns due at once are taken by every idle worker,
       -- not just this one; when the watch it held fell due (it took that turn),
       -- wake one idle worker to watch the next.

@@ -466,7 +466,7 @@ impl FetchScript {
 
 fn parse_fetch(reply: Vec<redis::Value>, worker: &str) -> Result<Fetched, QueueError> {
     let bad = || QueueError::Protocol("fetch answered a malformed reply".into());
-    if reply.len() < 2 || !(reply.len() - 2).is_multiple_of(6) {
+    if reply.len() < 3 || !(reply.len() - 3).is_multiple_of(6) {
         return Err(bad());
     }
     let text = |v: redis::Value| redis::from_redis_value::<String>(v).map_err(|_| bad());
@@ -478,6 +478,7 @@ fn parse_fetch(reply: Vec<redis::Value>, worker: &str) -> Result<Fetched, QueueE
         ms if ms >= 0 => Then::Watch { ms },
         _ => return Err(bad()),
     };
+    let held: u64 = text(it.next().ok_or_else(bad)?)?.parse().map_err(|_| bad())?;
     let mut deliveries = Vec::with_capacity(it.len() / 6);
     while let (Some(id), Some(epoch), Some(deliv), Some(due), Some(payload), Some(extra)) =
         (it.next(), it.next(), it.next(), it.next(), it.next(), it.next())
@@ -500,7 +501,7 @@ fn parse_fetch(reply: Vec<redis::Value>, worker: &str) -> Result<Fetched, QueueE
             payload,
         });
     }
-    Ok(Fetched { now_ms, then, deliveries })
+    Ok(Fetched { now_ms, then, held, deliveries })
 }
 
 /// The longest a registration may go without a heartbeat and still be read
@@ -547,23 +548,25 @@ mod tests {
     fn a_fetch_reply_parses_into_leases() {
         let text = |s: &str| redis::Value::BulkString(s.as_bytes().to_vec());
         let words = |w: &[&str]| w.iter().map(|s| text(s)).collect::<Vec<_>>();
-        let mut reply = words(&["1000", "-2", "run_1", "7", "2", "990", "{\"a\":1}"]);
+        let mut reply = words(&["1000", "-2", "3", "run_1", "7", "2", "990", "{\"a\":1}"]);
         reply.push(redis::Value::Array(words(&["ok", "0"])));
         reply.extend(words(&["run_2", "8", "1", "995", "{}"]));
         reply.push(redis::Value::Array(vec![]));
         let f = parse_fetch(reply, "w").unwrap();
         assert_eq!(f.deliveries.len(), 2);
+        assert_eq!(f.held, 3);
         let l = &f.deliveries[0].lease;
         assert_eq!((l.id.as_str(), l.epoch, l.deliveries, l.due_ms, l.lateness_ms()), ("run_1", 7, 2, 990, 10));
         assert_eq!(f.deliveries[0].payload, "{\"a\":1}");
         assert_eq!(f.deliveries[0].lease.extra(), Some(&["ok".to_owned(), "0".to_owned()][..]));
         assert!(f.deliveries[1].lease.extra().is_none());
         assert_eq!(f.then, Then::FetchAgain);
-        let idle = parse_fetch(words(&["1000", "250"]), "w").unwrap();
+        let idle = parse_fetch(words(&["1000", "250", "0"]), "w").unwrap();
         assert_eq!(idle.then, Then::Watch { ms: 250 });
-        let empty = parse_fetch(words(&["1000", "-1"]), "w").unwrap();
-        assert_eq!(empty.then, Then::Listen);
-        assert!(parse_fetch(words(&["1000", "-3"]), "w").is_err());
-        assert!(parse_fetch(words(&["1000", "-2", "run_1", "7", "2", "990", "{}"]), "w").is_err(), "no extra");
+        let empty = parse_fetch(words(&["1000", "-1", "0"]), "w").unwrap();
+        assert_eq!((empty.then, empty.held), (Then::Listen, 0));
+        assert!(parse_fetch(words(&["1000", "-3", "0"]), "w").is_err());
+        assert!(parse_fetch(words(&["1000", "-1"]), "w").is_err(), "no count of turns held");
+        assert!(parse_fetch(words(&["1000", "-2", "0", "run_1", "7", "2", "990", "{}"]), "w").is_err(), "no extra");
     }
 }

@@ -135,6 +135,9 @@ pub struct Fetched {
     pub now_ms: i64,
     /// What the worker does once it has started these deliveries.
     pub then: Then,
+    /// Due turns the fetch left queued with a new due time (the run store's
+    /// fetch: turns back from a budget wait that the pacer still owes time).
+    pub held: u64,
     /// The turns leased.
     pub deliveries: Vec<Delivery>,
 }

@@ -1,20 +1,123 @@
 -- The run store's fetch (store.rs `RunStore::fetch_script`), on the queue's library,
--- the run store's (runs/lib.lua) and the queue's fetch (queue/fetch.lua), prepended:
+-- the run store's (runs/lib.lua), the pacer's script as a function (pacer/store.rs
+-- `lua_function`) and the queue's fetch (queue/fetch.lua), prepended:
 -- each turn it leases is started in the same script, unless its payload carries a pacer
 -- ask it has to make first (not one cleared already: store.rs `Turn::cleared`) or a
 -- format this version does not read (the worker buries it).
+-- A turn back from a budget wait whose pacer this fetch may ask (ARGV[7]) is asked for
+-- here, before it is leased: cleared, it is leased and started as a cleared turn; still
+-- owed, it waits again in the queue, as the worker's wait would have left it (the run's
+-- wait fields and counter, a `turn.paced` event), and no worker sees it.
 -- ARGV[1..4] the queue's fetch's; ARGV[5] the history depth in turns (0: all); ARGV[6]
--- the payload format this version reads. A run's keys are named from its id, beside the
--- queue's dead set, as keys.rs builds them (the queue's slot; q_fail_run does the same).
+-- the payload format this version reads; ARGV[7] ('' none) the pacers to ask, JSON
+-- (store.rs `FetchAsks`): {routes = {provider = {keys = the pacer's five keys without
+-- the model, cfg = its ARGV[2..14]}}, first = the provider of an ask that names none,
+-- weights = {tenant = w}, caps = {tenant = c}}. A run's keys are named from its id,
+-- beside the queue's dead set, as keys.rs builds them (the queue's slot; q_fail_run does
+-- the same). The pacer's keys are in their budget's slot: on Redis Cluster, a fetch that
+-- asks needs them on the queue's node (ARCHITECTURE.md, "Keys and slots").
 local max_hist, format = tonumber(ARGV[5]) or 0, tonumber(ARGV[6]) or 1
+local asks = nil
+if ARGV[7] and ARGV[7] ~= '' then asks = cjson.decode(ARGV[7]) end
 local base = string.sub(Q_DEAD, 1, #Q_DEAD - #'q:dead')
-local function start_leased(qid, r)
+
+local function job_of(r)
   local ok, job = pcall(cjson.decode, r.payload)
-  if not ok or type(job) ~= 'table' or (job.ask ~= nil and not job.cleared) or type(job.turn) ~= 'number'
-    or (tonumber(job.v) or 1) > format then
+  if not ok or type(job) ~= 'table' or type(job.turn) ~= 'number' or (tonumber(job.v) or 1) > format then
     return nil
   end
+  return job
+end
+
+local function start_leased(qid, r)
+  local job = job_of(r)
+  if not job or (job.ask ~= nil and not job.cleared) then return nil end
   RUN, TX, EV, id = base .. 'run:' .. qid, base .. 'tx:' .. qid, base .. 'ev:' .. qid, qid
   return start_turn(tostring(r.epoch), string.format('%d', job.turn), string.format('%d', tonumber(job.attempt) or 1), max_hist)
 end
-return q_fetch(tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4], start_leased)
+
+-- The pacer's reasons (scripts.lua: 1 budget, 2 rate_limited, 3 probe, 4 fair_share) as
+-- the worker's wait names them (turn.rs `budget_wait_record`): the event's, the run's.
+local REASONS = {{'budget', 'budget'}, {'window_closed', 'budget'}, {'probe', 'budget'}, {'fair_share', 'fair_share'}}
+
+-- The jitter's uniform number, from the reservation and the clock (a script has no
+-- randomness of its own that differs between calls).
+local function jitter_u(rid, now)
+  local h = now % 65521
+  for c = 1, #rid do h = (h * 31 + string.byte(rid, c)) % 65521 end
+  return h / 65521
+end
+
+-- A turn still owed: the run waits again, as store.lua's `wait` leaves it.
+local function wait_again(it, ms, code, now)
+  local names = REASONS[code] or REASONS[1]
+  RUN, EV = base .. 'run:' .. it.qid, base .. 'ev:' .. it.qid
+  event('turn.paced', cjson.encode({turn = it.job.turn, owed_ms = ms, reason = names[1]}))
+  redis.call('HSET', RUN, 'wait_reason', names[2], 'next_attempt_ms', string.format('%d', now + ms),
+    'updated_ms', string.format('%d', now), 'waited_ms', string.format('%d', (tonumber(it.f[3]) or 0) + ms),
+    'budget_waits', string.format('%d', (tonumber(it.f[4]) or 0) + 1))
+end
+
+local function hold(ids, recs, now)
+  local keep = {}
+  if not asks then return keep end
+  local groups, order = {}, {}
+  for i, qid in ipairs(ids) do
+    local r = recs[i]
+    local job = r and r.flag == 'q' and job_of(r)
+    local ask = job and not job.cleared and job.ask
+    local route = type(ask) == 'table' and type(ask.model) == 'string' and asks.routes[ask.provider or asks.first]
+    if type(route) == 'table' then
+      -- Only a run that waits for this very turn: anything else, the worker's start decides.
+      local f = redis.call('HMGET', base .. 'run:' .. qid, 'status', 'turns', 'waited_ms', 'budget_waits')
+      if f[1] == 'waiting' and tonumber(f[2] or '') == job.turn then
+        local gk = tostring(ask.provider or asks.first) .. '\n' .. ask.model
+        local g = groups[gk]
+        if not g then
+          g = {route = route, model = ask.model, items = {}}
+          groups[gk] = g
+          order[#order + 1] = gk
+        end
+        g.items[#g.items + 1] = {qid = qid, r = r, job = job, f = f}
+      end
+    end
+  end
+  for _, gk in ipairs(order) do
+    local g = groups[gk]
+    local keys, argv = {}, {'batch'}
+    for k = 1, 5 do keys[k] = g.route.keys[k] .. g.model end
+    for k = 1, 13 do argv[k + 1] = g.route.cfg[k] end
+    argv[11] = string.format('%d', now)
+    for _, it in ipairs(g.items) do
+      local a = it.job.ask
+      local rid = string.format('%s:%d:%d', it.qid, it.job.turn, tonumber(it.job.attempt) or 1)
+      local tenant = tostring(a.tenant or 'default')
+      local n = #argv
+      argv[n + 1] = 'acquire'; argv[n + 2] = rid
+      argv[n + 3] = string.format('%d', tonumber(a.tokens) or 0)
+      argv[n + 4] = string.format('%d', tonumber(a.requests) or 1)
+      argv[n + 5] = tostring(jitter_u(rid, now)); argv[n + 6] = tostring(a.mode or 'work')
+      argv[n + 7] = tostring(asks.weights[tenant] or 1); argv[n + 8] = tostring(asks.caps[tenant] or 0)
+      argv[n + 9] = tenant; argv[n + 10] = string.format('%d', tonumber(a.output) or 0)
+    end
+    -- A pacer that fails here (an error, a reply not understood) leaves its turns to
+    -- the worker, which asks as before.
+    local ok, replies = pcall(pacer_call, keys, argv)
+    if ok and type(replies) == 'table' and not replies.err then
+      for k, it in ipairs(g.items) do
+        local d = replies[k]
+        if type(d) == 'table' and d[1] == 0 then
+          it.job.cleared = true
+          it.r.payload = cjson.encode(it.job)
+        elseif type(d) == 'table' and d[1] == 1 then
+          local ms = math.max(math.floor(tonumber(d[2]) or 0), 1)
+          keep[it.qid] = now + ms
+          wait_again(it, ms, tonumber(d[3]) or 1, now)
+        end
+      end
+    end
+  end
+  return keep
+end
+
+return q_fetch(tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4], start_leased, hold)

@@ -188,6 +188,20 @@ impl PacedAsk {
     }
 }
 
+/// The shared pacers a worker's fetch asks itself
+/// ([`RunStore::fetch_script_asking`]), as `runs/fetch.lua` reads them.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct FetchAsks {
+    /// Per provider name, its pacer's [`crate::pacer::SharedPacer::script_route`].
+    pub routes: std::collections::BTreeMap<String, Value>,
+    /// The provider of an ask that names none (the first).
+    pub first: String,
+    /// Tenants' weights (`PACELINE_TENANT_WEIGHTS`; others 1).
+    pub weights: std::collections::BTreeMap<String, f64>,
+    /// Tenants' caps (`PACELINE_TENANT_CAPS`; others 0: none).
+    pub caps: std::collections::BTreeMap<String, f64>,
+}
+
 /// A turn as the queue carries it: its job and, after a budget wait, the ask
 /// it makes again first. (The payload's format stays 1: a worker that does
 /// not know `ask` ignores it and starts the turn as before.)
@@ -975,7 +989,20 @@ impl RunStore {
     /// each. A turn back from a budget wait (its payload carries the ask) is
     /// leased only: it asks the pacer before it starts.
     pub fn fetch_script(&self, max_history: usize) -> FetchScript {
-        FetchScript::new(&runs_lib(), FETCH_START_LUA, vec![max_history.to_string(), PAYLOAD_FORMAT.to_string()])
+        self.fetch_script_asking(max_history, None)
+    }
+
+    /// [`fetch_script`](Self::fetch_script) that also asks the pacers of
+    /// `asks` for each turn back from a budget wait before it leases it: one
+    /// cleared is leased and started as a cleared turn ([`Turn::cleared`]);
+    /// one still owed waits again in the queue (the run's wait fields and
+    /// counter, a `turn.paced` event) without reaching a worker — a wait
+    /// costs one pacer call in the fetch, not a delivery, an ask and a
+    /// requeue (`runs/fetch.lua`).
+    pub fn fetch_script_asking(&self, max_history: usize, asks: Option<&FetchAsks>) -> FetchScript {
+        let libs = format!("{}\n{}", runs_lib(), crate::pacer::lua_function());
+        let asks = asks.map(|a| serde_json::to_string(a).unwrap_or_default()).unwrap_or_default();
+        FetchScript::new(&libs, FETCH_START_LUA, vec![max_history.to_string(), PAYLOAD_FORMAT.to_string(), asks])
     }
 
     /// The start a fetch made of `lease`'s turn ([`RunStore::fetch_script`]),

@@ -304,6 +304,75 @@ async fn the_fetch_starts_the_turns_it_leases_as_a_start_would_but_not_one_that_
 }
 
 #[tokio::test]
+async fn a_fetch_that_asks_the_pacer_keeps_an_owed_turn_queued_and_starts_a_cleared_one() {
+    // The worker's fetch asks the shared pacer itself for a turn back from a
+    // budget wait: still owed, the turn waits again in the queue as the
+    // worker's wait would have left it (its due time, the run's counter and
+    // wait fields, a `turn.paced` event) and no worker sees it; cleared, it is
+    // leased and started as a cleared turn, its reservation held.
+    use shared::pacer::{CallOutcome, Decision, Estimate, Mode, Observation, PacingConfig, SharedPacer, Who};
+    use shared::runs::{FetchAsks, Started, Turn};
+    let env = env().await;
+    let conn = env.store.connection();
+    let pacer = SharedPacer::new(conn, env.keys.clone(), "default", PacingConfig::default());
+    // Model `gpt-test`'s bucket is empty and refills over a minute; `gpt-free` is unknown.
+    let est = Estimate { tokens: 300, requests: 1, output: 200 };
+    assert_eq!(pacer.acquire("gpt-test", "probe", est, Mode::Work, &Who::DEFAULT).await.unwrap(), Decision::Clear);
+    let empty = CallOutcome {
+        used_tokens: Some(300),
+        tokens: Observation { limit: Some(1_000), remaining: Some(0), reset_ms: Some(60_000) },
+        requests: Observation { limit: Some(100), remaining: Some(99), reset_ms: Some(600) },
+        ..CallOutcome::default()
+    };
+    pacer.settle("gpt-test", "probe", &empty).await.unwrap();
+    let job = TurnJob { turn: 0, attempt: 1 };
+    let data = json!({"turn": 0, "owed_ms": 1, "reason": "budget"});
+    let mut waiting = vec![];
+    for model in ["gpt-test", "gpt-free"] {
+        let run = env.store.create("alpha", &spec(model), None).await.unwrap().run;
+        let lease = env.queue.fetch("w0", 1).await.unwrap().deliveries.remove(0).lease;
+        assert_eq!(lease.id, run.id);
+        let next = Turn { job, ask: Some(shared::runs::PacedAsk { model: model.into(), ..asked() }), cleared: false };
+        let fence = env.store.wait_asking(&lease, job, next, 1, WaitReason::Budget, "turn.paced", &data).await.unwrap();
+        assert_eq!(fence, Fence::Ok);
+        waiting.push(run);
+    }
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let asks = FetchAsks {
+        routes: [("default".to_owned(), pacer.script_route().unwrap())].into(),
+        first: "default".into(),
+        ..FetchAsks::default()
+    };
+    let fetched = env.queue.fetch_with("w1", 10, Some(&env.store.fetch_script_asking(24, Some(&asks)))).await.unwrap();
+
+    // The owed one: not delivered, queued again for what it owes.
+    assert_eq!(fetched.held, 1);
+    assert_eq!(fetched.deliveries.len(), 1);
+    let owed = env.store.get("alpha", &waiting[0].id).await.unwrap().unwrap();
+    assert_eq!(owed.status, RunStatus::Waiting);
+    assert_eq!(owed.pacing.budget_waits, 2);
+    assert!(owed.next_attempt_at.is_some(), "a wait names its next attempt");
+    assert!(owed.pacing.waited_ms > 1_000, "owed most of a minute's refill: {:?}", owed.pacing);
+    assert_eq!(event_kinds(&env, &waiting[0].id).await.last().map(String::as_str), Some("turn.paced"));
+    let c = env.queue.counts().await.unwrap();
+    assert_eq!((c.ready, c.delayed, c.in_flight), (0, 1, 1));
+    assert!(c.next_due_ms.unwrap() > fetched.now_ms + 1_000, "{c:?} at {}", fetched.now_ms);
+
+    // The cleared one: leased and started, marked cleared, its reservation in flight.
+    let lease = &fetched.deliveries[0].lease;
+    assert_eq!(lease.id, waiting[1].id);
+    let turn: Turn = serde_json::from_str(&fetched.deliveries[0].payload).unwrap();
+    assert!(turn.cleared, "{}", fetched.deliveries[0].payload);
+    assert!(matches!(env.store.started(lease), Some(Ok(Started::Run(_)))));
+    assert_eq!(env.store.get("alpha", &waiting[1].id).await.unwrap().unwrap().status, RunStatus::Running);
+    // Its call went as the model's probe: asked again, it is still clear; any other waits.
+    let reservation = format!("{}:0:1", waiting[1].id);
+    assert_eq!(pacer.acquire("gpt-free", &reservation, est, Mode::Work, &Who::DEFAULT).await.unwrap(), Decision::Clear);
+    let other = pacer.acquire("gpt-free", "other", est, Mode::Work, &Who::DEFAULT).await.unwrap();
+    assert!(matches!(other, Decision::Owed { .. }), "{other:?}");
+}
+
+#[tokio::test]
 async fn a_commit_queues_a_next_turn_the_pacer_cleared_or_puts_it_to_wait_at_once() {
     // The worker asks the pacer for the next turn as it commits: cleared, the
     // turn is queued due now, marked cleared, and its fetch starts it; owed,

@@ -420,6 +420,11 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
                 Ok(fetched) => {
                     self.failures = 0;
                     self.then = Some(fetched.then);
+                    // Turns the fetch's own pacer ask owed time again: budget
+                    // waits as much as the ones a turn's ask requeues.
+                    if fetched.held > 0 {
+                        metrics::counter!(shared::telemetry::metric::BUDGET_WAITS).increment(fetched.held);
+                    }
                     for d in fetched.deliveries {
                         self.accept(d.lease, &d.payload).await;
                     }
