@@ -44,13 +44,18 @@ local function q_fetch(max, lease_ms, dead_keep_ms, me, on_leased, hold)
     for i = 1, n do ids[i] = due[2 * i - 1] end
     redis.call('ZREM', Q_DUE, unpack(ids))
     local recs = redis.call('HMGET', Q_JOBS, unpack(ids))
-    -- Epochs come from one counter, so an epoch is never reused, even by a later
-    -- turn under the same id.
-    local first = redis.call('INCRBY', KEYS[Q_NKEYS + 1], n) - n
     local hset, zadd, leased, held = {}, {}, {}, {}
     local decoded = {}
     for i = 1, n do decoded[i] = q_decode(recs[i]) end
     local keep = hold and hold(ids, decoded, now) or {}
+    -- Epochs come from one counter, so an epoch is never reused, even by a later
+    -- turn under the same id; one for each turn to lease.
+    local to_lease = 0
+    for i = 1, n do
+      if decoded[i] and decoded[i].flag == 'q' and not keep[ids[i]] then to_lease = to_lease + 1 end
+    end
+    local first = 0
+    if to_lease > 0 then first = redis.call('INCRBY', KEYS[Q_NKEYS + 1], to_lease) - to_lease end
     for i = 1, n do
       local r = decoded[i]
       local again = keep[ids[i]]
@@ -59,7 +64,8 @@ local function q_fetch(max, lease_ms, dead_keep_ms, me, on_leased, hold)
         held[#held + 1] = again; held[#held + 1] = ids[i]
         if not nxt or again < nxt then nxt = again end
       elseif r and r.flag == 'q' then
-        r.epoch = first + i
+        first = first + 1
+        r.epoch = first
         r.deliveries = r.deliveries + 1
         r.flag = 'l'
         hset[#hset + 1] = ids[i]; hset[#hset + 1] = q_encode(r)

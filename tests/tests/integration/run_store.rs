@@ -837,12 +837,38 @@ async fn each_step_of_a_turn_costs_few_redis_commands() {
     tokio::time::sleep(Duration::from_millis(10)).await;
     let lease = step!("fetch again", queue.fetch_with("w", 4, Some(&fetch)).await.unwrap().deliveries.remove(0).lease);
     assert!(lease.extra().is_none(), "a turn that asks first is not started by its fetch");
+    // It waits again, now for a model whose bucket is empty (set up outside the
+    // count) …
+    let empty = CallOutcome {
+        used_tokens: Some(300),
+        tokens: Observation { limit: Some(1_000), remaining: Some(0), reset_ms: Some(60_000) },
+        requests: Observation { limit: Some(100), remaining: Some(99), reset_ms: Some(600) },
+        ..CallOutcome::default()
+    };
+    assert!(matches!(
+        pacer.acquire("gpt-slow", "probe", est, Mode::Work, &Who::DEFAULT).await.unwrap(),
+        Decision::Clear
+    ));
+    pacer.settle("gpt-slow", "probe", &empty).await.unwrap();
+    let ask = shared::runs::PacedAsk { model: "gpt-slow".into(), ..ask };
     let next = shared::runs::Turn { job, ask: Some(ask), cleared: false };
     let fence = step!(
         "wait again",
         store.wait_asking(&lease, job, next, 5, WaitReason::Budget, "turn.paced", &data).await.unwrap()
     );
     assert_eq!(fence, Fence::Ok);
+    // … and the fetch of a worker whose pacer is shared asks for it itself:
+    // still owed, it waits again inside the fetch (no delivery, no ask and no
+    // requeue of a worker's).
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let asks = shared::runs::FetchAsks {
+        routes: [("default".to_owned(), pacer.script_route().unwrap())].into(),
+        first: "default".into(),
+        ..shared::runs::FetchAsks::default()
+    };
+    let asking = store.fetch_script_asking(0, Some(&asks));
+    let fetched = step!("fetch, owed", queue.fetch_with("w", 4, Some(&asking)).await.unwrap());
+    assert_eq!((fetched.held, fetched.deliveries.len()), (1, 0));
     let total: u64 = costs.iter().map(|(_, n)| n).sum();
     for (name, n) in &costs {
         eprintln!("{name:>14}: {n}");
@@ -857,6 +883,7 @@ async fn each_step_of_a_turn_costs_few_redis_commands() {
         "record output" => 6,
         "commit" | "commit+output" => 10,
         "budget wait" | "wait again" => 10,
+        "fetch, owed" => 20,
         _ => 0,
     };
     for (name, n) in &costs {
