@@ -88,6 +88,8 @@ fn trace_budget(trial: &Trial) -> (tokio::sync::oneshot::Sender<()>, tokio::task
             shared::pacer::SharedPacer::new(conn, redis.keys(), "default", shared::pacer::PacingConfig::default());
         let http = reqwest::Client::new();
         let t0 = std::time::Instant::now();
+        // Every 100 ms unless PACELINE_BENCH_TRACE_MS says otherwise (each read is a pacer snapshot).
+        let every_ms = std::env::var("PACELINE_BENCH_TRACE_MS").ok().and_then(|v| v.parse().ok()).unwrap_or(100);
         loop {
             let theirs: serde_json::Value = match http.get(&stats_url).send().await {
                 Ok(r) => r.json().await.unwrap_or_default(),
@@ -105,7 +107,7 @@ fn trace_budget(trial: &Trial) -> (tokio::sync::oneshot::Sender<()>, tokio::task
             }));
             tokio::select! {
                 _ = &mut stopped => return out,
-                _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+                _ = tokio::time::sleep(Duration::from_millis(every_ms)) => {}
             }
         }
     });

@@ -147,10 +147,11 @@ pub struct Bucket {
     /// ledger the refund learner reads (`refund.rs`).
     #[serde(default)]
     pub sent: f64,
-    /// Unused output settled while the refund share was not known (none of
-    /// it credited), since the model last met the provider (a header lowered
-    /// it): a refunding provider holds the level plus this, never above its
-    /// limit. Credited at the learned share as the headers confirm it.
+    /// Unused output settled and not credited — all of it while the refund
+    /// share was not known, the rest of a share learned below one — since the
+    /// model last met the provider (a header lowered it): a refunding
+    /// provider holds the level plus this, never above its limit. Credited as
+    /// far as the newest headers show it at the provider.
     #[serde(default)]
     pub withheld: f64,
     /// Evidence on the bucket's shape from pairs of snapshots (`vote`): up for
@@ -533,10 +534,17 @@ impl Bucket {
         let elapsed = (now - headers_at).max(0) as f64;
         let theirs = (remaining + since + self.refill_rate() * elapsed).min(limit);
         if theirs < self.level {
+            let lowered = self.level - theirs;
             self.level = theirs;
             // The model meets the provider: of the refunds withheld, only
-            // those given after these headers are still owed.
-            self.withheld = self.withheld.min(unseen_refunds);
+            // those given after these headers are still owed. What these
+            // headers lowered the level by may be charges they already
+            // counted (a call cleared after the observed one, in a burst, may
+            // have reached the provider first): outside a window, whose
+            // boundary lifts a pessimistic level anyway, it is withheld too,
+            // for later headers to give back as far as they show it there
+            // (`learn_refund_share`); without that, nothing ever did.
+            self.withheld = self.withheld.min(unseen_refunds) + if self.windowed() { 0.0 } else { lowered };
             if self.refill == Refill::Unknown {
                 // Of the level now, only the refill since these headers was counted.
                 self.unknown_credit = self.rate * elapsed;
@@ -571,5 +579,35 @@ mod tests {
         assert_eq!(b.floor_at(10_000, 0.05), 0.05, "at the boundary a new window begins");
         let continuous = Bucket { refill: Refill::Continuous, ..b };
         assert_eq!(continuous.floor_at(9_000, 0.05), 0.05);
+    }
+
+    #[test]
+    fn what_a_header_lowers_a_continuous_level_by_is_withheld_for_later_headers() {
+        // A header may already count charges the model subtracts again (a
+        // burst): outside a window, the lowering is kept in the ledger later
+        // headers give back from (`learn_refund_share`); a window's boundary
+        // lifts a pessimistic level anyway.
+        let now = 100_000;
+        let seen = Seen { headers_at: now, since: 0.0, own: 0.0, settled_after: 0.0, unseen_refunds: 500.0 };
+        for (refill, reset_ms, withheld) in [(Refill::Continuous, 6_667, 10_500.0), (Refill::Window, 5_000, 500.0)] {
+            let mut b = Bucket {
+                limit: 60_000.0,
+                rate: 6.0,
+                rated: true,
+                level: 30_000.0,
+                at_ms: now,
+                refill,
+                votes: if refill == Refill::Window { MAX_VOTES } else { -MAX_VOTES },
+                max_reset_ms: 10_000.0,
+                full_at_ms: now + reset_ms,
+                withheld: 2_000.0,
+                ..Bucket::default()
+            };
+            let obs = Observation { limit: Some(60_000), remaining: Some(20_000), reset_ms: Some(reset_ms as u64) };
+            b.observe(&obs, now, &seen, 90_000);
+            assert_eq!(b.level, 20_000.0, "{refill:?}");
+            // Of what was withheld, only the refunds after the header stay owed (500).
+            assert_eq!(b.withheld, withheld, "{refill:?}");
+        }
     }
 }

@@ -1018,7 +1018,6 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, id: &str,
     // name the next one (or the window that began would be skipped).
     lift(state, cfg, now);
     let share = state.refund_share();
-    let share_known = state.learned_share().is_some();
     // What others left unused since this call was sent, and what was cleared
     // after it: its headers cannot show either.
     let others_unused = flight.map(|f| (state.tokens.refunded - f.mark).max(0.0)).unwrap_or(0.0);
@@ -1062,12 +1061,17 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, id: &str,
     };
     // Per bucket: what it held, the input fix, the unused output and the share
     // of it credited (the combined bucket's learned share; the output bucket
-    // gives it all back, as Anthropic documents), and whether it is withheld.
+    // gives it all back, as Anthropic documents), and what of it is withheld:
+    // the part not credited — all of it while the share is not known, the
+    // rest of a share learned below one — which the headers may confirm later
+    // (`learn_refund_share`). A share learned low from noisy first pairs
+    // otherwise left what it did not credit idle for good: headers only lower
+    // the level.
     let per_bucket = [
-        (held[0], input_fix, unused, share, !share_known),
-        (held[1], 0.0, 0.0, 0.0, false),
-        (held[2], input_bucket_fix, 0.0, 0.0, false),
-        (held[3], 0.0, output_unused, 1.0, false),
+        (held[0], input_fix, unused, share, unused * (1.0 - share).max(0.0)),
+        (held[1], 0.0, 0.0, 0.0, 0.0),
+        (held[2], input_bucket_fix, 0.0, 0.0, 0.0),
+        (held[3], 0.0, output_unused, 1.0, 0.0),
     ];
     let headers_at = now - outcome.headers_age_ms as Millis;
     let observed = [&outcome.tokens, &outcome.requests, &outcome.input, &outcome.output];
@@ -1130,8 +1134,8 @@ pub fn settle(state: &mut PacerState, cfg: &PacingConfig, now: Millis, id: &str,
         bucket.credit_refund(share * unused, caps[i]);
         bucket.sent -= fix;
         bucket.refunded += unused;
-        if withhold {
-            bucket.withheld += unused;
+        if withhold > 0.0 {
+            bucket.withheld += withhold;
         }
         bucket.cap_withheld();
     }
@@ -1365,9 +1369,11 @@ fn learn_refund_share(
     let Some(share) = state.refunds.share(state.tokens.limit) else {
         return;
     };
-    if share <= 0.0 {
-        state.tokens.withheld = 0.0;
-    }
+    // (A share of nought does not drop what was withheld: the first pairs are
+    // noisy — one bench run read 0.0, then 0.24, against a provider that gives
+    // everything back, and the first wave's refunds, half the bucket, were gone
+    // for good. The bound below is what keeps a provider that keeps the charge
+    // from being credited.)
     if !newest || state.tokens.withheld <= 0.0 {
         // (Not the newest headers: calls received after them settled
         // already, and the bound below cannot see them.)
@@ -1389,11 +1395,14 @@ fn learn_refund_share(
     let theirs = (remaining + share * own_unused + tokens.refill_rate() * elapsed).min(tokens.limit)
         - (tokens.sent - f.sent).max(0.0)
         - pending;
-    let owed = (share * tokens.withheld).min((theirs - tokens.level).max(0.0));
+    // What was withheld comes back as far as these headers show it at the
+    // provider (the bound, not the share, keeps this safe: a share learned
+    // low, or one that is not one, credits no more than the headers allow).
+    let owed = tokens.withheld.min((theirs - tokens.level).max(0.0));
     // Not `credit`: these refunds came before the headers that set the
     // provider's reset, so the reset already counts them.
     tokens.level = (tokens.level + owed).min(tokens.limit.max(tokens.level));
-    tokens.withheld = (tokens.withheld - owed / share).max(0.0);
+    tokens.withheld = (tokens.withheld - owed).max(0.0);
 }
 
 fn ensure_configured(state: &mut PacerState, cfg: &PacingConfig, now: Millis) {

@@ -41,7 +41,8 @@
 //! Until it has seen enough, the pacer credits no refund: it assumes the
 //! documented rule (nothing comes back), which cannot send into a 429. Against
 //! a refunding provider that costs only the first few seconds: the refunds it
-//! withheld meanwhile are credited when the share is learned
+//! withheld meanwhile — and, once it is learned, the part a share below one
+//! leaves uncredited — are credited as the newest headers confirm them
 //! (`Bucket::withheld`, credited by `learn_refund_share` in `model.rs`). The
 //! line's spacing, a prediction, assumes the refunds meanwhile: a turn that wakes too early is re-timed, where one that
 //! sleeps on a pessimistic prediction leaves budget idle.

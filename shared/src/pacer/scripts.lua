@@ -650,9 +650,13 @@ local function observe(p, limit, remaining, reset_ms, headers_at, since, own, se
   local elapsed = math.max(now - headers_at, 0)
   local theirs = math.min(remaining + since + refill_rate(p) * elapsed, limit)
   if theirs < get(p .. 'level') then
+    local lowered = get(p .. 'level') - theirs
     S[p .. 'level'] = theirs
-    -- Of the refunds withheld, only those given after these headers are still owed.
-    S[p .. 'withheld'] = math.min(get(p .. 'withheld'), unseen_refunds)
+    -- Of the refunds withheld, only those given after these headers are still owed; what
+    -- these headers lowered the level by may be charges they already counted (a burst):
+    -- outside a window it is withheld too, for later headers to give back (bucket.rs).
+    if get(p .. 'refill') == 2 then lowered = 0 end
+    S[p .. 'withheld'] = math.min(get(p .. 'withheld'), unseen_refunds) + lowered
     if get(p .. 'refill') == 0 then S[p .. 'unknown_credit'] = get(p .. 'rate') * elapsed end
   end
   if has_reset and headers_at >= get(p .. 'full_seen') then
@@ -1199,7 +1203,6 @@ local function settle(a)
   -- A reset that passed since the last ask is lifted before these headers name the next one.
   lift_all()
   local share = refund_share(0)
-  local share_known = refund_share(-1) >= 0
   -- What others left unused since this call was sent, and what was cleared after it
   -- (only calls cleared later than a burst of it are surely not in its headers), and
   -- what was cleared after it and has settled already (in the ledgers, no longer in flight).
@@ -1323,12 +1326,13 @@ local function settle(a)
     end
   end
   -- Per bucket: what it held, the input fix, the unused output, the share of it
-  -- credited (the output bucket gives it all back), and whether it is withheld.
+  -- credited (the output bucket gives it all back), and what of it is withheld:
+  -- the part not credited (model.rs).
   local per = {
-    {held[1], input_fix, unused, share, not share_known},
-    {held[2], 0, 0, 0, false},
-    {held[3], in_fix, 0, 0, false},
-    {held[4], 0, out_unused, 1, false},
+    {held[1], input_fix, unused, share, unused * math.max(1 - share, 0)},
+    {held[2], 0, 0, 0, 0},
+    {held[3], in_fix, 0, 0, 0},
+    {held[4], 0, out_unused, 1, 0},
   }
   for j, p in ipairs(BUCKETS) do
     local h, fix, u, sh, withhold = per[j][1], per[j][2], per[j][3], per[j][4], per[j][5]
@@ -1343,7 +1347,7 @@ local function settle(a)
     credit_refund(p, sh * u, caps[j])
     S[p .. 'sent'] = get(p .. 'sent') - fix
     S[p .. 'refunded'] = get(p .. 'refunded') + u
-    if withhold then S[p .. 'withheld'] = get(p .. 'withheld') + u end
+    if withhold > 0 then S[p .. 'withheld'] = get(p .. 'withheld') + withhold end
     cap_withheld(p)
   end
   local since = {share * (unused + others) - after[1], -after[2], -after[3], out_unused + others_out - after[4]}
@@ -1374,7 +1378,7 @@ local function settle(a)
     end
     local known_share = refund_share(-1)
     if limited < 0 and known_share >= 0 then
-      if known_share <= 0 then S['t_withheld'] = 0 end
+      -- (A share of nought drops nothing withheld: model.rs, learn_refund_share.)
       if newest and get('t_withheld') > 0 then
         advance('t_')
         local elapsed = math.max(now - headers_at, 0)
@@ -1384,10 +1388,10 @@ local function settle(a)
         end
         local theirs = math.min(remaining + known_share * unused + refill_rate('t_') * elapsed, get('t_limit'))
           - math.max(get('t_sent') - sent_mark, 0) - pending
-        local owed_credit = math.min(known_share * get('t_withheld'), math.max(theirs - get('t_level'), 0))
+        local owed_credit = math.min(get('t_withheld'), math.max(theirs - get('t_level'), 0))
         -- Not credit(): these refunds came before the headers that set the reset.
         S['t_level'] = math.min(get('t_level') + owed_credit, math.max(get('t_limit'), get('t_level')))
-        S['t_withheld'] = math.max(get('t_withheld') - owed_credit / known_share, 0)
+        S['t_withheld'] = math.max(get('t_withheld') - owed_credit, 0)
       end
     end
   end

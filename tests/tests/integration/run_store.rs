@@ -329,13 +329,16 @@ async fn a_fetch_that_asks_the_pacer_keeps_an_owed_turn_queued_and_starts_a_clea
     let data = json!({"turn": 0, "owed_ms": 1, "reason": "budget"});
     let mut waiting = vec![];
     for model in ["gpt-test", "gpt-free"] {
-        let run = env.store.create("alpha", &spec(model), None).await.unwrap().run;
-        let lease = env.queue.fetch("w0", 1).await.unwrap().deliveries.remove(0).lease;
-        assert_eq!(lease.id, run.id);
+        waiting.push(env.store.create("alpha", &spec(model), None).await.unwrap().run);
+    }
+    // Both leased before either waits (a turn due again in 1 ms must not be the next one leased here).
+    let leases = env.queue.fetch("w0", 2).await.unwrap().deliveries;
+    assert_eq!(leases.len(), 2);
+    for (run, model) in waiting.iter().zip(["gpt-test", "gpt-free"]) {
+        let lease = &leases.iter().find(|d| d.lease.id == run.id).unwrap().lease;
         let next = Turn { job, ask: Some(shared::runs::PacedAsk { model: model.into(), ..asked() }), cleared: false };
-        let fence = env.store.wait_asking(&lease, job, next, 1, WaitReason::Budget, "turn.paced", &data).await.unwrap();
+        let fence = env.store.wait_asking(lease, job, next, 1, WaitReason::Budget, "turn.paced", &data).await.unwrap();
         assert_eq!(fence, Fence::Ok);
-        waiting.push(run);
     }
     tokio::time::sleep(Duration::from_millis(10)).await;
     let asks = FetchAsks {
