@@ -381,8 +381,8 @@ impl SharedPacer {
         ]
     }
 
-    /// The script's ARGV[2..14], the knobs (ARGV[11], the clock: `now`; empty
-    /// reads the server's).
+    /// The script's `ARGV[2..14]`, the knobs (`ARGV[11]`, the clock: `now`;
+    /// empty reads the server's).
     fn config_args(&self, now: String) -> Vec<String> {
         let c = &self.config;
         vec![
@@ -416,8 +416,8 @@ impl SharedPacer {
 
     /// What a script that asks this pacer itself needs ([`lua_function`]):
     /// the names of its keys for a model (each is the model's name appended
-    /// to one of these) and ARGV[2..14] with the clock left to the caller
-    /// (`""` at ARGV[11]). `None` on an injected test clock, which a script
+    /// to one of these) and `ARGV[2..14]` with the clock left to the caller
+    /// (`""` at `ARGV[11]`). `None` on an injected test clock, which a script
     /// cannot read.
     pub fn script_route(&self) -> Option<serde_json::Value> {
         if self.test_clock.is_some() {

@@ -456,7 +456,8 @@ impl std::fmt::Debug for FetchScript {
 
 impl FetchScript {
     /// `body` (prepended with [`LUA_LIB`] and `libs`, then [`FETCH_LIB`]) must
-    /// `return q_fetch(tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4], on_leased)`;
+    /// `return q_fetch(tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4], on_leased, hold)`
+    /// (`hold` optional: the due turns to leave queued, `fetch.lua`);
     /// `args` are its ARGV from 5 on.
     pub fn new(libs: &str, body: &str, args: Vec<String>) -> Self {
         let source = format!("{LUA_LIB}\n{libs}\n{FETCH_LIB}\n{body}");
