@@ -17,8 +17,8 @@
 -- the same). The pacer's keys are in their budget's slot: on Redis Cluster, a fetch that
 -- asks needs them on the queue's node (ARCHITECTURE.md, "Keys and slots").
 local max_hist, format = tonumber(ARGV[5]) or 0, tonumber(ARGV[6]) or 1
-local asks = nil
-if ARGV[7] and ARGV[7] ~= '' then asks = cjson.decode(ARGV[7]) end
+-- Decoded only when a due turn carries an ask (most fetches lease none that do).
+local asks_json, asks = ARGV[7] or '', nil
 local base = string.sub(Q_DEAD, 1, #Q_DEAD - #'q:dead')
 
 local function job_of(r)
@@ -30,7 +30,8 @@ local function job_of(r)
 end
 
 local function start_leased(qid, r)
-  local job = job_of(r)
+  -- (`hold` keeps the job it decoded on the record: q_encode writes only its own fields.)
+  local job = r.job or job_of(r)
   if not job or (job.ask ~= nil and not job.cleared) then return nil end
   RUN, TX, EV, id = base .. 'run:' .. qid, base .. 'tx:' .. qid, base .. 'ev:' .. qid, qid
   return start_turn(tostring(r.epoch), string.format('%d', job.turn), string.format('%d', tonumber(job.attempt) or 1), max_hist)
@@ -53,24 +54,25 @@ local function wait_again(it, ms, code, now)
   local names = REASONS[code] or REASONS[1]
   RUN, EV = base .. 'run:' .. it.qid, base .. 'ev:' .. it.qid
   event('turn.paced', cjson.encode({turn = it.job.turn, owed_ms = ms, reason = names[1]}))
-  redis.call('HSET', RUN, 'wait_reason', names[2], 'next_attempt_ms', string.format('%d', now + ms),
-    'updated_ms', string.format('%d', now), 'waited_ms', string.format('%d', (tonumber(it.f[3]) or 0) + ms),
-    'budget_waits', string.format('%d', (tonumber(it.f[4]) or 0) + 1))
+  redis.call('HSET', RUN, unpack(wait_fields({'updated_ms', now}, it.f, now, ms, names[2], 'budget_waits')))
 end
 
 local function hold(ids, recs, now)
   local keep = {}
-  if not asks then return keep end
+  if asks_json == '' then return keep end
   local groups, order = {}, {}
   for i, qid in ipairs(ids) do
     local r = recs[i]
     local job = r and r.flag == 'q' and job_of(r)
+    if job then r.job = job end
     local ask = job and not job.cleared and job.ask
+    if type(ask) == 'table' and not asks then asks = cjson.decode(asks_json) end
     local route = type(ask) == 'table' and type(ask.model) == 'string' and asks.routes[ask.provider or asks.first]
     if type(route) == 'table' then
       -- Only a run that waits for this very turn: anything else, the worker's start decides.
-      local f = redis.call('HMGET', base .. 'run:' .. qid, 'status', 'turns', 'waited_ms', 'budget_waits')
-      if f[1] == 'waiting' and tonumber(f[2] or '') == job.turn then
+      RUN = base .. 'run:' .. qid
+      local f = read_fields({'status', 'turns', 'waited_ms', 'budget_waits'})
+      if f.status == 'waiting' and tonumber(f.turns or '') == job.turn then
         local gk = tostring(ask.provider or asks.first) .. '\n' .. ask.model
         local g = groups[gk]
         if not g then

@@ -67,6 +67,20 @@ local function read_fields(names)
   return f
 end
 
+-- Appends to `set` the fields of a run put to wait `delay` ms from `now` for `reason`:
+-- its status, reason and next attempt, its waited time (from `f.waited_ms`) and, unless
+-- `counter` is '', that counter (from `f[counter]`) plus one. Every wait writes these:
+-- store.lua's `wait` and `commit`, and the fetch that asks the pacer (fetch.lua).
+local function wait_fields(set, f, now, delay, reason, counter)
+  for _, v in ipairs({'status', 'waiting', 'wait_reason', reason, 'next_attempt_ms', now + delay,
+    'waited_ms', string.format('%d', (tonumber(f.waited_ms) or 0) + delay)}) do set[#set + 1] = v end
+  if counter ~= '' then
+    set[#set + 1] = counter
+    set[#set + 1] = string.format('%d', (tonumber(f[counter]) or 0) + 1)
+  end
+  return set
+end
+
 -- Appends transcript entries ARGV[from..] in one RPUSH per 500, and puts where
 -- turn `tag`'s entries begin (field txi:<tag>, see window_entries) in `set`
 -- unless `f` shows it set already.

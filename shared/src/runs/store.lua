@@ -87,13 +87,7 @@ if op == 'wait' then
   if not r then return {'stop', why} end
   local now = stamped(event(ARGV[9], ARGV[10]))
   local delay = tonumber(ARGV[6])
-  local set = {'status', 'waiting', 'wait_reason', ARGV[7], 'next_attempt_ms', now + delay, 'updated_ms', now,
-    'waited_ms', string.format('%d', (tonumber(f.waited_ms) or 0) + delay)}
-  if counter ~= '' then
-    set[#set + 1] = counter
-    set[#set + 1] = string.format('%d', (tonumber(f[counter]) or 0) + 1)
-  end
-  redis.call('HSET', RUN, unpack(set))
+  redis.call('HSET', RUN, unpack(wait_fields({'updated_ms', now}, f, now, delay, ARGV[7], counter)))
   r.payload = ARGV[5]
   r.deliveries = 0
   q_schedule(id, r, now + delay, now)
@@ -168,12 +162,7 @@ if op == 'commit' then
   add_usage(f, set, ARGV[5], recorded and '' or ARGV[11])
   if next == 'continue' then
     if delay > 0 then
-      for _, v in ipairs({'status', 'waiting', 'wait_reason', ARGV[16], 'next_attempt_ms', now + delay,
-        'waited_ms', string.format('%d', (tonumber(f.waited_ms) or 0) + delay)}) do set[#set + 1] = v end
-      if counter ~= '' then
-        set[#set + 1] = counter
-        set[#set + 1] = string.format('%d', (tonumber(f[counter]) or 0) + 1)
-      end
+      wait_fields(set, f, now, delay, ARGV[16], counter)
     else
       for _, v in ipairs({'status', 'queued', 'wait_reason', '', 'next_attempt_ms', ''}) do set[#set + 1] = v end
     end
