@@ -195,7 +195,7 @@ pub fn figures(plan: &PacingPlan, data: &TrialData) -> PacerFigures {
         lateness_all_ms: Percentiles::of(data.deliveries.iter().map(|d| d.lateness_ms()).collect()),
         input_count_ratio: input_count_ratio(stats),
         largest_overdraft: stats.largest_overdraft,
-        redis_commands_breakdown: data.commands.breakdown(data.turns_completed() as f64, 10),
+        redis_commands_breakdown: data.commands.breakdown(data.turns_completed() as f64, 24),
     }
 }
 

@@ -20,11 +20,16 @@
 //! one token (one worker wakes, not all); a fetch that filled its batch pushes
 //! one more (so idle workers join in); a fetch that took everything clears them.
 //! Redis's own blocking timeouts tick at `hz` (100 ms here), too coarse for the
-//! 50 ms bar, hence the local timer; when it fires the watcher's `BLPOP` is
-//! cancelled with `CLIENT UNBLOCK … TIMEOUT`, so it cannot swallow a token meant
-//! for another worker. Where the server forbids `CLIENT UNBLOCK` (some managed
-//! Redis), the watcher waits with `BLPOP`'s own timeout instead (coarser by up
-//! to `hz`), quietly, counted in `paceline_queue_unblock_fallbacks_total`.
+//! 50 ms bar, hence the local timer. A process's `BLPOP` stays outstanding
+//! while it has a free slot, across its timer's wake-ups, kicks and fetches (a
+//! token it takes meanwhile ends its next idle wait at once): it is issued again
+//! only when it returned, so a busy process wakes and fetches without a Redis
+//! command of its own. When the process's slots are all taken it stops
+//! listening (`CLIENT UNBLOCK … TIMEOUT`, a token taken in that moment pushed
+//! back), so it cannot swallow a token meant for a worker with room. Where the
+//! server forbids `CLIENT UNBLOCK` (some managed Redis), each idle wait is a
+//! `BLPOP` with its own timeout instead (coarser by up to `hz`), quietly,
+//! counted in `paceline_queue_unblock_fallbacks_total`.
 
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
@@ -279,6 +284,7 @@ impl<T: DeserializeOwned + Send + 'static> Backend for QueueBackend<T> {
                 buffer: VecDeque::new(),
                 then: None,
                 blocking: None,
+                listening: None,
                 unblock: true,
                 failures: 0,
             };
@@ -376,6 +382,9 @@ struct Fetcher<T> {
     then: Option<Then>,
     /// The connection idle waits `BLPOP` on, and its client id (for `CLIENT UNBLOCK`).
     blocking: Option<(redis::aio::MultiplexedConnection, i64)>,
+    /// The `BLPOP` outstanding on it (with `CLIENT UNBLOCK` only): kept across
+    /// idle waits until it returns, or until every slot is taken.
+    listening: Option<Listen>,
     /// Whether the server lets this worker use `CLIENT UNBLOCK`.
     unblock: bool,
     failures: u32,
@@ -448,6 +457,8 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
                 return self.shared.concurrency - busy;
             }
             self.then = None;
+            // No room: a token taken now would wait for a slot here.
+            self.stop_listening().await;
             // `notify_one` keeps a permit when nobody waits, so a slot freed
             // between the check and this wait is not missed.
             self.shared.slot_freed.notified().await;
@@ -494,59 +505,95 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
         // +1 ms: the timer must not fire before the due time; the fetch script
         // re-checks against the server clock anyway.
         let wait = watch_ms.map(|w| Duration::from_millis(w.max(0) as u64 + 1)).unwrap_or(cap).min(cap);
-        let Some((conn, client_id)) = self.blocking_conn(cap).await else {
+        let Some((conn, _)) = self.blocking_conn(cap).await else {
             tokio::time::sleep(wait.min(backoff(self.failures.max(1)))).await;
             return;
         };
-        let mut c = conn.clone();
-        let key = self.queue.keys().notify.clone();
-        // Without CLIENT UNBLOCK, the server's own timeout ends a watch
-        // (at least 10 ms: 0 would block forever).
-        let server_timeout = if self.unblock { cap } else { wait.max(Duration::from_millis(10)) }.as_secs_f64();
-        let blpop = async move {
-            redis::cmd("BLPOP").arg(&key).arg(server_timeout).query_async::<Option<(String, String)>>(&mut c).await
-        };
-        tokio::pin!(blpop);
-        // A kick ends the wait like the watch's timer (CLIENT UNBLOCK), so
-        // the BLPOP cannot take a token after this worker stopped listening.
-        let stop_at = if wait >= cap { None } else { Some(wait) };
+        if !self.unblock {
+            // Without CLIENT UNBLOCK, the server's own timeout ends a watch (at
+            // least 10 ms: 0 would block forever), and nothing stays outstanding.
+            let result = blpop(conn, self.queue.keys().notify.clone(), wait.max(Duration::from_millis(10))).await;
+            self.listened(result);
+            return;
+        }
+        // One BLPOP outstanding, ended by a token or the safety net (the
+        // server's timeout); the watch's timer and a kick leave it listening.
+        let listen = self.listening.get_or_insert_with(|| blpop(conn, self.queue.keys().notify.clone(), cap));
         let timer = async move {
-            match stop_at {
-                Some(w) => tokio::time::sleep(w).await,
-                None => std::future::pending().await,
+            if wait < cap {
+                tokio::time::sleep(wait).await
+            } else {
+                std::future::pending().await
             }
         };
-        let result = if !self.unblock {
-            blpop.await
-        } else {
-            tokio::select! {
-                r = &mut blpop => r,
-                _ = futures::future::select(Box::pin(timer), kicked) => {
-                    // Cancel the BLPOP on the server so it cannot take a token
-                    // after this worker stopped listening.
-                    let unblock: redis::RedisResult<i64> = redis::cmd("CLIENT").arg("UNBLOCK").arg(client_id).arg("TIMEOUT")
-                        .query_async(&mut self.queue.conn()).await;
-                    if let Err(error) = unblock {
-                        if error.code().is_some() {
-                            // Forbidden here (a managed Redis, an ACL): watch with BLPOP's own timeout from now on.
-                            info!(message = "CLIENT UNBLOCK is not allowed; watching with BLPOP timeouts instead", %error);
-                            metrics::counter!(shared::telemetry::metric::QUEUE_UNBLOCK_FALLBACKS).increment(1);
-                            self.unblock = false;
-                            self.shared.can_unblock.store(false, Ordering::SeqCst);
-                        }
+        tokio::select! {
+            r = listen => {
+                self.listening = None;
+                self.listened(r);
+            }
+            _ = futures::future::select(Box::pin(timer), kicked) => {}
+        }
+    }
+
+    /// A `BLPOP` returned: on an error, the blocking connection is opened
+    /// again at the next wait.
+    fn listened(&mut self, result: redis::RedisResult<Option<(String, String)>>) {
+        if let Err(error) = result {
+            debug!(message = "blocking read failed; reconnecting", %error);
+            self.blocking = None;
+            self.listening = None;
+        }
+    }
+
+    /// Stops listening (every slot is taken): the outstanding `BLPOP` is
+    /// cancelled on the server, and a token it took in that moment is pushed
+    /// back for a worker with room.
+    async fn stop_listening(&mut self) {
+        let Some(mut listen) = self.listening.take() else { return };
+        // Returned already (a token taken while the process was busy): nothing to cancel.
+        let result = match (&mut listen).now_or_never() {
+            Some(result) => result,
+            None => {
+                let client_id = self.blocking.as_ref().map_or(-1, |b| b.1);
+                let unblock: redis::RedisResult<i64> = redis::cmd("CLIENT")
+                    .arg("UNBLOCK")
+                    .arg(client_id)
+                    .arg("TIMEOUT")
+                    .query_async(&mut self.queue.conn())
+                    .await;
+                if let Err(error) = unblock {
+                    if error.code().is_some() {
+                        // Forbidden here (a managed Redis, an ACL): watch with BLPOP's own timeout from now on.
+                        info!(message = "CLIENT UNBLOCK is not allowed; watching with BLPOP timeouts instead", %error);
+                        metrics::counter!(shared::telemetry::metric::QUEUE_UNBLOCK_FALLBACKS).increment(1);
+                        self.unblock = false;
+                        self.shared.can_unblock.store(false, Ordering::SeqCst);
+                    }
+                    // The connection goes with its BLPOP (closing it ends the BLPOP).
+                    self.blocking = None;
+                    return;
+                }
+                match tokio::time::timeout(Duration::from_secs(2), listen).await {
+                    Ok(result) => result,
+                    Err(_) => {
                         self.blocking = None;
                         return;
-                    }
-                    match tokio::time::timeout(Duration::from_secs(2), &mut blpop).await {
-                        Ok(r) => r,
-                        Err(_) => { self.blocking = None; return; }
                     }
                 }
             }
         };
-        if let Err(error) = result {
-            debug!(message = "blocking read failed; reconnecting", %error);
-            self.blocking = None;
+        match result {
+            Ok(Some(_token)) => {
+                let pushed: redis::RedisResult<i64> = redis::cmd("LPUSH")
+                    .arg(&self.queue.keys().notify)
+                    .arg("1")
+                    .query_async(&mut self.queue.conn())
+                    .await;
+                if let Err(error) = pushed {
+                    debug!(message = "could not push back a wake-up token", %error);
+                }
+            }
+            other => self.listened(other),
         }
     }
 
@@ -596,6 +643,13 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
             }
         }
     }
+}
+
+/// A `BLPOP` on the wake-up tokens, owning its connection handle.
+type Listen = BoxFuture<'static, redis::RedisResult<Option<(String, String)>>>;
+
+fn blpop(mut conn: redis::aio::MultiplexedConnection, key: String, timeout: Duration) -> Listen {
+    async move { redis::cmd("BLPOP").arg(&key).arg(timeout.as_secs_f64()).query_async(&mut conn).await }.boxed()
 }
 
 /// How long a saturated worker gathers freed slots before it fetches.
