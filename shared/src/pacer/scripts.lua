@@ -266,8 +266,15 @@ local F, changed, Wc = {}, {}, {}
 -- No waiter at all when the script began, and none put since: every waiter query
 -- answers "none" without asking (a budget with room has no line; its asks and settles
 -- then read no waiter). Waiters and their two indexes are written together, so an
--- empty line is an empty lapse index too.
-local no_waiters = redis.call('ZCARD', line_key) == 0
+-- empty line is an empty lapse index too. How many there are is the state's field nw,
+-- kept by the writes below (HSET and HDEL say how many they added or removed), so an
+-- op reads no index to learn it; counted from the line (ZCARD) where the field is
+-- missing (a state written before it was kept) and once a minute with the keys'
+-- expiry (TTL_REFRESH_MS), so no drift outlives a minute.
+if S['nw'] == nil or now - get('ttl_at') >= TTL_REFRESH_MS or now < get('ttl_at') then
+  S['nw'] = redis.call('ZCARD', line_key)
+end
+local no_waiters = S['nw'] <= 0
 do
   local raw = flight_fields
   for i = 1, #raw, 2 do
@@ -320,7 +327,7 @@ end
 
 local function forget_waiter(id)
   if waiter_of(id) then
-    redis.call('HDEL', waiters, id)
+    S['nw'] = math.max(S['nw'] - redis.call('HDEL', waiters, id), 0)
     redis.call('ZREM', line_key, id)
     redis.call('ZREM', lapse_key, id)
   end
@@ -339,7 +346,7 @@ local function put(id, r)
     end
     no_waiters = false
     local was = Wc[id]
-    redis.call('HSET', waiters, id, rec_encode(r))
+    S['nw'] = S['nw'] + redis.call('HSET', waiters, id, rec_encode(r))
     -- A waiter asking again keeps its place: its line entry is already that.
     if not (was and was[ORDER] == r[ORDER]) then redis.call('ZADD', line_key, r[ORDER], id) end
     -- It lapses at due + grace (model.rs, expire).
@@ -738,7 +745,7 @@ local function expire()
   if not no_waiters then lapsed = redis.call('ZRANGEBYSCORE', lapse_key, '-inf', now) end
   for i = 1, #lapsed, 500 do
     local chunk = {unpack(lapsed, i, math.min(i + 499, #lapsed))}
-    redis.call('HDEL', waiters, unpack(chunk))
+    S['nw'] = math.max(S['nw'] - redis.call('HDEL', waiters, unpack(chunk)), 0)
     redis.call('ZREM', line_key, unpack(chunk))
     redis.call('ZREM', lapse_key, unpack(chunk))
     for _, id in ipairs(chunk) do Wc[id] = false end

@@ -616,6 +616,21 @@ struct Lockstep {
     clock: ManualClock,
     handle: tokio::runtime::Handle,
     seed: u64,
+    /// The state's waiter count (field `nw`, which spares each op a `ZCARD`)
+    /// is checked against the line after every op: (state key, line key).
+    count: (redis::aio::MultiplexedConnection, String, String),
+}
+
+impl Lockstep {
+    fn check_count(&self, what: &str, now: Millis) {
+        let (conn, state, line) = &self.count;
+        let mut conn = conn.clone();
+        let (kept, counted): (Option<i64>, i64) = tokio::task::block_in_place(|| {
+            self.handle.block_on(redis::pipe().hget(state, "nw").zcard(line).query_async(&mut conn))
+        })
+        .expect("count");
+        assert_eq!(kept, Some(counted), "seed {}: {what} at {now}: the state's waiter count", self.seed);
+    }
 }
 
 impl sim::Policy for Lockstep {
@@ -625,6 +640,7 @@ impl sim::Policy for Lockstep {
         let got = tokio::task::block_in_place(|| self.handle.block_on(self.script.acquire("m", id, est, mode, who)))
             .expect("script");
         assert_eq!(got, want, "seed {}: acquire {id} at {now}", self.seed);
+        self.check_count(id, now);
         got
     }
 
@@ -632,6 +648,7 @@ impl sim::Policy for Lockstep {
         self.clock.set(now);
         self.model.settle(now, id, outcome);
         tokio::task::block_in_place(|| self.handle.block_on(self.script.settle("m", id, outcome))).expect("script");
+        self.check_count(id, now);
     }
 
     fn head(&self, now: Millis) -> Option<String> {
@@ -651,15 +668,18 @@ async fn the_simulators_workloads_hold_through_the_redis_script() {
         // Jitter is drawn inside the shared pacer; without it both are exact.
         workload.config.jitter_frac = 0.0;
         let clock = ManualClock::new(0);
-        let script = shared_pacer(&server, &unique_prefix(), workload.config.clone())
-            .await
-            .with_test_clock(Arc::new(clock.clone()));
+        let prefix = unique_prefix();
+        let script =
+            shared_pacer(&server, &prefix, workload.config.clone()).await.with_test_clock(Arc::new(clock.clone()));
+        let k = Keys::new(prefix.as_str());
+        let conn = server.client().get_multiplexed_async_connection().await.unwrap();
         let mut policy = Lockstep {
             script,
             model: sim::ModelPolicy::new(workload.config.clone()),
             clock,
             handle: tokio::runtime::Handle::current(),
             seed,
+            count: (conn, k.pacer_state("default", "m"), k.pacer_line("default", "m")),
         };
         let report = sim::simulate(&workload, &mut policy);
         assert_eq!(report.completed, report.runs, "seed {seed}: {report:?}");
