@@ -325,6 +325,17 @@ local function each_waiter_upto(order, visit)
   end
 end
 
+-- The lapse index's least time (LAPSE_NONE: empty). The state's field lapse_at is never
+-- later than it: a put lowers it to the time it adds; a removal, or a waiter asking again
+-- with a later time, only raises the index's least time. So an op reads the index only
+-- once lapse_at has come (then it learns the least time again), not at every op: with
+-- turns back before their grace ends, about once per grace period instead of per op.
+local LAPSE_NONE = 1e15
+local function lapse_head()
+  local head = redis.call('ZRANGE', lapse_key, 0, 0, 'WITHSCORES')
+  return tonumber(head[2]) or LAPSE_NONE
+end
+
 local function forget_waiter(id)
   if waiter_of(id) then
     S['nw'] = math.max(S['nw'] - redis.call('HDEL', waiters, id), 0)
@@ -351,6 +362,7 @@ local function put(id, r)
     if not (was and was[ORDER] == r[ORDER]) then redis.call('ZADD', line_key, r[ORDER], id) end
     -- It lapses at due + grace (model.rs, expire).
     redis.call('ZADD', lapse_key, r[DUE] + grace, id)
+    S['lapse_at'] = math.min(get('lapse_at'), r[DUE] + grace)
     Wc[id] = r
   end
 end
@@ -742,7 +754,10 @@ local function expire()
     end
   end
   local lapsed = {}
-  if not no_waiters then lapsed = redis.call('ZRANGEBYSCORE', lapse_key, '-inf', now) end
+  -- The lapse index is read only once its least time may have come (lapse_at, below).
+  if no_waiters or now < get('lapse_at') then return end
+  local at = lapse_head()
+  if at <= now then lapsed = redis.call('ZRANGEBYSCORE', lapse_key, '-inf', now) end
   for i = 1, #lapsed, 500 do
     local chunk = {unpack(lapsed, i, math.min(i + 499, #lapsed))}
     S['nw'] = math.max(S['nw'] - redis.call('HDEL', waiters, unpack(chunk)), 0)
@@ -750,6 +765,8 @@ local function expire()
     redis.call('ZREM', lapse_key, unpack(chunk))
     for _, id in ipairs(chunk) do Wc[id] = false end
   end
+  if #lapsed > 0 then at = lapse_head() end
+  S['lapse_at'] = at
 end
 
 -- Lifts both buckets at their reset; a window's lift subtracts what was

@@ -617,19 +617,33 @@ struct Lockstep {
     handle: tokio::runtime::Handle,
     seed: u64,
     /// The state's waiter count (field `nw`, which spares each op a `ZCARD`)
-    /// is checked against the line after every op: (state key, line key).
-    count: (redis::aio::MultiplexedConnection, String, String),
+    /// is checked against the line after every op, and its `lapse_at` (which
+    /// spares it reading the lapse index) against that index's least time:
+    /// (state key, line key, lapse key).
+    count: (redis::aio::MultiplexedConnection, String, String, String),
 }
 
 impl Lockstep {
     fn check_count(&self, what: &str, now: Millis) {
-        let (conn, state, line) = &self.count;
+        let (conn, state, line, lapse) = &self.count;
         let mut conn = conn.clone();
-        let (kept, counted): (Option<i64>, i64) = tokio::task::block_in_place(|| {
-            self.handle.block_on(redis::pipe().hget(state, "nw").zcard(line).query_async(&mut conn))
-        })
-        .expect("count");
+        let (kept, lapse_at, counted, head): (Option<i64>, Option<f64>, i64, Vec<(String, f64)>) =
+            tokio::task::block_in_place(|| {
+                self.handle.block_on(
+                    redis::pipe()
+                        .hget(state, "nw")
+                        .hget(state, "lapse_at")
+                        .zcard(line)
+                        .zrange_withscores(lapse, 0, 0)
+                        .query_async(&mut conn),
+                )
+            })
+            .expect("count");
         assert_eq!(kept, Some(counted), "seed {}: {what} at {now}: the state's waiter count", self.seed);
+        if let Some((id, least)) = head.first() {
+            let bound = lapse_at.unwrap_or(0.0);
+            assert!(bound <= *least, "seed {}: {what} at {now}: lapse_at {bound} > {least} ({id})", self.seed);
+        }
     }
 }
 
@@ -679,7 +693,7 @@ async fn the_simulators_workloads_hold_through_the_redis_script() {
             clock,
             handle: tokio::runtime::Handle::current(),
             seed,
-            count: (conn, k.pacer_state("default", "m"), k.pacer_line("default", "m")),
+            count: (conn, k.pacer_state("default", "m"), k.pacer_line("default", "m"), k.pacer_lapse("default", "m")),
         };
         let report = sim::simulate(&workload, &mut policy);
         assert_eq!(report.completed, report.runs, "seed {seed}: {report:?}");
