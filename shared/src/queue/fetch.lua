@@ -42,12 +42,18 @@ local function q_fetch(max, lease_ms, dead_keep_ms, me, on_leased, hold)
   else
     local ids = {}
     for i = 1, n do ids[i] = due[2 * i - 1] end
-    redis.call('ZREM', Q_DUE, unpack(ids))
     local recs = redis.call('HMGET', Q_JOBS, unpack(ids))
     local hset, zadd, leased, held = {}, {}, {}, {}
     local decoded = {}
     for i = 1, n do decoded[i] = q_decode(recs[i]) end
     local keep = hold and hold(ids, decoded, now) or {}
+    -- Out of the due set, but for the turns left queued (their ZADD below moves
+    -- them to their new due time: a fetch that holds every turn removes none).
+    local gone = {}
+    for i = 1, n do
+      if not (keep[ids[i]] and decoded[i] and decoded[i].flag == 'q') then gone[#gone + 1] = ids[i] end
+    end
+    if #gone > 0 then redis.call('ZREM', Q_DUE, unpack(gone)) end
     -- Epochs come from one counter, so an epoch is never reused, even by a later
     -- turn under the same id; one for each turn to lease.
     local to_lease = 0

@@ -886,7 +886,7 @@ async fn each_step_of_a_turn_costs_few_redis_commands() {
         "record output" => 6,
         "commit" | "commit+output" => 10,
         "budget wait" | "wait again" => 10,
-        "fetch, owed" => 19,
+        "fetch, owed" => 18,
         _ => 0,
     };
     for (name, n) in &costs {
