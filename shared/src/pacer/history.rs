@@ -1,11 +1,13 @@
 //! The pacer's short history, for the dashboard's chart (`GET /v1/pacer/history`).
 //!
 //! The script (`scripts.lua`, `hist`) counts, per second, the tokens it cleared
-//! (`a`), the 429s settled (`r`) and the turns it told to wait (`w`), in one hash
-//! per budget, model and minute that expires after 16 minutes. These counters are
-//! kept beside the policy, never read by it: the differential test compares the
-//! state hash alone. Reading them is one `TIME` and one pipeline of 16 commands (and the
-//! refill rate, read from the state by the script's snapshot).
+//! (`a`), the 429s settled (`r`) and the turns it told to wait (`w`): the current
+//! second's in the state hash (fields `h_s`, `h_a`, `h_r`, `h_w`, written with the
+//! state), earlier ones in one hash per budget, model and minute that expires after
+//! 16 minutes (the first call of a later second moves them there). These counters
+//! are kept beside the policy, never read by it. Reading them is one `TIME` and one
+//! pipeline of 17 commands (and the refill rate, read from the state by the
+//! script's snapshot).
 
 use crate::keys::Keys;
 use redis::aio::ConnectionManager;
@@ -99,13 +101,37 @@ pub async fn read(
     for minute in first_minute..=last_minute {
         pipe.cmd("HGETALL").arg(keys.pacer_history_minute(budget, model, minute));
     }
-    let replies = pipe.query_async::<Vec<redis::Value>>(conn).await?.into_iter();
+    pipe.cmd("HMGET").arg(keys.pacer_state(budget, model)).arg(&PENDING_FIELDS);
+    let mut replies = pipe.query_async::<Vec<redis::Value>>(conn).await?;
     let protocol = |e: redis::ParsingError| PacerError::Protocol(e.to_string());
+    let pending =
+        redis::from_redis_value::<Vec<Option<f64>>>(replies.pop().unwrap_or(redis::Value::Nil)).map_err(protocol)?;
     let minutes = replies
+        .into_iter()
         .map(|v| redis::from_redis_value::<HashMap<String, i64>>(v).map_err(protocol))
         .collect::<Result<Vec<_>, _>>()?;
-    let fields = minutes.iter().flat_map(|m| m.iter().map(|(k, v)| (k.as_str(), *v)));
+    let pending = pending_fields(&pending);
+    let fields = minutes
+        .iter()
+        .flat_map(|m| m.iter().map(|(k, v)| (k.as_str(), *v)))
+        .chain(pending.iter().map(|(k, v)| (k.as_str(), *v)));
     Ok(assemble(budget, model, secs, fields, refill_tokens_per_s))
+}
+
+/// The state's fields that hold the current second's counts: its second, then
+/// the counts of `a`, `r` and `w`.
+const PENDING_FIELDS: [&str; 4] = ["h_s", "h_a", "h_r", "h_w"];
+
+/// The current second's counts (the state's [`PENDING_FIELDS`], as read) as
+/// the minute hashes name them (`<second>:<kind>`).
+fn pending_fields(values: &[Option<f64>]) -> Vec<(String, i64)> {
+    let Some(Some(sec)) = values.first() else { return vec![] };
+    ["a", "r", "w"]
+        .iter()
+        .zip(values.iter().skip(1))
+        .filter_map(|(kind, n)| Some((format!("{}:{kind}", *sec as i64), (*n)? as i64)))
+        .filter(|(_, n)| *n > 0)
+        .collect()
 }
 
 #[cfg(test)]
@@ -133,6 +159,14 @@ mod tests {
         assert_eq!(h.rate_limited[0], 1);
         assert_eq!(h.admitted_tokens.iter().sum::<u64>(), 520, "seconds outside the span are left out");
         assert_eq!(h.refill_tokens_per_s, Some(100.0));
+    }
+
+    #[test]
+    fn the_current_seconds_counts_are_read_from_the_state() {
+        let now = 1_000_000.0;
+        let read = [Some(now), Some(520.0), None, Some(3.0)];
+        assert_eq!(pending_fields(&read), [(format!("{now}:a"), 520), (format!("{now}:w"), 3)]);
+        assert!(pending_fields(&[None, Some(1.0), None, None]).is_empty(), "no second, no counts");
     }
 
     #[test]

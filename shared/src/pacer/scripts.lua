@@ -91,25 +91,17 @@ end
 local grace = tonumber(ARGV[12])
 local recheck_min = tonumber(ARGV[13])
 
--- The history: counted here, written by save() in the call that decided it (no round
--- trip more): one HINCRBY per kind of event a call saw, and the minute's expiry.
+-- The history: counted here, kept by save() (fold_hist) in the call that decided it (no
+-- round trip more). The current second's counts are fields of the state (h_s the second,
+-- h_a, h_r, h_w the counts), written in the state's own HSET; the first call of a later
+-- second moves them to the minute's hash (one HINCRBY per kind, and the minute's expiry),
+-- so the history costs commands once a second, not at every call. history.rs reads both.
 local HIST_TTL_MS = 960000
+local HIST_KINDS = {'a', 'r', 'w'}
 local hist_counts = {}
 local function hist(field, n)
   if not KEYS[5] or n <= 0 then return end
   hist_counts[field] = (hist_counts[field] or 0) + math.ceil(n)
-end
-
-local function save_hist()
-  local sec = math.floor(now / 1000)
-  local key = KEYS[5] .. ':' .. string.format('%d', math.floor(sec / 60))
-  for field, add in pairs(hist_counts) do
-    -- A new second's first count (so also a new key's): its expiry is set then, once.
-    if redis.call('HINCRBY', key, string.format('%d:%s', sec, field), string.format('%d', add)) == add then
-      redis.call('PEXPIRE', key, HIST_TTL_MS)
-    end
-  end
-  hist_counts = {}
 end
 
 local COMPANION_BASE = -1e13
@@ -385,7 +377,35 @@ local function save_records(flat)
   for i = 1, #del, 500 do redis.call('HDEL', state, unpack(del, i, math.min(i + 499, #del))) end
 end
 
+-- Adds this call's history counts to the state's current second (see `hist`), after
+-- moving an earlier second's to its minute's hash.
+local function fold_hist()
+  if next(hist_counts) == nil then return end
+  local sec = math.floor(now / 1000)
+  local at = get('h_s')
+  if at ~= sec then
+    if at > 0 then
+      local key = KEYS[5] .. ':' .. string.format('%d', math.floor(at / 60))
+      local fresh = false
+      for _, kind in ipairs(HIST_KINDS) do
+        local n = get('h_' .. kind)
+        if n > 0 then
+          local field = string.format('%d:%s', at, kind)
+          -- A second's first count (so also a new key's): the key's expiry is set then.
+          fresh = redis.call('HINCRBY', key, field, string.format('%d', n)) == n or fresh
+        end
+      end
+      if fresh then redis.call('PEXPIRE', key, HIST_TTL_MS) end
+    end
+    S['h_s'] = sec
+    for _, kind in ipairs(HIST_KINDS) do S['h_' .. kind] = 0 end
+  end
+  for kind, add in pairs(hist_counts) do S['h_' .. kind] = get('h_' .. kind) + add end
+  hist_counts = {}
+end
+
 local function save()
+  fold_hist()
   local refresh = now - get('ttl_at') >= TTL_REFRESH_MS or now < get('ttl_at')
   if refresh then S['ttl_at'] = now end
   local flat = {}
@@ -417,7 +437,6 @@ local function save()
   for i = 1, #flat, 1000 do redis.call('HSET', state, unpack(flat, i, math.min(i + 999, #flat))) end
   for k, v in pairs(S) do read[k] = v end
   last_admit_changed = false
-  save_hist()
   if refresh then
     for _, k in ipairs({state, waiters, line_key, lapse_key}) do redis.call('PEXPIRE', k, IDLE_TTL_MS) end
   end

@@ -1012,7 +1012,15 @@ async fn the_pacer_history_counts_admissions_429s_and_waits_in_the_callers_scope
     assert_eq!(h["budgets"].as_array().unwrap().len(), 1, "{h}");
     let (status, _) = app.get("/v1/pacer/history", "not-a-token").await;
     assert_eq!(status, 401);
-    // The counters live in their own keys, each gone within 16 minutes.
+    // The current second's counts live in the state; the first call of a later
+    // second moves them to their minute's key, each gone within 16 minutes.
+    tokio::time::sleep(std::time::Duration::from_millis(1_100)).await;
+    let owed = pacer.acquire("gpt-h", "r3", est, Mode::Work, &acme).await.unwrap();
+    assert!(matches!(owed, Decision::Owed { .. }), "still closed: {owed:?}");
+    let (_, h) = app.get("/v1/pacer/history", ACME).await;
+    let b = &h["budgets"][0];
+    let sum = |k: &str| b[k].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).sum::<u64>();
+    assert_eq!((sum("admitted_tokens"), sum("rate_limited"), sum("waits")), (1000, 1, 2), "{h}");
     let mut conn = app.redis.conn().await;
     let keys: Vec<String> = redis::cmd("KEYS")
         .arg(format!("{}:*", Keys::new(app.prefix.clone()).pacer_history("default", "gpt-h")))

@@ -881,12 +881,12 @@ async fn each_step_of_a_turn_costs_few_redis_commands() {
     let ceiling = |name: &str| match name {
         "fetch again" => 9,
         "fetch+start" => 13,
-        "pacer acquire" => 5,
+        "pacer acquire" => 4,
         "pacer settle" => 5,
         "record output" => 6,
         "commit" | "commit+output" => 10,
         "budget wait" | "wait again" => 10,
-        "fetch, owed" => 18,
+        "fetch, owed" => 16,
         _ => 0,
     };
     for (name, n) in &costs {
