@@ -627,18 +627,19 @@ impl Lockstep {
     fn check_count(&self, what: &str, now: Millis) {
         let (conn, state, line, lapse) = &self.count;
         let mut conn = conn.clone();
-        let (kept, lapse_at, counted, head): (Option<i64>, Option<f64>, i64, Vec<(String, f64)>) =
-            tokio::task::block_in_place(|| {
-                self.handle.block_on(
-                    redis::pipe()
-                        .hget(state, "nw")
-                        .hget(state, "lapse_at")
-                        .zcard(line)
-                        .zrange_withscores(lapse, 0, 0)
-                        .query_async(&mut conn),
-                )
-            })
-            .expect("count");
+        // (nw, lapse_at, the line's length, the lapse index's first entry)
+        type Read = (Option<i64>, Option<f64>, i64, Vec<(String, f64)>);
+        let (kept, lapse_at, counted, head): Read = tokio::task::block_in_place(|| {
+            self.handle.block_on(
+                redis::pipe()
+                    .hget(state, "nw")
+                    .hget(state, "lapse_at")
+                    .zcard(line)
+                    .zrange_withscores(lapse, 0, 0)
+                    .query_async(&mut conn),
+            )
+        })
+        .expect("count");
         assert_eq!(kept, Some(counted), "seed {}: {what} at {now}: the state's waiter count", self.seed);
         if let Some((id, least)) = head.first() {
             let bound = lapse_at.unwrap_or(0.0);
