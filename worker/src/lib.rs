@@ -174,7 +174,7 @@ pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()> + Send
         tokio::spawn(runner.cancels.clone().listen(config.redis.url.clone(), config.redis.keys().cancel_channel()));
     // Each turn is started by the fetch that leases it (one script a batch),
     // and one back from a budget wait is asked for there first.
-    let asks = runner.routes.fetch_asks(&runner.tenants);
+    let asks = runner.routes.fetch_asks(&runner.tenants, runner.config.in_place_wait);
     let fetch = runner.store.fetch_script_asking(config.slots.max_history, asks.as_ref());
     let backend = backend::QueueBackend::<Turn>::new(queue, config.slots.concurrency.max(1)).fetching_with(fetch);
     let name = backend.identity().to_owned();

@@ -96,7 +96,12 @@ impl Routes {
     /// What the fetch needs to ask the shared pacers itself
     /// (`RunStore::fetch_script_asking`): the routes whose pacer is shared.
     /// `None` when none is.
-    pub fn fetch_asks(&self, tenants: &shared::config::TenantPolicy) -> Option<shared::runs::FetchAsks> {
+    /// `in_place` is the worker's in-place wait ([`shared::runs::FetchAsks::in_place_ms`]).
+    pub fn fetch_asks(
+        &self,
+        tenants: &shared::config::TenantPolicy,
+        in_place: std::time::Duration,
+    ) -> Option<shared::runs::FetchAsks> {
         let routes: std::collections::BTreeMap<String, serde_json::Value> = self
             .0
             .iter()
@@ -113,6 +118,7 @@ impl Routes {
             first: self.0.first().map(|r| r.name.clone()).unwrap_or_default(),
             weights: tenants.weights().map(|(t, w)| (t.to_owned(), w)).collect(),
             caps: tenants.caps().map(|(t, c)| (t.to_owned(), c)).collect(),
+            in_place_ms: in_place.as_millis() as u64,
         })
     }
 

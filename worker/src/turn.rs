@@ -158,7 +158,7 @@ enum Paced {
 impl Runner {
     /// Runs turn `job` of the run `lease.id`.
     pub async fn run_turn(&self, job: TurnJob, lease: &Lease) -> Result<TurnOutcome, TurnError> {
-        self.run_turn_asking(Turn { job, ask: None, cleared: false }, lease).await
+        self.run_turn_asking(Turn { job, ask: None, cleared: false, pause_ms: None }, lease).await
     }
 
     /// Runs `turn`; one back from a budget wait (`ask`) asks the pacer first,
@@ -179,6 +179,11 @@ impl Runner {
                 if turn.cleared && lease.lateness_ms() <= CLEARED_FRESH_MS {
                     cleared = Some((route, ask, reservation));
                 } else {
+                    // Owed a moment when its fetch asked: it waits that here
+                    // (not a round of the queue), then asks.
+                    if let Some(ms) = turn.pause_ms {
+                        tokio::time::sleep(Duration::from_millis(ms).min(self.config.in_place_wait)).await;
+                    }
                     match self.pace(route, &ask.model, &reservation, est, ask.mode, &who).await? {
                         Paced::Clear => cleared = Some((route, ask, reservation)),
                         Paced::Owed { ms, reason } => {
@@ -278,11 +283,13 @@ impl Runner {
         let who = self.tenants.who(&ctx.tenant);
         let ask = PacedAsk::new(spec, &ctx.tenant, est);
         match self.pace(route, &spec.model, &reservation, est, spec.mode, &who).await {
-            Ok(Paced::Clear) => Next::Paced { turn: Turn { job: next, ask: Some(ask), cleared: true }, wait: None },
+            Ok(Paced::Clear) => {
+                Next::Paced { turn: Turn { job: next, ask: Some(ask), cleared: true, pause_ms: None }, wait: None }
+            }
             Ok(Paced::Owed { ms, reason }) => {
                 let (data, reason) = budget_wait_record(next, ms, reason);
                 let wait = Some(BudgetWait { ms, reason, data });
-                Next::Paced { turn: Turn { job: next, ask: Some(ask), cleared: false }, wait }
+                Next::Paced { turn: Turn { job: next, ask: Some(ask), cleared: false, pause_ms: None }, wait }
             }
             Err(error) => {
                 tracing::warn!(message = "could not ask the pacer for the next turn; it asks when it starts", %error,
@@ -328,7 +335,7 @@ impl Runner {
         ask: PacedAsk,
     ) -> Result<Fence, TurnError> {
         let (data, wait_reason) = budget_wait_record(job, ms, reason);
-        let next = Turn { job, ask: Some(ask), cleared: false };
+        let next = Turn { job, ask: Some(ask), cleared: false, pause_ms: None };
         Ok(self.store.wait_asking(lease, job, next, ms, wait_reason, event::TURN_PACED, &data).await?)
     }
 
@@ -550,7 +557,7 @@ impl Runner {
             .await;
         // (Not on Redis trouble: the commit may have landed, and its turn holds the reservation.)
         if matches!(fence, Ok(Fence::Stop(_))) {
-            if let Next::Paced { turn: Turn { ask: Some(ask), cleared: true, job: next_job }, .. } = &next {
+            if let Next::Paced { turn: Turn { ask: Some(ask), cleared: true, job: next_job, .. }, .. } = &next {
                 // Cleared for a turn that was not queued: the reservation goes back unused.
                 if let Some(route) = self.routes.get(ask.provider.as_deref()) {
                     let reservation = reservation_id(lease, *next_job);

@@ -649,11 +649,20 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
     //    pessimistic prediction leaves the bucket idle. Shrinking the rest by
     //    four each time keeps the asks of a deep line few (a logarithm of its
     //    wait); a prediction up to a quarter too pessimistic costs nothing.
+    //    A wait within [`RECHECK_TAIL`] of the horizon is slept whole: the rest
+    //    a horizon's sleep would leave is a whole round (a fetch, an ask, a
+    //    requeue) for a third of a horizon. (Not a bucket learned without
+    //    headers: its waits are guesses until the answers of its wave come.)
     //    It never sends before it is clear.
     let reason = if ahead.other_tenant { OwedReason::FairShare } else { OwedReason::Budget };
     let recheck = recheck_ms(&state.tokens, cfg, line);
     let answered = answer_recheck(state, recheck);
-    let mut sleep = wait.min((wait * RECHECK_SHARE).max(recheck)).min(cfg.max_pace_ms as f64);
+    let mut sleep = if !state.headerless && wait <= recheck * RECHECK_TAIL {
+        wait
+    } else {
+        wait.min((wait * RECHECK_SHARE).max(recheck))
+    }
+    .min(cfg.max_pace_ms as f64);
     // A wait predicted before the bucket's shape is known is only as good as
     // the shape guessed (none refills before its reset): be back within the
     // recheck horizon, when the votes may have decided.
@@ -767,6 +776,11 @@ const ANSWER_RECHECK_MIN_MS: f64 = 50.0;
 
 /// The share of a long predicted wait a turn sleeps before it is re-timed.
 const RECHECK_SHARE: f64 = 0.75;
+
+/// A wait up to this many recheck horizons is slept whole (see step 6 of
+/// [`acquire`]): the bench's turns came back from a horizon's sleep owed a
+/// few hundred ms, a round of the queue each.
+const RECHECK_TAIL: f64 = 4.0 / 3.0;
 
 /// A new turn's place in line, or `Err(ms)` while its tenant's cap holds it
 /// back (it does not join the line then).

@@ -108,6 +108,7 @@ local COMPANION_BASE = -1e13
 local PROBE_HOLD_MS = 10000
 local RECHECK_TURNS = 4
 local RECHECK_SHARE = 0.75
+local RECHECK_TAIL = 4 / 3
 local ANSWER_RECHECK_MIN_MS = 50
 local BURST_GAP_MS = 60
 local SHAPE_VOTES = 2
@@ -1137,7 +1138,10 @@ local function acquire(a)
   -- answer_recheck).
   local answered = recheck
   if get('call_ms') > 0 then answered = math.min(math.max(get('call_ms'), ANSWER_RECHECK_MIN_MS), recheck) end
-  local sleep = math.min(math.min(wait, math.max(wait * RECHECK_SHARE, recheck)), max_pace)
+  -- A wait within RECHECK_TAIL horizons is slept whole, but a headerless bucket's.
+  local sleep = math.min(wait, math.max(wait * RECHECK_SHARE, recheck))
+  if get('headerless') ~= 1 and wait <= recheck * RECHECK_TAIL then sleep = wait end
+  sleep = math.min(sleep, max_pace)
   -- A wait predicted before the shape is known, or before any call settled:
   -- be back within the recheck horizon.
   local unknown_shape = get('usage_ratio') <= 0

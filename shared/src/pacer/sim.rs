@@ -1423,6 +1423,7 @@ mod tests {
     fn random_workloads_never_stall_never_overdraw() {
         let seeds: u64 = std::env::var("PACER_SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(10_000);
         let mut failures = vec![];
+        let (mut asks, mut calls, mut worst_stall) = (0u64, 0u64, 0f64);
         let only: Option<u64> = std::env::var("PACER_SIM_SEED").ok().and_then(|s| s.parse().ok());
         for seed in (0..seeds).filter(|s| only.is_none_or(|o| o == *s)) {
             if only.is_some() {
@@ -1430,6 +1431,8 @@ mod tests {
             }
             let w = Workload::random(seed);
             let r = check(&w);
+            asks += r.asks;
+            calls += r.calls;
             let mut why = vec![];
             if r.completed < r.runs {
                 why.push(format!("{} of {} runs finished", r.completed, r.runs));
@@ -1442,6 +1445,7 @@ mod tests {
             } else {
                 stall_bound(&w, &r)
             };
+            worst_stall = worst_stall.max(r.longest_stall_ms as f64 / bound as f64);
             if r.longest_stall_ms > bound {
                 why.push(format!("stalled {} ms from {} ms", r.longest_stall_ms, r.stall_at_ms));
             }
@@ -1479,6 +1483,11 @@ mod tests {
                 ));
             }
         }
+        eprintln!(
+            "{seeds} workloads: {:.2} asks per call, longest stall {:.2} of its bound",
+            asks as f64 / calls.max(1) as f64,
+            worst_stall
+        );
         assert!(
             failures.is_empty(),
             "{} of {seeds} seeds failed:\n{}",

@@ -7,18 +7,23 @@
 -- A turn back from a budget wait whose pacer this fetch may ask (ARGV[7]) is asked for
 -- here, before it is leased: cleared, it is leased and started as a cleared turn; still
 -- owed, it waits again in the queue, as the worker's wait would have left it (the run's
--- wait fields and counter, a `turn.paced` event), and no worker sees it.
+-- wait fields and counter, a `turn.paced` event), and no worker sees it — unless it is
+-- owed no longer than the worker's in-place wait: then it is leased (not started: it
+-- may be owed again after) with that pause (`pause_ms` in its payload), to wait in its
+-- worker as the worker's own ask would have, and ask again there.
 -- ARGV[1..4] the queue's fetch's; ARGV[5] the history depth in turns (0: all); ARGV[6]
 -- the payload format this version reads; ARGV[7] ('' none) the pacers to ask, JSON
 -- (store.rs `FetchAsks`): {routes = {provider = {keys = the pacer's five keys without
 -- the model, cfg = its ARGV[2..14]}}, first = the provider of an ask that names none,
--- weights = {tenant = w}, caps = {tenant = c}}. A run's keys are named from its id,
--- beside the queue's dead set, as keys.rs builds them (the queue's slot; q_fail_run does
--- the same). The pacer's keys are in their budget's slot: on Redis Cluster, a fetch that
--- asks needs them on the queue's node (ARCHITECTURE.md, "Keys and slots").
+-- weights = {tenant = w}, caps = {tenant = c}, in_place_ms = the worker's in-place
+-- wait}. A run's keys are named from its id, beside the queue's dead set, as keys.rs
+-- builds them (the queue's slot; q_fail_run does the same). The pacer's keys are in
+-- their budget's slot: on Redis Cluster, a fetch that asks needs them on the queue's
+-- node (ARCHITECTURE.md, "Keys and slots").
 local max_hist, format = tonumber(ARGV[5]) or 0, tonumber(ARGV[6]) or 1
 -- Decoded only when a due turn carries an ask (most fetches lease none that do).
 local asks_json, asks = ARGV[7] or '', nil
+local in_place = 0
 local base = string.sub(Q_DEAD, 1, #Q_DEAD - #'q:dead')
 
 local function job_of(r)
@@ -66,7 +71,10 @@ local function hold(ids, recs, now)
     local job = r and r.flag == 'q' and job_of(r)
     if job then r.job = job end
     local ask = job and not job.cleared and job.ask
-    if type(ask) == 'table' and not asks then asks = cjson.decode(asks_json) end
+    if type(ask) == 'table' and not asks then
+      asks = cjson.decode(asks_json)
+      in_place = tonumber(asks.in_place_ms) or 0
+    end
     local route = type(ask) == 'table' and type(ask.model) == 'string' and asks.routes[ask.provider or asks.first]
     if type(route) == 'table' then
       -- Only a run that waits for this very turn: anything else, the worker's start decides.
@@ -113,8 +121,14 @@ local function hold(ids, recs, now)
           it.r.payload = cjson.encode(it.job)
         elseif type(d) == 'table' and d[1] == 1 then
           local ms = math.max(math.floor(tonumber(d[2]) or 0), 1)
-          keep[it.qid] = now + ms
-          wait_again(it, ms, tonumber(d[3]) or 1, now)
+          if ms <= in_place then
+            -- Owed a moment: leased (not started), it waits in its worker (turn.rs).
+            it.job.pause_ms = ms
+            it.r.payload = cjson.encode(it.job)
+          else
+            keep[it.qid] = now + ms
+            wait_again(it, ms, tonumber(d[3]) or 1, now)
+          end
         end
       end
     end

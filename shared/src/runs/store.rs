@@ -200,6 +200,11 @@ pub struct FetchAsks {
     pub weights: std::collections::BTreeMap<String, f64>,
     /// Tenants' caps (`PACELINE_TENANT_CAPS`; others 0: none).
     pub caps: std::collections::BTreeMap<String, f64>,
+    /// The worker's in-place wait, ms (`PACELINE_IN_PLACE_WAIT_MS`; 0: none): a
+    /// turn owed no longer is leased (not started) with that pause
+    /// ([`Turn::pause_ms`]) and waits in its worker, as the worker's own ask
+    /// would have it — not requeued for a few ms (a round of the queue).
+    pub in_place_ms: u64,
 }
 
 /// A turn as the queue carries it: its job and, after a budget wait, the ask
@@ -217,6 +222,11 @@ pub struct Turn {
     /// (its reservation, `run:turn:attempt`, is held): it calls without asking.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub cleared: bool,
+    /// The fetch asked for it and the pacer owed it no longer than the
+    /// worker's in-place wait ([`FetchAsks::in_place_ms`]): the worker waits
+    /// this long, then asks again, and starts it once clear.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pause_ms: Option<u64>,
 }
 
 /// An `Idempotency-Key` and a fingerprint of the body it came with.
@@ -1053,7 +1063,7 @@ impl RunStore {
         self.wait_asking(
             lease,
             job,
-            Turn { job: next, ask: None, cleared: false },
+            Turn { job: next, ask: None, cleared: false, pause_ms: None },
             delay_ms,
             reason,
             event_kind,

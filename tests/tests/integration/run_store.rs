@@ -263,7 +263,7 @@ async fn the_fetch_starts_the_turns_it_leases_as_a_start_would_but_not_one_that_
     let ask = asked();
     let job = TurnJob { turn: 0, attempt: 1 };
     let data = json!({"turn": 0, "owed_ms": 1, "reason": "budget"});
-    let next = Turn { job, ask: Some(ask), cleared: false };
+    let next = Turn { job, ask: Some(ask), cleared: false, pause_ms: None };
     let fence = env.store.wait_asking(&lease, job, next, 1, WaitReason::Budget, "turn.paced", &data).await.unwrap();
     assert_eq!(fence, Fence::Ok);
     let plain = env.store.create("alpha", &spec("plain"), None).await.unwrap().run;
@@ -336,7 +336,12 @@ async fn a_fetch_that_asks_the_pacer_keeps_an_owed_turn_queued_and_starts_a_clea
     assert_eq!(leases.len(), 2);
     for (run, model) in waiting.iter().zip(["gpt-test", "gpt-free"]) {
         let lease = &leases.iter().find(|d| d.lease.id == run.id).unwrap().lease;
-        let next = Turn { job, ask: Some(shared::runs::PacedAsk { model: model.into(), ..asked() }), cleared: false };
+        let next = Turn {
+            job,
+            ask: Some(shared::runs::PacedAsk { model: model.into(), ..asked() }),
+            cleared: false,
+            pause_ms: None,
+        };
         let fence = env.store.wait_asking(lease, job, next, 1, WaitReason::Budget, "turn.paced", &data).await.unwrap();
         assert_eq!(fence, Fence::Ok);
     }
@@ -373,6 +378,38 @@ async fn a_fetch_that_asks_the_pacer_keeps_an_owed_turn_queued_and_starts_a_clea
     assert_eq!(pacer.acquire("gpt-free", &reservation, est, Mode::Work, &Who::DEFAULT).await.unwrap(), Decision::Clear);
     let other = pacer.acquire("gpt-free", "other", est, Mode::Work, &Who::DEFAULT).await.unwrap();
     assert!(matches!(other, Decision::Owed { .. }), "{other:?}");
+
+    // Owed no longer than the worker's in-place wait (here a long one, so the
+    // empty bucket's wait is within it): leased with that pause, to wait in
+    // its worker and ask again there — no requeue, no budget wait counted,
+    // and not started (it may be owed again after its pause).
+    let soon = env.store.create("alpha", &spec("gpt-test"), None).await.unwrap().run;
+    let lease = env.queue.fetch("w0", 1).await.unwrap().deliveries.remove(0).lease;
+    assert_eq!(lease.id, soon.id);
+    let next = Turn {
+        job,
+        ask: Some(shared::runs::PacedAsk { model: "gpt-test".into(), ..asked() }),
+        cleared: false,
+        pause_ms: None,
+    };
+    let fence = env.store.wait_asking(&lease, job, next, 1, WaitReason::Budget, "turn.paced", &data).await.unwrap();
+    assert_eq!(fence, Fence::Ok);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let patient = FetchAsks { in_place_ms: 120_000, ..asks };
+    let fetched =
+        env.queue.fetch_with("w1", 10, Some(&env.store.fetch_script_asking(24, Some(&patient)))).await.unwrap();
+    assert_eq!((fetched.held, fetched.deliveries.len()), (0, 1));
+    let turn: Turn = serde_json::from_str(&fetched.deliveries[0].payload).unwrap();
+    assert!(!turn.cleared, "{}", fetched.deliveries[0].payload);
+    let pause = turn.pause_ms.expect("the pause it owes");
+    assert!((1_000..=120_000).contains(&pause), "owed most of a minute's refill: {pause}");
+    assert!(env.store.started(&fetched.deliveries[0].lease).is_none());
+    let run = env.store.get("alpha", &soon.id).await.unwrap().unwrap();
+    assert_eq!((run.status, run.pacing.budget_waits), (RunStatus::Waiting, 1));
+    // Asked again before the pause is over, it is owed the rest.
+    let reservation = format!("{}:0:1", soon.id);
+    let rest = pacer.acquire("gpt-test", &reservation, est, Mode::Work, &Who::DEFAULT).await.unwrap();
+    assert!(matches!(rest, Decision::Owed { ms, .. } if ms <= pause), "{rest:?}");
 }
 
 #[tokio::test]
@@ -396,7 +433,7 @@ async fn a_commit_queues_a_next_turn_the_pacer_cleared_or_puts_it_to_wait_at_onc
             reason: WaitReason::Budget,
             data: json!({"turn": 1, "owed_ms": 1_000, "reason": "budget"}),
         });
-        let turn = Turn { job: next_job, ask: Some(ask.clone()), cleared: !owed };
+        let turn = Turn { job: next_job, ask: Some(ask.clone()), cleared: !owed, pause_ms: None };
         let next = Next::Paced { turn: turn.clone(), wait };
         assert_eq!(env.store.commit(&lease, job, &[], Usage::default(), &next).await.unwrap(), Fence::Ok);
         let now = env.store.get("alpha", &run.id).await.unwrap().unwrap();
@@ -828,7 +865,7 @@ async fn each_step_of_a_turn_costs_few_redis_commands() {
         requests: est.requests,
         output: est.output,
     };
-    let next = shared::runs::Turn { job, ask: Some(ask.clone()), cleared: false };
+    let next = shared::runs::Turn { job, ask: Some(ask.clone()), cleared: false, pause_ms: None };
     let fence = step!(
         "budget wait",
         store.wait_asking(&lease, job, next, 5, WaitReason::Budget, "turn.paced", &data).await.unwrap()
@@ -854,7 +891,7 @@ async fn each_step_of_a_turn_costs_few_redis_commands() {
     ));
     pacer.settle("gpt-slow", "probe", &empty).await.unwrap();
     let ask = shared::runs::PacedAsk { model: "gpt-slow".into(), ..ask };
-    let next = shared::runs::Turn { job, ask: Some(ask), cleared: false };
+    let next = shared::runs::Turn { job, ask: Some(ask), cleared: false, pause_ms: None };
     let fence = step!(
         "wait again",
         store.wait_asking(&lease, job, next, 5, WaitReason::Budget, "turn.paced", &data).await.unwrap()
