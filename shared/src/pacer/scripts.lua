@@ -1139,8 +1139,10 @@ local function acquire(a)
   local answered = recheck
   if get('call_ms') > 0 then answered = math.min(math.max(get('call_ms'), ANSWER_RECHECK_MIN_MS), recheck) end
   -- A wait within RECHECK_TAIL horizons is slept whole, but a headerless bucket's.
-  local sleep = math.min(wait, math.max(wait * RECHECK_SHARE, recheck))
-  if get('headerless') ~= 1 and wait <= recheck * RECHECK_TAIL then sleep = wait end
+  local sleep = wait
+  if get('headerless') == 1 or wait > recheck * RECHECK_TAIL then
+    sleep = math.min(wait, math.max(wait * RECHECK_SHARE, recheck))
+  end
   sleep = math.min(sleep, max_pace)
   -- A wait predicted before the shape is known, or before any call settled:
   -- be back within the recheck horizon.
