@@ -332,14 +332,17 @@ impl Bucket {
     /// Milliseconds until `short` tokens have returned, never past the reset.
     /// A window bucket: at its boundary it holds its limit again, and one more
     /// limit at each boundary after (a prediction; the turn is re-timed).
-    pub(crate) fn refill_ms(&self, now: Millis, short: f64) -> f64 {
+    /// `deep`: a wait for more than the bucket is missing (a line deeper than
+    /// a bucket) goes past the reset, at the rate after it; otherwise the
+    /// reset caps every wait (a sleep so bounded is re-timed after it).
+    pub(crate) fn refill_ms(&self, now: Millis, short: f64, deep: bool) -> f64 {
         if short <= 0.0 {
             0.0
         } else if self.refill == Refill::Unknown {
             // Either shape may come true: be back when the sooner would bring
             // it (the level counts no refill until the votes say continuous,
             // so a turn back early is only re-timed).
-            let as_window = Bucket { refill: Refill::Window, ..*self }.refill_ms(now, short);
+            let as_window = Bucket { refill: Refill::Window, ..*self }.refill_ms(now, short, deep);
             as_window.min(short / self.share_rate())
         } else if self.refill == Refill::Window {
             let window = self.window_ms();
@@ -355,7 +358,15 @@ impl Bucket {
                 short * window / self.limit
             }
         } else if self.full_at_ms > now {
-            (short / self.rate).min((self.full_at_ms - now) as f64)
+            // Full at the reset the headers named (whatever rate was read),
+            // and refilling at `rate` after it while the turns ahead take it.
+            let to_full = (self.full_at_ms - now) as f64;
+            let beyond = short - (self.limit - self.level).max(0.0);
+            if deep && beyond > 0.0 {
+                (short / self.rate).min(to_full + beyond / self.rate)
+            } else {
+                (short / self.rate).min(to_full)
+            }
         } else {
             short / self.rate
         }

@@ -98,6 +98,12 @@ pub struct PacingConfig {
     pub configured_tpm: Option<u64>,
     /// See `configured_tpm`.
     pub configured_rpm: Option<u64>,
+    /// Waiters sleep their whole predicted wait (a deep line's too, past the
+    /// bucket's reset) instead of three quarters of it, and the caller pulls
+    /// in the ones near the head when a prediction shortens ([`pull_in`]).
+    /// Model and simulator only so far: the Redis script does not implement
+    /// it, so the product runs with it off.
+    pub whole_waits: bool,
 }
 
 /// How long a probe holds the other turns back at most, when it does not settle.
@@ -130,6 +136,7 @@ impl Default for PacingConfig {
             probe_wait_ms: 100,
             configured_tpm: None,
             configured_rpm: None,
+            whole_waits: false,
         }
     }
 }
@@ -597,6 +604,8 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
     let idle = state.flights.is_empty() && now - state.last_admit_ms >= BURST_GAP_MS;
     let share_known = state.learned_share().is_some();
     let costs = est.costs();
+    // (Not a bucket learned without headers: its waits are guesses.)
+    let deep = cfg.whole_waits && !state.headerless;
     let mut shorts = [0.0; BUCKETS];
     for (i, bucket) in state.buckets_mut().into_iter().enumerate() {
         if bucket.known() {
@@ -605,7 +614,7 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
             if short > 0.0 {
                 fits = false;
                 shorts[i] = short;
-                wait = wait.max(bucket.refill_ms(now, short));
+                wait = wait.max(bucket.refill_ms(now, short, deep));
                 probe &= bucket.may_probe(now);
             }
         }
@@ -653,16 +662,15 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
     //    a horizon's sleep would leave is a whole round (a fetch, an ask, a
     //    requeue) for a third of a horizon. (Not a bucket learned without
     //    headers: its waits are guesses until the answers of its wave come.)
-    //    It never sends before it is clear.
+    //    It never sends before it is clear. With `whole_waits` every wait is
+    //    slept whole, and [`pull_in`] moves up the waiters near the head
+    //    whose prediction shortens (the re-timing comes to them).
     let reason = if ahead.other_tenant { OwedReason::FairShare } else { OwedReason::Budget };
     let recheck = recheck_ms(&state.tokens, cfg, line);
     let answered = answer_recheck(state, recheck);
-    let mut sleep = if !state.headerless && wait <= recheck * RECHECK_TAIL {
-        wait
-    } else {
-        wait.min((wait * RECHECK_SHARE).max(recheck))
-    }
-    .min(cfg.max_pace_ms as f64);
+    let whole = cfg.whole_waits || wait <= recheck * RECHECK_TAIL;
+    let mut sleep = if whole && !state.headerless { wait } else { wait.min((wait * RECHECK_SHARE).max(recheck)) }
+        .min(cfg.max_pace_ms as f64);
     // A wait predicted before the bucket's shape is known is only as good as
     // the shape guessed (none refills before its reset): be back within the
     // recheck horizon, when the votes may have decided.
@@ -744,6 +752,62 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
     }
     decision
 }
+
+/// The waiters near the head whose wait, predicted now, ends sooner than
+/// their due time ([`PacingConfig::whole_waits`]): up to `k` of them, in line
+/// order, are moved up to it (never later, never past a lapse), and returned
+/// with their new due time for the caller to move their queue entries. A turn
+/// sleeping a whole wait predicted behind a deep line would otherwise sleep
+/// past budget the turns ahead did not use (a cancelled run, a call that used
+/// less than its line cost, refunds).
+pub fn pull_in(state: &mut PacerState, cfg: &PacingConfig, now: Millis, k: usize) -> Vec<(String, Millis)> {
+    if !cfg.whole_waits
+        || state.headerless
+        || state.waiters.is_empty()
+        || now < state.blocked_until_ms
+        || !state.any_known()
+    {
+        return vec![];
+    }
+    let late = cfg.late_ms as Millis;
+    let mut line: Vec<(&String, &Waiter)> = state.waiters.iter().filter(|(_, w)| now <= w.due_ms + late).collect();
+    line.sort_by(|a, b| a.1.order.total_cmp(&b.1.order).then(a.0.cmp(b.0)));
+    let kept = state.output_kept();
+    let mut ahead = [0.0; BUCKETS];
+    let mut moved = vec![];
+    for (id, w) in line.into_iter().take(k) {
+        let costs = w.est.costs();
+        let floor = cfg.floor(if fair::is_work(w.order) { Mode::Work } else { Mode::Companion });
+        let mut wait: f64 = 0.0;
+        for (i, bucket) in state.buckets().into_iter().enumerate() {
+            if bucket.known() {
+                let mut b = *bucket;
+                b.advance(now);
+                let short = ahead[i] + b.need(costs[i], b.floor_at(now, floor)) - b.level;
+                wait = wait.max(b.refill_ms(now, short, true));
+            }
+        }
+        let due = now + (wait.ceil() as Millis).max(1);
+        if due + PULL_IN_GAIN_MS < w.due_ms {
+            moved.push((id.clone(), due));
+        }
+        ahead[0] += w.line;
+        ahead[1] += costs[1];
+        ahead[2] += costs[2];
+        ahead[3] += costs[3] * kept;
+    }
+    for (id, due) in &moved {
+        if let Some(w) = state.waiters.get_mut(id) {
+            w.due_ms = *due;
+            w.clear_ms = w.clear_ms.min(*due);
+        }
+    }
+    moved
+}
+
+/// A pull-in moves a waiter up by more than this or not at all (a queue write
+/// for less is not worth it).
+const PULL_IN_GAIN_MS: Millis = 50;
 
 /// The shortest sleep of a turn owed longer: a few turns' worth of refill (so
 /// a slow tier is not asked every second), at least `recheck_ms`, at most

@@ -55,6 +55,11 @@ pub trait Policy {
     fn head(&self, _now: Millis) -> Option<String> {
         None
     }
+    /// After a turn the queue delivered was answered: the waiters whose due
+    /// time the policy moved up, with it (the fetch moves their queue entries).
+    fn pull_in(&mut self, _now: Millis) -> Vec<(String, Millis)> {
+        vec![]
+    }
     /// A line for the simulator's trace (`PACER_SIM_TRACE`).
     fn describe(&self, _now: Millis) -> String {
         String::new()
@@ -292,6 +297,42 @@ impl Workload {
             faults: Faults { settle_delay_max_ms: 20, est_low: 0.18, ..Faults::default() },
             config: PacingConfig { jitter_frac: 0.02, ..PacingConfig::default() },
             until_ms: 600_000,
+        }
+    }
+
+    /// `paceline bench --scenario pacing`'s default trial: 8 × 16 slots, 120
+    /// runs of 5 turns at once against a continuous 60 000-token bucket
+    /// refilled over 10 s (or over `period_ms`, at the same rate per window),
+    /// `max_output_tokens` 256 of which about half is used, 200 ms calls.
+    pub fn bench_pacing(seed: u64, period_ms: Millis) -> Self {
+        let runs = (0..120)
+            .map(|_| RunPlan {
+                tenant: 0,
+                mode: Mode::Work,
+                start_ms: 0,
+                turns: 5,
+                input: 250,
+                growth: 120,
+                max_output: 256,
+                used_frac: 0.5,
+            })
+            .collect();
+        Self {
+            seed,
+            limit: 60_000,
+            refund_share: 1.0,
+            period_ms,
+            window: false,
+            headers: SimHeaders::Full,
+            split: None,
+            slots: 128,
+            latency_ms: (200, 230),
+            tool_ms: (0, 20),
+            tenants: vec![Tenant { name: "default".into(), weight: 1.0, cap: 0.0 }],
+            runs,
+            faults: Faults { settle_delay_max_ms: 20, ..Faults::default() },
+            config: PacingConfig { jitter_frac: 0.02, ..PacingConfig::default() },
+            until_ms: 3_600_000,
         }
     }
 
@@ -833,7 +874,7 @@ impl<'w> Sim<'w> {
     fn handle(&mut self, ev: Event, policy: &mut dyn Policy) {
         match ev {
             Event::Start(run) => self.start_turn(run),
-            Event::Reask(run) => self.deliver(run, policy),
+            Event::Reask(run) => self.answer(run, policy),
             Event::Arrive(run, id) => self.send(run, id),
             Event::Early(run, due) => {
                 // A duplicate delivery before the turn's due time.
@@ -918,7 +959,35 @@ impl<'w> Sim<'w> {
         (id, decision)
     }
 
+    /// A turn the queue delivered: asked for, and the waiters the answer
+    /// pulled in moved up in the queue.
     fn deliver(&mut self, run: usize, policy: &mut dyn Policy) {
+        self.answer(run, policy);
+        for (id, due) in policy.pull_in(self.now) {
+            let Some(i) = id.strip_prefix('r').and_then(|s| s.split(':').next()).and_then(|s| s.parse::<usize>().ok())
+            else {
+                continue;
+            };
+            let r = &self.runs[i];
+            if r.state != RunState::Queued || r.id(i) != id || due >= r.back {
+                continue;
+            }
+            if let Some(entry) = self.ready.iter().find(|(_, _, x)| *x == i).copied() {
+                self.ready.remove(&entry);
+                self.runs[i].due = due;
+                let back = due + self.rng.random_range(0..5);
+                self.seq += 1;
+                self.runs[i].back = back;
+                self.ready.insert((back, self.seq, i));
+                if self.trace {
+                    eprintln!("{:>8} pull {id} to {}", self.now - self.t0, due - self.t0);
+                }
+            }
+        }
+    }
+
+    /// Asks for run `run`'s turn and acts on the answer.
+    fn answer(&mut self, run: usize, policy: &mut dyn Policy) {
         let (id, decision) = self.ask(run, policy);
         if self.trace {
             eprintln!(
@@ -1119,6 +1188,9 @@ impl<'w> Sim<'w> {
     }
 }
 
+/// How many waiters near the head a delivery's answer may pull in.
+pub const PULL_IN_K: usize = 4;
+
 /// The pure model as a [`Policy`] (one budget and model, jitter from the simulator).
 #[derive(Debug, Default)]
 pub struct ModelPolicy {
@@ -1143,6 +1215,10 @@ impl Policy for ModelPolicy {
 
     fn settle(&mut self, now: Millis, id: &str, outcome: &CallOutcome) {
         super::model::settle(&mut self.state, &self.config, now, id, outcome);
+    }
+
+    fn pull_in(&mut self, now: Millis) -> Vec<(String, Millis)> {
+        super::model::pull_in(&mut self.state, &self.config, now, PULL_IN_K)
     }
 
     fn head(&self, now: Millis) -> Option<String> {
@@ -1230,6 +1306,24 @@ mod tests {
     /// and 10 % of returns up to 5 s late, two in a row happen.
     fn stall_bound(w: &Workload, r: &Report) -> Millis {
         STALL_BOUND_MS + 2 * (r.max_charge * w.period_ms as f64 / w.limit as f64) as Millis
+    }
+
+    #[test]
+    fn the_bench_trial_asks_little_per_call() {
+        for whole in [false, true] {
+            for period in [10_000, 60_000] {
+                let mut w = Workload::bench_pacing(1, period);
+                w.config.whole_waits = whole;
+                let r = check(&w);
+                eprintln!(
+                    "whole waits {whole}, period {period}: efficiency {:.3}, {:.2} asks per call, longest stall {} ms",
+                    r.efficiency(),
+                    r.asks as f64 / r.calls as f64,
+                    r.longest_stall_ms
+                );
+                assert_eq!(r.completed, r.runs);
+            }
+        }
     }
 
     #[test]
@@ -1425,11 +1519,13 @@ mod tests {
         let mut failures = vec![];
         let (mut asks, mut calls, mut worst_stall) = (0u64, 0u64, 0f64);
         let only: Option<u64> = std::env::var("PACER_SIM_SEED").ok().and_then(|s| s.parse().ok());
+        let whole = std::env::var_os("PACER_SIM_WHOLE_WAITS").is_some();
         for seed in (0..seeds).filter(|s| only.is_none_or(|o| o == *s)) {
             if only.is_some() {
                 eprintln!("{:#?}", Workload::random(seed));
             }
-            let w = Workload::random(seed);
+            let mut w = Workload::random(seed);
+            w.config.whole_waits = whole;
             let r = check(&w);
             asks += r.asks;
             calls += r.calls;
