@@ -270,7 +270,8 @@ impl PacerArgs {
             PacerKind::Shared => Pacer::Shared(SharedPacer::new(conn, keys, budget.to_owned(), pacing)),
             PacerKind::Local => {
                 // Bookings are per process here; a requeued turn comes back elsewhere.
-                let config = crate::pacer::PacingConfig { booking_grace_ms: 2_000, ..pacing };
+                // (No fetch moves its waiters up: it re-times long waits itself.)
+                let config = crate::pacer::PacingConfig { booking_grace_ms: 2_000, whole_waits: false, ..pacing };
                 Pacer::Local(LocalPacer::new(budget.to_owned(), config))
             }
             PacerKind::Off => Pacer::Off,

@@ -99,10 +99,10 @@ pub struct PacingConfig {
     /// See `configured_tpm`.
     pub configured_rpm: Option<u64>,
     /// Waiters sleep their whole predicted wait (a deep line's too, past the
-    /// bucket's reset) instead of three quarters of it, and the caller pulls
-    /// in the ones near the head when a prediction shortens ([`pull_in`]).
-    /// Model and simulator only so far: the Redis script does not implement
-    /// it, so the product runs with it off.
+    /// bucket's reset) instead of three quarters of it and a re-timing, and
+    /// the fetch that asks the pacer moves up the ones near the head whose
+    /// prediction shortened ([`pull_in`]). Off: the per-process baseline
+    /// (`LocalPacer`), which has no queue to move.
     pub whole_waits: bool,
 }
 
@@ -136,7 +136,7 @@ impl Default for PacingConfig {
             probe_wait_ms: 100,
             configured_tpm: None,
             configured_rpm: None,
-            whole_waits: false,
+            whole_waits: true,
         }
     }
 }
@@ -761,13 +761,17 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
 /// past budget the turns ahead did not use (a cancelled run, a call that used
 /// less than its line cost, refunds).
 pub fn pull_in(state: &mut PacerState, cfg: &PacingConfig, now: Millis, k: usize) -> Vec<(String, Millis)> {
-    if !cfg.whole_waits
-        || state.headerless
-        || state.waiters.is_empty()
-        || now < state.blocked_until_ms
-        || !state.any_known()
-    {
+    if !cfg.whole_waits {
         return vec![];
+    }
+    expire(state, cfg, now);
+    if state.headerless || state.waiters.is_empty() || now < state.blocked_until_ms || !state.any_known() {
+        return vec![];
+    }
+    for bucket in state.buckets_mut() {
+        if bucket.known() {
+            bucket.advance(now);
+        }
     }
     let late = cfg.late_ms as Millis;
     let mut line: Vec<(&String, &Waiter)> = state.waiters.iter().filter(|(_, w)| now <= w.due_ms + late).collect();
@@ -779,16 +783,14 @@ pub fn pull_in(state: &mut PacerState, cfg: &PacingConfig, now: Millis, k: usize
         let costs = w.est.costs();
         let floor = cfg.floor(if fair::is_work(w.order) { Mode::Work } else { Mode::Companion });
         let mut wait: f64 = 0.0;
-        for (i, bucket) in state.buckets().into_iter().enumerate() {
-            if bucket.known() {
-                let mut b = *bucket;
-                b.advance(now);
+        for (i, b) in state.buckets().into_iter().enumerate() {
+            if b.known() {
                 let short = ahead[i] + b.need(costs[i], b.floor_at(now, floor)) - b.level;
                 wait = wait.max(b.refill_ms(now, short, true));
             }
         }
         let due = now + (wait.ceil() as Millis).max(1);
-        if due + PULL_IN_GAIN_MS < w.due_ms {
+        if due + PULL_IN_GAIN_MS + (cfg.jitter_max_ms as Millis) < w.due_ms {
             moved.push((id.clone(), due));
         }
         ahead[0] += w.line;
@@ -805,8 +807,9 @@ pub fn pull_in(state: &mut PacerState, cfg: &PacingConfig, now: Millis, k: usize
     moved
 }
 
-/// A pull-in moves a waiter up by more than this or not at all (a queue write
-/// for less is not worth it).
+/// A pull-in moves a waiter up by more than this plus the jitter's most, or
+/// not at all (a queue write for less is not worth it, and the jitter just
+/// drawn is not taken back).
 const PULL_IN_GAIN_MS: Millis = 50;
 
 /// The shortest sleep of a turn owed longer: a few turns' worth of refill (so

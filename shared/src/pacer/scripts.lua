@@ -57,11 +57,12 @@
 --   hash tag; fields <second>:a (tokens cleared), <second>:r (429s settled), <second>:w
 --   (turns told to wait); each expires HIST_TTL_MS after its last write. The minute's key is
 --   named here, on the Redis clock; it shares KEYS[5]'s hash tag, so it is in this call's slot.
--- ARGV[1] op: batch | snapshot
--- ARGV[2..14] config: floor (work turns), max_pace_ms, jitter_frac, jitter_max_ms, ttl_ms,
+-- ARGV[1] op: batch | pull | snapshot
+-- ARGV[2..15] config: floor (work turns), max_pace_ms, jitter_frac, jitter_max_ms, ttl_ms,
 --          probe_wait_ms, late_ms, tpm, rpm, now in ms ('' = the server's TIME; tests only),
---          grace_ms, recheck_ms, floor (companion turns)
--- batch: ARGV[15..] a sequence of ops, each its name and its arguments, decided in order:
+--          grace_ms, recheck_ms, floor (companion turns), whole_waits (1: waits are slept
+--          whole and `pull` moves up the waiters near the head; model.rs, pull_in)
+-- batch: ARGV[16..] a sequence of ops, each its name and its arguments, decided in order:
 --   acquire id, tokens, requests, jitter_u, 'companion' | 'work', tenant weight, tenant cap
 --           (0 none), tenant, output tokens reserved
 --     -> {0} clear | {1, owed_ms, reason}   reason: 1 budget, 2 rate_limited, 3 probe, 4 fair_share
@@ -69,7 +70,11 @@
 --           reset_ms, the same for requests (-1 missing), headers_age_ms, input tokens the
 --           provider counted (-1 unknown), input bucket limit, remaining, reset_ms, the same
 --           for the output bucket   -> {0}
+--   pull    k: the first k waiters in line whose wait, predicted now, ends more than
+--           PULL_IN_GAIN_MS before their due time are moved up to it
+--     -> {id, due_ms, ...} (in a batch only from Lua, runs/fetch.lua: Rust reads integers)
 --   -> one answer per op
+-- pull: ARGV[16] k -> {id, due_ms as text, ...} (the same op alone, for Rust)
 -- snapshot: -> flat field list of the state, 'now', and 'rec:<id>' -> record for each record
 
 local state, waiters, line_key, lapse_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
@@ -90,6 +95,7 @@ if not now then
 end
 local grace = tonumber(ARGV[12])
 local recheck_min = tonumber(ARGV[13])
+local whole_waits = tonumber(ARGV[15]) or 0
 
 -- The history: counted here, kept by save() (fold_hist) in the call that decided it (no
 -- round trip more). The current second's counts are fields of the state (h_s the second,
@@ -109,6 +115,7 @@ local PROBE_HOLD_MS = 10000
 local RECHECK_TURNS = 4
 local RECHECK_SHARE = 0.75
 local RECHECK_TAIL = 4 / 3
+local PULL_IN_GAIN_MS = 50
 local ANSWER_RECHECK_MIN_MS = 50
 local BURST_GAP_MS = 60
 local SHAPE_VOTES = 2
@@ -540,7 +547,7 @@ local function window_refill_ms(p, short)
   return short * window / get(p .. 'limit')
 end
 
-local function refill_ms(p, short)
+local function refill_ms(p, short, deep)
   if short <= 0 then return 0 end
   local shape = get(p .. 'refill')
   if shape == 0 then
@@ -549,7 +556,15 @@ local function refill_ms(p, short)
     return window_refill_ms(p, short)
   end
   local full_at = get(p .. 'full_at')
-  if full_at > now then return math.min(short / get(p .. 'rate'), full_at - now) end
+  if full_at > now then
+    -- Full at the reset the headers named, refilling at the rate after it while the
+    -- turns ahead take it (`deep`: a line deeper than what is missing goes past it).
+    local beyond = short - math.max(get(p .. 'limit') - get(p .. 'level'), 0)
+    if deep and beyond > 0 then
+      return math.min(short / get(p .. 'rate'), (full_at - now) + beyond / get(p .. 'rate'))
+    end
+    return math.min(short / get(p .. 'rate'), full_at - now)
+  end
   return short / get(p .. 'rate')
 end
 
@@ -1098,6 +1113,8 @@ local function acquire(a)
   local idle = flights_n == 0 and now - get('last_admit') >= BURST_GAP_MS
   local share_known = refund_share(-1) >= 0
   local shorts = {0, 0, 0, 0}
+  -- (Not a bucket learned without headers: its waits are guesses.)
+  local deep = whole_waits == 1 and get('headerless') ~= 1
   for i, p in ipairs(BUCKETS) do
     if known(p) then
       advance(p)
@@ -1105,7 +1122,7 @@ local function acquire(a)
       if short > 0 then
         fits = false
         shorts[i] = short
-        wait = math.max(wait, refill_ms(p, short))
+        wait = math.max(wait, refill_ms(p, short, deep))
         probe = probe and may_probe(p)
       end
     end
@@ -1138,9 +1155,10 @@ local function acquire(a)
   -- answer_recheck).
   local answered = recheck
   if get('call_ms') > 0 then answered = math.min(math.max(get('call_ms'), ANSWER_RECHECK_MIN_MS), recheck) end
-  -- A wait within RECHECK_TAIL horizons is slept whole, but a headerless bucket's.
+  -- A wait within RECHECK_TAIL horizons is slept whole, but a headerless bucket's; with
+  -- whole_waits, every wait (`pull` re-times the waiters near the head).
   local sleep = wait
-  if get('headerless') == 1 or wait > recheck * RECHECK_TAIL then
+  if get('headerless') == 1 or (whole_waits ~= 1 and wait > recheck * RECHECK_TAIL) then
     sleep = math.min(wait, math.max(wait * RECHECK_SHARE, recheck))
   end
   sleep = math.min(sleep, max_pace)
@@ -1510,14 +1528,89 @@ local function settle(a)
   return {0}
 end
 
+-- model.rs, pull_in: the first k waiters in line (not past their due time by late_ms)
+-- whose wait, predicted now, ends more than PULL_IN_GAIN_MS before their due time are
+-- moved up to it (by more than PULL_IN_GAIN_MS and the jitter's most). -> {id, due_ms, ...}
+local function pull_in(k)
+  local out = {}
+  if whole_waits ~= 1 then return out end
+  expire()
+  if get('headerless') == 1 or S['nw'] <= 0 or now < get('blocked_until') or not any_known() then return out end
+  for _, p in ipairs(BUCKETS) do
+    if known(p) then advance(p) end
+  end
+  local okept = get('usage_ratio')
+  if okept > 0 then okept = math.min(math.max(okept, 0.05), 1) else okept = 1 end
+  local held_until = now - late_ms
+  local ahead = {0, 0, 0, 0}
+  local taken, start = 0, 0
+  while taken < k do
+    local ids = redis.call('ZRANGE', line_key, start, start + 2 * k - 1)
+    if #ids == 0 then break end
+    start = start + #ids
+    local last = #ids < 2 * k
+    local missing = {}
+    for _, wid in ipairs(ids) do
+      if Wc[wid] == nil then missing[#missing + 1] = wid end
+    end
+    if #missing > 0 then
+      local raw = redis.call('HMGET', waiters, unpack(missing))
+      for j, wid in ipairs(missing) do
+        local w = rec_decode(raw[j])
+        if not (w and w[KIND] == 'w') then w = false end
+        Wc[wid] = w
+      end
+    end
+    for _, wid in ipairs(ids) do
+      local w = Wc[wid]
+      if w and w[DUE] >= held_until and taken < k then
+        taken = taken + 1
+        local tokens, output = w[TOKENS], w[OUTPUT]
+        local wout = math.min(output, tokens)
+        local costs = {tokens, w[REQUESTS], tokens - wout, wout}
+        local fl = floor_work
+        if w[ORDER] < 0 then fl = floor_companion end
+        local wait = 0
+        for i, p in ipairs(BUCKETS) do
+          if known(p) then
+            local short = ahead[i] + need(p, costs[i], floor_at(p, fl)) - get(p .. 'level')
+            wait = math.max(wait, refill_ms(p, short, true))
+          end
+        end
+        local due = now + math.max(math.ceil(wait), 1)
+        if due + PULL_IN_GAIN_MS + jitter_max < w[DUE] then
+          w[DUE] = due
+          w[CLEAR] = math.min(w[CLEAR], due)
+          put_waiter(wid, w)
+          out[#out + 1] = wid
+          out[#out + 1] = due
+        end
+        ahead[1] = ahead[1] + w[LINE]
+        ahead[2] = ahead[2] + costs[2]
+        ahead[3] = ahead[3] + costs[3]
+        ahead[4] = ahead[4] + costs[4] * okept
+      end
+    end
+    if last then break end
+  end
+  return out
+end
+
+if op == 'pull' then
+  local out = pull_in(tonumber(ARGV[16]) or 0)
+  save()
+  for j = 2, #out, 2 do out[j] = string.format('%d', out[j]) end
+  return out
+end
+
 -- A batch of asks and reports, in order, each as it would be alone at this `now`
 -- (store.rs sends a process's concurrent calls of one budget and model together):
--- ARGV[15..] is each op's name and then its arguments (acquire: 9, settle: 17). The
+-- ARGV[16..] is each op's name and then its arguments (acquire: 9, settle: 17, pull: 1). The
 -- state and the records are read once and written once, by save(), for the whole batch.
 -- -> one reply per op: acquire {0} clear | {1, owed_ms, reason}; settle {0}.
 if op == 'batch' then
   local out = {}
-  local i = 15
+  local i = 16
   while i <= #ARGV do
     local name = ARGV[i]
     if name == 'acquire' then
@@ -1526,6 +1619,9 @@ if op == 'batch' then
     elseif name == 'settle' then
       out[#out + 1] = settle({unpack(ARGV, i + 1, i + 17)})
       i = i + 18
+    elseif name == 'pull' then
+      out[#out + 1] = pull_in(tonumber(ARGV[i + 1]) or 0)
+      i = i + 2
     else
       return redis.error_reply('unknown pacer op ' .. tostring(name))
     end

@@ -381,7 +381,7 @@ impl SharedPacer {
         ]
     }
 
-    /// The script's `ARGV[2..14]`, the knobs (`ARGV[11]`, the clock: `now`;
+    /// The script's `ARGV[2..15]`, the knobs (`ARGV[11]`, the clock: `now`;
     /// empty reads the server's).
     fn config_args(&self, now: String) -> Vec<String> {
         let c = &self.config;
@@ -399,6 +399,7 @@ impl SharedPacer {
             c.booking_grace_ms.to_string(),
             c.recheck_ms.to_string(),
             c.floor(Mode::Companion).to_string(),
+            u8::from(c.whole_waits).to_string(),
         ]
     }
 
@@ -416,7 +417,7 @@ impl SharedPacer {
 
     /// What a script that asks this pacer itself needs ([`lua_function`]):
     /// the names of its keys for a model (each is the model's name appended
-    /// to one of these) and `ARGV[2..14]` with the clock left to the caller
+    /// to one of these) and `ARGV[2..15]` with the clock left to the caller
     /// (`""` at `ARGV[11]`). `None` on an injected test clock, which a script
     /// cannot read.
     pub fn script_route(&self) -> Option<serde_json::Value> {
@@ -424,6 +425,26 @@ impl SharedPacer {
             return None;
         }
         Some(serde_json::json!({"keys": self.script_keys(""), "cfg": self.config_args(String::new())}))
+    }
+
+    /// Moves up the first `k` waiters of `model`'s line whose wait, predicted
+    /// now, ends sooner than their due time ([`super::model::pull_in`]): their
+    /// reservation ids and new due times. (The run store's fetch does this
+    /// in its own script, where it moves their queue entries too.)
+    pub async fn pull_in(&self, model: &str, k: usize) -> Result<Vec<(String, i64)>, PacerError> {
+        let mut inv = self.invocation("pull", model);
+        inv.arg(k);
+        let mut conn = self.conn.clone();
+        let flat: Vec<String> = inv.invoke_async(&mut conn).await?;
+        flat.chunks(2)
+            .map(|p| match p {
+                [id, due] => due
+                    .parse()
+                    .map(|due| (id.clone(), due))
+                    .map_err(|_| PacerError::Protocol(format!("pull: due time {due:?}"))),
+                _ => Err(PacerError::Protocol("pull: an odd reply".into())),
+            })
+            .collect()
     }
 
     /// Sends `batch` as one script call (`batch`); one answer per op.

@@ -11,7 +11,8 @@
 -- `hold(ids, recs, now)` (optional), called with the due turns before any is leased
 -- (`recs[i]` decoded, nil when unreadable; it may change a record's payload), returns
 -- the ones to leave queued, id -> their new due time (the run store's fetch asks the
--- pacer for a turn back from a budget wait, and one still owed waits again here).
+-- pacer for a turn back from a budget wait, and one still owed waits again here), and the
+-- due times of queued turns it moved up (an array; the watch must not sleep past them).
 -- Returns {now, then, held, id, epoch, deliveries, due, payload, {extra}, ...} (held:
 -- how many due turns `hold` left queued); `then` says
 -- what the worker does once it has started these (mod.rs `Then`):
@@ -46,7 +47,12 @@ local function q_fetch(max, lease_ms, dead_keep_ms, me, on_leased, hold)
     local hset, zadd, leased, held = {}, {}, {}, {}
     local decoded = {}
     for i = 1, n do decoded[i] = q_decode(recs[i]) end
-    local keep = hold and hold(ids, decoded, now) or {}
+    local keep, moved = {}, {}
+    if hold then keep, moved = hold(ids, decoded, now) end
+    -- Turns queued later that `hold` moved up: the watch below sees them.
+    for _, at in ipairs(moved or {}) do
+      if not nxt or at < nxt then nxt = at end
+    end
     -- Out of the due set, but for the turns left queued (their ZADD below moves
     -- them to their new due time: a fetch that holds every turn removes none).
     local gone = {}

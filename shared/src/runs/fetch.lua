@@ -14,7 +14,7 @@
 -- ARGV[1..4] the queue's fetch's; ARGV[5] the history depth in turns (0: all); ARGV[6]
 -- the payload format this version reads; ARGV[7] ('' none) the pacers to ask, JSON
 -- (store.rs `FetchAsks`): {routes = {provider = {keys = the pacer's five keys without
--- the model, cfg = its ARGV[2..14]}}, first = the provider of an ask that names none,
+-- the model, cfg = its ARGV[2..]}}, first = the provider of an ask that names none,
 -- weights = {tenant = w}, caps = {tenant = c}, in_place_ms = the worker's in-place
 -- wait}. A run's keys are named from its id, beside the queue's dead set, as keys.rs
 -- builds them (the queue's slot; q_fail_run does the same). The pacer's keys are in
@@ -62,9 +62,12 @@ local function wait_again(it, ms, code, now)
   redis.call('HSET', RUN, unpack(wait_fields({'updated_ms', now}, it.f, now, ms, names[2], 'budget_waits')))
 end
 
+-- How many waiters near the head of a line a fetch that asks may move up (sim.rs PULL_IN_K).
+local PULL_IN_K = 4
+
 local function hold(ids, recs, now)
-  local keep = {}
-  if asks_json == '' then return keep end
+  local keep, moved = {}, {}
+  if asks_json == '' then return keep, moved end
   local groups, order = {}, {}
   for i, qid in ipairs(ids) do
     local r = recs[i]
@@ -96,7 +99,7 @@ local function hold(ids, recs, now)
     local g = groups[gk]
     local keys, argv = {}, {'batch'}
     for k = 1, 5 do keys[k] = g.route.keys[k] .. g.model end
-    for k = 1, 13 do argv[k + 1] = g.route.cfg[k] end
+    for k = 1, #g.route.cfg do argv[k + 1] = g.route.cfg[k] end
     argv[11] = string.format('%d', now)
     for _, it in ipairs(g.items) do
       local a = it.job.ask
@@ -110,6 +113,9 @@ local function hold(ids, recs, now)
       argv[n + 7] = tostring(asks.weights[tenant] or 1); argv[n + 8] = tostring(asks.caps[tenant] or 0)
       argv[n + 9] = tenant; argv[n + 10] = string.format('%d', tonumber(a.output) or 0)
     end
+    -- Then the waiters near the head whose wait shortened are moved up (pacer, `pull`:
+    -- with whole waits, the re-timing comes to them), and their queue entries with them.
+    argv[#argv + 1] = 'pull'; argv[#argv + 1] = tostring(PULL_IN_K)
     -- A pacer that fails here (an error, a reply not understood) leaves its turns to
     -- the worker, which asks as before.
     local ok, replies = pcall(pacer_call, keys, argv)
@@ -132,8 +138,22 @@ local function hold(ids, recs, now)
         end
       end
     end
+    local pulled = ok and type(replies) == 'table' and replies[#g.items + 1]
+    if type(pulled) == 'table' then
+      for j = 1, #pulled - 1, 2 do
+        local qid = string.match(tostring(pulled[j]), '^(.*):%d+:%d+$')
+        local at = tonumber(pulled[j + 1])
+        if qid and at then
+          if keep[qid] then
+            keep[qid] = math.min(keep[qid], at)
+          elseif redis.call('ZADD', Q_DUE, 'XX', 'LT', 'CH', at, qid) == 1 then
+            moved[#moved + 1] = at
+          end
+        end
+      end
+    end
   end
-  return keep
+  return keep, moved
 end
 
 return q_fetch(tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4], start_leased, hold)

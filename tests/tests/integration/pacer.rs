@@ -621,6 +621,8 @@ struct Lockstep {
     /// spares it reading the lapse index) against that index's least time:
     /// (state key, line key, lapse key).
     count: (redis::aio::MultiplexedConnection, String, String, String),
+    /// Waiters moved up by pull-ins (whole waits).
+    pulled: usize,
 }
 
 impl Lockstep {
@@ -666,6 +668,17 @@ impl sim::Policy for Lockstep {
         self.check_count(id, now);
     }
 
+    fn pull_in(&mut self, now: Millis) -> Vec<(String, Millis)> {
+        self.clock.set(now);
+        let want = self.model.pull_in(now);
+        let got = tokio::task::block_in_place(|| self.handle.block_on(self.script.pull_in("m", sim::PULL_IN_K)))
+            .expect("script");
+        assert_eq!(got, want, "seed {}: pull-in at {now}", self.seed);
+        self.pulled += got.len();
+        self.check_count("pull", now);
+        got
+    }
+
     fn head(&self, now: Millis) -> Option<String> {
         self.model.head(now)
     }
@@ -679,9 +692,12 @@ async fn the_simulators_workloads_hold_through_the_redis_script() {
     // And a provider without headers, whose bucket is learned from its 429s.
     let headerless = sim::Workload { headers: sim::SimHeaders::None, ..sim::Workload::one_tenant_per_minute(1) };
     let workloads = (0..SEEDS).map(sim::Workload::random).chain([headerless]);
+    let mut pulled = 0;
     for (seed, mut workload) in (0..).zip(workloads) {
         // Jitter is drawn inside the shared pacer; without it both are exact.
         workload.config.jitter_frac = 0.0;
+        // Every other workload the old way: three quarters of a long wait, re-timed.
+        workload.config.whole_waits = seed % 2 == 0;
         let clock = ManualClock::new(0);
         let prefix = unique_prefix();
         let script =
@@ -695,6 +711,7 @@ async fn the_simulators_workloads_hold_through_the_redis_script() {
             handle: tokio::runtime::Handle::current(),
             seed,
             count: (conn, k.pacer_state("default", "m"), k.pacer_line("default", "m"), k.pacer_lapse("default", "m")),
+            pulled: 0,
         };
         let report = sim::simulate(&workload, &mut policy);
         assert_eq!(report.completed, report.runs, "seed {seed}: {report:?}");
@@ -702,7 +719,9 @@ async fn the_simulators_workloads_hold_through_the_redis_script() {
             assert!(policy.model.state.tokens.known(), "seed {seed}: no bucket learned without headers");
         }
         asks += report.asks;
+        pulled += policy.pulled;
     }
+    assert!(pulled >= 20, "only {pulled} waiters were pulled in: the pull-in went untested");
     eprintln!("pacer: {} simulated workloads, {asks} asks, script and model agreed on every one", SEEDS + 1);
     assert!(asks >= 1_000, "only {asks} asks: the workloads hardly ran");
 }
