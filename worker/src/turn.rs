@@ -460,7 +460,8 @@ impl Runner {
             output: success.headers.output_tokens,
             headers_age_ms: success.headers_received.elapsed().as_millis() as u64,
         };
-        self.settle_pacer(&ctx.spec, reservation, &outcome).await;
+        // Sent with the ask for the next turn when the tools answer at once.
+        self.settle_pacer_soon(&ctx.spec, reservation, &outcome);
         let usage = usage.unwrap_or_default();
         if success.tool_calls.is_empty() {
             let fence = self
@@ -671,6 +672,25 @@ impl Runner {
         }
         tracing::info!(message = "turn stopped by a cancel", run.id = %lease.id);
         Ok(TurnOutcome::Stopped)
+    }
+
+    /// Settles as [`Self::settle_pacer`] does, with the pacer's next call of
+    /// this process if one follows within a few ms ([`shared::pacer::Pacer::settle_soon`]);
+    /// queued before it returns.
+    fn settle_pacer_soon(&self, spec: &shared::runs::RunSpec, reservation: &str, outcome: &CallOutcome) {
+        let Some(route): Option<&Route> = self.routes.get(spec.provider.as_deref()) else { return };
+        let model = spec.model.as_str();
+        let settled = route.pacer.settle_soon(model, reservation, outcome);
+        let reservation = reservation.to_owned();
+        tokio::spawn(async move {
+            if let Err(error) = settled.await {
+                tracing::warn!(message = "could not settle the pacer", %error, reservation);
+            }
+        });
+        if let Some(remaining) = outcome.tokens.remaining {
+            metrics::gauge!(metric::PACER_REMAINING_TOKENS, "budget" => route.budget.clone(), "model" => model.to_owned())
+                .set(remaining as f64);
+        }
     }
 
     async fn settle_pacer(&self, spec: &shared::runs::RunSpec, reservation: &str, outcome: &CallOutcome) {

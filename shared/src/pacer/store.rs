@@ -254,6 +254,27 @@ impl Pacer {
         }
     }
 
+    /// Settles as [`Pacer::settle`] does, but the shared pacer sends it with
+    /// the next call this process makes for the model (the ask for the run's
+    /// next turn, usually) if one follows within a few ms: one script call for
+    /// both. The settle is queued before this returns, so a call made after it
+    /// is decided after it; the future says how it went.
+    pub fn settle_soon(
+        &self,
+        model: &str,
+        id: &str,
+        outcome: &CallOutcome,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), PacerError>> + Send + 'static>> {
+        match self {
+            Self::Shared(p) => Box::pin(p.settle_soon(model, id, outcome)),
+            Self::Local(p) => {
+                p.settle(model, id, outcome);
+                Box::pin(std::future::ready(Ok(())))
+            }
+            Self::Off => Box::pin(std::future::ready(Ok(()))),
+        }
+    }
+
     /// Every budget and model this pacer knows.
     pub async fn snapshot(&self) -> Result<Vec<BudgetSnapshot>, PacerError> {
         match self {
@@ -289,7 +310,15 @@ const MAX_BATCH: usize = 64;
 struct Pending {
     op: Vec<String>,
     reply: tokio::sync::oneshot::Sender<Result<Vec<i64>, PacerError>>,
+    /// It may wait up to [`SETTLE_LINGER`] for company ([`SharedPacer::settle_soon`]).
+    lazy: bool,
 }
+
+/// How long a settle sent with [`SharedPacer::settle_soon`] waits for another
+/// call to go with it: the ask for the same run's next turn follows it once
+/// the tools answer, and both then cost one script call (one read and one
+/// write of the state) instead of two.
+const SETTLE_LINGER: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// A process's calls of one budget and model go to the script together: while
 /// one batch is in Redis, the calls that arrive meanwhile queue here and go as
@@ -311,6 +340,14 @@ impl Batcher {
         tokio::spawn(async move {
             while let Some(first) = rx.recv().await {
                 let mut batch = vec![first];
+                // Lazy calls alone wait a moment for one that is not.
+                let deadline = tokio::time::Instant::now() + SETTLE_LINGER;
+                while batch.len() < MAX_BATCH && batch.iter().all(|p| p.lazy) {
+                    match tokio::time::timeout_at(deadline, rx.recv()).await {
+                        Ok(Some(p)) => batch.push(p),
+                        Ok(None) | Err(_) => break,
+                    }
+                }
                 while batch.len() < MAX_BATCH {
                     match rx.try_recv() {
                         Ok(p) => batch.push(p),
@@ -459,8 +496,18 @@ impl SharedPacer {
 
     /// Queues `op` for the next batch of `model` and waits for its answer.
     async fn call(&self, model: &str, op: Vec<String>) -> Result<Vec<i64>, PacerError> {
+        self.enqueue(model, op, false)?.await.map_err(|_| PacerError::Protocol("the batch loop stopped".into()))?
+    }
+
+    /// Queues `op` for the next batch of `model` now; its answer comes on the receiver.
+    fn enqueue(
+        &self,
+        model: &str,
+        op: Vec<String>,
+        lazy: bool,
+    ) -> Result<tokio::sync::oneshot::Receiver<Result<Vec<i64>, PacerError>>, PacerError> {
         let (reply, answer) = tokio::sync::oneshot::channel();
-        let mut pending = Pending { op, reply };
+        let mut pending = Pending { op, reply, lazy };
         for _ in 0..2 {
             let batcher = {
                 let mut map = self.batchers.lock().unwrap_or_else(|e| e.into_inner());
@@ -469,9 +516,7 @@ impl SharedPacer {
                     .clone()
             };
             match batcher.tx.send(pending) {
-                Ok(()) => {
-                    return answer.await.map_err(|_| PacerError::Protocol("the batch loop stopped".into()))?;
-                }
+                Ok(()) => return Ok(answer),
                 // Its loop is gone (a runtime that ended): start another.
                 Err(tokio::sync::mpsc::error::SendError(p)) => {
                     pending = p;
@@ -535,8 +580,29 @@ impl SharedPacer {
 
     /// See [`Pacer::settle`].
     pub async fn settle(&self, model: &str, id: &str, o: &CallOutcome) -> Result<(), PacerError> {
+        self.call(model, Self::settle_op(id, o)).await?;
+        Ok(())
+    }
+
+    /// See [`Pacer::settle_soon`]: queued now, sent with the next call of this
+    /// process for the same model or after [`SETTLE_LINGER`], whichever is first.
+    pub fn settle_soon(
+        &self,
+        model: &str,
+        id: &str,
+        o: &CallOutcome,
+    ) -> impl std::future::Future<Output = Result<(), PacerError>> + Send + 'static {
+        let answer = self.enqueue(model, Self::settle_op(id, o), true);
+        async move {
+            answer?.await.map_err(|_| PacerError::Protocol("the batch loop stopped".into()))??;
+            Ok(())
+        }
+    }
+
+    /// The script's `settle` op for `o`.
+    fn settle_op(id: &str, o: &CallOutcome) -> Vec<String> {
         let opt = |v: Option<u64>| v.map(|v| v as i64).unwrap_or(-1).to_string();
-        let op = vec![
+        vec![
             "settle".to_owned(),
             id.to_owned(),
             opt(o.used_tokens),
@@ -555,9 +621,7 @@ impl SharedPacer {
             opt(o.output.limit),
             opt(o.output.remaining),
             opt(o.output.reset_ms),
-        ];
-        self.call(model, op).await?;
-        Ok(())
+        ]
     }
 
     /// The state of one model of this budget, as the script sees it now.
