@@ -469,6 +469,15 @@ impl PacerState {
         (input + output * kept).ceil()
     }
 
+    /// Whether waits are slept whole and re-timed by pull-ins
+    /// ([`PacingConfig::whole_waits`]): not while a bucket is guessed — learned
+    /// without headers, or its limit inferred from `remaining` alone — whose
+    /// predictions are only as good as the guess (a pull-in would send a
+    /// burst into a bucket that is not there).
+    pub fn waits_whole(&self, cfg: &PacingConfig) -> bool {
+        cfg.whole_waits && !self.headerless && !self.buckets().iter().any(|b| b.known() && b.assumed)
+    }
+
     /// The least work tag still in line.
     fn least_work_tag(&self) -> Option<f64> {
         self.waiters.values().map(|w| w.order).filter(|o| fair::is_work(*o)).min_by(f64::total_cmp)
@@ -604,8 +613,7 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
     let idle = state.flights.is_empty() && now - state.last_admit_ms >= BURST_GAP_MS;
     let share_known = state.learned_share().is_some();
     let costs = est.costs();
-    // (Not a bucket learned without headers: its waits are guesses.)
-    let deep = cfg.whole_waits && !state.headerless;
+    let deep = state.waits_whole(cfg);
     let mut shorts = [0.0; BUCKETS];
     for (i, bucket) in state.buckets_mut().into_iter().enumerate() {
         if bucket.known() {
@@ -662,15 +670,22 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
     //    a horizon's sleep would leave is a whole round (a fetch, an ask, a
     //    requeue) for a third of a horizon. (Not a bucket learned without
     //    headers: its waits are guesses until the answers of its wave come.)
-    //    It never sends before it is clear. With `whole_waits` every wait is
-    //    slept whole, and [`pull_in`] moves up the waiters near the head
-    //    whose prediction shortens (the re-timing comes to them).
+    //    It never sends before it is clear. With whole waits
+    //    ([`PacerState::waits_whole`]) every wait is slept whole (behind
+    //    others, a tenth longer), and [`pull_in`] moves up the waiters near
+    //    the head whose prediction shortens (the re-timing comes to them).
     let reason = if ahead.other_tenant { OwedReason::FairShare } else { OwedReason::Budget };
     let recheck = recheck_ms(&state.tokens, cfg, line);
     let answered = answer_recheck(state, recheck);
-    let whole = cfg.whole_waits || wait <= recheck * RECHECK_TAIL;
-    let mut sleep = if whole && !state.headerless { wait } else { wait.min((wait * RECHECK_SHARE).max(recheck)) }
-        .min(cfg.max_pace_ms as f64);
+    let whole = deep || (!state.headerless && wait <= recheck * RECHECK_TAIL);
+    let mut sleep = if whole { wait } else { wait.min((wait * RECHECK_SHARE).max(recheck)) };
+    // Behind others, a whole wait errs late: the pull-ins re-time it near the
+    // head, where a prediction is a few turns long; one that erred early
+    // would come back owed the rest, a round of the queue.
+    if deep && !head {
+        sleep *= 1.0 + WHOLE_WAIT_MARGIN;
+    }
+    let mut sleep = sleep.min(cfg.max_pace_ms as f64);
     // A wait predicted before the bucket's shape is known is only as good as
     // the shape guessed (none refills before its reset): be back within the
     // recheck horizon, when the votes may have decided.
@@ -765,7 +780,7 @@ pub fn pull_in(state: &mut PacerState, cfg: &PacingConfig, now: Millis, k: usize
         return vec![];
     }
     expire(state, cfg, now);
-    if state.headerless || state.waiters.is_empty() || now < state.blocked_until_ms || !state.any_known() {
+    if !state.waits_whole(cfg) || state.waiters.is_empty() || now < state.blocked_until_ms || !state.any_known() {
         return vec![];
     }
     for bucket in state.buckets_mut() {
@@ -806,6 +821,10 @@ pub fn pull_in(state: &mut PacerState, cfg: &PacingConfig, now: Millis, k: usize
     }
     moved
 }
+
+/// How much longer than its predicted wait a turn behind others sleeps
+/// with whole waits (see step 6 of [`acquire`]).
+const WHOLE_WAIT_MARGIN: f64 = 0.1;
 
 /// A pull-in moves a waiter up by more than this plus the jitter's most, or
 /// not at all (a queue write for less is not worth it, and the jitter just

@@ -116,6 +116,7 @@ local RECHECK_TURNS = 4
 local RECHECK_SHARE = 0.75
 local RECHECK_TAIL = 4 / 3
 local PULL_IN_GAIN_MS = 50
+local WHOLE_WAIT_MARGIN = 0.1
 local ANSWER_RECHECK_MIN_MS = 50
 local BURST_GAP_MS = 60
 local SHAPE_VOTES = 2
@@ -632,6 +633,16 @@ local function any_known()
   return false
 end
 
+-- model.rs, PacerState::waits_whole: whole waits and pull-ins, unless a bucket is guessed
+-- (learned without headers, or its limit inferred from `remaining` alone).
+local function waits_whole()
+  if whole_waits ~= 1 or get('headerless') == 1 then return false end
+  for _, p in ipairs(BUCKETS) do
+    if known(p) and get(p .. 'assumed') == 1 then return false end
+  end
+  return true
+end
+
 -- A continuous bucket of `limit` and `rate`, at `level`, with nothing else known of it
 -- (model.rs: a fresh `Bucket` with these set; `Bucket::per_minute` for a configured one).
 local function fresh_bucket(p, limit, rate, level)
@@ -1113,8 +1124,7 @@ local function acquire(a)
   local idle = flights_n == 0 and now - get('last_admit') >= BURST_GAP_MS
   local share_known = refund_share(-1) >= 0
   local shorts = {0, 0, 0, 0}
-  -- (Not a bucket learned without headers: its waits are guesses.)
-  local deep = whole_waits == 1 and get('headerless') ~= 1
+  local deep = waits_whole()
   for i, p in ipairs(BUCKETS) do
     if known(p) then
       advance(p)
@@ -1158,9 +1168,11 @@ local function acquire(a)
   -- A wait within RECHECK_TAIL horizons is slept whole, but a headerless bucket's; with
   -- whole_waits, every wait (`pull` re-times the waiters near the head).
   local sleep = wait
-  if get('headerless') == 1 or (whole_waits ~= 1 and wait > recheck * RECHECK_TAIL) then
+  if not deep and (get('headerless') == 1 or wait > recheck * RECHECK_TAIL) then
     sleep = math.min(wait, math.max(wait * RECHECK_SHARE, recheck))
   end
+  -- Behind others, a whole wait errs late: the pull-ins re-time it near the head.
+  if deep and not head then sleep = sleep * (1 + WHOLE_WAIT_MARGIN) end
   sleep = math.min(sleep, max_pace)
   -- A wait predicted before the shape is known, or before any call settled:
   -- be back within the recheck horizon.
@@ -1535,7 +1547,7 @@ local function pull_in(k)
   local out = {}
   if whole_waits ~= 1 then return out end
   expire()
-  if get('headerless') == 1 or S['nw'] <= 0 or now < get('blocked_until') or not any_known() then return out end
+  if not waits_whole() or S['nw'] <= 0 or now < get('blocked_until') or not any_known() then return out end
   for _, p in ipairs(BUCKETS) do
     if known(p) then advance(p) end
   end
