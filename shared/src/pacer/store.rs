@@ -585,7 +585,7 @@ impl SharedPacer {
     }
 
     /// See [`Pacer::settle_soon`]: queued now, sent with the next call of this
-    /// process for the same model or after [`SETTLE_LINGER`], whichever is first.
+    /// process for the same model or after 20 ms, whichever is first.
     pub fn settle_soon(
         &self,
         model: &str,
