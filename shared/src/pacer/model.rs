@@ -804,7 +804,7 @@ pub fn pull_in(state: &mut PacerState, cfg: &PacingConfig, now: Millis, k: usize
                 wait = wait.max(b.refill_ms(now, short, true));
             }
         }
-        let due = now + (wait.ceil() as Millis).max(1);
+        let due = now + (wait.ceil() as Millis).max(1) + PULL_IN_PAD_MS;
         if due + PULL_IN_GAIN_MS + (cfg.jitter_max_ms as Millis) < w.due_ms {
             moved.push((id.clone(), due));
         }
@@ -825,6 +825,12 @@ pub fn pull_in(state: &mut PacerState, cfg: &PacingConfig, now: Millis, k: usize
 /// How much longer than its predicted wait a turn behind others sleeps
 /// with whole waits (see step 6 of [`acquire`]).
 const WHOLE_WAIT_MARGIN: f64 = 0.1;
+
+/// A pulled-in waiter is due this much after its predicted clear time: the
+/// bench's came back owed 20–90 ms more (a settle's headers lowering the
+/// level meanwhile), each an in-place pause in a worker (its lease, an ask
+/// and a start: ~7 commands more than a clear in the fetch).
+const PULL_IN_PAD_MS: Millis = 50;
 
 /// A pull-in moves a waiter up by more than this plus the jitter's most, or
 /// not at all (a queue write for less is not worth it, and the jitter just

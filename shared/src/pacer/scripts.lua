@@ -116,6 +116,7 @@ local RECHECK_TURNS = 4
 local RECHECK_SHARE = 0.75
 local RECHECK_TAIL = 4 / 3
 local PULL_IN_GAIN_MS = 50
+local PULL_IN_PAD_MS = 50
 local WHOLE_WAIT_MARGIN = 0.1
 local ANSWER_RECHECK_MIN_MS = 50
 local BURST_GAP_MS = 60
@@ -1589,7 +1590,7 @@ local function pull_in(k)
             wait = math.max(wait, refill_ms(p, short, true))
           end
         end
-        local due = now + math.max(math.ceil(wait), 1)
+        local due = now + math.max(math.ceil(wait), 1) + PULL_IN_PAD_MS
         if due + PULL_IN_GAIN_MS + jitter_max < w[DUE] then
           w[DUE] = due
           w[CLEAR] = math.min(w[CLEAR], due)
