@@ -70,11 +70,12 @@
 --           reset_ms, the same for requests (-1 missing), headers_age_ms, input tokens the
 --           provider counted (-1 unknown), input bucket limit, remaining, reset_ms, the same
 --           for the output bucket   -> {0}
+--   head    n: reads the line's first n waiters for the ops after it (no decision) -> {0}
 --   pull    k: the first k waiters in line whose wait, predicted now, ends more than
 --           PULL_IN_GAIN_MS before their due time are moved up to it
 --     -> {id, due_ms, ...} (in a batch only from Lua, runs/fetch.lua: Rust reads integers)
 --   -> one answer per op
--- pull: ARGV[16] k -> {id, due_ms as text, ...} (the same op alone, for Rust)
+-- pull: ARGV[16] k[, ARGV[17] n: `head` n first] -> {id, due_ms as text, ...} (the same op alone, for Rust)
 -- snapshot: -> flat field list of the state, 'now', and 'rec:<id>' -> record for each record
 
 local state, waiters, line_key, lapse_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
@@ -298,27 +299,85 @@ local function waiter_of(id)
   return w or nil
 end
 
+-- Reads records `ids` this script has not read yet into Wc, in one HMGET.
+local function read_waiters(ids, from, to)
+  local missing = {}
+  for k = from, to do
+    if Wc[ids[k]] == nil then missing[#missing + 1] = ids[k] end
+  end
+  if #missing > 0 then
+    local raw = redis.call('HMGET', waiters, unpack(missing))
+    for k, wid in ipairs(missing) do
+      local w = rec_decode(raw[k])
+      if not (w and w[KIND] == 'w') then w = false end
+      Wc[wid] = w
+    end
+  end
+end
+
+-- The head of the line as this script knows it (op `head`, run by the fetch that asks
+-- first: its turns are at the head, and the pull-in reads the head after them): the ids
+-- in line order and their places, every waiter up to the bound (the last place and id
+-- read; none: the whole line), kept so by put and forget_waiter. An ask reads the
+-- turns ahead of it from here when they are all within it (no ZRANGEBYSCORE, and its
+-- own record read with them), and the pull-in its first waiters.
+local head_ids, head_ord, head_bound = nil, nil, nil
+local function before(o1, id1, o2, id2) return o1 < o2 or (o1 == o2 and id1 < id2) end
+local function read_head(n)
+  head_ids, head_ord, head_bound = {}, {}, nil
+  if no_waiters then return end
+  local raw = redis.call('ZRANGE', line_key, 0, n - 1, 'WITHSCORES')
+  for i = 1, #raw, 2 do
+    head_ids[#head_ids + 1] = raw[i]
+    head_ord[#head_ord + 1] = tonumber(raw[i + 1])
+  end
+  if #head_ids >= n then head_bound = {head_ord[#head_ord], head_ids[#head_ids]} end
+  read_waiters(head_ids, 1, #head_ids)
+end
+local function head_remove(id)
+  if not head_ids then return end
+  for i, wid in ipairs(head_ids) do
+    if wid == id then
+      table.remove(head_ids, i)
+      table.remove(head_ord, i)
+      return
+    end
+  end
+end
+local function head_insert(id, order)
+  if not head_ids then return end
+  head_remove(id)
+  if head_bound and not before(order, id, head_bound[1], head_bound[2]) then return end
+  local at = #head_ids + 1
+  for i = 1, #head_ids do
+    if before(order, id, head_ord[i], head_ids[i]) then
+      at = i
+      break
+    end
+  end
+  table.insert(head_ids, at, id)
+  table.insert(head_ord, at, order)
+end
+
 -- Calls visit(wid, w) for each waiter placed at or before `order` (its line's index):
 -- the ids from the line, the records read in one HMGET (a slice a time) but for those
 -- this script read already.
 local function each_waiter_upto(order, visit)
   if no_waiters then return end
+  if head_ids and (not head_bound or order < head_bound[1]) then
+    -- Every waiter placed at or before `order` is in the head read.
+    for i, wid in ipairs(head_ids) do
+      if head_ord[i] > order then break end
+      local w = Wc[wid]
+      if w then visit(wid, w) end
+    end
+    return
+  end
   local ids = redis.call('ZRANGEBYSCORE', line_key, '-inf', order)
   local n = #ids
   for i = 1, n, 1000 do
     local last = math.min(i + 999, n)
-    local missing = {}
-    for k = i, last do
-      if Wc[ids[k]] == nil then missing[#missing + 1] = ids[k] end
-    end
-    if #missing > 0 then
-      local raw = redis.call('HMGET', waiters, unpack(missing))
-      for k, wid in ipairs(missing) do
-        local w = rec_decode(raw[k])
-        if not (w and w[KIND] == 'w') then w = false end
-        Wc[wid] = w
-      end
-    end
+    read_waiters(ids, i, last)
     for k = i, last do
       local wid = ids[k]
       local w = Wc[wid]
@@ -344,6 +403,7 @@ local function forget_waiter(id)
     redis.call('ZREM', line_key, id)
     redis.call('ZREM', lapse_key, id)
   end
+  head_remove(id)
   Wc[id] = false
 end
 
@@ -361,7 +421,10 @@ local function put(id, r)
     local was = Wc[id]
     S['nw'] = S['nw'] + redis.call('HSET', waiters, id, rec_encode(r))
     -- A waiter asking again keeps its place: its line entry is already that.
-    if not (was and was[ORDER] == r[ORDER]) then redis.call('ZADD', line_key, r[ORDER], id) end
+    if not (was and was[ORDER] == r[ORDER]) then
+      redis.call('ZADD', line_key, r[ORDER], id)
+      head_insert(id, r[ORDER])
+    end
     -- It lapses at due + grace (model.rs, expire).
     redis.call('ZADD', lapse_key, r[DUE] + grace, id)
     S['lapse_at'] = math.min(get('lapse_at'), r[DUE] + grace)
@@ -810,7 +873,10 @@ local function expire()
     S['nw'] = math.max(S['nw'] - redis.call('HDEL', waiters, unpack(chunk)), 0)
     redis.call('ZREM', line_key, unpack(chunk))
     redis.call('ZREM', lapse_key, unpack(chunk))
-    for _, id in ipairs(chunk) do Wc[id] = false end
+    for _, id in ipairs(chunk) do
+      Wc[id] = false
+      head_remove(id)
+    end
   end
   if #lapsed > 0 then at = lapse_head() end
   S['lapse_at'] = at
@@ -1558,22 +1624,17 @@ local function pull_in(k)
   local ahead = {0, 0, 0, 0}
   local taken, start = 0, 0
   while taken < k do
-    local ids = redis.call('ZRANGE', line_key, start, start + 2 * k - 1)
-    if #ids == 0 then break end
+    local ids, last
+    if start == 0 and head_ids then
+      -- The head read (op `head`), as this script changed it: the line's first waiters.
+      ids, last = {unpack(head_ids)}, head_bound == nil
+    else
+      ids = redis.call('ZRANGE', line_key, start, start + 2 * k - 1)
+      last = #ids < 2 * k
+      read_waiters(ids, 1, #ids)
+    end
+    if #ids == 0 and last then break end
     start = start + #ids
-    local last = #ids < 2 * k
-    local missing = {}
-    for _, wid in ipairs(ids) do
-      if Wc[wid] == nil then missing[#missing + 1] = wid end
-    end
-    if #missing > 0 then
-      local raw = redis.call('HMGET', waiters, unpack(missing))
-      for j, wid in ipairs(missing) do
-        local w = rec_decode(raw[j])
-        if not (w and w[KIND] == 'w') then w = false end
-        Wc[wid] = w
-      end
-    end
     for _, wid in ipairs(ids) do
       local w = Wc[wid]
       if w and w[DUE] >= held_until and taken < k then
@@ -1610,6 +1671,7 @@ local function pull_in(k)
 end
 
 if op == 'pull' then
+  if tonumber(ARGV[17]) then read_head(tonumber(ARGV[17])) end
   local out = pull_in(tonumber(ARGV[16]) or 0)
   save()
   for j = 2, #out, 2 do out[j] = string.format('%d', out[j]) end
@@ -1634,6 +1696,10 @@ if op == 'batch' then
       i = i + 18
     elseif name == 'pull' then
       out[#out + 1] = pull_in(tonumber(ARGV[i + 1]) or 0)
+      i = i + 2
+    elseif name == 'head' then
+      read_head(tonumber(ARGV[i + 1]) or 0)
+      out[#out + 1] = {0}
       i = i + 2
     else
       return redis.error_reply('unknown pacer op ' .. tostring(name))

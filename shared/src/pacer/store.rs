@@ -300,6 +300,9 @@ pub struct SharedPacer {
     /// Per budget and model, the queue of this process's calls waiting for
     /// the next batch (see [`Batcher`]).
     batchers: Arc<Mutex<HashMap<(String, String), Batcher>>>,
+    /// Each batch reads the line's first this many waiters first (the
+    /// script's `head`), as the run store's fetch does (tests: 0, none).
+    head_read: usize,
 }
 
 /// How many calls one batch takes at most.
@@ -397,7 +400,16 @@ impl SharedPacer {
             test_clock: None,
             registered: Arc::default(),
             batchers: Arc::default(),
+            head_read: 0,
         }
+    }
+
+    /// The same pacer, every batch of which first reads the line's first `n`
+    /// waiters (the script's `head` op), as the run store's fetch sends its
+    /// asks: for tests that its answers are those without it.
+    pub fn with_head_read(mut self, n: usize) -> Self {
+        self.head_read = n;
+        self
     }
 
     /// The same pacer on an injected clock instead of the Redis server's
@@ -471,6 +483,9 @@ impl SharedPacer {
     pub async fn pull_in(&self, model: &str, k: usize) -> Result<Vec<(String, i64)>, PacerError> {
         let mut inv = self.invocation("pull", model);
         inv.arg(k);
+        if self.head_read > 0 {
+            inv.arg(self.head_read);
+        }
         let mut conn = self.conn.clone();
         let flat: Vec<String> = inv.invoke_async(&mut conn).await?;
         flat.chunks(2)
@@ -487,11 +502,18 @@ impl SharedPacer {
     /// Sends `batch` as one script call (`batch`); one answer per op.
     async fn invoke_batch(&self, model: &str, batch: &[Pending]) -> Result<Vec<Vec<i64>>, PacerError> {
         let mut inv = self.invocation("batch", model);
+        if self.head_read > 0 {
+            inv.arg("head").arg(self.head_read);
+        }
         for p in batch {
             inv.arg(&p.op);
         }
         let mut conn = self.conn.clone();
-        Ok(inv.invoke_async(&mut conn).await?)
+        let mut answers: Vec<Vec<i64>> = inv.invoke_async(&mut conn).await?;
+        if self.head_read > 0 && !answers.is_empty() {
+            answers.remove(0);
+        }
+        Ok(answers)
     }
 
     /// Queues `op` for the next batch of `model` and waits for its answer.

@@ -39,7 +39,8 @@ local function start_leased(qid, r)
   local job = r.job or job_of(r)
   if not job or (job.ask ~= nil and not job.cleared) then return nil end
   RUN, TX, EV, id = base .. 'run:' .. qid, base .. 'tx:' .. qid, base .. 'ev:' .. qid, qid
-  return start_turn(tostring(r.epoch), string.format('%d', job.turn), string.format('%d', tonumber(job.attempt) or 1), max_hist)
+  return start_turn(tostring(r.epoch), string.format('%d', job.turn), string.format('%d', tonumber(job.attempt) or 1), max_hist,
+    r.run_read)
 end
 
 -- The pacer's reasons (scripts.lua: 1 budget, 2 rate_limited, 3 probe, 4 fair_share) as
@@ -81,8 +82,12 @@ local function hold(ids, recs, now)
     local route = type(ask) == 'table' and type(ask.model) == 'string' and asks.routes[ask.provider or asks.first]
     if type(route) == 'table' then
       -- Only a run that waits for this very turn: anything else, the worker's start decides.
+      -- (Read whole: a turn cleared here is started from this read, `start_leased`.)
       RUN = base .. 'run:' .. qid
-      local f = read_fields({'status', 'turns', 'waited_ms', 'budget_waits'})
+      local read = redis.call('HGETALL', RUN)
+      local f = {}
+      for k = 1, #read, 2 do f[read[k]] = read[k + 1] end
+      r.run_read = read
       if f.status == 'waiting' and tonumber(f.turns or '') == job.turn then
         local gk = tostring(ask.provider or asks.first) .. '\n' .. ask.model
         local g = groups[gk]
@@ -101,6 +106,8 @@ local function hold(ids, recs, now)
     for k = 1, 5 do keys[k] = g.route.keys[k] .. g.model end
     for k = 1, #g.route.cfg do argv[k + 1] = g.route.cfg[k] end
     argv[11] = string.format('%d', now)
+    -- The line's head read once for the asks and the pull-in after them (pacer, `head`).
+    argv[#argv + 1] = 'head'; argv[#argv + 1] = tostring(2 * PULL_IN_K)
     for _, it in ipairs(g.items) do
       local a = it.job.ask
       local rid = string.format('%s:%d:%d', it.qid, it.job.turn, tonumber(it.job.attempt) or 1)
@@ -121,7 +128,7 @@ local function hold(ids, recs, now)
     local ok, replies = pcall(pacer_call, keys, argv)
     if ok and type(replies) == 'table' and not replies.err then
       for k, it in ipairs(g.items) do
-        local d = replies[k]
+        local d = replies[k + 1]
         if type(d) == 'table' and d[1] == 0 then
           it.job.cleared = true
           it.r.payload = cjson.encode(it.job)
@@ -138,7 +145,7 @@ local function hold(ids, recs, now)
         end
       end
     end
-    local pulled = ok and type(replies) == 'table' and replies[#g.items + 1]
+    local pulled = ok and type(replies) == 'table' and replies[#g.items + 2]
     if type(pulled) == 'table' then
       for j = 1, #pulled - 1, 2 do
         local qid = string.match(tostring(pulled[j]), '^(.*):%d+:%d+$')

@@ -191,9 +191,10 @@ end
 -- pairs} (appended, not unpacked: a long transcript would overflow Lua's stack). The
 -- pairs are as read before this HSET: the worker needs the run's spec and counters,
 -- not its status. Epoch, turn and attempt are strings (as ARGV carries them).
-local function start_turn(epoch, turn, attempt, max_hist)
-  -- The whole record is what the turn needs anyway: read once, checked from it.
-  local fields = redis.call('HGETALL', RUN)
+local function start_turn(epoch, turn, attempt, max_hist, read)
+  -- The whole record is what the turn needs anyway: read once, checked from it (`read`:
+  -- as this script read it already, HGETALL's flat list).
+  local fields = read or redis.call('HGETALL', RUN)
   local f = {}
   for i = 1, #fields, 2 do f[fields[i]] = fields[i + 1] end
   local why = check_run(f, turn)

@@ -702,6 +702,8 @@ async fn the_simulators_workloads_hold_through_the_redis_script() {
         let prefix = unique_prefix();
         let script =
             shared_pacer(&server, &prefix, workload.config.clone()).await.with_test_clock(Arc::new(clock.clone()));
+        // Half of them with each batch reading the line's head first, as the fetch does.
+        let script = if seed % 4 < 2 { script.with_head_read(2 * sim::PULL_IN_K) } else { script };
         let k = Keys::new(prefix.as_str());
         let conn = server.client().get_multiplexed_async_connection().await.unwrap();
         let mut policy = Lockstep {

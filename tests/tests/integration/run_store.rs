@@ -923,8 +923,7 @@ async fn each_step_of_a_turn_costs_few_redis_commands() {
         "record output" => 6,
         "commit" | "commit+output" => 10,
         "budget wait" | "wait again" => 10,
-        // (With the line's head read for the pull-in: one ZRANGE.)
-        "fetch, owed" => 17,
+        "fetch, owed" => 16,
         _ => 0,
     };
     for (name, n) in &costs {
