@@ -1577,6 +1577,64 @@ mod tests {
         assert_eq!(a.finish, 1_000.0, "and move its finish tag: its next work turn stands behind them");
     }
 
+    /// Whole waits: a turn deep in line sleeps its whole (pessimistic) wait;
+    /// when a turn ahead of it never comes back, the fetch that clears the
+    /// next one moves it up to the time it is clear then — and not before:
+    /// asked a moment early, it is owed.
+    #[test]
+    fn a_waiter_whose_turn_ahead_never_came_back_is_pulled_in_to_when_it_is_clear() {
+        let cfg = PacingConfig {
+            configured_tpm: Some(60_000),
+            configured_rpm: Some(100_000),
+            jitter_frac: 0.0,
+            ..PacingConfig::default()
+        };
+        assert!(cfg.whole_waits);
+        let mut s = PacerState::default();
+        let big = |id| Ask { id, est: Estimate { tokens: 10_000, requests: 1, output: 0 }, ..ask(id) };
+        for id in ["c1", "c2", "c3", "c4", "c5"] {
+            assert_eq!(acquire(&mut s, &cfg, T0, &big(id), 0.0), Decision::Clear, "{id}");
+        }
+        // 10 000 left, 1 token a ms, 10 000 a turn above a 3 000 floor: `a`
+        // owes 3 000 ms; `b` 13 000, `c` 23 000 — each back no later than the
+        // turn ahead of it is predicted clear, + late_ms.
+        let owed = |s: &mut PacerState, id| match acquire(s, &cfg, T0, &big(id), 0.0) {
+            Decision::Owed { ms, .. } => ms,
+            Decision::Clear => panic!("{id} is clear"),
+        };
+        assert_eq!([owed(&mut s, "a"), owed(&mut s, "b"), owed(&mut s, "c")], [3_000, 4_000, 14_000]);
+        assert_eq!(pull_in(&mut s, &cfg, T0 + 10, 4), vec![], "nothing changed: nobody is moved");
+        // `a` never comes back: `b`, back when `a` is late, goes; `c`, which
+        // counted `a`, is moved up from 14 000 to when it is clear now.
+        let now = T0 + 3_000 + cfg.late_ms as Millis + 1;
+        assert_eq!(acquire(&mut s, &cfg, now, &big("b"), 0.0), Decision::Clear);
+        let due = now + 8_999 + PULL_IN_PAD_MS;
+        assert_eq!(pull_in(&mut s, &cfg, now, 4), vec![("c".to_owned(), due)]);
+        assert!(matches!(acquire(&mut s, &cfg, due - 1, &big("c"), 0.0), Decision::Owed { ms: 1, .. }));
+        assert_eq!(acquire(&mut s, &cfg, due, &big("c"), 0.0), Decision::Clear);
+        // Without whole waits there are no pull-ins.
+        let old = PacingConfig { whole_waits: false, ..cfg };
+        assert_eq!(pull_in(&mut PacerState::default(), &old, now, 4), vec![]);
+    }
+
+    /// A continuous bucket's wait for more than it is missing (a line deeper
+    /// than a bucket) runs past its reset at the refill rate.
+    #[test]
+    fn a_deep_lines_wait_runs_past_the_reset() {
+        let b = Bucket {
+            limit: 10_000.0,
+            rate: 1.0,
+            level: 1_000.0,
+            at_ms: T0,
+            full_at_ms: T0 + 9_000,
+            refill: Refill::Continuous,
+            ..Bucket::default()
+        };
+        assert_eq!(b.refill_ms(T0, 5_000.0, true), 5_000.0, "within the bucket: the refill");
+        assert_eq!(b.refill_ms(T0, 15_000.0, true), 15_000.0, "the reset, then 6 000 more at the rate");
+        assert_eq!(b.refill_ms(T0, 15_000.0, false), 9_000.0, "not deep: capped at the reset");
+    }
+
     #[test]
     fn a_provider_without_headers_is_probed_once_then_not_paced() {
         let (mut s, cfg) = (PacerState::default(), PacingConfig::default());
