@@ -71,3 +71,44 @@ pub async fn server_time_ms<C: redis::aio::ConnectionLike + Send>(conn: &mut C) 
     let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(conn).await?;
     Ok(secs * 1000 + micros / 1000)
 }
+
+/// The oldest Redis the scripts run on: they use `ZADD … LT` (6.2).
+pub const MIN_REDIS_VERSION: (u32, u32) = (6, 2);
+
+/// The server's version from `INFO server` text (`redis_version:7.0.15`).
+pub fn redis_version(info: &str) -> Option<(u32, u32)> {
+    let v = info.lines().find_map(|l| l.trim().strip_prefix("redis_version:"))?;
+    let mut parts = v.split('.').map(|p| p.parse::<u32>().ok());
+    Some((parts.next()??, parts.next().flatten().unwrap_or(0)))
+}
+
+/// Asks the server its version: `Err(message)` inside when it is older than
+/// [`MIN_REDIS_VERSION`] (the scripts would fail at their first call with
+/// "syntax error"), `Ok(())` when it is new enough or does not say; the
+/// outer error when Redis did not answer.
+pub async fn check_version<C: redis::aio::ConnectionLike + Send>(
+    conn: &mut C,
+) -> redis::RedisResult<Result<(), String>> {
+    let info: String = redis::cmd("INFO").arg("server").query_async(conn).await?;
+    Ok(match redis_version(&info) {
+        Some(v) if v < MIN_REDIS_VERSION => Err(format!(
+            "Redis {}.{} is too old: paceline needs Redis {}.{} or later",
+            v.0, v.1, MIN_REDIS_VERSION.0, MIN_REDIS_VERSION.1
+        )),
+        _ => Ok(()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_version_is_read_from_info_server() {
+        let info = "# Server\r\nredis_version:7.0.15\r\nredis_git_sha1:00000000\r\n";
+        assert_eq!(redis_version(info), Some((7, 0)));
+        assert_eq!(redis_version("redis_version:6.0.9\r\n"), Some((6, 0)));
+        assert!(redis_version("redis_version:6.0.9\r\n").unwrap() < MIN_REDIS_VERSION);
+        assert_eq!(redis_version("# Server\r\n"), None);
+    }
+}
