@@ -117,13 +117,17 @@ local function q_fetch(max, lease_ms, dead_keep_ms, me, on_leased, hold)
   redis.call('DEL', Q_NOTIFY)
   if not nxt then return out end
   local at = nxt
-  local watched, who = q_watched(now)
+  -- Claimed at once, reading the claim it replaces (one command, not a GET and
+  -- a SET: most fetches that get here claim) …
+  local old = redis.call('SET', Q_TIMER, string.format('%d|%s', at, me), 'PX', math.max(at - now, 1) + lease_ms, 'GET')
+  local watched, who = q_claim_of(old, now)
   if watched and watched <= at and who ~= me then
-    -- Another idle worker sleeps towards this time or an earlier one; it takes
-    -- what is due when it wakes, then watches the next.
+    -- … and given back when another idle worker sleeps towards this time or an
+    -- earlier one (it takes what is due when it wakes, then watches the next),
+    -- expiring when it would have.
+    redis.call('SET', Q_TIMER, old, 'PX', math.max(watched - now, 1) + lease_ms)
     return out
   end
-  redis.call('SET', Q_TIMER, string.format('%d|%s', at, me), 'PX', math.max(at - now, 1) + lease_ms)
   out[2] = tostring(math.max(at - now, 0))
   return out
 end

@@ -64,13 +64,15 @@ end
 
 -- The due time an idle worker sleeps towards and that worker, or nil: a claim
 -- whose time has passed is its holder's to act on now, and anyone's to take over.
-local function q_watched(now)
-  local t = redis.call('GET', Q_TIMER)
+local function q_claim_of(t, now)
   if not t then return nil end
   local at, who = string.match(t, '^(%-?%d+)|(.*)$')
   at = tonumber(at)
   if not at or at <= now then return nil end
   return at, who
+end
+local function q_watched(now)
+  return q_claim_of(redis.call('GET', Q_TIMER), now)
 end
 
 -- Wakes one idle worker for a turn due at `due_ms`, unless one already sleeps
