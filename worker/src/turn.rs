@@ -678,31 +678,32 @@ impl Runner {
     /// this process if one follows within a few ms ([`shared::pacer::Pacer::settle_soon`]);
     /// queued before it returns.
     fn settle_pacer_soon(&self, spec: &shared::runs::RunSpec, reservation: &str, outcome: &CallOutcome) {
-        let Some(route): Option<&Route> = self.routes.get(spec.provider.as_deref()) else { return };
-        let model = spec.model.as_str();
-        let settled = route.pacer.settle_soon(model, reservation, outcome);
+        let Some(route) = self.settling_route(spec, outcome) else { return };
+        let settled = route.pacer.settle_soon(&spec.model, reservation, outcome);
         let reservation = reservation.to_owned();
         tokio::spawn(async move {
             if let Err(error) = settled.await {
                 tracing::warn!(message = "could not settle the pacer", %error, reservation);
             }
         });
-        if let Some(remaining) = outcome.tokens.remaining {
-            metrics::gauge!(metric::PACER_REMAINING_TOKENS, "budget" => route.budget.clone(), "model" => model.to_owned())
-                .set(remaining as f64);
-        }
     }
 
     async fn settle_pacer(&self, spec: &shared::runs::RunSpec, reservation: &str, outcome: &CallOutcome) {
-        let Some(route): Option<&Route> = self.routes.get(spec.provider.as_deref()) else { return };
-        let model = spec.model.as_str();
-        if let Err(error) = route.pacer.settle(model, reservation, outcome).await {
+        let Some(route) = self.settling_route(spec, outcome) else { return };
+        if let Err(error) = route.pacer.settle(&spec.model, reservation, outcome).await {
             tracing::warn!(message = "could not settle the pacer", %error, reservation);
         }
+    }
+
+    /// The route a settle of `spec`'s call goes to, the remaining tokens its
+    /// headers named put on the gauge.
+    fn settling_route(&self, spec: &shared::runs::RunSpec, outcome: &CallOutcome) -> Option<&Route> {
+        let route: &Route = self.routes.get(spec.provider.as_deref())?;
         if let Some(remaining) = outcome.tokens.remaining {
-            metrics::gauge!(metric::PACER_REMAINING_TOKENS, "budget" => route.budget.clone(), "model" => model.to_owned())
+            metrics::gauge!(metric::PACER_REMAINING_TOKENS, "budget" => route.budget.clone(), "model" => spec.model.clone())
                 .set(remaining as f64);
         }
+        Some(route)
     }
 }
 

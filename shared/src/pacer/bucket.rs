@@ -358,15 +358,10 @@ impl Bucket {
                 short * window / self.limit
             }
         } else if self.full_at_ms > now {
-            // Full at the reset the headers named (whatever rate was read),
-            // and refilling at `rate` after it while the turns ahead take it.
-            let to_full = (self.full_at_ms - now) as f64;
-            let beyond = short - (self.limit - self.level).max(0.0);
-            if deep && beyond > 0.0 {
-                (short / self.rate).min(to_full + beyond / self.rate)
-            } else {
-                (short / self.rate).min(to_full)
-            }
+            // Full at the reset the headers named (whatever rate was read);
+            // a deep wait's rest, past what is missing, at `rate` after it.
+            let beyond = if deep { (short - (self.limit - self.level).max(0.0)).max(0.0) } else { 0.0 };
+            (short / self.rate).min((self.full_at_ms - now) as f64 + beyond / self.rate)
         } else {
             short / self.rate
         }

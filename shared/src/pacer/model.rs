@@ -263,6 +263,16 @@ pub struct Waiter {
     pub reason: OwedReason,
 }
 
+impl Waiter {
+    /// What it holds for the turns behind it, per bucket
+    /// ([`PacerState::buckets`] order): its line cost, its requests, its
+    /// input, the output it keeps (`kept`: [`PacerState::output_kept`]).
+    fn holds(&self, kept: f64) -> [f64; BUCKETS] {
+        let costs = self.est.costs();
+        [self.line, costs[1], costs[2], costs[3] * kept]
+    }
+}
+
 /// A call cleared and not yet settled.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Flight {
@@ -495,11 +505,9 @@ impl PacerState {
                 std::cmp::Ordering::Greater => false,
             };
             if before && other != id && now <= w.due_ms + late_ms as Millis {
-                let costs = w.est.costs();
-                ahead.held[0] += w.line;
-                ahead.held[1] += costs[1];
-                ahead.held[2] += costs[2];
-                ahead.held[3] += costs[3] * kept;
+                for (sum, held) in ahead.held.iter_mut().zip(w.holds(kept)) {
+                    *sum += held;
+                }
                 ahead.other_tenant |= fair::is_work(w.order) && w.tenant != tenant;
                 ahead.last_clear_ms = ahead.last_clear_ms.max(w.clear_ms);
             }
@@ -808,10 +816,9 @@ pub fn pull_in(state: &mut PacerState, cfg: &PacingConfig, now: Millis, k: usize
         if due + PULL_IN_GAIN_MS + (cfg.jitter_max_ms as Millis) < w.due_ms {
             moved.push((id.clone(), due));
         }
-        ahead[0] += w.line;
-        ahead[1] += costs[1];
-        ahead[2] += costs[2];
-        ahead[3] += costs[3] * kept;
+        for (sum, held) in ahead.iter_mut().zip(w.holds(kept)) {
+            *sum += held;
+        }
     }
     for (id, due) in &moved {
         if let Some(w) = state.waiters.get_mut(id) {

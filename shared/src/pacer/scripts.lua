@@ -71,8 +71,8 @@
 --           provider counted (-1 unknown), input bucket limit, remaining, reset_ms, the same
 --           for the output bucket   -> {0}
 --   head    n: reads the line's first n waiters for the ops after it (no decision) -> {0}
---   pull    k: the first k waiters in line whose wait, predicted now, ends more than
---           PULL_IN_GAIN_MS before their due time are moved up to it
+--   pull    k: the first k waiters in line whose wait, predicted now, ends well before
+--           their due time are moved up to it (model.rs, pull_in)
 --     -> {id, due_ms, ...} (in a batch only from Lua, runs/fetch.lua: Rust reads integers)
 --   -> one answer per op
 -- pull: ARGV[16] k[, ARGV[17] n: `head` n first] -> {id, due_ms as text, ...} (the same op alone, for Rust)
@@ -622,13 +622,11 @@ local function refill_ms(p, short, deep)
   end
   local full_at = get(p .. 'full_at')
   if full_at > now then
-    -- Full at the reset the headers named, refilling at the rate after it while the
-    -- turns ahead take it (`deep`: a line deeper than what is missing goes past it).
-    local beyond = short - math.max(get(p .. 'limit') - get(p .. 'level'), 0)
-    if deep and beyond > 0 then
-      return math.min(short / get(p .. 'rate'), (full_at - now) + beyond / get(p .. 'rate'))
-    end
-    return math.min(short / get(p .. 'rate'), full_at - now)
+    -- Full at the reset the headers named; a deep wait's rest, past what is missing,
+    -- at the rate after it (bucket.rs).
+    local beyond = 0
+    if deep then beyond = math.max(short - math.max(get(p .. 'limit') - get(p .. 'level'), 0), 0) end
+    return math.min(short / get(p .. 'rate'), (full_at - now) + beyond / get(p .. 'rate'))
   end
   return short / get(p .. 'rate')
 end
@@ -963,6 +961,20 @@ local function stamp_sent(r)
   r[RSENT], r[ISENT], r[OSENT] = get('r_sent'), get('i_sent'), get('o_sent')
 end
 
+-- The share of its output reservation a waiter is expected to keep (model.rs, output_kept).
+local function output_kept()
+  local k = get('usage_ratio')
+  if k > 0 then return math.min(math.max(k, 0.05), 1) end
+  return 1
+end
+
+-- What waiter `w` holds for the turns behind it, per bucket (model.rs, Waiter::holds): its
+-- line cost, its requests, its input, the output it keeps (`okept`: output_kept()).
+local function holds(w, okept)
+  local wout = math.min(w[OUTPUT], w[TOKENS])
+  return w[LINE], w[REQUESTS], w[TOKENS] - wout, wout * okept
+end
+
 -- What the turns ahead of `id` (at `order`, of `tenant`) in line hold of each bucket:
 -- their line cost, their requests, their input, the output they keep (the waiters
 -- before it by place, then id, found without putting it in line: a turn cleared now
@@ -970,8 +982,7 @@ end
 -- tenant's work turn is among them; the latest time one of them is predicted clear; and
 -- the least place of a work turn in line at or before `order` (none: `order` is the least).
 local function turns_ahead(id, order, tenant)
-  local okept = get('usage_ratio')
-  if okept > 0 then okept = math.min(math.max(okept, 0.05), 1) else okept = 1 end
+  local okept = output_kept()
   local a1, a2, a3, a4 = 0, 0, 0, 0
   local other, last_clear, least = false, 0, nil
   local held_until = now - late_ms
@@ -980,13 +991,8 @@ local function turns_ahead(id, order, tenant)
     local o = w[ORDER]
     if o >= 0 and (not least or o < least) then least = o end
     if (o < order or (o == order and wid < id)) and w[DUE] >= held_until then
-      local tokens, output = w[TOKENS], w[OUTPUT]
-      local wout = output
-      if tokens < wout then wout = tokens end
-      a1 = a1 + w[LINE]
-      a2 = a2 + w[REQUESTS]
-      a3 = a3 + (tokens - wout)
-      a4 = a4 + wout * okept
+      local h1, h2, h3, h4 = holds(w, okept)
+      a1, a2, a3, a4 = a1 + h1, a2 + h2, a3 + h3, a4 + h4
       if o >= 0 and w[TENANT] ~= tenant then other = true end
       if w[CLEAR] > last_clear then last_clear = w[CLEAR] end
     end
@@ -1608,8 +1614,8 @@ local function settle(a)
 end
 
 -- model.rs, pull_in: the first k waiters in line (not past their due time by late_ms)
--- whose wait, predicted now, ends more than PULL_IN_GAIN_MS before their due time are
--- moved up to it (by more than PULL_IN_GAIN_MS and the jitter's most). -> {id, due_ms, ...}
+-- whose wait, predicted now (+ PULL_IN_PAD_MS), ends more than PULL_IN_GAIN_MS and the
+-- jitter's most before their due time are moved up to it. -> {id, due_ms, ...}
 local function pull_in(k)
   local out = {}
   if whole_waits ~= 1 then return out end
@@ -1618,8 +1624,7 @@ local function pull_in(k)
   for _, p in ipairs(BUCKETS) do
     if known(p) then advance(p) end
   end
-  local okept = get('usage_ratio')
-  if okept > 0 then okept = math.min(math.max(okept, 0.05), 1) else okept = 1 end
+  local okept = output_kept()
   local held_until = now - late_ms
   local ahead = {0, 0, 0, 0}
   local taken, start = 0, 0
@@ -1639,9 +1644,8 @@ local function pull_in(k)
       local w = Wc[wid]
       if w and w[DUE] >= held_until and taken < k then
         taken = taken + 1
-        local tokens, output = w[TOKENS], w[OUTPUT]
-        local wout = math.min(output, tokens)
-        local costs = {tokens, w[REQUESTS], tokens - wout, wout}
+        local wout = math.min(w[OUTPUT], w[TOKENS])
+        local costs = {w[TOKENS], w[REQUESTS], w[TOKENS] - wout, wout}
         local fl = floor_work
         if w[ORDER] < 0 then fl = floor_companion end
         local wait = 0
@@ -1659,10 +1663,8 @@ local function pull_in(k)
           out[#out + 1] = wid
           out[#out + 1] = due
         end
-        ahead[1] = ahead[1] + w[LINE]
-        ahead[2] = ahead[2] + costs[2]
-        ahead[3] = ahead[3] + costs[3]
-        ahead[4] = ahead[4] + costs[4] * okept
+        local h1, h2, h3, h4 = holds(w, okept)
+        ahead[1], ahead[2], ahead[3], ahead[4] = ahead[1] + h1, ahead[2] + h2, ahead[3] + h3, ahead[4] + h4
       end
     end
     if last then break end

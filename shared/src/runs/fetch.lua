@@ -85,8 +85,7 @@ local function hold(ids, recs, now)
       -- (Read whole: a turn cleared here is started from this read, `start_leased`.)
       RUN = base .. 'run:' .. qid
       local read = redis.call('HGETALL', RUN)
-      local f = {}
-      for k = 1, #read, 2 do f[read[k]] = read[k + 1] end
+      local f = record_of(read)
       r.run_read = read
       if f.status == 'waiting' and tonumber(f.turns or '') == job.turn then
         local gk = tostring(ask.provider or asks.first) .. '\n' .. ask.model

@@ -59,6 +59,13 @@ local function add_usage(f, set, ...)
   end
 end
 
+-- A record's HGETALL (flat: field, value, …) by field name.
+local function record_of(fields)
+  local f = {}
+  for i = 1, #fields, 2 do f[fields[i]] = fields[i + 1] end
+  return f
+end
+
 -- The record's fields `names`, read in one HMGET, by name (false: missing).
 local function read_fields(names)
   local vals = redis.call('HMGET', RUN, unpack(names))
@@ -195,8 +202,7 @@ local function start_turn(epoch, turn, attempt, max_hist, read)
   -- The whole record is what the turn needs anyway: read once, checked from it (`read`:
   -- as this script read it already, HGETALL's flat list).
   local fields = read or redis.call('HGETALL', RUN)
-  local f = {}
-  for i = 1, #fields, 2 do f[fields[i]] = fields[i + 1] end
+  local f = record_of(fields)
   local why = check_run(f, turn)
   if why then return {'stop', why} end
   local status = f.status
