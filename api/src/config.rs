@@ -39,6 +39,11 @@ pub struct ApiConfig {
     /// How many event streams may be open, and for how long.
     #[command(flatten)]
     pub streams: StreamArgs,
+    /// How a run's first turn gets its pacer ask at submit (set in code by
+    /// the binary: the worker's token count). None: the first turn asks when
+    /// a worker starts it.
+    #[arg(skip)]
+    pub first_ask: Option<shared::runs::FirstAsk>,
 }
 
 /// The API's own HTTP knobs. Declared once, flattened into `paceline api`
@@ -186,6 +191,7 @@ impl ApiConfig {
             providers: ProvidersArg::default(),
             access: AccessArgs::default(),
             streams: StreamArgs::default(),
+            first_ask: None,
         }
     }
 }

@@ -17,3 +17,14 @@ pub mod redis_server;
 pub mod redis_util;
 pub mod runs;
 pub mod telemetry;
+
+/// Runs CPU-bound work (building a long body, counting its tokens) without
+/// holding one of the runtime's worker threads: on a multi-threaded runtime
+/// the thread's other tasks move to another thread meanwhile. (A
+/// current-thread runtime, as some tests use, runs it in place.)
+pub fn cpu_bound<R>(work: impl FnOnce() -> R) -> R {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
+        _ => work(),
+    }
+}

@@ -15,8 +15,10 @@
 //! An estimate, not a bill: it errs high where it must guess (framing,
 //! images, encrypted reasoning), because a reservation that is too small
 //! sends into a 429 and one that is a little large only waits a little. A
-//! provider whose tokenizer is not ours is met by [`Calibration`], learned
-//! from the usage it reports.
+//! provider whose tokenizer is not ours (a vLLM or Ollama model, Anthropic,
+//! the mock's `chars / 4`: ~1.33× ours on English) is met by the pacer: it
+//! charges every ask's input at its learned *input ratio* (the provider's
+//! count / this count), shared by every worker and the API's first asks.
 
 use serde_json::Value;
 use tiktoken_rs::CoreBPE;
@@ -215,76 +217,6 @@ fn image_tokens(part: &Value) -> u64 {
     }
 }
 
-/// How a provider's count of input tokens compares with ours, learned from
-/// the usage it reports — so a reservation fits the provider that admits it.
-///
-/// `o200k_base` is exact for OpenAI's current models, but a vLLM or Ollama
-/// model has its own tokenizer (Llama's counts English ~10–20 % higher), and
-/// a provider simulator may count `chars / 4` (paceline's mock does: ~1.33×
-/// ours on English). A reservation smaller than what the provider admits
-/// lets concurrent calls overdraw the budget; so the worker keeps one
-/// `Calibration` per model, feeds it each finished call's
-/// (estimated input, reported input), and reserves [`Calibration::apply`].
-///
-/// The ratio is a moving average (quick to rise, slow to fall), clamped to
-/// [`Calibration::MIN_RATIO`]..=[`Calibration::MAX_RATIO`]: never below 1 —
-/// the real tokenizer is the floor, an estimate that errs high only waits a
-/// little — and never so high that one odd report (a cached prompt, a
-/// proxy's own count) blocks a run.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Calibration {
-    ratio: f64,
-    observations: u32,
-}
-
-impl Default for Calibration {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl Calibration {
-    /// The ratio never goes below this: our count is the floor.
-    pub const MIN_RATIO: f64 = 1.0;
-    /// Nor above this.
-    pub const MAX_RATIO: f64 = 4.0;
-    /// The weight of a new observation in the moving average when it is
-    /// higher than the ratio, and when it is lower: the average rises fast and
-    /// falls slowly, so it tracks the dearer bodies ("errs high") while one
-    /// odd report still cannot move it all the way.
-    const WEIGHT_UP: f64 = 0.5;
-    const WEIGHT_DOWN: f64 = 0.1;
-
-    /// No observations yet: ratio 1.
-    pub const fn new() -> Self {
-        Self { ratio: 1.0, observations: 0 }
-    }
-
-    /// The current ratio (reported / estimated).
-    pub fn ratio(&self) -> f64 {
-        self.ratio
-    }
-
-    /// Learns from one finished call: our input estimate ([`input_tokens`])
-    /// and the provider's reported input tokens. A call with either at zero
-    /// teaches nothing.
-    pub fn observe(&mut self, estimated_input: u64, reported_input: u64) {
-        if estimated_input == 0 || reported_input == 0 {
-            return;
-        }
-        let r = (reported_input as f64 / estimated_input as f64).clamp(Self::MIN_RATIO, Self::MAX_RATIO);
-        // The first report is taken whole: there is nothing to average with.
-        let weight = if r > self.ratio { Self::WEIGHT_UP } else { Self::WEIGHT_DOWN };
-        self.ratio = if self.observations == 0 { r } else { self.ratio + weight * (r - self.ratio) };
-        self.observations = self.observations.saturating_add(1);
-    }
-
-    /// An input estimate scaled to what the provider will count (rounded up).
-    pub fn apply(&self, estimated_input: u64) -> u64 {
-        (estimated_input as f64 * self.ratio).ceil() as u64
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -455,40 +387,5 @@ mod tests {
         assert!(memo.newer.len() + memo.older.len() <= 2 * Memo::GENERATION);
         assert_eq!(memo.get(((3 * Memo::GENERATION - 1) as u64, 300)), Some((3 * Memo::GENERATION - 1) as u64));
         assert_eq!(memo.get((0, 300)), None, "the oldest generation is gone");
-    }
-
-    #[test]
-    fn calibration_learns_the_providers_count_within_bounds() {
-        let mut c = Calibration::new();
-        assert_eq!(c.apply(1000), 1000);
-        c.observe(0, 500);
-        c.observe(500, 0);
-        assert_eq!(c, Calibration::new(), "zeros teach nothing");
-        c.observe(1000, 1330);
-        assert!((c.ratio() - 1.33).abs() < 1e-9, "the first report is taken whole");
-        assert_eq!(c.apply(1000), 1330);
-        for _ in 0..50 {
-            c.observe(1000, 1200);
-        }
-        assert!((c.ratio() - 1.2).abs() < 1e-3);
-        // Clamped both ways.
-        let mut low = Calibration::new();
-        low.observe(1000, 10);
-        assert_eq!(low.ratio(), Calibration::MIN_RATIO);
-        let mut high = Calibration::new();
-        high.observe(10, 1_000_000);
-        assert_eq!(high.ratio(), Calibration::MAX_RATIO);
-        // One odd report moves the average, not the whole way.
-        let mut c = Calibration::new();
-        c.observe(1000, 1000);
-        c.observe(1000, 4000);
-        assert!(c.ratio() < 4.0);
-        // Quick to rise, slow to fall.
-        let mut c = Calibration::new();
-        c.observe(1000, 1000);
-        c.observe(1000, 2000);
-        assert!((c.ratio() - 1.5).abs() < 1e-9);
-        c.observe(1000, 1000);
-        assert!((c.ratio() - 1.45).abs() < 1e-9);
     }
 }

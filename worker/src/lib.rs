@@ -134,7 +134,6 @@ pub async fn runner(config: &WorkerConfig) -> anyhow::Result<(Runner, TurnQueue)
         tools,
         config: Arc::new(turn_config),
         tenants: Arc::new(tenants),
-        calibration: Arc::default(),
         cancels: cancels::Cancels::default(),
         bench_deliveries_key: config.bench_deliveries_key.clone(),
     };
@@ -183,7 +182,11 @@ pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()> + Send
     // and one back from a budget wait is asked for there first.
     let asks = runner.routes.fetch_asks(&runner.tenants, runner.config.in_place_wait);
     let fetch = runner.store.fetch_script_asking(config.slots.max_history, asks.as_ref());
-    let backend = backend::QueueBackend::<Turn>::new(queue, config.slots.concurrency.max(1)).fetching_with(fetch);
+    let routes = runner.routes.clone();
+    let backend = backend::QueueBackend::<Turn>::new(queue, config.slots.concurrency.max(1))
+        .fetching_with(fetch)
+        // A turn the fetch's ask owed time says the budget is scarce, as the worker's own ask would.
+        .on_held(move |_| routes.note_fetch_owed());
     let name = backend.identity().to_owned();
     let stopping = backend.stopping();
     tracing::info!(message = "worker started", worker.id = %name, concurrency = config.slots.concurrency,

@@ -93,6 +93,16 @@ impl Routes {
         }
     }
 
+    /// The worker's fetch asked a pacer and it owed a turn time: each budget
+    /// the fetch asks counts as scarce (the fetch does not say which owed).
+    pub fn note_fetch_owed(&self) {
+        for r in self.0.iter() {
+            if matches!(&r.pacer, Pacer::Shared(p) if p.scriptable()) {
+                r.owed.note(shared::pacer::OwedReason::Budget);
+            }
+        }
+    }
+
     /// What the fetch needs to ask the shared pacers itself
     /// (`RunStore::fetch_script_asking`): the routes whose pacer is shared.
     /// `None` when none is.

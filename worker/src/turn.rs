@@ -19,11 +19,12 @@ use shared::pacer::{
     next_retry, server_delay, CallOutcome, Decision, Estimate, FailureKind, GiveUp, Mode, OwedReason, RetryDecision,
     RetryPolicy,
 };
+use shared::providers::ProviderTable;
 use shared::queue::Lease;
 use shared::runs::state::event;
 use shared::runs::{
-    BudgetWait, ErrorKind, Fence, ModelOutput, Next, PacedAsk, Phase, RunStore, Started, StoreError, TranscriptEntry,
-    Turn, TurnContext, TurnJob, Usage, WaitReason,
+    ApiStyle, BudgetWait, ErrorKind, Fence, FirstAsk, ModelOutput, Next, PacedAsk, Phase, RunStore, Started,
+    StoreError, TranscriptEntry, Turn, TurnContext, TurnJob, Usage, WaitReason,
 };
 
 use crate::provider::{CallFailure, CallSuccess, StreamEvent, ToolCall};
@@ -39,6 +40,13 @@ const DELTA_BATCH: Duration = Duration::from_millis(50);
 /// longer in the queue (every slot busy) asks again, which a reservation still
 /// held answers at once (clear) and a lapsed one decides afresh.
 pub const CLEARED_FRESH_MS: i64 = 10_000;
+
+/// A turn cleared for tokens no more than this share below what its worker
+/// counts when it builds the call calls on that clearance. One cleared for
+/// less (a first turn's ask is the API's count, in the style of the provider
+/// the API knows of; a body built otherwise here) gives its reservation back
+/// and asks for what it sends.
+pub const CLEARED_SLACK: f64 = 0.10;
 
 /// Tool calls that answer within this of the model's output are committed
 /// with it in one script; slower ones see the output committed first, while
@@ -84,7 +92,6 @@ pub struct Runner {
     /// Per model: how the provider's input count compares with ours, learned
     /// from reported usage, so reservations fit a provider that counts
     /// differently (a proxy, another tokenizer, the mock).
-    pub calibration: Arc<std::sync::Mutex<std::collections::HashMap<String, crate::estimate::Calibration>>>,
     /// The turns a cancel can reach (`cancels.rs`).
     pub cancels: crate::cancels::Cancels,
     /// Bench only: the list each delivery is logged to
@@ -225,7 +232,8 @@ impl Runner {
             }
             self.run_tools_and_commit(lease, job, &ctx, &calls, &cancel, None).await?
         } else {
-            self.call_model(lease, job, &ctx, &cancel, cleared.is_some()).await?
+            let cleared_tokens = cleared.as_ref().map(|(_, ask, _)| ask.tokens);
+            self.call_model(lease, job, &ctx, &cancel, cleared_tokens).await?
         };
         metrics::counter!(metric::TURNS, "outcome" => outcome.as_str()).increment(1);
         metrics::histogram!(metric::TURN_LATENCY).record(started.elapsed().as_secs_f64());
@@ -233,55 +241,53 @@ impl Runner {
     }
 
     /// The body of a call of `spec` over `transcript` (bounded to the history
-    /// depth), its answer tool, its input tokens as counted here, and what the
-    /// pacer is asked to reserve for it (the input calibrated to the
-    /// provider's count, plus the output reservation).
+    /// depth), its answer tool, and what the pacer is asked to reserve for it:
+    /// its input as counted here (the pacer charges it at its learned input
+    /// ratio) and the output reservation.
     fn prepare_call(
         &self,
         route: &Route,
         spec: &shared::runs::RunSpec,
         transcript: &[TranscriptEntry],
-    ) -> (Value, Option<String>, u64, Estimate) {
-        let params = turn_params(spec);
-        let style = route.provider.api_style();
-        let (body, answer_tool, input) = cpu_bound(|| {
-            let context = prepare_context(transcript, self.config.max_history);
-            let body = build_body(style, &params, &context);
-            let input = crate::estimate::input_tokens(&body);
-            (body, answer_tool(style, &params), input)
-        });
-        let scaled = self.calibration(&spec.model, |c| c.apply(input));
-        let est = Estimate {
-            tokens: scaled + spec.max_output_tokens as u64,
-            requests: 1,
-            output: spec.max_output_tokens as u64,
-        };
-        (body, answer_tool, input, est)
+    ) -> (Value, Option<String>, Estimate) {
+        let (body, answer_tool, input) =
+            shared::cpu_bound(|| call_body(route.provider.api_style(), spec, transcript, self.config.max_history));
+        (body, answer_tool, call_estimate(spec, input))
     }
 
-    /// Asks the pacer for the turn after `job`, as it commits, when its
-    /// budget is scarce (this process heard it owe a call time lately:
-    /// `OwedLately`): `new_items` (the model's output and the tool results)
-    /// end the history the next call sends, so its ask is known now. Cleared,
-    /// the next turn is queued with its reservation held; owed, it waits in
-    /// the queue from this commit on — no delivery, start or requeue of its
-    /// own for that first wait. With room in the budget, without a pacer to
-    /// ask, or when the pacer cannot be reached, the next turn asks when it
-    /// starts (`Next::Continue`): an ask here would only add a round trip
-    /// before the commit.
+    /// The ask of the turn after `job`, made as it commits when its budget is
+    /// scarce (this process heard it owe a call time lately: `OwedLately`):
+    /// `new_items` (the model's output and the tool results) end the history
+    /// the next call sends, so its ask is known now. Cleared, the next turn is
+    /// queued with its reservation held; owed, it waits in the queue from this
+    /// commit on — no delivery, start or requeue of its own for that first
+    /// wait. With room in a shared budget the ask is carried, not made: the
+    /// fetch that leases the turn makes it (in its own script, no round trip
+    /// of the worker's), and a turn owed by then waits in the queue unstarted.
+    /// Without a shared pacer (the fetch asks none), or when the pacer cannot
+    /// be reached, the next turn asks when it starts (`Next::Continue`).
     async fn ask_for_next(&self, lease: &Lease, job: TurnJob, ctx: &TurnContext, new_items: &[Value]) -> Next {
         let spec = &ctx.spec;
         let Some(route) = self.routes.get(spec.provider.as_deref()) else { return Next::Continue };
-        if matches!(route.pacer, shared::pacer::Pacer::Off) || !route.owed.scarce() {
+        let scarce = route.owed.scarce();
+        // (The worker's fetch asks the pacers that let a script ask them: routes.rs `fetch_asks`.)
+        let fetch_asks = matches!(&route.pacer, shared::pacer::Pacer::Shared(p) if p.scriptable());
+        if matches!(route.pacer, shared::pacer::Pacer::Off) || !scarce && !fetch_asks {
             return Next::Continue;
         }
         let next = TurnJob { turn: job.turn + 1, attempt: 1 };
         let mut transcript = ctx.transcript.clone();
         transcript.extend(new_items.iter().map(|item| TranscriptEntry { turn: next.turn, item: item.clone() }));
-        let (_, _, _, est) = self.prepare_call(route, spec, &transcript);
+        let (_, _, est) = self.prepare_call(route, spec, &transcript);
+        let ask = PacedAsk::new(spec, &ctx.tenant, est);
+        if !scarce {
+            return Next::Paced {
+                turn: Turn { job: next, ask: Some(ask), cleared: false, pause_ms: None },
+                wait: None,
+            };
+        }
         let reservation = reservation_id(lease, next);
         let who = self.tenants.who(&ctx.tenant);
-        let ask = PacedAsk::new(spec, &ctx.tenant, est);
         match self.pace(route, &spec.model, &reservation, est, spec.mode, &who).await {
             Ok(Paced::Clear) => {
                 Next::Paced { turn: Turn { job: next, ask: Some(ask), cleared: true, pause_ms: None }, wait: None }
@@ -339,13 +345,16 @@ impl Runner {
         Ok(self.store.wait_asking(lease, job, next, ms, wait_reason, event::TURN_PACED, &data).await?)
     }
 
+    /// Builds the call, asks the pacer unless it cleared the call for
+    /// `cleared` tokens already (enough of them: [`CLEARED_SLACK`]), calls the
+    /// provider and goes on with its answer.
     async fn call_model(
         &self,
         lease: &Lease,
         job: TurnJob,
         ctx: &TurnContext,
         cancel: &Cancel,
-        cleared: bool,
+        cleared: Option<u64>,
     ) -> Result<TurnOutcome, TurnError> {
         let spec = &ctx.spec;
         let Some(route) = self.routes.get(spec.provider.as_deref()) else {
@@ -368,11 +377,15 @@ impl Runner {
             let fence = self.store.fail(lease, job, ErrorKind::PartialOutput, message, Usage::default()).await?;
             return Ok(settled(lease, fence, TurnOutcome::Failed));
         }
-        let (body, answer_tool, input, est) = self.prepare_call(route, spec, &ctx.transcript);
+        let (body, answer_tool, est) = self.prepare_call(route, spec, &ctx.transcript);
         // One reservation id per call attempt: a budget wait keeps it (so the
         // turn finds its booking when it comes back), a retry gets a new one.
         let reservation = reservation_id(lease, job);
-        if !cleared {
+        let short = cleared.is_some_and(|tokens| est.tokens as f64 > tokens as f64 * (1.0 + CLEARED_SLACK));
+        if short {
+            self.settle_pacer(spec, &reservation, &CallOutcome::default()).await;
+        }
+        if cleared.is_none() || short {
             let who = self.tenants.who(&ctx.tenant);
             if let Paced::Owed { ms, reason } =
                 self.pace(route, &spec.model, &reservation, est, spec.mode, &who).await?
@@ -425,10 +438,6 @@ impl Runner {
             self.settle_pacer(spec, &reservation, &CallOutcome::default()).await;
             return self.cancelled(lease, ctx).await;
         };
-        if let Ok(CallSuccess { usage: Some(u), .. }) = &result {
-            self.calibration(&spec.model, |c| c.observe(input, u.tokens.input_tokens));
-        }
-
         match result {
             Ok(success) => self.on_success(lease, job, ctx, &reservation, success, cancel).await,
             Err(failure) => self.on_failure(lease, job, ctx, &reservation, failure).await,
@@ -644,11 +653,6 @@ impl Runner {
         }
     }
 
-    fn calibration<T>(&self, model: &str, f: impl FnOnce(&mut crate::estimate::Calibration) -> T) -> T {
-        let mut map = self.calibration.lock().unwrap_or_else(|e| e.into_inner());
-        f(map.entry(model.to_owned()).or_default())
-    }
-
     /// Notes a call into the pacer of the run's provider. A pacer that cannot
     /// be written is logged, not fatal: the call happened, and its turn must
     /// still be committed.
@@ -707,15 +711,46 @@ impl Runner {
     }
 }
 
-/// Runs CPU-bound work (building a long body, counting its tokens) without
-/// holding one of the runtime's worker threads: on a multi-threaded runtime
-/// the thread's other tasks move to another thread meanwhile. (A
-/// current-thread runtime, as some tests use, runs it in place.)
-fn cpu_bound<R>(work: impl FnOnce() -> R) -> R {
-    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
-        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
-        _ => work(),
-    }
+/// The body of a call of `spec` over `transcript` in `style` (bounded to
+/// `max_history` turns), its answer tool, and its input tokens as counted here.
+fn call_body(
+    style: ApiStyle,
+    spec: &shared::runs::RunSpec,
+    transcript: &[TranscriptEntry],
+    max_history: usize,
+) -> (Value, Option<String>, u64) {
+    let params = turn_params(spec);
+    let context = prepare_context(transcript, max_history);
+    let body = build_body(style, &params, &context);
+    let input = crate::estimate::input_tokens(&body);
+    (body, answer_tool(style, &params), input)
+}
+
+/// What the pacer is asked to reserve for a call of `spec` sending `input`
+/// tokens: the input and the output reservation, one request.
+fn call_estimate(spec: &shared::runs::RunSpec, input: u64) -> Estimate {
+    let output = u64::from(spec.max_output_tokens);
+    Estimate { tokens: input + output, requests: 1, output }
+}
+
+/// The API's [`FirstAsk`]: a run's first call counted as a worker counts it
+/// (its input as turn 0, in the style of the provider it names in
+/// `providers`, the first's, or Responses for a fleet of one unnamed
+/// provider, whose style the API is not told: a worker whose count is larger
+/// asks again, [`CLEARED_SLACK`]).
+pub fn first_ask(providers: &ProviderTable) -> FirstAsk {
+    let styles: Vec<(String, ApiStyle)> = providers.0.iter().map(|p| (p.name.clone(), p.style)).collect();
+    FirstAsk::new(move |spec, tenant| {
+        let style = match &spec.provider {
+            Some(name) => styles.iter().find(|(n, _)| n == name).map(|(_, s)| *s),
+            None => styles.first().map(|(_, s)| *s),
+        }
+        .unwrap_or(ApiStyle::Responses);
+        let transcript: Vec<TranscriptEntry> =
+            spec.input.iter().map(|item| TranscriptEntry { turn: 0, item: item.clone() }).collect();
+        let (_, _, input) = call_body(style, spec, &transcript, crate::context::DEFAULT_MAX_HISTORY);
+        Some(PacedAsk::new(spec, tenant, call_estimate(spec, input)))
+    })
 }
 
 /// A budget wait of `job` for `ms`: its `turn.paced` data and the run's wait

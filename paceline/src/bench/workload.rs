@@ -161,6 +161,7 @@ pub async fn api_server(redis: RedisArgs, tool_prefix: &str, tokens: &[(String, 
     for (tenant, token) in tokens {
         config.serve.tokens = config.serve.tokens.with(tenant.clone(), token.clone());
     }
+    config.first_ask = Some(worker::turn::first_ask(&Default::default()));
     let app = api::Application::build(config).await?;
     let addr = app.local_addr();
     let (stop, stopped) = oneshot::channel::<()>();

@@ -14,7 +14,10 @@ pub struct Args {
 pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
     shared::telemetry::init("info");
     let shutdown = super::shutdown_signal();
-    let app = api::Application::build(args.config).await?;
+    let mut config = args.config;
+    // A run's first turn gets its pacer ask at submit, counted as the workers count.
+    config.first_ask = Some(worker::turn::first_ask(&config.providers.providers));
+    let app = api::Application::build(config).await?;
     app.run_until_stopped(shutdown).await?;
     Ok(ExitCode::SUCCESS)
 }

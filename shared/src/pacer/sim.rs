@@ -292,8 +292,8 @@ impl Workload {
             tool_ms: (0, 50),
             tenants: vec![Tenant { name: "alpha".into(), weight: 1.0, cap: 0.0 }],
             runs,
-            // The worker's estimate 18 % low, as the bench measured it (a
-            // calibration per process corrects it in a real worker; not here).
+            // The worker's count 18 % below what the provider charges (the
+            // mock counts chars / 4; the pacer's input ratio corrects it).
             faults: Faults { settle_delay_max_ms: 20, est_low: 0.18, ..Faults::default() },
             config: PacingConfig { jitter_frac: 0.02, ..PacingConfig::default() },
             until_ms: 600_000,

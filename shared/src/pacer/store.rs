@@ -296,7 +296,7 @@ pub struct SharedPacer {
     /// `None` in production: the script reads the Redis server's clock.
     test_clock: Option<Arc<dyn Clock>>,
     /// Models this process has already listed under the budget.
-    registered: Arc<Mutex<std::collections::HashSet<String>>>,
+    registered: Arc<Mutex<HashMap<String, Arc<tokio::sync::OnceCell<()>>>>>,
     /// Per budget and model, the queue of this process's calls waiting for
     /// the next batch (see [`Batcher`]).
     batchers: Arc<Mutex<HashMap<(String, String), Batcher>>>,
@@ -464,13 +464,19 @@ impl SharedPacer {
         inv
     }
 
+    /// Whether another script may ask this pacer itself ([`Self::script_route`]):
+    /// not on an injected test clock, which a script cannot read.
+    pub fn scriptable(&self) -> bool {
+        self.test_clock.is_none()
+    }
+
     /// What a script that asks this pacer itself needs ([`lua_function`]):
     /// the names of its keys for a model (each is the model's name appended
     /// to one of these) and `ARGV[2..15]` with the clock left to the caller
     /// (`""` at `ARGV[11]`). `None` on an injected test clock, which a script
     /// cannot read.
     pub fn script_route(&self) -> Option<serde_json::Value> {
-        if self.test_clock.is_some() {
+        if !self.scriptable() {
             return None;
         }
         Some(serde_json::json!({"keys": self.script_keys(""), "cfg": self.config_args(String::new())}))
@@ -553,19 +559,22 @@ impl SharedPacer {
     }
 
     /// Lists the model under the budget (once per process), for `snapshot`.
+    /// The first wave's concurrent asks wait for one write, not one each; a
+    /// write that fails is sent again by the next ask.
     async fn register(&self, model: &str) -> Result<(), PacerError> {
-        if self.registered.lock().unwrap_or_else(|e| e.into_inner()).contains(model) {
-            return Ok(());
-        }
-        let mut conn = self.conn.clone();
-        redis::pipe()
-            .sadd(self.keys.pacer_budgets(), &self.budget)
-            .ignore()
-            .sadd(self.keys.pacer_models(&self.budget), model)
-            .ignore()
-            .query_async::<()>(&mut conn)
-            .await?;
-        self.registered.lock().unwrap_or_else(|e| e.into_inner()).insert(model.to_owned());
+        let once =
+            self.registered.lock().unwrap_or_else(|e| e.into_inner()).entry(model.to_owned()).or_default().clone();
+        once.get_or_try_init(|| async {
+            let mut conn = self.conn.clone();
+            redis::pipe()
+                .sadd(self.keys.pacer_budgets(), &self.budget)
+                .ignore()
+                .sadd(self.keys.pacer_models(&self.budget), model)
+                .ignore()
+                .query_async::<()>(&mut conn)
+                .await
+        })
+        .await?;
         Ok(())
     }
 

@@ -4,8 +4,9 @@
 -- each turn it leases is started in the same script, unless its payload carries a pacer
 -- ask it has to make first (not one cleared already: store.rs `Turn::cleared`) or a
 -- format this version does not read (the worker buries it).
--- A turn back from a budget wait whose pacer this fetch may ask (ARGV[7]) is asked for
--- here, before it is leased: cleared, it is leased and started as a cleared turn; still
+-- A turn that carries an ask not made yet — back from a budget wait, or a run's first
+-- turn (its ask made at submit, store.rs `FirstAsk`) — whose pacer this fetch may ask
+-- (ARGV[7]) is asked for here, before it is leased: cleared, it is leased and started as a cleared turn; still
 -- owed, it waits again in the queue, as the worker's wait would have left it (the run's
 -- wait fields and counter, a `turn.paced` event), and no worker sees it — unless it is
 -- owed no longer than the worker's in-place wait: then it is leased (not started: it
@@ -81,13 +82,14 @@ local function hold(ids, recs, now)
     end
     local route = type(ask) == 'table' and type(ask.model) == 'string' and asks.routes[ask.provider or asks.first]
     if type(route) == 'table' then
-      -- Only a run that waits for this very turn: anything else, the worker's start decides.
-      -- (Read whole: a turn cleared here is started from this read, `start_leased`.)
+      -- Only a run whose next turn is this very one, waiting or queued: anything else,
+      -- the worker's start decides. (Read whole: a turn cleared here is started from
+      -- this read, `start_leased`.)
       RUN = base .. 'run:' .. qid
       local read = redis.call('HGETALL', RUN)
       local f = record_of(read)
       r.run_read = read
-      if f.status == 'waiting' and tonumber(f.turns or '') == job.turn then
+      if (f.status == 'waiting' or f.status == 'queued') and tonumber(f.turns or '') == job.turn then
         local gk = tostring(ask.provider or asks.first) .. '\n' .. ask.model
         local g = groups[gk]
         if not g then

@@ -188,6 +188,39 @@ impl PacedAsk {
     }
 }
 
+/// How a run's first turn gets its ask at submit: the tokens its first call
+/// will send, counted as a worker counts them. With it the first turn is
+/// queued as every later one is, carrying its ask: the fetch that leases it
+/// asks the pacer first, and under a scarce budget it waits in the queue from
+/// the start (not started, asked by its worker, owed and requeued). The binary
+/// gives the worker's counter (`worker::turn::first_ask`): the API crate
+/// counts no tokens itself. A worker whose own count is larger asks again
+/// (turn.rs `CLEARED_SLACK`).
+#[derive(Clone)]
+pub struct FirstAsk(std::sync::Arc<AskOf>);
+
+/// `f(spec, tenant)`: the ask of a run's first turn (see [`FirstAsk`]).
+type AskOf = dyn Fn(&RunSpec, &str) -> Option<PacedAsk> + Send + Sync;
+
+impl FirstAsk {
+    /// The estimator `f(spec, tenant)`.
+    pub fn new(f: impl Fn(&RunSpec, &str) -> Option<PacedAsk> + Send + Sync + 'static) -> Self {
+        Self(std::sync::Arc::new(f))
+    }
+
+    /// The ask of run `spec`'s first turn, of `tenant` (counted off the
+    /// runtime's threads: a long input takes a while, [`crate::cpu_bound`]).
+    pub fn ask(&self, spec: &RunSpec, tenant: &str) -> Option<PacedAsk> {
+        crate::cpu_bound(|| (self.0)(spec, tenant))
+    }
+}
+
+impl std::fmt::Debug for FirstAsk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FirstAsk")
+    }
+}
+
 /// The shared pacers a worker's fetch asks itself
 /// ([`RunStore::fetch_script_asking`]), as `runs/fetch.lua` reads them.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -525,13 +558,14 @@ impl RunStore {
 
     /// Writes a new run — record, transcript (its input as turn 0), the
     /// `run.queued` event, the tenant's index — and enqueues its first turn,
-    /// in one atomic step. With an idempotency key seen before, returns the
-    /// first run instead.
+    /// in one atomic step, carrying `first_ask` ([`FirstAsk`]) when given. With
+    /// an idempotency key seen before, returns the first run instead.
     pub async fn create(
         &self,
         tenant: &str,
         spec: &RunSpec,
         idem: Option<&Idempotency>,
+        first_ask: Option<PacedAsk>,
     ) -> Result<Created, StoreError> {
         let id = new_run_id();
         let spec_json = serde_json::to_string(spec).map_err(|e| StoreError::Protocol(e.to_string()))?;
@@ -549,7 +583,9 @@ impl RunStore {
         if let Some(s) = spec.max_run_seconds {
             fields[field::MAX_RUN_MS] = json!((u64::from(s) * 1_000).to_string());
         }
-        let job = serde_json::to_string(&TurnJob { turn: 0, attempt: 1 }).unwrap_or_default();
+        // The first turn carries its ask, as every later one does ([`FirstAsk`]).
+        let first = Turn { job: TurnJob { turn: 0, attempt: 1 }, ask: first_ask, cleared: false, pause_ms: None };
+        let job = serde_json::to_string(&first).unwrap_or_default();
         let mut inv = self.invocation("create", &id, tenant, idem.map(|i| i.key.as_str()));
         inv.arg(tenant)
             .arg(idem.map(|i| i.fingerprint.as_str()).unwrap_or(""))

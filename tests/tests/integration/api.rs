@@ -231,6 +231,34 @@ async fn probes_answer_without_a_token() {
 }
 
 #[tokio::test]
+async fn a_submitted_runs_first_turn_carries_the_ask_its_tokens_were_counted_for() {
+    // With the binary's `FirstAsk` (the worker's token count), the first turn
+    // is queued with its pacer ask, so the fetch that leases it can ask first.
+    let app = spawn_app_with(|c| c.first_ask = Some(worker::turn::first_ask(&Default::default()))).await;
+    let mut body = spec();
+    body["input"] = json!("word ".repeat(400));
+    body["max_output_tokens"] = json!(300);
+    let run = app.submit(ACME, &body).await;
+    let queue = shared::queue::TurnQueue::new(&RedisArgs::new(app.redis.url(), app.prefix.clone()), Default::default())
+        .unwrap();
+    let turn: shared::runs::Turn = queue.payload(run["id"].as_str().unwrap()).await.unwrap().expect("queued");
+    assert_eq!((turn.job.turn, turn.cleared), (0, false));
+    let ask = turn.ask.expect("the first turn's ask");
+    assert_eq!((ask.model.as_str(), ask.tenant.as_str(), ask.output, ask.requests), ("gpt-4.1-mini", "acme", 300, 1));
+    // Its input counted: 400 words and the framing, and the output reserved.
+    assert!((700..=800).contains(&ask.tokens), "{ask:?}");
+
+    // Without one (a store used directly, an API built in code), the first turn asks when it starts.
+    let plain = spawn_app().await;
+    let run = plain.submit(ACME, &spec()).await;
+    let queue =
+        shared::queue::TurnQueue::new(&RedisArgs::new(plain.redis.url(), plain.prefix.clone()), Default::default())
+            .unwrap();
+    let turn: shared::runs::Turn = queue.payload(run["id"].as_str().unwrap()).await.unwrap().expect("queued");
+    assert_eq!(turn.ask, None);
+}
+
+#[tokio::test]
 async fn a_submitted_run_is_queued_and_readable() {
     let app = spawn_app().await;
     let run = app.submit(ACME, &spec()).await;

@@ -259,7 +259,12 @@ mod with_workers {
         let mut work = vec![];
         for i in 0..30 {
             work.push(
-                app.store.create("bulk", &spec(&app, &format!("work {i}"), "work", true), None).await.unwrap().run.id,
+                app.store
+                    .create("bulk", &spec(&app, &format!("work {i}"), "work", true), None, None)
+                    .await
+                    .unwrap()
+                    .run
+                    .id,
             );
         }
         // The work runs have emptied the bucket: one of them waits for the budget.
@@ -275,7 +280,8 @@ mod with_workers {
         })
         .await;
         let asked = Instant::now();
-        let live = app.store.create("listener", &spec(&app, "a question", "companion", false), None).await.unwrap().run;
+        let live =
+            app.store.create("listener", &spec(&app, "a question", "companion", false), None, None).await.unwrap().run;
         let live = wait_finished_for(&app, "listener", &live.id, Duration::from_secs(20)).await;
         let waited = asked.elapsed();
         assert_eq!(live.status, RunStatus::Completed, "{live:?}");
@@ -324,7 +330,12 @@ mod with_workers {
         let mut ids = vec![];
         for i in 0..12 {
             ids.push(
-                app.store.create("capped", &spec(&app, &format!("job {i}"), "work", true), None).await.unwrap().run.id,
+                app.store
+                    .create("capped", &spec(&app, &format!("job {i}"), "work", true), None, None)
+                    .await
+                    .unwrap()
+                    .run
+                    .id,
             );
         }
         for id in &ids {
@@ -385,7 +396,7 @@ mod with_workers {
             for tenant in tenants {
                 let mut spec = spec(&app, &format!("[tenant {tenant}] job {i}: {filler}"), "work", true);
                 spec.max_turns = 100;
-                ids.push((tenant.to_string(), app.store.create(tenant, &spec, None).await.unwrap().run.id));
+                ids.push((tenant.to_string(), app.store.create(tenant, &spec, None, None).await.unwrap().run.id));
             }
         }
         // The bucket starts full: its first burst is no one's share. (These

@@ -147,7 +147,9 @@ impl App {
             ..SubmitPolicy::default()
         };
         let spec = RunSpec::from_json(&body, &policy).expect("valid spec");
-        self.store.create(TENANT, &spec, None).await.unwrap().run
+        // Its first turn carries its ask, as the API's submit gives it (`paceline api`, `up`).
+        let first_ask = worker::turn::first_ask(&Default::default()).ask(&spec, TENANT);
+        self.store.create(TENANT, &spec, None, first_ask).await.unwrap().run
     }
 
     pub(crate) async fn wait_finished(&self, id: &str, timeout: Duration) -> Run {

@@ -55,7 +55,7 @@ fn spec(input: &str) -> RunSpec {
 #[tokio::test]
 async fn a_submitted_run_is_written_whole_and_its_first_turn_queued() {
     let env = env().await;
-    let created = env.store.create("alpha", &spec("hello"), None).await.unwrap();
+    let created = env.store.create("alpha", &spec("hello"), None, None).await.unwrap();
     let run = created.run;
     assert!(!created.replayed);
     assert_eq!(run.status, RunStatus::Queued);
@@ -72,7 +72,7 @@ async fn a_submitted_run_is_written_whole_and_its_first_turn_queued() {
 #[tokio::test]
 async fn a_tenant_sees_only_its_own_runs() {
     let env = env().await;
-    let run = env.store.create("alpha", &spec("x"), None).await.unwrap().run;
+    let run = env.store.create("alpha", &spec("x"), None, None).await.unwrap().run;
     assert!(env.store.get("beta", &run.id).await.unwrap().is_none());
     assert!(env.store.transcript("beta", &run.id).await.unwrap().is_none());
     assert!(matches!(env.store.cancel("beta", &run.id).await, Err(StoreError::NotFound)));
@@ -86,18 +86,20 @@ async fn an_idempotency_key_returns_the_first_run_even_when_racing() {
     let env = env().await;
     let key = Idempotency { key: "k1".into(), fingerprint: "body-a".into() };
     let body = spec("x");
-    let (a, b) =
-        tokio::join!(env.store.create("alpha", &body, Some(&key)), env.store.create("alpha", &body, Some(&key)),);
+    let (a, b) = tokio::join!(
+        env.store.create("alpha", &body, Some(&key), None),
+        env.store.create("alpha", &body, Some(&key), None),
+    );
     let (a, b) = (a.unwrap(), b.unwrap());
     assert_eq!(a.run.id, b.run.id, "two concurrent submits with one key make one run");
     assert!(a.replayed != b.replayed);
     let other_body = Idempotency { key: "k1".into(), fingerprint: "body-b".into() };
     assert!(matches!(
-        env.store.create("alpha", &spec("x"), Some(&other_body)).await,
+        env.store.create("alpha", &spec("x"), Some(&other_body), None).await,
         Err(StoreError::IdempotencyMismatch)
     ));
     // Keys are per tenant.
-    let beta = env.store.create("beta", &spec("x"), Some(&key)).await.unwrap();
+    let beta = env.store.create("beta", &spec("x"), Some(&key), None).await.unwrap();
     assert_ne!(beta.run.id, a.run.id);
     assert_eq!(env.queue.counts().await.unwrap().ready, 2);
 }
@@ -107,7 +109,7 @@ async fn runs_list_newest_first_across_pages() {
     let env = env().await;
     let mut ids = vec![];
     for i in 0..7 {
-        ids.push(env.store.create("alpha", &spec(&format!("r{i}")), None).await.unwrap().run.id);
+        ids.push(env.store.create("alpha", &spec(&format!("r{i}")), None, None).await.unwrap().run.id);
     }
     ids.reverse();
     let mut seen = vec![];
@@ -132,7 +134,7 @@ async fn a_retired_run_leaves_the_list_and_the_index() {
     let env = env().await;
     let mut ids = vec![];
     for i in 0..3 {
-        ids.push(env.store.create("alpha", &spec(&format!("r{i}")), None).await.unwrap().run.id);
+        ids.push(env.store.create("alpha", &spec(&format!("r{i}")), None, None).await.unwrap().run.id);
     }
     // The middle run's record expires (as retention does); its index entry stays.
     let mut conn = env.store.connection();
@@ -152,7 +154,7 @@ async fn a_retired_run_leaves_the_list_and_the_index() {
 #[tokio::test]
 async fn a_turn_commits_once_and_enqueues_the_next_atomically() {
     let env = env().await;
-    let run = env.store.create("alpha", &spec("x"), None).await.unwrap().run;
+    let run = env.store.create("alpha", &spec("x"), None, None).await.unwrap().run;
     let lease = env.queue.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
     let job = TurnJob { turn: 0, attempt: 1 };
     assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Ok);
@@ -207,7 +209,7 @@ async fn a_model_output_commits_with_its_tool_results_once_whether_or_not_its_ow
     let answer = json!({"type": "function_call_output", "call_id": "c1", "output": "found"});
     let usage = Usage { input_tokens: 10, output_tokens: 2, total_tokens: 12, ..Usage::default() };
     for output_step_ran in [false, true] {
-        let run = env.store.create("alpha", &spec("x"), None).await.unwrap().run;
+        let run = env.store.create("alpha", &spec("x"), None, None).await.unwrap().run;
         let lease = env.queue.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
         let job = TurnJob { turn: 0, attempt: 1 };
         assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Ok);
@@ -257,7 +259,7 @@ async fn the_fetch_starts_the_turns_it_leases_as_a_start_would_but_not_one_that_
     use shared::runs::{Started, StopReason, Turn};
     let env = env().await;
     // A turn that waited for budget, carrying its ask.
-    let asking = env.store.create("alpha", &spec("asking"), None).await.unwrap().run;
+    let asking = env.store.create("alpha", &spec("asking"), None, None).await.unwrap().run;
     let lease = env.queue.fetch("w0", 1).await.unwrap().deliveries.remove(0).lease;
     assert_eq!(lease.id, asking.id);
     let ask = asked();
@@ -266,13 +268,13 @@ async fn the_fetch_starts_the_turns_it_leases_as_a_start_would_but_not_one_that_
     let next = Turn { job, ask: Some(ask), cleared: false, pause_ms: None };
     let fence = env.store.wait_asking(&lease, job, next, 1, WaitReason::Budget, "turn.paced", &data).await.unwrap();
     assert_eq!(fence, Fence::Ok);
-    let plain = env.store.create("alpha", &spec("plain"), None).await.unwrap().run;
+    let plain = env.store.create("alpha", &spec("plain"), None, None).await.unwrap().run;
     let late = RunSpec::from_json(
         &json!({"model": "gpt-test", "input": "x", "max_turns": 3, "max_run_seconds": 1}),
         &SubmitPolicy::default(),
     )
     .unwrap();
-    let late = env.store.create("alpha", &late, None).await.unwrap().run;
+    let late = env.store.create("alpha", &late, None, None).await.unwrap().run;
     // Past the late run's deadline.
     tokio::time::sleep(Duration::from_millis(1100)).await;
 
@@ -329,7 +331,7 @@ async fn a_fetch_that_asks_the_pacer_keeps_an_owed_turn_queued_and_starts_a_clea
     let data = json!({"turn": 0, "owed_ms": 1, "reason": "budget"});
     let mut waiting = vec![];
     for model in ["gpt-test", "gpt-free"] {
-        waiting.push(env.store.create("alpha", &spec(model), None).await.unwrap().run);
+        waiting.push(env.store.create("alpha", &spec(model), None, None).await.unwrap().run);
     }
     // Both leased before either waits (a turn due again in 1 ms must not be the next one leased here).
     let leases = env.queue.fetch("w0", 2).await.unwrap().deliveries;
@@ -383,7 +385,7 @@ async fn a_fetch_that_asks_the_pacer_keeps_an_owed_turn_queued_and_starts_a_clea
     // empty bucket's wait is within it): leased with that pause, to wait in
     // its worker and ask again there — no requeue, no budget wait counted,
     // and not started (it may be owed again after its pause).
-    let soon = env.store.create("alpha", &spec("gpt-test"), None).await.unwrap().run;
+    let soon = env.store.create("alpha", &spec("gpt-test"), None, None).await.unwrap().run;
     let lease = env.queue.fetch("w0", 1).await.unwrap().deliveries.remove(0).lease;
     assert_eq!(lease.id, soon.id);
     let next = Turn {
@@ -413,6 +415,53 @@ async fn a_fetch_that_asks_the_pacer_keeps_an_owed_turn_queued_and_starts_a_clea
 }
 
 #[tokio::test]
+async fn a_first_turn_carrying_its_submits_ask_waits_in_the_queue_unstarted_until_clear() {
+    // A run submitted with its first turn's ask (the API's `FirstAsk`) is
+    // asked for by the fetch that would lease it: owed, it waits in the queue
+    // (the run `waiting`, a `turn.paced` event, no `turn.started`) and no
+    // worker sees it; once clear, that fetch starts it as a cleared turn.
+    use shared::pacer::{CallOutcome, Decision, Estimate, Mode, Observation, PacingConfig, SharedPacer, Who};
+    use shared::runs::{FetchAsks, Started, Turn};
+    let env = env().await;
+    let pacer = SharedPacer::new(env.store.connection(), env.keys.clone(), "default", PacingConfig::default());
+    // The bucket is empty and refills 1 000 tokens a second.
+    let est = Estimate { tokens: 300, requests: 1, output: 200 };
+    assert_eq!(pacer.acquire("gpt-test", "probe", est, Mode::Work, &Who::DEFAULT).await.unwrap(), Decision::Clear);
+    let empty = CallOutcome {
+        used_tokens: Some(300),
+        tokens: Observation { limit: Some(1_000), remaining: Some(0), reset_ms: Some(1_000) },
+        requests: Observation { limit: Some(100), remaining: Some(99), reset_ms: Some(600) },
+        ..CallOutcome::default()
+    };
+    pacer.settle("gpt-test", "probe", &empty).await.unwrap();
+    let ask = shared::runs::PacedAsk { tokens: 400, output: 100, ..asked() };
+    let run = env.store.create("alpha", &spec("hello"), None, Some(ask.clone())).await.unwrap().run;
+    let asks = FetchAsks {
+        routes: [("default".to_owned(), pacer.script_route().unwrap())].into(),
+        first: "default".into(),
+        ..FetchAsks::default()
+    };
+    let fetch = env.store.fetch_script_asking(24, Some(&asks));
+    let fetched = env.queue.fetch_with("w1", 10, Some(&fetch)).await.unwrap();
+    assert_eq!((fetched.held, fetched.deliveries.len()), (1, 0));
+    let waiting = env.store.get("alpha", &run.id).await.unwrap().unwrap();
+    assert_eq!((waiting.status, waiting.pacing.budget_waits), (RunStatus::Waiting, 1));
+    assert_eq!(event_kinds(&env, &run.id).await, ["run.queued", "turn.paced"]);
+    let due = env.queue.counts().await.unwrap().next_due_ms.expect("queued again");
+    assert!(due > fetched.now_ms + 100, "owed its refill: due {due} at {}", fetched.now_ms);
+
+    // Due again, and clear by then: leased, started and marked cleared.
+    tokio::time::sleep(Duration::from_millis((due - fetched.now_ms + 20) as u64)).await;
+    let fetched = env.queue.fetch_with("w1", 10, Some(&fetch)).await.unwrap();
+    assert_eq!(fetched.deliveries.len(), 1, "held {}", fetched.held);
+    let turn: Turn = serde_json::from_str(&fetched.deliveries[0].payload).unwrap();
+    assert!(turn.cleared, "{}", fetched.deliveries[0].payload);
+    assert_eq!(turn.ask, Some(ask));
+    assert!(matches!(env.store.started(&fetched.deliveries[0].lease), Some(Ok(Started::Run(_)))));
+    assert_eq!(event_kinds(&env, &run.id).await, ["run.queued", "turn.paced", "turn.started"]);
+}
+
+#[tokio::test]
 async fn a_commit_queues_a_next_turn_the_pacer_cleared_or_puts_it_to_wait_at_once() {
     // The worker asks the pacer for the next turn as it commits: cleared, the
     // turn is queued due now, marked cleared, and its fetch starts it; owed,
@@ -426,7 +475,7 @@ async fn a_commit_queues_a_next_turn_the_pacer_cleared_or_puts_it_to_wait_at_onc
     let job = TurnJob { turn: 0, attempt: 1 };
     let next_job = TurnJob { turn: 1, attempt: 1 };
     for owed in [false, true] {
-        let run = env.store.create("alpha", &spec("x"), None).await.unwrap().run;
+        let run = env.store.create("alpha", &spec("x"), None, None).await.unwrap().run;
         let lease = env.queue.fetch_with("w", 1, Some(&fetch)).await.unwrap().deliveries.remove(0).lease;
         let wait = owed.then(|| BudgetWait {
             ms: 1_000,
@@ -464,7 +513,7 @@ async fn a_commit_queues_a_next_turn_the_pacer_cleared_or_puts_it_to_wait_at_onc
 #[tokio::test]
 async fn a_waiting_run_shows_why_and_its_turn_comes_back_when_due() {
     let env = env().await;
-    let run = env.store.create("alpha", &spec("x"), None).await.unwrap().run;
+    let run = env.store.create("alpha", &spec("x"), None, None).await.unwrap().run;
     let lease = env.queue.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
     let job = TurnJob { turn: 0, attempt: 1 };
     let fence = env
@@ -485,12 +534,12 @@ async fn a_waiting_run_shows_why_and_its_turn_comes_back_when_due() {
 #[tokio::test]
 async fn cancelling_removes_the_queued_turn_and_stops_one_in_flight() {
     let env = env().await;
-    let queued = env.store.create("alpha", &spec("x"), None).await.unwrap().run;
+    let queued = env.store.create("alpha", &spec("x"), None, None).await.unwrap().run;
     let cancelled = env.store.cancel("alpha", &queued.id).await.unwrap();
     assert_eq!(cancelled.status, RunStatus::Cancelled);
     assert_eq!(env.queue.counts().await.unwrap().ready, 0, "its queued turn is gone");
 
-    let flying = env.store.create("alpha", &spec("y"), None).await.unwrap().run;
+    let flying = env.store.create("alpha", &spec("y"), None, None).await.unwrap().run;
     let lease = env.queue.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
     env.store.cancel("alpha", &flying.id).await.unwrap();
     let job = TurnJob { turn: 0, attempt: 1 };
@@ -512,7 +561,7 @@ async fn a_dead_turn_fails_its_run_in_the_same_step() {
     let env = env().await;
     let mut conn = env.store.connection();
     let job = TurnJob { turn: 0, attempt: 1 };
-    let buried = env.store.create("alpha", &spec("x"), None).await.unwrap().run;
+    let buried = env.store.create("alpha", &spec("x"), None, None).await.unwrap().run;
     let lease = env.queue.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
     assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Ok);
     env.queue.dead(&lease, "the payload could not be read").await.unwrap();
@@ -534,7 +583,7 @@ async fn a_dead_turn_fails_its_run_in_the_same_step() {
     assert_eq!(env.queue.list_dead(10).await.unwrap().len(), 1);
 
     // Deliveries used up: the retry that used the last one buries the turn.
-    let spent = env.store.create("alpha", &spec("y"), None).await.unwrap().run;
+    let spent = env.store.create("alpha", &spec("y"), None, None).await.unwrap().run;
     let max = QueueConfig::default().max_deliveries;
     for delivery in 1..=max {
         let lease = env.queue.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
@@ -545,7 +594,7 @@ async fn a_dead_turn_fails_its_run_in_the_same_step() {
     assert_eq!((run.status, run.error.map(|e| e.kind)), (RunStatus::Failed, Some("dead_lettered".to_string())));
 
     // A finished run's turn buried later (a stale record) leaves the run as it was.
-    let done = env.store.create("alpha", &spec("z"), None).await.unwrap().run;
+    let done = env.store.create("alpha", &spec("z"), None, None).await.unwrap().run;
     let lease = env.queue.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
     env.store.cancel("alpha", &done.id).await.unwrap();
     let _ = env.queue.dead(&lease, "late").await;
@@ -571,7 +620,7 @@ async fn every_move_the_store_makes_is_one_the_state_table_allows() {
     let usage = Usage::default();
 
     // queued -> running -> waiting -> running -> (continue) -> running -> completed
-    let id = env.store.create("alpha", &spec("a"), None).await.unwrap().run.id;
+    let id = env.store.create("alpha", &spec("a"), None, None).await.unwrap().run.id;
     let mut at = status(id.clone()).await;
     assert_eq!(at, RunStatus::Queued);
     let job = TurnJob { turn: 0, attempt: 1 };
@@ -608,7 +657,7 @@ async fn every_move_the_store_makes_is_one_the_state_table_allows() {
     assert!(matches!(env.store.cancel("alpha", &id).await, Err(StoreError::Conflict(_))));
 
     // queued -> running -> failed
-    let id = env.store.create("alpha", &spec("b"), None).await.unwrap().run.id;
+    let id = env.store.create("alpha", &spec("b"), None, None).await.unwrap().run.id;
     let job = TurnJob { turn: 0, attempt: 1 };
     let lease = env.queue.fetch("w", 1).await.unwrap().deliveries.remove(0).lease;
     assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Ok);
@@ -629,7 +678,7 @@ async fn every_move_the_store_makes_is_one_the_state_table_allows() {
     assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Ok, "the retried turn starts where it failed");
 
     // queued -> cancelled
-    let id = env.store.create("alpha", &spec("c"), None).await.unwrap().run.id;
+    let id = env.store.create("alpha", &spec("c"), None, None).await.unwrap().run.id;
     let at = status(id.clone()).await;
     env.store.cancel("alpha", &id).await.unwrap();
     moved(at, Transition::Cancel, status(id.clone()).await);
@@ -643,7 +692,7 @@ async fn every_move_the_store_makes_is_one_the_state_table_allows() {
 async fn a_retried_run_resumes_at_its_last_committed_turn() {
     let env = env().await;
     let mut conn = env.store.connection();
-    let run = env.store.create("alpha", &spec("x"), None).await.unwrap().run;
+    let run = env.store.create("alpha", &spec("x"), None, None).await.unwrap().run;
     let job = TurnJob { turn: 0, attempt: 1 };
     let stale = env.queue.fetch("w", 1).await.unwrap().deliveries.remove(0).lease;
     assert_eq!(env.store.start(&stale, job).await.unwrap(), Fence::Ok);
@@ -692,7 +741,7 @@ async fn a_turn_reads_only_the_history_its_model_sees() {
         &SubmitPolicy::default(),
     )
     .unwrap();
-    let run = env.store.create("alpha", &long, None).await.unwrap().run;
+    let run = env.store.create("alpha", &long, None, None).await.unwrap().run;
     // 40 turns, each a tool call (recorded first, as the worker does) and its output.
     for turn in 0..40u32 {
         let lease = env.queue.fetch("w", 1).await.unwrap().deliveries.remove(0).lease;
@@ -739,7 +788,7 @@ async fn a_run_past_its_deadline_fails_at_its_next_turn_before_any_call() {
         &SubmitPolicy::default(),
     )
     .unwrap();
-    let run = env.store.create("alpha", &spec, None).await.unwrap().run;
+    let run = env.store.create("alpha", &spec, None, None).await.unwrap().run;
     let lease = env.queue.fetch("w", 1).await.unwrap().deliveries.remove(0).lease;
     let job = TurnJob { turn: 0, attempt: 1 };
     // Within its second the turn starts; a redelivery of it after the deadline does not.
@@ -806,7 +855,7 @@ async fn each_step_of_a_turn_costs_few_redis_commands() {
             out
         }};
     }
-    let run = store.create("alpha", &spec("x"), None).await.unwrap().run;
+    let run = store.create("alpha", &spec("x"), None, None).await.unwrap().run;
     let fetch = store.fetch_script(0);
     // Two warm-up turns (the pacer learns its bucket; the run has history),
     // then one whose tool is slow (its output committed first, in a step of

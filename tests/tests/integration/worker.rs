@@ -354,7 +354,7 @@ async fn work_and_companion_runs_all_finish_with_a_full_bucket_never_idle() {
         body["input"] = json!(format!("task {i}. {background}"));
         body["max_output_tokens"] = json!(300);
         let spec = RunSpec::from_json(&body, &policy).expect("valid spec");
-        work.push(app.store.create("alpha", &spec, None).await.unwrap().run.id);
+        work.push(app.store.create("alpha", &spec, None, None).await.unwrap().run.id);
     }
     // The workload's schedule (see above): companions from 1 s on, one every 0.4 s.
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -364,7 +364,7 @@ async fn work_and_companion_runs_all_finish_with_a_full_bucket_never_idle() {
                           "max_turns": 2, "max_output_tokens": 300});
         let spec = RunSpec::from_json(&body, &policy).expect("valid spec");
         let asked = Instant::now();
-        let run = app.store.create("beta", &spec, None).await.unwrap().run;
+        let run = app.store.create("beta", &spec, None, None).await.unwrap().run;
         let run = wait_finished_for(&app, "beta", &run.id, secs(20)).await;
         assert_eq!(run.status, RunStatus::Completed, "{run:?}");
         live_waits.push(asked.elapsed());
@@ -636,9 +636,8 @@ async fn a_payload_or_record_of_a_newer_format_ends_its_run_with_the_reason_not_
 /// again before it starts (the ask rides in its payload): one still owed is
 /// requeued again without reading its run or its history, so a turn starts
 /// once when it is finally clear, however many times it waited (a run's first
-/// turn once more, before its first wait: it asks once its tokens are counted;
-/// a later turn asked as the turn before it committed) — and every run still
-/// completes with every call paced.
+/// turn carries the ask its submit counted; a later turn was asked as the turn
+/// before it committed) — and every run still completes with every call paced.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_turn_still_owed_when_it_comes_back_waits_again_without_starting() {
     // 3 000 tokens per 2 s window: 12 runs of ~700-token calls queue for it.
@@ -660,7 +659,7 @@ async fn a_turn_still_owed_when_it_comes_back_waits_again_without_starting() {
         body["max_output_tokens"] = json!(300);
         ids.push(app.submit(body).await.id);
     }
-    let (mut waited_again, mut turns, mut asked_at_commit) = (0, 0, 0);
+    let (mut waited_again, mut turns, mut asked_at_commit, mut first_waited) = (0, 0, 0, 0);
     for id in &ids {
         let run = app.wait_finished(id, secs(90)).await;
         assert_eq!(run.status, RunStatus::Completed, "{run:?}");
@@ -673,12 +672,13 @@ async fn a_turn_still_owed_when_it_comes_back_waits_again_without_starting() {
             turns += 1;
             waited_again += usize::from(paced >= 2);
             assert!(started <= 2, "run {id} turn {turn}: started {started} times for {paced} waits");
-            // The first turn starts before its first wait (the pacer is asked
-            // once its tokens are counted); a later one asked when the turn
+            // The first turn waits unstarted: its fetch asked for it with the
+            // ask its submit counted. A later one was asked when the turn
             // before it committed (once this process had heard the pacer owe
-            // time: a scarce budget), so it starts once, when clear.
+            // time: a scarce budget), or by its fetch, so it starts once, when clear.
             if turn == 0 {
-                assert_eq!(started, 1 + usize::from(paced > 0), "run {id} turn {turn}: {paced} waits");
+                assert_eq!(started, 1, "run {id} turn {turn}: {paced} waits");
+                first_waited += usize::from(paced > 0);
             } else {
                 assert!(started <= 1 + usize::from(paced > 0), "run {id} turn {turn}: {paced} waits");
                 asked_at_commit += usize::from(paced > 0 && started == 1);
@@ -687,6 +687,7 @@ async fn a_turn_still_owed_when_it_comes_back_waits_again_without_starting() {
     }
     assert!(waited_again >= 3, "only {waited_again} of {turns} turns waited more than once: the test proves nothing");
     assert!(asked_at_commit >= 3, "only {asked_at_commit} later turns were put to wait by the commit before them");
+    assert!(first_waited >= 3, "only {first_waited} first turns waited: the test proves nothing");
     assert_eq!(app.mock.stats().rate_limited, 0, "a turn asked again and sent before it was clear");
     app.stop_workers().await;
 }
@@ -770,4 +771,38 @@ async fn a_worker_takes_its_runs_next_turns_without_a_wake_up_token() {
         assert_eq!(pushes, 1, "{concurrency} slots: wake-up tokens pushed: the submit's alone\n{info}");
         app.stop_workers().await;
     }
+}
+
+/// A first turn cleared for fewer tokens than its worker counts (the API's
+/// ask is its count of the body in the style it knows; here an ask of 5
+/// tokens) gives the reservation back and asks for what it will send: the
+/// pacer clears the worker's count too, not just the 5.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_turn_cleared_for_fewer_tokens_than_its_worker_counts_asks_again() {
+    use shared::pacer::{Mode, PacingConfig, SharedPacer};
+    let mut app = App::start(MockConfig::default()).await;
+    app.spawn_worker(app.config());
+    let policy = SubmitPolicy::default();
+    let body = json!({"model": "gpt-test", "input": "word ".repeat(400), "max_output_tokens": 300});
+    let spec = RunSpec::from_json(&body, &policy).expect("valid spec");
+    let short = shared::runs::PacedAsk {
+        model: "gpt-test".into(),
+        provider: None,
+        mode: Mode::Work,
+        tenant: TENANT.into(),
+        tokens: 5,
+        requests: 1,
+        output: 1,
+    };
+    let run = app.store.create(TENANT, &spec, None, Some(short)).await.unwrap().run;
+    let run = app.wait_finished(&run.id, secs(30)).await;
+    assert_eq!(run.status, RunStatus::Completed, "{run:?}");
+    let keys = shared::keys::Keys::new(app.prefix.clone());
+    let pacer = SharedPacer::new(app.store.connection(), keys, "default", PacingConfig::default());
+    let history = pacer.history("default", "gpt-test").await.unwrap();
+    let cleared: u64 = history.admitted_tokens.iter().sum();
+    // The fetch cleared the 5; the worker then asked for its own count: 400
+    // words, the framing and the 300 reserved for output.
+    assert!(cleared >= 5 + 700, "cleared {cleared} tokens: the worker called on the 5-token clearance");
+    app.stop_workers().await;
 }

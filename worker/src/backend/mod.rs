@@ -92,6 +92,9 @@ struct BackendState {
     /// The server lets this worker cancel its idle `BLPOP` (`CLIENT UNBLOCK`),
     /// which a kick needs; without it, turns are queued with a token as before.
     can_unblock: AtomicBool,
+    /// Told how many due turns a fetch's own pacer ask owed time and left
+    /// queued (see [`QueueBackend::on_held`]).
+    on_held: std::sync::OnceLock<Box<dyn Fn(u64) + Send + Sync>>,
 }
 
 impl BackendState {
@@ -191,6 +194,7 @@ impl<T> QueueBackend<T> {
                 kicked: AtomicBool::new(false),
                 kick: tokio::sync::Notify::new(),
                 can_unblock: AtomicBool::new(true),
+                on_held: std::sync::OnceLock::new(),
             }),
             fetcher: None,
             heartbeat: None,
@@ -209,6 +213,14 @@ impl<T> QueueBackend<T> {
     /// the task's [`Lease`], `Lease::extra`).
     pub fn fetching_with(mut self, script: FetchScript) -> Self {
         self.fetch_script = Some(script);
+        self
+    }
+
+    /// This backend, telling `f` how many due turns a fetch's own pacer ask
+    /// owed time and left queued (the worker notes its budget scarce: its
+    /// commits then ask for the next turn themselves, `OwedLately`).
+    pub fn on_held(self, f: impl Fn(u64) + Send + Sync + 'static) -> Self {
+        let _ = self.shared.on_held.set(Box::new(f));
         self
     }
 
@@ -433,6 +445,9 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
                     // waits as much as the ones a turn's ask requeues.
                     if fetched.held > 0 {
                         metrics::counter!(shared::telemetry::metric::BUDGET_WAITS).increment(fetched.held);
+                        if let Some(f) = self.shared.on_held.get() {
+                            f(fetched.held);
+                        }
                     }
                     for d in fetched.deliveries {
                         self.accept(d.lease, &d.payload).await;

@@ -183,6 +183,7 @@ async fn serve(
         providers: provider.named.clone(),
         access: args.access.clone(),
         streams: args.streams.clone(),
+        first_ask: Some(worker::turn::first_ask(&provider.named.providers)),
     };
     let worker_config = worker::WorkerConfig {
         redis: redis.clone(),
