@@ -7,16 +7,18 @@
 -- dead_keep_ms (the dead set's retention), then id, epoch pairs of the leases
 -- this worker holds.
 -- Returns {reclaimed, buried, fleet, lost id...}: fleet is how many workers beat
--- in the last 30 s (idle workers space their looks by it); lost ids are leases it
--- no longer holds.
+-- in the last 30 s (idle workers space their looks by it; -1 on a beat that does
+-- not register: it is counted, and silent registrations forgotten, only by beats
+-- that register); lost ids are leases it no longer holds.
 local lease_ms, maxd = tonumber(ARGV[1]), tonumber(ARGV[2])
 local workers, info = KEYS[Q_NKEYS + 1], KEYS[Q_NKEYS + 2]
 local now = q_now()
-if ARGV[4] ~= '' then
+local registering = ARGV[4] ~= ''
+if registering then
   redis.call('ZADD', workers, now, ARGV[3])
   redis.call('HSET', info, ARGV[3], ARGV[4])
 end
-local out = {0, 0, 0}
+local out = {0, 0, -1}
 local n = (#ARGV - 7) / 2
 if n > 0 then
   local ids = {}
@@ -47,10 +49,12 @@ for _, id in ipairs(expired) do
     out[1] = out[1] + 1
   end
 end
-local gone = redis.call('ZRANGEBYSCORE', workers, '-inf', now - tonumber(ARGV[5]), 'LIMIT', 0, 100)
-if #gone > 0 then
-  redis.call('ZREM', workers, unpack(gone))
-  redis.call('HDEL', info, unpack(gone))
+if registering then
+  local gone = redis.call('ZRANGEBYSCORE', workers, '-inf', now - tonumber(ARGV[5]), 'LIMIT', 0, 100)
+  if #gone > 0 then
+    redis.call('ZREM', workers, unpack(gone))
+    redis.call('HDEL', info, unpack(gone))
+  end
+  out[3] = redis.call('ZCOUNT', workers, now - 30000, '+inf')
 end
-out[3] = redis.call('ZCOUNT', workers, now - 30000, '+inf')
 return out

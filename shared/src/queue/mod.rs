@@ -405,7 +405,7 @@ impl TurnQueue {
             match i {
                 0 => report.reclaimed = redis::from_redis_value(item).unwrap_or_default(),
                 1 => report.buried = redis::from_redis_value(item).unwrap_or_default(),
-                2 => report.fleet = redis::from_redis_value(item).unwrap_or_default(),
+                2 => report.fleet = redis::from_redis_value::<i64>(item).ok().and_then(|n| usize::try_from(n).ok()),
                 _ => report.lost.push(redis::from_redis_value(item).unwrap_or_default()),
             }
         }

@@ -229,6 +229,7 @@ pub struct HeartbeatReport {
     pub buried: u64,
     /// Of the leases it renewed, those this worker no longer holds.
     pub lost: Vec<String>,
-    /// Worker processes that beat in the last 30 s (this one included).
-    pub fleet: usize,
+    /// Worker processes that beat in the last 30 s (this one included);
+    /// `None` from a beat that did not register (only those count).
+    pub fleet: Option<usize>,
 }

@@ -530,9 +530,24 @@ async fn each_worker_is_judged_alive_by_its_own_lease() {
     let alive: Vec<String> = q.list_workers().await.unwrap().into_iter().map(|w| w.identity).collect();
     assert_eq!(alive, vec!["slow-but-alive".to_string()], "7 s silent: alive on a 10-s lease, gone on a 1-s one");
     // Another worker's heartbeat forgets neither registration yet.
-    q.heartbeat("reaper", None, &[]).await.unwrap();
+    let report = q.heartbeat("reaper", None, &[]).await.unwrap();
     let n: u64 = redis::cmd("ZCARD").arg(&keys.workers).query_async(&mut conn).await.unwrap();
     assert_eq!(n, 2);
+    // A beat that does not register (leases only) counts no fleet; one that does,
+    // counts the workers that beat in the last 30 s, itself with them.
+    assert_eq!(report.fleet, None);
+    let info = shared::queue::WorkerInfo {
+        identity: "reaper".into(),
+        host: "h".into(),
+        pid: 2,
+        concurrency: 1,
+        in_flight: 0,
+        started_at_ms: now,
+        lease_ms: 3_000,
+        beat_ms: 8_000,
+        last_heartbeat_ms: 0,
+    };
+    assert_eq!(q.heartbeat("reaper", Some(&info), &[]).await.unwrap().fleet, Some(3));
 }
 
 #[tokio::test]

@@ -4,8 +4,10 @@
 
 use super::*;
 
-/// Renews this worker's leases and registration every third of the lease,
-/// reclaims expired leases of dead workers, and ends the shutdown grace.
+/// Renews this worker's leases every third of the lease and its registration
+/// every [`REGISTER_EVERY`] beats (a registration lives two leases, or two idle
+/// beats: it is renewed well within that), reclaims expired leases of dead
+/// workers, and ends the shutdown grace.
 /// While it holds no lease it beats less often, the more so the larger the
 /// fleet (up to 8×): the fleet's idle beats, and so its reclaims of dead
 /// workers' leases, stay about as frequent as two workers' would.
@@ -15,6 +17,7 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
     let grace = Duration::from_millis(queue.config().grace_ms);
     let mut started_at_ms = None;
     let mut last_beat: Option<Instant> = None;
+    let mut beats: u64 = 0;
     let mut shutdown_seen: Option<Instant> = None;
     // Leases the last beat found no longer this worker's. A lease its handler
     // settled while the beat was under way reads so too; one still held a beat
@@ -44,9 +47,15 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
                 beat_ms: every.mul_f64(IDLE_BEAT_SCALE).as_millis() as u64,
                 last_heartbeat_ms: 0,
             };
-            match queue.heartbeat(&shared.identity, Some(&info), &leases).await {
+            // The first beat registers, every REGISTER_EVERY-th after it, and
+            // every idle one (idle beats are spaced wider already).
+            let register = beats.is_multiple_of(REGISTER_EVERY) || leases.is_empty();
+            beats += 1;
+            match queue.heartbeat(&shared.identity, register.then_some(&info), &leases).await {
                 Ok(report) => {
-                    shared.fleet.store(report.fleet.max(1), Ordering::Relaxed);
+                    if let Some(fleet) = report.fleet {
+                        shared.fleet.store(fleet.max(1), Ordering::Relaxed);
+                    }
                     if report.reclaimed > 0 || report.buried > 0 {
                         info!(
                             message = "expired leases reclaimed",
@@ -84,6 +93,14 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// A busy worker registers (its info, the fleet's count, forgetting
+/// registrations silent for long) on every this many beats; the beats between
+/// renew its leases and reclaim expired ones only: four commands a beat, not
+/// eight. At the default 3-s lease it registers every 3 s (an idle worker at
+/// each of its sparser beats); the reader calls it alive for two leases, or
+/// two idle beats.
+const REGISTER_EVERY: u64 = 3;
 
 /// How many times longer than [`QueueConfig::heartbeat_every`] an idle worker
 /// of a large fleet goes between beats.
