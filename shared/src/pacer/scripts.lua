@@ -33,9 +33,12 @@
 --   last_admit_id (a string, outside the numbers: the call cleared last);
 --   per tenant t: tw:<t> weight, tf:<t> finish tag, tc:<t> cap due (ms),
 --   tadm:<t> expected tokens admitted, twait:<t> turns that waited.
---   And each call in flight: field f:<reservation id> -> rec_encode(its record) (the
---   state and the calls in flight are read by every op, so they are one hash: one
---   HGETALL, and one HSET for what an op changed of both).
+--   And the calls in flight: field fl, each call's id's length (2 bytes), its
+--   reservation id and rec_encode(its record), one after another (the state and the
+--   calls in flight are read by every op, so they are one hash: one HGETALL, and one
+--   HSET for what an op changed of both; a call that settles costs no HDEL). An
+--   earlier version kept one field f:<reservation id> per call: read, and moved to fl
+--   at the next write.
 -- KEYS[2] waiters hash: reservation id -> rec_encode(a waiter)
 --   A record's fields are doubles (the snapshot hands them to Rust as text, in this order,
 --   separated by '|'):
@@ -173,8 +176,10 @@ local PACKED = '<' .. string.rep('d', #FIXED)
 local S, read = {}, {}
 local packed = nil
 local last_admit_id, last_admit_changed = nil, false
--- The calls in flight's fields (f:<id>) as read, decoded below with the records.
-local flight_fields = {}
+-- The calls in flight as read (id, encoded record pairs), decoded below with the
+-- records: all from the field fl, or, written by an earlier version, one field f:<id>
+-- each (`legacy_flights`: deleted when the state is next written, then kept in fl).
+local flight_fields, legacy_flights, flights_packed = {}, {}, nil
 do
   local raw = redis.call('HGETALL', state)
   for i = 1, #raw, 2 do
@@ -183,9 +188,12 @@ do
       packed = raw[i + 1]
     elseif k == 'last_admit_id' then
       last_admit_id = raw[i + 1]
+    elseif k == 'fl' then
+      flights_packed = raw[i + 1]
     elseif string.sub(k, 1, 2) == 'f:' then
       flight_fields[#flight_fields + 1] = string.sub(k, 3)
       flight_fields[#flight_fields + 1] = raw[i + 1]
+      legacy_flights[#legacy_flights + 1] = k
     else
       local x = tonumber(raw[i + 1])
       S[k] = x
@@ -257,9 +265,9 @@ local function rec_decode(s)
   return nil
 end
 
--- The calls in flight (F), read with the state (fields f:<id>): every ask and settle
+-- The calls in flight (F), read with the state (field fl): every ask and settle
 -- looks at all of them, and there are no more than the fleet's slots. Changed here
--- (`put`, `drop`), written back by save() in the state's one HSET and one HDEL.
+-- (`put`, `drop`), written back by save() in the state's one HSET.
 -- The waiters, which a scarce budget has by the thousand, are read only as an op
 -- needs them: its own (`waiter_of`), the ones ahead of it in line (`waiters_ahead`,
 -- by the line's index), the least place, the lapsed (by the lapse index). A waiter
@@ -278,12 +286,29 @@ if S['nw'] == nil or now - get('ttl_at') >= TTL_REFRESH_MS or now < get('ttl_at'
   S['nw'] = redis.call('ZCARD', line_key)
 end
 local no_waiters = S['nw'] <= 0
+-- The calls in flight as read, encoded: written back as they are unless changed.
+local F_read = {}
 do
+  if flights_packed then
+    -- Each call: its id's length (2 bytes), its id, its record (rec_encode).
+    local v, at = flights_packed, 1
+    while at + 2 <= #v do
+      local n = struct.unpack('<H', v, at)
+      flight_fields[#flight_fields + 1] = string.sub(v, at + 2, at + 1 + n)
+      flight_fields[#flight_fields + 1] = string.sub(v, at + 2 + n, at + 1 + n + F_LEN)
+      at = at + 2 + n + F_LEN
+    end
+  end
   local raw = flight_fields
   for i = 1, #raw, 2 do
     local id, r = raw[i], rec_decode(raw[i + 1])
     -- A record this version cannot read is dropped (it could only hold budget for nothing).
-    if r and r[KIND] == 'f' then F[id] = r else changed[id] = true end
+    if r and r[KIND] == 'f' then
+      F[id] = r
+      F_read[id] = raw[i + 1]
+    else
+      changed[id] = true
+    end
   end
 end
 
@@ -432,22 +457,25 @@ local function put(id, r)
   end
 end
 
--- The calls in flight this op changed: their fields go into `flat` (the state's HSET),
--- and the fields of those that left are deleted.
+-- When a call in flight came or went or changed: field fl, every call in flight in
+-- one value (read above), goes into `flat` (the state's one HSET) — no HDEL of a
+-- call's own field when it settles. Fields of an earlier version's layout are deleted.
 local function save_records(flat)
-  local del = {}
-  for id in pairs(changed) do
-    local r = F[id]
-    if r then
-      flat[#flat + 1] = 'f:' .. id
-      flat[#flat + 1] = rec_encode(r)
-    else
-      del[#del + 1] = 'f:' .. id
-    end
+  if next(changed) == nil and #legacy_flights == 0 then return end
+  local parts = {}
+  for id, r in pairs(F) do
+    local enc = (not changed[id] and F_read[id]) or rec_encode(r)
+    F_read[id] = enc
+    parts[#parts + 1] = struct.pack('<H', #id) .. id .. enc
   end
   changed = {}
+  flat[#flat + 1] = 'fl'
+  flat[#flat + 1] = table.concat(parts)
   -- (In slices: unpack has a limit.)
-  for i = 1, #del, 500 do redis.call('HDEL', state, unpack(del, i, math.min(i + 499, #del))) end
+  for i = 1, #legacy_flights, 500 do
+    redis.call('HDEL', state, unpack(legacy_flights, i, math.min(i + 499, #legacy_flights)))
+  end
+  legacy_flights = {}
 end
 
 -- Adds this call's history counts to the state's current second (see `hist`), after

@@ -810,3 +810,62 @@ async fn concurrent_calls_are_batched_and_decided_as_one_at_a_time() {
     assert!(owed >= 20, "only {owed} asks were owed: the groups never pressed the budget");
     assert!(grouped_scripts < calls / 2, "{grouped_scripts} script calls for {calls} calls: not batched");
 }
+
+#[tokio::test]
+async fn the_calls_in_flight_live_in_one_field_and_an_earlier_layout_is_read_and_moved() {
+    // The calls in flight are one field of the state (`fl`): a settle deletes
+    // no field of its own. A state an earlier version wrote (one field
+    // `f:<id>` per call) is read as it is and moved into `fl` at the next write.
+    let server = RedisServer::start();
+    let prefix = unique_prefix();
+    // Limits configured: known from the first ask, no probe.
+    let config =
+        PacingConfig { configured_tpm: Some(1_000_000), configured_rpm: Some(10_000), ..PacingConfig::default() };
+    let pacer = shared_pacer(&server, &prefix, config).await;
+    let mut conn = server.conn().await;
+    let state = Keys::new(&prefix).pacer_state("default", "m");
+    let est = Estimate { tokens: 100, requests: 1, output: 50 };
+    for id in ["a", "b"] {
+        assert_eq!(pacer.acquire("m", id, est, Mode::Work, &Who::DEFAULT).await.unwrap(), Decision::Clear);
+    }
+    let fields = |conn: &mut redis::aio::MultiplexedConnection| {
+        let mut conn = conn.clone();
+        let state = state.clone();
+        async move {
+            let mut f: Vec<String> = redis::cmd("HKEYS").arg(&state).query_async(&mut conn).await.unwrap();
+            f.retain(|k| k == "fl" || k.starts_with("f:"));
+            f.sort();
+            f
+        }
+    };
+    assert_eq!(fields(&mut conn).await, ["fl"]);
+    let (s, _) = pacer.state("m").await.unwrap();
+    assert_eq!(s.flights.len(), 2);
+
+    // The earlier layout, written by hand from `fl`: each call its id's length
+    // (2 bytes, little-endian), its id, its record.
+    let fl: Vec<u8> = redis::cmd("HGET").arg(&state).arg("fl").query_async(&mut conn).await.unwrap();
+    let mut at = 0;
+    let mut legacy = redis::cmd("HSET");
+    legacy.arg(&state);
+    while at + 2 <= fl.len() {
+        let n = u16::from_le_bytes([fl[at], fl[at + 1]]) as usize;
+        let id = std::str::from_utf8(&fl[at + 2..at + 2 + n]).unwrap().to_owned();
+        let rec = &fl[at + 2 + n..at + 2 + n + 113];
+        legacy.arg(format!("f:{id}")).arg(rec);
+        at += 2 + n + 113;
+    }
+    let _: () = legacy.query_async(&mut conn).await.unwrap();
+    let _: () = redis::cmd("HDEL").arg(&state).arg("fl").query_async(&mut conn).await.unwrap();
+    assert_eq!(fields(&mut conn).await, ["f:a", "f:b"]);
+
+    // Read as it is: a is still in flight (asked again, still clear) ...
+    assert_eq!(pacer.acquire("m", "a", est, Mode::Work, &Who::DEFAULT).await.unwrap(), Decision::Clear);
+    let (s, _) = pacer.state("m").await.unwrap();
+    assert_eq!(s.flights.len(), 2);
+    // ... and moved at the next write: b settles, a stays, one field.
+    pacer.settle("m", "b", &CallOutcome { used_tokens: Some(80), ..CallOutcome::default() }).await.unwrap();
+    assert_eq!(fields(&mut conn).await, ["fl"]);
+    let (s, _) = pacer.state("m").await.unwrap();
+    assert_eq!(s.flights.keys().collect::<Vec<_>>(), ["a"]);
+}
