@@ -23,31 +23,26 @@ impl Keys {
     }
 
     /// The pacer's state hash for one budget and model, its calls in flight
-    /// beside its numbers (fields `f:<reservation id>`). The hash tag is the
-    /// budget, so one budget's keys (state, reservations, fairness) share a slot.
-    /// `v3` is the script's storage format (`scripts.lua`: records packed, the
-    /// calls in flight in the state's hash): a worker of an older format keeps
-    /// its own keys and never reads these as its own.
+    /// beside its numbers (field `fl`). The hash tag is the budget, so one
+    /// budget's keys (state, reservations, fairness) share a slot. `v4` is the
+    /// script's storage format (`scripts.lua`: records packed, the calls in
+    /// flight in one field of the state's hash, no index of lapse times): a
+    /// worker of an older format keeps its own keys and never reads these as
+    /// its own.
     pub fn pacer_state(&self, budget: &str, model: &str) -> String {
-        format!("{}:pacer:{{{}}}:v3:state:{}", self.prefix, budget, model)
+        format!("{}:pacer:{{{}}}:v4:state:{}", self.prefix, budget, model)
     }
 
     /// The pacer's waiters for one budget and model: reservation id -> its
     /// record (its place in line, what it is expected to use, when it is due).
     pub fn pacer_waiters(&self, budget: &str, model: &str) -> String {
-        format!("{}:pacer:{{{}}}:v3:waiters:{}", self.prefix, budget, model)
+        format!("{}:pacer:{{{}}}:v4:waiters:{}", self.prefix, budget, model)
     }
 
     /// The line of a budget and model's waiters: id -> its place (an index of
     /// [`pacer_waiters`](Self::pacer_waiters), written with it).
     pub fn pacer_line(&self, budget: &str, model: &str) -> String {
-        format!("{}:pacer:{{{}}}:v3:line:{}", self.prefix, budget, model)
-    }
-
-    /// When each waiter of a budget and model lapses: id -> due + grace (an
-    /// index of [`pacer_waiters`](Self::pacer_waiters), written with it).
-    pub fn pacer_lapse(&self, budget: &str, model: &str) -> String {
-        format!("{}:pacer:{{{}}}:v3:lapse:{}", self.prefix, budget, model)
+        format!("{}:pacer:{{{}}}:v4:line:{}", self.prefix, budget, model)
     }
 
     /// The base of the pacer's history for one budget and model (the
@@ -160,8 +155,8 @@ mod tests {
     #[test]
     fn keys_start_with_the_prefix_and_tag_the_budget() {
         let k = Keys::new("pl");
-        assert_eq!(k.pacer_state("default", "gpt-4.1"), "pl:pacer:{default}:v3:state:gpt-4.1");
-        assert_eq!(k.pacer_waiters("b", "m"), "pl:pacer:{b}:v3:waiters:m");
+        assert_eq!(k.pacer_state("default", "gpt-4.1"), "pl:pacer:{default}:v4:state:gpt-4.1");
+        assert_eq!(k.pacer_waiters("b", "m"), "pl:pacer:{b}:v4:waiters:m");
         assert_eq!(k.queue_key("due"), "pl:{pl}:q:due");
         assert_eq!(k.pacer_history_minute("b", "m", 7), "pl:pacer:{b}:hist:m:7");
         assert_eq!(k.run_record("r1"), "pl:{pl}:run:r1");
@@ -320,7 +315,7 @@ mod tests {
             ("shared/src/queue/lib.lua", ":active"),
             // `hist`: one hash per minute of the Redis clock under the base it
             // is given (`Keys::pacer_history_minute`).
-            ("shared/src/pacer/scripts.lua", "KEYS[5] .."),
+            ("shared/src/pacer/scripts.lua", "KEYS[4] .."),
         ];
         let root = workspace();
         let mut files = vec![];

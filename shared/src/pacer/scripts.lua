@@ -36,9 +36,7 @@
 --   And the calls in flight: field fl, each call's id's length (2 bytes), its
 --   reservation id and rec_encode(its record), one after another (the state and the
 --   calls in flight are read by every op, so they are one hash: one HGETALL, and one
---   HSET for what an op changed of both; a call that settles costs no HDEL). An
---   earlier version kept one field f:<reservation id> per call: read, and moved to fl
---   at the next write.
+--   HSET for what an op changed of both; a call that settles costs no HDEL).
 -- KEYS[2] waiters hash: reservation id -> rec_encode(a waiter)
 --   A record's fields are doubles (the snapshot hands them to Rust as text, in this order,
 --   separated by '|'):
@@ -51,15 +49,17 @@
 --      holds of the input and output buckets; omark: o_refunded when it was cleared; rsent,
 --      isent, osent: the r_, i_ and o_ sent ledgers when it was cleared;
 --      alone: 1 when no other call was cleared within BURST_GAP_MS of it)
--- KEYS[3] line zset: waiter id -> order; KEYS[4] lapse zset: waiter id -> due + grace_ms.
---   Indexes of the waiters hash, written with it in the same step (put, forget_waiter), so
---   an ask reads only the waiters ahead of it, not the whole line. What the turns ahead
---   hold is still summed from their records on every ask: no counter is kept beside them.
--- KEYS[5] the history's base key (the dashboard's chart, GET /v1/pacer/history): counters
---   only, outside the policy, never read here. One hash per minute, KEYS[5]:<minute>, same
+-- KEYS[3] line zset: waiter id -> order. The index of the waiters hash, written with it
+--   in the same step (put, forget_waiter), so an ask reads only the waiters ahead of it,
+--   not the whole line. What the turns ahead hold is still summed from their records on
+--   every ask: no counter is kept beside them. A waiter lapses where it is read
+--   (live_waiter): no index of lapse times is kept (it cost a write at every put and
+--   forget).
+-- KEYS[4] the history's base key (the dashboard's chart, GET /v1/pacer/history): counters
+--   only, outside the policy, never read here. One hash per minute, KEYS[4]:<minute>, same
 --   hash tag; fields <second>:a (tokens cleared), <second>:r (429s settled), <second>:w
 --   (turns told to wait); each expires HIST_TTL_MS after its last write. The minute's key is
---   named here, on the Redis clock; it shares KEYS[5]'s hash tag, so it is in this call's slot.
+--   named here, on the Redis clock; it shares KEYS[4]'s hash tag, so it is in this call's slot.
 -- ARGV[1] op: batch | pull | snapshot
 -- ARGV[2..15] config: floor (work turns), max_pace_ms, jitter_frac, jitter_max_ms, ttl_ms,
 --          probe_wait_ms, late_ms, tpm, rpm, now in ms ('' = the server's TIME; tests only),
@@ -81,7 +81,7 @@
 -- pull: ARGV[16] k[, ARGV[17] n: `head` n first] -> {id, due_ms as text, ...} (the same op alone, for Rust)
 -- snapshot: -> flat field list of the state, 'now', and 'rec:<id>' -> record for each record
 
-local state, waiters, line_key, lapse_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local state, waiters, line_key = KEYS[1], KEYS[2], KEYS[3]
 local op = ARGV[1]
 local floor_work, floor_companion = tonumber(ARGV[2]), tonumber(ARGV[14])
 local max_pace = tonumber(ARGV[3])
@@ -110,7 +110,7 @@ local HIST_TTL_MS = 960000
 local HIST_KINDS = {'a', 'r', 'w'}
 local hist_counts = {}
 local function hist(field, n)
-  if not KEYS[5] or n <= 0 then return end
+  if not KEYS[4] or n <= 0 then return end
   hist_counts[field] = (hist_counts[field] or 0) + math.ceil(n)
 end
 
@@ -176,10 +176,8 @@ local PACKED = '<' .. string.rep('d', #FIXED)
 local S, read = {}, {}
 local packed = nil
 local last_admit_id, last_admit_changed = nil, false
--- The calls in flight as read (id, encoded record pairs), decoded below with the
--- records: all from the field fl, or, written by an earlier version, one field f:<id>
--- each (`legacy_flights`: deleted when the state is next written, then kept in fl).
-local flight_fields, legacy_flights, flights_packed = {}, {}, nil
+-- The calls in flight as read (field fl), decoded below with the records.
+local flights_packed = nil
 do
   local raw = redis.call('HGETALL', state)
   for i = 1, #raw, 2 do
@@ -190,10 +188,6 @@ do
       last_admit_id = raw[i + 1]
     elseif k == 'fl' then
       flights_packed = raw[i + 1]
-    elseif string.sub(k, 1, 2) == 'f:' then
-      flight_fields[#flight_fields + 1] = string.sub(k, 3)
-      flight_fields[#flight_fields + 1] = raw[i + 1]
-      legacy_flights[#legacy_flights + 1] = k
     else
       local x = tonumber(raw[i + 1])
       S[k] = x
@@ -270,14 +264,14 @@ end
 -- (`put`, `drop`), written back by save() in the state's one HSET.
 -- The waiters, which a scarce budget has by the thousand, are read only as an op
 -- needs them: its own (`waiter_of`), the ones ahead of it in line (`waiters_ahead`,
--- by the line's index), the least place, the lapsed (by the lapse index). A waiter
--- is written at once with its two index entries, in the same script, so the next op
--- of a batch reads what the last one left; Wc caches what was read (false: absent).
+-- by the line's index), the least place. A waiter is written at once with its line
+-- entry, in the same script, so the next op of a batch reads what the last one left;
+-- Wc caches what was read (false: absent, or lapsed).
 local F, changed, Wc = {}, {}, {}
 -- No waiter at all when the script began, and none put since: every waiter query
 -- answers "none" without asking (a budget with room has no line; its asks and settles
--- then read no waiter). Waiters and their two indexes are written together, so an
--- empty line is an empty lapse index too. How many there are is the state's field nw,
+-- then read no waiter). Waiters and their line entries are written together. How
+-- many there are (lapsed ones not deleted yet among them) is the state's field nw,
 -- kept by the writes below (HSET and HDEL say how many they added or removed), so an
 -- op reads no index to learn it; counted from the line (ZCARD) where the field is
 -- missing (a state written before it was kept) and once a minute with the keys'
@@ -289,27 +283,37 @@ local no_waiters = S['nw'] <= 0
 -- The calls in flight as read, encoded: written back as they are unless changed.
 local F_read = {}
 do
-  if flights_packed then
-    -- Each call: its id's length (2 bytes), its id, its record (rec_encode).
-    local v, at = flights_packed, 1
-    while at + 2 <= #v do
-      local n = struct.unpack('<H', v, at)
-      flight_fields[#flight_fields + 1] = string.sub(v, at + 2, at + 1 + n)
-      flight_fields[#flight_fields + 1] = string.sub(v, at + 2 + n, at + 1 + n + F_LEN)
-      at = at + 2 + n + F_LEN
-    end
-  end
-  local raw = flight_fields
-  for i = 1, #raw, 2 do
-    local id, r = raw[i], rec_decode(raw[i + 1])
+  -- Each call: its id's length (2 bytes), its id, its record (rec_encode).
+  local v, at = flights_packed or '', 1
+  while at + 2 <= #v do
+    local n = struct.unpack('<H', v, at)
+    local id = string.sub(v, at + 2, at + 1 + n)
+    local enc = string.sub(v, at + 2 + n, at + 1 + n + F_LEN)
+    at = at + 2 + n + F_LEN
+    local r = rec_decode(enc)
     -- A record this version cannot read is dropped (it could only hold budget for nothing).
     if r and r[KIND] == 'f' then
       F[id] = r
-      F_read[id] = raw[i + 1]
+      F_read[id] = enc
     else
       changed[id] = true
     end
   end
+end
+
+-- Waiters not back by due + grace have lapsed (model.rs, expire): there is no index of
+-- lapse times; a lapsed record is taken as absent wherever it is read (every read of a
+-- waiter comes here), and deleted, with its line entry, when this script saves.
+-- (Whoever asks after it in line reads it: it leaves the line then, as it would have.)
+local lapsed_seen = {}
+local function live_waiter(id, raw)
+  local w = rec_decode(raw)
+  if not (w and w[KIND] == 'w') then return false end
+  if w[DUE] + grace <= now then
+    lapsed_seen[id] = true
+    return false
+  end
+  return w
 end
 
 -- Waiter `id`, or nil.
@@ -317,8 +321,7 @@ local function waiter_of(id)
   local w = Wc[id]
   if w == nil and no_waiters then return nil end
   if w == nil then
-    w = rec_decode(redis.call('HGET', waiters, id))
-    if not (w and w[KIND] == 'w') then w = false end
+    w = live_waiter(id, redis.call('HGET', waiters, id))
     Wc[id] = w
   end
   return w or nil
@@ -332,11 +335,7 @@ local function read_waiters(ids, from, to)
   end
   if #missing > 0 then
     local raw = redis.call('HMGET', waiters, unpack(missing))
-    for k, wid in ipairs(missing) do
-      local w = rec_decode(raw[k])
-      if not (w and w[KIND] == 'w') then w = false end
-      Wc[wid] = w
-    end
+    for k, wid in ipairs(missing) do Wc[wid] = live_waiter(wid, raw[k]) end
   end
 end
 
@@ -411,22 +410,11 @@ local function each_waiter_upto(order, visit)
   end
 end
 
--- The lapse index's least time (LAPSE_NONE: empty). The state's field lapse_at is never
--- later than it: a put lowers it to the time it adds; a removal, or a waiter asking again
--- with a later time, only raises the index's least time. So an op reads the index only
--- once lapse_at has come (then it learns the least time again), not at every op: with
--- turns back before their grace ends, about once per grace period instead of per op.
-local LAPSE_NONE = 1e15
-local function lapse_head()
-  local head = redis.call('ZRANGE', lapse_key, 0, 0, 'WITHSCORES')
-  return tonumber(head[2]) or LAPSE_NONE
-end
-
 local function forget_waiter(id)
-  if waiter_of(id) then
+  if waiter_of(id) or lapsed_seen[id] then
     S['nw'] = math.max(S['nw'] - redis.call('HDEL', waiters, id), 0)
     redis.call('ZREM', line_key, id)
-    redis.call('ZREM', lapse_key, id)
+    lapsed_seen[id] = nil
   end
   head_remove(id)
   Wc[id] = false
@@ -445,23 +433,22 @@ local function put(id, r)
     no_waiters = false
     local was = Wc[id]
     S['nw'] = S['nw'] + redis.call('HSET', waiters, id, rec_encode(r))
-    -- A waiter asking again keeps its place: its line entry is already that.
+    -- A waiter asking again keeps its place: its line entry is already that. (One
+    -- that lapsed is asking afresh: its record and line entry are overwritten.)
     if not (was and was[ORDER] == r[ORDER]) then
       redis.call('ZADD', line_key, r[ORDER], id)
       head_insert(id, r[ORDER])
     end
-    -- It lapses at due + grace (model.rs, expire).
-    redis.call('ZADD', lapse_key, r[DUE] + grace, id)
-    S['lapse_at'] = math.min(get('lapse_at'), r[DUE] + grace)
+    lapsed_seen[id] = nil
     Wc[id] = r
   end
 end
 
 -- When a call in flight came or went or changed: field fl, every call in flight in
 -- one value (read above), goes into `flat` (the state's one HSET) — no HDEL of a
--- call's own field when it settles. Fields of an earlier version's layout are deleted.
+-- call's own field when it settles.
 local function save_records(flat)
-  if next(changed) == nil and #legacy_flights == 0 then return end
+  if next(changed) == nil then return end
   local parts = {}
   for id, r in pairs(F) do
     local enc = (not changed[id] and F_read[id]) or rec_encode(r)
@@ -471,11 +458,6 @@ local function save_records(flat)
   changed = {}
   flat[#flat + 1] = 'fl'
   flat[#flat + 1] = table.concat(parts)
-  -- (In slices: unpack has a limit.)
-  for i = 1, #legacy_flights, 500 do
-    redis.call('HDEL', state, unpack(legacy_flights, i, math.min(i + 499, #legacy_flights)))
-  end
-  legacy_flights = {}
 end
 
 -- Adds this call's history counts to the state's current second (see `hist`), after
@@ -486,7 +468,7 @@ local function fold_hist()
   local at = get('h_s')
   if at ~= sec then
     if at > 0 then
-      local key = KEYS[5] .. ':' .. string.format('%d', math.floor(at / 60))
+      local key = KEYS[4] .. ':' .. string.format('%d', math.floor(at / 60))
       local fresh = false
       for _, kind in ipairs(HIST_KINDS) do
         local n = get('h_' .. kind)
@@ -506,6 +488,15 @@ local function fold_hist()
 end
 
 local function save()
+  -- The lapsed waiters this script read and nobody put again leave the line.
+  local gone = {}
+  for id in pairs(lapsed_seen) do gone[#gone + 1] = id end
+  lapsed_seen = {}
+  for i = 1, #gone, 500 do
+    local chunk = {unpack(gone, i, math.min(i + 499, #gone))}
+    S['nw'] = math.max(S['nw'] - redis.call('HDEL', waiters, unpack(chunk)), 0)
+    redis.call('ZREM', line_key, unpack(chunk))
+  end
   fold_hist()
   local refresh = now - get('ttl_at') >= TTL_REFRESH_MS or now < get('ttl_at')
   if refresh then S['ttl_at'] = now end
@@ -539,7 +530,7 @@ local function save()
   for k, v in pairs(S) do read[k] = v end
   last_admit_changed = false
   if refresh then
-    for _, k in ipairs({state, waiters, line_key, lapse_key}) do redis.call('PEXPIRE', k, IDLE_TTL_MS) end
+    for _, k in ipairs({state, waiters, line_key}) do redis.call('PEXPIRE', k, IDLE_TTL_MS) end
   end
 end
 
@@ -876,8 +867,8 @@ local function refund_window_start(at, remaining, sent, refunded, until_ms)
 end
 
 -- model.rs
--- Drops what lapsed: a call past its reservation's TTL, a waiter not back by due + grace.
--- Once per `now`: what an op of the same batch puts lapses later (TTL and grace > 0).
+-- Drops the calls past their reservation's TTL (waiters lapse where they are read).
+-- Once per `now`: what an op of the same batch puts lapses later (TTL > 0).
 local expired_at = nil
 local function expire()
   if expired_at == now and ttl > 0 and grace >= 0 then return end
@@ -889,23 +880,7 @@ local function expire()
       drop(id)
     end
   end
-  local lapsed = {}
-  -- The lapse index is read only once its least time may have come (lapse_at, below).
-  if no_waiters or now < get('lapse_at') then return end
-  local at = lapse_head()
-  if at <= now then lapsed = redis.call('ZRANGEBYSCORE', lapse_key, '-inf', now) end
-  for i = 1, #lapsed, 500 do
-    local chunk = {unpack(lapsed, i, math.min(i + 499, #lapsed))}
-    S['nw'] = math.max(S['nw'] - redis.call('HDEL', waiters, unpack(chunk)), 0)
-    redis.call('ZREM', line_key, unpack(chunk))
-    redis.call('ZREM', lapse_key, unpack(chunk))
-    for _, id in ipairs(chunk) do
-      Wc[id] = false
-      head_remove(id)
-    end
-  end
-  if #lapsed > 0 then at = lapse_head() end
-  S['lapse_at'] = at
+  -- (Waiters lapse where they are read: live_waiter.)
 end
 
 -- Lifts both buckets at their reset; a window's lift subtracts what was
@@ -972,7 +947,8 @@ if op == 'snapshot' then
   end
   local raw = redis.call('HGETALL', waiters)
   for i = 1, #raw, 2 do
-    local w = rec_decode(raw[i + 1])
+    -- (A waiter that lapsed is not in line: live_waiter.)
+    local w = live_waiter(raw[i], raw[i + 1])
     if w then
       out[#out + 1] = 'rec:' .. raw[i]
       out[#out + 1] = rec_text(w)

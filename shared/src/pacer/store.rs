@@ -420,12 +420,11 @@ impl SharedPacer {
     }
 
     /// The script's KEYS for `model`, in its order (scripts.lua).
-    fn script_keys(&self, model: &str) -> [String; 5] {
+    fn script_keys(&self, model: &str) -> [String; 4] {
         [
             self.keys.pacer_state(&self.budget, model),
             self.keys.pacer_waiters(&self.budget, model),
             self.keys.pacer_line(&self.budget, model),
-            self.keys.pacer_lapse(&self.budget, model),
             self.keys.pacer_history(&self.budget, model),
         ]
     }

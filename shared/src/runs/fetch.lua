@@ -14,7 +14,7 @@
 -- worker as the worker's own ask would have, and ask again there.
 -- ARGV[1..4] the queue's fetch's; ARGV[5] the history depth in turns (0: all); ARGV[6]
 -- the payload format this version reads; ARGV[7] ('' none) the pacers to ask, JSON
--- (store.rs `FetchAsks`): {routes = {provider = {keys = the pacer's five keys without
+-- (store.rs `FetchAsks`): {routes = {provider = {keys = the pacer's keys without
 -- the model, cfg = its ARGV[2..]}}, first = the provider of an ask that names none,
 -- weights = {tenant = w}, caps = {tenant = c}, in_place_ms = the worker's in-place
 -- wait}. A run's keys are named from its id, beside the queue's dead set, as keys.rs
@@ -104,7 +104,7 @@ local function hold(ids, recs, now)
   for _, gk in ipairs(order) do
     local g = groups[gk]
     local keys, argv = {}, {'batch'}
-    for k = 1, 5 do keys[k] = g.route.keys[k] .. g.model end
+    for k = 1, #g.route.keys do keys[k] = g.route.keys[k] .. g.model end
     for k = 1, #g.route.cfg do argv[k + 1] = g.route.cfg[k] end
     argv[11] = string.format('%d', now)
     -- The line's head read once for the asks and the pull-in after them (pacer, `head`).

@@ -304,12 +304,9 @@ async fn the_snapshot_lists_every_budget_and_model() {
     let mut conn = server.client().get_multiplexed_async_connection().await.unwrap();
     let k = Keys::new(prefix.as_str());
     let mut keys = vec![];
-    for key in [
-        k.pacer_state("default", "gpt-a"),
-        k.pacer_waiters("default", "gpt-a"),
-        k.pacer_line("default", "gpt-a"),
-        k.pacer_lapse("default", "gpt-a"),
-    ] {
+    for key in
+        [k.pacer_state("default", "gpt-a"), k.pacer_waiters("default", "gpt-a"), k.pacer_line("default", "gpt-a")]
+    {
         if redis::cmd("EXISTS").arg(&key).query_async::<bool>(&mut conn).await.unwrap() {
             keys.push(key);
         }
@@ -617,9 +614,9 @@ struct Lockstep {
     handle: tokio::runtime::Handle,
     seed: u64,
     /// The state's waiter count (field `nw`, which spares each op a `ZCARD`)
-    /// is checked against the line after every op, and its `lapse_at` (which
-    /// spares it reading the lapse index) against that index's least time:
-    /// (state key, line key, lapse key).
+    /// is checked against the line and the waiters hash after every op (a
+    /// waiter that lapsed is counted until a script reads it and deletes it,
+    /// its record and line entry together): (state key, line key, waiters key).
     count: (redis::aio::MultiplexedConnection, String, String, String),
     /// Waiters moved up by pull-ins (whole waits).
     pulled: usize,
@@ -627,26 +624,16 @@ struct Lockstep {
 
 impl Lockstep {
     fn check_count(&self, what: &str, now: Millis) {
-        let (conn, state, line, lapse) = &self.count;
+        let (conn, state, line, waiters) = &self.count;
         let mut conn = conn.clone();
-        // (nw, lapse_at, the line's length, the lapse index's first entry)
-        type Read = (Option<i64>, Option<f64>, i64, Vec<(String, f64)>);
-        let (kept, lapse_at, counted, head): Read = tokio::task::block_in_place(|| {
-            self.handle.block_on(
-                redis::pipe()
-                    .hget(state, "nw")
-                    .hget(state, "lapse_at")
-                    .zcard(line)
-                    .zrange_withscores(lapse, 0, 0)
-                    .query_async(&mut conn),
-            )
+        // (nw, the line's length, the waiters hash's)
+        type Read = (Option<i64>, i64, i64);
+        let (kept, counted, records): Read = tokio::task::block_in_place(|| {
+            self.handle.block_on(redis::pipe().hget(state, "nw").zcard(line).hlen(waiters).query_async(&mut conn))
         })
         .expect("count");
         assert_eq!(kept, Some(counted), "seed {}: {what} at {now}: the state's waiter count", self.seed);
-        if let Some((id, least)) = head.first() {
-            let bound = lapse_at.unwrap_or(0.0);
-            assert!(bound <= *least, "seed {}: {what} at {now}: lapse_at {bound} > {least} ({id})", self.seed);
-        }
+        assert_eq!(records, counted, "seed {}: {what} at {now}: records and line entries", self.seed);
     }
 }
 
@@ -712,7 +699,7 @@ async fn the_simulators_workloads_hold_through_the_redis_script() {
             clock,
             handle: tokio::runtime::Handle::current(),
             seed,
-            count: (conn, k.pacer_state("default", "m"), k.pacer_line("default", "m"), k.pacer_lapse("default", "m")),
+            count: (conn, k.pacer_state("default", "m"), k.pacer_line("default", "m"), k.pacer_waiters("default", "m")),
             pulled: 0,
         };
         let report = sim::simulate(&workload, &mut policy);
@@ -812,10 +799,9 @@ async fn concurrent_calls_are_batched_and_decided_as_one_at_a_time() {
 }
 
 #[tokio::test]
-async fn the_calls_in_flight_live_in_one_field_and_an_earlier_layout_is_read_and_moved() {
-    // The calls in flight are one field of the state (`fl`): a settle deletes
-    // no field of its own. A state an earlier version wrote (one field
-    // `f:<id>` per call) is read as it is and moved into `fl` at the next write.
+async fn the_calls_in_flight_live_in_one_field_of_the_state() {
+    // The calls in flight are one field of the state (`fl`): a call cleared
+    // or settled writes it in the state's one HSET, and no field of its own.
     let server = RedisServer::start();
     let prefix = unique_prefix();
     // Limits configured: known from the first ask, no probe.
@@ -828,44 +814,18 @@ async fn the_calls_in_flight_live_in_one_field_and_an_earlier_layout_is_read_and
     for id in ["a", "b"] {
         assert_eq!(pacer.acquire("m", id, est, Mode::Work, &Who::DEFAULT).await.unwrap(), Decision::Clear);
     }
-    let fields = |conn: &mut redis::aio::MultiplexedConnection| {
-        let mut conn = conn.clone();
-        let state = state.clone();
-        async move {
-            let mut f: Vec<String> = redis::cmd("HKEYS").arg(&state).query_async(&mut conn).await.unwrap();
-            f.retain(|k| k == "fl" || k.starts_with("f:"));
-            f.sort();
-            f
-        }
-    };
-    assert_eq!(fields(&mut conn).await, ["fl"]);
+    let fields: Vec<String> = redis::cmd("HKEYS").arg(&state).query_async(&mut conn).await.unwrap();
+    assert!(fields.contains(&"fl".to_owned()) && !fields.iter().any(|f| f.starts_with("f:")), "{fields:?}");
     let (s, _) = pacer.state("m").await.unwrap();
-    assert_eq!(s.flights.len(), 2);
-
-    // The earlier layout, written by hand from `fl`: each call its id's length
-    // (2 bytes, little-endian), its id, its record.
-    let fl: Vec<u8> = redis::cmd("HGET").arg(&state).arg("fl").query_async(&mut conn).await.unwrap();
-    let mut at = 0;
-    let mut legacy = redis::cmd("HSET");
-    legacy.arg(&state);
-    while at + 2 <= fl.len() {
-        let n = u16::from_le_bytes([fl[at], fl[at + 1]]) as usize;
-        let id = std::str::from_utf8(&fl[at + 2..at + 2 + n]).unwrap().to_owned();
-        let rec = &fl[at + 2 + n..at + 2 + n + 113];
-        legacy.arg(format!("f:{id}")).arg(rec);
-        at += 2 + n + 113;
-    }
-    let _: () = legacy.query_async(&mut conn).await.unwrap();
-    let _: () = redis::cmd("HDEL").arg(&state).arg("fl").query_async(&mut conn).await.unwrap();
-    assert_eq!(fields(&mut conn).await, ["f:a", "f:b"]);
-
-    // Read as it is: a is still in flight (asked again, still clear) ...
+    assert_eq!(s.flights.keys().collect::<Vec<_>>(), ["a", "b"]);
+    // Asked again, a call in flight is still clear (read back from `fl`).
     assert_eq!(pacer.acquire("m", "a", est, Mode::Work, &Who::DEFAULT).await.unwrap(), Decision::Clear);
-    let (s, _) = pacer.state("m").await.unwrap();
-    assert_eq!(s.flights.len(), 2);
-    // ... and moved at the next write: b settles, a stays, one field.
     pacer.settle("m", "b", &CallOutcome { used_tokens: Some(80), ..CallOutcome::default() }).await.unwrap();
-    assert_eq!(fields(&mut conn).await, ["fl"]);
     let (s, _) = pacer.state("m").await.unwrap();
     assert_eq!(s.flights.keys().collect::<Vec<_>>(), ["a"]);
+    pacer.settle("m", "a", &CallOutcome { used_tokens: Some(80), ..CallOutcome::default() }).await.unwrap();
+    let (s, _) = pacer.state("m").await.unwrap();
+    assert!(s.flights.is_empty());
+    let fields: Vec<String> = redis::cmd("HKEYS").arg(&state).query_async(&mut conn).await.unwrap();
+    assert!(!fields.iter().any(|f| f.starts_with("f:")), "{fields:?}");
 }
