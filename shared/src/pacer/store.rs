@@ -610,6 +610,8 @@ impl SharedPacer {
 
     /// See [`Pacer::settle`].
     pub async fn settle(&self, model: &str, id: &str, o: &CallOutcome) -> Result<(), PacerError> {
+        // (Listed by its settles too: a call its fetch asked for made no ask here.)
+        self.register(model).await?;
         self.call(model, Self::settle_op(id, o)).await?;
         Ok(())
     }
@@ -623,7 +625,9 @@ impl SharedPacer {
         o: &CallOutcome,
     ) -> impl std::future::Future<Output = Result<(), PacerError>> + Send + 'static {
         let answer = self.enqueue(model, Self::settle_op(id, o), true);
+        let (pacer, model) = (self.clone(), model.to_owned());
         async move {
+            pacer.register(&model).await?;
             answer?.await.map_err(|_| PacerError::Protocol("the batch loop stopped".into()))??;
             Ok(())
         }
