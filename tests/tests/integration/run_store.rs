@@ -48,6 +48,23 @@ fn asked() -> shared::runs::PacedAsk {
     }
 }
 
+/// A shared pacer whose model `gpt-test` has a 1 000-token bucket, emptied by
+/// its probe, that refills in `refill_ms`.
+async fn emptied_pacer(env: &Env, refill_ms: u64) -> shared::pacer::SharedPacer {
+    use shared::pacer::{CallOutcome, Decision, Estimate, Mode, Observation, PacingConfig, SharedPacer, Who};
+    let pacer = SharedPacer::new(env.store.connection(), env.keys.clone(), "default", PacingConfig::default());
+    let est = Estimate { tokens: 300, requests: 1, output: 200 };
+    assert_eq!(pacer.acquire("gpt-test", "probe", est, Mode::Work, &Who::DEFAULT).await.unwrap(), Decision::Clear);
+    let empty = CallOutcome {
+        used_tokens: Some(300),
+        tokens: Observation { limit: Some(1_000), remaining: Some(0), reset_ms: Some(refill_ms) },
+        requests: Observation { limit: Some(100), remaining: Some(99), reset_ms: Some(600) },
+        ..CallOutcome::default()
+    };
+    pacer.settle("gpt-test", "probe", &empty).await.unwrap();
+    pacer
+}
+
 fn spec(input: &str) -> RunSpec {
     RunSpec::from_json(&json!({"model": "gpt-test", "input": input, "max_turns": 3}), &SubmitPolicy::default()).unwrap()
 }
@@ -312,21 +329,12 @@ async fn a_fetch_that_asks_the_pacer_keeps_an_owed_turn_queued_and_starts_a_clea
     // worker's wait would have left it (its due time, the run's counter and
     // wait fields, a `turn.paced` event) and no worker sees it; cleared, it is
     // leased and started as a cleared turn, its reservation held.
-    use shared::pacer::{CallOutcome, Decision, Estimate, Mode, Observation, PacingConfig, SharedPacer, Who};
+    use shared::pacer::{Decision, Estimate, Mode, Who};
     use shared::runs::{FetchAsks, Started, Turn};
     let env = env().await;
-    let conn = env.store.connection();
-    let pacer = SharedPacer::new(conn, env.keys.clone(), "default", PacingConfig::default());
     // Model `gpt-test`'s bucket is empty and refills over a minute; `gpt-free` is unknown.
+    let pacer = emptied_pacer(&env, 60_000).await;
     let est = Estimate { tokens: 300, requests: 1, output: 200 };
-    assert_eq!(pacer.acquire("gpt-test", "probe", est, Mode::Work, &Who::DEFAULT).await.unwrap(), Decision::Clear);
-    let empty = CallOutcome {
-        used_tokens: Some(300),
-        tokens: Observation { limit: Some(1_000), remaining: Some(0), reset_ms: Some(60_000) },
-        requests: Observation { limit: Some(100), remaining: Some(99), reset_ms: Some(600) },
-        ..CallOutcome::default()
-    };
-    pacer.settle("gpt-test", "probe", &empty).await.unwrap();
     let job = TurnJob { turn: 0, attempt: 1 };
     let data = json!({"turn": 0, "owed_ms": 1, "reason": "budget"});
     let mut waiting = vec![];
@@ -420,20 +428,10 @@ async fn a_first_turn_carrying_its_submits_ask_waits_in_the_queue_unstarted_unti
     // asked for by the fetch that would lease it: owed, it waits in the queue
     // (the run `waiting`, a `turn.paced` event, no `turn.started`) and no
     // worker sees it; once clear, that fetch starts it as a cleared turn.
-    use shared::pacer::{CallOutcome, Decision, Estimate, Mode, Observation, PacingConfig, SharedPacer, Who};
     use shared::runs::{FetchAsks, Started, Turn};
     let env = env().await;
-    let pacer = SharedPacer::new(env.store.connection(), env.keys.clone(), "default", PacingConfig::default());
     // The bucket is empty and refills 1 000 tokens a second.
-    let est = Estimate { tokens: 300, requests: 1, output: 200 };
-    assert_eq!(pacer.acquire("gpt-test", "probe", est, Mode::Work, &Who::DEFAULT).await.unwrap(), Decision::Clear);
-    let empty = CallOutcome {
-        used_tokens: Some(300),
-        tokens: Observation { limit: Some(1_000), remaining: Some(0), reset_ms: Some(1_000) },
-        requests: Observation { limit: Some(100), remaining: Some(99), reset_ms: Some(600) },
-        ..CallOutcome::default()
-    };
-    pacer.settle("gpt-test", "probe", &empty).await.unwrap();
+    let pacer = emptied_pacer(&env, 1_000).await;
     let ask = shared::runs::PacedAsk { tokens: 400, output: 100, ..asked() };
     let run = env.store.create("alpha", &spec("hello"), None, Some(ask.clone())).await.unwrap().run;
     let asks = FetchAsks {
