@@ -89,9 +89,6 @@ pub struct Runner {
     pub config: Arc<TurnConfig>,
     /// Tenants' weights and caps (fair admission).
     pub tenants: Arc<shared::config::TenantPolicy>,
-    /// Per model: how the provider's input count compares with ours, learned
-    /// from reported usage, so reservations fit a provider that counts
-    /// differently (a proxy, another tokenizer, the mock).
     /// The turns a cancel can reach (`cancels.rs`).
     pub cancels: crate::cancels::Cancels,
     /// Bench only: the list each delivery is logged to

@@ -806,3 +806,48 @@ async fn a_first_turn_cleared_for_fewer_tokens_than_its_worker_counts_asks_again
     assert!(cleared >= 5 + 700, "cleared {cleared} tokens: the worker called on the 5-token clearance");
     app.stop_workers().await;
 }
+
+/// A budget its worker never asked itself (every ask made by its fetch, each
+/// owed a long wait) still counts as scarce to that worker: the fetch tells it
+/// (`QueueBackend::on_held`), so the commits of the turns that do go ask the
+/// pacer for their next turn there, which then waits from the commit on (its
+/// `turn.paced` written with the turn's `turn.completed`, one stream entry).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fetch_that_owed_a_turn_makes_its_workers_commits_ask_for_the_next_turn() {
+    // No headers: the configured 3 000 tokens a minute pace from the first ask
+    // (no probe, no short waits a worker would ask again for in place).
+    let mut app = App::start(MockConfig {
+        headers: HeaderStyle::None,
+        tool_rounds: 1,
+        latency: Duration::from_millis(20),
+        ..MockConfig::default()
+    })
+    .await;
+    let mut config = app.config();
+    config.pacer.tpm = Some(3_000);
+    app.spawn_worker(config);
+    let mut ids = vec![];
+    for i in 0..8 {
+        let mut body = tool_run(&app, "lookup");
+        body["input"] = json!(format!("task {i}: {}", "background ".repeat(150)));
+        body["max_output_tokens"] = json!(200);
+        ids.push(app.submit(body).await.id);
+    }
+    // The first few clear at once; each one's commit asks for its next turn.
+    let asked_at_commit = eventually("commits that put the next turn to wait", secs(20), || async {
+        let mut n = 0;
+        for id in &ids {
+            let events = app.store.events(TENANT, id, None, None, 100).await.ok()??;
+            let completed = events.iter().find(|e| e.kind == "turn.completed" && e.data["turn"] == 0);
+            let paced = events.iter().find(|e| e.kind == "turn.paced" && e.data["turn"] == 1);
+            if let (Some(c), Some(p)) = (completed, paced) {
+                // One entry: turn.completed is `<entry>.<k>`, its last event the entry's id.
+                n += usize::from(c.id.split('.').next() == Some(p.id.as_str()));
+            }
+        }
+        (n >= 2).then_some(n)
+    })
+    .await;
+    assert!(asked_at_commit >= 2);
+    app.stop_workers().await;
+}
