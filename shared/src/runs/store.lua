@@ -43,10 +43,9 @@ if op == 'create' then
   redis.call('ZADD', (q_run_active(RUN, tenant)), now, id)
   if fp ~= '' then redis.call('SET', IDEM, id .. '|' .. fp, 'PX', tonumber(ARGV[5])) end
   q_add(id, ARGV[6], now, now)
-  -- The run as this step wrote it (a worker may start its turn at once).
-  local out = {'created', id}
-  for _, v in ipairs(redis.call('HGETALL', RUN)) do out[#out + 1] = v end
-  return out
+  -- The run as this step wrote it is ARGV[7] with these (store.rs `create` builds it
+  -- without reading it back; a worker may start its turn at once).
+  return {'created', id, tostring(now)}
 end
 
 if op == 'cancel' then

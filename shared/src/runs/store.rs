@@ -602,10 +602,20 @@ impl RunStore {
             other => return Err(StoreError::Protocol(format!("{other:?}"))),
         };
         match outcome {
-            // The run as the script wrote it: a worker may have started its
-            // turn by the time a second read came.
+            // The run as the script wrote it (its fields, the tenant and the
+            // server's time): a worker may have started its turn by the time
+            // a read came.
             "created" => {
-                let fields = reply[2..].chunks_exact(2).map(|kv| (kv[0].clone(), kv[1].clone())).collect();
+                let now = reply.get(2).cloned().ok_or_else(|| StoreError::Protocol("create: no time".into()))?;
+                let mut fields: HashMap<String, String> = fields
+                    .as_object()
+                    .into_iter()
+                    .flatten()
+                    .map(|(k, v)| (k.clone(), v.as_str().map_or_else(|| v.to_string(), str::to_owned)))
+                    .collect();
+                fields.insert(field::TENANT.to_owned(), tenant.to_owned());
+                fields.insert(field::CREATED_MS.to_owned(), now.clone());
+                fields.insert(field::UPDATED_MS.to_owned(), now);
                 let run = tenant_run(tenant, &run_id, &fields).ok_or(StoreError::NotFound)?;
                 Ok(Created { run, replayed: false })
             }

@@ -72,9 +72,13 @@ fn spec(input: &str) -> RunSpec {
 #[tokio::test]
 async fn a_submitted_run_is_written_whole_and_its_first_turn_queued() {
     let env = env().await;
-    let created = env.store.create("alpha", &spec("hello"), None, None).await.unwrap();
+    let mut long = spec("hello");
+    long.max_run_seconds = Some(600);
+    let created = env.store.create("alpha", &long, None, None).await.unwrap();
     let run = created.run;
     assert!(!created.replayed);
+    // What create hands back (built from what it wrote, not read back) is what a read finds.
+    assert_eq!(env.store.get("alpha", &run.id).await.unwrap().as_ref(), Some(&run));
     assert_eq!(run.status, RunStatus::Queued);
     assert_eq!((run.turns_completed, run.max_turns), (0, 3));
     let tx = env.store.transcript("alpha", &run.id).await.unwrap().unwrap();
