@@ -104,8 +104,8 @@ impl Routes {
     }
 
     /// What the fetch needs to ask the shared pacers itself
-    /// (`RunStore::fetch_script_asking`): the routes whose pacer is shared.
-    /// `None` when none is.
+    /// (`RunStore::fetch_script_asking`): the routes whose pacer is shared,
+    /// and those that pace nothing. `None` when none is either.
     /// `in_place` is the worker's in-place wait ([`shared::runs::FetchAsks::in_place_ms`]).
     pub fn fetch_asks(
         &self,
@@ -120,11 +120,14 @@ impl Routes {
                 _ => None,
             })
             .collect();
-        if routes.is_empty() {
+        let unpaced: Vec<String> =
+            self.0.iter().filter(|r| matches!(r.pacer, Pacer::Off)).map(|r| r.name.clone()).collect();
+        if routes.is_empty() && unpaced.is_empty() {
             return None;
         }
         Some(shared::runs::FetchAsks {
             routes,
+            unpaced,
             first: self.0.first().map(|r| r.name.clone()).unwrap_or_default(),
             weights: tenants.weights().map(|(t, w)| (t.to_owned(), w)).collect(),
             caps: tenants.caps().map(|(t, c)| (t.to_owned(), c)).collect(),

@@ -17,10 +17,11 @@
 -- (store.rs `FetchAsks`): {routes = {provider = {keys = the pacer's keys without
 -- the model, cfg = its ARGV[2..]}}, first = the provider of an ask that names none,
 -- weights = {tenant = w}, caps = {tenant = c}, in_place_ms = the worker's in-place
--- wait}. A run's keys are named from its id, beside the queue's dead set, as keys.rs
--- builds them (the queue's slot; q_fail_run does the same). The pacer's keys are in
--- their budget's slot: on Redis Cluster, a fetch that asks needs them on the queue's
--- node (ARCHITECTURE.md, "Keys and slots").
+-- wait, unpaced = the providers its worker paces not at all}. A run's keys are named
+-- from its id, beside the queue's dead set, as keys.rs builds them (the queue's slot;
+-- q_fail_run does the same). The pacer's keys are in their budget's slot: on Redis
+-- Cluster, a fetch that asks needs them on the queue's node (ARCHITECTURE.md, "Keys
+-- and slots").
 local max_hist, format = tonumber(ARGV[5]) or 0, tonumber(ARGV[6]) or 1
 -- Decoded only when a due turn carries an ask (most fetches lease none that do).
 local asks_json, asks = ARGV[7] or '', nil
@@ -35,10 +36,22 @@ local function job_of(r)
   return job
 end
 
+-- Whether the ask of `job` is one no worker makes (its provider paces nothing: ARGV[7]'s
+-- `unpaced`): such a turn starts as any.
+local function unpaced(job)
+  if asks_json == '' or type(job.ask) ~= 'table' then return false end
+  if not asks then asks = cjson.decode(asks_json) end
+  local p = tostring(job.ask.provider or asks.first)
+  for _, name in ipairs(asks.unpaced or {}) do
+    if name == p then return true end
+  end
+  return false
+end
+
 local function start_leased(qid, r)
   -- (`hold` keeps the job it decoded on the record: q_encode writes only its own fields.)
   local job = r.job or job_of(r)
-  if not job or (job.ask ~= nil and not job.cleared) then return nil end
+  if not job or (job.ask ~= nil and not job.cleared and not unpaced(job)) then return nil end
   RUN, TX, EV, id = base .. 'run:' .. qid, base .. 'tx:' .. qid, base .. 'ev:' .. qid, qid
   return start_turn(tostring(r.epoch), string.format('%d', job.turn), string.format('%d', tonumber(job.attempt) or 1), max_hist,
     r.run_read)

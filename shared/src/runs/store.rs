@@ -238,6 +238,10 @@ pub struct FetchAsks {
     /// ([`Turn::pause_ms`]) and waits in its worker, as the worker's own ask
     /// would have it — not requeued for a few ms (a round of the queue).
     pub in_place_ms: u64,
+    /// Providers whose worker paces nothing (`--pacer off`): a turn of theirs
+    /// that carries an ask (a run's first, from its submit) is started as any
+    /// turn, there being no ask to make.
+    pub unpaced: Vec<String>,
 }
 
 /// A turn as the queue carries it: its job and, after a budget wait, the ask

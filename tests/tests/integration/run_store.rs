@@ -464,6 +464,24 @@ async fn a_first_turn_carrying_its_submits_ask_waits_in_the_queue_unstarted_unti
 }
 
 #[tokio::test]
+async fn a_first_turns_ask_that_no_worker_makes_is_started_as_any_turn() {
+    // A worker that paces nothing (`--pacer off`) has no ask to make: its
+    // fetch starts a run's first turn though the turn carries its submit's
+    // ask; a fetch that would have the worker ask (a local pacer) leaves it.
+    use shared::runs::{FetchAsks, Started};
+    let env = env().await;
+    let ask = shared::runs::PacedAsk { tokens: 400, output: 100, ..asked() };
+    for (unpaced, starts) in [(vec!["default".to_owned()], true), (vec![], false)] {
+        let run = env.store.create("alpha", &spec("hello"), None, Some(ask.clone())).await.unwrap().run;
+        let asks = FetchAsks { first: "default".into(), unpaced, ..FetchAsks::default() };
+        let fetch = env.store.fetch_script_asking(24, Some(&asks));
+        let fetched = env.queue.fetch_with("w1", 10, Some(&fetch)).await.unwrap();
+        let lease = &fetched.deliveries.iter().find(|d| d.lease.id == run.id).expect("leased").lease;
+        assert_eq!(matches!(env.store.started(lease), Some(Ok(Started::Run(_)))), starts, "{:?}", asks.unpaced);
+    }
+}
+
+#[tokio::test]
 async fn a_commit_queues_a_next_turn_the_pacer_cleared_or_puts_it_to_wait_at_once() {
     // The worker asks the pacer for the next turn as it commits: cleared, the
     // turn is queued due now, marked cleared, and its fetch starts it; owed,
