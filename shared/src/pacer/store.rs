@@ -295,8 +295,6 @@ pub struct SharedPacer {
     config: Arc<PacingConfig>,
     /// `None` in production: the script reads the Redis server's clock.
     test_clock: Option<Arc<dyn Clock>>,
-    /// Models this process has already listed under the budget.
-    registered: Arc<Mutex<HashMap<String, Arc<tokio::sync::OnceCell<()>>>>>,
     /// Per budget and model, the queue of this process's calls waiting for
     /// the next batch (see [`Batcher`]).
     batchers: Arc<Mutex<HashMap<(String, String), Batcher>>>,
@@ -341,6 +339,10 @@ impl Batcher {
         // of the pacer that made it) is gone.
         let pacer = SharedPacer { batchers: Arc::default(), ..pacer };
         tokio::spawn(async move {
+            // The model is listed under its budget before its first batch (a
+            // write that fails is tried again before the next): every ask and
+            // settle of it in this process comes here, its fetch's asks aside.
+            let mut registered = false;
             while let Some(first) = rx.recv().await {
                 let mut batch = vec![first];
                 // Lazy calls alone wait a moment for one that is not.
@@ -355,6 +357,12 @@ impl Batcher {
                     match rx.try_recv() {
                         Ok(p) => batch.push(p),
                         Err(_) => break,
+                    }
+                }
+                if !registered {
+                    match pacer.register(&model).await {
+                        Ok(()) => registered = true,
+                        Err(error) => tracing::warn!(message = "could not list the model under its budget", %error),
                     }
                 }
                 let answers = pacer.invoke_batch(&model, &batch).await;
@@ -398,7 +406,6 @@ impl SharedPacer {
             budget: budget.into(),
             config: Arc::new(config),
             test_clock: None,
-            registered: Arc::default(),
             batchers: Arc::default(),
             head_read: 0,
         }
@@ -557,23 +564,17 @@ impl SharedPacer {
         Err(PacerError::Protocol("no batch loop would take the call".into()))
     }
 
-    /// Lists the model under the budget (once per process), for `snapshot`.
-    /// The first wave's concurrent asks wait for one write, not one each; a
-    /// write that fails is sent again by the next ask.
+    /// Lists the model under the budget, for `snapshot` (its batch loop does,
+    /// once per process: every ask and settle of the model goes through it).
     async fn register(&self, model: &str) -> Result<(), PacerError> {
-        let once =
-            self.registered.lock().unwrap_or_else(|e| e.into_inner()).entry(model.to_owned()).or_default().clone();
-        once.get_or_try_init(|| async {
-            let mut conn = self.conn.clone();
-            redis::pipe()
-                .sadd(self.keys.pacer_budgets(), &self.budget)
-                .ignore()
-                .sadd(self.keys.pacer_models(&self.budget), model)
-                .ignore()
-                .query_async::<()>(&mut conn)
-                .await
-        })
-        .await?;
+        let mut conn = self.conn.clone();
+        redis::pipe()
+            .sadd(self.keys.pacer_budgets(), &self.budget)
+            .ignore()
+            .sadd(self.keys.pacer_models(&self.budget), model)
+            .ignore()
+            .query_async::<()>(&mut conn)
+            .await?;
         Ok(())
     }
 
@@ -586,7 +587,6 @@ impl SharedPacer {
         mode: Mode,
         who: &Who<'_>,
     ) -> Result<Decision, PacerError> {
-        self.register(model).await?;
         let jitter_u = if self.config.jitter_frac > 0.0 { rand::random::<f64>() } else { 0.0 };
         let op = vec![
             "acquire".to_owned(),
@@ -610,8 +610,6 @@ impl SharedPacer {
 
     /// See [`Pacer::settle`].
     pub async fn settle(&self, model: &str, id: &str, o: &CallOutcome) -> Result<(), PacerError> {
-        // (Listed by its settles too: a call its fetch asked for made no ask here.)
-        self.register(model).await?;
         self.call(model, Self::settle_op(id, o)).await?;
         Ok(())
     }
@@ -625,9 +623,7 @@ impl SharedPacer {
         o: &CallOutcome,
     ) -> impl std::future::Future<Output = Result<(), PacerError>> + Send + 'static {
         let answer = self.enqueue(model, Self::settle_op(id, o), true);
-        let (pacer, model) = (self.clone(), model.to_owned());
         async move {
-            pacer.register(&model).await?;
             answer?.await.map_err(|_| PacerError::Protocol("the batch loop stopped".into()))??;
             Ok(())
         }
