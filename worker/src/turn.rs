@@ -746,7 +746,7 @@ pub fn first_ask(providers: &ProviderTable) -> FirstAsk {
         let transcript: Vec<TranscriptEntry> =
             spec.input.iter().map(|item| TranscriptEntry { turn: 0, item: item.clone() }).collect();
         let (_, _, input) = call_body(style, spec, &transcript, crate::context::DEFAULT_MAX_HISTORY);
-        Some(PacedAsk::new(spec, tenant, call_estimate(spec, input)))
+        PacedAsk::new(spec, tenant, call_estimate(spec, input))
     })
 }
 

@@ -207,7 +207,7 @@ pub async fn submit(
     let spec = RunSpec::from_json(&value, &state.policy)?;
     state.policy.admit(&tenant, &spec)?;
     let idem = idempotency(&headers, &spec)?;
-    let first_ask = state.config.first_ask.as_ref().and_then(|f| f.ask(&spec, &tenant));
+    let first_ask = state.config.first_ask.as_ref().map(|f| f.ask(&spec, &tenant));
     let created = state.redis("create run", state.runs.create(&tenant, &spec, idem.as_ref(), first_ask)).await?;
     if created.replayed {
         tracing::info!(message = "idempotent submit replayed", run.id = %created.run.id, tenant = %tenant);

@@ -200,17 +200,17 @@ impl PacedAsk {
 pub struct FirstAsk(std::sync::Arc<AskOf>);
 
 /// `f(spec, tenant)`: the ask of a run's first turn (see [`FirstAsk`]).
-type AskOf = dyn Fn(&RunSpec, &str) -> Option<PacedAsk> + Send + Sync;
+type AskOf = dyn Fn(&RunSpec, &str) -> PacedAsk + Send + Sync;
 
 impl FirstAsk {
     /// The estimator `f(spec, tenant)`.
-    pub fn new(f: impl Fn(&RunSpec, &str) -> Option<PacedAsk> + Send + Sync + 'static) -> Self {
+    pub fn new(f: impl Fn(&RunSpec, &str) -> PacedAsk + Send + Sync + 'static) -> Self {
         Self(std::sync::Arc::new(f))
     }
 
     /// The ask of run `spec`'s first turn, of `tenant` (counted off the
     /// runtime's threads: a long input takes a while, [`crate::cpu_bound`]).
-    pub fn ask(&self, spec: &RunSpec, tenant: &str) -> Option<PacedAsk> {
+    pub fn ask(&self, spec: &RunSpec, tenant: &str) -> PacedAsk {
         crate::cpu_bound(|| (self.0)(spec, tenant))
     }
 }

@@ -148,7 +148,7 @@ impl App {
         };
         let spec = RunSpec::from_json(&body, &policy).expect("valid spec");
         // Its first turn carries its ask, as the API's submit gives it (`paceline api`, `up`).
-        let first_ask = worker::turn::first_ask(&Default::default()).ask(&spec, TENANT);
+        let first_ask = Some(worker::turn::first_ask(&Default::default()).ask(&spec, TENANT));
         self.store.create(TENANT, &spec, None, first_ask).await.unwrap().run
     }
 
