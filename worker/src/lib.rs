@@ -186,7 +186,7 @@ pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()> + Send
     let backend = backend::QueueBackend::<Turn>::new(queue, config.slots.concurrency.max(1))
         .fetching_with(fetch)
         // A turn the fetch's ask owed time says the budget is scarce, as the worker's own ask would.
-        .on_held(move |_| routes.note_fetch_owed());
+        .on_held(move || routes.note_fetch_owed());
     let name = backend.identity().to_owned();
     let stopping = backend.stopping();
     tracing::info!(message = "worker started", worker.id = %name, concurrency = config.slots.concurrency,

@@ -92,9 +92,9 @@ struct BackendState {
     /// The server lets this worker cancel its idle `BLPOP` (`CLIENT UNBLOCK`),
     /// which a kick needs; without it, turns are queued with a token as before.
     can_unblock: AtomicBool,
-    /// Told how many due turns a fetch's own pacer ask owed time and left
+    /// Told when a fetch's own pacer ask owed a due turn time and left it
     /// queued (see [`QueueBackend::on_held`]).
-    on_held: std::sync::OnceLock<Box<dyn Fn(u64) + Send + Sync>>,
+    on_held: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>,
 }
 
 impl BackendState {
@@ -216,10 +216,10 @@ impl<T> QueueBackend<T> {
         self
     }
 
-    /// This backend, telling `f` how many due turns a fetch's own pacer ask
-    /// owed time and left queued (the worker notes its budget scarce: its
+    /// This backend, telling `f` when a fetch's own pacer ask owed a due turn
+    /// time and left it queued (the worker notes its budget scarce: its
     /// commits then ask for the next turn themselves, `OwedLately`).
-    pub fn on_held(self, f: impl Fn(u64) + Send + Sync + 'static) -> Self {
+    pub fn on_held(self, f: impl Fn() + Send + Sync + 'static) -> Self {
         let _ = self.shared.on_held.set(Box::new(f));
         self
     }
@@ -446,7 +446,7 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
                     if fetched.held > 0 {
                         metrics::counter!(shared::telemetry::metric::BUDGET_WAITS).increment(fetched.held);
                         if let Some(f) = self.shared.on_held.get() {
-                            f(fetched.held);
+                            f();
                         }
                     }
                     for d in fetched.deliveries {
