@@ -2,8 +2,12 @@
 -- calls it, and so does a script that does more with each turn it leases (the run
 -- store's fetch starts them: runs/store.rs `fetch_script`).
 --
--- q_fetch(max, lease_ms, dead_keep_ms, me, on_leased): fetch and lease up to `max` due
--- turns for `lease_ms` ms for worker `me` (`dead_keep_ms`: the dead set's retention).
+-- q_fetch(max, lease_ms, dead_keep_ms, me, woken, on_leased, hold): fetch and lease up to
+-- `max` due turns for `lease_ms` ms for worker `me` (`dead_keep_ms`: the dead set's
+-- retention). `woken`: this fetch follows a wake-up token its worker took, so others may
+-- be left over (pushed while no worker listened): a fetch that takes everything due
+-- clears them. Any other fetch leaves them (a token reaches a listening worker at once,
+-- so leftovers are rare; clearing them at every fetch cost a DEL a turn).
 -- KEYS[Q_NKEYS+1]: the epoch counter; KEYS[Q_NKEYS+2]: the queue's counters
 -- (empty_fetches: a fetch that found nothing due is a cost to count, not to accept).
 -- `on_leased(id, r)` (optional), called for each leased turn with its record once its
@@ -22,7 +26,22 @@
 --         turn, in `ms`: the one idle worker that does (KEYS[7], lib.lua).
 -- A worker asks for no more than its free slots, so a batch that is not full
 -- leaves it idle with a slot to spare: it is the one to watch.
-local function q_fetch(max, lease_ms, dead_keep_ms, me, on_leased, hold)
+-- A lease's epoch: its record's last plus one, so an epoch is never reused under an
+-- id. A record never leased (epoch 0: new, or under an id used before and deleted
+-- since) starts a block of Q_EPOCH_BLOCK epochs drawn from the counter (KEYS[Q_NKEYS+1]),
+-- later than every block drawn before, and so past every epoch an earlier record under
+-- its id had; a record that used up its block draws another. One INCR a record, not
+-- one a lease. (Records from before blocks carry epochs below the first block's.)
+local Q_EPOCH_BLOCK = 65536
+local function q_next_epoch(last)
+  local e = last + 1
+  if last == 0 or e % Q_EPOCH_BLOCK == 0 then
+    e = redis.call('INCR', KEYS[Q_NKEYS + 1]) * Q_EPOCH_BLOCK + 1
+  end
+  return e
+end
+
+local function q_fetch(max, lease_ms, dead_keep_ms, me, woken, on_leased, hold)
   local now = q_now()
   -- The first max + 1 queued turns by due time: those due now (at most max), and
   -- after them the next one, whose due time says whether more are due and when.
@@ -60,14 +79,6 @@ local function q_fetch(max, lease_ms, dead_keep_ms, me, on_leased, hold)
       if not (keep[ids[i]] and decoded[i] and decoded[i].flag == 'q') then gone[#gone + 1] = ids[i] end
     end
     if #gone > 0 then redis.call('ZREM', Q_DUE, unpack(gone)) end
-    -- Epochs come from one counter, so an epoch is never reused, even by a later
-    -- turn under the same id; one for each turn to lease.
-    local to_lease = 0
-    for i = 1, n do
-      if decoded[i] and decoded[i].flag == 'q' and not keep[ids[i]] then to_lease = to_lease + 1 end
-    end
-    local first = 0
-    if to_lease > 0 then first = redis.call('INCRBY', KEYS[Q_NKEYS + 1], to_lease) - to_lease end
     for i = 1, n do
       local r = decoded[i]
       local again = keep[ids[i]]
@@ -76,13 +87,12 @@ local function q_fetch(max, lease_ms, dead_keep_ms, me, on_leased, hold)
         held[#held + 1] = again; held[#held + 1] = ids[i]
         if not nxt or again < nxt then nxt = again end
       elseif r and r.flag == 'q' then
-        first = first + 1
-        r.epoch = first
+        r.epoch = q_next_epoch(r.epoch)
         r.deliveries = r.deliveries + 1
         r.flag = 'l'
         hset[#hset + 1] = ids[i]; hset[#hset + 1] = q_encode(r)
         zadd[#zadd + 1] = now + lease_ms; zadd[#zadd + 1] = ids[i]
-        out[#out + 1] = ids[i]; out[#out + 1] = tostring(r.epoch); out[#out + 1] = tostring(r.deliveries)
+        out[#out + 1] = ids[i]; out[#out + 1] = string.format('%d', r.epoch); out[#out + 1] = tostring(r.deliveries)
         out[#out + 1] = due[2 * i]; out[#out + 1] = r.payload
         leased[#leased + 1] = {ids[i], r, #out + 1}
         out[#out + 1] = {}
@@ -114,7 +124,7 @@ local function q_fetch(max, lease_ms, dead_keep_ms, me, on_leased, hold)
     end
   end
   -- Took everything due: leftover tokens would only wake workers for nothing.
-  redis.call('DEL', Q_NOTIFY)
+  if woken then redis.call('DEL', Q_NOTIFY) end
   if not nxt then return out end
   local at = nxt
   -- Claimed at once, reading the claim it replaces (one command, not a GET and

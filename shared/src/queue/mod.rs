@@ -55,7 +55,7 @@ use std::sync::Arc;
 pub const LUA_LIB: &str = include_str!("lib.lua");
 
 /// The queue's fetch as a Lua function, `q_fetch(max, lease_ms, dead_keep_ms,
-/// me, on_leased)` (prepend it after [`LUA_LIB`]): the queue's own fetch
+/// me, woken, on_leased, hold)` (prepend it after [`LUA_LIB`]): the queue's own fetch
 /// script calls it; a [`FetchScript`] built on it does more with each turn it
 /// leases (`on_leased(id, record)` returns what the delivery carries besides:
 /// [`Lease::extra`]).
@@ -94,7 +94,7 @@ impl Scripts {
         Self {
             enqueue: with_lib(ENQUEUE_LUA),
             fetch: with_lib(&format!(
-                "{FETCH_LIB}\nreturn q_fetch(tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4])"
+                "{FETCH_LIB}\nreturn q_fetch(tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5] == '1')"
             )),
             settle: with_lib(SETTLE_LUA),
             heartbeat: with_lib(HEARTBEAT_LUA),
@@ -209,13 +209,30 @@ impl TurnQueue {
         max: usize,
         with: Option<&FetchScript>,
     ) -> Result<Fetched, QueueError> {
+        self.fetch_woken(worker, max, with, true).await
+    }
+
+    /// [`Self::fetch_with`], saying whether the worker took a wake-up token
+    /// just before (`woken`): only such a fetch clears the tokens left over
+    /// when it takes everything due (fetch.lua). A worker that fetches for
+    /// any other reason (a slot freed, its watch's timer, a kick) finds them
+    /// left for the next token-woken fetch: they are rare, since a token
+    /// reaches a listening worker at once.
+    pub async fn fetch_woken(
+        &self,
+        worker: &str,
+        max: usize,
+        with: Option<&FetchScript>,
+        woken: bool,
+    ) -> Result<Fetched, QueueError> {
         let mut inv = self.invocation(with.map_or(&self.scripts.fetch, |w| &*w.script));
         inv.key(&self.keys.epoch_seq)
             .key(&self.keys.stats)
             .arg(max.clamp(1, MAX_FETCH_BATCH))
             .arg(self.config.lease_ms)
             .arg(self.config.dead_retention_ms)
-            .arg(worker);
+            .arg(worker)
+            .arg(if woken { "1" } else { "0" });
         for a in with.map_or(&[][..], |w| &w.args[..]) {
             inv.arg(a);
         }
@@ -456,9 +473,9 @@ impl std::fmt::Debug for FetchScript {
 
 impl FetchScript {
     /// `body` (prepended with [`LUA_LIB`] and `libs`, then [`FETCH_LIB`]) must
-    /// `return q_fetch(tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4], on_leased, hold)`
+    /// `return q_fetch(tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5] == '1', on_leased, hold)`
     /// (`hold` optional: the due turns to leave queued, `fetch.lua`);
-    /// `args` are its ARGV from 5 on.
+    /// `args` are its ARGV from 6 on.
     pub fn new(libs: &str, body: &str, args: Vec<String>) -> Self {
         let source = format!("{LUA_LIB}\n{libs}\n{FETCH_LIB}\n{body}");
         Self { script: Arc::new(redis::Script::new(&source)), args }

@@ -6,14 +6,14 @@
 -- format this version does not read (the worker buries it).
 -- A turn that carries an ask not made yet — back from a budget wait, or a run's first
 -- turn (its ask made at submit, store.rs `FirstAsk`) — whose pacer this fetch may ask
--- (ARGV[7]) is asked for here, before it is leased: cleared, it is leased and started as a cleared turn; still
+-- (ARGV[8]) is asked for here, before it is leased: cleared, it is leased and started as a cleared turn; still
 -- owed, it waits again in the queue, as the worker's wait would have left it (the run's
 -- wait fields and counter, a `turn.paced` event), and no worker sees it — unless it is
 -- owed no longer than the worker's in-place wait: then it is leased (not started: it
 -- may be owed again after) with that pause (`pause_ms` in its payload), to wait in its
 -- worker as the worker's own ask would have, and ask again there.
--- ARGV[1..4] the queue's fetch's; ARGV[5] the history depth in turns (0: all); ARGV[6]
--- the payload format this version reads; ARGV[7] ('' none) the pacers to ask, JSON
+-- ARGV[1..5] the queue's fetch's; ARGV[6] the history depth in turns (0: all); ARGV[7]
+-- the payload format this version reads; ARGV[8] ('' none) the pacers to ask, JSON
 -- (store.rs `FetchAsks`): {routes = {provider = {keys = the pacer's keys without
 -- the model, cfg = its ARGV[2..]}}, first = the provider of an ask that names none,
 -- weights = {tenant = w}, caps = {tenant = c}, in_place_ms = the worker's in-place
@@ -22,9 +22,9 @@
 -- q_fail_run does the same). The pacer's keys are in their budget's slot: on Redis
 -- Cluster, a fetch that asks needs them on the queue's node (ARCHITECTURE.md, "Keys
 -- and slots").
-local max_hist, format = tonumber(ARGV[5]) or 0, tonumber(ARGV[6]) or 1
+local max_hist, format = tonumber(ARGV[6]) or 0, tonumber(ARGV[7]) or 1
 -- Decoded only when a due turn carries an ask (most fetches lease none that do).
-local asks_json, asks = ARGV[7] or '', nil
+local asks_json, asks = ARGV[8] or '', nil
 local in_place = 0
 local base = string.sub(Q_DEAD, 1, #Q_DEAD - #'q:dead')
 
@@ -36,7 +36,7 @@ local function job_of(r)
   return job
 end
 
--- Whether the ask of `job` is one no worker makes (its provider paces nothing: ARGV[7]'s
+-- Whether the ask of `job` is one no worker makes (its provider paces nothing: ARGV[8]'s
 -- `unpaced`): such a turn starts as any.
 local function unpaced(job)
   if asks_json == '' or type(job.ask) ~= 'table' then return false end
@@ -53,7 +53,7 @@ local function start_leased(qid, r)
   local job = r.job or job_of(r)
   if not job or (job.ask ~= nil and not job.cleared and not unpaced(job)) then return nil end
   RUN, TX, EV, id = base .. 'run:' .. qid, base .. 'tx:' .. qid, base .. 'ev:' .. qid, qid
-  return start_turn(tostring(r.epoch), string.format('%d', job.turn), string.format('%d', tonumber(job.attempt) or 1), max_hist,
+  return start_turn(string.format('%d', r.epoch), string.format('%d', job.turn), string.format('%d', tonumber(job.attempt) or 1), max_hist,
     r.run_read)
 end
 
@@ -177,4 +177,4 @@ local function hold(ids, recs, now)
   return keep, moved
 end
 
-return q_fetch(tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4], start_leased, hold)
+return q_fetch(tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5] == '1', start_leased, hold)

@@ -222,7 +222,9 @@ local function start_turn(epoch, turn, attempt, max_hist, read)
   -- running turn too; its deltas and tool events carry the same epoch, so a
   -- listener can drop what a stale holder wrote in the moment before it stopped.
   if status ~= 'running' or f.epoch ~= epoch then
-    local eid = event('turn.started', cjson.encode({turn = tonumber(turn), attempt = tonumber(attempt), epoch = tonumber(epoch)}))
+    -- (Written out, not cjson's: an epoch may pass cjson's 14 digits.)
+    local eid = event('turn.started', string.format('{"turn":%d,"attempt":%d,"epoch":%s}', tonumber(turn),
+      tonumber(attempt), epoch))
     now = now or stamped(eid)
   end
   now = now or q_now()

@@ -205,8 +205,8 @@ if op == 'retry' then
   -- unfinished runs, run.queued written) and its next turn is enqueued with
   -- fresh deliveries. ARGV[3] tenant ('' = the operator: any tenant's run).
   -- No epoch is bumped: the turn's record goes back to 'q', which fences every
-  -- earlier holder ('not_leased'), and the next fetch draws a new epoch from
-  -- the counter, larger than any before it.
+  -- earlier holder ('not_leased'), and the next fetch gives it the next epoch of its
+  -- record, larger than any before it (fetch.lua `q_next_epoch`).
   local tenant = redis.call('HGET', RUN, 'tenant')
   if not tenant or (ARGV[3] ~= '' and tenant ~= ARGV[3]) then return {'not_found'} end
   local status = redis.call('HGET', RUN, 'status')

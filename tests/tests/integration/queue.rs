@@ -422,6 +422,55 @@ async fn a_stale_holder_is_fenced_and_changes_nothing() {
 }
 
 #[tokio::test]
+async fn an_id_used_again_after_its_record_went_never_meets_an_old_epoch() {
+    // Epochs are kept per record (its last plus one), and a record never
+    // leased draws a block from the counter: a turn enqueued again under an
+    // id whose record was deleted starts past every epoch the id had, so a
+    // holder of the old record's lease stays fenced.
+    let env = Env::start(QueueConfig::default());
+    let q = &env.queue;
+    q.enqueue("run_x", &json!({"turn": 1}), 0).await.unwrap();
+    let first = q.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
+    q.requeue::<Value>(&first, 0, None).await.unwrap();
+    let second = q.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
+    assert_eq!(second.epoch, first.epoch + 1, "a record's next lease is its last epoch plus one");
+    q.complete(&second).await.unwrap();
+
+    // The same id again, leased as often as the first record was.
+    q.enqueue("run_x", &json!({"turn": 1}), 0).await.unwrap();
+    let again = q.fetch("w2", 1).await.unwrap().deliveries.remove(0).lease;
+    assert!(again.epoch > second.epoch, "epoch {} is not past the old record's {}", again.epoch, second.epoch);
+    assert!(matches!(q.complete(&first).await, Err(QueueError::Fenced { .. })));
+    assert!(matches!(q.complete(&second).await, Err(QueueError::Fenced { .. })));
+    q.complete(&again).await.unwrap();
+}
+
+#[tokio::test]
+async fn only_a_fetch_a_token_woke_clears_the_tokens_left_over() {
+    // A token reaches a listening worker at once, so leftovers are rare, and
+    // a fetch that took no token does not pay a DEL for them.
+    let env = Env::start(QueueConfig::default());
+    let q = &env.queue;
+    let mut conn = env.server.conn().await;
+    let tokens = |mut conn: redis::aio::MultiplexedConnection| {
+        let key = q.keys().notify.clone();
+        async move { redis::cmd("LLEN").arg(key).query_async::<u64>(&mut conn).await.unwrap() }
+    };
+    q.enqueue("run_a", &json!({}), 0).await.unwrap();
+    q.enqueue("run_b", &json!({}), 0).await.unwrap();
+    assert_eq!(tokens(conn.clone()).await, 2, "each turn due now pushed a token (nobody listened)");
+    let got = q.fetch_woken("w1", 10, None, false).await.unwrap();
+    assert_eq!(got.deliveries.len(), 2);
+    assert_eq!(tokens(conn.clone()).await, 2, "a fetch no token woke leaves them");
+    q.enqueue("run_c", &json!({}), 0).await.unwrap();
+    let _: Option<(String, String)> =
+        redis::cmd("BLPOP").arg(&q.keys().notify).arg(1).query_async(&mut conn).await.unwrap();
+    let got = q.fetch_woken("w1", 10, None, true).await.unwrap();
+    assert_eq!(got.deliveries.len(), 1);
+    assert_eq!(tokens(conn.clone()).await, 0, "the fetch a token woke took everything due and cleared the rest");
+}
+
+#[tokio::test]
 async fn a_commit_script_built_on_the_lua_library_is_fenced_atomically() {
     let env = Env::start(QueueConfig { lease_ms: 300, ..QueueConfig::default() });
     let q = &env.queue;

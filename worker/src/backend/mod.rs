@@ -18,7 +18,10 @@
 //! interval, which grows with the fleet so the fleet's idle checks stay as few
 //! as two workers' would. A turn due now, or due before the watched time, pushes
 //! one token (one worker wakes, not all); a fetch that filled its batch pushes
-//! one more (so idle workers join in); a fetch that took everything clears them.
+//! one more (so idle workers join in); a fetch that a token woke and that took
+//! everything clears the rest (only such a fetch: any other would pay a `DEL`
+//! for tokens that are rarely there, since a token reaches a listening worker
+//! at once).
 //! Redis's own blocking timeouts tick at `hz` (100 ms here), too coarse for the
 //! 50 ms bar, hence the local timer. A process's `BLPOP` stays outstanding
 //! while it has a free slot, across its timer's wake-ups, kicks and fetches (a
@@ -298,6 +301,7 @@ impl<T: DeserializeOwned + Send + 'static> Backend for QueueBackend<T> {
                 blocking: None,
                 listening: None,
                 unblock: true,
+                woken: false,
                 failures: 0,
             };
             futures::stream::unfold(state, |mut f| async move {
@@ -369,10 +373,11 @@ async fn fetch_in_task(
     script: Option<FetchScript>,
     shared: Arc<BackendState>,
     want: usize,
+    woken: bool,
 ) -> Result<shared::queue::Fetched, QueueError> {
     shared.fetching.fetch_add(1, Ordering::SeqCst);
     let task = tokio::spawn(async move {
-        let result = queue.fetch_with(&shared.identity, want, script.as_ref()).await;
+        let result = queue.fetch_woken(&shared.identity, want, script.as_ref(), woken).await;
         if let Ok(fetched) = &result {
             for d in &fetched.deliveries {
                 shared.hold(&d.lease);
@@ -399,6 +404,9 @@ struct Fetcher<T> {
     listening: Option<Listen>,
     /// Whether the server lets this worker use `CLIENT UNBLOCK`.
     unblock: bool,
+    /// The last idle wait ended with a wake-up token: the next fetch clears
+    /// any left over (`TurnQueue::fetch_woken`).
+    woken: bool,
     failures: u32,
 }
 
@@ -437,7 +445,8 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
                 free = self.free_slot().await;
             }
             let want = free.min(self.queue.config().fetch_batch);
-            match fetch_in_task(self.queue.clone(), self.script.clone(), self.shared.clone(), want).await {
+            let woken = std::mem::take(&mut self.woken);
+            match fetch_in_task(self.queue.clone(), self.script.clone(), self.shared.clone(), want, woken).await {
                 Ok(fetched) => {
                     self.failures = 0;
                     self.then = Some(fetched.then);
@@ -553,6 +562,9 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
     /// A `BLPOP` returned: on an error, the blocking connection is opened
     /// again at the next wait.
     fn listened(&mut self, result: redis::RedisResult<Option<(String, String)>>) {
+        if let Ok(Some(_)) = result {
+            self.woken = true;
+        }
         if let Err(error) = result {
             debug!(message = "blocking read failed; reconnecting", %error);
             self.blocking = None;
