@@ -41,10 +41,12 @@ for _, id in ipairs(expired) do
   if not r or r.flag ~= 'l' then
     redis.call('ZREM', Q_LEASE, id)
   elseif r.deliveries >= maxd then
+    q_unfence(id, r.epoch)
     q_bury(id, r, 'lease expired on delivery ' .. r.deliveries .. ' of ' .. maxd
       .. ': its worker was killed or stalled each time', now, ARGV[7])
     out[2] = out[2] + 1
   else
+    q_unfence(id, r.epoch)
     q_schedule(id, r, now, now)
     out[1] = out[1] + 1
   end

@@ -147,6 +147,19 @@ local function q_run_retire(run, tx, ev, now, retention)
   end
 end
 
+-- Ends the run store's fence of the lease at `epoch` of turn `id` (runs/lib.lua
+-- `fenced`): the run record beside the queue's keys names the lease whose start it saw
+-- in its `epoch` field, cleared here when a queue script ends that lease (a reclaim, a
+-- settle), so its holder, stalled or late, writes nothing more. A queue used without
+-- runs has no such record (one HGET, on these rare paths only).
+local function q_unfence(id, epoch)
+  local base = string.sub(Q_DEAD, 1, #Q_DEAD - #'q:dead')
+  local run = base .. 'run:' .. id
+  if redis.call('HGET', run, 'epoch') == string.format('%d', epoch) then
+    redis.call('HSET', run, 'epoch', '')
+  end
+end
+
 -- A buried turn ends its run, in the same script: the run record beside the
 -- queue's keys (the same prefix and slot, '<prefix>:<slot>:run:<id>', runs/store.rs) fails
 -- with error.kind "dead_lettered", writes run.failed, and starts its retention (the
@@ -157,7 +170,7 @@ local function q_fail_run(id, reason, now)
   local status = redis.call('HGET', run, 'status')
   if not status or q_run_finished(status) then return end
   local message = 'its turn was dead-lettered: ' .. reason
-  redis.call('HSET', run, 'status', 'failed', 'error_kind', 'dead_lettered', 'error_message', message)
+  redis.call('HSET', run, 'status', 'failed', 'error_kind', 'dead_lettered', 'error_message', message, 'epoch', '')
   redis.call('XADD', ev, '*', 'type', 'run.failed',
     'data', cjson.encode({error = {kind = 'dead_lettered', message = message}}))
   q_run_retire(run, base .. 'tx:' .. id, ev, now, redis.call('HGET', run, 'retention_ms'))

@@ -10,6 +10,8 @@
 local op, id, epoch = ARGV[1], ARGV[2], ARGV[3]
 local r, why = q_fence(id, epoch)
 if not r then return {'fenced', why} end
+-- Whatever the verdict, the lease ends: a run's record stops naming it.
+q_unfence(id, r.epoch)
 if op == 'complete' then
   q_finish(id)
   return {'ok'}

@@ -136,8 +136,9 @@ end
 
 -- Checks the lease and the run, reading the record's status, turns and the
 -- fields `more` in one HMGET: the queue record and those fields by name, or
--- nil, nil and why not.
-local function fenced(epoch, turn, more)
+-- nil, nil and why not. For a holder that may not have started its turn (a
+-- budget wait before the start: `wait`).
+local function fenced_lease(epoch, turn, more)
   local r, why = q_fence(id, epoch)
   if not r then return nil, nil, why end
   local names = {'status', 'turns'}
@@ -146,6 +147,24 @@ local function fenced(epoch, turn, more)
   why = check_run(f, turn)
   if why then return nil, nil, why end
   return r, f
+end
+
+-- `fenced_lease` for a holder that started its turn (output, commit, fail), off the
+-- run's record alone: its `epoch` field names the lease whose start it saw, and is
+-- cleared by whatever ends that lease — the run's own steps (wait, commit, fail,
+-- q_fail_run) in the HSET they write anyway, the queue's (a reclaim, a settle) by
+-- q_unfence — so it equals `epoch` exactly while that lease is live (the queue's
+-- record is not read: one command a step less). Returns the queue record as the
+-- holder's lease left it (epoch, no deliveries, leased; the caller sets the payload
+-- it writes), and the fields.
+local function fenced(epoch, turn, more)
+  local names = {'status', 'turns', 'epoch'}
+  for _, n in ipairs(more or {}) do names[#names + 1] = n end
+  local f = read_fields(names)
+  if f.status and f.epoch ~= epoch then return nil, nil, 'stale' end
+  local why = check_run(f, turn)
+  if why then return nil, nil, why end
+  return {epoch = tonumber(epoch), deliveries = 0, flag = 'l', payload = ''}, f
 end
 
 -- The fields a call's usage adds to, for `fenced`'s `more`, with `extra`.

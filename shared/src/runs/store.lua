@@ -82,11 +82,11 @@ if op == 'wait' then
   local counter = ARGV[8]
   local more = {'waited_ms'}
   if counter ~= '' then more[2] = counter end
-  local r, f, why = fenced(ARGV[3], ARGV[4], more)
+  local r, f, why = fenced_lease(ARGV[3], ARGV[4], more)
   if not r then return {'stop', why} end
   local now = stamped(event(ARGV[9], ARGV[10]))
   local delay = tonumber(ARGV[6])
-  redis.call('HSET', RUN, unpack(wait_fields({'updated_ms', now}, f, now, delay, ARGV[7], counter)))
+  redis.call('HSET', RUN, unpack(wait_fields({'updated_ms', now, 'epoch', ''}, f, now, delay, ARGV[7], counter)))
   r.payload = ARGV[5]
   r.deliveries = 0
   q_schedule(id, r, now + delay, now)
@@ -156,7 +156,7 @@ if op == 'commit' then
     events[#events + 1] = cjson.encode({error = {kind = ARGV[7], message = ARGV[8]}, turns = turns})
   end
   local now = stamped(event_entry(events))
-  local set = {'turns', turns, 'phase', '', 'updated_ms', now}
+  local set = {'turns', turns, 'phase', '', 'updated_ms', now, 'epoch', ''}
   append_entries(from, tag, f, set)
   add_usage(f, set, ARGV[5], recorded and '' or ARGV[11])
   if next == 'continue' then
@@ -190,7 +190,7 @@ if op == 'fail' then
   local r, f, why = fenced(ARGV[3], nil, usage_and({}))
   if not r then return {'stop', why} end
   local now = stamped(event('run.failed', cjson.encode({error = {kind = ARGV[5], message = ARGV[6]}})))
-  local set = {'status', 'failed', 'error_kind', ARGV[5], 'error_message', ARGV[6]}
+  local set = {'status', 'failed', 'error_kind', ARGV[5], 'error_message', ARGV[6], 'epoch', ''}
   add_usage(f, set, ARGV[8])
   redis.call('HSET', RUN, unpack(set))
   retire(now, ARGV[7])

@@ -219,6 +219,53 @@ async fn a_turn_commits_once_and_enqueues_the_next_atomically() {
 }
 
 #[tokio::test]
+async fn a_started_holder_whose_lease_ended_writes_nothing_even_before_another_starts() {
+    // The steps of a started turn are fenced off the run's record (its
+    // `epoch` names the lease whose start it saw), not the queue's: whatever
+    // ends that lease clears it — a reclaim of an expired lease, a settle of
+    // the queue's own — so the old holder is fenced while the next holder has
+    // leased the turn and not yet started it.
+    let env = env().await;
+    let run = env.store.create("alpha", &spec("x"), None, None).await.unwrap().run;
+    let job = TurnJob { turn: 0, attempt: 1 };
+    let items = [json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "hi"}]})];
+    let a = env.queue.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
+    assert_eq!(env.store.start(&a, job).await.unwrap(), Fence::Ok);
+    // Its lease expires (moved into the past) and a heartbeat takes it back.
+    let mut conn = env._server.conn().await;
+    let _: i64 = redis::cmd("ZADD")
+        .arg(&env.queue.keys().lease)
+        .arg("XX")
+        .arg(1)
+        .arg(&run.id)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(env.queue.heartbeat("reaper", None, &[]).await.unwrap().reclaimed, 1);
+    assert!(matches!(
+        env.store.commit(&a, job, &items, Usage::default(), &Next::Continue).await.unwrap(),
+        Fence::Stop(_)
+    ));
+    let b = env.queue.fetch("w2", 1).await.unwrap().deliveries.remove(0).lease;
+    let stopped = |f: Fence| matches!(f, Fence::Stop(_));
+    assert!(stopped(env.store.commit(&a, job, &items, Usage::default(), &Next::Continue).await.unwrap()));
+    assert!(stopped(
+        env.store.fail(&a, job, shared::runs::ErrorKind::ProviderError, "late", Usage::default()).await.unwrap()
+    ));
+    assert_eq!(env.queue.counts().await.unwrap().in_flight, 1, "the unstarted holder's lease stands");
+    // The queue's own settle ends a started lease too.
+    assert_eq!(env.store.start(&b, job).await.unwrap(), Fence::Ok);
+    env.queue.release(&b).await.unwrap();
+    assert!(stopped(env.store.commit(&b, job, &items, Usage::default(), &Next::Continue).await.unwrap()));
+    let c = env.queue.fetch("w3", 1).await.unwrap().deliveries.remove(0).lease;
+    assert_eq!(env.store.start(&c, job).await.unwrap(), Fence::Ok);
+    assert_eq!(env.store.commit(&c, job, &items, Usage::default(), &Next::Continue).await.unwrap(), Fence::Ok);
+    let run_now = env.store.get("alpha", &run.id).await.unwrap().unwrap();
+    assert_eq!((run_now.turns_completed, run_now.status), (1, RunStatus::Queued));
+    assert_eq!(env.store.transcript("alpha", &run.id).await.unwrap().unwrap().len(), 2, "one commit landed");
+}
+
+#[tokio::test]
 async fn a_model_output_commits_with_its_tool_results_once_whether_or_not_its_own_step_ran() {
     // A turn whose tools answered at once commits the model's output with
     // their results (one script); one whose tools were slow had its output
@@ -561,8 +608,9 @@ async fn cancelling_removes_the_queued_turn_and_stops_one_in_flight() {
 
     let flying = env.store.create("alpha", &spec("y"), None, None).await.unwrap().run;
     let lease = env.queue.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
-    env.store.cancel("alpha", &flying.id).await.unwrap();
     let job = TurnJob { turn: 0, attempt: 1 };
+    assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Ok);
+    env.store.cancel("alpha", &flying.id).await.unwrap();
     let fence = env.store.commit(&lease, job, &[], Usage::default(), &Next::Continue).await.unwrap();
     assert_eq!(fence, Fence::Stop(shared::runs::StopReason::Finished(shared::runs::RunStatus::Cancelled)));
     let c = env.queue.counts().await.unwrap();
