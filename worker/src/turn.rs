@@ -23,8 +23,8 @@ use shared::providers::ProviderTable;
 use shared::queue::Lease;
 use shared::runs::state::event;
 use shared::runs::{
-    ApiStyle, BudgetWait, ErrorKind, Fence, FirstAsk, ModelOutput, Next, PacedAsk, Phase, RunStore, Started,
-    StoreError, TranscriptEntry, Turn, TurnContext, TurnJob, Usage, WaitReason,
+    ApiStyle, BudgetWait, CommitPacing, Committed, ErrorKind, Fence, FirstAsk, ModelOutput, Next, PacedAsk, Phase,
+    RunStore, Started, StoreError, TranscriptEntry, Turn, TurnContext, TurnJob, Usage, WaitReason,
 };
 
 use crate::provider::{CallFailure, CallSuccess, StreamEvent, ToolCall};
@@ -227,7 +227,7 @@ impl Runner {
             if let Err(error) = self.store.emit_all(&lease.id, event::TURN_TOOL_CALL, &announced).await {
                 tracing::warn!(message = "could not write the tool calls' events", %error, run.id = %lease.id);
             }
-            self.run_tools_and_commit(lease, job, &ctx, &calls, &cancel, None).await?
+            self.run_tools_and_commit(lease, job, &ctx, &calls, &cancel, None, None).await?
         } else {
             let cleared_tokens = cleared.as_ref().map(|(_, ask, _)| ask.tokens);
             self.call_model(lease, job, &ctx, &cancel, cleared_tokens).await?
@@ -263,29 +263,48 @@ impl Runner {
     /// of the worker's), and a turn owed by then waits in the queue unstarted.
     /// Without a shared pacer (the fetch asks none), or when the pacer cannot
     /// be reached, the next turn asks when it starts (`Next::Continue`).
-    async fn ask_for_next(&self, lease: &Lease, job: TurnJob, ctx: &TurnContext, new_items: &[Value]) -> Next {
+    /// Where the pacer lets a script ask it, a scarce budget's ask is made by
+    /// the commit's own script ([`CommitAsk`]: one round trip, not a pacer
+    /// call before the commit); the turn is then `Next::Paced` with the ask
+    /// not made yet, and the commit's answer says how it went.
+    async fn ask_for_next(
+        &self,
+        lease: &Lease,
+        job: TurnJob,
+        ctx: &TurnContext,
+        new_items: &[Value],
+    ) -> (Next, Option<CommitAsk>) {
         let spec = &ctx.spec;
-        let Some(route) = self.routes.get(spec.provider.as_deref()) else { return Next::Continue };
+        let Some(route) = self.routes.get(spec.provider.as_deref()) else { return (Next::Continue, None) };
         let scarce = route.owed.scarce();
         // (The worker's fetch asks the pacers that let a script ask them: routes.rs `fetch_asks`.)
-        let fetch_asks = matches!(&route.pacer, shared::pacer::Pacer::Shared(p) if p.scriptable());
-        if matches!(route.pacer, shared::pacer::Pacer::Off) || !scarce && !fetch_asks {
-            return Next::Continue;
+        let scripted = match &route.pacer {
+            shared::pacer::Pacer::Shared(p) if p.scriptable() => Some(p),
+            _ => None,
+        };
+        if matches!(route.pacer, shared::pacer::Pacer::Off) || !scarce && scripted.is_none() {
+            return (Next::Continue, None);
         }
         let next = TurnJob { turn: job.turn + 1, attempt: 1 };
         let mut transcript = ctx.transcript.clone();
         transcript.extend(new_items.iter().map(|item| TranscriptEntry { turn: next.turn, item: item.clone() }));
         let (_, _, est) = self.prepare_call(route, spec, &transcript);
         let ask = PacedAsk::new(spec, &ctx.tenant, est);
+        let unasked = Next::Paced {
+            turn: Turn { job: next, ask: Some(ask.clone()), cleared: false, pause_ms: None },
+            wait: None,
+        };
         if !scarce {
-            return Next::Paced {
-                turn: Turn { job: next, ask: Some(ask), cleared: false, pause_ms: None },
-                wait: None,
-            };
+            return (unasked, None);
         }
         let reservation = reservation_id(lease, next);
         let who = self.tenants.who(&ctx.tenant);
-        match self.pace(route, &spec.model, &reservation, est, spec.mode, &who).await {
+        if let Some(route) = scripted.and_then(|p| p.commit_route(&spec.model)) {
+            let jitter = scripted.map_or(0.0, |p| p.jitter_u());
+            let op = shared::pacer::SharedPacer::acquire_op(&reservation, est, spec.mode, &who, jitter);
+            return (unasked, Some(CommitAsk { route, op }));
+        }
+        let next = match self.pace(route, &spec.model, &reservation, est, spec.mode, &who).await {
             Ok(Paced::Clear) => {
                 Next::Paced { turn: Turn { job: next, ask: Some(ask), cleared: true, pause_ms: None }, wait: None }
             }
@@ -299,7 +318,8 @@ impl Runner {
                     run.id = %lease.id);
                 Next::Continue
             }
-        }
+        };
+        (next, None)
     }
 
     /// Asks the pacer until it clears the call or owes more than the in-place wait.
@@ -466,36 +486,47 @@ impl Runner {
             output: success.headers.output_tokens,
             headers_age_ms: success.headers_received.elapsed().as_millis() as u64,
         };
-        // Sent with the ask for the next turn when the tools answer at once.
-        self.settle_pacer_soon(&ctx.spec, reservation, &outcome);
-        let usage = usage.unwrap_or_default();
-        if success.tool_calls.is_empty() {
-            let fence = self
-                .store
-                .commit(lease, job, &success.output, usage, &Next::Complete(success.output_text.clone()))
-                .await?;
-            return Ok(settled(lease, fence, TurnOutcome::Completed));
+        // Made by the commit's own script where the pacer lets a script ask it
+        // (with the next turn's ask, when the tools answer at once); else sent
+        // with the next ask of this process, or alone after a few ms.
+        let settle = self.settle_in_commit(&ctx.spec, reservation, &outcome);
+        if settle.is_none() {
+            self.settle_pacer_soon(&ctx.spec, reservation, &outcome);
         }
-        if job.turn + 1 >= ctx.spec.max_turns {
+        let usage = usage.unwrap_or_default();
+        let ends = if success.tool_calls.is_empty() {
+            Some((Next::Complete(success.output_text.clone()), TurnOutcome::Completed))
+        } else if job.turn + 1 >= ctx.spec.max_turns {
             // The model wants another turn and there is none left.
             let next = Next::Fail {
                 kind: ErrorKind::MaxTurns,
                 message: format!("the run reached max_turns ({}) with tool calls pending", ctx.spec.max_turns),
             };
-            let fence = self.store.commit(lease, job, &success.output, usage, &next).await?;
-            return Ok(settled(lease, fence, TurnOutcome::Failed));
+            Some((next, TurnOutcome::Failed))
+        } else {
+            None
+        };
+        if let Some((next, outcome)) = ends {
+            let committed =
+                self.store.commit_pacing(lease, job, None, &success.output, usage, &next, &[], settle.as_ref()).await?;
+            return Ok(settled(lease, committed.fence, outcome));
         }
         // The tool calls, announced by whichever script commits the output.
         let announced: Vec<(&str, Value)> =
             tool_call_events(lease, job, &success.tool_calls).into_iter().map(|e| (event::TURN_TOOL_CALL, e)).collect();
         let output = ModelOutput { items: &success.output, usage, events: &announced };
-        self.run_tools_and_commit(lease, job, ctx, &success.tool_calls, cancel, Some(output)).await
+        let settle = settle.map(|pacing| Settle { pacing, spec: &ctx.spec, reservation, outcome: &outcome });
+        self.run_tools_and_commit(lease, job, ctx, &success.tool_calls, cancel, Some(output), settle).await
     }
 
     /// Runs the tool calls and commits their results. `output`, the model's
     /// output when it is not committed yet, is committed before the tools
     /// finish if they take longer than [`OUTPUT_GRACE`] (a crash while they
     /// run then re-calls no model), else with their results, in one script.
+    /// `settle`, the call's settle for the commit's script to make, is sent
+    /// on its own if the tools take longer than [`SETTLE_IN_COMMIT`]: the
+    /// pacer hears of the call's headers and usage without waiting for them.
+    #[allow(clippy::too_many_arguments)]
     async fn run_tools_and_commit(
         &self,
         lease: &Lease,
@@ -504,7 +535,10 @@ impl Runner {
         calls: &[ToolCall],
         cancel: &Cancel,
         output: Option<ModelOutput<'_>>,
+        settle: Option<Settle<'_>>,
     ) -> Result<TurnOutcome, TurnError> {
+        // Whatever happens next, a settle not made by a commit is sent on its own.
+        let mut settle = SettleGuard { runner: self, settle };
         if cancel.is_cancelled() {
             return self.cancelled(lease, ctx).await;
         }
@@ -526,9 +560,12 @@ impl Runner {
         tokio::pin!(tools);
         let mut recording = output.is_some();
         // A cancel drops the tool calls still running; none starts after it.
+        let linger = tokio::time::sleep(SETTLE_IN_COMMIT);
+        tokio::pin!(linger);
         let results = loop {
             tokio::select! {
                 r = &mut tools => break r,
+                () = &mut linger, if settle.settle.is_some() => settle.send_alone(),
                 fence = &mut record, if recording => {
                     recording = false;
                     if let Fence::Stop(why) = fence? {
@@ -556,12 +593,29 @@ impl Runner {
         // output (unless the transcript read at the start holds it already:
         // a redelivery in the tools phase) and these results.
         let new_items: Vec<Value> = output.iter().flat_map(|o| o.items.iter()).chain(&items).cloned().collect();
-        let next = self.ask_for_next(lease, job, ctx, &new_items).await;
+        let (next, ask) = self.ask_for_next(lease, job, ctx, &new_items).await;
+        let carried = settle.settle.take();
+        let pacing = match (ask, carried) {
+            (Some(ask), carried) => Some(CommitPacing {
+                route: ask.route,
+                settle: carried.and_then(|c| c.pacing.settle),
+                ask: Some(ask.op),
+            }),
+            (None, Some(c)) => Some(c.pacing),
+            (None, None) => None,
+        };
         // The results are written by the commit itself: once, and only if it lands.
-        let fence = self
+        let committed = self
             .store
-            .commit_with_output(lease, job, output.as_ref(), &items, Usage::default(), &next, &reported)
+            .commit_pacing(lease, job, output.as_ref(), &items, Usage::default(), &next, &reported, pacing.as_ref())
             .await;
+        if let Ok(Committed { asked: Some(Decision::Owed { ms, reason }), .. }) = &committed {
+            if let Some(route) = self.routes.get(ctx.spec.provider.as_deref()) {
+                route.owed.note(*reason);
+            }
+            let _ = budget_wait_record(TurnJob { turn: job.turn + 1, attempt: 1 }, *ms, *reason);
+        }
+        let fence = committed.map(|c| c.fence);
         // (Not on Redis trouble: the commit may have landed, and its turn holds the reservation.)
         if matches!(fence, Ok(Fence::Stop(_))) {
             if let Next::Paced { turn: Turn { ask: Some(ask), cleared: true, job: next_job, .. }, .. } = &next {
@@ -689,6 +743,24 @@ impl Runner {
         });
     }
 
+    /// The settle of a call for the commit's script to make, where the
+    /// run's pacer lets a script settle with it ([`CommitPacing`]).
+    fn settle_in_commit(
+        &self,
+        spec: &shared::runs::RunSpec,
+        reservation: &str,
+        outcome: &CallOutcome,
+    ) -> Option<CommitPacing> {
+        let route = self.settling_route(spec, outcome)?;
+        let shared::pacer::Pacer::Shared(p) = &route.pacer else { return None };
+        let route = p.commit_route(&spec.model)?;
+        Some(CommitPacing {
+            route,
+            settle: Some(shared::pacer::SharedPacer::settle_op(reservation, outcome)),
+            ask: None,
+        })
+    }
+
     async fn settle_pacer(&self, spec: &shared::runs::RunSpec, reservation: &str, outcome: &CallOutcome) {
         let Some(route) = self.settling_route(spec, outcome) else { return };
         if let Err(error) = route.pacer.settle(&spec.model, reservation, outcome).await {
@@ -705,6 +777,49 @@ impl Runner {
                 .set(remaining as f64);
         }
         Some(route)
+    }
+}
+
+/// How long a call's settle waits for its turn's tools before it goes on its
+/// own rather than with the commit (as long as the shared pacer's batch loop
+/// lets a settle wait for company).
+const SETTLE_IN_COMMIT: Duration = Duration::from_millis(20);
+
+/// The next turn's ask for the commit's script to make ([`CommitPacing::ask`]).
+struct CommitAsk {
+    /// The pacer's keys and knobs ([`shared::pacer::SharedPacer::commit_route`]).
+    route: Value,
+    /// The acquire op.
+    op: Vec<String>,
+}
+
+/// A call's settle the commit's script is to make, and what to send alone if
+/// it does not.
+struct Settle<'a> {
+    pacing: CommitPacing,
+    spec: &'a shared::runs::RunSpec,
+    reservation: &'a str,
+    outcome: &'a CallOutcome,
+}
+
+/// Sends its settle on its own when dropped still holding it (a turn that
+/// ended before its commit: cancelled, fenced, an error).
+struct SettleGuard<'r, 'a> {
+    runner: &'r Runner,
+    settle: Option<Settle<'a>>,
+}
+
+impl SettleGuard<'_, '_> {
+    fn send_alone(&mut self) {
+        if let Some(s) = self.settle.take() {
+            self.runner.settle_pacer_soon(s.spec, s.reservation, s.outcome);
+        }
+    }
+}
+
+impl Drop for SettleGuard<'_, '_> {
+    fn drop(&mut self) {
+        self.send_alone();
     }
 }
 

@@ -339,10 +339,18 @@ impl Batcher {
         // of the pacer that made it) is gone.
         let pacer = SharedPacer { batchers: Arc::default(), ..pacer };
         tokio::spawn(async move {
-            // The model is listed under its budget before its first batch (a
-            // write that fails is tried again before the next): every ask and
-            // settle of it in this process comes here, its fetch's asks aside.
-            let mut registered = false;
+            // The model is listed under its budget as the loop starts (a write
+            // that fails is tried again before each batch): every ask and settle
+            // of it in this process comes here or, made in a commit's script,
+            // starts this loop first (`SharedPacer::commit_route`); its fetch's
+            // asks aside.
+            let mut registered = match pacer.register(&model).await {
+                Ok(()) => true,
+                Err(error) => {
+                    tracing::warn!(message = "could not list the model under its budget", %error);
+                    false
+                }
+            };
             while let Some(first) = rx.recv().await {
                 let mut batch = vec![first];
                 // Lazy calls alone wait a moment for one that is not.
@@ -511,6 +519,48 @@ impl SharedPacer {
             .collect()
     }
 
+    /// What a commit that runs this pacer's ops for `model` in its own script
+    /// needs (store.rs `CommitPacing`): its four keys and `ARGV[2..15]` with
+    /// the clock left to the script (`""` at `ARGV[11]`). Starts the model's
+    /// batch loop if none runs yet, which lists the model under its budget
+    /// (`GET /v1/pacer`). `None` on an injected test clock.
+    pub fn commit_route(&self, model: &str) -> Option<serde_json::Value> {
+        if !self.scriptable() {
+            return None;
+        }
+        let mut map = self.batchers.lock().unwrap_or_else(|e| e.into_inner());
+        map.entry((self.budget.clone(), model.to_owned()))
+            .or_insert_with(|| Batcher::start(self.clone(), model.to_owned()));
+        drop(map);
+        Some(serde_json::json!({"keys": self.script_keys(model), "cfg": self.config_args(String::new())}))
+    }
+
+    /// The script's `acquire` op (see [`Self::acquire`]), for a script that
+    /// asks this pacer itself.
+    pub fn acquire_op(id: &str, est: Estimate, mode: Mode, who: &Who<'_>, jitter_u: f64) -> Vec<String> {
+        vec![
+            "acquire".to_owned(),
+            id.to_owned(),
+            est.tokens.to_string(),
+            est.requests.to_string(),
+            jitter_u.to_string(),
+            mode.as_str().to_owned(),
+            who.weight.to_string(),
+            who.cap.to_string(),
+            who.tenant.to_owned(),
+            est.output.to_string(),
+        ]
+    }
+
+    /// A uniform number for an ask's jitter (0 when this pacer jitters not).
+    pub fn jitter_u(&self) -> f64 {
+        if self.config.jitter_frac > 0.0 {
+            rand::random::<f64>()
+        } else {
+            0.0
+        }
+    }
+
     /// Sends `batch` as one script call (`batch`); one answer per op.
     async fn invoke_batch(&self, model: &str, batch: &[Pending]) -> Result<Vec<Vec<i64>>, PacerError> {
         let mut inv = self.invocation("batch", model);
@@ -587,19 +637,7 @@ impl SharedPacer {
         mode: Mode,
         who: &Who<'_>,
     ) -> Result<Decision, PacerError> {
-        let jitter_u = if self.config.jitter_frac > 0.0 { rand::random::<f64>() } else { 0.0 };
-        let op = vec![
-            "acquire".to_owned(),
-            id.to_owned(),
-            est.tokens.to_string(),
-            est.requests.to_string(),
-            jitter_u.to_string(),
-            mode.as_str().to_owned(),
-            who.weight.to_string(),
-            who.cap.to_string(),
-            who.tenant.to_owned(),
-            est.output.to_string(),
-        ];
+        let op = Self::acquire_op(id, est, mode, who, self.jitter_u());
         let reply = self.call(model, op).await?;
         match reply.as_slice() {
             [0] => Ok(Decision::Clear),
@@ -629,8 +667,9 @@ impl SharedPacer {
         }
     }
 
-    /// The script's `settle` op for `o`.
-    fn settle_op(id: &str, o: &CallOutcome) -> Vec<String> {
+    /// The script's `settle` op for `o` (also for a script that settles with
+    /// this pacer itself).
+    pub fn settle_op(id: &str, o: &CallOutcome) -> Vec<String> {
         let opt = |v: Option<u64>| v.map(|v| v as i64).unwrap_or(-1).to_string();
         vec![
             "settle".to_owned(),

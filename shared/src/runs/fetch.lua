@@ -60,10 +60,6 @@ local function start_leased(qid, r)
     r.run_read)
 end
 
--- The pacer's reasons (scripts.lua: 1 budget, 2 rate_limited, 3 probe, 4 fair_share) as
--- the worker's wait names them (turn.rs `budget_wait_record`): the event's, the run's.
-local REASONS = {{'budget', 'budget'}, {'window_closed', 'budget'}, {'probe', 'budget'}, {'fair_share', 'fair_share'}}
-
 -- The jitter's uniform number, from the reservation and the clock (a script has no
 -- randomness of its own that differs between calls).
 local function jitter_u(rid, now)
@@ -76,7 +72,7 @@ end
 local function wait_again(it, ms, code, now)
   local names = REASONS[code] or REASONS[1]
   RUN, EV = base .. 'run:' .. it.qid, base .. 'ev:' .. it.qid
-  event('turn.paced', cjson.encode({turn = it.job.turn, owed_ms = ms, reason = names[1]}))
+  event('turn.paced', paced_data(it.job.turn, ms, code))
   redis.call('HSET', RUN, unpack(wait_fields({'updated_ms', now}, it.f, now, ms, names[2], 'budget_waits')))
 end
 

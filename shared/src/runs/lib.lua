@@ -88,6 +88,15 @@ local function wait_fields(set, f, now, delay, reason, counter)
   return set
 end
 
+-- The pacer's reasons (scripts.lua: 1 budget, 2 rate_limited, 3 probe, 4 fair_share) as
+-- the worker's wait names them (turn.rs `budget_wait_record`): the event's, the run's.
+local REASONS = {{'budget', 'budget'}, {'window_closed', 'budget'}, {'probe', 'budget'}, {'fair_share', 'fair_share'}}
+
+-- The `turn.paced` data of turn `turn` owed `ms` for reason `code` (the pacer's).
+local function paced_data(turn, ms, code)
+  return cjson.encode({turn = turn, owed_ms = ms, reason = (REASONS[code] or REASONS[1])[1]})
+end
+
 -- Appends transcript entries ARGV[from..] in one RPUSH per 500, and puts where
 -- turn `tag`'s entries begin (field txi:<tag>, see window_entries) in `set`
 -- unless `f` shows it set already.

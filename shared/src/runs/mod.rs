@@ -19,7 +19,7 @@ pub use record::{ErrorKind, PacingCounters, Run, RunError, Usage};
 pub use spec::{Refusal, RunSpec, SpecError, SubmitPolicy};
 pub use state::{InvalidTransition, RunStatus, Transition, WaitReason};
 pub use store::{
-    BudgetWait, Created, Fence, FetchAsks, FirstAsk, Idempotency, ModelOutput, Next, PacedAsk, Phase, RunEvent,
-    RunStore, Started, StopReason, StoreError, TenantCounts, Turn, TurnContext, TurnJob,
+    BudgetWait, CommitPacing, Committed, Created, Fence, FetchAsks, FirstAsk, Idempotency, ModelOutput, Next, PacedAsk,
+    Phase, RunEvent, RunStore, Started, StopReason, StoreError, TenantCounts, Turn, TurnContext, TurnJob,
 };
 pub use transcript::{ApiStyle, TranscriptEntry};

@@ -123,30 +123,75 @@ if op == 'commit' then
   -- [14] '1': wake no worker for the next turn (this worker's process fetches next,
   -- lib.lua q_schedule); [15] the next turn's wait, ms (0: due now): it asked the pacer
   -- at this commit and is owed that long, so the run waits at once, [16] its reason,
-  -- [17] the counter it adds to, [18] its turn.paced data; [19] n events written before
-  -- turn.completed (the output's, then the tool results), then n type/data pairs, then
-  -- the entries appended
+  -- [17] the counter it adds to, [18] its turn.paced data;
+  -- [19] ('' none) the pacer ops this step makes itself, JSON (store.rs `CommitPacing`):
+  -- {keys = the pacer's four keys, cfg = its ARGV[2..15], settle = the turn's call's
+  -- settle op (made whatever the fence says: the call happened), ask = the next turn's
+  -- acquire op (made only when this commit continues the run: cleared, the next turn's
+  -- payload [7] says so; owed, it waits from here as [15..18] would have it)};
+  -- [20] n events written before turn.completed (the output's, then the tool results),
+  -- then n type/data pairs, then the entries appended
   local tag = tonumber(ARGV[4]) + 1
-  local delay, counter = tonumber(ARGV[15]) or 0, ARGV[17]
-  local more = {'txi:' .. tag, 'phase', 'waited_ms'}
-  if counter ~= '' then more[#more + 1] = counter end
+  local delay, reason, counter, paced = tonumber(ARGV[15]) or 0, ARGV[16], ARGV[17], ARGV[18]
+  local pacing = ARGV[19] ~= '' and cjson.decode(ARGV[19]) or nil
+  -- The pacer's ops, in one call of its script: `ops` (each an array) at the clock `now`;
+  -- the answers, or nil when the pacer failed (its ops are as good as not made: the
+  -- next turn's fetch asks for it).
+  local function pace(ops, now)
+    local argv = {'batch'}
+    for k = 1, #pacing.cfg do argv[k + 1] = pacing.cfg[k] end
+    argv[11] = string.format('%d', now)
+    for _, o in ipairs(ops) do
+      for _, a in ipairs(o) do argv[#argv + 1] = a end
+    end
+    local ok, replies = pcall(pacer_call, pacing.keys, argv)
+    if ok and type(replies) == 'table' and not replies.err then return replies end
+    return nil
+  end
+  local more = {'txi:' .. tag, 'phase', 'waited_ms', 'budget_waits'}
+  if counter ~= '' and counter ~= 'budget_waits' then more[#more + 1] = counter end
   local r, f, why = fenced(ARGV[3], ARGV[4], usage_and(more))
-  if not r then return {'stop', why} end
+  if not r then
+    if pacing and pacing.settle then pace({pacing.settle}, q_now()) end
+    return {'stop', why}
+  end
   local turns = (tonumber(f.turns) or 0) + 1
+  local next = ARGV[6]
+  local payload = ARGV[7]
+  -- The next turn's ask, made here: its answer, and the clock it was made at.
+  local asked, now = nil, nil
+  if pacing and pacing.ask and next == 'continue' then
+    now = q_now()
+    local ops = {pacing.ask}
+    if pacing.settle then ops = {pacing.settle, pacing.ask} end
+    local replies = pace(ops, now)
+    asked = replies and replies[#ops]
+    if type(asked) == 'table' and asked[1] == 0 then
+      local job = cjson.decode(payload)
+      job.cleared = true
+      payload = cjson.encode(job)
+    elseif type(asked) == 'table' and asked[1] == 1 then
+      delay = math.max(math.floor(tonumber(asked[2]) or 0), 1)
+      local code = tonumber(asked[3]) or 1
+      reason, counter = (REASONS[code] or REASONS[1])[2], 'budget_waits'
+      paced = paced_data(tag, delay, code)
+    else
+      asked = nil
+    end
+  end
   local recorded = f.phase == 'tools'
-  local n = tonumber(ARGV[19]) or 0
+  local n = tonumber(ARGV[20]) or 0
   local skip = recorded and tonumber(ARGV[12]) or 0
   -- The step's events, one entry: the output's tool calls (unless written), the
   -- tool results, turn.completed, and the run's end when it ends here, or the
   -- next turn's wait.
-  local events = {unpack(ARGV, 20 + 2 * skip, 19 + 2 * n)}
-  local from = 20 + 2 * n + (recorded and tonumber(ARGV[13]) or 0)
+  local events = {unpack(ARGV, 21 + 2 * skip, 20 + 2 * n)}
+  local from = 21 + 2 * n + (recorded and tonumber(ARGV[13]) or 0)
   events[#events + 1] = 'turn.completed'
   events[#events + 1] = ARGV[9]
-  local next = ARGV[6]
   if next == 'continue' and delay > 0 then
     events[#events + 1] = 'turn.paced'
-    events[#events + 1] = ARGV[18]
+    events[#events + 1] = paced
   end
   if next == 'complete' then
     events[#events + 1] = 'run.completed'
@@ -155,21 +200,28 @@ if op == 'commit' then
     events[#events + 1] = 'run.failed'
     events[#events + 1] = cjson.encode({error = {kind = ARGV[7], message = ARGV[8]}, turns = turns})
   end
-  local now = stamped(event_entry(events))
+  local stamp = stamped(event_entry(events))
+  now = now or stamp
+  -- A settle with no ask is made on the event's clock (no TIME of its own).
+  if pacing and pacing.settle and not (pacing.ask and next == 'continue') then pace({pacing.settle}, now) end
   local set = {'turns', turns, 'phase', '', 'updated_ms', now, 'epoch', ''}
   append_entries(from, tag, f, set)
   add_usage(f, set, ARGV[5], recorded and '' or ARGV[11])
   if next == 'continue' then
     if delay > 0 then
-      wait_fields(set, f, now, delay, ARGV[16], counter)
+      wait_fields(set, f, now, delay, reason, counter)
     else
       for _, v in ipairs({'status', 'queued', 'wait_reason', '', 'next_attempt_ms', ''}) do set[#set + 1] = v end
     end
     redis.call('HSET', RUN, unpack(set))
-    r.payload = ARGV[7]
+    r.payload = payload
     r.deliveries = 0
-    q_schedule(id, r, now + delay, now, ARGV[14] == '1')
-    return {'continued', tostring(turns)}
+    q_schedule(id, r, now + delay, now, delay == 0 and ARGV[14] == '1')
+    local out = {'continued', tostring(turns)}
+    if asked then
+      out[3] = tostring(asked[1]); out[4] = string.format('%d', delay); out[5] = tostring(asked[3] or 0)
+    end
+    return out
   end
   q_finish(id)
   if next == 'complete' then

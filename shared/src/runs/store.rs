@@ -32,8 +32,14 @@ fn runs_lib() -> String {
     format!("local EV_MAXLEN = {EVENTS_MAXLEN}\n{}", include_str!("lib.lua"))
 }
 
-static SCRIPT: LazyLock<redis::Script> =
-    LazyLock::new(|| redis::Script::new(&format!("{LUA_LIB}\n{}\n{}", runs_lib(), include_str!("store.lua"))));
+static SCRIPT: LazyLock<redis::Script> = LazyLock::new(|| {
+    redis::Script::new(&format!(
+        "{LUA_LIB}\n{}\n{}\n{}",
+        runs_lib(),
+        crate::pacer::lua_function(),
+        include_str!("store.lua")
+    ))
+});
 
 /// The body of the run store's fetch (see [`RunStore::fetch_script`]).
 const FETCH_START_LUA: &str = include_str!("fetch.lua");
@@ -448,6 +454,32 @@ pub struct BudgetWait {
     pub reason: WaitReason,
     /// The `turn.paced` event's data.
     pub data: Value,
+}
+
+/// The pacer ops a commit makes in its own script (store.lua `commit`): the
+/// settle of the turn's call, made whatever the fence says (the call
+/// happened), and the next turn's ask (a [`Next::Paced`] turn's, not made
+/// yet), made only when the commit lands: cleared, the next turn is queued
+/// cleared; owed, it waits from this commit on. One script, one round trip:
+/// not a pacer call of the worker's before the commit.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CommitPacing {
+    /// The pacer's keys and knobs: [`crate::pacer::SharedPacer::commit_route`].
+    pub route: Value,
+    /// The call's settle op ([`crate::pacer::SharedPacer::settle_op`]).
+    pub settle: Option<Vec<String>>,
+    /// The next turn's acquire op ([`crate::pacer::SharedPacer::acquire_op`]).
+    pub ask: Option<Vec<String>>,
+}
+
+/// What a commit did: its fence and, when it made the next turn's ask
+/// ([`CommitPacing::ask`]), the pacer's answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Committed {
+    /// Written, or why not.
+    pub fence: Fence,
+    /// The pacer's answer to the next turn's ask, if it was made.
+    pub asked: Option<crate::pacer::Decision>,
 }
 
 /// Where a turn stands when a delivery starts it (the record's `phase`).
@@ -1229,6 +1261,23 @@ impl RunStore {
         next: &Next,
         events: &[(&str, Value)],
     ) -> Result<Fence, StoreError> {
+        Ok(self.commit_pacing(lease, job, output, items, usage, next, events, None).await?.fence)
+    }
+
+    /// [`commit_with_output`](Self::commit_with_output), making `pacing`'s
+    /// pacer ops in the same script ([`CommitPacing`]).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn commit_pacing(
+        &self,
+        lease: &Lease,
+        job: TurnJob,
+        output: Option<&ModelOutput<'_>>,
+        items: &[Value],
+        usage: Usage,
+        next: &Next,
+        events: &[(&str, Value)],
+        pacing: Option<&CommitPacing>,
+    ) -> Result<Committed, StoreError> {
         let (kind, a, b) = match next {
             Next::Continue => {
                 let job = TurnJob { turn: job.turn + 1, attempt: 1 };
@@ -1268,6 +1317,19 @@ impl RunStore {
             .arg(wait.map_or("", |w| w.reason.as_str()))
             .arg(wait.map_or("", |w| wait_counter(w.reason)))
             .arg(wait.map_or_else(String::new, |w| w.data.to_string()));
+        inv.arg(
+            // (Absent ops are left out: cjson reads a null as a value.)
+            pacing.map_or_else(String::new, |p| {
+                let mut o = json!({"keys": p.route["keys"], "cfg": p.route["cfg"]});
+                if let Some(settle) = &p.settle {
+                    o["settle"] = json!(settle);
+                }
+                if let Some(ask) = &p.ask {
+                    o["ask"] = json!(ask);
+                }
+                o.to_string()
+            }),
+        );
         let no_events: &[(&str, Value)] = &[];
         let output_events = output.map_or(no_events, |o| o.events);
         inv.arg(output_events.len() + events.len());
@@ -1281,11 +1343,20 @@ impl RunStore {
             );
         }
         let reply = self.invoke_fenced(inv).await;
-        if quiet {
-            // Whatever the answer: the turn may be queued.
+        // {'continued', turns, code, ms, reason}: the ask's answer, when it was made.
+        let asked = reply.as_ref().ok().and_then(|r| match r.get(2..5) {
+            Some([code, _, _]) if code == "0" => Some(crate::pacer::Decision::Clear),
+            Some([code, ms, reason]) if code == "1" => Some(crate::pacer::Decision::Owed {
+                ms: ms.parse().unwrap_or(0),
+                reason: crate::pacer::OwedReason::from_code(reason.parse().unwrap_or(1)),
+            }),
+            _ => None,
+        });
+        // Whatever the answer (the turn may be queued), unless it waits.
+        if quiet && !matches!(asked, Some(crate::pacer::Decision::Owed { .. })) {
             lease.kick();
         }
-        Self::fence(&reply?)
+        Ok(Committed { fence: Self::fence(&reply?)?, asked })
     }
 
     /// Fails the run (fenced): `error.kind` and message; usage of a call that
