@@ -183,8 +183,8 @@ impl Runner {
                 if turn.cleared && lease.lateness_ms() <= CLEARED_FRESH_MS {
                     cleared = Some((route, ask, reservation));
                 } else {
-                    // Owed a moment when its fetch asked (which started it):
-                    // it waits that here (not a round of the queue), then asks.
+                    // Owed a moment when its fetch asked: it waits that here
+                    // (not a round of the queue), then asks.
                     if let Some(ms) = turn.pause_ms {
                         tokio::time::sleep(Duration::from_millis(ms).min(self.config.in_place_wait)).await;
                     }

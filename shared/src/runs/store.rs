@@ -240,7 +240,7 @@ pub struct FetchAsks {
     /// Tenants' caps (`PACELINE_TENANT_CAPS`; others 0: none).
     pub caps: std::collections::BTreeMap<String, f64>,
     /// The worker's in-place wait, ms (`PACELINE_IN_PLACE_WAIT_MS`; 0: none): a
-    /// turn owed no longer is leased and started with that pause
+    /// turn owed no longer is leased (not started) with that pause
     /// ([`Turn::pause_ms`]) and waits in its worker, as the worker's own ask
     /// would have it — not requeued for a few ms (a round of the queue).
     pub in_place_ms: u64,
@@ -266,9 +266,8 @@ pub struct Turn {
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub cleared: bool,
     /// The fetch asked for it and the pacer owed it no longer than the
-    /// worker's in-place wait ([`FetchAsks::in_place_ms`]): the fetch started
-    /// it, and the worker waits this long, then asks again, and calls once
-    /// clear (still owed for longer, it waits in the queue as any turn).
+    /// worker's in-place wait ([`FetchAsks::in_place_ms`]): the worker waits
+    /// this long, then asks again, and starts it once clear.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pause_ms: Option<u64>,
 }

@@ -432,7 +432,7 @@ async fn a_fetch_that_asks_the_pacer_keeps_an_owed_turn_queued_and_starts_a_clea
     assert_eq!(lease.id, waiting[1].id);
     let turn: Turn = serde_json::from_str(&fetched.deliveries[0].payload).unwrap();
     assert!(turn.cleared, "{}", fetched.deliveries[0].payload);
-    assert!(matches!(env.store.started(lease), Some(Ok(shared::runs::Started::Run(_)))));
+    assert!(matches!(env.store.started(lease), Some(Ok(Started::Run(_)))));
     assert_eq!(env.store.get("alpha", &waiting[1].id).await.unwrap().unwrap().status, RunStatus::Running);
     // Its call went as the model's probe: asked again, it is still clear; any other waits.
     let reservation = format!("{}:0:1", waiting[1].id);
@@ -441,9 +441,9 @@ async fn a_fetch_that_asks_the_pacer_keeps_an_owed_turn_queued_and_starts_a_clea
     assert!(matches!(other, Decision::Owed { .. }), "{other:?}");
 
     // Owed no longer than the worker's in-place wait (here a long one, so the
-    // empty bucket's wait is within it): leased and started with that pause,
-    // to wait in its worker and ask again there — no requeue, no budget wait
-    // counted (a start here is three commands; the worker's own, six).
+    // empty bucket's wait is within it): leased with that pause, to wait in
+    // its worker and ask again there — no requeue, no budget wait counted,
+    // and not started (it may be owed again after its pause).
     let soon = env.store.create("alpha", &spec("gpt-test"), None, None).await.unwrap().run;
     let lease = env.queue.fetch("w0", 1).await.unwrap().deliveries.remove(0).lease;
     assert_eq!(lease.id, soon.id);
@@ -464,9 +464,9 @@ async fn a_fetch_that_asks_the_pacer_keeps_an_owed_turn_queued_and_starts_a_clea
     assert!(!turn.cleared, "{}", fetched.deliveries[0].payload);
     let pause = turn.pause_ms.expect("the pause it owes");
     assert!((1_000..=120_000).contains(&pause), "owed most of a minute's refill: {pause}");
-    assert!(matches!(env.store.started(&fetched.deliveries[0].lease), Some(Ok(shared::runs::Started::Run(_)))));
+    assert!(env.store.started(&fetched.deliveries[0].lease).is_none());
     let run = env.store.get("alpha", &soon.id).await.unwrap().unwrap();
-    assert_eq!((run.status, run.pacing.budget_waits), (RunStatus::Running, 1));
+    assert_eq!((run.status, run.pacing.budget_waits), (RunStatus::Waiting, 1));
     // Asked again before the pause is over, it is owed the rest.
     let reservation = format!("{}:0:1", soon.id);
     let rest = pacer.acquire("gpt-test", &reservation, est, Mode::Work, &Who::DEFAULT).await.unwrap();
@@ -506,7 +506,7 @@ async fn a_first_turn_carrying_its_submits_ask_waits_in_the_queue_unstarted_unti
     let turn: Turn = serde_json::from_str(&fetched.deliveries[0].payload).unwrap();
     assert!(turn.cleared, "{}", fetched.deliveries[0].payload);
     assert_eq!(turn.ask, Some(ask));
-    assert!(matches!(env.store.started(&fetched.deliveries[0].lease), Some(Ok(shared::runs::Started::Run(_)))));
+    assert!(matches!(env.store.started(&fetched.deliveries[0].lease), Some(Ok(Started::Run(_)))));
     assert_eq!(event_kinds(&env, &run.id).await, ["run.queued", "turn.paced", "turn.started"]);
 }
 
