@@ -374,6 +374,105 @@ async fn the_fetch_starts_the_turns_it_leases_as_a_start_would_but_not_one_that_
 }
 
 #[tokio::test]
+async fn a_commit_settles_its_call_and_makes_the_next_turns_ask_in_its_own_script() {
+    // A commit carries the pacer ops of its turn (store.rs `CommitPacing`):
+    // the call's settle, made first and whatever the fence says, and the
+    // next turn's ask, made only when the commit lands — cleared, the next
+    // turn is queued cleared; owed, the run waits from this commit on.
+    use shared::pacer::{CallOutcome, Decision, Estimate, Mode, Observation, PacingConfig, SharedPacer, Who};
+    use shared::runs::{CommitPacing, Turn};
+    let env = env().await;
+    let pacer = SharedPacer::new(env.store.connection(), env.keys.clone(), "default", PacingConfig::default());
+    let est = Estimate { tokens: 300, requests: 1, output: 200 };
+    let job = TurnJob { turn: 0, attempt: 1 };
+    let items = [json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "hi"}]})];
+    let answered = |remaining: u64| CallOutcome {
+        used_tokens: Some(300),
+        tokens: Observation { limit: Some(100_000), remaining: Some(remaining), reset_ms: Some(60_000) },
+        requests: Observation { limit: Some(100), remaining: Some(99), reset_ms: Some(600) },
+        ..CallOutcome::default()
+    };
+    // One run per model (each unknown to the pacer: its first call is its probe).
+    for (model, remaining) in [("gpt-empty", 0), ("gpt-open", 99_000)] {
+        let run = env.store.create("alpha", &spec(model), None, None).await.unwrap().run;
+        let lease = env.queue.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
+        assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Ok);
+        let call = format!("{}:0:1", run.id);
+        assert_eq!(pacer.acquire(model, &call, est, Mode::Work, &Who::DEFAULT).await.unwrap(), Decision::Clear);
+        let next_job = TurnJob { turn: 1, attempt: 1 };
+        let ask = shared::runs::PacedAsk { model: model.into(), ..asked() };
+        let next =
+            Next::Paced { turn: Turn { job: next_job, ask: Some(ask), cleared: false, pause_ms: None }, wait: None };
+        let pacing = CommitPacing {
+            route: pacer.commit_route(model).unwrap(),
+            settle: Some(SharedPacer::settle_op(&call, &answered(remaining))),
+            ask: Some(SharedPacer::acquire_op(&format!("{}:1:1", run.id), est, Mode::Work, &Who::DEFAULT, 0.0)),
+        };
+        let committed = env
+            .store
+            .commit_pacing(&lease, job, None, &items, Usage::default(), &next, &[], Some(&pacing))
+            .await
+            .unwrap();
+        assert_eq!(committed.fence, Fence::Ok);
+        let run_now = env.store.get("alpha", &run.id).await.unwrap().unwrap();
+        let payload: Turn = env.queue.payload(&run.id).await.unwrap().unwrap();
+        if remaining == 0 {
+            // The settle came first (the bucket it named is empty: a budget
+            // wait, not the probe's), then the ask, owed: the run waits now.
+            assert!(
+                matches!(committed.asked, Some(Decision::Owed { ms, reason: shared::pacer::OwedReason::Budget }) if ms > 1_000),
+                "{:?}",
+                committed.asked
+            );
+            assert_eq!((run_now.status, run_now.pacing.budget_waits), (RunStatus::Waiting, 1));
+            assert_eq!(event_kinds(&env, &run.id).await.last().map(String::as_str), Some("turn.paced"));
+            assert!(!payload.cleared);
+        } else {
+            assert_eq!(committed.asked, Some(Decision::Clear));
+            assert_eq!(run_now.status, RunStatus::Queued);
+            assert!(payload.cleared, "the next turn calls without asking again");
+            let c = env.queue.counts().await.unwrap();
+            assert_eq!(c.ready, 1);
+        }
+        assert_eq!(run_now.turns_completed, 1);
+        // Out of the queue for the next case.
+        let mut conn = env._server.conn().await;
+        let _: i64 = redis::cmd("ZADD")
+            .arg(&env.queue.keys().due)
+            .arg(i64::MAX / 4)
+            .arg(&run.id)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+
+    // A commit its fence stops still settles its call (it happened), and asks nothing.
+    let run = env.store.create("alpha", &spec("gpt-late"), None, None).await.unwrap().run;
+    let lease = env.queue.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
+    assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Ok);
+    let call = format!("{}:0:1", run.id);
+    assert_eq!(pacer.acquire("gpt-late", &call, est, Mode::Work, &Who::DEFAULT).await.unwrap(), Decision::Clear);
+    env.queue.release(&lease).await.unwrap();
+    let next_reservation = format!("{}:1:1", run.id);
+    let pacing = CommitPacing {
+        route: pacer.commit_route("gpt-late").unwrap(),
+        settle: Some(SharedPacer::settle_op(&call, &answered(99_000))),
+        ask: Some(SharedPacer::acquire_op(&next_reservation, est, Mode::Work, &Who::DEFAULT, 0.0)),
+    };
+    let ask = shared::runs::PacedAsk { model: "gpt-late".into(), ..asked() };
+    let next = Next::Paced {
+        turn: Turn { job: TurnJob { turn: 1, attempt: 1 }, ask: Some(ask), cleared: false, pause_ms: None },
+        wait: None,
+    };
+    let committed =
+        env.store.commit_pacing(&lease, job, None, &items, Usage::default(), &next, &[], Some(&pacing)).await.unwrap();
+    assert!(matches!(committed.fence, Fence::Stop(_)), "{committed:?}");
+    assert_eq!(committed.asked, None);
+    // Settled: the probe is answered and the bucket known, so another call clears at once.
+    assert_eq!(pacer.acquire("gpt-late", "other", est, Mode::Work, &Who::DEFAULT).await.unwrap(), Decision::Clear);
+}
+
+#[tokio::test]
 async fn a_fetch_that_asks_the_pacer_keeps_an_owed_turn_queued_and_starts_a_cleared_one() {
     // The worker's fetch asks the shared pacer itself for a turn back from a
     // budget wait: still owed, the turn waits again in the queue as the
