@@ -1686,7 +1686,8 @@ end
 
 -- A batch of asks and reports, in order, each as it would be alone at this `now`
 -- (store.rs sends a process's concurrent calls of one budget and model together):
--- ARGV[16..] is each op's name and then its arguments (acquire: 9, settle: 17, pull: 1). The
+-- ARGV[16..] is each op's name and then its arguments (acquire: 9, settle: 17, pull: 1,
+-- head: 1, fresh: 1, a reservation never asked for). The
 -- state and the records are read once and written once, by save(), for the whole batch.
 -- -> one reply per op: acquire {0} clear | {1, owed_ms, reason}; settle {0}.
 if op == 'batch' then
@@ -1705,6 +1706,12 @@ if op == 'batch' then
       i = i + 2
     elseif name == 'head' then
       read_head(tonumber(ARGV[i + 1]) or 0)
+      out[#out + 1] = {0}
+      i = i + 2
+    elseif name == 'fresh' then
+      -- Reservation ARGV[i + 1] was never asked for (a commit's ask for its next turn,
+      -- store.lua): it has no waiter record, and its ask reads none.
+      Wc[ARGV[i + 1]] = false
       out[#out + 1] = {0}
       i = i + 2
     else

@@ -162,8 +162,10 @@ if op == 'commit' then
   local asked, now = nil, nil
   if pacing and pacing.ask and next == 'continue' then
     now = q_now()
-    local ops = {pacing.ask}
-    if pacing.settle then ops = {pacing.settle, pacing.ask} end
+    -- (Its reservation, the next turn's first attempt's, was never asked for: a commit of
+    -- this turn that landed before would have moved the run on, and this one be fenced.)
+    local ops = {{'fresh', pacing.ask[2]}, pacing.ask}
+    if pacing.settle then table.insert(ops, 1, pacing.settle) end
     local replies = pace(ops, now)
     asked = replies and replies[#ops]
     if type(asked) == 'table' and asked[1] == 0 then
