@@ -11,7 +11,10 @@
 -- wait fields and counter, a `turn.paced` event), and no worker sees it — unless it is
 -- owed no longer than the worker's in-place wait: then it is leased (not started: it
 -- may be owed again after) with that pause (`pause_ms` in its payload), to wait in its
--- worker as the worker's own ask would have, and ask again there.
+-- worker as the worker's own ask would have, and ask again there. A turn so owed for
+-- the probe (a budget with no headers yet, a cold start: nearly every first turn) is
+-- started here too: the probe's answer clears the turns that waited for it, so their
+-- start costs three commands here, not a start script of six each after their ask.
 -- ARGV[1..5] the queue's fetch's; ARGV[6] the history depth in turns (0: all); ARGV[7]
 -- the payload format this version reads; ARGV[8] ('' none) the pacers to ask, JSON
 -- (store.rs `FetchAsks`): {routes = {provider = {keys = the pacer's keys without
@@ -51,7 +54,7 @@ end
 local function start_leased(qid, r)
   -- (`hold` keeps the job it decoded on the record: q_encode writes only its own fields.)
   local job = r.job or job_of(r)
-  if not job or (job.ask ~= nil and not job.cleared and not unpaced(job)) then return nil end
+  if not job or (job.ask ~= nil and not job.cleared and not r.paused and not unpaced(job)) then return nil end
   RUN, TX, EV, id = base .. 'run:' .. qid, base .. 'tx:' .. qid, base .. 'ev:' .. qid, qid
   return start_turn(string.format('%d', r.epoch), string.format('%d', job.turn), string.format('%d', tonumber(job.attempt) or 1), max_hist,
     r.run_read)
@@ -145,9 +148,11 @@ local function hold(ids, recs, now)
         elseif type(d) == 'table' and d[1] == 1 then
           local ms = math.max(math.floor(tonumber(d[2]) or 0), 1)
           if ms <= in_place then
-            -- Owed a moment: leased (not started), it waits in its worker (turn.rs).
+            -- Owed a moment: leased (not started, unless for the probe), it waits in its
+            -- worker (turn.rs).
             it.job.pause_ms = ms
             it.r.payload = cjson.encode(it.job)
+            it.r.paused = tonumber(d[3]) == 3
           else
             keep[it.qid] = now + ms
             wait_again(it, ms, tonumber(d[3]) or 1, now)

@@ -539,6 +539,28 @@ async fn a_fetch_that_asks_the_pacer_keeps_an_owed_turn_queued_and_starts_a_clea
     let other = pacer.acquire("gpt-free", "other", est, Mode::Work, &Who::DEFAULT).await.unwrap();
     assert!(matches!(other, Decision::Owed { .. }), "{other:?}");
 
+    // Owed a moment for that probe (its answer clears the turns that waited
+    // for it): leased with the pause, and started here, not by its worker.
+    let probing = env.store.create("alpha", &spec("gpt-free"), None, None).await.unwrap().run;
+    let lease = env.queue.fetch("w0", 1).await.unwrap().deliveries.remove(0).lease;
+    assert_eq!(lease.id, probing.id);
+    let next = Turn {
+        job,
+        ask: Some(shared::runs::PacedAsk { model: "gpt-free".into(), ..asked() }),
+        cleared: false,
+        pause_ms: None,
+    };
+    let fence = env.store.wait_asking(&lease, job, next, 1, WaitReason::Budget, "turn.paced", &data).await.unwrap();
+    assert_eq!(fence, Fence::Ok);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let patient = FetchAsks { in_place_ms: 120_000, ..asks.clone() };
+    let fetched =
+        env.queue.fetch_with("w1", 10, Some(&env.store.fetch_script_asking(24, Some(&patient)))).await.unwrap();
+    assert_eq!((fetched.held, fetched.deliveries.len()), (0, 1));
+    let turn: Turn = serde_json::from_str(&fetched.deliveries[0].payload).unwrap();
+    assert!(!turn.cleared && turn.pause_ms.is_some(), "{}", fetched.deliveries[0].payload);
+    assert!(matches!(env.store.started(&fetched.deliveries[0].lease), Some(Ok(Started::Run(_)))));
+
     // Owed no longer than the worker's in-place wait (here a long one, so the
     // empty bucket's wait is within it): leased with that pause, to wait in
     // its worker and ask again there — no requeue, no budget wait counted,

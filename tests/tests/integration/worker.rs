@@ -673,14 +673,15 @@ async fn a_turn_still_owed_when_it_comes_back_waits_again_without_starting() {
             waited_again += usize::from(paced >= 2);
             assert!(started <= 2, "run {id} turn {turn}: started {started} times for {paced} waits");
             // The first turn waits unstarted: its fetch asked for it with the
-            // ask its submit counted. A later one was asked when the turn
-            // before it committed (once this process had heard the pacer owe
-            // time: a scarce budget), or by its fetch, so it starts once, when clear.
+            // ask its submit counted (one its fetch owed a moment for the
+            // budget's probe only is started then, and once more if a budget
+            // wait follows). A later one was asked when the turn before it
+            // committed (once this process had heard the pacer owe time: a
+            // scarce budget), or by its fetch, so it starts once, when clear.
+            assert!(started <= 1 + usize::from(paced > 0), "run {id} turn {turn}: {paced} waits");
             if turn == 0 {
-                assert_eq!(started, 1, "run {id} turn {turn}: {paced} waits");
                 first_waited += usize::from(paced > 0);
             } else {
-                assert!(started <= 1 + usize::from(paced > 0), "run {id} turn {turn}: {paced} waits");
                 asked_at_commit += usize::from(paced > 0 && started == 1);
             }
         }
