@@ -30,15 +30,31 @@
 -- id. A record never leased (epoch 0: new, or under an id used before and deleted
 -- since) starts a block of Q_EPOCH_BLOCK epochs drawn from the counter (KEYS[Q_NKEYS+1]),
 -- later than every block drawn before, and so past every epoch an earlier record under
--- its id had; a record that used up its block draws another. One INCR a record, not
--- one a lease. (Records from before blocks carry epochs below the first block's.)
+-- its id had; a record that used up its block draws another. One INCRBY a fetch that
+-- leases such records, none for the rest (a turn's later leases). (Records from before
+-- blocks carry epochs below the first block's.)
 local Q_EPOCH_BLOCK = 65536
-local function q_next_epoch(last)
-  local e = last + 1
-  if last == 0 or e % Q_EPOCH_BLOCK == 0 then
-    e = redis.call('INCR', KEYS[Q_NKEYS + 1]) * Q_EPOCH_BLOCK + 1
+local function q_needs_block(last)
+  return last == 0 or (last + 1) % Q_EPOCH_BLOCK == 0
+end
+-- The next epochs of records whose last epochs are `lasts`, drawing the blocks they
+-- need with one INCRBY (none when no record needs one: a turn's later leases).
+local function q_next_epochs(lasts)
+  local need = 0
+  for _, last in ipairs(lasts) do
+    if q_needs_block(last) then need = need + 1 end
   end
-  return e
+  local block = need > 0 and redis.call('INCRBY', KEYS[Q_NKEYS + 1], need) - need or 0
+  local out = {}
+  for i, last in ipairs(lasts) do
+    if q_needs_block(last) then
+      block = block + 1
+      out[i] = block * Q_EPOCH_BLOCK + 1
+    else
+      out[i] = last + 1
+    end
+  end
+  return out
 end
 
 local function q_fetch(max, lease_ms, dead_keep_ms, me, woken, on_leased, hold)
@@ -79,6 +95,14 @@ local function q_fetch(max, lease_ms, dead_keep_ms, me, woken, on_leased, hold)
       if not (keep[ids[i]] and decoded[i] and decoded[i].flag == 'q') then gone[#gone + 1] = ids[i] end
     end
     if #gone > 0 then redis.call('ZREM', Q_DUE, unpack(gone)) end
+    local lasts, slot = {}, {}
+    for i = 1, n do
+      if decoded[i] and decoded[i].flag == 'q' and not keep[ids[i]] then
+        lasts[#lasts + 1] = decoded[i].epoch
+        slot[i] = #lasts
+      end
+    end
+    local epochs = q_next_epochs(lasts)
     for i = 1, n do
       local r = decoded[i]
       local again = keep[ids[i]]
@@ -87,7 +111,7 @@ local function q_fetch(max, lease_ms, dead_keep_ms, me, woken, on_leased, hold)
         held[#held + 1] = again; held[#held + 1] = ids[i]
         if not nxt or again < nxt then nxt = again end
       elseif r and r.flag == 'q' then
-        r.epoch = q_next_epoch(r.epoch)
+        r.epoch = epochs[slot[i]]
         r.deliveries = r.deliveries + 1
         r.flag = 'l'
         hset[#hset + 1] = ids[i]; hset[#hset + 1] = q_encode(r)

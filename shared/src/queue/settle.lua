@@ -10,12 +10,14 @@
 local op, id, epoch = ARGV[1], ARGV[2], ARGV[3]
 local r, why = q_fence(id, epoch)
 if not r then return {'fenced', why} end
--- Whatever the verdict, the lease ends: a run's record stops naming it.
-q_unfence(id, r.epoch)
 if op == 'complete' then
+  -- (Its holder is done, and its record gone: nothing of this lease is left to fence.)
   q_finish(id)
   return {'ok'}
 end
+-- The lease ends and the turn goes on: a run's record stops naming it (a `dead` fails
+-- the run, which clears it too).
+q_unfence(id, r.epoch)
 -- Only the other verdicts need the clock.
 local now = q_now()
 if op == 'requeue' then
