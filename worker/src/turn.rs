@@ -744,7 +744,11 @@ impl Runner {
     }
 
     /// The settle of a call for the commit's script to make, where the
-    /// run's pacer lets a script settle with it ([`CommitPacing`]).
+    /// run's pacer lets a script settle with it ([`CommitPacing`]) and its
+    /// budget is scarce (the commit asks for the next turn then, and calls
+    /// are few: a lone settle would cost a script call of its own). With room
+    /// in the budget, settles go to the batch loop, which sends a busy
+    /// process's many together (one read and write of the state for all).
     fn settle_in_commit(
         &self,
         spec: &shared::runs::RunSpec,
@@ -752,6 +756,9 @@ impl Runner {
         outcome: &CallOutcome,
     ) -> Option<CommitPacing> {
         let route = self.settling_route(spec, outcome)?;
+        if !route.owed.scarce() {
+            return None;
+        }
         let shared::pacer::Pacer::Shared(p) = &route.pacer else { return None };
         let route = p.commit_route(&spec.model)?;
         Some(CommitPacing {

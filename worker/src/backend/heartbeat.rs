@@ -5,8 +5,8 @@
 use super::*;
 
 /// Renews this worker's leases every third of the lease and its registration
-/// every [`REGISTER_EVERY`] beats (a registration lives two leases, or two idle
-/// beats: it is renewed well within that), reclaims expired leases of dead
+/// every [`REGISTER_EVERY`] beats, or while idle at least every `beat_ms` (a
+/// registration lives two leases, or two `beat_ms`: it is renewed well within that), reclaims expired leases of dead
 /// workers, and ends the shutdown grace.
 /// While it holds no lease it beats less often, the more so the larger the
 /// fleet (up to 8×): the fleet's idle beats, and so its reclaims of dead
@@ -18,6 +18,7 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
     let mut started_at_ms = None;
     let mut last_beat: Option<Instant> = None;
     let mut beats: u64 = 0;
+    let mut registered_at: Option<Instant> = None;
     let mut shutdown_seen: Option<Instant> = None;
     // Leases the last beat found no longer this worker's. A lease its handler
     // settled while the beat was under way reads so too; one still held a beat
@@ -47,9 +48,19 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
                 beat_ms: every.mul_f64(IDLE_BEAT_SCALE).as_millis() as u64,
                 last_heartbeat_ms: 0,
             };
-            // The first beat registers, every REGISTER_EVERY-th after it, and
-            // every idle one (idle beats are spaced wider already).
-            let register = beats.is_multiple_of(REGISTER_EVERY) || leases.is_empty();
+            // The first beat registers, every REGISTER_EVERY-th after it, and an
+            // idle one when the next would come later than `beat_ms` after the
+            // last registration (a reader counts it alive for two of those):
+            // every idle beat of a large fleet, every other at 8 workers.
+            let beat_span = every.mul_f64(IDLE_BEAT_SCALE);
+            let register = if leases.is_empty() {
+                registered_at.is_none_or(|at| now + gap > at + beat_span)
+            } else {
+                beats.is_multiple_of(REGISTER_EVERY)
+            };
+            if register {
+                registered_at = Some(now);
+            }
             beats += 1;
             match queue.heartbeat(&shared.identity, register.then_some(&info), &leases).await {
                 Ok(report) => {
