@@ -507,8 +507,10 @@ impl Runner {
             None
         };
         if let Some((next, outcome)) = ends {
-            let committed =
-                self.store.commit_pacing(lease, job, None, &success.output, usage, &next, &[], settle.as_ref()).await?;
+            let committed = self
+                .store
+                .commit_with_output(lease, job, None, &success.output, usage, &next, &[], settle.as_ref())
+                .await?;
             return Ok(settled(lease, committed.fence, outcome));
         }
         // The tool calls, announced by whichever script commits the output.
@@ -607,7 +609,16 @@ impl Runner {
         // The results are written by the commit itself: once, and only if it lands.
         let committed = self
             .store
-            .commit_pacing(lease, job, output.as_ref(), &items, Usage::default(), &next, &reported, pacing.as_ref())
+            .commit_with_output(
+                lease,
+                job,
+                output.as_ref(),
+                &items,
+                Usage::default(),
+                &next,
+                &reported,
+                pacing.as_ref(),
+            )
             .await;
         if let Ok(Committed { asked: Some(Decision::Owed { ms, reason }), .. }) = &committed {
             if let Some(route) = self.routes.get(ctx.spec.provider.as_deref()) {

@@ -1240,7 +1240,7 @@ impl RunStore {
         next: &Next,
         events: &[(&str, Value)],
     ) -> Result<Fence, StoreError> {
-        self.commit_with_output(lease, job, None, items, usage, next, events).await
+        Ok(self.commit_with_output(lease, job, None, items, usage, next, events, None).await?.fence)
     }
 
     /// [`commit_with_events`](Self::commit_with_events), committing the
@@ -1248,25 +1248,10 @@ impl RunStore {
     /// has not (a turn whose tools answered at once: one script, not two). When
     /// it has — the tools were slow, or it landed just before its answer was
     /// given up on — the script finds the turn in its tools phase and writes
-    /// the output's items, events and usage once, not twice.
+    /// the output's items, events and usage once, not twice. `pacing`: the
+    /// pacer ops the same script makes ([`CommitPacing`]).
     #[allow(clippy::too_many_arguments)]
     pub async fn commit_with_output(
-        &self,
-        lease: &Lease,
-        job: TurnJob,
-        output: Option<&ModelOutput<'_>>,
-        items: &[Value],
-        usage: Usage,
-        next: &Next,
-        events: &[(&str, Value)],
-    ) -> Result<Fence, StoreError> {
-        Ok(self.commit_pacing(lease, job, output, items, usage, next, events, None).await?.fence)
-    }
-
-    /// [`commit_with_output`](Self::commit_with_output), making `pacing`'s
-    /// pacer ops in the same script ([`CommitPacing`]).
-    #[allow(clippy::too_many_arguments)]
-    pub async fn commit_pacing(
         &self,
         lease: &Lease,
         job: TurnJob,
