@@ -264,16 +264,16 @@ impl Runner {
     /// Without a shared pacer (the fetch asks none), or when the pacer cannot
     /// be reached, the next turn asks when it starts (`Next::Continue`).
     /// Where the pacer lets a script ask it, a scarce budget's ask is made by
-    /// the commit's own script ([`CommitAsk`]: one round trip, not a pacer
-    /// call before the commit); the turn is then `Next::Paced` with the ask
-    /// not made yet, and the commit's answer says how it went.
+    /// the commit's own script (the acquire op returned: one round trip, not a
+    /// pacer call before the commit); the turn is then `Next::Paced` with the
+    /// ask not made yet, and the commit's answer says how it went.
     async fn ask_for_next(
         &self,
         lease: &Lease,
         job: TurnJob,
         ctx: &TurnContext,
         new_items: &[Value],
-    ) -> (Next, Option<CommitAsk>) {
+    ) -> (Next, Option<Vec<String>>) {
         let spec = &ctx.spec;
         let Some(route) = self.routes.get(spec.provider.as_deref()) else { return (Next::Continue, None) };
         let scarce = route.owed.scarce();
@@ -299,10 +299,9 @@ impl Runner {
         }
         let reservation = reservation_id(lease, next);
         let who = self.tenants.who(&ctx.tenant);
-        if let Some(route) = scripted.and_then(|p| p.commit_route(&spec.model)) {
-            let jitter = scripted.map_or(0.0, |p| p.jitter_u());
-            let op = shared::pacer::SharedPacer::acquire_op(&reservation, est, spec.mode, &who, jitter);
-            return (unasked, Some(CommitAsk { route, op }));
+        if let Some(p) = scripted {
+            let op = shared::pacer::SharedPacer::acquire_op(&reservation, est, spec.mode, &who, p.jitter_u());
+            return (unasked, Some(op));
         }
         let next = match self.pace(route, &spec.model, &reservation, est, spec.mode, &who).await {
             Ok(Paced::Clear) => {
@@ -489,10 +488,13 @@ impl Runner {
         // Made by the commit's own script where the pacer lets a script ask it
         // (with the next turn's ask, when the tools answer at once); else sent
         // with the next ask of this process, or alone after a few ms.
-        let settle = self.settle_in_commit(&ctx.spec, reservation, &outcome);
-        if settle.is_none() {
-            self.settle_pacer_soon(&ctx.spec, reservation, &outcome);
-        }
+        let settle = Settle { spec: &ctx.spec, reservation, outcome: &outcome };
+        let settle = if self.settles_in_commit(&ctx.spec, &outcome) {
+            Some(settle)
+        } else {
+            self.settle_pacer_soon(settle.spec, reservation, &outcome);
+            None
+        };
         let usage = usage.unwrap_or_default();
         let ends = if success.tool_calls.is_empty() {
             Some((Next::Complete(success.output_text.clone()), TurnOutcome::Completed))
@@ -507,9 +509,10 @@ impl Runner {
             None
         };
         if let Some((next, outcome)) = ends {
+            let pacing = self.commit_pacing(&ctx.spec, settle, None);
             let committed = self
                 .store
-                .commit_with_output(lease, job, None, &success.output, usage, &next, &[], settle.as_ref())
+                .commit_with_output(lease, job, None, &success.output, usage, &next, &[], pacing.as_ref())
                 .await?;
             return Ok(settled(lease, committed.fence, outcome));
         }
@@ -517,7 +520,6 @@ impl Runner {
         let announced: Vec<(&str, Value)> =
             tool_call_events(lease, job, &success.tool_calls).into_iter().map(|e| (event::TURN_TOOL_CALL, e)).collect();
         let output = ModelOutput { items: &success.output, usage, events: &announced };
-        let settle = settle.map(|pacing| Settle { pacing, spec: &ctx.spec, reservation, outcome: &outcome });
         self.run_tools_and_commit(lease, job, ctx, &success.tool_calls, cancel, Some(output), settle).await
     }
 
@@ -596,16 +598,7 @@ impl Runner {
         // a redelivery in the tools phase) and these results.
         let new_items: Vec<Value> = output.iter().flat_map(|o| o.items.iter()).chain(&items).cloned().collect();
         let (next, ask) = self.ask_for_next(lease, job, ctx, &new_items).await;
-        let carried = settle.settle.take();
-        let pacing = match (ask, carried) {
-            (Some(ask), carried) => Some(CommitPacing {
-                route: ask.route,
-                settle: carried.and_then(|c| c.pacing.settle),
-                ask: Some(ask.op),
-            }),
-            (None, Some(c)) => Some(c.pacing),
-            (None, None) => None,
-        };
+        let pacing = self.commit_pacing(&ctx.spec, settle.settle.take(), ask);
         // The results are written by the commit itself: once, and only if it lands.
         let committed = self
             .store
@@ -754,28 +747,35 @@ impl Runner {
         });
     }
 
-    /// The settle of a call for the commit's script to make, where the
+    /// Whether a call's settle is left to the commit's script: where the
     /// run's pacer lets a script settle with it ([`CommitPacing`]) and its
     /// budget is scarce (the commit asks for the next turn then, and calls
     /// are few: a lone settle would cost a script call of its own). With room
     /// in the budget, settles go to the batch loop, which sends a busy
     /// process's many together (one read and write of the state for all).
-    fn settle_in_commit(
+    fn settles_in_commit(&self, spec: &shared::runs::RunSpec, outcome: &CallOutcome) -> bool {
+        self.settling_route(spec, outcome).is_some_and(|route| {
+            route.owed.scarce() && matches!(&route.pacer, shared::pacer::Pacer::Shared(p) if p.scriptable())
+        })
+    }
+
+    /// The pacer ops the commit's script makes: the call's `settle` and the
+    /// next turn's `ask` (an acquire op), over the route of `spec`'s pacer.
+    fn commit_pacing(
         &self,
         spec: &shared::runs::RunSpec,
-        reservation: &str,
-        outcome: &CallOutcome,
+        settle: Option<Settle<'_>>,
+        ask: Option<Vec<String>>,
     ) -> Option<CommitPacing> {
-        let route = self.settling_route(spec, outcome)?;
-        if !route.owed.scarce() {
+        if settle.is_none() && ask.is_none() {
             return None;
         }
+        let route = self.routes.get(spec.provider.as_deref())?;
         let shared::pacer::Pacer::Shared(p) = &route.pacer else { return None };
-        let route = p.commit_route(&spec.model)?;
         Some(CommitPacing {
-            route,
-            settle: Some(shared::pacer::SharedPacer::settle_op(reservation, outcome)),
-            ask: None,
+            route: p.commit_route(&spec.model)?,
+            settle: settle.map(|s| shared::pacer::SharedPacer::settle_op(s.reservation, s.outcome)),
+            ask,
         })
     }
 
@@ -803,18 +803,9 @@ impl Runner {
 /// lets a settle wait for company).
 const SETTLE_IN_COMMIT: Duration = Duration::from_millis(20);
 
-/// The next turn's ask for the commit's script to make ([`CommitPacing::ask`]).
-struct CommitAsk {
-    /// The pacer's keys and knobs ([`shared::pacer::SharedPacer::commit_route`]).
-    route: Value,
-    /// The acquire op.
-    op: Vec<String>,
-}
-
-/// A call's settle the commit's script is to make, and what to send alone if
-/// it does not.
+/// A call's settle the commit's script is to make (or that is sent alone if
+/// it does not).
 struct Settle<'a> {
-    pacing: CommitPacing,
     spec: &'a shared::runs::RunSpec,
     reservation: &'a str,
     outcome: &'a CallOutcome,

@@ -191,6 +191,24 @@ pub(crate) fn tool_run(app: &App, tool: &str) -> Value {
     })
 }
 
+/// Submits `n` runs calling tool `lookup`, run `i`'s input `input(i)`, each
+/// answer at most `max_output_tokens`: their ids, in order.
+pub(crate) async fn submit_tool_runs(
+    app: &App,
+    n: usize,
+    input: impl Fn(usize) -> String,
+    max_output_tokens: u64,
+) -> Vec<String> {
+    let mut ids = Vec::with_capacity(n);
+    for i in 0..n {
+        let mut body = tool_run(app, "lookup");
+        body["input"] = json!(input(i));
+        body["max_output_tokens"] = json!(max_output_tokens);
+        ids.push(app.submit(body).await.id);
+    }
+    ids
+}
+
 /// Waits (bounded) for a run of `tenant` to finish.
 pub(crate) async fn wait_finished_for(app: &App, tenant: &str, id: &str, timeout: Duration) -> Run {
     eventually(&format!("run {id} to finish"), timeout, || async {

@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 use shared::config::RedisArgs;
 use shared::runs::{RunSpec, RunStatus, SubmitPolicy, ToolEndpoints};
 
-use crate::fixtures::{secs, tool_endpoint, tool_run, wait_finished_for, App, TENANT};
+use crate::fixtures::{secs, submit_tool_runs, tool_endpoint, tool_run, wait_finished_for, App, TENANT};
 
 /// Every function_call_output in a sent body has its function_call before it.
 fn assert_no_orphans(body: &Value) {
@@ -290,13 +290,7 @@ async fn four_worker_processes_share_a_tight_budget_with_almost_no_429s() {
     .await;
     let _workers: Vec<ChildGuard> = (0..4).map(|_| app.worker_process(&["--concurrency", "16"], "error")).collect();
     let started = Instant::now();
-    let mut ids = vec![];
-    for i in 0..40 {
-        let mut body = tool_run(&app, "lookup");
-        body["input"] = json!(format!("task number {i}"));
-        body["max_output_tokens"] = json!(48);
-        ids.push(app.submit(body).await.id);
-    }
+    let ids = submit_tool_runs(&app, 40, |i| format!("task number {i}"), 48).await;
     for id in &ids {
         let run = app.wait_finished(id, secs(120)).await;
         assert_eq!(run.status, RunStatus::Completed, "{run:?}");
@@ -652,13 +646,7 @@ async fn a_turn_still_owed_when_it_comes_back_waits_again_without_starting() {
     .await;
     let mut app = app;
     app.spawn_worker(app.config());
-    let mut ids = vec![];
-    for i in 0..12 {
-        let mut body = tool_run(&app, "lookup");
-        body["input"] = json!(format!("task number {i}: {}", "background ".repeat(100)));
-        body["max_output_tokens"] = json!(300);
-        ids.push(app.submit(body).await.id);
-    }
+    let ids = submit_tool_runs(&app, 12, |i| format!("task number {i}: {}", "background ".repeat(100)), 300).await;
     let (mut waited_again, mut turns, mut asked_at_commit, mut first_waited) = (0, 0, 0, 0);
     for id in &ids {
         let run = app.wait_finished(id, secs(90)).await;
@@ -827,13 +815,7 @@ async fn a_fetch_that_owed_a_turn_makes_its_workers_commits_ask_for_the_next_tur
     let mut config = app.config();
     config.pacer.tpm = Some(3_000);
     app.spawn_worker(config);
-    let mut ids = vec![];
-    for i in 0..8 {
-        let mut body = tool_run(&app, "lookup");
-        body["input"] = json!(format!("task {i}: {}", "background ".repeat(150)));
-        body["max_output_tokens"] = json!(200);
-        ids.push(app.submit(body).await.id);
-    }
+    let ids = submit_tool_runs(&app, 8, |i| format!("task {i}: {}", "background ".repeat(150)), 200).await;
     // The first few clear at once; each one's commit asks for its next turn.
     let asked_at_commit = eventually("commits that put the next turn to wait", secs(20), || async {
         let mut n = 0;
