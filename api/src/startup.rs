@@ -6,6 +6,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 
 use anyhow::Context as _;
+use axum::serve::ListenerExt as _;
 use shared::pacer::{PacingConfig, SharedPacer};
 use shared::queue::{QueueConfig, TurnQueue};
 use shared::runs::{RunStore, SubmitPolicy};
@@ -92,7 +93,7 @@ impl Application {
     pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
         let Self { listener, addr, router, stop } = self;
         tracing::info!(message = "api listening", %addr, dashboard = %format!("http://{addr}/"));
-        axum::serve(listener, router)
+        axum::serve(listener.tap_io(no_delay), router)
             .with_graceful_shutdown(async move {
                 shutdown.await;
                 let _ = stop.send(true);
@@ -101,5 +102,14 @@ impl Application {
             .context("serving the API")?;
         tracing::info!(message = "api stopped");
         Ok(())
+    }
+}
+
+/// Sends each write of an accepted connection at once. An event stream's
+/// events are small writes: under Nagle's algorithm each waited for the
+/// client's ACK of the one before, which a client may delay by up to 40 ms.
+fn no_delay(stream: &mut tokio::net::TcpStream) {
+    if let Err(error) = stream.set_nodelay(true) {
+        tracing::debug!(message = "could not set TCP_NODELAY", %error);
     }
 }

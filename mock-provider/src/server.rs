@@ -16,6 +16,7 @@ use axum::extract::{DefaultBodyLimit, Query, State as AxState};
 use axum::http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use axum::{Json, Router};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -43,6 +44,13 @@ pub struct MockServer {
     task: Option<JoinHandle<std::io::Result<()>>>,
 }
 
+/// Sends each write of an accepted connection at once: a stream's frames are
+/// small writes, which Nagle's algorithm would hold back until the client's
+/// (delayed, up to 40 ms) ACK of the one before.
+fn no_delay(stream: &mut tokio::net::TcpStream) {
+    let _ = stream.set_nodelay(true);
+}
+
 impl MockServer {
     /// Binds `config.listen` (port 0 allowed) and starts serving.
     pub async fn start(config: MockConfig) -> std::io::Result<Self> {
@@ -52,7 +60,7 @@ impl MockServer {
         let (stop, stopped) = oneshot::channel::<()>();
         let app = router(shared.clone());
         let task = tokio::spawn(async move {
-            axum::serve(listener, app)
+            axum::serve(listener.tap_io(no_delay), app)
                 .with_graceful_shutdown(async {
                     let _ = stopped.await;
                 })
