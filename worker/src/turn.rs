@@ -247,8 +247,12 @@ impl Runner {
         spec: &shared::runs::RunSpec,
         transcript: &[TranscriptEntry],
     ) -> (Value, Option<String>, Estimate) {
+        let build = || call_body(route.provider.api_style(), spec, transcript, self.config.max_history);
+        // A short body is built in place: stepping off the runtime's thread
+        // costs more than building it (a thread hand-off, and the allocator's
+        // pages of another thread).
         let (body, answer_tool, input) =
-            shared::cpu_bound(|| call_body(route.provider.api_style(), spec, transcript, self.config.max_history));
+            if call_text_len(spec, transcript) > IN_PLACE_TEXT { shared::cpu_bound(build) } else { build() };
         (body, answer_tool, call_estimate(spec, input))
     }
 
@@ -509,12 +513,14 @@ impl Runner {
             None
         };
         if let Some((next, outcome)) = ends {
-            let pacing = self.commit_pacing(&ctx.spec, settle, None);
+            let mut settle = SettleGuard { runner: self, settle };
+            let pacing = self.commit_pacing(&ctx.spec, settle.settle, None);
             let committed = self
                 .store
                 .commit_with_output(lease, job, None, &success.output, usage, &next, &[], pacing.as_ref())
-                .await?;
-            return Ok(settled(lease, committed.fence, outcome));
+                .await;
+            settle.made_by(&committed);
+            return Ok(settled(lease, committed?.fence, outcome));
         }
         // The tool calls, announced by whichever script commits the output.
         let announced: Vec<(&str, Value)> =
@@ -598,7 +604,7 @@ impl Runner {
         // a redelivery in the tools phase) and these results.
         let new_items: Vec<Value> = output.iter().flat_map(|o| o.items.iter()).chain(&items).cloned().collect();
         let (next, ask) = self.ask_for_next(lease, job, ctx, &new_items).await;
-        let pacing = self.commit_pacing(&ctx.spec, settle.settle.take(), ask);
+        let pacing = self.commit_pacing(&ctx.spec, settle.settle, ask);
         // The results are written by the commit itself: once, and only if it lands.
         let committed = self
             .store
@@ -613,6 +619,7 @@ impl Runner {
                 pacing.as_ref(),
             )
             .await;
+        settle.made_by(&committed);
         if let Ok(Committed { asked: Some(Decision::Owed { ms, reason }), .. }) = &committed {
             if let Some(route) = self.routes.get(ctx.spec.provider.as_deref()) {
                 route.owed.note(*reason);
@@ -805,6 +812,7 @@ const SETTLE_IN_COMMIT: Duration = Duration::from_millis(20);
 
 /// A call's settle the commit's script is to make (or that is sent alone if
 /// it does not).
+#[derive(Clone, Copy)]
 struct Settle<'a> {
     spec: &'a shared::runs::RunSpec,
     reservation: &'a str,
@@ -812,13 +820,24 @@ struct Settle<'a> {
 }
 
 /// Sends its settle on its own when dropped still holding it (a turn that
-/// ended before its commit: cancelled, fenced, an error).
+/// ended before its commit: cancelled, fenced, an error; or a commit that
+/// failed on Redis trouble, which may not have landed).
 struct SettleGuard<'r, 'a> {
     runner: &'r Runner,
     settle: Option<Settle<'a>>,
 }
 
 impl SettleGuard<'_, '_> {
+    /// The settle was made by a commit's script that answered (fenced or
+    /// not, the script settles); an error leaves it to be sent alone — twice
+    /// at worst, if the commit landed: the pacer then observes the same
+    /// headers again and finds no reservation to charge.
+    fn made_by<T>(&mut self, committed: &Result<T, StoreError>) {
+        if committed.is_ok() {
+            self.settle = None;
+        }
+    }
+
     fn send_alone(&mut self) {
         if let Some(s) = self.settle.take() {
             self.runner.settle_pacer_soon(s.spec, s.reservation, s.outcome);
@@ -845,6 +864,27 @@ fn call_body(
     let body = build_body(style, &params, &context);
     let input = crate::estimate::input_tokens(&body);
     (body, answer_tool(style, &params), input)
+}
+
+/// The text of a call's body up to which it is built (and its tokens counted)
+/// on the runtime's thread: counting this much afresh takes ~0.4 ms here (o200k,
+/// release build); a history counted before is remembered (`estimate::count_text`).
+const IN_PLACE_TEXT: usize = 16 * 1024;
+
+/// The length of the text a call of `spec` over `transcript` sends, roughly
+/// (its strings and keys, the whole transcript before its history is bounded):
+/// what building its body costs goes with it.
+fn call_text_len(spec: &shared::runs::RunSpec, transcript: &[TranscriptEntry]) -> usize {
+    fn len(v: &Value) -> usize {
+        match v {
+            Value::String(s) => s.len(),
+            Value::Array(a) => a.iter().map(len).sum(),
+            Value::Object(o) => o.iter().map(|(k, v)| k.len() + len(v)).sum(),
+            _ => 8,
+        }
+    }
+    let instructions = spec.instructions.as_ref().map_or(0, String::len);
+    instructions + spec.tools.iter().map(len).sum::<usize>() + transcript.iter().map(|e| len(&e.item)).sum::<usize>()
 }
 
 /// What the pacer is asked to reserve for a call of `spec` sending `input`

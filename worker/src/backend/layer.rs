@@ -83,6 +83,15 @@ impl<S> std::fmt::Debug for LeaseService<S> {
     }
 }
 
+/// Aborts its task when dropped (a handle alone would let it run on).
+struct AbortOnDrop<R>(tokio::task::JoinHandle<R>);
+
+impl<R> Drop for AbortOnDrop<R> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// Frees a slot when a handler's future ends, however it ends.
 struct SlotGuard(Arc<BackendState>);
 
@@ -98,7 +107,7 @@ impl<S, T> tower::Service<Task<T>> for LeaseService<S>
 where
     S: tower::Service<Task<T>>,
     S::Future: Send + 'static,
-    S::Error: Into<BoxDynError> + Send,
+    S::Error: Into<BoxDynError> + Send + 'static,
     S::Response: Send + 'static,
     T: Send + 'static,
 {
@@ -138,8 +147,12 @@ where
                     std::future::pending::<()>().await;
                 }
             };
+            // The handler runs in a task of its own, so the slots' handlers
+            // spread over the runtime's threads (apalis polls every handler in
+            // the worker's one task); dropped here (the grace over), it is aborted.
+            let mut handler = AbortOnDrop(tokio::spawn(AssertUnwindSafe(fut).catch_unwind()));
             let returned = tokio::select! {
-                r = AssertUnwindSafe(fut).catch_unwind() => Some(r),
+                r = &mut handler.0 => Some(r.unwrap_or_else(|gone| Err(Box::new(gone.to_string())))),
                 () = grace_over => None,
             };
             let (outcome, result) = match returned {
