@@ -387,6 +387,79 @@ async fn ten_thousand_turns_due_at_once_are_all_served() {
     .await;
 }
 
+/// Holds its turn for three leases, then records it.
+async fn hold_turn(payload: Value, lease: Lease, state: Data<HandlerState>) -> Result<(), BoxDynError> {
+    tokio::time::sleep(Duration::from_millis(3 * state.queue.config().lease_ms)).await;
+    record_turn(payload, lease, state).await
+}
+
+#[tokio::test]
+async fn a_turn_that_outlasts_its_lease_keeps_it_while_its_worker_beats() {
+    // 900-ms leases, renewed a third of a lease after they were taken or last
+    // renewed; in a fleet of 16 an idle worker beats only every 8 thirds of a
+    // lease, so the renewals here come from the leases' own age.
+    let env = Env::start(QueueConfig { lease_ms: 900, ..QueueConfig::default() });
+    let q = &env.queue;
+    let now = q.counts().await.unwrap().now_ms;
+    for i in 0..14 {
+        let info = shared::queue::WorkerInfo {
+            identity: format!("bystander-{i}"),
+            host: "h".into(),
+            pid: 1,
+            concurrency: 1,
+            in_flight: 0,
+            started_at_ms: now,
+            lease_ms: 60_000,
+            beat_ms: 480_000,
+            last_heartbeat_ms: 0,
+        };
+        q.heartbeat(&info.identity, Some(&info), &[]).await.unwrap();
+    }
+    let seen = Seen::default();
+    let state = HandlerState { seen: seen.clone(), queue: q.clone(), fail: false };
+    let backend = worker::backend::QueueBackend::<Value>::new(q.clone(), 4);
+    let name = backend.identity().to_owned();
+    let slow = WorkerBuilder::new(name.as_str()).backend(backend).data(state.clone()).build(hold_turn);
+    let (stop1, stopped1) = tokio::sync::oneshot::channel::<()>();
+    let w1 = tokio::spawn(async move {
+        slow.run_until(async move {
+            let _ = stopped1.await;
+            Ok::<(), std::io::Error>(())
+        })
+        .await
+        .expect("worker run() never ends in error");
+    });
+    env.enqueue_many("long", 3, json!({}), 0).await;
+    eventually("the three turns to be in flight", secs(5), || async move {
+        (q.counts().await.ok()?.in_flight == 3).then_some(())
+    })
+    .await;
+    // A quick worker beside it runs again any turn whose lease expired, which
+    // a reaper beating every 100 ms (as a large fleet's many beats would) takes back.
+    let (stop2, w2) = run_worker(q, 4, state);
+    let reaper = {
+        let q = q.clone();
+        tokio::spawn(async move {
+            loop {
+                let _ = q.heartbeat("reaper", None, &[]).await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    env.wait_drained(secs(20)).await;
+    reaper.abort();
+    let all = seen.all();
+    assert_eq!(all.len(), 3, "each turn ran once, in its first delivery: {all:?}");
+    assert!(all.iter().all(|s| s.deliveries == 1), "no lease was taken back: {all:?}");
+    let _ = stop1.send(());
+    let _ = stop2.send(());
+    within("workers to stop", secs(10), async {
+        w1.await.unwrap();
+        w2.await.unwrap()
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn a_stale_holder_is_fenced_and_changes_nothing() {
     let env = Env::start(QueueConfig { lease_ms: 300, ..QueueConfig::default() });

@@ -4,13 +4,17 @@
 
 use super::*;
 
-/// Renews this worker's leases every third of the lease and its registration
-/// every [`REGISTER_EVERY`] beats, or while idle at least every `beat_ms` (a
-/// registration lives two leases, or two `beat_ms`: it is renewed well within that), reclaims expired leases of dead
-/// workers, and ends the shutdown grace.
-/// While it holds no lease it beats less often, the more so the larger the
-/// fleet (up to 8×): the fleet's idle beats, and so its reclaims of dead
-/// workers' leases, stay about as frequent as two workers' would.
+/// Renews each of this worker's leases a third of the lease after it was
+/// leased or last renewed, and its registration every [`REGISTER_EVERY`]
+/// beats, or while idle at least every `beat_ms` (a registration lives two
+/// leases, or two `beat_ms`: it is renewed well within that), reclaims expired
+/// leases of dead workers, and ends the shutdown grace.
+/// Between renewals it beats as an idle worker does: less often, the more so
+/// the larger the fleet (up to 8×), so the fleet's idle beats, and so its
+/// reclaims of dead workers' leases, stay about as frequent as two workers'
+/// would. (A turn that ends within a third of the lease, most of them, is
+/// never renewed: a beat at every third of the lease whatever the leases' age
+/// was most of a busy fleet's beats.)
 pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, worker: WorkerContext) {
     let every = queue.config().heartbeat_every();
     let idle_every = |fleet: usize| every.mul_f64((fleet as f64 / 2.0).clamp(1.0, IDLE_BEAT_SCALE));
@@ -26,12 +30,10 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
     let mut suspects: Vec<(String, u64)> = vec![];
     loop {
         let now = Instant::now();
-        let gap = if shared.held.lock().expect("held lock").is_empty() {
-            idle_every(shared.fleet.load(Ordering::Relaxed))
-        } else {
-            every
-        };
-        if last_beat.is_none_or(|at| now >= at + gap) {
+        let gap = idle_every(shared.fleet.load(Ordering::Relaxed));
+        let oldest = shared.oldest_renewal();
+        let renew = oldest.is_some_and(|at| now >= at + every);
+        if renew || last_beat.is_none_or(|at| now >= at + gap) {
             last_beat = Some(now);
             if started_at_ms.is_none() {
                 started_at_ms = queue.server_time_ms().await.ok();
@@ -48,22 +50,23 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
                 beat_ms: every.mul_f64(IDLE_BEAT_SCALE).as_millis() as u64,
                 last_heartbeat_ms: 0,
             };
-            // The first beat registers, every REGISTER_EVERY-th after it, and an
-            // idle one when the next would come later than `beat_ms` after the
-            // last registration (a reader counts it alive for two of those):
-            // every idle beat of a large fleet, every other at 8 workers.
+            // The first beat registers, a busy one every REGISTER_EVERY-th after
+            // it, and any beat whose next (half a gap early, as the 100-ms tick
+            // makes gaps a little longer) would come later than `beat_ms` after
+            // the last registration (a reader counts it alive for two of
+            // those): every idle beat of a large fleet, every other at 8
+            // workers. (Compared without the half gap, the tick's slack made
+            // nearly every idle beat register.)
             let beat_span = every.mul_f64(IDLE_BEAT_SCALE);
-            let register = if leases.is_empty() {
-                registered_at.is_none_or(|at| now + gap > at + beat_span)
-            } else {
-                beats.is_multiple_of(REGISTER_EVERY)
-            };
+            let due = registered_at.is_none_or(|at| now + gap / 2 > at + beat_span);
+            let register = due || !leases.is_empty() && beats.is_multiple_of(REGISTER_EVERY);
             if register {
                 registered_at = Some(now);
             }
             beats += 1;
             match queue.heartbeat(&shared.identity, register.then_some(&info), &leases).await {
                 Ok(report) => {
+                    shared.renewed(&leases, now);
                     if let Some(fleet) = report.fleet {
                         shared.fleet.store(fleet.max(1), Ordering::Relaxed);
                     }

@@ -75,8 +75,11 @@ struct BackendState {
     slot_freed: tokio::sync::Notify,
     /// Live worker processes of the fleet, as the last heartbeat counted them.
     fleet: AtomicUsize,
-    /// Every lease this worker holds: fetched and not yet settled.
-    held: Mutex<HashMap<String, Lease>>,
+    /// Every lease this worker holds (fetched and not yet settled), and when
+    /// it was last renewed: the heartbeat that sent it began, or the fetch
+    /// that leased it was sent (both no later than the server's own clock
+    /// started its lease).
+    held: Mutex<HashMap<String, (Lease, Instant)>>,
     slot_waker: AtomicWaker,
     /// Turns true when the shutdown grace is over: running handlers are dropped
     /// and their turns handed back.
@@ -101,13 +104,21 @@ struct BackendState {
 }
 
 impl BackendState {
-    fn hold(&self, lease: &Lease) {
-        self.held.lock().expect("held lock").insert(lease.id.clone(), lease.clone());
+    /// Holds `lease`, leased by a fetch sent at `since` (a lease held
+    /// already keeps its renewal time: the backend holds it again with its
+    /// fetcher's handle).
+    fn hold(&self, lease: &Lease, since: Instant) {
+        let mut held = self.held.lock().expect("held lock");
+        let since = match held.get(&lease.id) {
+            Some((l, at)) if l.epoch == lease.epoch => *at,
+            _ => since,
+        };
+        held.insert(lease.id.clone(), (lease.clone(), since));
     }
 
     fn forget(&self, lease: &Lease) {
         let mut held = self.held.lock().expect("held lock");
-        if held.get(&lease.id).is_some_and(|l| l.epoch == lease.epoch) {
+        if held.get(&lease.id).is_some_and(|(l, _)| l.epoch == lease.epoch) {
             held.remove(&lease.id);
         }
     }
@@ -115,8 +126,8 @@ impl BackendState {
     /// Tells the handler of `id` at `epoch` that its lease was taken back.
     fn lost(&self, id: &str, epoch: u64) -> bool {
         let held = self.held.lock().expect("held lock");
-        match held.get(id).filter(|l| l.epoch == epoch) {
-            Some(lease) => {
+        match held.get(id).filter(|(l, _)| l.epoch == epoch) {
+            Some((lease, _)) => {
                 lease.mark_lost();
                 true
             }
@@ -125,7 +136,25 @@ impl BackendState {
     }
 
     fn leases(&self) -> Vec<(String, u64)> {
-        self.held.lock().expect("held lock").values().map(|l| (l.id.clone(), l.epoch)).collect()
+        self.held.lock().expect("held lock").values().map(|(l, _)| (l.id.clone(), l.epoch)).collect()
+    }
+
+    /// When the lease renewed longest ago was renewed (None: none held).
+    fn oldest_renewal(&self) -> Option<Instant> {
+        self.held.lock().expect("held lock").values().map(|(_, at)| *at).min()
+    }
+
+    /// Notes that a heartbeat begun at `at` renewed `leases` (the ones still
+    /// held at the same epoch).
+    fn renewed(&self, leases: &[(String, u64)], at: Instant) {
+        let mut held = self.held.lock().expect("held lock");
+        for (id, epoch) in leases {
+            if let Some((l, renewed)) = held.get_mut(id) {
+                if l.epoch == *epoch {
+                    *renewed = (*renewed).max(at);
+                }
+            }
+        }
     }
 }
 
@@ -332,7 +361,7 @@ impl<T: DeserializeOwned + Send + 'static> Backend for QueueBackend<T> {
                         tokio::time::sleep(Duration::from_millis(5)).await;
                     }
                     let unstarted: Vec<Lease> =
-                        shared.held.lock().expect("held lock").drain().map(|(_, l)| l).collect();
+                        shared.held.lock().expect("held lock").drain().map(|(_, (l, _))| l).collect();
                     for lease in &unstarted {
                         settle_patiently(&queue, lease, Settlement::Release).await;
                     }
@@ -377,10 +406,11 @@ async fn fetch_in_task(
 ) -> Result<shared::queue::Fetched, QueueError> {
     shared.fetching.fetch_add(1, Ordering::SeqCst);
     let task = tokio::spawn(async move {
+        let sent = Instant::now();
         let result = queue.fetch_woken(&shared.identity, want, script.as_ref(), woken).await;
         if let Ok(fetched) = &result {
             for d in &fetched.deliveries {
-                shared.hold(&d.lease);
+                shared.hold(&d.lease, sent);
             }
         }
         shared.fetching.fetch_sub(1, Ordering::SeqCst);
@@ -493,7 +523,7 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
         match serde_json::from_str::<T>(payload) {
             Ok(args) => {
                 let lease = lease.with_fetcher(Arc::new(FetcherHandle(Arc::downgrade(&self.shared))));
-                self.shared.hold(&lease);
+                self.shared.hold(&lease, Instant::now());
                 let task = TaskBuilder::new(args)
                     .task_id(TaskId::from(format!("{}#{}", lease.id, lease.epoch)))
                     .attempt(lease.deliveries as usize)
