@@ -100,9 +100,12 @@ struct HandlerState {
     seen: Seen,
     queue: TurnQueue,
     fail: bool,
+    /// How long a turn is held before it is recorded.
+    hold_ms: u64,
 }
 
 async fn record_turn(_payload: Value, lease: Lease, state: Data<HandlerState>) -> Result<(), BoxDynError> {
+    tokio::time::sleep(Duration::from_millis(state.hold_ms)).await;
     // The server's clock, read independently of the fetch script.
     let server_now_ms = state.queue.server_time_ms().await?;
     state.seen.0.lock().unwrap().push(Started {
@@ -139,6 +142,21 @@ fn run_worker(
     (stop, handle)
 }
 
+/// Stops workers [`run_worker`] started, and waits for them to end.
+async fn stop_workers(workers: Vec<(tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<()>)>) {
+    let mut handles = vec![];
+    for (stop, handle) in workers {
+        let _ = stop.send(());
+        handles.push(handle);
+    }
+    within("workers to stop", secs(10), async {
+        for h in handles {
+            h.await.unwrap();
+        }
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn counts_are_exact_and_enqueue_is_idempotent_by_id() {
     let env = Env::start(QueueConfig::default());
@@ -170,8 +188,11 @@ async fn counts_are_exact_and_enqueue_is_idempotent_by_id() {
 async fn turns_never_start_before_their_due_time() {
     let env = Env::start(QueueConfig::default());
     let seen = Seen::default();
-    let (stop, worker) =
-        run_worker(&env.queue, 8, HandlerState { seen: seen.clone(), queue: env.queue.clone(), fail: false });
+    let (stop, worker) = run_worker(
+        &env.queue,
+        8,
+        HandlerState { seen: seen.clone(), queue: env.queue.clone(), fail: false, hold_ms: 0 },
+    );
     for i in 0..100u64 {
         env.queue.enqueue(&format!("run_{i}"), &json!({}), 50 + i * 10).await.unwrap();
     }
@@ -209,7 +230,13 @@ async fn blocked_clients(env: &Env) -> u64 {
 async fn delayed_turns_reach_one_idle_worker(env: &Env) -> u64 {
     let seen = Seen::default();
     let workers: Vec<_> = (0..8)
-        .map(|_| run_worker(&env.queue, 2, HandlerState { seen: seen.clone(), queue: env.queue.clone(), fail: false }))
+        .map(|_| {
+            run_worker(
+                &env.queue,
+                2,
+                HandlerState { seen: seen.clone(), queue: env.queue.clone(), fail: false, hold_ms: 0 },
+            )
+        })
         .collect();
     // Every worker has made its first (empty) fetch and gone idle: all eight
     // block on the server (`BLPOP`).
@@ -282,7 +309,8 @@ async fn a_redis_that_asks_for_a_user_and_password_serves_the_queue() {
     let redis = RedisArgs::new(url, unique_prefix());
     let queue = TurnQueue::new(&redis, QueueConfig::default()).expect("queue");
     let seen = Seen::default();
-    let (stop, worker) = run_worker(&queue, 4, HandlerState { seen: seen.clone(), queue: queue.clone(), fail: false });
+    let (stop, worker) =
+        run_worker(&queue, 4, HandlerState { seen: seen.clone(), queue: queue.clone(), fail: false, hold_ms: 0 });
     for i in 0..20u64 {
         queue.enqueue(&format!("run_{i}"), &json!({}), i * 20).await.unwrap();
     }
@@ -320,7 +348,9 @@ async fn a_failover_to_a_promoted_replica_mid_load_loses_no_turn_and_needs_no_re
     let queue = TurnQueue::new(&redis, QueueConfig { lease_ms: 1_000, ..QueueConfig::default() }).expect("queue");
     let seen = Seen::default();
     let workers: Vec<_> = (0..2)
-        .map(|_| run_worker(&queue, 8, HandlerState { seen: seen.clone(), queue: queue.clone(), fail: false }))
+        .map(|_| {
+            run_worker(&queue, 8, HandlerState { seen: seen.clone(), queue: queue.clone(), fail: false, hold_ms: 0 })
+        })
         .collect();
     // 300 turns due over 3 s; every enqueue acknowledged by the replica too
     // (WAIT), as an API configured for durability would have it.
@@ -371,26 +401,13 @@ async fn ten_thousand_turns_due_at_once_are_all_served() {
     }
 
     let seen = Seen::default();
-    let state = HandlerState { seen: seen.clone(), queue: env.queue.clone(), fail: false };
-    let (stop1, w1) = run_worker(&env.queue, 16, state.clone());
-    let (stop2, w2) = run_worker(&env.queue, 16, state);
+    let state = HandlerState { seen: seen.clone(), queue: env.queue.clone(), fail: false, hold_ms: 0 };
+    let workers = vec![run_worker(&env.queue, 16, state.clone()), run_worker(&env.queue, 16, state)];
     env.wait_drained(secs(60)).await;
     assert_eq!(seen.len(), 10_000, "each turn ran exactly once");
     let c = env.queue.counts().await.unwrap();
     assert_eq!(c.dead, 0);
-    let _ = stop1.send(());
-    let _ = stop2.send(());
-    within("workers to stop", secs(10), async {
-        w1.await.unwrap();
-        w2.await.unwrap()
-    })
-    .await;
-}
-
-/// Holds its turn for three leases, then records it.
-async fn hold_turn(payload: Value, lease: Lease, state: Data<HandlerState>) -> Result<(), BoxDynError> {
-    tokio::time::sleep(Duration::from_millis(3 * state.queue.config().lease_ms)).await;
-    record_turn(payload, lease, state).await
+    stop_workers(workers).await;
 }
 
 #[tokio::test]
@@ -416,19 +433,9 @@ async fn a_turn_that_outlasts_its_lease_keeps_it_while_its_worker_beats() {
         q.heartbeat(&info.identity, Some(&info), &[]).await.unwrap();
     }
     let seen = Seen::default();
-    let state = HandlerState { seen: seen.clone(), queue: q.clone(), fail: false };
-    let backend = worker::backend::QueueBackend::<Value>::new(q.clone(), 4);
-    let name = backend.identity().to_owned();
-    let slow = WorkerBuilder::new(name.as_str()).backend(backend).data(state.clone()).build(hold_turn);
-    let (stop1, stopped1) = tokio::sync::oneshot::channel::<()>();
-    let w1 = tokio::spawn(async move {
-        slow.run_until(async move {
-            let _ = stopped1.await;
-            Ok::<(), std::io::Error>(())
-        })
-        .await
-        .expect("worker run() never ends in error");
-    });
+    let state = HandlerState { seen: seen.clone(), queue: q.clone(), fail: false, hold_ms: 0 };
+    // It holds each turn for three leases.
+    let slow = run_worker(q, 4, HandlerState { hold_ms: 3 * q.config().lease_ms, ..state.clone() });
     env.enqueue_many("long", 3, json!({}), 0).await;
     eventually("the three turns to be in flight", secs(5), || async move {
         (q.counts().await.ok()?.in_flight == 3).then_some(())
@@ -436,7 +443,7 @@ async fn a_turn_that_outlasts_its_lease_keeps_it_while_its_worker_beats() {
     .await;
     // A quick worker beside it runs again any turn whose lease expired, which
     // a reaper beating every 100 ms (as a large fleet's many beats would) takes back.
-    let (stop2, w2) = run_worker(q, 4, state);
+    let quick = run_worker(q, 4, state);
     let reaper = {
         let q = q.clone();
         tokio::spawn(async move {
@@ -451,13 +458,7 @@ async fn a_turn_that_outlasts_its_lease_keeps_it_while_its_worker_beats() {
     let all = seen.all();
     assert_eq!(all.len(), 3, "each turn ran once, in its first delivery: {all:?}");
     assert!(all.iter().all(|s| s.deliveries == 1), "no lease was taken back: {all:?}");
-    let _ = stop1.send(());
-    let _ = stop2.send(());
-    within("workers to stop", secs(10), async {
-        w1.await.unwrap();
-        w2.await.unwrap()
-    })
-    .await;
+    stop_workers(vec![slow, quick]).await;
 }
 
 #[tokio::test]
@@ -606,8 +607,11 @@ async fn a_commit_script_built_on_the_lua_library_is_fenced_atomically() {
 async fn a_failing_turn_goes_dead_after_three_deliveries_with_its_error() {
     let env = Env::start(QueueConfig { retry_base_ms: 10, ..QueueConfig::default() });
     let seen = Seen::default();
-    let (stop, worker) =
-        run_worker(&env.queue, 4, HandlerState { seen: seen.clone(), queue: env.queue.clone(), fail: true });
+    let (stop, worker) = run_worker(
+        &env.queue,
+        4,
+        HandlerState { seen: seen.clone(), queue: env.queue.clone(), fail: true, hold_ms: 0 },
+    );
     env.queue.enqueue("run_poison", &json!({"turn": 1}), 0).await.unwrap();
     let q = &env.queue;
     eventually("the failing turn to go dead", secs(10), || async { (q.counts().await.ok()?.dead == 1).then_some(()) })
