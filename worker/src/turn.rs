@@ -624,7 +624,8 @@ impl Runner {
             if let Some(route) = self.routes.get(ctx.spec.provider.as_deref()) {
                 route.owed.note(*reason);
             }
-            let _ = budget_wait_record(TurnJob { turn: job.turn + 1, attempt: 1 }, *ms, *reason);
+            // (Its record and event were written by the commit's script.)
+            count_budget_wait(*ms);
         }
         let fence = committed.map(|c| c.fence);
         // (Not on Redis trouble: the commit may have landed, and its turn holds the reservation.)
@@ -917,8 +918,7 @@ pub fn first_ask(providers: &ProviderTable) -> FirstAsk {
 /// A budget wait of `job` for `ms`: its `turn.paced` data and the run's wait
 /// reason; counted in the metrics here.
 fn budget_wait_record(job: TurnJob, ms: u64, reason: OwedReason) -> (Value, WaitReason) {
-    metrics::counter!(metric::BUDGET_WAITS).increment(1);
-    metrics::histogram!(metric::REQUEUE_DELAY, "reason" => "budget").record(ms as f64 / 1000.0);
+    count_budget_wait(ms);
     let (reason_name, wait_reason) = match reason {
         OwedReason::Budget => ("budget", WaitReason::Budget),
         OwedReason::RateLimited => ("window_closed", WaitReason::Budget),
@@ -926,6 +926,12 @@ fn budget_wait_record(job: TurnJob, ms: u64, reason: OwedReason) -> (Value, Wait
         OwedReason::FairShare => ("fair_share", WaitReason::FairShare),
     };
     (json!({"turn": job.turn, "owed_ms": ms, "reason": reason_name}), wait_reason)
+}
+
+/// Counts a budget wait of `ms` in the metrics.
+fn count_budget_wait(ms: u64) {
+    metrics::counter!(metric::BUDGET_WAITS).increment(1);
+    metrics::histogram!(metric::REQUEUE_DELAY, "reason" => "budget").record(ms as f64 / 1000.0);
 }
 
 /// What a call of `spec` is built from.

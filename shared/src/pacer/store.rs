@@ -25,10 +25,16 @@ static SCRIPT: std::sync::LazyLock<redis::Script> =
 
 /// The pacer's script as a Lua function, `pacer_call(KEYS, ARGV)`, for a
 /// script that asks the pacer itself (the run store's fetch asks it for a
-/// turn back from a budget wait: `runs/fetch.lua`). It answers what the
-/// script would, or a table with `err` (`redis.error_reply`).
+/// turn back from a budget wait: `runs/fetch.lua`; its commit for the next
+/// turn: `runs/store.lua`). It answers what the script would, or a table
+/// with `err` (`redis.error_reply`). With it, `pacer_batch(keys, cfg, now,
+/// ops)`, the one way those scripts call it (`batch.lua`).
 pub fn lua_function() -> String {
-    format!("local function pacer_call(KEYS, ARGV)\n{}\nend\n", include_str!("scripts.lua"))
+    format!(
+        "local function pacer_call(KEYS, ARGV)\n{}\nend\n{}",
+        include_str!("scripts.lua"),
+        include_str!("batch.lua")
+    )
 }
 
 /// Which pacer a worker uses (`PACELINE_PACER`).

@@ -115,31 +115,26 @@ local function hold(ids, recs, now)
   end
   for _, gk in ipairs(order) do
     local g = groups[gk]
-    local keys, argv = {}, {'batch'}
+    local keys = {}
     for k = 1, #g.route.keys do keys[k] = g.route.keys[k] .. g.model end
-    for k = 1, #g.route.cfg do argv[k + 1] = g.route.cfg[k] end
-    argv[11] = string.format('%d', now)
     -- The line's head read once for the asks and the pull-in after them (pacer, `head`).
-    argv[#argv + 1] = 'head'; argv[#argv + 1] = tostring(2 * PULL_IN_K)
+    local ops = {{'head', tostring(2 * PULL_IN_K)}}
     for _, it in ipairs(g.items) do
       local a = it.job.ask
       local rid = string.format('%s:%d:%d', it.qid, it.job.turn, tonumber(it.job.attempt) or 1)
       local tenant = tostring(a.tenant or 'default')
-      local n = #argv
-      argv[n + 1] = 'acquire'; argv[n + 2] = rid
-      argv[n + 3] = string.format('%d', tonumber(a.tokens) or 0)
-      argv[n + 4] = string.format('%d', tonumber(a.requests) or 1)
-      argv[n + 5] = tostring(jitter_u(rid, now)); argv[n + 6] = tostring(a.mode or 'work')
-      argv[n + 7] = tostring(asks.weights[tenant] or 1); argv[n + 8] = tostring(asks.caps[tenant] or 0)
-      argv[n + 9] = tenant; argv[n + 10] = string.format('%d', tonumber(a.output) or 0)
+      ops[#ops + 1] = {'acquire', rid, string.format('%d', tonumber(a.tokens) or 0),
+        string.format('%d', tonumber(a.requests) or 1), tostring(jitter_u(rid, now)), tostring(a.mode or 'work'),
+        tostring(asks.weights[tenant] or 1), tostring(asks.caps[tenant] or 0), tenant,
+        string.format('%d', tonumber(a.output) or 0)}
     end
     -- Then the waiters near the head whose wait shortened are moved up (pacer, `pull`:
     -- with whole waits, the re-timing comes to them), and their queue entries with them.
-    argv[#argv + 1] = 'pull'; argv[#argv + 1] = tostring(PULL_IN_K)
+    ops[#ops + 1] = {'pull', tostring(PULL_IN_K)}
     -- A pacer that fails here (an error, a reply not understood) leaves its turns to
     -- the worker, which asks as before.
-    local ok, replies = pcall(pacer_call, keys, argv)
-    if ok and type(replies) == 'table' and not replies.err then
+    local replies = pacer_batch(keys, g.route.cfg, now, ops)
+    if replies then
       for k, it in ipairs(g.items) do
         local d = replies[k + 1]
         if type(d) == 'table' and d[1] == 0 then
@@ -160,7 +155,7 @@ local function hold(ids, recs, now)
         end
       end
     end
-    local pulled = ok and type(replies) == 'table' and replies[#g.items + 2]
+    local pulled = replies and replies[#g.items + 2]
     if type(pulled) == 'table' then
       for j = 1, #pulled - 1, 2 do
         local qid = string.match(tostring(pulled[j]), '^(.*):%d+:%d+$')

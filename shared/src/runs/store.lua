@@ -134,19 +134,10 @@ if op == 'commit' then
   local tag = tonumber(ARGV[4]) + 1
   local delay, reason, counter, paced = tonumber(ARGV[15]) or 0, ARGV[16], ARGV[17], ARGV[18]
   local pacing = ARGV[19] ~= '' and cjson.decode(ARGV[19]) or nil
-  -- The pacer's ops, in one call of its script: `ops` (each an array) at the clock `now`;
-  -- the answers, or nil when the pacer failed (its ops are as good as not made: the
-  -- next turn's fetch asks for it).
+  -- The pacer's ops, in one call of its script: `ops` at the clock `now`; the answers,
+  -- or nil when the pacer failed (the next turn's fetch then asks for it).
   local function pace(ops, now)
-    local argv = {'batch'}
-    for k = 1, #pacing.cfg do argv[k + 1] = pacing.cfg[k] end
-    argv[11] = string.format('%d', now)
-    for _, o in ipairs(ops) do
-      for _, a in ipairs(o) do argv[#argv + 1] = a end
-    end
-    local ok, replies = pcall(pacer_call, pacing.keys, argv)
-    if ok and type(replies) == 'table' and not replies.err then return replies end
-    return nil
+    return pacer_batch(pacing.keys, pacing.cfg, now, ops)
   end
   local more = {'txi:' .. tag, 'phase', 'waited_ms', 'budget_waits'}
   if counter ~= '' and counter ~= 'budget_waits' then more[#more + 1] = counter end

@@ -1304,7 +1304,7 @@ impl RunStore {
         inv.arg(
             // (Absent ops are left out: cjson reads a null as a value.)
             pacing.map_or_else(String::new, |p| {
-                let mut o = json!({"keys": p.route["keys"], "cfg": p.route["cfg"]});
+                let mut o = p.route.clone();
                 if let Some(settle) = &p.settle {
                     o["settle"] = json!(settle);
                 }
