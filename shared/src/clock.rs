@@ -7,8 +7,8 @@
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 
-/// Milliseconds since the Unix epoch.
-pub type Millis = i64;
+/// Milliseconds since the Unix epoch (the policy's own type).
+pub use pacer::Millis;
 
 /// A source of "now" in milliseconds.
 pub trait Clock: Send + Sync + std::fmt::Debug {

@@ -710,7 +710,8 @@ impl Runner {
                 };
                 tracing::warn!(message = "call failed; the run fails", run.id = %lease.id, turn.index = job.turn,
                     attempt = job.attempt, kind = ?failure.kind, error = %message);
-                let fence = self.store.fail(lease, job, failure.kind.error_kind(), &message, Usage::default()).await?;
+                let fence =
+                    self.store.fail(lease, job, ErrorKind::from(failure.kind), &message, Usage::default()).await?;
                 Ok(settled(lease, fence, TurnOutcome::Failed))
             }
         }

@@ -90,6 +90,30 @@ pub enum ErrorKind {
     Deadline,
 }
 
+/// The run's `error.kind` when a failed call ends it:
+///
+/// | kind | `error.kind` | when the run fails |
+/// | --- | --- | --- |
+/// | `RateLimited` | `rate_limited` | the ladder is exhausted (6 attempts) |
+/// | `Quota` | `quota` | at once |
+/// | `RequestTooLarge` | `request_too_large` | at once |
+/// | `SpendLimit` | `spend_limit` | at once |
+/// | `Transient` | `provider_unavailable` | the ladder is exhausted |
+/// | `Terminal` | `provider_error` | at once, with the provider's message |
+impl From<crate::pacer::FailureKind> for ErrorKind {
+    fn from(kind: crate::pacer::FailureKind) -> Self {
+        use crate::pacer::FailureKind;
+        match kind {
+            FailureKind::RateLimited => Self::RateLimited,
+            FailureKind::Quota => Self::Quota,
+            FailureKind::RequestTooLarge => Self::RequestTooLarge,
+            FailureKind::SpendLimit => Self::SpendLimit,
+            FailureKind::Transient => Self::ProviderUnavailable,
+            FailureKind::Terminal => Self::ProviderError,
+        }
+    }
+}
+
 impl ErrorKind {
     /// Every kind, in declaration order.
     pub const ALL: [Self; 10] = [
@@ -317,6 +341,22 @@ impl Run {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failed_calls_kind_names_the_runs_error() {
+        use crate::pacer::FailureKind::*;
+        let cases = [
+            (RateLimited, "rate_limited"),
+            (Quota, "quota"),
+            (RequestTooLarge, "request_too_large"),
+            (SpendLimit, "spend_limit"),
+            (Transient, "provider_unavailable"),
+            (Terminal, "provider_error"),
+        ];
+        for (kind, error_kind) in cases {
+            assert_eq!(ErrorKind::from(kind).as_str(), error_kind, "{kind:?}");
+        }
+    }
 
     /// A run read from [`Run::FIELDS`] alone is the run read from its whole
     /// record: a field `from_fields` reads and `FIELDS` lacks shows here.

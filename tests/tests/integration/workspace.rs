@@ -63,3 +63,43 @@ fn no_production_crate_depends_on_the_mock_provider() {
         .collect();
     assert_eq!(enabling, ["mock"], "only the `mock` feature brings the simulator in");
 }
+
+/// The policy is a crate of its own that can do no I/O: `pacer` depends on
+/// no Redis client, async runtime or HTTP client (so "the policy does no I/O"
+/// is a fact of its `Cargo.toml`); and its simulator is a feature no
+/// production crate turns on (only the tests, through `shared/sim`).
+#[test]
+fn the_pure_pacer_does_no_io_and_production_has_no_simulator() {
+    let meta = metadata();
+    for (name, kind, _) in dependencies(&meta, "pacer") {
+        let io = ["redis", "tokio", "reqwest", "hyper", "axum", "shared", "futures", "apalis-core"];
+        assert!(!io.contains(&name.as_str()) || kind == "dev", "pacer depends on {name} ({kind})");
+    }
+    let features = |package: &str| -> Vec<String> {
+        let p = meta["packages"].as_array().unwrap().iter().find(|p| p["name"] == package).expect(package);
+        let deps = p["dependencies"].as_array().unwrap();
+        deps.iter()
+            .filter(|d| d["kind"].is_null() || d["kind"] == "normal")
+            .flat_map(|d| {
+                d["features"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|f| format!("{}/{}", d["name"].as_str().unwrap(), f.as_str().unwrap()))
+            })
+            .chain(
+                p["features"]
+                    .as_object()
+                    .unwrap()
+                    .values()
+                    .flat_map(|v| v.as_array().unwrap().iter().map(|f| f.as_str().unwrap().to_owned())),
+            )
+            .collect()
+    };
+    for package in ["shared", "worker", "api", "paceline"] {
+        let on: Vec<String> =
+            features(package).into_iter().filter(|f| f.ends_with("sim") && f != "pacer/sim").collect();
+        assert!(on.is_empty(), "{package} turns the simulator on: {on:?}");
+    }
+    assert!(features("shared").contains(&"pacer/sim".to_owned()), "shared offers `sim` as a feature of its own");
+}

@@ -111,8 +111,8 @@ pub enum RetryDecision {
         /// Where the delay came from.
         source: DelaySource,
     },
-    /// Stop: the run fails (its `error.kind` is the failure's
-    /// [`FailureKind::error_kind`]).
+    /// Stop: the run fails (its `error.kind` follows the failure's kind:
+    /// `shared::runs::ErrorKind`'s `From<FailureKind>`).
     GiveUp(GiveUp),
 }
 

@@ -24,7 +24,7 @@
 //! usage ratio that moves a lot (runs whose used output differs widely).
 
 use super::{CallOutcome, Decision, Estimate, Mode, Observation, PacingConfig, Who};
-use crate::clock::Millis;
+use crate::Millis;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::cmp::Reverse;

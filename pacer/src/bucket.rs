@@ -28,7 +28,7 @@
 //! think is stale, while one that shows less tells us of spending we did not
 //! see (another account user, a provider-side estimate).
 
-use crate::clock::Millis;
+use crate::Millis;
 use serde::{Deserialize, Serialize};
 
 /// One bucket (tokens or requests) as a response's headers describe it:

@@ -14,7 +14,7 @@
 
 use std::time::UNIX_EPOCH;
 
-use crate::clock::Millis;
+use crate::Millis;
 
 /// Attoseconds (10⁻¹⁸ s) per nanosecond. Durations are summed in attoseconds so
 /// that every decimal fraction a provider realistically sends (`1.146s`,

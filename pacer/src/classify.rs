@@ -48,28 +48,6 @@ impl FailureKind {
     pub fn is_retryable(self) -> bool {
         matches!(self, Self::RateLimited | Self::Transient)
     }
-
-    /// The run's `error.kind` when this failure ends it:
-    ///
-    /// | kind | `error.kind` | when the run fails |
-    /// | --- | --- | --- |
-    /// | `RateLimited` | `rate_limited` | the ladder is exhausted (6 attempts) |
-    /// | `Quota` | `quota` | at once |
-    /// | `RequestTooLarge` | `request_too_large` | at once |
-    /// | `SpendLimit` | `spend_limit` | at once |
-    /// | `Transient` | `provider_unavailable` | the ladder is exhausted |
-    /// | `Terminal` | `provider_error` | at once, with the provider's message |
-    pub fn error_kind(self) -> crate::runs::ErrorKind {
-        use crate::runs::ErrorKind;
-        match self {
-            Self::RateLimited => ErrorKind::RateLimited,
-            Self::Quota => ErrorKind::Quota,
-            Self::RequestTooLarge => ErrorKind::RequestTooLarge,
-            Self::SpendLimit => ErrorKind::SpendLimit,
-            Self::Transient => ErrorKind::ProviderUnavailable,
-            Self::Terminal => ErrorKind::ProviderError,
-        }
-    }
 }
 
 /// A failure below HTTP: the call never got (all of) an answer.
@@ -399,17 +377,16 @@ mod tests {
     }
 
     #[test]
-    fn error_kinds_and_retryability() {
+    fn retryability() {
         let cases = [
-            (RateLimited, "rate_limited", true),
-            (Quota, "quota", false),
-            (RequestTooLarge, "request_too_large", false),
-            (SpendLimit, "spend_limit", false),
-            (Transient, "provider_unavailable", true),
-            (Terminal, "provider_error", false),
+            (RateLimited, true),
+            (Quota, false),
+            (RequestTooLarge, false),
+            (SpendLimit, false),
+            (Transient, true),
+            (Terminal, false),
         ];
-        for (kind, error_kind, retryable) in cases {
-            assert_eq!(kind.error_kind().as_str(), error_kind);
+        for (kind, retryable) in cases {
             assert_eq!(kind.is_retryable(), retryable, "{kind:?}");
         }
         assert_eq!(serde_json::to_string(&RequestTooLarge).unwrap(), "\"request_too_large\"");

@@ -28,7 +28,7 @@
 use super::bucket::{Bucket, Observation, Refill, Seen};
 use super::fair::{self, Tenant};
 use super::refund::{RefundShare, Snapshot};
-use crate::clock::Millis;
+use crate::Millis;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 

@@ -23,7 +23,7 @@
 //! sum drifts on the path nobody tested: docs/pacing.md, "One line per budget,
 //! summed anew on every ask").
 
-use crate::clock::Millis;
+use crate::Millis;
 use serde::{Deserialize, Serialize};
 
 /// Companion turns are ordered at `COMPANION_BASE + arrival ms`: negative for any

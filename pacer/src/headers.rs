@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use super::backoff::DelaySource;
 use super::bucket::Observation;
 use super::durations::{parse_millis, parse_reset_ms, parse_retry_after_ms};
-use crate::clock::Millis;
+use crate::Millis;
 
 /// Everything a response's headers say about rate limits, relative to the
 /// `now_ms` they were read at.
