@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use shared::runs::store::stream_id_after;
+use shared::runs::events::stream_id_after;
 use shared::runs::{RunEvent, RunStore};
 use tokio::sync::{mpsc, watch, Notify};
 

@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use anyhow::Context as _;
 use axum::serve::ListenerExt as _;
 use shared::pacer::{PacingConfig, SharedPacer};
-use shared::queue::{QueueConfig, TurnQueue};
+use shared::queue::QueueConfig;
 use shared::runs::{RunStore, SubmitPolicy};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -37,7 +37,7 @@ impl Application {
         let conn = shared::redis_util::lazy_manager(&config.redis.url, config.serve.redis_timeout())
             .with_context(|| "the Redis URL is not valid".to_string())?;
         let keys = config.redis.keys();
-        let queue = TurnQueue::new(&config.redis, QueueConfig::default()).context("the turn queue")?;
+        let queue = shared::runs::run_queue(&config.redis, QueueConfig::default()).context("the turn queue")?;
         // The API only reads the pacer: its snapshot lists every budget under the prefix.
         let pacer = SharedPacer::new(conn.clone(), keys.clone(), "default", PacingConfig::default());
         let runs = RunStore::new(conn.clone(), keys, config.runs.retention);

@@ -19,6 +19,7 @@
 //! `sim` (feature `sim`, and this crate's own tests) is the discrete-event
 //! simulator the property tests drive the model with.
 
+pub mod acquire;
 pub mod backoff;
 pub mod bucket;
 pub mod classify;
@@ -27,8 +28,10 @@ pub mod fair;
 pub mod headers;
 pub mod model;
 pub mod refund;
+pub mod settle;
 #[cfg(any(test, feature = "sim"))]
 pub mod sim;
+pub mod state;
 
 pub use backoff::{next_retry, server_delay, DelaySource, GiveUp, RetryDecision, RetryPolicy};
 pub use bucket::Observation;

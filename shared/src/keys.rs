@@ -25,7 +25,7 @@ impl Keys {
     /// The pacer's state hash for one budget and model, its calls in flight
     /// beside its numbers (field `fl`). The hash tag is the budget, so one
     /// budget's keys (state, reservations, fairness) share a slot. `v4` is the
-    /// script's storage format (`scripts.lua`: records packed, the calls in
+    /// script's storage format (`pacer/lua/line.lua`: records packed, the calls in
     /// flight in one field of the state's hash, no index of lapse times): a
     /// worker of an older format keeps its own keys and never reads these as
     /// its own.
@@ -296,26 +296,27 @@ mod tests {
     #[test]
     fn lua_scripts_build_no_key_names_but_the_listed_ones() {
         const ALLOWED: &[(&str, &str)] = &[
-            // `q_fail_run`: a turn buried by fetch, heartbeat or settle ends its
-            // run, whose id the script only learns then; the run's record,
+            // `Q_HOOKS.buried` / `lease_ended` (runs/hooks.lua): a turn buried
+            // or reclaimed by fetch, heartbeat or settle ends its run or its
+            // fence, whose id the script only learns then; the run's record,
             // transcript and events sit beside the queue's dead set
             // (`Keys::run_record`, `run_transcript`, `run_events`).
-            ("shared/src/queue/lib.lua", "run:"),
-            ("shared/src/queue/lib.lua", "ev:"),
-            ("shared/src/queue/lib.lua", "tx:"),
+            ("shared/src/runs/hooks.lua", "run:"),
+            ("shared/src/runs/hooks.lua", "ev:"),
+            ("shared/src/runs/hooks.lua", "tx:"),
             // The run store's fetch starts each turn it leases: the run's id is
             // the turn's, which the script learns as it leases it
             // (`Keys::run_record`, `run_transcript`, `run_events`).
             ("shared/src/runs/fetch.lua", "run:"),
             ("shared/src/runs/fetch.lua", "tx:"),
             ("shared/src/runs/fetch.lua", "ev:"),
-            // `q_run_active`: the tenant is read from the run's record inside
-            // the script (`Keys::tenant_active`).
-            ("shared/src/queue/lib.lua", "tenant:"),
-            ("shared/src/queue/lib.lua", ":active"),
+            // `run_active` (runs/hooks.lua): the tenant is read from the run's
+            // record inside the script (`Keys::tenant_active`).
+            ("shared/src/runs/hooks.lua", "tenant:"),
+            ("shared/src/runs/hooks.lua", ":active"),
             // `hist`: one hash per minute of the Redis clock under the base it
             // is given (`Keys::pacer_history_minute`).
-            ("shared/src/pacer/scripts.lua", "KEYS[4] .."),
+            ("shared/src/pacer/lua/state.lua", "KEYS[4] .."),
         ];
         let root = workspace();
         let mut files = vec![];
@@ -355,5 +356,27 @@ mod tests {
             }
         }
         assert!(found.is_empty(), "Lua builds key names (pass them as KEYS[]):\n{}", found.join("\n"));
+    }
+
+    /// Layers point down: the queue's Lua knows nothing of runs. What a run
+    /// needs when a queue script ends a lease or buries a turn is a hook the
+    /// run store sets (`runs/hooks.lua`, `Q_HOOKS`); no queue script names a
+    /// run's keys or its record's fields.
+    #[test]
+    fn the_queues_lua_names_no_run_key_or_field() {
+        let root = workspace();
+        let mut files = vec![];
+        sources(&root.join("shared/src/queue"), ".lua", &mut files);
+        assert!(files.len() >= 5, "the scan found the queue's scripts ({} files)", files.len());
+        let run_words = ["'run:", "'tx:", "'ev:", "'tenant:", "'status'", "'retention_ms'", "'error_kind'", "'epoch'"];
+        for file in files {
+            let text = std::fs::read_to_string(&file).unwrap();
+            for (n, line) in text.lines().enumerate() {
+                let code = line.split("--").next().unwrap_or("");
+                for word in run_words {
+                    assert!(!code.contains(word), "{}:{}: `{word}` is the run store's", file.display(), n + 1);
+                }
+            }
+        }
     }
 }

@@ -18,6 +18,7 @@ pub mod cancels;
 pub mod config;
 pub mod context;
 pub mod estimate;
+pub mod pacing;
 pub mod provider;
 pub mod request;
 pub mod routes;
@@ -112,7 +113,7 @@ impl WorkerConfig {
 
 /// Builds what every turn of this process shares.
 pub async fn runner(config: &WorkerConfig) -> anyhow::Result<(Runner, TurnQueue)> {
-    let queue = TurnQueue::new(&config.redis, config.queue.clone()).context("the turn queue")?;
+    let queue = shared::runs::run_queue(&config.redis, config.queue.clone()).context("the turn queue")?;
     let conn = shared::redis_util::lazy_manager(&config.redis.url, shared::redis_util::COMMAND_TIMEOUT)
         .context("connect to Redis")?;
     let keys = config.redis.keys();

@@ -10,6 +10,8 @@ use shared::config::PacerArgs;
 use shared::keys::Keys;
 use shared::pacer::Pacer;
 
+pub use crate::pacing::OwedLately;
+
 use crate::provider::Provider;
 
 /// One provider: where a run's turns go when it names it.
@@ -25,31 +27,6 @@ pub struct Route {
     pub budget: String,
     /// When this process last heard its pacer owe a call time.
     pub owed: OwedLately,
-}
-
-/// When a process last heard a route's pacer owe a call time: a scarce
-/// budget. While it is, a turn asks the pacer for the next one as it commits
-/// (its first wait then costs no round of its own); while the budget has room
-/// it does not, as that ask would only add a round trip before every commit.
-#[derive(Debug, Clone, Default)]
-pub struct OwedLately(Arc<std::sync::Mutex<Option<std::time::Instant>>>);
-
-impl OwedLately {
-    /// How long a budget counts as scarce after the pacer last owed a call time.
-    pub const SCARCE_FOR: std::time::Duration = std::time::Duration::from_secs(30);
-
-    /// The pacer owed a call time just now, for `reason`. (A cold budget's
-    /// probe holds calls for its headers: that says nothing of the budget.)
-    pub fn note(&self, reason: shared::pacer::OwedReason) {
-        if reason != shared::pacer::OwedReason::Probe {
-            *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(std::time::Instant::now());
-        }
-    }
-
-    /// Whether it did within [`Self::SCARCE_FOR`].
-    pub fn scarce(&self) -> bool {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).is_some_and(|at| at.elapsed() < Self::SCARCE_FOR)
-    }
 }
 
 /// Every provider of this worker, in order: the first is the default.
@@ -93,46 +70,9 @@ impl Routes {
         }
     }
 
-    /// The worker's fetch asked a pacer and it owed a turn time: each budget
-    /// the fetch asks counts as scarce (the fetch does not say which owed).
-    pub fn note_fetch_owed(&self) {
-        for r in self.0.iter() {
-            if matches!(&r.pacer, Pacer::Shared(p) if p.scriptable()) {
-                r.owed.note(shared::pacer::OwedReason::Budget);
-            }
-        }
-    }
-
-    /// What the fetch needs to ask the shared pacers itself
-    /// (`RunStore::fetch_script_asking`): the routes whose pacer is shared,
-    /// and those that pace nothing. `None` when none is either.
-    /// `in_place` is the worker's in-place wait ([`shared::runs::FetchAsks::in_place_ms`]).
-    pub fn fetch_asks(
-        &self,
-        tenants: &shared::config::TenantPolicy,
-        in_place: std::time::Duration,
-    ) -> Option<shared::runs::FetchAsks> {
-        let routes: std::collections::BTreeMap<String, serde_json::Value> = self
-            .0
-            .iter()
-            .filter_map(|r| match &r.pacer {
-                Pacer::Shared(p) => p.script_route().map(|route| (r.name.clone(), route)),
-                _ => None,
-            })
-            .collect();
-        let unpaced: Vec<String> =
-            self.0.iter().filter(|r| matches!(r.pacer, Pacer::Off)).map(|r| r.name.clone()).collect();
-        if routes.is_empty() && unpaced.is_empty() {
-            return None;
-        }
-        Some(shared::runs::FetchAsks {
-            routes,
-            unpaced,
-            first: self.0.first().map(|r| r.name.clone()).unwrap_or_default(),
-            weights: tenants.weights().map(|(t, w)| (t.to_owned(), w)).collect(),
-            caps: tenants.caps().map(|(t, c)| (t.to_owned(), c)).collect(),
-            in_place_ms: in_place.as_millis() as u64,
-        })
+    /// Every route, the default first.
+    pub fn iter(&self) -> impl Iterator<Item = &Route> {
+        self.0.iter()
     }
 
     /// The names, in order.

@@ -16,17 +16,17 @@ use crate::context::{clip_tool_output, prepare_context};
 use rand::SeedableRng;
 use serde_json::{json, Value};
 use shared::pacer::{
-    next_retry, server_delay, CallOutcome, Decision, Estimate, FailureKind, GiveUp, Mode, OwedReason, RetryDecision,
-    RetryPolicy,
+    next_retry, server_delay, CallOutcome, Estimate, FailureKind, GiveUp, Mode, RetryDecision, RetryPolicy,
 };
 use shared::providers::ProviderTable;
 use shared::queue::Lease;
 use shared::runs::state::event;
 use shared::runs::{
-    ApiStyle, BudgetWait, CommitPacing, Committed, ErrorKind, Fence, FirstAsk, ModelOutput, Next, PacedAsk, Phase,
-    RunStore, Started, StoreError, TranscriptEntry, Turn, TurnContext, TurnJob, Usage, WaitReason,
+    ApiStyle, ErrorKind, Fence, FirstAsk, ModelOutput, Next, PacedAsk, Phase, RunStore, Started, StoreError,
+    TranscriptEntry, Turn, TurnContext, TurnJob, Usage, WaitReason,
 };
 
+use crate::pacing::{reservation_id, AtStart, Clearance, SettleGuard, SETTLE_IN_COMMIT};
 use crate::provider::{CallFailure, CallSuccess, StreamEvent, ToolCall};
 use crate::request::{answer_tool, build_body, TurnParams};
 use crate::routes::{Route, Routes};
@@ -34,19 +34,6 @@ use shared::telemetry::metric;
 
 /// Text deltas arriving within this of each other are one `turn.output_text.delta` event.
 const DELTA_BATCH: Duration = Duration::from_millis(50);
-
-/// A turn the pacer cleared when the turn before it committed calls without
-/// asking again if it was leased within this of its due time; one that waited
-/// longer in the queue (every slot busy) asks again, which a reservation still
-/// held answers at once (clear) and a lapsed one decides afresh.
-pub const CLEARED_FRESH_MS: i64 = 10_000;
-
-/// A turn cleared for tokens no more than this share below what its worker
-/// counts when it builds the call calls on that clearance. One cleared for
-/// less (a first turn's ask is the API's count, in the style of the provider
-/// the API knows of; a body built otherwise here) gives its reservation back
-/// and asks for what it sends.
-pub const CLEARED_SLACK: f64 = 0.10;
 
 /// Tool calls that answer within this of the model's output are committed
 /// with it in one script; slower ones see the output committed first, while
@@ -149,16 +136,6 @@ fn settled(lease: &Lease, fence: Fence, ok: TurnOutcome) -> TurnOutcome {
     }
 }
 
-/// What the pacer said of a call, once owed time short enough to wait in place was waited.
-enum Paced {
-    Clear,
-    /// Owed more than the in-place wait: requeue for this long.
-    Owed {
-        ms: u64,
-        reason: OwedReason,
-    },
-}
-
 impl Runner {
     /// Runs turn `job` of the run `lease.id`.
     pub async fn run_turn(&self, job: TurnJob, lease: &Lease) -> Result<TurnOutcome, TurnError> {
@@ -170,34 +147,14 @@ impl Runner {
     /// history are not read, its tokens not counted, again. One the pacer
     /// cleared when the turn before it committed (`cleared`) calls without
     /// asking, unless it waited in the queue so long that its reservation may
-    /// have lapsed ([`CLEARED_FRESH_MS`]).
+    /// have lapsed (`pacing.rs`, `CLEARED_FRESH_MS`).
     pub async fn run_turn_asking(&self, turn: Turn, lease: &Lease) -> Result<TurnOutcome, TurnError> {
         let job = turn.job;
         let started = Instant::now();
-        let mut cleared = None;
-        if let Some(ask) = turn.ask {
-            if let Some(route) = self.routes.get(ask.provider.as_deref()) {
-                let est = Estimate { tokens: ask.tokens, requests: ask.requests, output: ask.output };
-                let reservation = reservation_id(lease, job);
-                let who = self.tenants.who(&ask.tenant);
-                if turn.cleared && lease.lateness_ms() <= CLEARED_FRESH_MS {
-                    cleared = Some((route, ask, reservation));
-                } else {
-                    // Owed a moment when its fetch asked: it waits that here
-                    // (not a round of the queue), then asks.
-                    if let Some(ms) = turn.pause_ms {
-                        tokio::time::sleep(Duration::from_millis(ms).min(self.config.in_place_wait)).await;
-                    }
-                    match self.pace(route, &ask.model, &reservation, est, ask.mode, &who).await? {
-                        Paced::Clear => cleared = Some((route, ask, reservation)),
-                        Paced::Owed { ms, reason } => {
-                            let fence = self.budget_wait(lease, job, ms, reason, ask).await?;
-                            return Ok(settled(lease, fence, TurnOutcome::Requeued));
-                        }
-                    }
-                }
-            }
-        }
+        let cleared = match self.pace_at_start(&turn, lease).await? {
+            AtStart::Go(cleared) => cleared,
+            AtStart::Requeued(fence) => return Ok(settled(lease, fence, TurnOutcome::Requeued)),
+        };
         // The fetch started it (unless it had to ask first), or it starts now.
         let start = match self.store.started(lease) {
             Some(start) => start?,
@@ -207,11 +164,9 @@ impl Runner {
             Started::Run(ctx) => ctx,
             Started::Stop(why) => {
                 tracing::info!(message = "turn not started", run.id = %lease.id, why = %why);
-                if let Some((route, ask, reservation)) = &cleared {
+                if let Clearance::Cleared(_) = cleared {
                     // Cleared, and not sent: the reservation goes back unused.
-                    if let Err(error) = route.pacer.settle(&ask.model, reservation, &CallOutcome::default()).await {
-                        tracing::warn!(message = "could not settle the pacer", %error, reservation);
-                    }
+                    self.give_back(&turn, lease).await;
                 }
                 lease.mark_settled();
                 return Ok(TurnOutcome::Stopped);
@@ -229,8 +184,7 @@ impl Runner {
             }
             self.run_tools_and_commit(lease, job, &ctx, &calls, &cancel, None, None).await?
         } else {
-            let cleared_tokens = cleared.as_ref().map(|(_, ask, _)| ask.tokens);
-            self.call_model(lease, job, &ctx, &cancel, cleared_tokens).await?
+            self.call_model(lease, job, &ctx, &cancel, &cleared).await?
         };
         metrics::counter!(metric::TURNS, "outcome" => outcome.as_str()).increment(1);
         metrics::histogram!(metric::TURN_LATENCY).record(started.elapsed().as_secs_f64());
@@ -241,7 +195,7 @@ impl Runner {
     /// depth), its answer tool, and what the pacer is asked to reserve for it:
     /// its input as counted here (the pacer charges it at its learned input
     /// ratio) and the output reservation.
-    fn prepare_call(
+    pub(crate) fn prepare_call(
         &self,
         route: &Route,
         spec: &shared::runs::RunSpec,
@@ -256,125 +210,16 @@ impl Runner {
         (body, answer_tool, call_estimate(spec, input))
     }
 
-    /// The ask of the turn after `job`, made as it commits when its budget is
-    /// scarce (this process heard it owe a call time lately: `OwedLately`):
-    /// `new_items` (the model's output and the tool results) end the history
-    /// the next call sends, so its ask is known now. Cleared, the next turn is
-    /// queued with its reservation held; owed, it waits in the queue from this
-    /// commit on — no delivery, start or requeue of its own for that first
-    /// wait. With room in a shared budget the ask is carried, not made: the
-    /// fetch that leases the turn makes it (in its own script, no round trip
-    /// of the worker's), and a turn owed by then waits in the queue unstarted.
-    /// Without a shared pacer (the fetch asks none), or when the pacer cannot
-    /// be reached, the next turn asks when it starts (`Next::Continue`).
-    /// Where the pacer lets a script ask it, a scarce budget's ask is made by
-    /// the commit's own script (the acquire op returned: one round trip, not a
-    /// pacer call before the commit); the turn is then `Next::Paced` with the
-    /// ask not made yet, and the commit's answer says how it went.
-    async fn ask_for_next(
-        &self,
-        lease: &Lease,
-        job: TurnJob,
-        ctx: &TurnContext,
-        new_items: &[Value],
-    ) -> (Next, Option<Vec<String>>) {
-        let spec = &ctx.spec;
-        let Some(route) = self.routes.get(spec.provider.as_deref()) else { return (Next::Continue, None) };
-        let scarce = route.owed.scarce();
-        // (The worker's fetch asks the pacers that let a script ask them: routes.rs `fetch_asks`.)
-        let scripted = match &route.pacer {
-            shared::pacer::Pacer::Shared(p) if p.scriptable() => Some(p),
-            _ => None,
-        };
-        if matches!(route.pacer, shared::pacer::Pacer::Off) || !scarce && scripted.is_none() {
-            return (Next::Continue, None);
-        }
-        let next = TurnJob { turn: job.turn + 1, attempt: 1 };
-        let mut transcript = ctx.transcript.clone();
-        transcript.extend(new_items.iter().map(|item| TranscriptEntry { turn: next.turn, item: item.clone() }));
-        let (_, _, est) = self.prepare_call(route, spec, &transcript);
-        let ask = PacedAsk::new(spec, &ctx.tenant, est);
-        let unasked = Next::Paced {
-            turn: Turn { job: next, ask: Some(ask.clone()), cleared: false, pause_ms: None },
-            wait: None,
-        };
-        if !scarce {
-            return (unasked, None);
-        }
-        let reservation = reservation_id(lease, next);
-        let who = self.tenants.who(&ctx.tenant);
-        if let Some(p) = scripted {
-            let op = shared::pacer::SharedPacer::acquire_op(&reservation, est, spec.mode, &who, p.jitter_u());
-            return (unasked, Some(op));
-        }
-        let next = match self.pace(route, &spec.model, &reservation, est, spec.mode, &who).await {
-            Ok(Paced::Clear) => {
-                Next::Paced { turn: Turn { job: next, ask: Some(ask), cleared: true, pause_ms: None }, wait: None }
-            }
-            Ok(Paced::Owed { ms, reason }) => {
-                let (data, reason) = budget_wait_record(next, ms, reason);
-                let wait = Some(BudgetWait { ms, reason, data });
-                Next::Paced { turn: Turn { job: next, ask: Some(ask), cleared: false, pause_ms: None }, wait }
-            }
-            Err(error) => {
-                tracing::warn!(message = "could not ask the pacer for the next turn; it asks when it starts", %error,
-                    run.id = %lease.id);
-                Next::Continue
-            }
-        };
-        (next, None)
-    }
-
-    /// Asks the pacer until it clears the call or owes more than the in-place wait.
-    async fn pace(
-        &self,
-        route: &Route,
-        model: &str,
-        reservation: &str,
-        est: Estimate,
-        mode: Mode,
-        who: &shared::pacer::Who<'_>,
-    ) -> Result<Paced, TurnError> {
-        loop {
-            match route.pacer.acquire(model, reservation, est, mode, who).await? {
-                Decision::Clear => return Ok(Paced::Clear),
-                Decision::Owed { ms, reason, .. } if Duration::from_millis(ms) <= self.config.in_place_wait => {
-                    route.owed.note(reason);
-                    tokio::time::sleep(Duration::from_millis(ms)).await;
-                }
-                Decision::Owed { ms, reason, .. } => {
-                    route.owed.note(reason);
-                    return Ok(Paced::Owed { ms, reason });
-                }
-            }
-        }
-    }
-
-    /// Requeues the turn for the `ms` it owes, carrying `ask` to make again
-    /// when it comes back. A budget wait is not a failure: the attempt stays.
-    async fn budget_wait(
-        &self,
-        lease: &Lease,
-        job: TurnJob,
-        ms: u64,
-        reason: OwedReason,
-        ask: PacedAsk,
-    ) -> Result<Fence, TurnError> {
-        let (data, wait_reason) = budget_wait_record(job, ms, reason);
-        let next = Turn { job, ask: Some(ask), cleared: false, pause_ms: None };
-        Ok(self.store.wait_asking(lease, job, next, ms, wait_reason, event::TURN_PACED, &data).await?)
-    }
-
-    /// Builds the call, asks the pacer unless it cleared the call for
-    /// `cleared` tokens already (enough of them: [`CLEARED_SLACK`]), calls the
-    /// provider and goes on with its answer.
+    /// Builds the call, asks the pacer unless it was cleared for enough
+    /// tokens already (`pacing.rs`, `pace_call`), calls the provider and goes
+    /// on with its answer.
     async fn call_model(
         &self,
         lease: &Lease,
         job: TurnJob,
         ctx: &TurnContext,
         cancel: &Cancel,
-        cleared: Option<u64>,
+        cleared: &Clearance,
     ) -> Result<TurnOutcome, TurnError> {
         let spec = &ctx.spec;
         let Some(route) = self.routes.get(spec.provider.as_deref()) else {
@@ -401,19 +246,8 @@ impl Runner {
         // One reservation id per call attempt: a budget wait keeps it (so the
         // turn finds its booking when it comes back), a retry gets a new one.
         let reservation = reservation_id(lease, job);
-        let short = cleared.is_some_and(|tokens| est.tokens as f64 > tokens as f64 * (1.0 + CLEARED_SLACK));
-        if short {
-            self.settle_pacer(spec, &reservation, &CallOutcome::default()).await;
-        }
-        if cleared.is_none() || short {
-            let who = self.tenants.who(&ctx.tenant);
-            if let Paced::Owed { ms, reason } =
-                self.pace(route, &spec.model, &reservation, est, spec.mode, &who).await?
-            {
-                let ask = PacedAsk::new(spec, &ctx.tenant, est);
-                let fence = self.budget_wait(lease, job, ms, reason, ask).await?;
-                return Ok(settled(lease, fence, TurnOutcome::Requeued));
-            }
+        if let Some(fence) = self.pace_call(lease, job, ctx, route, est, cleared).await? {
+            return Ok(settled(lease, fence, TurnOutcome::Requeued));
         }
 
         // Stream text deltas to the run's events as they arrive, in order,
@@ -455,7 +289,7 @@ impl Runner {
         let Some(result) = result else {
             // What the provider counted of an aborted call is not known: the
             // reservation settles as a call without usage.
-            self.settle_pacer(spec, &reservation, &CallOutcome::default()).await;
+            self.settle_now(spec, &reservation, &CallOutcome::default()).await;
             return self.cancelled(lease, ctx).await;
         };
         match result {
@@ -492,13 +326,7 @@ impl Runner {
         // Made by the commit's own script where the pacer lets a script ask it
         // (with the next turn's ask, when the tools answer at once); else sent
         // with the next ask of this process, or alone after a few ms.
-        let settle = Settle { spec: &ctx.spec, reservation, outcome: &outcome };
-        let settle = if self.settles_in_commit(&ctx.spec, &outcome) {
-            Some(settle)
-        } else {
-            self.settle_pacer_soon(settle.spec, reservation, &outcome);
-            None
-        };
+        let mut settle = self.settle_answered(&ctx.spec, reservation, &outcome);
         let usage = usage.unwrap_or_default();
         let ends = if success.tool_calls.is_empty() {
             Some((Next::Complete(success.output_text.clone()), TurnOutcome::Completed))
@@ -513,8 +341,7 @@ impl Runner {
             None
         };
         if let Some((next, outcome)) = ends {
-            let mut settle = SettleGuard { runner: self, settle };
-            let pacing = self.commit_pacing(&ctx.spec, settle.settle, None);
+            let pacing = self.commit_pacing(&ctx.spec, &settle, None);
             let committed = self
                 .store
                 .commit_with_output(lease, job, None, &success.output, usage, &next, &[], pacing.as_ref())
@@ -526,7 +353,7 @@ impl Runner {
         let announced: Vec<(&str, Value)> =
             tool_call_events(lease, job, &success.tool_calls).into_iter().map(|e| (event::TURN_TOOL_CALL, e)).collect();
         let output = ModelOutput { items: &success.output, usage, events: &announced };
-        self.run_tools_and_commit(lease, job, ctx, &success.tool_calls, cancel, Some(output), settle).await
+        self.run_tools_and_commit(lease, job, ctx, &success.tool_calls, cancel, Some(output), Some(settle)).await
     }
 
     /// Runs the tool calls and commits their results. `output`, the model's
@@ -534,7 +361,7 @@ impl Runner {
     /// finish if they take longer than [`OUTPUT_GRACE`] (a crash while they
     /// run then re-calls no model), else with their results, in one script.
     /// `settle`, the call's settle for the commit's script to make, is sent
-    /// on its own if the tools take longer than [`SETTLE_IN_COMMIT`]: the
+    /// on its own if the tools take longer than `SETTLE_IN_COMMIT`: the
     /// pacer hears of the call's headers and usage without waiting for them.
     #[allow(clippy::too_many_arguments)]
     async fn run_tools_and_commit(
@@ -545,10 +372,11 @@ impl Runner {
         calls: &[ToolCall],
         cancel: &Cancel,
         output: Option<ModelOutput<'_>>,
-        settle: Option<Settle<'_>>,
+        settle: Option<SettleGuard<'_, '_>>,
     ) -> Result<TurnOutcome, TurnError> {
-        // Whatever happens next, a settle not made by a commit is sent on its own.
-        let mut settle = SettleGuard { runner: self, settle };
+        // Whatever happens next, a settle not made by a commit is sent on its
+        // own (by the guard, when it is dropped).
+        let mut settle = settle.unwrap_or_else(|| self.no_settle());
         if cancel.is_cancelled() {
             return self.cancelled(lease, ctx).await;
         }
@@ -575,7 +403,7 @@ impl Runner {
         let results = loop {
             tokio::select! {
                 r = &mut tools => break r,
-                () = &mut linger, if settle.settle.is_some() => settle.send_alone(),
+                () = &mut linger, if settle.pending().is_some() => settle.send_alone(),
                 fence = &mut record, if recording => {
                     recording = false;
                     if let Fence::Stop(why) = fence? {
@@ -604,7 +432,7 @@ impl Runner {
         // a redelivery in the tools phase) and these results.
         let new_items: Vec<Value> = output.iter().flat_map(|o| o.items.iter()).chain(&items).cloned().collect();
         let (next, ask) = self.ask_for_next(lease, job, ctx, &new_items).await;
-        let pacing = self.commit_pacing(&ctx.spec, settle.settle, ask);
+        let pacing = self.commit_pacing(&ctx.spec, &settle, ask);
         // The results are written by the commit itself: once, and only if it lands.
         let committed = self
             .store
@@ -620,26 +448,8 @@ impl Runner {
             )
             .await;
         settle.made_by(&committed);
-        if let Ok(Committed { asked: Some(Decision::Owed { ms, reason }), .. }) = &committed {
-            if let Some(route) = self.routes.get(ctx.spec.provider.as_deref()) {
-                route.owed.note(*reason);
-            }
-            // (Its record and event were written by the commit's script.)
-            count_budget_wait(*ms);
-        }
+        self.after_commit(lease, &ctx.spec, &next, &committed).await;
         let fence = committed.map(|c| c.fence);
-        // (Not on Redis trouble: the commit may have landed, and its turn holds the reservation.)
-        if matches!(fence, Ok(Fence::Stop(_))) {
-            if let Next::Paced { turn: Turn { ask: Some(ask), cleared: true, job: next_job, .. }, .. } = &next {
-                // Cleared for a turn that was not queued: the reservation goes back unused.
-                if let Some(route) = self.routes.get(ask.provider.as_deref()) {
-                    let reservation = reservation_id(lease, *next_job);
-                    if let Err(error) = route.pacer.settle(&ask.model, &reservation, &CallOutcome::default()).await {
-                        tracing::warn!(message = "could not settle the pacer", %error, reservation);
-                    }
-                }
-            }
-        }
         Ok(settled(lease, fence?, TurnOutcome::Continued))
     }
 
@@ -670,7 +480,7 @@ impl Runner {
             output: failure.headers.output_tokens,
             headers_age_ms: failure.headers_received.map(|t| t.elapsed().as_millis() as u64).unwrap_or(0),
         };
-        self.settle_pacer(&ctx.spec, reservation, &outcome).await;
+        self.settle_now(&ctx.spec, reservation, &outcome).await;
 
         if ctx.spec.mode == Mode::Companion && failure.streamed_text {
             // Re-sending would say the same words twice to a live listener.
@@ -717,9 +527,6 @@ impl Runner {
         }
     }
 
-    /// Notes a call into the pacer of the run's provider. A pacer that cannot
-    /// be written is logged, not fatal: the call happened, and its turn must
-    /// still be committed.
     /// The run was cancelled while this turn ran: the turn ends here. The
     /// cancel script ended the run; the queue's record of the turn goes when
     /// the handler returns (the backend completes an unsettled lease). A wake
@@ -740,116 +547,6 @@ impl Runner {
         }
         tracing::info!(message = "turn stopped by a cancel", run.id = %lease.id);
         Ok(TurnOutcome::Stopped)
-    }
-
-    /// Settles as [`Self::settle_pacer`] does, with the pacer's next call of
-    /// this process if one follows within a few ms ([`shared::pacer::Pacer::settle_soon`]);
-    /// queued before it returns.
-    fn settle_pacer_soon(&self, spec: &shared::runs::RunSpec, reservation: &str, outcome: &CallOutcome) {
-        let Some(route) = self.settling_route(spec, outcome) else { return };
-        let settled = route.pacer.settle_soon(&spec.model, reservation, outcome);
-        let reservation = reservation.to_owned();
-        tokio::spawn(async move {
-            if let Err(error) = settled.await {
-                tracing::warn!(message = "could not settle the pacer", %error, reservation);
-            }
-        });
-    }
-
-    /// Whether a call's settle is left to the commit's script: where the
-    /// run's pacer lets a script settle with it ([`CommitPacing`]) and its
-    /// budget is scarce (the commit asks for the next turn then, and calls
-    /// are few: a lone settle would cost a script call of its own). With room
-    /// in the budget, settles go to the batch loop, which sends a busy
-    /// process's many together (one read and write of the state for all).
-    fn settles_in_commit(&self, spec: &shared::runs::RunSpec, outcome: &CallOutcome) -> bool {
-        self.settling_route(spec, outcome).is_some_and(|route| {
-            route.owed.scarce() && matches!(&route.pacer, shared::pacer::Pacer::Shared(p) if p.scriptable())
-        })
-    }
-
-    /// The pacer ops the commit's script makes: the call's `settle` and the
-    /// next turn's `ask` (an acquire op), over the route of `spec`'s pacer.
-    fn commit_pacing(
-        &self,
-        spec: &shared::runs::RunSpec,
-        settle: Option<Settle<'_>>,
-        ask: Option<Vec<String>>,
-    ) -> Option<CommitPacing> {
-        if settle.is_none() && ask.is_none() {
-            return None;
-        }
-        let route = self.routes.get(spec.provider.as_deref())?;
-        let shared::pacer::Pacer::Shared(p) = &route.pacer else { return None };
-        Some(CommitPacing {
-            route: p.commit_route(&spec.model)?,
-            settle: settle.map(|s| shared::pacer::SharedPacer::settle_op(s.reservation, s.outcome)),
-            ask,
-        })
-    }
-
-    async fn settle_pacer(&self, spec: &shared::runs::RunSpec, reservation: &str, outcome: &CallOutcome) {
-        let Some(route) = self.settling_route(spec, outcome) else { return };
-        if let Err(error) = route.pacer.settle(&spec.model, reservation, outcome).await {
-            tracing::warn!(message = "could not settle the pacer", %error, reservation);
-        }
-    }
-
-    /// The route a settle of `spec`'s call goes to, the remaining tokens its
-    /// headers named put on the gauge.
-    fn settling_route(&self, spec: &shared::runs::RunSpec, outcome: &CallOutcome) -> Option<&Route> {
-        let route: &Route = self.routes.get(spec.provider.as_deref())?;
-        if let Some(remaining) = outcome.tokens.remaining {
-            metrics::gauge!(metric::PACER_REMAINING_TOKENS, "budget" => route.budget.clone(), "model" => spec.model.clone())
-                .set(remaining as f64);
-        }
-        Some(route)
-    }
-}
-
-/// How long a call's settle waits for its turn's tools before it goes on its
-/// own rather than with the commit (as long as the shared pacer's batch loop
-/// lets a settle wait for company).
-const SETTLE_IN_COMMIT: Duration = Duration::from_millis(20);
-
-/// A call's settle the commit's script is to make (or that is sent alone if
-/// it does not).
-#[derive(Clone, Copy)]
-struct Settle<'a> {
-    spec: &'a shared::runs::RunSpec,
-    reservation: &'a str,
-    outcome: &'a CallOutcome,
-}
-
-/// Sends its settle on its own when dropped still holding it (a turn that
-/// ended before its commit: cancelled, fenced, an error; or a commit that
-/// failed on Redis trouble, which may not have landed).
-struct SettleGuard<'r, 'a> {
-    runner: &'r Runner,
-    settle: Option<Settle<'a>>,
-}
-
-impl SettleGuard<'_, '_> {
-    /// The settle was made by a commit's script that answered (fenced or
-    /// not, the script settles); an error leaves it to be sent alone — twice
-    /// at worst, if the commit landed: the pacer then observes the same
-    /// headers again and finds no reservation to charge.
-    fn made_by<T>(&mut self, committed: &Result<T, StoreError>) {
-        if committed.is_ok() {
-            self.settle = None;
-        }
-    }
-
-    fn send_alone(&mut self) {
-        if let Some(s) = self.settle.take() {
-            self.runner.settle_pacer_soon(s.spec, s.reservation, s.outcome);
-        }
-    }
-}
-
-impl Drop for SettleGuard<'_, '_> {
-    fn drop(&mut self) {
-        self.send_alone();
     }
 }
 
@@ -900,7 +597,7 @@ fn call_estimate(spec: &shared::runs::RunSpec, input: u64) -> Estimate {
 /// (its input as turn 0, in the style of the provider it names in
 /// `providers`, the first's, or Responses for a fleet of one unnamed
 /// provider, whose style the API is not told: a worker whose count is larger
-/// asks again, [`CLEARED_SLACK`]).
+/// asks again, `pacing.rs` `CLEARED_SLACK`).
 pub fn first_ask(providers: &ProviderTable) -> FirstAsk {
     let styles: Vec<(String, ApiStyle)> = providers.0.iter().map(|p| (p.name.clone(), p.style)).collect();
     FirstAsk::new(move |spec, tenant| {
@@ -916,25 +613,6 @@ pub fn first_ask(providers: &ProviderTable) -> FirstAsk {
     })
 }
 
-/// A budget wait of `job` for `ms`: its `turn.paced` data and the run's wait
-/// reason; counted in the metrics here.
-fn budget_wait_record(job: TurnJob, ms: u64, reason: OwedReason) -> (Value, WaitReason) {
-    count_budget_wait(ms);
-    let (reason_name, wait_reason) = match reason {
-        OwedReason::Budget => ("budget", WaitReason::Budget),
-        OwedReason::RateLimited => ("window_closed", WaitReason::Budget),
-        OwedReason::Probe => ("probe", WaitReason::Budget),
-        OwedReason::FairShare => ("fair_share", WaitReason::FairShare),
-    };
-    (json!({"turn": job.turn, "owed_ms": ms, "reason": reason_name}), wait_reason)
-}
-
-/// Counts a budget wait of `ms` in the metrics.
-fn count_budget_wait(ms: u64) {
-    metrics::counter!(metric::BUDGET_WAITS).increment(1);
-    metrics::histogram!(metric::REQUEUE_DELAY, "reason" => "budget").record(ms as f64 / 1000.0);
-}
-
 /// What a call of `spec` is built from.
 fn turn_params(spec: &shared::runs::RunSpec) -> TurnParams<'_> {
     TurnParams {
@@ -945,11 +623,6 @@ fn turn_params(spec: &shared::runs::RunSpec) -> TurnParams<'_> {
         metadata: Some(&spec.metadata),
         generation: Some(&spec.generation),
     }
-}
-
-/// The pacer's reservation id of a call attempt: `run:turn:attempt`.
-fn reservation_id(lease: &Lease, job: TurnJob) -> String {
-    format!("{}:{}:{}", lease.id, job.turn, job.attempt)
 }
 
 /// The `turn.tool_call` events of `calls`.

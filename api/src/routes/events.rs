@@ -23,8 +23,9 @@ use axum::http::{header, HeaderMap, HeaderValue};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::Stream;
+use shared::runs::events::valid_stream_id;
 use shared::runs::state::event;
-use shared::runs::store::{valid_id, valid_stream_id};
+use shared::runs::store::valid_id;
 use shared::runs::{RunEvent, RunStore};
 use tokio::sync::watch;
 
@@ -223,7 +224,7 @@ impl Follow {
     async fn next(&mut self) -> Option<Event> {
         loop {
             if let Some(e) = self.pending.pop_front() {
-                if self.after.as_deref().is_some_and(|a| !shared::runs::store::stream_id_after(&e.id, a)) {
+                if self.after.as_deref().is_some_and(|a| !shared::runs::events::stream_id_after(&e.id, a)) {
                     continue; // read twice: by the stream and by the reader
                 }
                 self.after = Some(e.id.clone());

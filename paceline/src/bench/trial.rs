@@ -197,7 +197,7 @@ impl Trial {
     pub async fn start(env: &Env, spec: &TrialSpec) -> anyhow::Result<Self> {
         let n = env.trials.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let redis = RedisArgs::new(env.redis.url(), format!("bench{n}{}", spec.label));
-        let queue = TurnQueue::new(&redis, QueueConfig::default())?;
+        let queue = shared::runs::run_queue(&redis, QueueConfig::default())?;
         let admin = shared::redis_util::manager(&redis.url).await.context("connect to the bench's Redis")?;
         let store = RunStore::new(admin.clone(), redis.keys(), Duration::from_secs(24 * 3600));
         let mock_started = Instant::now();

@@ -1,6 +1,6 @@
 //! The pacer's short history, for the dashboard's chart (`GET /v1/pacer/history`).
 //!
-//! The script (`scripts.lua`, `hist`) counts, per second, the tokens it cleared
+//! The script (`lua/state.lua`, `hist`) counts, per second, the tokens it cleared
 //! (`a`), the 429s settled (`r`) and the turns it told to wait (`w`): the current
 //! second's in the state hash (fields `h_s`, `h_a`, `h_r`, `h_w`, written with the
 //! state), earlier ones in one hash per budget, model and minute that expires after
@@ -14,7 +14,7 @@ use redis::aio::ConnectionManager;
 use serde::Serialize;
 use std::collections::HashMap;
 
-use super::store::PacerError;
+use super::PacerError;
 
 /// How many seconds the history covers (the last 15 minutes, the current one included).
 pub const SECONDS: usize = 900;

@@ -3,7 +3,7 @@
 //! Many processes each believe they have the whole budget.
 
 use super::model::{self, Ask, CallOutcome, Decision, Estimate, Mode, PacerState, PacingConfig, Who};
-use super::store::BudgetSnapshot;
+use super::snapshot::BudgetSnapshot;
 use crate::clock::{Clock, SystemClock};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -116,64 +116,16 @@ local function q_finish(id)
   redis.call('HDEL', Q_JOBS, id)
 end
 
--- A run status that ends the run (runs/store.lua).
-local function q_run_finished(status)
-  return status == 'completed' or status == 'failed' or status == 'cancelled'
-end
+-- What a turn's owner needs when a queue script ends a lease or buries a turn: hooks a
+-- layer above sets (the run store's, runs/hooks.lua), so the queue names none of its
+-- keys or fields. A queue used on its own has none.
+--   Q_HOOKS.lease_ended(id, epoch): the lease at `epoch` of turn `id` ended (a reclaim, a
+--     settle) while its holder may still be out;
+--   Q_HOOKS.buried(id, reason, now): turn `id` went to the dead set.
+local Q_HOOKS = {}
 
--- The set of a tenant's unfinished runs beside run record key `run`
--- ('<prefix>:<slot>:tenant:<tenant>:active', runs/store.rs `active_key`), and the run's id:
--- a run joins it when it is created or retried and leaves it when it finishes, in
--- the same script, so a tenant's queue counts are read from its own runs alone.
-local function q_run_active(run, tenant)
-  local base, id = string.match(run, '^(.*)run:([^:]+)$')
-  return base .. 'tenant:' .. tenant .. ':active', id
-end
-
--- A finished run's record, transcript and events (`run`, `tx`, `ev`) live for
--- `retention` ms, then go (runs/store.lua); it leaves its tenant's unfinished runs.
-local function q_run_retire(run, tx, ev, now, retention)
-  local tenant = redis.call('HGET', run, 'tenant')
-  if tenant then
-    local active, id = q_run_active(run, tenant)
-    redis.call('ZREM', active, id)
-  end
-  redis.call('HSET', run, 'finished_ms', now, 'updated_ms', now, 'wait_reason', '', 'next_attempt_ms', '', 'phase', '')
-  local ttl = tonumber(retention)
-  if ttl and ttl > 0 then
-    redis.call('PEXPIRE', run, ttl)
-    redis.call('PEXPIRE', tx, ttl)
-    redis.call('PEXPIRE', ev, ttl)
-  end
-end
-
--- Ends the run store's fence of the lease at `epoch` of turn `id` (runs/lib.lua
--- `fenced`): the run record beside the queue's keys names the lease whose start it saw
--- in its `epoch` field, cleared here when a queue script ends that lease (a reclaim, a
--- settle), so its holder, stalled or late, writes nothing more. A queue used without
--- runs has no such record (one HGET, on these rare paths only).
 local function q_unfence(id, epoch)
-  local base = string.sub(Q_DEAD, 1, #Q_DEAD - #'q:dead')
-  local run = base .. 'run:' .. id
-  if redis.call('HGET', run, 'epoch') == string.format('%d', epoch) then
-    redis.call('HSET', run, 'epoch', '')
-  end
-end
-
--- A buried turn ends its run, in the same script: the run record beside the
--- queue's keys (the same prefix and slot, '<prefix>:<slot>:run:<id>', runs/store.rs) fails
--- with error.kind "dead_lettered", writes run.failed, and starts its retention (the
--- record's retention_ms). A queue used without runs has no such record.
-local function q_fail_run(id, reason, now)
-  local base = string.sub(Q_DEAD, 1, #Q_DEAD - #'q:dead')
-  local run, ev = base .. 'run:' .. id, base .. 'ev:' .. id
-  local status = redis.call('HGET', run, 'status')
-  if not status or q_run_finished(status) then return end
-  local message = 'its turn was dead-lettered: ' .. reason
-  redis.call('HSET', run, 'status', 'failed', 'error_kind', 'dead_lettered', 'error_message', message, 'epoch', '')
-  redis.call('XADD', ev, '*', 'type', 'run.failed',
-    'data', cjson.encode({error = {kind = 'dead_lettered', message = message}}))
-  q_run_retire(run, base .. 'tx:' .. id, ev, now, redis.call('HGET', run, 'retention_ms'))
+  if Q_HOOKS.lease_ended then Q_HOOKS.lease_ended(id, epoch) end
 end
 
 -- The dead set's retention: turns dead for longer than `keep_ms` leave it, with
@@ -202,6 +154,6 @@ local function q_bury(id, r, reason, now, keep_ms)
   redis.call('ZREM', Q_DUE, id)
   redis.call('ZADD', Q_DEAD, now, id)
   redis.call('HSET', Q_REASONS, id, reason)
-  q_fail_run(id, reason, now)
+  if Q_HOOKS.buried then Q_HOOKS.buried(id, reason, now) end
   q_trim_dead(now, keep_ms)
 end

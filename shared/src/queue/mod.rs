@@ -89,8 +89,10 @@ struct Scripts {
 }
 
 impl Scripts {
-    fn new() -> Self {
-        let with_lib = |body: &str| redis::Script::new(&format!("{LUA_LIB}\n{body}"));
+    /// The scripts, with `hooks` (Lua that sets `Q_HOOKS`: see [`LUA_LIB`])
+    /// after the library.
+    fn new(hooks: &str) -> Self {
+        let with_lib = |body: &str| redis::Script::new(&format!("{LUA_LIB}\n{hooks}\n{body}"));
         Self {
             enqueue: with_lib(ENQUEUE_LUA),
             fetch: with_lib(&format!(
@@ -152,8 +154,16 @@ impl TurnQueue {
             url: redis.url.clone(),
             keys: Arc::new(QueueKeys::new(&redis.keys())),
             config,
-            scripts: Arc::new(Scripts::new()),
+            scripts: Arc::new(Scripts::new("")),
         })
+    }
+
+    /// The same queue, its scripts run with `hooks`: Lua that sets the
+    /// library's `Q_HOOKS` (what the owner of the turns needs when a lease
+    /// ends or a turn is buried; the run store's are `shared::runs::QUEUE_HOOKS`).
+    pub fn with_hooks(mut self, hooks: &str) -> Self {
+        self.scripts = Arc::new(Scripts::new(hooks));
+        self
     }
 
     /// The queue's config.

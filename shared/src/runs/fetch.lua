@@ -29,7 +29,7 @@ local max_hist, format = tonumber(ARGV[6]) or 0, tonumber(ARGV[7]) or 1
 -- Decoded only when a due turn carries an ask (most fetches lease none that do).
 local asks_json, asks = ARGV[8] or '', nil
 local in_place = 0
-local base = string.sub(Q_DEAD, 1, #Q_DEAD - #'q:dead')
+local base = RUN_BASE
 
 local function job_of(r)
   local ok, job = pcall(cjson.decode, r.payload)

@@ -36,7 +36,7 @@ local function stamped(event_id)
   return tonumber(string.match(event_id, '^(%d+)'))
 end
 
-local finished = q_run_finished
+local finished = run_finished
 
 -- The record's usage counters a call adds to (record.rs `field`).
 local USAGE_FIELDS = {'input_tokens', 'output_tokens', 'reasoning_tokens', 'cached_input_tokens'}
@@ -88,7 +88,7 @@ local function wait_fields(set, f, now, delay, reason, counter)
   return set
 end
 
--- The pacer's reasons (scripts.lua: 1 budget, 2 rate_limited, 3 probe, 4 fair_share) as
+-- The pacer's reasons (pacer/lua/model.lua `owed`: 1 budget, 2 rate_limited, 3 probe, 4 fair_share) as
 -- the worker's wait names them (turn.rs `budget_wait_record`): the event's, the run's.
 local REASONS = {{'budget', 'budget'}, {'window_closed', 'budget'}, {'probe', 'budget'}, {'fair_share', 'fair_share'}}
 
@@ -121,7 +121,7 @@ local function events_from(at)
 end
 
 -- A finished run's keys live for the retention period, then go.
-local function retire(now, retention) q_run_retire(RUN, TX, EV, now, retention) end
+local function retire(now, retention) run_retire(RUN, TX, EV, now, retention) end
 
 -- Checks the run as read in `f` (its status and turns) for turn `turn`
 -- (nil: any): nil when this turn is not to go on, and why.
@@ -161,8 +161,8 @@ end
 -- `fenced_lease` for a holder that started its turn (output, commit, fail), off the
 -- run's record alone: its `epoch` field names the lease whose start it saw, and is
 -- cleared by whatever ends that lease — the run's own steps (wait, commit, fail,
--- q_fail_run) in the HSET they write anyway, the queue's (a reclaim, a settle) by
--- q_unfence — so it equals `epoch` exactly while that lease is live (the queue's
+-- a bury, runs/hooks.lua) in the HSET they write anyway, the queue's (a reclaim, a settle) by
+-- `Q_HOOKS.lease_ended` — so it equals `epoch` exactly while that lease is live (the queue's
 -- record is not read: one command a step less). Returns the queue record as the
 -- holder's lease left it (epoch, no deliveries, leased; the caller sets the payload
 -- it writes), and the fields.

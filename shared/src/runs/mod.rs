@@ -6,20 +6,23 @@
 //! (`worker::context`).
 
 pub mod endpoints;
+pub mod events;
 pub mod generation;
+pub mod pacing;
 pub mod record;
 pub mod spec;
 pub mod state;
 pub mod store;
 pub mod transcript;
+pub mod turn;
 
 pub use endpoints::{valid_tenant, ToolEndpoint, ToolEndpoints};
+pub use events::{stream_id_after, valid_stream_id, RunEvent};
 pub use generation::{Effort, Format, Generation, JsonSchema, ServiceTier, ToolChoice, Truncation};
+pub use pacing::{BudgetWait, CommitPacing, FetchAsks, FirstAsk, PacedAsk};
 pub use record::{ErrorKind, PacingCounters, Run, RunError, Usage};
 pub use spec::{Refusal, RunSpec, SpecError, SubmitPolicy};
 pub use state::{InvalidTransition, RunStatus, Transition, WaitReason};
-pub use store::{
-    BudgetWait, CommitPacing, Committed, Created, Fence, FetchAsks, FirstAsk, Idempotency, ModelOutput, Next, PacedAsk,
-    Phase, RunEvent, RunStore, Started, StopReason, StoreError, TenantCounts, Turn, TurnContext, TurnJob,
-};
+pub use store::{run_queue, Created, Idempotency, RunStore, StoreError, TenantCounts, QUEUE_HOOKS};
 pub use transcript::{ApiStyle, TranscriptEntry};
+pub use turn::{Committed, Fence, ModelOutput, Next, Phase, Started, StopReason, Turn, TurnContext, TurnJob};

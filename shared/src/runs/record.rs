@@ -243,7 +243,7 @@ pub mod field {
     /// retention when it was created): a turn the queue buries ends its run
     /// in the queue's own script, which knows no configuration.
     pub const RETENTION_MS: &str = "retention_ms";
-    /// The record's format version (`runs::store::RECORD_FORMAT`; absent: 1).
+    /// The record's format version (`runs::turn::RECORD_FORMAT`; absent: 1).
     pub const FORMAT: &str = "format";
 }
 

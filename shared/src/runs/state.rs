@@ -197,6 +197,7 @@ mod tests {
             ("runs/store.lua", include_str!("store.lua")),
             ("runs/lib.lua", include_str!("lib.lua")),
             ("queue/lib.lua", include_str!("../queue/lib.lua")),
+            ("runs/hooks.lua", include_str!("hooks.lua")),
             ("queue/fetch.lua", include_str!("../queue/fetch.lua")),
             ("queue/settle.lua", include_str!("../queue/settle.lua")),
             ("queue/heartbeat.lua", include_str!("../queue/heartbeat.lua")),
@@ -226,6 +227,7 @@ mod tests {
             ("runs/store.lua", include_str!("store.lua")),
             ("runs/lib.lua", include_str!("lib.lua")),
             ("queue/lib.lua", include_str!("../queue/lib.lua")),
+            ("runs/hooks.lua", include_str!("hooks.lua")),
         ];
         let kind = regex::Regex::new(r"(?:'error_kind', |kind = )'([a-z_]+)'").unwrap();
         let stop = regex::Regex::new(r"(?:return nil, |return |\{'stop', )'([a-z_]+)'").unwrap();

@@ -40,7 +40,7 @@ if op == 'create' then
   redis.call('HSET', RUN, 'tenant', tenant, 'created_ms', now, 'updated_ms', now, unpack(flat))
   for i = 9, #ARGV, 500 do redis.call('RPUSH', TX, unpack(ARGV, i, math.min(i + 499, #ARGV))) end
   redis.call('ZADD', IDX, now, id)
-  redis.call('ZADD', (q_run_active(RUN, tenant)), now, id)
+  redis.call('ZADD', (run_active(RUN, tenant)), now, id)
   if fp ~= '' then redis.call('SET', IDEM, id .. '|' .. fp, 'PX', tonumber(ARGV[5])) end
   q_add(id, ARGV[6], now, now)
   -- The run as this step wrote it is ARGV[7] with these (store.rs `create` builds it
@@ -276,7 +276,7 @@ if op == 'retry' then
   redis.call('PERSIST', EV)
   redis.call('HDEL', RUN, 'error_kind', 'error_message', 'finished_ms')
   redis.call('HSET', RUN, 'status', 'queued', 'phase', phase, 'wait_reason', '', 'next_attempt_ms', '', 'updated_ms', now)
-  redis.call('ZADD', (q_run_active(RUN, tenant)), now, id)
+  redis.call('ZADD', (run_active(RUN, tenant)), now, id)
   event('run.queued', cjson.encode({retried = true, turn = turns, previous_error = {kind = kind, message = message}}))
   -- The next turn's payload: runs/store.rs `TurnJob` (its test holds the shape).
   local payload = string.format('{"turn":%d,"attempt":1}', turns)

@@ -11,13 +11,18 @@ use std::sync::LazyLock;
 use std::time::Duration;
 
 use redis::aio::ConnectionManager;
-use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+use super::events::{EventId, RunEvent};
+use super::pacing::{CommitPacing, FetchAsks, PacedAsk};
 use super::record::{field, ErrorKind, Run, Usage};
 use super::spec::RunSpec;
 use super::state::{RunStatus, WaitReason};
 use super::transcript::TranscriptEntry;
+use super::turn::{
+    Committed, Fence, ModelOutput, Next, Phase, Started, StopReason, Turn, TurnContext, TurnJob, PAYLOAD_FORMAT,
+    RECORD_FORMAT,
+};
 use crate::keys::Keys;
 use crate::queue::{FetchScript, Lease, QueueKeys, LUA_LIB};
 
@@ -32,9 +37,24 @@ fn runs_lib() -> String {
     format!("local EV_MAXLEN = {EVENTS_MAXLEN}\n{}", include_str!("lib.lua"))
 }
 
+/// What a run needs when the queue's own scripts end its turn's lease or
+/// bury the turn (`hooks.lua`: the queue library's `Q_HOOKS`). Every queue
+/// that carries runs' turns runs with them ([`run_queue`]); the run store's
+/// scripts start with them too.
+pub const QUEUE_HOOKS: &str = include_str!("hooks.lua");
+
+/// The turn queue of runs: its scripts end a run whose turn they bury, and a
+/// lease's fence on the run's record when they end it ([`QUEUE_HOOKS`]).
+pub fn run_queue(
+    redis: &crate::config::RedisArgs,
+    config: crate::queue::QueueConfig,
+) -> Result<crate::queue::TurnQueue, crate::queue::QueueError> {
+    Ok(crate::queue::TurnQueue::new(redis, config)?.with_hooks(QUEUE_HOOKS))
+}
+
 static SCRIPT: LazyLock<redis::Script> = LazyLock::new(|| {
     redis::Script::new(&format!(
-        "{LUA_LIB}\n{}\n{}\n{}",
+        "{LUA_LIB}\n{QUEUE_HOOKS}\n{}\n{}\n{}",
         runs_lib(),
         crate::pacer::lua_function(),
         include_str!("store.lua")
@@ -101,177 +121,6 @@ fn run_matches(run: &Run, q: &str) -> bool {
 /// `RunStore::invoke_fenced`); past it the queue's own retry takes over.
 pub const FENCED_WRITE_PATIENCE: Duration = Duration::from_secs(30);
 
-/// The version of the run record's format this code writes and reads; a
-/// record of a later one (field `format`) is not run by this version's workers.
-pub const RECORD_FORMAT: u32 = 1;
-
-/// The version of the queue payload's format ([`TurnJob`], field `v`) this
-/// code writes and reads; a later one is buried as undecodable with its
-/// reason, never run wrong.
-pub const PAYLOAD_FORMAT: u32 = 1;
-
-/// The queue payload of a run's next turn. The queue item's id is the run id:
-/// a run has at most one turn queued at a time.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(try_from = "TurnJobWire", into = "TurnJobWire")]
-pub struct TurnJob {
-    /// The turn's index (= turns completed before it).
-    pub turn: u32,
-    /// The call's attempt (1-based; raised by 429s and transient errors, not
-    /// by budget waits).
-    pub attempt: u32,
-}
-
-/// [`TurnJob`] as stored, with its format's version (absent: 1, as the
-/// retry script writes it).
-#[derive(Serialize, Deserialize)]
-struct TurnJobWire {
-    turn: u32,
-    attempt: u32,
-    #[serde(default = "first_format")]
-    v: u32,
-}
-
-fn first_format() -> u32 {
-    1
-}
-
-impl From<TurnJob> for TurnJobWire {
-    fn from(j: TurnJob) -> Self {
-        Self { turn: j.turn, attempt: j.attempt, v: PAYLOAD_FORMAT }
-    }
-}
-
-impl TryFrom<TurnJobWire> for TurnJob {
-    type Error = String;
-    fn try_from(w: TurnJobWire) -> Result<Self, String> {
-        if w.v > PAYLOAD_FORMAT {
-            return Err(format!(
-                "turn payload format {} is newer than this paceline reads ({PAYLOAD_FORMAT}): run it with a newer worker",
-                w.v
-            ));
-        }
-        Ok(Self { turn: w.turn, attempt: w.attempt })
-    }
-}
-
-/// What a turn owed budget asks the pacer again when it comes back: carried
-/// in its payload, so it asks before it starts, and a turn still owed is
-/// requeued without its run's record or history being read again (a wait
-/// round then costs the ask and the requeue, not a whole start). The run
-/// cannot change while its turn waits, so neither can what the turn asks.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct PacedAsk {
-    /// The model (the pacer keeps one state per budget and model).
-    pub model: String,
-    /// The run's provider (`PACELINE_PROVIDERS`), whose pacer it asks; none: the first.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub provider: Option<String>,
-    /// Work or companion.
-    pub mode: crate::pacer::Mode,
-    /// The run's tenant (its line and share).
-    pub tenant: String,
-    /// The call's estimated tokens (input and output reservation).
-    pub tokens: u64,
-    /// Requests (1).
-    pub requests: u64,
-    /// The output tokens reserved.
-    pub output: u64,
-}
-
-impl PacedAsk {
-    /// The ask of a call of run `spec` (of `tenant`) estimated at `est`.
-    pub fn new(spec: &RunSpec, tenant: &str, est: crate::pacer::Estimate) -> Self {
-        Self {
-            model: spec.model.clone(),
-            provider: spec.provider.clone(),
-            mode: spec.mode,
-            tenant: tenant.to_owned(),
-            tokens: est.tokens,
-            requests: est.requests,
-            output: est.output,
-        }
-    }
-}
-
-/// How a run's first turn gets its ask at submit: the tokens its first call
-/// will send, counted as a worker counts them. With it the first turn is
-/// queued as every later one is, carrying its ask: the fetch that leases it
-/// asks the pacer first, and under a scarce budget it waits in the queue from
-/// the start (not started, asked by its worker, owed and requeued). The binary
-/// gives the worker's counter (`worker::turn::first_ask`): the API crate
-/// counts no tokens itself. A worker whose own count is larger asks again
-/// (turn.rs `CLEARED_SLACK`).
-#[derive(Clone)]
-pub struct FirstAsk(std::sync::Arc<AskOf>);
-
-/// `f(spec, tenant)`: the ask of a run's first turn (see [`FirstAsk`]).
-type AskOf = dyn Fn(&RunSpec, &str) -> PacedAsk + Send + Sync;
-
-impl FirstAsk {
-    /// The estimator `f(spec, tenant)`.
-    pub fn new(f: impl Fn(&RunSpec, &str) -> PacedAsk + Send + Sync + 'static) -> Self {
-        Self(std::sync::Arc::new(f))
-    }
-
-    /// The ask of run `spec`'s first turn, of `tenant` (counted off the
-    /// runtime's threads: a long input takes a while, [`crate::cpu_bound`]).
-    pub fn ask(&self, spec: &RunSpec, tenant: &str) -> PacedAsk {
-        crate::cpu_bound(|| (self.0)(spec, tenant))
-    }
-}
-
-impl std::fmt::Debug for FirstAsk {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("FirstAsk")
-    }
-}
-
-/// The shared pacers a worker's fetch asks itself
-/// ([`RunStore::fetch_script_asking`]), as `runs/fetch.lua` reads them.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct FetchAsks {
-    /// Per provider name, its pacer's [`crate::pacer::SharedPacer::script_route`].
-    pub routes: std::collections::BTreeMap<String, Value>,
-    /// The provider of an ask that names none (the first).
-    pub first: String,
-    /// Tenants' weights (`PACELINE_TENANT_WEIGHTS`; others 1).
-    pub weights: std::collections::BTreeMap<String, f64>,
-    /// Tenants' caps (`PACELINE_TENANT_CAPS`; others 0: none).
-    pub caps: std::collections::BTreeMap<String, f64>,
-    /// The worker's in-place wait, ms (`PACELINE_IN_PLACE_WAIT_MS`; 0: none): a
-    /// turn owed no longer is leased (not started) with that pause
-    /// ([`Turn::pause_ms`]) and waits in its worker, as the worker's own ask
-    /// would have it — not requeued for a few ms (a round of the queue).
-    pub in_place_ms: u64,
-    /// Providers whose worker paces nothing (`--pacer off`): a turn of theirs
-    /// that carries an ask (a run's first, from its submit) is started as any
-    /// turn, there being no ask to make.
-    pub unpaced: Vec<String>,
-}
-
-/// A turn as the queue carries it: its job and, after a budget wait, the ask
-/// it makes again first. (The payload's format stays 1: a worker that does
-/// not know `ask` ignores it and starts the turn as before.)
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Turn {
-    /// Which turn, which attempt.
-    #[serde(flatten)]
-    pub job: TurnJob,
-    /// The pacer's ask of a turn that waited for budget.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ask: Option<PacedAsk>,
-    /// The pacer cleared this turn's call when the turn before it committed
-    /// (its reservation, `run:turn:attempt`, is held): it calls without asking.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub cleared: bool,
-    /// The fetch asked for it and the pacer owed it no longer than the
-    /// worker's in-place wait ([`FetchAsks::in_place_ms`]): the worker waits
-    /// this long, then asks again, and starts it once clear.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pause_ms: Option<u64>,
-}
-
 /// An `Idempotency-Key` and a fingerprint of the body it came with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Idempotency {
@@ -288,41 +137,6 @@ pub struct Created {
     pub run: Run,
     /// The key was seen before with the same body: no new run was made.
     pub replayed: bool,
-}
-
-/// One event of a run's stream.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RunEvent {
-    /// The stream id (`1732960000000-0`): the SSE `id`, resumable with `Last-Event-ID`.
-    pub id: String,
-    /// The event type (`turn.completed`, …).
-    pub kind: String,
-    /// Its JSON data.
-    pub data: Value,
-}
-
-impl RunEvent {
-    /// The events of an entry of a run's events stream: `type` and `data`,
-    /// then `type1`/`data1`, `type2`/`data2`, … when one step wrote several
-    /// events at once (`store.lua` `event_entry`: one `XADD`, not one per
-    /// event). The entry's last event has the entry's id; those before it the
-    /// entry's id and their place, `<entry id>.<k>` (see [`valid_stream_id`]),
-    /// so a client that got them all resumes after the entry, and one that
-    /// stopped inside it resumes inside it.
-    fn from_entry(entry: redis::streams::StreamId) -> Vec<Self> {
-        let mut out = vec![];
-        for k in 0.. {
-            let suffix = if k == 0 { String::new() } else { k.to_string() };
-            let Some(kind) = entry.get::<String>(&format!("type{suffix}")) else { break };
-            let data: String = entry.get(&format!("data{suffix}")).unwrap_or_default();
-            let id = format!("{}.{k}", entry.id);
-            out.push(Self { id, kind, data: serde_json::from_str(&data).unwrap_or(Value::Null) });
-        }
-        if let Some(last) = out.last_mut() {
-            last.id = entry.id;
-        }
-        out
-    }
 }
 
 /// Why a run store call did not happen.
@@ -343,176 +157,6 @@ pub enum StoreError {
     /// Redis answered something this code does not understand.
     #[error("run store answered {0}")]
     Protocol(String),
-}
-
-/// What a fenced worker write found.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Fence {
-    /// Written.
-    Ok,
-    /// Not written, and why. The turn ends here for this worker.
-    Stop(StopReason),
-}
-
-/// Why a fenced script wrote nothing: its `{'stop', why}` answer, as a type.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum StopReason {
-    /// The turn was delivered again since this lease (`stale`).
-    Stale,
-    /// Its lease expired and the turn went back to the queue (`not_leased`).
-    NotLeased,
-    /// No such turn, or its run is gone (`gone`).
-    Gone,
-    /// This turn was committed already: a redelivery (`committed`).
-    Committed,
-    /// The run passed its wall-clock deadline and failed (`deadline`).
-    Deadline,
-    /// The run finished or was cancelled while the turn was out (its status).
-    Finished(RunStatus),
-    /// A reason this version does not know (a newer script wrote it).
-    Other(String),
-}
-
-impl StopReason {
-    /// Reads a script's reason.
-    pub fn parse(why: &str) -> Self {
-        match why {
-            "stale" => Self::Stale,
-            "not_leased" => Self::NotLeased,
-            "gone" => Self::Gone,
-            "committed" => Self::Committed,
-            "deadline" => Self::Deadline,
-            other => RunStatus::parse(other).map_or_else(|| Self::Other(other.to_owned()), Self::Finished),
-        }
-    }
-
-    /// The script's word for it.
-    pub fn as_str(&self) -> &str {
-        match self {
-            Self::Stale => "stale",
-            Self::NotLeased => "not_leased",
-            Self::Gone => "gone",
-            Self::Committed => "committed",
-            Self::Deadline => "deadline",
-            Self::Finished(status) => status.as_str(),
-            Self::Other(why) => why,
-        }
-    }
-}
-
-impl std::fmt::Display for StopReason {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// What starting a turn found.
-// Made once per turn and matched at once: boxing the context would buy nothing.
-#[allow(clippy::large_enum_variant)]
-#[derive(Debug, Clone)]
-pub enum Started {
-    /// The turn runs, with the run as it needs it.
-    Run(TurnContext),
-    /// It does not (cancelled, finished, already committed, a stale lease, gone): why.
-    Stop(StopReason),
-}
-
-/// How a committed turn leaves the run.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Next {
-    /// Enqueue the next turn (due now); it asks the pacer when it starts.
-    Continue,
-    /// Enqueue the next turn, which asked the pacer at this commit: cleared
-    /// (its reservation held: `Turn::cleared`), it is due now; owed, it
-    /// waits in the queue for that long, the run `waiting` at once, and asks
-    /// again when it comes back (`Turn::ask`). The first wait of a turn then
-    /// costs no delivery, start or requeue of its own.
-    Paced {
-        /// The next turn as the queue carries it.
-        turn: Turn,
-        /// What it owes, if it is owed.
-        wait: Option<BudgetWait>,
-    },
-    /// The model answered without tool calls: the run is done with this text.
-    Complete(String),
-    /// The run fails (e.g. `max_turns`).
-    Fail {
-        /// `error.kind`.
-        kind: ErrorKind,
-        /// `error.message`.
-        message: String,
-    },
-}
-
-/// A wait a commit puts its next turn in (see [`Next::Paced`]).
-#[derive(Debug, Clone, PartialEq)]
-pub struct BudgetWait {
-    /// How long, ms.
-    pub ms: u64,
-    /// Why (budget or fair share).
-    pub reason: WaitReason,
-    /// The `turn.paced` event's data.
-    pub data: Value,
-}
-
-/// The pacer ops a commit makes in its own script (store.lua `commit`): the
-/// settle of the turn's call, made whatever the fence says (the call
-/// happened), and the next turn's ask (a [`Next::Paced`] turn's, not made
-/// yet), made only when the commit lands: cleared, the next turn is queued
-/// cleared; owed, it waits from this commit on. One script, one round trip:
-/// not a pacer call of the worker's before the commit.
-#[derive(Debug, Clone, PartialEq)]
-pub struct CommitPacing {
-    /// The pacer's keys and knobs: [`crate::pacer::SharedPacer::commit_route`].
-    pub route: Value,
-    /// The call's settle op ([`crate::pacer::SharedPacer::settle_op`]).
-    pub settle: Option<Vec<String>>,
-    /// The next turn's acquire op ([`crate::pacer::SharedPacer::acquire_op`]).
-    pub ask: Option<Vec<String>>,
-}
-
-/// What a commit did: its fence and, when it made the next turn's ask
-/// ([`CommitPacing::ask`]), the pacer's answer.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Committed {
-    /// Written, or why not.
-    pub fence: Fence,
-    /// The pacer's answer to the next turn's ask, if it was made.
-    pub asked: Option<crate::pacer::Decision>,
-}
-
-/// Where a turn stands when a delivery starts it (the record's `phase`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Phase {
-    /// The model has not answered this turn yet (no `phase`): call it.
-    Model,
-    /// The model's output is committed (`tools`); its tool calls still have to
-    /// run. A redelivery runs them without calling the model again.
-    Tools,
-}
-
-impl Phase {
-    /// Reads the record's `phase` field.
-    pub fn parse(phase: &str) -> Self {
-        if phase == "tools" {
-            Self::Tools
-        } else {
-            Self::Model
-        }
-    }
-}
-
-/// A run as a worker needs it to run a turn.
-#[derive(Debug, Clone)]
-pub struct TurnContext {
-    /// Its spec (instructions, tools, endpoint, limits).
-    pub spec: RunSpec,
-    /// Its tenant.
-    pub tenant: String,
-    /// The whole transcript.
-    pub transcript: Vec<TranscriptEntry>,
-    /// Where the current turn stands.
-    pub phase: Phase,
 }
 
 /// The run store.
@@ -594,7 +238,7 @@ impl RunStore {
 
     /// Writes a new run — record, transcript (its input as turn 0), the
     /// `run.queued` event, the tenant's index — and enqueues its first turn,
-    /// in one atomic step, carrying `first_ask` ([`FirstAsk`]) when given. With
+    /// in one atomic step, carrying `first_ask` ([`super::FirstAsk`]) when given. With
     /// an idempotency key seen before, returns the first run instead.
     pub async fn create(
         &self,
@@ -619,7 +263,7 @@ impl RunStore {
         if let Some(s) = spec.max_run_seconds {
             fields[field::MAX_RUN_MS] = json!((u64::from(s) * 1_000).to_string());
         }
-        // The first turn carries its ask, as every later one does ([`FirstAsk`]).
+        // The first turn carries its ask, as every later one does ([`super::FirstAsk`]).
         let first = Turn { job: TurnJob { turn: 0, attempt: 1 }, ask: first_ask, cleared: false, pause_ms: None };
         let job = serde_json::to_string(&first).unwrap_or_default();
         let mut inv = self.invocation("create", &id, tenant, idem.map(|i| i.key.as_str()));
@@ -890,7 +534,7 @@ impl RunStore {
         }
     }
 
-    /// Events of a run after `after` (a stream id, see [`valid_stream_id`];
+    /// Events of a run after `after` (a stream id, see [`super::valid_stream_id`];
     /// `None`: from the start), at most `count`, waiting up to `block` for new
     /// ones. `None` for an unknown run.
     /// Give a blocking read a connection whose timeout is longer than `block`.
@@ -1092,7 +736,7 @@ impl RunStore {
     /// costs one pacer call in the fetch, not a delivery, an ask and a
     /// requeue (`runs/fetch.lua`).
     pub fn fetch_script_asking(&self, max_history: usize, asks: Option<&FetchAsks>) -> FetchScript {
-        let libs = format!("{}\n{}", runs_lib(), crate::pacer::lua_function());
+        let libs = format!("{QUEUE_HOOKS}\n{}\n{}", runs_lib(), crate::pacer::lua_function());
         let asks = asks.map(|a| serde_json::to_string(a).unwrap_or_default()).unwrap_or_default();
         FetchScript::new(&libs, FETCH_START_LUA, vec![max_history.to_string(), PAYLOAD_FORMAT.to_string(), asks])
     }
@@ -1328,13 +972,10 @@ impl RunStore {
         }
         let reply = self.invoke_fenced(inv).await;
         // {'continued', turns, code, ms, reason}: the ask's answer, when it was made.
-        let asked = reply.as_ref().ok().and_then(|r| match r.get(2..5) {
-            Some([code, _, _]) if code == "0" => Some(crate::pacer::Decision::Clear),
-            Some([code, ms, reason]) if code == "1" => Some(crate::pacer::Decision::Owed {
-                ms: ms.parse().unwrap_or(0),
-                reason: crate::pacer::OwedReason::from_code(reason.parse().unwrap_or(1)),
-            }),
-            _ => None,
+        let asked = reply.as_ref().ok().and_then(|r| {
+            let answer: Vec<i64> = r.get(2..5)?.iter().map(|v| v.parse().unwrap_or(-1)).collect();
+            // (The script pads a clear answer: `{0, 0, 0}`.)
+            crate::pacer::ops::decision(if answer.first() == Some(&0) { &answer[..1] } else { &answer })
         });
         // Whatever the answer (the turn may be queued), unless it waits.
         if quiet && !matches!(asked, Some(crate::pacer::Decision::Owed { .. })) {
@@ -1362,18 +1003,6 @@ impl RunStore {
             .arg(usage_arg(usage));
         Self::fence(&self.invoke_fenced(inv).await?)
     }
-}
-
-/// A model's output with tool calls to run: its items, its call's usage and
-/// the events that announce its tool calls (see [`RunStore::commit_with_output`]).
-#[derive(Debug, Clone, Copy)]
-pub struct ModelOutput<'a> {
-    /// The output items (function calls, messages, reasoning).
-    pub items: &'a [Value],
-    /// What the call used.
-    pub usage: Usage,
-    /// The `turn.tool_call` events (type, data).
-    pub events: &'a [(&'a str, Value)],
 }
 
 /// The run record's counter a wait for `reason` adds one to.
@@ -1434,57 +1063,6 @@ pub fn parse_cursor(cursor: &str) -> Option<(i64, &str)> {
     Some((ms.parse().unwrap_or(i64::MAX), id))
 }
 
-/// Event ids are the stream's ids: `1732960000000-0`, or the milliseconds
-/// alone (`1732960000000`), and for an event that is not the last of its
-/// entry, the entry's id and its place in it: `1732960000000-0.1` (see
-/// [`RunEvent`]). [`RunStore::events`] reads from the start after anything
-/// else; the API refuses it.
-pub fn valid_stream_id(id: &str) -> bool {
-    EventId::parse(id).is_some()
-}
-
-/// Whether event id `a` comes after `b` in their stream (compared as numbers:
-/// the entry's milliseconds and sequence, then the place in the entry, the
-/// entry's own id last). An id that is not one comes before every other.
-pub fn stream_id_after(a: &str, b: &str) -> bool {
-    EventId::parse(a) > EventId::parse(b)
-}
-
-/// An event id as numbers: its entry's `ms-seq`, and its place in the entry
-/// (`u64::MAX` for the entry's own id: its last event).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-struct EventId {
-    ms: u64,
-    seq: u64,
-    place: u64,
-}
-
-impl EventId {
-    fn parse(id: &str) -> Option<Self> {
-        fn number(s: &str) -> Option<u64> {
-            ((1..=20).contains(&s.len()) && s.bytes().all(|b| b.is_ascii_digit())).then(|| s.parse().ok())?
-        }
-        let (entry, place) = match id.split_once('.') {
-            Some((entry, place)) => (entry, number(place)?.min(u64::MAX - 1)),
-            None => (id, u64::MAX),
-        };
-        let (ms, seq) = entry.split_once('-').unwrap_or((entry, "0"));
-        Some(Self { ms: number(ms)?, seq: number(seq)?, place })
-    }
-
-    /// The id an `XREAD` reads after to get the events after this one: its
-    /// entry's own for its last event, else the one before its entry (the
-    /// entry is read again).
-    fn read_from(self) -> String {
-        match (self.place, self.seq, self.ms) {
-            (u64::MAX, seq, ms) => format!("{ms}-{seq}"),
-            (_, 0, 0) => "0-0".to_owned(),
-            (_, 0, ms) => format!("{}-{}", ms - 1, u64::MAX),
-            (_, seq, ms) => format!("{ms}-{}", seq - 1),
-        }
-    }
-}
-
 /// Transcript entries as stored (JSON).
 fn parse_transcript(raw: &[String]) -> Result<Vec<TranscriptEntry>, StoreError> {
     raw.iter()
@@ -1495,17 +1073,6 @@ fn parse_transcript(raw: &[String]) -> Result<Vec<TranscriptEntry>, StoreError> 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_turn_job_has_the_shape_the_retry_script_writes() {
-        // store.lua `retry` writes '{"turn":%d,"attempt":1}'.
-        let job: TurnJob = serde_json::from_str(r#"{"turn":7,"attempt":1}"#).unwrap();
-        assert_eq!(job, TurnJob { turn: 7, attempt: 1 });
-        // Written with its format's version; a later version is refused, by name.
-        assert_eq!(serde_json::to_string(&job).unwrap(), r#"{"turn":7,"attempt":1,"v":1}"#);
-        let newer = serde_json::from_str::<TurnJob>(r#"{"turn":7,"attempt":1,"v":2}"#).unwrap_err();
-        assert!(newer.to_string().contains("payload format 2"), "{newer}");
-    }
 
     #[test]
     fn a_tenants_runs_are_counted_where_their_turn_is() {
@@ -1522,36 +1089,6 @@ mod tests {
         let c = TenantCounts::tally(runs, 1000, false);
         assert_eq!((c.ready, c.delayed, c.in_flight, c.next_due_ms), (2, 2, 1, Some(1200)));
         assert_eq!(TenantCounts::tally([], 5, true), TenantCounts { now_ms: 5, truncated: true, ..Default::default() });
-    }
-
-    #[test]
-    fn stream_ids_are_checked() {
-        for ok in ["1732960000000-0", "1-1", "1732960000000", "1732960000000-0.0", "1-1.12"] {
-            assert!(valid_stream_id(ok), "{ok}");
-        }
-        for bad in
-            ["", "-1", "1-", "abc", "1-2-3", "1 -2", "99999999999999999999999-0", "1-0.", "1-0.x", ".1", "1-0.1.2"]
-        {
-            assert!(!valid_stream_id(bad), "{bad}");
-        }
-    }
-
-    #[test]
-    fn the_events_of_one_entry_come_in_order_and_before_the_next_entry() {
-        // An entry of three events: 10-1.0, 10-1.1, then 10-1 itself.
-        let order = ["9-5", "10-0", "10-1.0", "10-1.1", "10-1", "10-2.0", "10-2", "11-0"];
-        for w in order.windows(2) {
-            assert!(stream_id_after(w[1], w[0]) && !stream_id_after(w[0], w[1]), "{} then {}", w[0], w[1]);
-        }
-        assert!(!stream_id_after("10-1", "10-1"));
-        // A read after an entry's last event starts after the entry; after one
-        // inside it, before the entry (whose earlier events are then left out).
-        let from = |id: &str| EventId::parse(id).unwrap().read_from();
-        assert_eq!(from("10-1"), "10-1");
-        assert_eq!(from("10-1.0"), "10-0");
-        assert_eq!(from("10-0.3"), format!("9-{}", u64::MAX));
-        assert_eq!(from("0-0.1"), "0-0");
-        assert_eq!(from("1732960000000"), "1732960000000-0");
     }
 
     #[test]

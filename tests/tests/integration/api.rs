@@ -239,8 +239,8 @@ async fn a_submitted_runs_first_turn_carries_the_ask_its_tokens_were_counted_for
     body["input"] = json!("word ".repeat(400));
     body["max_output_tokens"] = json!(300);
     let run = app.submit(ACME, &body).await;
-    let queue = shared::queue::TurnQueue::new(&RedisArgs::new(app.redis.url(), app.prefix.clone()), Default::default())
-        .unwrap();
+    let queue =
+        shared::runs::run_queue(&RedisArgs::new(app.redis.url(), app.prefix.clone()), Default::default()).unwrap();
     let turn: shared::runs::Turn = queue.payload(run["id"].as_str().unwrap()).await.unwrap().expect("queued");
     assert_eq!((turn.job.turn, turn.cleared), (0, false));
     let ask = turn.ask.expect("the first turn's ask");
@@ -252,8 +252,7 @@ async fn a_submitted_runs_first_turn_carries_the_ask_its_tokens_were_counted_for
     let plain = spawn_app().await;
     let run = plain.submit(ACME, &spec()).await;
     let queue =
-        shared::queue::TurnQueue::new(&RedisArgs::new(plain.redis.url(), plain.prefix.clone()), Default::default())
-            .unwrap();
+        shared::runs::run_queue(&RedisArgs::new(plain.redis.url(), plain.prefix.clone()), Default::default()).unwrap();
     let turn: shared::runs::Turn = queue.payload(run["id"].as_str().unwrap()).await.unwrap().expect("queued");
     assert_eq!(turn.ask, None);
 }
@@ -1366,8 +1365,8 @@ async fn pacer_queue_and_workers_show_the_shared_state() {
 
     let (_, w) = app.get("/v1/workers", OPERATOR).await;
     assert_eq!(w["workers"], json!([]));
-    let queue = shared::queue::TurnQueue::new(&RedisArgs::new(app.redis.url(), app.prefix.clone()), Default::default())
-        .unwrap();
+    let queue =
+        shared::runs::run_queue(&RedisArgs::new(app.redis.url(), app.prefix.clone()), Default::default()).unwrap();
     let info = shared::queue::WorkerInfo {
         identity: "host-1-x".into(),
         host: "host".into(),
@@ -1565,7 +1564,7 @@ async fn cli(app: &TestApp, token: &str, args: &[&str]) -> (i32, String, String)
 
 #[tokio::test]
 async fn the_cli_submits_watches_lists_and_shows_errors_in_one_line() {
-    use shared::queue::{QueueConfig, TurnQueue};
+    use shared::queue::QueueConfig;
     use shared::runs::{Fence, Next, TurnJob, Usage, WaitReason};
     let app = spawn_app().await;
     let dir = tempfile::tempdir().unwrap();
@@ -1588,7 +1587,8 @@ async fn the_cli_submits_watches_lists_and_shows_errors_in_one_line() {
         .spawn()
         .unwrap();
     let store = app.store().await;
-    let queue = TurnQueue::new(&RedisArgs::new(app.redis.url(), app.prefix.clone()), QueueConfig::default()).unwrap();
+    let queue =
+        shared::runs::run_queue(&RedisArgs::new(app.redis.url(), app.prefix.clone()), QueueConfig::default()).unwrap();
     let lease = queue.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
     let job = TurnJob { turn: 0, attempt: 1 };
     let paced = json!({"turn": 0, "owed_ms": 300, "reason": "budget"});

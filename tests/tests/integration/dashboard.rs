@@ -399,7 +399,7 @@ async fn the_dashboard_shows_a_tenants_runs_live_its_transcript_and_budget_and_n
     // reason, and Retry re-drives it (the row goes, the run is queued again).
     let r = http.post(format!("{api}/v1/runs")).bearer_auth(ACME).json(&spec).send().await.unwrap();
     let dead = r.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_owned();
-    let queue = shared::queue::TurnQueue::new(
+    let queue = shared::runs::run_queue(
         &shared::config::RedisArgs::new(app.redis.url(), app.prefix.clone()),
         shared::queue::QueueConfig::default(),
     )

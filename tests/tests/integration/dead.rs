@@ -91,7 +91,8 @@ async fn a_dead_lettered_run_is_listed_for_the_operator_and_completes_after_a_re
     let id = run["id"].as_str().unwrap().to_owned();
 
     // Turn 0 commits (played here as a worker would), so turn 1 is queued.
-    let queue = TurnQueue::new(&RedisArgs::new(app.redis.url(), app.prefix.clone()), QueueConfig::default()).unwrap();
+    let queue =
+        shared::runs::run_queue(&RedisArgs::new(app.redis.url(), app.prefix.clone()), QueueConfig::default()).unwrap();
     let lease = queue.fetch("by-hand", 1).await.unwrap().deliveries.remove(0).lease;
     let job = TurnJob { turn: 0, attempt: 1 };
     assert_eq!(app.store.start(&lease, job).await.unwrap(), Fence::Ok);
@@ -191,7 +192,7 @@ async fn the_dead_set_keeps_its_retention_and_pages_newest_first() {
         let lease = q.fetch("w", 1).await.unwrap().deliveries.remove(0).lease;
         q.dead(&lease, "poison").await.unwrap();
     };
-    let kept = TurnQueue::new(&args, QueueConfig::default()).unwrap();
+    let kept = shared::runs::run_queue(&args, QueueConfig::default()).unwrap();
     for id in ["run_a", "run_b", "run_c"] {
         bury(kept.clone(), id).await;
         // Each dies in its own millisecond, so the order is by time, not by id.
@@ -207,7 +208,8 @@ async fn the_dead_set_keeps_its_retention_and_pages_newest_first() {
     // A 50 ms retention: the next bury trims the three older ones (the sleep
     // makes them older than it).
     tokio::time::sleep(Duration::from_millis(80)).await;
-    let short = TurnQueue::new(&args, QueueConfig { dead_retention_ms: 50, ..QueueConfig::default() }).unwrap();
+    let short =
+        shared::runs::run_queue(&args, QueueConfig { dead_retention_ms: 50, ..QueueConfig::default() }).unwrap();
     bury(short.clone(), "run_d").await;
     let left: Vec<String> = short.list_dead(10).await.unwrap().into_iter().map(|d| d.id).collect();
     assert_eq!(left, ["run_d"]);

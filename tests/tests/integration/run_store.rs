@@ -26,7 +26,7 @@ async fn env() -> Env {
     let prefix = unique_prefix();
     let conn = shared::redis_util::manager(&server.url()).await.unwrap();
     let store = RunStore::new(conn, Keys::new(&prefix), Duration::from_secs(60));
-    let queue = TurnQueue::new(&RedisArgs::new(server.url(), &prefix), QueueConfig::default()).unwrap();
+    let queue = shared::runs::run_queue(&RedisArgs::new(server.url(), &prefix), QueueConfig::default()).unwrap();
     Env { _server: server, store, queue, keys: Keys::new(&prefix) }
 }
 
@@ -396,7 +396,9 @@ async fn a_commit_settles_its_call_and_makes_the_next_turns_ask_in_its_own_scrip
     // the call's settle, made first and whatever the fence says, and the
     // next turn's ask, made only when the commit lands — cleared, the next
     // turn is queued cleared; owed, the run waits from this commit on.
-    use shared::pacer::{CallOutcome, Decision, Estimate, Mode, Observation, PacingConfig, SharedPacer, Who};
+    use shared::pacer::{
+        AcquireOp, CallOutcome, Decision, Estimate, Mode, Observation, Op, PacingConfig, SharedPacer, Who,
+    };
     use shared::runs::{CommitPacing, Turn};
     let env = env().await;
     let pacer = SharedPacer::new(env.store.connection(), env.keys.clone(), "default", PacingConfig::default());
@@ -423,7 +425,7 @@ async fn a_commit_settles_its_call_and_makes_the_next_turns_ask_in_its_own_scrip
         let pacing = CommitPacing {
             route: pacer.commit_route(model).unwrap(),
             settle: Some(SharedPacer::settle_op(&call, &answered(remaining))),
-            ask: Some(SharedPacer::acquire_op(&format!("{}:1:1", run.id), est, Mode::Work, &Who::DEFAULT, 0.0)),
+            ask: Some(Op::Acquire(AcquireOp::new(&format!("{}:1:1", run.id), est, Mode::Work, &Who::DEFAULT, 0.0))),
         };
         let committed = env
             .store
@@ -474,7 +476,7 @@ async fn a_commit_settles_its_call_and_makes_the_next_turns_ask_in_its_own_scrip
     let pacing = CommitPacing {
         route: pacer.commit_route("gpt-late").unwrap(),
         settle: Some(SharedPacer::settle_op(&call, &answered(99_000))),
-        ask: Some(SharedPacer::acquire_op(&next_reservation, est, Mode::Work, &Who::DEFAULT, 0.0)),
+        ask: Some(Op::Acquire(AcquireOp::new(&next_reservation, est, Mode::Work, &Who::DEFAULT, 0.0))),
     };
     let ask = shared::runs::PacedAsk { model: "gpt-late".into(), ..asked() };
     let next = Next::Paced {
@@ -1019,7 +1021,7 @@ async fn each_step_of_a_turn_costs_few_redis_commands() {
     let prefix = unique_prefix();
     let conn = shared::redis_util::manager(&server.url()).await.unwrap();
     let store = RunStore::new(conn.clone(), Keys::new(&prefix), Duration::from_secs(60));
-    let queue = TurnQueue::new(&RedisArgs::new(server.url(), &prefix), QueueConfig::default()).unwrap();
+    let queue = shared::runs::run_queue(&RedisArgs::new(server.url(), &prefix), QueueConfig::default()).unwrap();
     let pacer = SharedPacer::new(conn.clone(), Keys::new(&prefix), "default", PacingConfig::default());
     let mut stats = conn.clone();
     let est = Estimate { tokens: 300, requests: 1, output: 200 };

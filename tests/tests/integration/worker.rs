@@ -469,8 +469,7 @@ async fn a_cancel_aborts_the_call_in_flight_and_no_tool_runs_after_it() {
     app.store.cancel(TENANT, &run.id).await.unwrap();
     // The turn stops at the cancel, not when the provider would have answered:
     // its lease goes long before the 6 s are up.
-    let queue =
-        shared::queue::TurnQueue::new(&RedisArgs::new(app.redis.url(), &app.prefix), Default::default()).unwrap();
+    let queue = shared::runs::run_queue(&RedisArgs::new(app.redis.url(), &app.prefix), Default::default()).unwrap();
     let q = &queue;
     eventually("the turn to stop", secs(4), || async move {
         let c = q.counts().await.ok()?;
@@ -568,8 +567,7 @@ async fn a_turn_whose_lease_is_taken_back_stops_its_call_and_writes_no_text() {
     eventually("the first call", secs(10), || async { (app.mock.stats().requests >= 1).then_some(()) }).await;
     // Its lease is taken back while the call is out (as when its worker
     // stalls past the lease): the turn goes to the other worker.
-    let queue =
-        shared::queue::TurnQueue::new(&RedisArgs::new(app.redis.url(), &app.prefix), Default::default()).unwrap();
+    let queue = shared::runs::run_queue(&RedisArgs::new(app.redis.url(), &app.prefix), Default::default()).unwrap();
     let mut conn = app.redis.conn().await;
     let _: () = redis::cmd("ZADD").arg(&queue.keys().lease).arg(0).arg(&run.id).query_async(&mut conn).await.unwrap();
     let report = queue.heartbeat("test-reclaimer", None, &[]).await.unwrap();
@@ -600,8 +598,7 @@ async fn a_payload_or_record_of_a_newer_format_ends_its_run_with_the_reason_not_
     let mut app = App::start(MockConfig::default()).await;
     let payload_run = app.submit(json!({"model": "gpt-test", "input": "x"})).await;
     let record_run = app.submit(json!({"model": "gpt-test", "input": "y"})).await;
-    let queue =
-        shared::queue::TurnQueue::new(&RedisArgs::new(app.redis.url(), &app.prefix), Default::default()).unwrap();
+    let queue = shared::runs::run_queue(&RedisArgs::new(app.redis.url(), &app.prefix), Default::default()).unwrap();
     let mut conn = app.redis.conn().await;
     // What a newer paceline would have written: a turn payload of format 2,
     // and a run record of format 2.

@@ -1,0 +1,62 @@
+-- What a run needs when the queue's scripts end its turn's lease or bury the turn
+-- (queue/lib.lua `Q_HOOKS`), and the run helpers those need. Prepended after the queue's
+-- library to every queue script of a run store's queue (store.rs `QUEUE_HOOKS`, given to
+-- `TurnQueue::with_hooks`) and to the run store's own scripts (before runs/lib.lua).
+-- A run's keys sit beside the queue's (the same prefix and slot), named from its id by
+-- the shape keys.rs builds them: a queue script learns the id only as it meets the turn.
+local RUN_BASE = string.sub(Q_DEAD, 1, #Q_DEAD - #'q:dead')
+
+-- A run status that ends the run (runs/store.lua).
+local function run_finished(status)
+  return status == 'completed' or status == 'failed' or status == 'cancelled'
+end
+
+-- The set of a tenant's unfinished runs beside run record key `run`
+-- ('<prefix>:<slot>:tenant:<tenant>:active', keys.rs `tenant_active`), and the run's id:
+-- a run joins it when it is created or retried and leaves it when it finishes, in
+-- the same script, so a tenant's queue counts are read from its own runs alone.
+local function run_active(run, tenant)
+  local base, id = string.match(run, '^(.*)run:([^:]+)$')
+  return base .. 'tenant:' .. tenant .. ':active', id
+end
+
+-- A finished run's record, transcript and events (`run`, `tx`, `ev`) live for
+-- `retention` ms, then go (runs/store.lua); it leaves its tenant's unfinished runs.
+local function run_retire(run, tx, ev, now, retention)
+  local tenant = redis.call('HGET', run, 'tenant')
+  if tenant then
+    local active, id = run_active(run, tenant)
+    redis.call('ZREM', active, id)
+  end
+  redis.call('HSET', run, 'finished_ms', now, 'updated_ms', now, 'wait_reason', '', 'next_attempt_ms', '', 'phase', '')
+  local ttl = tonumber(retention)
+  if ttl and ttl > 0 then
+    redis.call('PEXPIRE', run, ttl)
+    redis.call('PEXPIRE', tx, ttl)
+    redis.call('PEXPIRE', ev, ttl)
+  end
+end
+
+-- A lease ended by a queue script (a reclaim, a settle) ends the run store's fence of it
+-- (runs/lib.lua `fenced`): the run record names the lease whose start it saw in its
+-- `epoch` field, cleared here, so its holder, stalled or late, writes nothing more.
+Q_HOOKS.lease_ended = function(id, epoch)
+  local run = RUN_BASE .. 'run:' .. id
+  if redis.call('HGET', run, 'epoch') == string.format('%d', epoch) then
+    redis.call('HSET', run, 'epoch', '')
+  end
+end
+
+-- A buried turn ends its run, in the same script: it fails with error.kind
+-- "dead_lettered", writes run.failed, and starts its retention (the record's
+-- retention_ms).
+Q_HOOKS.buried = function(id, reason, now)
+  local run, ev = RUN_BASE .. 'run:' .. id, RUN_BASE .. 'ev:' .. id
+  local status = redis.call('HGET', run, 'status')
+  if not status or run_finished(status) then return end
+  local message = 'its turn was dead-lettered: ' .. reason
+  redis.call('HSET', run, 'status', 'failed', 'error_kind', 'dead_lettered', 'error_message', message, 'epoch', '')
+  redis.call('XADD', ev, '*', 'type', 'run.failed',
+    'data', cjson.encode({error = {kind = 'dead_lettered', message = message}}))
+  run_retire(run, RUN_BASE .. 'tx:' .. id, ev, now, redis.call('HGET', run, 'retention_ms'))
+end

@@ -1,0 +1,327 @@
+//! The backend's fetcher: one per worker process, it leases turns only for
+//! free slots, and between fetches either watches the earliest delayed turn
+//! (the one idle worker the queue's `timer` names) or listens on `notify`
+//! (see the backend's module doc for the whole waking scheme).
+
+use super::*;
+
+/// One fetch, in a task of its own (see `BackendState::fetching`).
+pub(super) async fn fetch_in_task(
+    queue: TurnQueue,
+    script: Option<FetchScript>,
+    shared: Arc<BackendState>,
+    want: usize,
+    woken: bool,
+) -> Result<shared::queue::Fetched, QueueError> {
+    shared.fetching.fetch_add(1, Ordering::SeqCst);
+    let task = tokio::spawn(async move {
+        let sent = Instant::now();
+        let result = queue.fetch_woken(&shared.identity, want, script.as_ref(), woken).await;
+        if let Ok(fetched) = &result {
+            for d in &fetched.deliveries {
+                shared.hold(&d.lease, sent);
+            }
+        }
+        shared.fetching.fetch_sub(1, Ordering::SeqCst);
+        result
+    });
+    task.await.unwrap_or_else(|error| Err(QueueError::Protocol(format!("fetch task: {error}"))))
+}
+
+/// Fetches leases into a small buffer, sized to the free slots.
+pub(super) struct Fetcher<T> {
+    pub(super) queue: TurnQueue,
+    pub(super) script: Option<FetchScript>,
+    pub(super) shared: Arc<BackendState>,
+    pub(super) buffer: VecDeque<Task<T>>,
+    /// What the last fetch said to do once its deliveries started.
+    pub(super) then: Option<Then>,
+    /// The connection idle waits `BLPOP` on, and its client id (for `CLIENT UNBLOCK`).
+    pub(super) blocking: Option<(redis::aio::MultiplexedConnection, i64)>,
+    /// The `BLPOP` outstanding on it (with `CLIENT UNBLOCK` only): kept across
+    /// idle waits until it returns, or until every slot is taken.
+    pub(super) listening: Option<Listen>,
+    /// Whether the server lets this worker use `CLIENT UNBLOCK`.
+    pub(super) unblock: bool,
+    /// The last idle wait ended with a wake-up token: the next fetch clears
+    /// any left over (`TurnQueue::fetch_woken`).
+    pub(super) woken: bool,
+    pub(super) failures: u32,
+}
+
+impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
+    pub(super) async fn next_task(&mut self) -> Task<T> {
+        loop {
+            if let Some(task) = self.buffer.pop_front() {
+                self.shared.handed.fetch_add(1, Ordering::SeqCst);
+                return task;
+            }
+            self.free_slot().await;
+            let backlog = matches!(self.then, Some(Then::FetchAgain));
+            match self.then.take() {
+                Some(Then::Listen) => self.idle(None).await,
+                Some(Then::Watch { ms }) => self.idle(Some(ms)).await,
+                Some(Then::FetchAgain) | None => {}
+            }
+            // Kicks from here on are for turns this fetch may not see.
+            self.shared.kicked.store(false, Ordering::SeqCst);
+            // Counted after the idle wait: handlers may have started or ended in it.
+            let mut free = self.free_slot().await;
+            let batch = self.queue.config().fetch_batch.min(self.shared.concurrency);
+            if backlog && free < batch / 4 {
+                // The last fetch filled every free slot and more was due: the
+                // slots free one by one as handlers return. Gather a quarter
+                // of a batch for one fetch (its fixed cost shared), for at
+                // most GATHER, which no due turn notices.
+                let until = tokio::time::Instant::now() + GATHER;
+                while free < batch / 4 {
+                    let freed = self.shared.slot_freed.notified();
+                    if tokio::time::timeout_at(until, freed).await.is_err() {
+                        break;
+                    }
+                    free = self.free_slot().await;
+                }
+                free = self.free_slot().await;
+            }
+            let want = free.min(self.queue.config().fetch_batch);
+            let woken = std::mem::take(&mut self.woken);
+            match fetch_in_task(self.queue.clone(), self.script.clone(), self.shared.clone(), want, woken).await {
+                Ok(fetched) => {
+                    self.failures = 0;
+                    self.then = Some(fetched.then);
+                    // Turns the fetch's own pacer ask owed time again: budget
+                    // waits as much as the ones a turn's ask requeues.
+                    if fetched.held > 0 {
+                        metrics::counter!(shared::telemetry::metric::BUDGET_WAITS).increment(fetched.held);
+                        if let Some(f) = self.shared.on_held.get() {
+                            f();
+                        }
+                    }
+                    for d in fetched.deliveries {
+                        self.accept(d.lease, &d.payload).await;
+                    }
+                }
+                Err(error) => {
+                    self.failures += 1;
+                    warn!(message = "fetch failed; retrying", %error, attempt = self.failures);
+                    tokio::time::sleep(backoff(self.failures)).await;
+                }
+            }
+        }
+    }
+
+    /// Waits until a slot is free, and returns how many are. A wait here makes
+    /// the last fetch's advice stale (the worker was busy, not idle): the next
+    /// step is a fetch.
+    pub(super) async fn free_slot(&mut self) -> usize {
+        loop {
+            let busy = self.shared.running.load(Ordering::SeqCst) + self.shared.handed.load(Ordering::SeqCst);
+            if busy < self.shared.concurrency {
+                return self.shared.concurrency - busy;
+            }
+            self.then = None;
+            // No room: a token taken now would wait for a slot here.
+            self.stop_listening().await;
+            // `notify_one` keeps a permit when nobody waits, so a slot freed
+            // between the check and this wait is not missed.
+            self.shared.slot_freed.notified().await;
+        }
+    }
+
+    pub(super) async fn accept(&mut self, lease: Lease, payload: &str) {
+        match serde_json::from_str::<T>(payload) {
+            Ok(args) => {
+                let lease = lease.with_fetcher(Arc::new(FetcherHandle(Arc::downgrade(&self.shared))));
+                self.shared.hold(&lease, Instant::now());
+                let task = TaskBuilder::new(args)
+                    .task_id(TaskId::from(format!("{}#{}", lease.id, lease.epoch)))
+                    .attempt(lease.deliveries as usize)
+                    .data(lease)
+                    .build();
+                self.buffer.push_back(task);
+            }
+            Err(error) => {
+                // A payload no handler can read would fail every delivery: bury it now.
+                warn!(message = "undecodable payload; turn goes dead", %error, queue.id = %lease.id);
+                self.shared.forget(&lease);
+                let reason = format!("undecodable payload: {error}");
+                if let Err(error) = self.queue.dead(&lease, &reason).await {
+                    warn!(message = "could not bury an undecodable turn", %error, queue.id = %lease.id);
+                }
+            }
+        }
+    }
+
+    /// Waits until a token arrives, the watched due time passes (`watch_ms`),
+    /// a handler of this process queues a turn quietly (a kick), or the
+    /// safety-net interval elapses.
+    pub(super) async fn idle(&mut self, watch_ms: Option<i64>) {
+        let shared = self.shared.clone();
+        let kicked = shared.kick.notified();
+        tokio::pin!(kicked);
+        kicked.as_mut().enable();
+        if shared.kicked.load(Ordering::SeqCst) {
+            // Queued since the last fetch began: it may not have seen it.
+            return;
+        }
+        let cap = self.safety_net();
+        // +1 ms: the timer must not fire before the due time; the fetch script
+        // re-checks against the server clock anyway.
+        let wait = watch_ms.map(|w| Duration::from_millis(w.max(0) as u64 + 1)).unwrap_or(cap).min(cap);
+        let Some((conn, _)) = self.blocking_conn(cap).await else {
+            tokio::time::sleep(wait.min(backoff(self.failures.max(1)))).await;
+            return;
+        };
+        if !self.unblock {
+            // Without CLIENT UNBLOCK, the server's own timeout ends a watch (at
+            // least 10 ms: 0 would block forever), and nothing stays outstanding.
+            let result = blpop(conn, self.queue.keys().notify.clone(), wait.max(Duration::from_millis(10))).await;
+            self.listened(result);
+            return;
+        }
+        // One BLPOP outstanding, ended by a token or the safety net (the
+        // server's timeout); the watch's timer and a kick leave it listening.
+        let listen = self.listening.get_or_insert_with(|| blpop(conn, self.queue.keys().notify.clone(), cap));
+        let timer = async move {
+            if wait < cap {
+                tokio::time::sleep(wait).await
+            } else {
+                std::future::pending().await
+            }
+        };
+        tokio::select! {
+            r = listen => {
+                self.listening = None;
+                self.listened(r);
+            }
+            _ = futures::future::select(Box::pin(timer), kicked) => {}
+        }
+    }
+
+    /// A `BLPOP` returned: on an error, the blocking connection is opened
+    /// again at the next wait.
+    pub(super) fn listened(&mut self, result: redis::RedisResult<Option<(String, String)>>) {
+        if let Ok(Some(_)) = result {
+            self.woken = true;
+        }
+        if let Err(error) = result {
+            debug!(message = "blocking read failed; reconnecting", %error);
+            self.blocking = None;
+            self.listening = None;
+        }
+    }
+
+    /// Stops listening (every slot is taken): the outstanding `BLPOP` is
+    /// cancelled on the server, and a token it took in that moment is pushed
+    /// back for a worker with room.
+    pub(super) async fn stop_listening(&mut self) {
+        let Some(mut listen) = self.listening.take() else { return };
+        // Returned already (a token taken while the process was busy): nothing to cancel.
+        let result = match (&mut listen).now_or_never() {
+            Some(result) => result,
+            None => {
+                let client_id = self.blocking.as_ref().map_or(-1, |b| b.1);
+                let unblock: redis::RedisResult<i64> = redis::cmd("CLIENT")
+                    .arg("UNBLOCK")
+                    .arg(client_id)
+                    .arg("TIMEOUT")
+                    .query_async(&mut self.queue.conn())
+                    .await;
+                if let Err(error) = unblock {
+                    if error.code().is_some() {
+                        // Forbidden here (a managed Redis, an ACL): watch with BLPOP's own timeout from now on.
+                        info!(message = "CLIENT UNBLOCK is not allowed; watching with BLPOP timeouts instead", %error);
+                        metrics::counter!(shared::telemetry::metric::QUEUE_UNBLOCK_FALLBACKS).increment(1);
+                        self.unblock = false;
+                        self.shared.can_unblock.store(false, Ordering::SeqCst);
+                    }
+                    // The connection goes with its BLPOP (closing it ends the BLPOP).
+                    self.blocking = None;
+                    return;
+                }
+                match tokio::time::timeout(Duration::from_secs(2), listen).await {
+                    Ok(result) => result,
+                    Err(_) => {
+                        self.blocking = None;
+                        return;
+                    }
+                }
+            }
+        };
+        match result {
+            Ok(Some(_token)) => {
+                let pushed: redis::RedisResult<i64> = redis::cmd("LPUSH")
+                    .arg(&self.queue.keys().notify)
+                    .arg("1")
+                    .query_async(&mut self.queue.conn())
+                    .await;
+                if let Err(error) = pushed {
+                    debug!(message = "could not push back a wake-up token", %error);
+                }
+            }
+            other => self.listened(other),
+        }
+    }
+
+    /// How long an idle worker waits for a token before it looks anyway: the
+    /// configured interval times half the fleet (at most 16×), so the fleet
+    /// looks about as often as two workers would, whatever its size; jittered
+    /// ±20 % so the fleet's looks spread out.
+    pub(super) fn safety_net(&self) -> Duration {
+        let base = self.queue.config().idle_ms.max(100) as f64;
+        let scale = (self.shared.fleet.load(Ordering::Relaxed) as f64 / 2.0).clamp(1.0, 16.0);
+        Duration::from_millis((base * scale * (0.8 + 0.4 * rand::random::<f64>())) as u64)
+    }
+
+    pub(super) async fn blocking_conn(&mut self, cap: Duration) -> Option<(redis::aio::MultiplexedConnection, i64)> {
+        if let Some(b) = &self.blocking {
+            return Some(b.clone());
+        }
+        let connect = async {
+            let client = redis::Client::open(self.queue.url())?;
+            let config = redis::AsyncConnectionConfig::new()
+                .set_response_timeout(Some(cap + Duration::from_secs(5)))
+                .set_connection_timeout(Some(shared::redis_util::CONNECT_TIMEOUT));
+            let mut conn = client.get_multiplexed_async_connection_with_config(&config).await?;
+            let id = match redis::cmd("CLIENT").arg("ID").query_async::<i64>(&mut conn).await {
+                Ok(id) => id,
+                // CLIENT forbidden altogether: no UNBLOCK either (see `idle`).
+                Err(error) if error.code().is_some() => -1,
+                Err(error) => return Err(error),
+            };
+            Ok::<_, redis::RedisError>((conn, id))
+        };
+        match connect.await {
+            Ok(b) => {
+                if b.1 < 0 && self.unblock {
+                    info!(message = "CLIENT is not allowed; watching with BLPOP timeouts instead");
+                    metrics::counter!(shared::telemetry::metric::QUEUE_UNBLOCK_FALLBACKS).increment(1);
+                    self.unblock = false;
+                    self.shared.can_unblock.store(false, Ordering::SeqCst);
+                }
+                self.blocking = Some(b.clone());
+                Some(b)
+            }
+            Err(error) => {
+                self.failures += 1;
+                warn!(message = "cannot open the blocking connection; retrying", %error, attempt = self.failures);
+                None
+            }
+        }
+    }
+}
+
+/// A `BLPOP` on the wake-up tokens, owning its connection handle.
+type Listen = BoxFuture<'static, redis::RedisResult<Option<(String, String)>>>;
+
+fn blpop(mut conn: redis::aio::MultiplexedConnection, key: String, timeout: Duration) -> Listen {
+    async move { redis::cmd("BLPOP").arg(&key).arg(timeout.as_secs_f64()).query_async(&mut conn).await }.boxed()
+}
+
+/// How long a saturated worker gathers freed slots before it fetches.
+const GATHER: Duration = Duration::from_millis(2);
+
+/// Exponential backoff for Redis trouble: 50 ms doubling to 2 s.
+pub(super) fn backoff(failures: u32) -> Duration {
+    Duration::from_millis((50u64 << failures.min(6)).min(2000))
+}
