@@ -3,7 +3,8 @@
 //! [`ApiConfig::new`], `paceline up` field by field from its own flags; none of
 //! them sets environment variables.
 
-use shared::config::{ProvidersArg, RedisArgs, RunArgs, Secret};
+use shared::config::{ProvidersArg, RedisArgs, Secret};
+use shared::runs::RunArgs;
 use std::fmt;
 use std::net::SocketAddr;
 use std::str::FromStr;

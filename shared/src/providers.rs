@@ -34,7 +34,29 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::runs::ApiStyle;
+/// Which wire format the provider speaks (`PACELINE_API_STYLE`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ApiStyle {
+    /// `POST /responses` (OpenAI's default).
+    #[default]
+    Responses,
+    /// `POST /chat/completions` (vLLM, Ollama, LiteLLM often speak only this).
+    Chat,
+    /// `POST /v1/messages` (Anthropic's Messages API).
+    Anthropic,
+}
+
+impl ApiStyle {
+    /// The name as written in `PACELINE_API_STYLE` and `PACELINE_PROVIDERS`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Responses => "responses",
+            Self::Chat => "chat",
+            Self::Anthropic => "anthropic",
+        }
+    }
+}
 
 /// The one provider of a fleet configured without `PACELINE_PROVIDERS`
 /// (`PACELINE_PROVIDER_URL`, `PACELINE_API_STYLE`): a run may name it so.

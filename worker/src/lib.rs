@@ -31,11 +31,12 @@ use std::time::Duration;
 
 use crate::config::{KeySource, ProviderArgs};
 use anyhow::Context as _;
-use shared::config::{PacerArgs, RedisArgs, RunArgs};
+use shared::config::{PacerArgs, RedisArgs};
 use shared::queue::apalis_core::error::BoxDynError;
 use shared::queue::apalis_core::task::data::Data;
 use shared::queue::apalis_core::worker::builder::WorkerBuilder;
 use shared::queue::{Lease, QueueConfig, TurnQueue};
+use shared::runs::RunArgs;
 use shared::runs::{RunStore, Turn};
 
 pub use turn::{Runner, TurnConfig, TurnOutcome};

@@ -316,3 +316,40 @@ fn decode_record(s: &str) -> Option<Record> {
         _ => None,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// The Lua keeps the state's numbers as one packed field in the order of
+    /// its `FIXED` list (`lua/state.lua`); this decoder reads them by name.
+    /// The two lists are one: every number the script keeps is read here, and
+    /// every name read here is one the script keeps (but `ttl_at`, the keys'
+    /// expiry bookkeeping, which is no part of the model).
+    #[test]
+    fn the_lua_state_fields_and_the_decoder_are_one_list() {
+        let lua = include_str!("lua/state.lua");
+        let start = lua.find("local FIXED = {").expect("FIXED in state.lua");
+        let end = start + lua[start..].find('}').expect("FIXED ends");
+        let fixed: std::collections::BTreeSet<String> =
+            lua[start..end].split('\'').skip(1).step_by(2).map(str::to_owned).collect();
+        let rust = include_str!("snapshot.rs");
+        let code = rust.split("#[cfg(test)]").next().unwrap();
+        let mut read = std::collections::BTreeSet::new();
+        for piece in code.split("f(&format!(\"{p}").skip(1) {
+            let name = &piece[..piece.find('"').unwrap()];
+            for p in ["t_", "r_", "i_", "o_"] {
+                read.insert(format!("{p}{name}"));
+            }
+        }
+        for piece in code.split(" f(\"").skip(1).chain(code.split("(f(\"").skip(1)) {
+            read.insert(piece[..piece.find('"').unwrap()].to_owned());
+        }
+        read.remove("now");
+        let storage_only: std::collections::BTreeSet<String> = ["ttl_at".to_owned()].into();
+        let kept: std::collections::BTreeSet<String> = fixed.difference(&storage_only).cloned().collect();
+        assert!(kept.len() > 100, "read {} names of FIXED", kept.len());
+        let unread: Vec<_> = kept.difference(&read).collect();
+        let unknown: Vec<_> = read.difference(&kept).collect();
+        assert!(unread.is_empty(), "the script keeps numbers the decoder does not read: {unread:?}");
+        assert!(unknown.is_empty(), "the decoder reads numbers the script does not keep: {unknown:?}");
+    }
+}

@@ -5,6 +5,7 @@
 //! library). What a turn sends the model is bounded by the worker
 //! (`worker::context`).
 
+pub mod config;
 pub mod endpoints;
 pub mod events;
 pub mod generation;
@@ -16,6 +17,7 @@ pub mod store;
 pub mod transcript;
 pub mod turn;
 
+pub use config::{RunArgs, DEFAULT_RETENTION};
 pub use endpoints::{valid_tenant, ToolEndpoint, ToolEndpoints};
 pub use events::{stream_id_after, valid_stream_id, RunEvent};
 pub use generation::{Effort, Format, Generation, JsonSchema, ServiceTier, ToolChoice, Truncation};

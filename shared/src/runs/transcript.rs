@@ -21,26 +21,5 @@ pub struct TranscriptEntry {
     pub item: serde_json::Value,
 }
 
-/// Which wire format the provider speaks (`PACELINE_API_STYLE`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ApiStyle {
-    /// `POST /responses` (OpenAI's default).
-    #[default]
-    Responses,
-    /// `POST /chat/completions` (vLLM, Ollama, LiteLLM often speak only this).
-    Chat,
-    /// `POST /v1/messages` (Anthropic's Messages API).
-    Anthropic,
-}
-
-impl ApiStyle {
-    /// The name as written in `PACELINE_API_STYLE` and `PACELINE_PROVIDERS`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Responses => "responses",
-            Self::Chat => "chat",
-            Self::Anthropic => "anthropic",
-        }
-    }
-}
+/// Which wire format the provider speaks (the providers' own: `crate::providers`).
+pub use crate::providers::ApiStyle;

@@ -22,8 +22,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context as _;
-use shared::config::{PacerArgs, RedisArgs, RunArgs};
+use shared::config::{PacerArgs, RedisArgs};
 use shared::queue::QueueConfig;
+use shared::runs::RunArgs;
 use tokio::sync::watch;
 use worker::config::{KeySource, ProviderArgs};
 

@@ -3,7 +3,7 @@ local function known(p) return get(p .. 'limit') > 0 and get(p .. 'rate') > 0 en
 
 -- The continuous refill counted on: none for a window, nor while the shape is unknown.
 local function refill_rate(p)
-  if get(p .. 'refill') == 2 then return 0 end
+  if get(p .. 'refill') == WINDOW then return 0 end
   return get(p .. 'rate')
 end
 
@@ -11,7 +11,7 @@ local function window_ms(p) return math.max(get(p .. 'max_reset'), 1) end
 
 -- The average refill for what spaces turns (caps, the recheck horizon).
 local function share_rate(p)
-  if get(p .. 'refill') == 0 then return math.max(get(p .. 'rate'), get(p .. 'limit') / window_ms(p)) end
+  if get(p .. 'refill') == UNKNOWN then return math.max(get(p .. 'rate'), get(p .. 'limit') / window_ms(p)) end
   return get(p .. 'rate')
 end
 
@@ -22,7 +22,7 @@ end
 
 -- A bucket without continuous refill whose next reset no headers named: the window after the last lift.
 local function guessed_boundary(p)
-  if get(p .. 'refill') == 1 or get(p .. 'full_at') > now or get(p .. 'boundary') <= 0 then return nil end
+  if get(p .. 'refill') == CONTINUOUS or get(p .. 'full_at') > now or get(p .. 'boundary') <= 0 then return nil end
   local window = math.max(window_ms(p), MIN_WINDOW_MS)
   local passed = math.floor((now - get(p .. 'boundary')) / window) + 1
   return get(p .. 'boundary') + math.ceil(passed * window)
@@ -31,7 +31,7 @@ end
 -- The head may go to find the next reset, once per window.
 local function may_probe(p)
   local window = math.floor(math.max(window_ms(p), MIN_WINDOW_MS))
-  return get(p .. 'refill') == 2 and get(p .. 'full_at') <= now and now - get(p .. 'boundary') >= window
+  return get(p .. 'refill') == WINDOW and get(p .. 'full_at') <= now and now - get(p .. 'boundary') >= window
     and now - get(p .. 'probed') >= window
 end
 
@@ -43,7 +43,7 @@ end
 local function advance(p)
   if now > get(p .. 'at') then
     local level = level_at(p, now)
-    if get(p .. 'refill') == 0 then
+    if get(p .. 'refill') == UNKNOWN then
       S[p .. 'unknown_credit'] = get(p .. 'unknown_credit') + math.max(level - get(p .. 'level'), 0)
     end
     S[p .. 'level'] = level
@@ -107,9 +107,9 @@ local function lift(p, recent)
   if full_at > 0 and now >= full_at then
     advance(p)
     local charged = get(p .. 'charged_since')
-    if get(p .. 'refill') == 2 then charged = recent end
+    if get(p .. 'refill') == WINDOW then charged = recent end
     S[p .. 'level'] = math.max(get(p .. 'level'), get(p .. 'limit') - charged)
-    if get(p .. 'refill') == 2 then S[p .. 'charged_since'] = 0 end
+    if get(p .. 'refill') == WINDOW then S[p .. 'charged_since'] = 0 end
     S[p .. 'boundary'] = full_at
     S[p .. 'full_at'] = 0
   end
@@ -134,9 +134,9 @@ local function vote(p, at, missing, reset_ms, limit)
       S[p .. 'votes'] = math.min(get(p .. 'votes') + 1, MAX_VOTES)
     end
     if get(p .. 'votes') >= SHAPE_VOTES then
-      S[p .. 'refill'] = 2
+      S[p .. 'refill'] = WINDOW
     elseif get(p .. 'votes') <= -SHAPE_VOTES then
-      S[p .. 'refill'] = 1
+      S[p .. 'refill'] = CONTINUOUS
     end
   end
   S[p .. 'obs_at'], S[p .. 'obs_missing'], S[p .. 'obs_reset'] = math.max(at, 1), missing, reset_ms
@@ -146,7 +146,7 @@ end
 -- (bucket.rs, floor_at).
 local function floor_at(p, fl)
   local full_at = get(p .. 'full_at')
-  if get(p .. 'refill') == 2 and full_at > now then
+  if get(p .. 'refill') == WINDOW and full_at > now then
     return fl * math.min(math.max((full_at - now) / window_ms(p), 0), 1)
   end
   return fl
@@ -211,11 +211,11 @@ local function observe(p, limit, remaining, reset_ms, headers_at, since, own, se
   if reset_ms > max_pace then return end
   remaining = math.min(remaining, limit)
   local missing = limit - remaining
-  local was_unknown = get(p .. 'refill') == 0
+  local was_unknown = get(p .. 'refill') == UNKNOWN
   if has_reset then vote(p, headers_at, missing, reset_ms, limit) end
   -- Nothing says when it refills: a per-minute limit refilling continuously.
-  if not has_reset then S[p .. 'refill'] = 1 end
-  if get(p .. 'refill') == 2 then
+  if not has_reset then S[p .. 'refill'] = CONTINUOUS end
+  if get(p .. 'refill') == WINDOW then
     S[p .. 'rate'] = limit / window_ms(p)
     S[p .. 'rated'] = 1
   elseif reset_ms >= 20 and missing >= limit * 0.1 then
@@ -236,13 +236,13 @@ local function observe(p, limit, remaining, reset_ms, headers_at, since, own, se
     S[p .. 'limit'] = limit
   end
   advance(p)
-  if was_unknown and get(p .. 'refill') ~= 0 then
+  if was_unknown and get(p .. 'refill') ~= UNKNOWN then
     -- A window gave nothing back before its boundary: take back the refill counted while unknown.
-    if get(p .. 'refill') == 2 then S[p .. 'level'] = get(p .. 'level') - get(p .. 'unknown_credit') end
+    if get(p .. 'refill') == WINDOW then S[p .. 'level'] = get(p .. 'level') - get(p .. 'unknown_credit') end
     S[p .. 'unknown_credit'] = 0
   end
   -- A window's headers from before a boundary that has passed since describe the window that ended.
-  if get(p .. 'refill') == 2 and has_reset and headers_at + reset_ms <= now then return end
+  if get(p .. 'refill') == WINDOW and has_reset and headers_at + reset_ms <= now then return end
   local elapsed = math.max(now - headers_at, 0)
   local theirs = math.min(remaining + since + refill_rate(p) * elapsed, limit)
   if theirs < get(p .. 'level') then
@@ -251,9 +251,9 @@ local function observe(p, limit, remaining, reset_ms, headers_at, since, own, se
     -- Of the refunds withheld, only those given after these headers are still owed; what
     -- these headers lowered the level by may be charges they already counted (a burst):
     -- outside a window it is withheld too, for later headers to give back (bucket.rs).
-    if get(p .. 'refill') == 2 then lowered = 0 end
+    if get(p .. 'refill') == WINDOW then lowered = 0 end
     S[p .. 'withheld'] = math.min(get(p .. 'withheld'), unseen_refunds) + lowered
-    if get(p .. 'refill') == 0 then S[p .. 'unknown_credit'] = get(p .. 'rate') * elapsed end
+    if get(p .. 'refill') == UNKNOWN then S[p .. 'unknown_credit'] = get(p .. 'rate') * elapsed end
   end
   if has_reset and headers_at >= get(p .. 'full_seen') then
     S[p .. 'full_seen'] = headers_at

@@ -21,7 +21,7 @@ local function lift_all()
   local recent = {t_ = 0, r_ = 0, i_ = 0, o_ = 0}
   local lifts, any = {}, false
   for _, p in ipairs(BUCKETS) do
-    lifts[p] = get(p .. 'refill') == 2 and get(p .. 'full_at') > 0 and now >= get(p .. 'full_at')
+    lifts[p] = get(p .. 'refill') == WINDOW and get(p .. 'full_at') > 0 and now >= get(p .. 'full_at')
     any = any or lifts[p]
   end
   if any then

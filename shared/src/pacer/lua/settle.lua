@@ -135,7 +135,7 @@ local function boundary_from_headers(r, flights)
   for j, p in ipairs(BUCKETS) do
     local reset = r.obs[j][3]
     local window = get(p .. 'max_reset')
-    if get(p .. 'refill') == 2 and reset >= 0 then
+    if get(p .. 'refill') == WINDOW and reset >= 0 then
       local start = r.headers_at + reset - math.floor(window)
       if window > 0 and get(p .. 'full_at') <= now and start <= now and start > get(p .. 'boundary') + window / 2 then
         local since = start - late_ms
@@ -164,7 +164,7 @@ local function refund_caps(r, flights)
   for j, p in ipairs(BUCKETS) do
     if known(p) then
       local since = cleared_at
-      if get(p .. 'refill') == 2 then since = math.max(cleared_at, get(p .. 'boundary') - late_ms) end
+      if get(p .. 'refill') == WINDOW then since = math.max(cleared_at, get(p .. 'boundary') - late_ms) end
       -- The calls cleared later, newest first; those cleared at one moment count
       -- together (the least falls on the last of them, whatever their order).
       local field = HELD_FIELDS[j]
@@ -207,7 +207,7 @@ local function credit_reservation(r, share, flights)
     local cleared = r.cleared_at
     for j, p in ipairs(BUCKETS) do
       local b = get(p .. 'boundary')
-      if get(p .. 'refill') == 2 and r.obs[j][3] >= 0 and cleared < b and cleared >= b - late_ms
+      if get(p .. 'refill') == WINDOW and r.obs[j][3] >= 0 and cleared < b and cleared >= b - late_ms
         and r.headers_at + r.obs[j][3] < b + get(p .. 'max_reset') / 2 then
         old_window[j] = true
       end
@@ -271,7 +271,7 @@ local function learn_refund_share(r)
   if r.rec[ALONE] == 1 then
     -- A pair must not span the reset these headers name, unless the bucket is known continuous.
     local until_ms = 0
-    if get('t_refill') ~= 1 and t_reset >= 0 then until_ms = headers_at + t_reset end
+    if get('t_refill') ~= CONTINUOUS and t_reset >= 0 then until_ms = headers_at + t_reset end
     -- A refused call was charged nothing: its own charge is not in its headers.
     local sent = sent_mark
     if r.limited >= 0 then sent = sent_mark - r.tk end

@@ -125,6 +125,11 @@ local HL_ACCEL_MAX = 4
 
 local function fmt(x) return string.format('%.17g', x) end
 
+-- bucket.rs `Refill`, as a bucket's <p>refill keeps it: not decided yet, continuous, window.
+local UNKNOWN, CONTINUOUS, WINDOW = 0, 1, 2
+-- model.rs `OwedReason`, as an owed answer and a waiter's record give it.
+local OWED_BUDGET, OWED_RATE_LIMITED, OWED_PROBE, OWED_FAIR_SHARE = 1, 2, 3, 4
+
 -- model.rs's buckets, in one order: tokens, requests, input, output.
 local BUCKETS = {'t_', 'r_', 'i_', 'o_'}
 

@@ -1,0 +1,31 @@
+//! What the API and the workers both read about runs (`RunArgs`, flattened
+//! into `paceline api`, `worker` and `up`).
+
+/// What the API and the workers both read about runs: which tool endpoints a
+/// run may name, and how long a finished run is kept. Declared once,
+/// flattened into `paceline api`, `paceline worker` and `paceline up`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RunArgs {
+    /// URL prefixes a run's `tool_endpoint` may start with, comma-separated:
+    /// `PREFIX` for every tenant, `TENANT=PREFIX` for one (the API checks a
+    /// run against it; a worker checks again before each call).
+    #[arg(long = "tool-endpoints", env = "PACELINE_TOOL_ENDPOINTS", default_value = "", value_name = "LIST")]
+    pub tool_endpoints: super::ToolEndpoints,
+    /// How long a finished run's record, transcript and events are kept
+    /// (`90s`, `30m`, `12h`, `7d`, or seconds).
+    #[arg(long = "retention", env = "PACELINE_RETENTION", default_value = DEFAULT_RETENTION, value_parser = crate::config::parse_duration)]
+    pub retention: std::time::Duration,
+}
+
+/// Default of `--retention`.
+pub const DEFAULT_RETENTION: &str = "7d";
+
+impl Default for RunArgs {
+    /// No tool endpoint; the default retention.
+    fn default() -> Self {
+        Self {
+            tool_endpoints: super::ToolEndpoints::default(),
+            retention: crate::config::parse_duration(DEFAULT_RETENTION).expect("the default retention parses"),
+        }
+    }
+}
