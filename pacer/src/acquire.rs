@@ -8,7 +8,7 @@ use crate::model::{
     ensure_configured, expire, lift, owed, Decision, Estimate, Mode, OwedReason, PacingConfig, Who, BURST_GAP_MS,
     PROBE_AFTER_LATE, PROBE_HOLD_MS,
 };
-use crate::state::{Flight, PacerState, Waiter, BUCKETS};
+use crate::state::{Ahead, Flight, PacerState, Waiter, BUCKETS};
 use crate::Millis;
 
 /// One ask: a call of `est` under reservation `id`, in `mode`, for `who`.
@@ -26,70 +26,131 @@ pub struct Ask<'a> {
 
 /// Asks for `ask.est` at `now`. `jitter_u` is a uniform
 /// number in [0, 1) from the caller (Redis scripts must be deterministic, so
-/// randomness comes from outside).
+/// randomness comes from outside). In named steps, as `acquire.lua`.
 pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &Ask<'_>, jitter_u: f64) -> Decision {
     // Everything below charges what the provider will charge.
     let raw_input = if ask.est.output > 0 { ask.est.tokens - ask.est.output.min(ask.est.tokens) } else { 0 };
     let ask = &Ask { est: state.charged(ask.est), ..*ask };
-    let Ask { id, est, mode, who } = *ask;
     expire(state, cfg, now);
     // 1. Asked again for a call already cleared (a redelivery): still clear.
-    if state.flights.contains_key(id) {
+    if state.flights.contains_key(ask.id) {
         return Decision::Clear;
     }
     // 2. Back before its time: owed the rest (a wait cut short is not a wait saved).
-    if let Some(w) = state.waiters.get(id) {
-        if now < w.due_ms {
-            return Decision::Owed { ms: (w.due_ms - now) as u64, reason: w.reason };
-        }
+    if let Some(owed) = back_early(state, ask.id, now) {
+        return owed;
     }
     ensure_configured(state, cfg, now);
-    // 3. A window a 429 closed, or a probe out: wait (a waiter keeps its place).
-    if now < state.blocked_until_ms {
-        let ms = (state.blocked_until_ms - now) as f64;
-        return hold_place(state, cfg, now, id, ms, OwedReason::RateLimited, jitter_u);
-    }
-    if !state.any_known() {
-        if state.headerless {
-            // No headers, no configured limits and no 429 yet: no proactive
-            // pacing (docs/pacing.md, "A provider without headers"); a 429 closes the window above and teaches a
-            // bucket (`learn_headerless`).
-            return admit(state, cfg, now, ask, raw_input, None);
-        }
-        if now < state.probe_until_ms {
-            let ms = (state.probe_until_ms - now).min(cfg.probe_wait_ms as Millis) as f64;
-            return hold_place(state, cfg, now, id, ms, OwedReason::Probe, jitter_u);
-        }
-        // The probe holds the rest until it settles (its headers show what
-        // it was charged; a second call sent before them would be charged
-        // where the model cannot see it), or until the hold lapses.
-        state.probe_until_ms = now + PROBE_HOLD_MS.min(cfg.reservation_ttl_ms as Millis);
-        return admit(state, cfg, now, ask, raw_input, None);
+    // 3. A window a 429 closed, or nothing known yet: a probe, or no pacing at all.
+    if let Some(decision) = closed_or_unknown(state, cfg, now, ask, raw_input, jitter_u) {
+        return decision;
     }
     lift(state, cfg, now);
     // 4. Its place in line: kept if it waited before, else given now (a
-    //    capped tenant's turn first passes its cap).
-    let line = state.line_cost(est);
-    let order = match state.waiters.get_mut(id) {
+    //    capped tenant's turn first passes its cap; no jitter: the gate's time
+    //    is exact, so a redelivery that asks before it is still held).
+    let place = match take_place(state, now, ask) {
+        Ok(place) => place,
+        Err(ms) => return owed(ms, OwedReason::FairShare, cfg, 0.0),
+    };
+    // 5. Clear if the bucket holds the turns ahead and this one above the floor.
+    let room = room_for(state, cfg, now, ask, &place);
+    if room.fits {
+        return admit(state, cfg, now, ask, raw_input, Some((place.order, place.line)));
+    }
+    // 6. Otherwise it waits in line until the refill brings it.
+    wait_in_line(state, cfg, now, ask, &place, &room, jitter_u)
+}
+
+/// Step 2: a waiter back before its due time is owed the rest.
+fn back_early(state: &PacerState, id: &str, now: Millis) -> Option<Decision> {
+    let w = state.waiters.get(id)?;
+    (now < w.due_ms).then(|| Decision::Owed { ms: (w.due_ms - now) as u64, reason: w.reason })
+}
+
+/// Step 3: a window a 429 closed holds every turn (a waiter keeps its
+/// place); with nothing known, one probe goes and the rest wait for its
+/// headers — or, once an answer came without headers and nothing is
+/// configured, nothing is paced at all (docs/pacing.md, "A provider without
+/// headers"; a 429 closes the window and teaches a bucket, `learn_headerless`).
+fn closed_or_unknown(
+    state: &mut PacerState,
+    cfg: &PacingConfig,
+    now: Millis,
+    ask: &Ask<'_>,
+    raw_input: u64,
+    jitter_u: f64,
+) -> Option<Decision> {
+    if now < state.blocked_until_ms {
+        let ms = (state.blocked_until_ms - now) as f64;
+        return Some(hold_place(state, cfg, now, ask.id, ms, OwedReason::RateLimited, jitter_u));
+    }
+    if state.any_known() {
+        return None;
+    }
+    if state.headerless {
+        return Some(admit(state, cfg, now, ask, raw_input, None));
+    }
+    if now < state.probe_until_ms {
+        let ms = (state.probe_until_ms - now).min(cfg.probe_wait_ms as Millis) as f64;
+        return Some(hold_place(state, cfg, now, ask.id, ms, OwedReason::Probe, jitter_u));
+    }
+    // The probe holds the rest until it settles (its headers show what it
+    // was charged; a second call sent before them would be charged where the
+    // model cannot see it), or until the hold lapses.
+    state.probe_until_ms = now + PROBE_HOLD_MS.min(cfg.reservation_ttl_ms as Millis);
+    Some(admit(state, cfg, now, ask, raw_input, None))
+}
+
+/// A turn's place in line (step 4): its order and its line cost (what it
+/// is expected to use, what it holds for the turns behind it).
+pub(crate) struct Place {
+    order: f64,
+    line: f64,
+}
+
+/// Step 4 (see [`Place`]); `Err(ms)` while its tenant's cap holds a new
+/// turn back (it does not join the line then).
+fn take_place(state: &mut PacerState, now: Millis, ask: &Ask<'_>) -> Result<Place, f64> {
+    let line = state.line_cost(ask.est);
+    let order = match state.waiters.get_mut(ask.id) {
         Some(w) => {
             w.line = line;
             w.order
         }
-        None => match fresh_place(state, now, mode, &who, line) {
-            Ok(order) => order,
-            // No jitter: the gate's time is exact, so a redelivery that asks
-            // before it is still held (the turn has no place in line to keep it).
-            Err(ms) => return owed(ms, OwedReason::FairShare, cfg, 0.0),
-        },
+        None => fresh_place(state, now, ask.mode, &ask.who, line)?,
     };
-    // 5. Clear if the bucket holds the turns ahead and this one above the floor.
-    let ahead = state.ahead_of(order, id, who.tenant, now, cfg.late_ms);
-    let floor = cfg.floor(mode);
+    Ok(Place { order, line })
+}
+
+/// What step 5 found: whether the turn fits, and if not, what holds it.
+pub(crate) struct Room {
+    fits: bool,
+    /// The refill time until it would fit, ms.
+    wait: f64,
+    /// What it is short of on each bucket.
+    shorts: [f64; BUCKETS],
+    /// Nothing ahead of it holds budget.
+    head: bool,
+    /// What the turns ahead hold.
+    ahead: Ahead,
+    /// Only the token bucket holds it.
+    tokens_only: bool,
+    /// The refund share is known.
+    share_known: bool,
+}
+
+/// Step 5: clear if every bucket holds what the turns ahead hold and this
+/// turn's reservation above the floor; the head may also go as a probe — to
+/// find a window's next boundary when nothing else holds it and no call
+/// cleared since the last boundary will bring it (one in flight for longer
+/// than a few `late_ms` may never: its worker died), or, once per window, to
+/// learn whether unused output comes back.
+fn room_for(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &Ask<'_>, place: &Place) -> Room {
+    let ahead = state.ahead_of(place.order, ask.id, ask.who.tenant, now, cfg.late_ms);
+    let floor = cfg.floor(ask.mode);
     let mut wait: f64 = 0.0;
     let mut fits = true;
-    // The head may go to find a window's next boundary when nothing else
-    // holds it and no call cleared since the last boundary will bring it (one
-    // in flight for longer than a few `late_ms` may never: its worker died).
     let ttl = cfg.reservation_ttl_ms as Millis;
     let answering = now - PROBE_AFTER_LATE * cfg.late_ms as Millis;
     let since_boundary =
@@ -98,7 +159,7 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
     let mut probe = head && !state.buckets().iter().any(|b| since_boundary(b));
     let idle = state.flights.is_empty() && now - state.last_admit_ms >= BURST_GAP_MS;
     let share_known = state.learned_share().is_some();
-    let costs = est.costs();
+    let costs = ask.est.costs();
     let deep = state.waits_whole(cfg);
     let mut shorts = [0.0; BUCKETS];
     for (i, bucket) in state.buckets_mut().into_iter().enumerate() {
@@ -113,7 +174,6 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
             }
         }
     }
-    // Only the token bucket holds the turn.
     let tokens_only = shorts[0] > 0.0 && shorts[1..].iter().all(|s| *s <= 0.0);
     // A window bucket whose refunds are not known yet and whose head is held
     // only by them: once per window, when every call has settled, the head
@@ -141,27 +201,40 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
         }
         fits = true;
     }
-    if fits {
-        return admit(state, cfg, now, ask, raw_input, Some((order, line)));
-    }
-    // 6. Otherwise wait in line until the refill brings it — for at most
-    //    three quarters of that, or a few turns' refill when that is longer. A
-    //    long wait is a prediction (the line's expected use, refunds to come,
-    //    turns ahead that may never come back): a turn asked back early is
-    //    re-timed with what is known then, where one that sleeps past a
-    //    pessimistic prediction leaves the bucket idle. Shrinking the rest by
-    //    four each time keeps the asks of a deep line few (a logarithm of its
-    //    wait); a prediction up to a quarter too pessimistic costs nothing.
-    //    A wait within [`RECHECK_TAIL`] of the horizon is slept whole: the rest
-    //    a horizon's sleep would leave is a whole round (a fetch, an ask, a
-    //    requeue) for a third of a horizon. (Not a bucket learned without
-    //    headers: its waits are guesses until the answers of its wave come.)
-    //    It never sends before it is clear. With whole waits
-    //    ([`PacerState::waits_whole`]) every wait is slept whole (behind
-    //    others, a tenth longer), and [`pull_in`] moves up the waiters near
-    //    the head whose prediction shortens (the re-timing comes to them).
-    let reason = if ahead.other_tenant { OwedReason::FairShare } else { OwedReason::Budget };
-    let recheck = recheck_ms(&state.tokens, cfg, line);
+    Room { fits, wait, shorts, head, ahead, tokens_only, share_known }
+}
+
+/// Step 6: the turn waits in line until the refill brings it — for at most
+/// three quarters of that, or a few turns' refill when that is longer. A
+/// long wait is a prediction (the line's expected use, refunds to come, turns
+/// ahead that may never come back): a turn asked back early is re-timed with
+/// what is known then, where one that sleeps past a pessimistic prediction
+/// leaves the bucket idle. Shrinking the rest by four each time keeps the
+/// asks of a deep line few (a logarithm of its wait); a prediction up to a
+/// quarter too pessimistic costs nothing. A wait within [`RECHECK_TAIL`] of
+/// the horizon is slept whole: the rest a horizon's sleep would leave is a
+/// whole round (a fetch, an ask, a requeue) for a third of a horizon. (Not a
+/// bucket learned without headers: its waits are guesses until the answers
+/// of its wave come.) It never sends before it is clear. With whole waits
+/// ([`PacerState::waits_whole`]) every wait is slept whole (behind others, a
+/// tenth longer), and [`pull_in`] moves up the waiters near the head whose
+/// prediction shortens (the re-timing comes to them).
+fn wait_in_line(
+    state: &mut PacerState,
+    cfg: &PacingConfig,
+    now: Millis,
+    ask: &Ask<'_>,
+    place: &Place,
+    room: &Room,
+    jitter_u: f64,
+) -> Decision {
+    let Ask { id, est, mode, who } = *ask;
+    let (wait, head, shorts, tokens_only) = (room.wait, room.head, room.shorts, room.tokens_only);
+    let floor = cfg.floor(mode);
+    let ttl = cfg.reservation_ttl_ms as Millis;
+    let deep = state.waits_whole(cfg);
+    let reason = if room.ahead.other_tenant { OwedReason::FairShare } else { OwedReason::Budget };
+    let recheck = recheck_ms(&state.tokens, cfg, place.line);
     let answered = answer_recheck(state, recheck);
     let whole = deep || (!state.headerless && wait <= recheck * RECHECK_TAIL);
     let mut sleep = if whole { wait } else { wait.min((wait * RECHECK_SHARE).max(recheck)) };
@@ -208,7 +281,7 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
     // A window's head held only by refunds whose share is not known yet
     // (withheld, or to be withheld at the settles of the calls in flight):
     // back when those calls are answered, to go alone as the refund probe.
-    if head && !share_known && state.tokens.windowed() && tokens_only {
+    if head && !room.share_known && state.tokens.windowed() && tokens_only {
         let coming: f64 = state.flights.values().map(|f| f.est.output as f64).sum();
         if shorts[0] <= state.tokens.withheld + coming {
             sleep = sleep.min(answered);
@@ -227,16 +300,16 @@ pub fn acquire(state: &mut PacerState, cfg: &PacingConfig, now: Millis, ask: &As
     // plus `late_ms`: be back then to take its place. (Their checkpoints are
     // not the mark: waking with every one of them would make a deep line ask
     // as often as its head.)
-    if ahead.last_clear_ms > 0 {
-        sleep = sleep.min((ahead.last_clear_ms + cfg.late_ms as Millis - now) as f64);
+    if room.ahead.last_clear_ms > 0 {
+        sleep = sleep.min((room.ahead.last_clear_ms + cfg.late_ms as Millis - now) as f64);
     }
     let decision = owed(sleep.max(1.0), reason, cfg, jitter_u);
     if let Decision::Owed { ms, .. } = decision {
         let fresh = !state.waiters.contains_key(id);
         let w = state.waiters.entry(id.to_owned()).or_insert_with(|| Waiter {
-            order,
+            order: place.order,
             est,
-            line,
+            line: place.line,
             tenant: who.tenant.to_owned(),
             due_ms: now,
             clear_ms: now,
