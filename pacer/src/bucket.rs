@@ -142,6 +142,12 @@ pub struct Bucket {
     pub full_seen_ms: Millis,
     /// Reserved by calls in flight (cleared, not yet settled).
     pub in_flight: f64,
+    /// Of `in_flight`, what the line released that no worker has sent yet
+    /// ([`crate::state::Flight::started`]): the provider does not hold it
+    /// yet, so the level can refill only to the limit less this ([`Bucket::top`]).
+    /// Kept from the calls in flight, not stored ([`crate::state::PacerState::count_unsent`]).
+    #[serde(skip)]
+    pub unsent: f64,
     /// Every charge cleared so far (cumulative), corrected at each settle to
     /// what the provider charged (its input count; nothing for a 429): the
     /// ledger the refund learner reads (`refund.rs`).
@@ -235,10 +241,17 @@ impl Bucket {
         self.limit > 0.0 && self.rate > 0.0
     }
 
-    /// The level at `now`: refilled since `at_ms`, never above the limit.
+    /// The level at `now`: refilled since `at_ms`, never above [`Bucket::top`].
     pub fn level_at(&self, now: Millis) -> f64 {
         let elapsed = (now - self.at_ms).max(0) as f64;
-        (self.level + self.refill_rate() * elapsed).min(self.limit)
+        (self.level + self.refill_rate() * elapsed).min(self.top())
+    }
+
+    /// The most the bucket holds for calls not cleared yet: its limit, less
+    /// what the line released that no worker has sent yet (the provider holds
+    /// its limit at most, and those calls will take theirs from it).
+    pub fn top(&self) -> f64 {
+        self.limit - self.unsent
     }
 
     /// The continuous refill counted on, per ms: none for a window bucket,
@@ -314,7 +327,7 @@ impl Bucket {
 
     /// Credits (or, negative, takes back) `tokens` given back to the bucket.
     pub(crate) fn credit(&mut self, tokens: f64) {
-        self.level = (self.level + tokens).min(self.limit.max(self.level));
+        self.level = (self.level + tokens).min(self.top().max(self.level));
         self.charged_since = (self.charged_since - tokens).max(0.0);
     }
 
@@ -339,11 +352,16 @@ impl Bucket {
         if short <= 0.0 {
             0.0
         } else if self.refill == Refill::Unknown {
-            // Either shape may come true: be back when the sooner would bring
-            // it (the level counts no refill until the votes say continuous,
-            // so a turn back early is only re-timed).
+            // Either shape may come true: weighed again when the sooner would
+            // bring it — the window's boundary, or the refill the level counts
+            // meanwhile (at `rate`; a faster guess would have the head weighed
+            // again and again before its level could hold it).
             let as_window = Bucket { refill: Refill::Window, ..*self }.refill_ms(now, short, deep);
-            as_window.min(short / self.share_rate())
+            if self.rate > 0.0 {
+                as_window.min(short / self.rate)
+            } else {
+                as_window
+            }
         } else if self.refill == Refill::Window {
             let window = self.window_ms();
             if self.full_at_ms > now {

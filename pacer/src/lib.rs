@@ -28,6 +28,7 @@ pub mod fair;
 pub mod headers;
 pub mod model;
 pub mod refund;
+pub mod release;
 pub mod settle;
 #[cfg(any(test, feature = "sim"))]
 pub mod sim;

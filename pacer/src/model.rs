@@ -1,25 +1,27 @@
 //! The pacer's policy for one budget and model: may this call go now, and if
 //! not, how long is it owed?
 //!
-//! The state is two provider buckets (`bucket.rs`), the tenants' fair tags
-//! (`fair.rs`), and two sets of records, each keyed by reservation id:
-//! - **the line**: turns owed time, each with its place (`order`), what it is
-//!   expected to use (`line`), and when it may come back (`due_ms`);
+//! The state is four provider buckets (`bucket.rs`), the tenants' fair tags
+//! (`fair.rs`), and two sets of records, each keyed by reservation id
+//! (`state.rs`):
+//! - **the line**: turns waiting, each with its place (`order`), what it is
+//!   expected to use (`line`), and when its queue entry is due (`due_ms`);
 //! - **flights**: calls cleared and not yet settled, each with its reservation.
 //!
-//! A turn is clear when the bucket holds what the turns ahead of it in line
-//! are expected to use plus its own reservation above the floor; otherwise it
-//! is owed the time until the refill brings that, and waits in line. What the
-//! turns ahead hold is *summed from the line each time*, never kept in a
-//! counter beside it, so nothing can drift (docs/pacing.md, "One line per
-//! budget"). A waiter that does not come back by `due + late_ms` stops
-//! holding budget for the turns behind it (it keeps its place), and leaves
-//! the line at `due + booking_grace_ms`.
+//! Only the head of the line is weighed: it is clear when every bucket holds
+//! its own reservation above the floor. A turn behind it is parked without a
+//! look at the turns ahead, and released once, by the pacer
+//! (`release.rs`): by the settle or refill that makes room, or by the head's
+//! timer (docs/pacing.md, "The line"). Nothing is summed over the line and no
+//! counter is kept beside it, so nothing can drift.
 //!
-//! Liveness follows: the head of the line needs only its own reservation above
-//! the floor (never more than the limit), the level refills to the limit, and
-//! a head that does not come back stops counting after `late_ms`. The
-//! simulator (`sim.rs`) checks it over thousands of random workloads.
+//! Liveness follows: the head needs only its own reservation above the floor
+//! (never more than the limit), the level refills to the limit, every op that
+//! can make room weighs the head, and the head always has a timer — its own
+//! queue entry, due when the refill brings what it is short of. A head whose
+//! run ended while it waited leaves the line when it is weighed (its host no
+//! longer holds it). The simulator (`sim.rs`) checks it over thousands of
+//! random workloads.
 //!
 //! `shared/src/pacer/lua/` is this model as one atomic Redis script (the shared pacer);
 //! `local.rs` runs this one in-process. The differential test in
@@ -30,7 +32,8 @@ use crate::refund::Snapshot;
 use crate::Millis;
 use serde::{Deserialize, Serialize};
 
-pub use crate::acquire::{acquire, pull_in, Ask};
+pub use crate::acquire::{acquire, Ask};
+pub use crate::release::{forget, release, Everyone, Host, Move};
 pub use crate::settle::settle;
 pub(crate) use crate::state::BUCKETS;
 pub use crate::state::{Flight, PacerState, Waiter};
@@ -101,12 +104,15 @@ pub struct PacingConfig {
     pub configured_tpm: Option<u64>,
     /// See `configured_tpm`.
     pub configured_rpm: Option<u64>,
-    /// Waiters sleep their whole predicted wait (a deep line's too, past the
-    /// bucket's reset) instead of three quarters of it and a re-timing, and
-    /// the fetch that asks the pacer moves up the ones near the head whose
-    /// prediction shortened ([`pull_in`]). Off: the per-process baseline
-    /// (`LocalPacer`), which has no queue to move.
-    pub whole_waits: bool,
+    /// A turn that must wait is parked in line, and a host moves its queue
+    /// entry when the pacer releases it ([`crate::release`]): the shared
+    /// pacer of the workers, whose host is the run store's queue. Off, there
+    /// is no host (the per-process baseline, `LocalPacer`; a shared pacer
+    /// asked directly): the line is kept and released all the same, but its
+    /// turns come back at their estimate and ask again — one released finds
+    /// itself clear — and a head that stops coming back leaves the line after
+    /// `booking_grace_ms`.
+    pub parks: bool,
 }
 
 /// How long a probe holds the other turns back at most, when it does not settle.
@@ -139,7 +145,7 @@ impl Default for PacingConfig {
             probe_wait_ms: 100,
             configured_tpm: None,
             configured_rpm: None,
-            whole_waits: true,
+            parks: true,
         }
     }
 }
@@ -233,12 +239,14 @@ pub enum Decision {
     /// Send now; the estimate is reserved.
     Clear,
     /// Come back after `ms` with the same reservation id (the turn keeps its
-    /// place in line).
+    /// place in line; a parked turn is released before then).
     Owed {
-        /// Milliseconds owed, jitter included.
+        /// Milliseconds until its queue entry is due, jitter included.
         ms: u64,
         /// Why.
         reason: OwedReason,
+        /// Milliseconds until it is expected clear (what its run shows).
+        eta_ms: u64,
     },
 }
 
@@ -253,7 +261,7 @@ pub(crate) fn lift(state: &mut PacerState, cfg: &PacingConfig, now: Millis) {
     let mut recent = [0.0; BUCKETS];
     for f in state.flights.values() {
         for (i, held) in f.held().into_iter().enumerate() {
-            if boundaries[i].is_some_and(|since| f.expiry_ms - ttl >= since) {
+            if boundaries[i].is_some_and(|since| !f.started || f.expiry_ms - ttl >= since) {
                 recent[i] += held;
             }
         }
@@ -277,20 +285,32 @@ pub(crate) fn lift(state: &mut PacerState, cfg: &PacingConfig, now: Millis) {
     }
 }
 
-/// Drops what lapsed: waiters not back by `due + grace` leave the line (the
-/// turns behind them move up by exactly their cost, as it is summed anew);
-/// reservations in flight past their expiry were never settled (their worker
-/// died): we cannot know whether the call was sent, so the tokens stay spent
-/// and return by refill.
-pub fn expire(state: &mut PacerState, cfg: &PacingConfig, now: Millis) {
-    let grace = cfg.booking_grace_ms as Millis;
-    state.waiters.retain(|_, w| w.due_ms + grace > now);
+/// Drops the reservations in flight past their expiry, never settled (their
+/// worker died): we cannot know whether the call was sent, so the tokens stay
+/// spent and return by refill — but for one the line released that no worker
+/// started, which reached no provider (`drop_flight`). A waiting turn never
+/// lapses here: it leaves the line when it is released, or, at the head, when
+/// its host no longer holds it — with no host, when it has not come back
+/// within `booking_grace_ms` ([`crate::release`]).
+pub fn expire(state: &mut PacerState, _cfg: &PacingConfig, now: Millis) {
+    state.count_unsent();
     let gone: Vec<String> = state.flights.iter().filter(|(_, f)| f.expiry_ms <= now).map(|(k, _)| k.clone()).collect();
     for id in gone {
         if let Some(f) = state.flights.remove(&id) {
-            for (bucket, held) in state.buckets_mut().into_iter().zip(f.held()) {
-                bucket.in_flight = (bucket.in_flight - held).max(0.0);
-            }
+            drop_flight(state, &f);
+        }
+    }
+}
+
+/// A call in flight leaves the model unsettled (lapsed, or forgotten): what
+/// it held is no longer in flight, and one the line released that was never
+/// started reached no provider: its reservation comes back whole.
+pub(crate) fn drop_flight(state: &mut PacerState, f: &crate::state::Flight) {
+    for (bucket, held) in state.buckets_mut().into_iter().zip(f.held()) {
+        bucket.in_flight = (bucket.in_flight - held).max(0.0);
+        if !f.started {
+            bucket.unsent = (bucket.unsent - held).max(0.0);
+            bucket.credit(held);
         }
     }
 }
@@ -339,13 +359,13 @@ pub(crate) fn owed(ms: f64, reason: OwedReason, cfg: &PacingConfig, jitter_u: f6
     // waiting turns do not wake as one herd.
     let base = ms.ceil().max(1.0);
     let jitter = (base * cfg.jitter_frac).min(cfg.jitter_max_ms as f64) * jitter_u.clamp(0.0, 1.0);
-    Decision::Owed { ms: (base + jitter).ceil() as u64, reason }
+    let ms = (base + jitter).ceil() as u64;
+    Decision::Owed { ms, reason, eta_ms: ms }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::acquire::PULL_IN_PAD_MS;
     use crate::bucket::Refill;
 
     const T0: Millis = 1_000_000;
@@ -382,51 +402,74 @@ mod tests {
         // a second companion turn of the same tenant waits for it, as a work turn would.
         assert_eq!(
             acquire(&mut s, &cfg, T0 + 1, &live("l2"), 0.0),
-            Decision::Owed { ms: 3_999, reason: OwedReason::FairShare }
+            Decision::Owed { ms: 3_999, reason: OwedReason::FairShare, eta_ms: 3_999 }
         );
         let a = s.tenants["a"];
         assert_eq!(a.admitted, 1_000.0, "its tokens count as admitted");
         assert_eq!(a.finish, 1_000.0, "and move its finish tag: its next work turn stands behind them");
     }
 
-    /// Whole waits: a turn deep in line sleeps its whole (pessimistic) wait;
-    /// when a turn ahead of it never comes back, the fetch that clears the
-    /// next one moves it up to the time it is clear then — and not before:
-    /// asked a moment early, it is owed.
+    /// The line: a turn behind the head is parked without a look at the
+    /// turns ahead (owed until a safety deadline, told its estimate); the
+    /// head is owed until the refill brings it; the release at the head's
+    /// time lets it go and times the next head; a settle that makes room
+    /// releases the head at once; a head its host no longer holds leaves the
+    /// line and the next is weighed.
     #[test]
-    fn a_waiter_whose_turn_ahead_never_came_back_is_pulled_in_to_when_it_is_clear() {
+    fn the_line_parks_once_and_releases_once() {
+        use crate::release::{release, Everyone, Host, Move};
         let cfg = PacingConfig {
             configured_tpm: Some(60_000),
             configured_rpm: Some(100_000),
             jitter_frac: 0.0,
             ..PacingConfig::default()
         };
-        assert!(cfg.whole_waits);
+        assert!(cfg.parks);
         let mut s = PacerState::default();
         let big = |id| Ask { id, est: Estimate { tokens: 10_000, requests: 1, output: 0 }, ..ask(id) };
         for id in ["c1", "c2", "c3", "c4", "c5"] {
             assert_eq!(acquire(&mut s, &cfg, T0, &big(id), 0.0), Decision::Clear, "{id}");
         }
-        // 10 000 left, 1 token a ms, 10 000 a turn above a 3 000 floor: `a`
-        // owes 3 000 ms; `b` 13 000, `c` 23 000 — each back no later than the
-        // turn ahead of it is predicted clear, + late_ms.
+        // 10 000 left, 1 token a ms, 10 000 a turn above a 3 000 floor: the
+        // head `a` owes 3 000 ms; `b` and `c` are parked behind it, their
+        // estimates a turn's refill apart, due at the safety deadline.
         let owed = |s: &mut PacerState, id| match acquire(s, &cfg, T0, &big(id), 0.0) {
-            Decision::Owed { ms, .. } => ms,
+            Decision::Owed { ms, eta_ms, .. } => (ms, eta_ms),
             Decision::Clear => panic!("{id} is clear"),
         };
-        assert_eq!([owed(&mut s, "a"), owed(&mut s, "b"), owed(&mut s, "c")], [3_000, 4_000, 14_000]);
-        assert_eq!(pull_in(&mut s, &cfg, T0 + 10, 4), vec![], "nothing changed: nobody is moved");
-        // `a` never comes back: `b`, back when `a` is late, goes; `c`, which
-        // counted `a`, is moved up from 14 000 to when it is clear now.
-        let now = T0 + 3_000 + cfg.late_ms as Millis + 1;
-        assert_eq!(acquire(&mut s, &cfg, now, &big("b"), 0.0), Decision::Clear);
-        let due = now + 8_999 + PULL_IN_PAD_MS;
-        assert_eq!(pull_in(&mut s, &cfg, now, 4), vec![("c".to_owned(), due)]);
-        assert!(matches!(acquire(&mut s, &cfg, due - 1, &big("c"), 0.0), Decision::Owed { ms: 1, .. }));
-        assert_eq!(acquire(&mut s, &cfg, due, &big("c"), 0.0), Decision::Clear);
-        // Without whole waits there are no pull-ins.
-        let old = PacingConfig { whole_waits: false, ..cfg };
-        assert_eq!(pull_in(&mut PacerState::default(), &old, now, 4), vec![]);
+        assert_eq!(owed(&mut s, "a"), (3_000, 3_000));
+        assert_eq!(owed(&mut s, "b"), (26_000, 13_000));
+        assert_eq!(owed(&mut s, "c"), (46_000, 23_000));
+        assert_eq!(release(&mut s, &cfg, T0 + 10, &mut Everyone), vec![], "nothing fits, the head's timer holds");
+        // Asked a moment early, the head is owed the rest.
+        assert!(matches!(acquire(&mut s, &cfg, T0 + 2_999, &big("a"), 0.0), Decision::Owed { ms: 1, .. }));
+        // At its time the release lets it go and times the next head.
+        let at = T0 + 3_000;
+        assert_eq!(
+            release(&mut s, &cfg, at, &mut Everyone),
+            vec![Move::Release("a".into()), Move::Retime("b".into(), at + 10_000)]
+        );
+        assert_eq!(acquire(&mut s, &cfg, at, &big("a"), 0.0), Decision::Clear, "released: cleared");
+        // A call that used none of its reservation gives it all back: `b` goes at once.
+        settle(&mut s, &cfg, at + 1, "c1", &CallOutcome { used_tokens: Some(0), ..CallOutcome::default() });
+        let moves = release(&mut s, &cfg, at + 1, &mut Everyone);
+        assert_eq!(moves.first(), Some(&Move::Release("b".into())), "{moves:?}");
+        // A head whose run ended while it waited leaves the line when it is weighed.
+        struct Gone(&'static str);
+        impl Host for Gone {
+            fn release(&mut self, id: &str) -> bool {
+                id != self.0
+            }
+            fn retime(&mut self, id: &str, _: Millis) -> bool {
+                id != self.0
+            }
+            fn holds(&mut self, id: &str) -> bool {
+                id != self.0
+            }
+        }
+        assert!(s.waiters.contains_key("c"));
+        release(&mut s, &cfg, at + 100_000, &mut Gone("c"));
+        assert!(!s.waiters.contains_key("c"));
     }
 
     /// A continuous bucket's wait for more than it is missing (a line deeper
@@ -453,6 +496,11 @@ mod tests {
         assert_eq!(acquire(&mut s, &cfg, T0, &ask("a"), 0.0), Decision::Clear, "the probe");
         assert!(matches!(acquire(&mut s, &cfg, T0, &ask("b"), 0.0), Decision::Owed { reason: OwedReason::Probe, .. }));
         settle(&mut s, &cfg, T0 + 300, "a", &CallOutcome { used_tokens: Some(900), ..CallOutcome::default() });
+        // The probe's answer wakes the line (`b` was parked behind it): due
+        // now, not cleared — it asks, as every turn does while nothing is paced.
+        let woken = crate::release::release(&mut s, &cfg, T0 + 300, &mut crate::release::Everyone);
+        assert_eq!(woken, vec![crate::release::Move::Retime("b".into(), T0 + 300)]);
+        assert!(s.waiters.is_empty());
         for id in ["b", "c", "d"] {
             assert_eq!(acquire(&mut s, &cfg, T0 + 300, &ask(id), 0.0), Decision::Clear, "{id}");
         }

@@ -48,6 +48,9 @@ pub(crate) struct Report<'o> {
     flight: Option<Flight>,
     /// Refused with a 429: nothing of it was charged.
     limited: bool,
+    /// Released by the line and given back before its worker started it:
+    /// it reached no provider, and never entered the ledgers.
+    unsent: bool,
     /// What it held of each bucket ([`PacerState::buckets`] order).
     held: [f64; BUCKETS],
     /// Its estimate's input part less what the provider counted.
@@ -90,6 +93,7 @@ fn take_reservation<'o>(
 ) -> Report<'o> {
     state.waiters.remove(id);
     let flight = state.flights.remove(id);
+    state.count_unsent();
     if flight.is_some() {
         // A probe (or any call) that settled: the next probe may go.
         state.probe_until_ms = 0;
@@ -123,6 +127,7 @@ fn take_reservation<'o>(
         outcome,
         flight,
         limited,
+        unsent: flight.is_some_and(|f| !f.started),
         held,
         input_fix,
         unused,
@@ -190,7 +195,8 @@ pub(crate) struct Unseen {
     others_output: f64,
     /// What was cleared more than a burst after it, still in flight (calls
     /// cleared within a burst of it may reach the provider before it: only
-    /// those cleared later than that are surely not in its headers).
+    /// those cleared later than that are surely not in its headers), and
+    /// what the line released that no worker has started yet.
     after: [f64; BUCKETS],
     /// What was cleared after it and has settled already: its charge is in the
     /// ledger since this call's mark, but no longer in flight.
@@ -211,7 +217,7 @@ fn unseen_by_headers(state: &PacerState, r: &Report<'_>) -> Unseen {
         let mut later = [0.0; BUCKETS];
         for g in state.flights.values() {
             for (i, held) in g.held().into_iter().enumerate() {
-                if g.expiry_ms - f.expiry_ms > BURST_GAP_MS {
+                if !g.started || g.expiry_ms - f.expiry_ms > BURST_GAP_MS {
                     unseen.after[i] += held;
                 }
                 if g.expiry_ms > f.expiry_ms {
@@ -243,7 +249,7 @@ fn boundary_from_headers(state: &mut PacerState, cfg: &PacingConfig, now: Millis
         if window > 0.0 && b.full_at_ms <= now && start <= now && start as f64 > b.boundary_ms as f64 + window / 2.0 {
             let since = start - cfg.late_ms as Millis;
             let mut recent: f64 =
-                state.flights.values().filter(|f| f.expiry_ms - ttl >= since).map(|f| f.held()[i]).sum();
+                state.flights.values().filter(|f| !f.started || f.expiry_ms - ttl >= since).map(|f| f.held()[i]).sum();
             if r.cleared_ms.is_some_and(|c| c >= since) {
                 recent += r.held[i];
             }
@@ -299,10 +305,12 @@ fn credit_reservation(state: &mut PacerState, cfg: &PacingConfig, now: Millis, r
         }
         bucket.advance(now);
         bucket.in_flight = (bucket.in_flight - held).max(0.0);
-        let fix = if r.limited { held } else { fix };
+        let fix = if r.limited || r.unsent { held } else { fix };
         bucket.credit(fix);
         bucket.credit_refund(share * unused, caps[i]);
-        bucket.sent -= fix;
+        if !r.unsent {
+            bucket.sent -= fix;
+        }
         bucket.refunded += unused;
         if withhold > 0.0 {
             bucket.withheld += withhold;
@@ -390,7 +398,7 @@ pub(crate) const HL_GROW_MAX_MS: f64 = 10_000.0;
 /// See [`HL_GROW_MAX_MS`].
 pub(crate) const HL_ACCEL_MS: f64 = 20_000.0;
 /// The most the growth is sped up.
-pub(crate) const HL_ACCEL_MAX: f64 = 4.0;
+pub(crate) const HL_ACCEL_MAX: f64 = 2.0;
 
 /// Learns the token bucket of a budget without headers from a settled call
 /// `f` (`used`: what it used; `limited`: a 429). Nothing but the 429s says
@@ -491,7 +499,7 @@ pub(crate) fn refund_cap(
     let since = if b.windowed() { cleared.max(b.boundary_ms - cfg.late_ms as Millis) } else { cleared };
     let mut later: Vec<(Millis, f64)> = flights
         .values()
-        .map(|f| (f.expiry_ms - ttl, f.held()[i]))
+        .map(|f| (if f.started { f.expiry_ms - ttl } else { now }, f.held()[i]))
         .filter(|(at, held)| *at > since && *held > 0.0)
         .collect();
     later.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.total_cmp(&a.1)));

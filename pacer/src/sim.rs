@@ -23,6 +23,7 @@
 //! late and out of order, estimates too high or too low, 429s, and a learned
 //! usage ratio that moves a lot (runs whose used output differs widely).
 
+use super::release::{Host, Move};
 use super::{CallOutcome, Decision, Estimate, Mode, Observation, PacingConfig, Who};
 use crate::Millis;
 use rand::rngs::StdRng;
@@ -43,22 +44,31 @@ pub const STALL_BOUND_MS: Millis = 4_000;
 const SEND_DELAY_MS: std::ops::RangeInclusive<Millis> = 1..=40;
 
 /// What a pacer must do for the simulator: answer asks and take settles, by
-/// reservation id, at a given time.
+/// reservation id, at a given time. Each op weighs the line (`release.rs`:
+/// before an ask, after a settle or a forget): the turns it lets go and the
+/// head's timer are told to `host`, the simulator's queue.
 pub trait Policy {
     /// Asks to reserve `est` at `now`; `jitter_u` in [0, 1) is the caller's draw.
-    fn acquire(&mut self, now: Millis, id: &str, est: Estimate, mode: Mode, who: &Who<'_>, jitter_u: f64) -> Decision;
+    #[allow(clippy::too_many_arguments)]
+    fn acquire(
+        &mut self,
+        now: Millis,
+        id: &str,
+        est: Estimate,
+        mode: Mode,
+        who: &Who<'_>,
+        jitter_u: f64,
+        host: &mut dyn Host,
+    ) -> Decision;
     /// Settles reservation `id` at `now`.
-    fn settle(&mut self, now: Millis, id: &str, outcome: &CallOutcome);
+    fn settle(&mut self, now: Millis, id: &str, outcome: &CallOutcome, host: &mut dyn Host);
+    /// Turn `id` leaves the line (its run was cancelled while it waited).
+    fn forget(&mut self, now: Millis, id: &str, host: &mut dyn Host);
     /// The reservation id at the head of the policy's line, if it keeps one
     /// (the liveness check then asks whether the bucket could take that turn;
     /// otherwise whether it could take every waiting turn).
     fn head(&self, _now: Millis) -> Option<String> {
         None
-    }
-    /// After a turn the queue delivered was answered: the waiters whose due
-    /// time the policy moved up, with it (the fetch moves their queue entries).
-    fn pull_in(&mut self, _now: Millis) -> Vec<(String, Millis)> {
-        vec![]
     }
     /// A line for the simulator's trace (`PACER_SIM_TRACE`).
     fn describe(&self, _now: Millis) -> String {
@@ -119,6 +129,17 @@ pub struct Faults {
     pub est_low: f64,
     /// A settle arrives up to this long after the call ended.
     pub settle_delay_max_ms: Millis,
+    /// Of the runs cancelled while waiting, the share whose cancel the
+    /// pacer hears of (the fetch that meets the cancelled turn forgets it);
+    /// the others it finds gone when it next moves them (a head's timer, a
+    /// release) — or, a head whose own entry was its line's timer, when an op
+    /// weighs it after its timer passed.
+    pub cancel_told: f64,
+    /// A release the pacer made is lost (a failover that lost the last
+    /// writes: the release and its queue move are one script, so its
+    /// reservation is lost with it): the turn comes back at its safety
+    /// deadline instead, and asks anew.
+    pub lose_release: f64,
 }
 
 /// A whole simulated workload.
@@ -222,6 +243,20 @@ impl Workload {
             est_error: p(&mut rng, 0.2),
             est_low: p(&mut rng, 0.18),
             settle_delay_max_ms: if rng.random_bool(0.5) { 1_000 } else { 50 },
+            cancel_told: 1.0,
+            lose_release: 0.0,
+        };
+        // The faults of the parked line, drawn apart (the draws above make the
+        // same workloads as before there was a line to fault): a cancel
+        // reschedules a parked turn's entry now, and the fetch that meets it
+        // has the pacer forget it (runs/store.lua `cancel`) — most are told,
+        // some runs end with their entry lost to the pacer; a release lost
+        // with a failover's last writes.
+        let mut line_rng = StdRng::seed_from_u64(seed ^ 0x11fe);
+        let faults = Faults {
+            cancel_told: if line_rng.random_bool(0.5) { 1.0 } else { 0.9 },
+            lose_release: if strong && line_rng.random_bool(0.5) { 0.05 } else { 0.0 },
+            ..faults
         };
         let config = PacingConfig { jitter_frac: 0.02, ..PacingConfig::default() };
         let total: u64 =
@@ -242,6 +277,11 @@ impl Workload {
                 .map(|r| (0..r.turns as u64).map(|t| r.input + r.growth * t + r.max_output).sum::<u64>())
                 .sum();
             until_ms = until_ms.max(60_000 + capped_slack * (mine as f64 / (refill * t.cap)) as Millis);
+        }
+        // A release lost, or a run whose cancel the pacer did not hear of,
+        // comes back at a safety deadline (acquire.rs, `safety_ms`).
+        if faults.lose_release > 0.0 || faults.cancel_told < 1.0 {
+            until_ms += 6 * crate::acquire::SAFETY_MIN_MS;
         }
         Self {
             seed,
@@ -608,6 +648,12 @@ struct Run {
     /// This turn's input as the provider counts it, and as the worker estimates it.
     input: u64,
     estimate: u64,
+    /// The pacer released it and the queue lost the move: it is not waiting
+    /// for the pacer (it comes back at its safety deadline, cleared).
+    lost: bool,
+    /// The pacer released it and the queue moved it, cleared: its worker
+    /// calls without asking (`worker/src/pacing.rs`, `pace_at_start`).
+    cleared: bool,
 }
 
 impl Run {
@@ -691,6 +737,12 @@ pub struct Report {
     pub fair_shares: Vec<f64>,
     /// Asks answered.
     pub asks: u64,
+    /// Turns the line released (cleared in their queue entry).
+    pub releases: u64,
+    /// Head timers moved.
+    pub retimes: u64,
+    /// Released turns started (their fetch's ask, within the fetch's script).
+    pub starts: u64,
 }
 
 impl Report {
@@ -712,6 +764,48 @@ impl Report {
         }
         sum * sum / (n * sq)
     }
+}
+
+/// The simulator's queue as the pacer's host: a turn is there to move while
+/// its run waits for it (queued, or in an in-place wait) under that id.
+struct SimHost<'a> {
+    runs: &'a [Run],
+    moves: Vec<Move>,
+}
+
+impl SimHost<'_> {
+    fn holds(&self, id: &str) -> bool {
+        run_index(id)
+            .and_then(|i| self.runs.get(i).map(|r| (i, r)))
+            .is_some_and(|(i, r)| matches!(r.state, RunState::Queued | RunState::InPlace) && r.id(i) == id)
+    }
+}
+
+impl Host for SimHost<'_> {
+    fn release(&mut self, id: &str) -> bool {
+        let held = self.holds(id);
+        if held {
+            self.moves.push(Move::Release(id.to_owned()));
+        }
+        held
+    }
+
+    fn retime(&mut self, id: &str, at: Millis) -> bool {
+        let held = self.holds(id);
+        if held {
+            self.moves.push(Move::Retime(id.to_owned(), at));
+        }
+        held
+    }
+
+    fn holds(&mut self, id: &str) -> bool {
+        SimHost::holds(self, id)
+    }
+}
+
+/// The run a reservation id (`r<run>:<turn>:<attempt>`) belongs to.
+fn run_index(id: &str) -> Option<usize> {
+    id.strip_prefix('r')?.split(':').next()?.parse().ok()
 }
 
 /// Runs `workload` against `policy` and reports what happened.
@@ -765,6 +859,8 @@ impl<'w> Sim<'w> {
                 back: 0,
                 input: 0,
                 estimate: 0,
+                lost: false,
+                cleared: false,
             })
             .collect();
         let max_charge = w
@@ -879,8 +975,10 @@ impl<'w> Sim<'w> {
             Event::Early(run, due) => {
                 // A duplicate delivery before the turn's due time.
                 if self.runs[run].state == RunState::Queued && self.runs[run].due == due && self.now < due {
-                    let (id, decision) = self.ask(run, policy);
-                    if decision == Decision::Clear {
+                    let (id, decision) = self.ask(run, policy, false);
+                    // (Unless the line released it with this very ask: it is
+                    // clear, and its entry due now.)
+                    if decision == Decision::Clear && self.now < self.runs[run].due {
                         if self.trace {
                             eprintln!("{:>8} EARLY CLEAR {id} due {}", self.now - self.t0, due - self.t0);
                         }
@@ -922,7 +1020,10 @@ impl<'w> Sim<'w> {
                 }
             }
             Event::Settle(id, outcome) => {
-                policy.settle(self.now, &id, &outcome);
+                let mut host = SimHost { runs: &self.runs, moves: vec![] };
+                policy.settle(self.now, &id, &outcome, &mut host);
+                let moves = host.moves;
+                self.apply(moves);
                 self.settled = true;
                 if self.trace {
                     eprintln!(
@@ -948,47 +1049,90 @@ impl<'w> Sim<'w> {
     }
 
     /// Asks the pacer for run `run`'s current turn.
-    fn ask(&mut self, run: usize, policy: &mut dyn Policy) -> (String, Decision) {
+    /// Asks for run `run`'s turn: the worker's ask, or, for a turn the line
+    /// released (`started`), its fetch's (`runs/fetch.lua`: in the script
+    /// that leases it, no round trip of its own), which starts it.
+    fn ask(&mut self, run: usize, policy: &mut dyn Policy, started: bool) -> (String, Decision) {
         let r = &self.runs[run];
         let (id, est, mode) = (r.id(run), r.est(), r.plan.mode);
         let tenant = &self.w.tenants[r.plan.tenant];
         let who = Who { tenant: &tenant.name, weight: tenant.weight, cap: tenant.cap };
         let u = self.rng.random::<f64>();
-        self.report.asks += 1;
-        let decision = policy.acquire(self.now, &id, est, mode, &who, u);
+        if started {
+            self.report.starts += 1;
+        } else {
+            self.report.asks += 1;
+        }
+        let mut host = SimHost { runs: &self.runs, moves: vec![] };
+        let decision = policy.acquire(self.now, &id, est, mode, &who, u, &mut host);
+        let moves = host.moves;
+        self.apply(moves);
         (id, decision)
     }
 
-    /// A turn the queue delivered: asked for, and the waiters the answer
-    /// pulled in moved up in the queue.
-    fn deliver(&mut self, run: usize, policy: &mut dyn Policy) {
-        self.answer(run, policy);
-        for (id, due) in policy.pull_in(self.now) {
-            let Some(i) = id.strip_prefix('r').and_then(|s| s.split(':').next()).and_then(|s| s.parse::<usize>().ok())
-            else {
-                continue;
+    /// What the pacer's release told the queue: a released turn is due now
+    /// (cleared), the head's timer moves its entry.
+    fn apply(&mut self, moves: Vec<Move>) {
+        for m in moves {
+            let (id, at, cleared) = match m {
+                Move::Release(id) => {
+                    self.report.releases += 1;
+                    if self.w.faults.lose_release > 0.0 && self.rng.random_bool(self.w.faults.lose_release) {
+                        // Its entry not moved, its reservation gone (given back
+                        // unsent): it comes back at its safety deadline (and is
+                        // not waiting for the pacer).
+                        if let Some(i) = run_index(&id) {
+                            self.runs[i].due = self.now;
+                            self.runs[i].lost = true;
+                        }
+                        self.at(self.now, Event::Settle(id, CallOutcome::default()));
+                        continue;
+                    }
+                    (id, self.now, true)
+                }
+                Move::Retime(id, at) => {
+                    self.report.retimes += 1;
+                    (id, at, false)
+                }
             };
-            let r = &self.runs[i];
-            if r.state != RunState::Queued || r.id(i) != id || due >= r.back {
+            if self.trace {
+                eprintln!("{:>8} move {id} to {}", self.now - self.t0, at - self.t0);
+            }
+            let Some(i) = run_index(&id) else { continue };
+            if self.runs[i].state == RunState::InPlace {
+                // It asks again at the end of its in-place wait (a release has
+                // cleared it by then).
+                self.runs[i].due = self.runs[i].due.min(at);
                 continue;
             }
+            // (A turn being delivered, out of the queue, asks at once.)
+            self.runs[i].due = self.runs[i].due.min(at);
             if let Some(entry) = self.ready.iter().find(|(_, _, x)| *x == i).copied() {
                 self.ready.remove(&entry);
-                self.runs[i].due = due;
-                let back = due + self.rng.random_range(0..5);
+                self.runs[i].due = at;
+                self.runs[i].cleared = cleared;
+                let mut back = at + self.rng.random_range(0..5);
+                let f = &self.w.faults;
+                if f.late > 0.0 && self.rng.random_bool(f.late) {
+                    back += self.rng.random_range(0..=f.late_max_ms);
+                }
                 self.seq += 1;
                 self.runs[i].back = back;
                 self.ready.insert((back, self.seq, i));
-                if self.trace {
-                    eprintln!("{:>8} pull {id} to {}", self.now - self.t0, due - self.t0);
-                }
             }
         }
     }
 
+    /// A turn the queue delivered.
+    fn deliver(&mut self, run: usize, policy: &mut dyn Policy) {
+        self.runs[run].lost = false;
+        self.answer(run, policy);
+    }
+
     /// Asks for run `run`'s turn and acts on the answer.
     fn answer(&mut self, run: usize, policy: &mut dyn Policy) {
-        let (id, decision) = self.ask(run, policy);
+        let cleared = std::mem::take(&mut self.runs[run].cleared);
+        let (id, decision) = self.ask(run, policy, cleared);
         if self.trace {
             eprintln!(
                 "{:>8} ask {id:<12} {decision:?} provider {} free {} | {}",
@@ -1021,6 +1165,12 @@ impl<'w> Sim<'w> {
                 let f = &self.w.faults;
                 if f.cancel_waiting > 0.0 && self.rng.random_bool(f.cancel_waiting) {
                     self.runs[run].state = RunState::Cancelled;
+                    if f.cancel_told > 0.0 && self.rng.random_bool(f.cancel_told) {
+                        let mut host = SimHost { runs: &self.runs, moves: vec![] };
+                        policy.forget(self.now, &id, &mut host);
+                        let moves = host.moves;
+                        self.apply(moves);
+                    }
                     return;
                 }
                 let due = self.now + ms as Millis;
@@ -1145,16 +1295,20 @@ impl<'w> Sim<'w> {
         let now = self.now;
         let waiting = |r: &&Run| match r.state {
             RunState::InPlace => true,
-            RunState::Queued => !(r.due <= now && now < r.back),
+            RunState::Queued => !(r.lost || r.due <= now && now < r.back),
             _ => false,
         };
         // The head the policy names, when it is a companion turn of this workload;
         // else every waiting turn must fit (capped tenants' turns may wait).
-        let head = policy
-            .head(self.now)
-            .and_then(|id| id.strip_prefix('r')?.split(':').next()?.parse::<usize>().ok())
-            .and_then(|i| self.runs.get(i))
-            .filter(|r| waiting(r));
+        let named = policy.head(self.now).and_then(|id| run_index(&id)).and_then(|i| self.runs.get(i));
+        // A head lost without a word (its run cancelled, its cancel unheard):
+        // the pacer cannot know until an op weighs it past its timer, or
+        // another turn's safety deadline comes: not a stall of the pacer's.
+        if named.is_some_and(|r| r.state == RunState::Cancelled) {
+            self.stall_since = None;
+            return;
+        }
+        let head = named.filter(|r| waiting(r));
         let head_fits = match head {
             Some(r) => fits(r),
             None => {
@@ -1188,9 +1342,6 @@ impl<'w> Sim<'w> {
     }
 }
 
-/// How many waiters near the head a delivery's answer may pull in.
-pub const PULL_IN_K: usize = 4;
-
 /// The pure model as a [`Policy`] (one budget and model, jitter from the simulator).
 #[derive(Debug, Default)]
 pub struct ModelPolicy {
@@ -1208,27 +1359,33 @@ impl ModelPolicy {
 }
 
 impl Policy for ModelPolicy {
-    fn acquire(&mut self, now: Millis, id: &str, est: Estimate, mode: Mode, who: &Who<'_>, jitter_u: f64) -> Decision {
+    fn acquire(
+        &mut self,
+        now: Millis,
+        id: &str,
+        est: Estimate,
+        mode: Mode,
+        who: &Who<'_>,
+        jitter_u: f64,
+        host: &mut dyn Host,
+    ) -> Decision {
         let ask = super::model::Ask { id, est, mode, who: *who };
+        super::release::release(&mut self.state, &self.config, now, host);
         super::model::acquire(&mut self.state, &self.config, now, &ask, jitter_u)
     }
 
-    fn settle(&mut self, now: Millis, id: &str, outcome: &CallOutcome) {
+    fn settle(&mut self, now: Millis, id: &str, outcome: &CallOutcome, host: &mut dyn Host) {
         super::model::settle(&mut self.state, &self.config, now, id, outcome);
+        super::release::release(&mut self.state, &self.config, now, host);
     }
 
-    fn pull_in(&mut self, now: Millis) -> Vec<(String, Millis)> {
-        super::model::pull_in(&mut self.state, &self.config, now, PULL_IN_K)
+    fn forget(&mut self, now: Millis, id: &str, host: &mut dyn Host) {
+        super::release::forget(&mut self.state, id);
+        super::release::release(&mut self.state, &self.config, now, host);
     }
 
-    fn head(&self, now: Millis) -> Option<String> {
-        let late = self.config.late_ms as Millis;
-        self.state
-            .waiters
-            .iter()
-            .filter(|(_, w)| now <= w.due_ms + late)
-            .min_by(|a, b| a.1.order.total_cmp(&b.1.order).then(a.0.cmp(b.0)))
-            .map(|(id, _)| id.clone())
+    fn head(&self, _now: Millis) -> Option<String> {
+        self.state.head().map(|(id, _)| id.to_owned())
     }
 
     fn describe(&self, now: Millis) -> String {
@@ -1310,19 +1467,19 @@ mod tests {
 
     #[test]
     fn the_bench_trial_asks_little_per_call() {
-        for whole in [false, true] {
-            for period in [10_000, 60_000] {
-                let mut w = Workload::bench_pacing(1, period);
-                w.config.whole_waits = whole;
-                let r = check(&w);
-                eprintln!(
-                    "whole waits {whole}, period {period}: efficiency {:.3}, {:.2} asks per call, longest stall {} ms",
-                    r.efficiency(),
-                    r.asks as f64 / r.calls as f64,
-                    r.longest_stall_ms
-                );
-                assert_eq!(r.completed, r.runs);
-            }
+        for period in [10_000, 60_000] {
+            let w = Workload::bench_pacing(1, period);
+            let r = check(&w);
+            eprintln!(
+                "period {period}: efficiency {:.3}, {:.2} asks per call, {} releases, {} retimes, longest stall {} ms",
+                r.efficiency(),
+                r.asks as f64 / r.calls as f64,
+                r.releases,
+                r.retimes,
+                r.longest_stall_ms
+            );
+            assert_eq!(r.completed, r.runs);
+            assert!(r.asks as f64 <= 2.0 * r.calls as f64, "{r:?}");
         }
     }
 
@@ -1519,14 +1676,11 @@ mod tests {
         let mut failures = vec![];
         let (mut asks, mut calls, mut worst_stall) = (0u64, 0u64, 0f64);
         let only: Option<u64> = std::env::var("PACER_SIM_SEED").ok().and_then(|s| s.parse().ok());
-        // (`PACER_SIM_RECHECK=1`: the old way, three quarters of a long wait and a re-timing.)
-        let whole = std::env::var_os("PACER_SIM_RECHECK").is_none();
         for seed in (0..seeds).filter(|s| only.is_none_or(|o| o == *s)) {
             if only.is_some() {
                 eprintln!("{:#?}", Workload::random(seed));
             }
-            let mut w = Workload::random(seed);
-            w.config.whole_waits = whole;
+            let w = Workload::random(seed);
             let r = check(&w);
             asks += r.asks;
             calls += r.calls;

@@ -4,8 +4,8 @@
 //! `shared/src/pacer/lua/state.lua` and `line.lua` keep the same state in Redis.
 
 use crate::bucket::Bucket;
-use crate::fair::{self, Tenant};
-use crate::model::{Estimate, OwedReason, PacingConfig};
+use crate::fair::Tenant;
+use crate::model::{Estimate, OwedReason};
 use crate::refund::RefundShare;
 use crate::Millis;
 use serde::{Deserialize, Serialize};
@@ -17,32 +17,25 @@ pub struct Waiter {
     /// Its place: companion turns first by arrival, then work turns by fair
     /// tag (ties by reservation id, as a Redis sorted set orders them).
     pub order: f64,
-    /// Its estimate.
+    /// Its estimate as the worker counted it (charged at the input ratio
+    /// when it is weighed).
     pub est: Estimate,
     /// What it is expected to use (input plus the learned share of the output
-    /// reservation): what it holds for the turns behind it.
+    /// reservation): its tenant's share is charged this when it goes.
     pub line: f64,
     /// Its tenant.
     pub tenant: String,
-    /// When it may come back (never earlier): a checkpoint, at most when it
-    /// is predicted clear.
+    /// When its queue entry is due (it is owed time until then): the head's
+    /// timer, or behind it a safety deadline (the pacer releases it before);
+    /// the baseline's waiters come back then to ask again.
     pub due_ms: Millis,
-    /// When it is predicted clear (the refill it needs), as of its last ask.
+    /// When it is expected clear, as of its last ask or weighing (what its
+    /// run shows; nothing is decided by it).
     pub clear_ms: Millis,
     /// When it first waited.
     pub since_ms: Millis,
     /// Why it waits.
     pub reason: OwedReason,
-}
-
-impl Waiter {
-    /// What it holds for the turns behind it, per bucket
-    /// ([`PacerState::buckets`] order): its line cost, its requests, its
-    /// input, the output it keeps (`kept`: [`PacerState::output_kept`]).
-    pub(crate) fn holds(&self, kept: f64) -> [f64; BUCKETS] {
-        let costs = self.est.costs();
-        [self.line, costs[1], costs[2], costs[3] * kept]
-    }
 }
 
 /// A call cleared and not yet settled.
@@ -77,8 +70,19 @@ pub struct Flight {
     /// may reach the provider before it), so the refund learner may read them.
     #[serde(default)]
     pub alone: bool,
-    /// When the reservation lapses unsettled.
+    /// When the reservation lapses unsettled: `reservation_ttl_ms` after it
+    /// was cleared, or, released by the line, after its worker started it.
     pub expiry_ms: Millis,
+    /// Its worker has it: cleared when it asked, or, released by the line
+    /// (cleared while its turn waited in the queue), started since
+    /// ([`crate::release::start`]). A call not started has reached no
+    /// provider yet: no headers have seen it.
+    #[serde(default = "started")]
+    pub started: bool,
+}
+
+fn started() -> bool {
+    true
 }
 
 impl Flight {
@@ -187,6 +191,20 @@ pub struct PacerState {
 pub(crate) const BUCKETS: usize = 4;
 
 impl PacerState {
+    /// Counts again, on each bucket, what the line released that no worker
+    /// has sent yet ([`Bucket::unsent`]): after each change to the calls in flight.
+    pub fn count_unsent(&mut self) {
+        let mut unsent = [0.0; BUCKETS];
+        for f in self.flights.values().filter(|f| !f.started) {
+            for (sum, held) in unsent.iter_mut().zip(f.held()) {
+                *sum += held;
+            }
+        }
+        for (bucket, unsent) in self.buckets_mut().into_iter().zip(unsent) {
+            bucket.unsent = unsent;
+        }
+    }
+
     /// Every bucket, in the order of `Estimate::costs`.
     pub fn buckets(&self) -> [&Bucket; BUCKETS] {
         [&self.tokens, &self.requests, &self.input, &self.output]
@@ -200,16 +218,6 @@ impl PacerState {
     /// Whether any bucket's limit is known (and so the budget is paced).
     pub fn any_known(&self) -> bool {
         self.buckets().iter().any(|b| b.known())
-    }
-
-    /// The share of its output reservation a call is expected to keep on the
-    /// output bucket (which gives the unused part back).
-    pub(crate) fn output_kept(&self) -> f64 {
-        if self.usage_ratio > 0.0 {
-            self.usage_ratio.clamp(0.05, 1.0)
-        } else {
-            1.0
-        }
     }
 
     /// What the provider will charge for `est`: its input part at the
@@ -251,56 +259,26 @@ impl PacerState {
         (input + output * kept).ceil()
     }
 
-    /// Whether waits are slept whole and re-timed by pull-ins
-    /// ([`PacingConfig::whole_waits`]): not while a bucket is guessed — learned
-    /// without headers, or its limit inferred from `remaining` alone — whose
-    /// predictions are only as good as the guess (a pull-in would send a
-    /// burst into a bucket that is not there).
-    pub fn waits_whole(&self, cfg: &PacingConfig) -> bool {
-        cfg.whole_waits && !self.headerless && !self.buckets().iter().any(|b| b.known() && b.assumed)
+    /// The head of the line: the waiter first by place, then reservation id
+    /// (as a Redis sorted set orders them).
+    pub fn head(&self) -> Option<(&str, &Waiter)> {
+        self.waiters
+            .iter()
+            .min_by(|a, b| a.1.order.total_cmp(&b.1.order).then_with(|| a.0.cmp(b.0)))
+            .map(|(id, w)| (id.as_str(), w))
     }
 
-    /// The least work tag still in line.
-    pub(crate) fn least_work_tag(&self) -> Option<f64> {
-        self.waiters.values().map(|w| w.order).filter(|o| fair::is_work(*o)).min_by(f64::total_cmp)
-    }
-
-    /// What the turns ahead of `(order, id)` hold. A waiter more than
-    /// `late_ms` past its due time holds nothing.
-    pub(crate) fn ahead_of(&self, order: f64, id: &str, tenant: &str, now: Millis, late_ms: u64) -> Ahead {
-        let mut ahead = Ahead::default();
-        let kept = self.output_kept();
-        for (other, w) in &self.waiters {
-            let before = match w.order.total_cmp(&order) {
-                std::cmp::Ordering::Less => true,
-                std::cmp::Ordering::Equal => other.as_str() < id,
-                std::cmp::Ordering::Greater => false,
-            };
-            if before && other != id && now <= w.due_ms + late_ms as Millis {
-                for (sum, held) in ahead.held.iter_mut().zip(w.holds(kept)) {
-                    *sum += held;
-                }
-                ahead.other_tenant |= fair::is_work(w.order) && w.tenant != tenant;
-                ahead.last_clear_ms = ahead.last_clear_ms.max(w.clear_ms);
-            }
+    /// Whether reservation `id`, at `order`, is (or would be) the head of the line.
+    pub fn is_head(&self, id: &str, order: f64) -> bool {
+        match self.head() {
+            None => true,
+            Some((head, _)) if head == id => true,
+            Some((head, h)) => order.total_cmp(&h.order).then_with(|| id.cmp(head)).is_lt(),
         }
-        ahead
     }
 
     /// The age of the oldest waiter (watchdog), 0 when none waits.
     pub fn oldest_wait_ms(&self, now: Millis) -> Millis {
         self.waiters.values().map(|w| now - w.since_ms).max().unwrap_or(0).max(0)
     }
-}
-
-/// What the turns ahead of one in line hold.
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct Ahead {
-    /// What they are expected to use of each bucket ([`PacerState::buckets`]
-    /// order): their line cost, their requests, their input, the output they keep.
-    pub(crate) held: [f64; BUCKETS],
-    /// Another tenant's work turn is among them.
-    pub(crate) other_tenant: bool,
-    /// The latest predicted clear time among them (0: none).
-    pub(crate) last_clear_ms: Millis,
 }

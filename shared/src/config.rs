@@ -242,7 +242,7 @@ impl PacerArgs {
             PacerKind::Local => {
                 // Bookings are per process here; a requeued turn comes back elsewhere.
                 // (No fetch moves its waiters up: it re-times long waits itself.)
-                let config = crate::pacer::PacingConfig { booking_grace_ms: 2_000, whole_waits: false, ..pacing };
+                let config = crate::pacer::PacingConfig { booking_grace_ms: 2_000, parks: false, ..pacing };
                 Pacer::Local(LocalPacer::new(budget.to_owned(), config))
             }
             PacerKind::Off => Pacer::Off,

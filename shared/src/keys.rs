@@ -24,25 +24,32 @@ impl Keys {
 
     /// The pacer's state hash for one budget and model, its calls in flight
     /// beside its numbers (field `fl`). The hash tag is the budget, so one
-    /// budget's keys (state, reservations, fairness) share a slot. `v4` is the
+    /// budget's keys (state, reservations, fairness) share a slot. `v5` is the
     /// script's storage format (`pacer/lua/line.lua`: records packed, the calls in
-    /// flight in one field of the state's hash, no index of lapse times): a
-    /// worker of an older format keeps its own keys and never reads these as
-    /// its own.
+    /// flight in one field of the state's hash, each noting whether its worker
+    /// started it; the line parked, its head kept in the state): a worker of an
+    /// older format keeps its own keys and never reads these as its own.
     pub fn pacer_state(&self, budget: &str, model: &str) -> String {
-        format!("{}:pacer:{{{}}}:v4:state:{}", self.prefix, budget, model)
+        format!("{}:pacer:{{{}}}:v5:state:{}", self.prefix, budget, model)
     }
 
     /// The pacer's waiters for one budget and model: reservation id -> its
     /// record (its place in line, what it is expected to use, when it is due).
     pub fn pacer_waiters(&self, budget: &str, model: &str) -> String {
-        format!("{}:pacer:{{{}}}:v4:waiters:{}", self.prefix, budget, model)
+        format!("{}:pacer:{{{}}}:v5:waiters:{}", self.prefix, budget, model)
+    }
+
+    /// A set the pacer's tests keep beside its keys: the ended runs of a test
+    /// host (`tests/tests/integration/pacer.rs`, `TEST_HOST`), whose turns it
+    /// no longer holds.
+    pub fn test_gone(&self) -> String {
+        format!("{}:test:gone", self.prefix)
     }
 
     /// The line of a budget and model's waiters: id -> its place (an index of
     /// [`pacer_waiters`](Self::pacer_waiters), written with it).
     pub fn pacer_line(&self, budget: &str, model: &str) -> String {
-        format!("{}:pacer:{{{}}}:v4:line:{}", self.prefix, budget, model)
+        format!("{}:pacer:{{{}}}:v5:line:{}", self.prefix, budget, model)
     }
 
     /// The base of the pacer's history for one budget and model (the
@@ -155,8 +162,8 @@ mod tests {
     #[test]
     fn keys_start_with_the_prefix_and_tag_the_budget() {
         let k = Keys::new("pl");
-        assert_eq!(k.pacer_state("default", "gpt-4.1"), "pl:pacer:{default}:v4:state:gpt-4.1");
-        assert_eq!(k.pacer_waiters("b", "m"), "pl:pacer:{b}:v4:waiters:m");
+        assert_eq!(k.pacer_state("default", "gpt-4.1"), "pl:pacer:{default}:v5:state:gpt-4.1");
+        assert_eq!(k.pacer_waiters("b", "m"), "pl:pacer:{b}:v5:waiters:m");
         assert_eq!(k.queue_key("due"), "pl:{pl}:q:due");
         assert_eq!(k.pacer_history_minute("b", "m", 7), "pl:pacer:{b}:hist:m:7");
         assert_eq!(k.run_record("r1"), "pl:{pl}:run:r1");

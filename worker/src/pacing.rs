@@ -151,10 +151,12 @@ pub(crate) enum Paced {
     Clear,
     /// Owed more than the in-place wait: requeue for this long.
     Owed {
-        /// Milliseconds owed.
+        /// Milliseconds until its queue entry is due (parked: the line releases it before).
         ms: u64,
         /// Why.
         reason: OwedReason,
+        /// Milliseconds until it is expected clear (what its run shows).
+        eta_ms: u64,
     },
 }
 
@@ -253,8 +255,8 @@ impl Runner {
         let reservation = reservation_id(lease, turn.job);
         match self.pace(route, &ask.model, &reservation, est, ask.mode, &ask.tenant).await? {
             Paced::Clear => Ok(AtStart::Go(Clearance::Cleared(ask.tokens))),
-            Paced::Owed { ms, reason } => {
-                Ok(AtStart::Requeued(self.budget_wait(lease, turn.job, ms, reason, ask.clone()).await?))
+            Paced::Owed { ms, reason, eta_ms } => {
+                Ok(AtStart::Requeued(self.budget_wait(lease, turn.job, ms, eta_ms, reason, ask.clone()).await?))
             }
         }
     }
@@ -299,9 +301,9 @@ impl Runner {
         }
         match self.pace(route, &spec.model, &reservation, est, spec.mode, &ctx.tenant).await? {
             Paced::Clear => Ok(None),
-            Paced::Owed { ms, reason } => {
+            Paced::Owed { ms, reason, eta_ms } => {
                 let ask = PacedAsk::new(spec, &ctx.tenant, est);
-                Ok(Some(self.budget_wait(lease, job, ms, reason, ask).await?))
+                Ok(Some(self.budget_wait(lease, job, ms, eta_ms, reason, ask).await?))
             }
         }
     }
@@ -320,32 +322,34 @@ impl Runner {
         loop {
             match route.pacer.acquire(model, reservation, est, mode, &who).await? {
                 Decision::Clear => return Ok(Paced::Clear),
-                Decision::Owed { ms, reason } if Duration::from_millis(ms) <= self.config.in_place_wait => {
+                Decision::Owed { ms, reason, .. } if Duration::from_millis(ms) <= self.config.in_place_wait => {
                     route.owed.note(reason);
                     tokio::time::sleep(Duration::from_millis(ms)).await;
                 }
-                Decision::Owed { ms, reason } => {
+                Decision::Owed { ms, reason, eta_ms } => {
                     route.owed.note(reason);
-                    return Ok(Paced::Owed { ms, reason });
+                    return Ok(Paced::Owed { ms, reason, eta_ms });
                 }
             }
         }
     }
 
-    /// Requeues the turn for the `ms` it owes, carrying `ask` to make again
-    /// when it comes back. A budget wait is not a failure: the attempt stays.
+    /// Requeues the turn, parked: due in `ms` (its line releases it sooner,
+    /// or it comes back then to ask), carrying `ask` to make again; the run
+    /// shows `eta_ms`. A budget wait is not a failure: the attempt stays.
     async fn budget_wait(
         &self,
         lease: &Lease,
         job: TurnJob,
         ms: u64,
+        eta_ms: u64,
         reason: OwedReason,
         ask: PacedAsk,
     ) -> Result<Fence, TurnError> {
-        let (data, wait_reason) = budget_wait_record(job, ms, reason);
+        let (data, wait_reason) = budget_wait_record(job, eta_ms, reason);
         let next = Turn { job, ask: Some(ask), cleared: false, pause_ms: None };
         let event = shared::runs::state::event::TURN_PACED;
-        Ok(self.store.wait_asking(lease, job, next, ms, wait_reason, event, &data).await?)
+        Ok(self.store.wait_parked(lease, job, next, ms, eta_ms, wait_reason, event, &data).await?)
     }
 
     /// Step 5: the ask of the turn after `job`, made as it commits when its
@@ -403,8 +407,8 @@ impl Runner {
             Ok(Paced::Clear) => {
                 Next::Paced { turn: Turn { job: next, ask: Some(ask), cleared: true, pause_ms: None }, wait: None }
             }
-            Ok(Paced::Owed { ms, reason }) => {
-                let (data, reason) = budget_wait_record(next, ms, reason);
+            Ok(Paced::Owed { ms, reason, eta_ms }) => {
+                let (data, reason) = budget_wait_record(next, eta_ms, reason);
                 let wait = Some(BudgetWait { ms, reason, data });
                 Next::Paced { turn: Turn { job: next, ask: Some(ask), cleared: false, pause_ms: None }, wait }
             }
@@ -419,20 +423,20 @@ impl Runner {
 
     /// The settle of an answered call (`reservation`, reporting `outcome`):
     /// left to the commit's script where the run's pacer lets a script settle
-    /// with it and its budget is scarce (the commit asks for the next turn
-    /// then, and calls are few: a lone settle would cost a script call of its
-    /// own) — the guard sends it alone if the commit does not make it; with
-    /// room in the budget, sent now to the batch loop, which sends a busy
-    /// process's many together (one read and write of the state for all).
+    /// with it (the commit asks for the next turn there, after the settle: a
+    /// run's next turn never waits behind its own call's answer — at a cold
+    /// start, for the probe that call was — and the state is read and written
+    /// once for both) — the guard sends it alone if the commit does not make
+    /// it; otherwise sent now to the batch loop, which sends a busy process's
+    /// many together (one read and write of the state for all).
     pub(crate) fn settle_answered<'a>(
         &self,
         spec: &'a RunSpec,
         reservation: &'a str,
         outcome: &'a CallOutcome,
     ) -> SettleGuard<'_, 'a> {
-        let in_commit = self
-            .settling_route(spec, outcome)
-            .is_some_and(|route| route.owed.scarce() && matches!(kind(&route.pacer), Kind::Scripted(_)));
+        let in_commit =
+            self.settling_route(spec, outcome).is_some_and(|route| matches!(kind(&route.pacer), Kind::Scripted(_)));
         let settle = Settle { spec, reservation, outcome };
         if in_commit {
             SettleGuard { runner: self, settle: Some(settle) }
@@ -475,7 +479,7 @@ impl Runner {
         next: &Next,
         committed: &Result<Committed, StoreError>,
     ) {
-        if let Ok(Committed { asked: Some(Decision::Owed { ms, reason }), .. }) = committed {
+        if let Ok(Committed { asked: Some(Decision::Owed { eta_ms: ms, reason, .. }), .. }) = committed {
             if let Some(route) = self.routes.get(spec.provider.as_deref()) {
                 route.owed.note(*reason);
             }

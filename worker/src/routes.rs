@@ -50,7 +50,10 @@ impl Routes {
             tracing::info!(message = "provider", provider.name = %p.name, api.style = ?p.style,
                 url = %crate::provider::shown_url(&p.url),
                 budget = %p.budget, key = if p.key.is_empty() { "none" } else { "set" }, key.from = %p.key_source);
-            let pacer = pacer.build_for(conn.clone(), redis_keys.clone(), &p.budget, p.tpm, p.rpm);
+            // A shared pacer's line releases its turns into the run store's queue.
+            let pacer = pacer
+                .build_for(conn.clone(), redis_keys.clone(), &p.budget, p.tpm, p.rpm)
+                .with_host(shared::runs::pacer_host(redis_keys));
             routes.push(Route { name: p.name, provider, pacer, budget: p.budget, owed: OwedLately::default() });
         }
         anyhow::ensure!(!routes.is_empty(), "no provider to call");

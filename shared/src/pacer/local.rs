@@ -23,8 +23,10 @@ impl LocalPacer {
         Self::with_clock(budget, config, Arc::new(SystemClock))
     }
 
-    /// A local pacer on the given clock (tests).
+    /// A local pacer on the given clock (tests). It parks no turn (it has no
+    /// queue to release one into): its waiters come back at their estimate.
     pub fn with_clock(budget: impl Into<String>, config: PacingConfig, clock: Arc<dyn Clock>) -> Self {
+        let config = PacingConfig { parks: false, ..config };
         Self { models: Arc::default(), budget: budget.into(), config: Arc::new(config), clock }
     }
 

@@ -29,7 +29,7 @@ pub use pacer::{
     HeaderSnapshot, Mode, Observation, OwedReason, PacerState, PacingConfig, RetryDecision, RetryPolicy, Transport,
     Who,
 };
-pub use shared_pacer::{lua_function, SharedPacer};
+pub use shared_pacer::{lua_function, PacerHost, SharedPacer};
 pub use snapshot::{BudgetShape, BudgetSnapshot, TenantShare};
 
 use serde::Serialize;
@@ -69,6 +69,15 @@ pub enum Pacer {
 }
 
 impl Pacer {
+    /// The same pacer, a shared one's ops run in `host`'s script (see
+    /// [`SharedPacer::with_host`]); the others have no line to release.
+    pub fn with_host(self, host: PacerHost) -> Self {
+        match self {
+            Self::Shared(p) => Self::Shared(p.with_host(host)),
+            other => other,
+        }
+    }
+
     /// Asks to reserve `est` for the call of reservation `id` on `model`, for
     /// `who` (its tenant's line decides the order of work turns when the
     /// budget is scarce).

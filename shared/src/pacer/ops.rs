@@ -16,6 +16,11 @@ pub enum Op {
     /// Reservation `id` was never asked for (a commit's ask for its next
     /// turn): its ask reads no waiter record.
     Fresh(String),
+    /// A waiting turn whose run ended leaves the line (`release.rs`, `forget`).
+    Forget(String),
+    /// What this script call's releases moved: `{id, at, 1 released | 0
+    /// retimed, …}` (tests of the line).
+    Moves,
 }
 
 /// An ask: reservation `id` for `est`, in `mode`, for a tenant.
@@ -95,6 +100,8 @@ impl Op {
                 ]
             }
             Self::Fresh(id) => vec!["fresh".to_owned(), id.clone()],
+            Self::Forget(id) => vec!["forget".to_owned(), id.clone()],
+            Self::Moves => vec!["moves".to_owned()],
         }
     }
 }
@@ -106,13 +113,17 @@ impl Serialize for Op {
     }
 }
 
-/// Reads the script's answer to an ask: `{0}` clear, `{1, owed_ms, reason}`
-/// owed (reason: 1 budget, 2 rate_limited, 3 probe, 4 fair_share). `None`
-/// for anything else.
+/// Reads the script's answer to an ask: `{0}` clear, `{1, due_ms, reason,
+/// eta_ms}` owed (reason: 1 budget, 2 rate_limited, 3 probe, 4 fair_share).
+/// `None` for anything else.
 pub fn decision(reply: &[i64]) -> Option<Decision> {
     match reply {
         [0] => Some(Decision::Clear),
-        [1, ms, reason] => Some(Decision::Owed { ms: (*ms).max(0) as u64, reason: OwedReason::from_code(*reason) }),
+        [1, ms, reason, eta] => Some(Decision::Owed {
+            ms: (*ms).max(0) as u64,
+            reason: OwedReason::from_code(*reason),
+            eta_ms: (*eta).max(0) as u64,
+        }),
         _ => None,
     }
 }
@@ -148,8 +159,11 @@ mod tests {
     #[test]
     fn answers_are_read_once() {
         assert_eq!(decision(&[0]), Some(Decision::Clear));
-        assert_eq!(decision(&[1, 250, 4]), Some(Decision::Owed { ms: 250, reason: OwedReason::FairShare }));
-        assert_eq!(decision(&[1, -3, 1]), Some(Decision::Owed { ms: 0, reason: OwedReason::Budget }));
+        assert_eq!(
+            decision(&[1, 60_000, 4, 9_000]),
+            Some(Decision::Owed { ms: 60_000, reason: OwedReason::FairShare, eta_ms: 9_000 })
+        );
+        assert_eq!(decision(&[1, -3, 1, -3]), Some(Decision::Owed { ms: 0, reason: OwedReason::Budget, eta_ms: 0 }));
         assert_eq!(decision(&[2]), None);
     }
 }

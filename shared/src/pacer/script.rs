@@ -6,11 +6,12 @@
 //! records (the calls in flight, `PacerState::flights`, and the line,
 //! `PacerState::waiters`, with its index), `bucket.lua` `bucket.rs`,
 //! `refund.lua` `refund.rs`, `model.lua` and `acquire.lua`/`settle.lua`
-//! `model.rs`'s steps, `ops.lua` the ops the script answers (its entry, last).
+//! `model.rs`'s steps, `release.lua` `release.rs`, `ops.lua` the ops the
+//! script answers (its entry, last).
 //! A later file may use what an earlier one defines, never the reverse.
 
 /// The files, in the order they are assembled.
-pub const FILES: [(&str, &str); 8] = [
+pub const FILES: [(&str, &str); 9] = [
     ("state.lua", include_str!("lua/state.lua")),
     ("line.lua", include_str!("lua/line.lua")),
     ("bucket.lua", include_str!("lua/bucket.lua")),
@@ -18,12 +19,19 @@ pub const FILES: [(&str, &str); 8] = [
     ("model.lua", include_str!("lua/model.lua")),
     ("acquire.lua", include_str!("lua/acquire.lua")),
     ("settle.lua", include_str!("lua/settle.lua")),
+    ("release.lua", include_str!("lua/release.lua")),
     ("ops.lua", include_str!("lua/ops.lua")),
 ];
 
-/// The whole script (`KEYS`, `ARGV` as `lua/state.lua` and `lua/ops.lua` say).
-pub fn source() -> String {
-    let mut out = String::new();
+/// No host: the script moves no queue entry (its releases are kept in `moves`).
+pub const NO_HOST: &str = "local PACER_HOST = nil\n";
+
+/// The whole script (`KEYS`, `ARGV` as `lua/state.lua` and `lua/ops.lua` say),
+/// after `host`: Lua that defines `PACER_HOST` (`release(id, now)`,
+/// `retime(id, at, now)`, each answering whether it still held the turn), or
+/// [`NO_HOST`].
+pub fn source(host: &str) -> String {
+    let mut out = String::from(host);
     for (name, text) in FILES {
         out.push_str("-- lua/");
         out.push_str(name);

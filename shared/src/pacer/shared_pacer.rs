@@ -18,18 +18,36 @@ use redis::aio::ConnectionManager;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-/// The atomic operations of the shared pacer, one script (see the file's header).
+/// The atomic operations of the shared pacer, one script (see the file's
+/// header), with no host: its releases move no queue entry (tests, the API's
+/// snapshots).
 static SCRIPT: std::sync::LazyLock<redis::Script> =
-    std::sync::LazyLock::new(|| redis::Script::new(&super::script::source()));
+    std::sync::LazyLock::new(|| redis::Script::new(&super::script::source(super::script::NO_HOST)));
 
 /// The pacer's script as a Lua function, `pacer_call(KEYS, ARGV)`, for a
-/// script that asks the pacer itself (the run store's fetch asks it for a
-/// turn back from a budget wait: `runs/fetch.lua`; its commit for the next
-/// turn: `runs/store.lua`). It answers what the script would, or a table
-/// with `err` (`redis.error_reply`). With it, `pacer_batch(keys, cfg, now,
-/// ops)`, the one way those scripts call it (`batch.lua`).
+/// script that runs the pacer's ops itself (the run store's fetch asks it for
+/// a turn carrying an ask: `runs/fetch.lua`; its commit for the next turn:
+/// `runs/store.lua`; a [`PacerHost`]'s script the batch loop's). The
+/// enclosing script defines `PACER_HOST` before it. It answers what the
+/// script would, or a table with `err` (`redis.error_reply`). With it,
+/// `pacer_batch(keys, cfg, now, ops)`, the one way those scripts call it
+/// (`batch.lua`).
 pub fn lua_function() -> String {
-    format!("local function pacer_call(KEYS, ARGV)\n{}\nend\n{}", super::script::source(), include_str!("batch.lua"))
+    format!("local function pacer_call(KEYS, ARGV)\n{}\nend\n{}", super::script::source(""), include_str!("batch.lua"))
+}
+
+/// Where the shared pacer's waiting turns are kept, as the script that runs
+/// its ops sees it: a script that defines `PACER_HOST` (see
+/// [`super::script::source`]) and runs [`lua_function`]'s `pacer_call` with
+/// its own keys first (`keys`) and the pacer's four after them. The run
+/// store's is `shared::runs::pacer_host` (its queue); with it, a release of
+/// the line moves the turn's queue entry in the same script.
+#[derive(Debug, Clone)]
+pub struct PacerHost {
+    /// The script (one per process: its text names no key).
+    pub script: &'static redis::Script,
+    /// Its own keys, `KEYS[1..n]` (the pacer's are `KEYS[n+1..n+4]`).
+    pub keys: Vec<String>,
 }
 
 /// The shared pacer: state per (budget, model) in Redis, changed only by the
@@ -45,9 +63,8 @@ pub struct SharedPacer {
     /// Per budget and model, the queue of this process's calls waiting for
     /// the next batch (see [`Batcher`]).
     batchers: Arc<Mutex<HashMap<(String, String), Batcher>>>,
-    /// Each batch reads the line's first this many waiters first (the
-    /// script's `head`), as the run store's fetch does (tests: 0, none).
-    head_read: usize,
+    /// Where its waiting turns are kept (none: its releases move nothing).
+    host: Option<PacerHost>,
 }
 
 /// How many calls one batch takes at most.
@@ -152,24 +169,28 @@ impl std::fmt::Debug for SharedPacer {
 }
 
 impl SharedPacer {
-    /// A shared pacer for `budget`, over a (reconnecting) connection.
+    /// A shared pacer for `budget`, over a (reconnecting) connection. With no
+    /// host to move its waiting turns ([`Self::with_host`]), a turn it owes
+    /// time comes back at its estimate and asks again (`PacingConfig::parks`
+    /// off): the pacer's own tests, and any client that asks it directly.
     pub fn new(conn: ConnectionManager, keys: Keys, budget: impl Into<String>, config: PacingConfig) -> Self {
         Self {
             conn,
             keys,
             budget: budget.into(),
-            config: Arc::new(config),
+            config: Arc::new(PacingConfig { parks: false, ..config }),
             test_clock: None,
             batchers: Arc::default(),
-            head_read: 0,
+            host: None,
         }
     }
 
-    /// The same pacer, every batch of which first reads the line's first `n`
-    /// waiters (the script's `head` op), as the run store's fetch sends its
-    /// asks: for tests that its answers are those without it.
-    pub fn with_head_read(mut self, n: usize) -> Self {
-        self.head_read = n;
+    /// The same pacer, its ops run in `host`'s script: a release of the line
+    /// moves the turn where it waits (the worker's pacers: the run store's
+    /// queue).
+    pub fn with_host(mut self, host: PacerHost) -> Self {
+        self.host = Some(host);
+        self.config = Arc::new(PacingConfig { parks: true, ..(*self.config).clone() });
         self
     }
 
@@ -208,12 +229,21 @@ impl SharedPacer {
             c.booking_grace_ms.to_string(),
             c.recheck_ms.to_string(),
             c.floor(Mode::Companion).to_string(),
-            u8::from(c.whole_waits).to_string(),
+            u8::from(c.parks).to_string(),
         ]
     }
 
     fn invocation(&self, op: &str, model: &str) -> redis::ScriptInvocation<'static> {
-        let mut inv = SCRIPT.prepare_invoke();
+        let mut inv = match &self.host {
+            Some(host) if op == "batch" => {
+                let mut inv = host.script.prepare_invoke();
+                for key in &host.keys {
+                    inv.key(key);
+                }
+                inv
+            }
+            _ => SCRIPT.prepare_invoke(),
+        };
         for key in self.script_keys(model) {
             inv.key(key);
         }
@@ -240,29 +270,6 @@ impl SharedPacer {
             return None;
         }
         Some(serde_json::json!({"keys": self.script_keys(""), "cfg": self.config_args(String::new())}))
-    }
-
-    /// Moves up the first `k` waiters of `model`'s line whose wait, predicted
-    /// now, ends sooner than their due time ([`super::model::pull_in`]): their
-    /// reservation ids and new due times. (The run store's fetch does this
-    /// in its own script, where it moves their queue entries too.)
-    pub async fn pull_in(&self, model: &str, k: usize) -> Result<Vec<(String, i64)>, PacerError> {
-        let mut inv = self.invocation("pull", model);
-        inv.arg(k);
-        if self.head_read > 0 {
-            inv.arg(self.head_read);
-        }
-        let mut conn = self.conn.clone();
-        let flat: Vec<String> = inv.invoke_async(&mut conn).await?;
-        flat.chunks(2)
-            .map(|p| match p {
-                [id, due] => due
-                    .parse()
-                    .map(|due| (id.clone(), due))
-                    .map_err(|_| PacerError::Protocol(format!("pull: due time {due:?}"))),
-                _ => Err(PacerError::Protocol("pull: an odd reply".into())),
-            })
-            .collect()
     }
 
     /// What a commit that runs this pacer's ops for `model` in its own script
@@ -293,18 +300,23 @@ impl SharedPacer {
     /// Sends `batch` as one script call (`batch`); one answer per op.
     async fn invoke_batch(&self, model: &str, batch: &[Pending]) -> Result<Vec<Vec<i64>>, PacerError> {
         let mut inv = self.invocation("batch", model);
-        if self.head_read > 0 {
-            inv.arg("head").arg(self.head_read);
-        }
         for p in batch {
             inv.arg(p.op.argv());
         }
         let mut conn = self.conn.clone();
-        let mut answers: Vec<Vec<i64>> = inv.invoke_async(&mut conn).await?;
-        if self.head_read > 0 && !answers.is_empty() {
-            answers.remove(0);
+        Ok(inv.invoke_async(&mut conn).await?)
+    }
+
+    /// Runs `ops` for `model` as one batch now, past the batch loop, and
+    /// returns the script's answers as it gives them (a `moves` op's among
+    /// them): for tests of the line.
+    pub async fn run_ops(&self, model: &str, ops: &[Op]) -> Result<redis::Value, PacerError> {
+        let mut inv = self.invocation("batch", model);
+        for op in ops {
+            inv.arg(op.argv());
         }
-        Ok(answers)
+        let mut conn = self.conn.clone();
+        Ok(inv.invoke_async(&mut conn).await?)
     }
 
     /// Queues `op` for the next batch of `model` and waits for its answer.
@@ -397,8 +409,15 @@ impl SharedPacer {
         Op::Settle(SettleOp { id: id.to_owned(), outcome: *o })
     }
 
-    /// The state of one model of this budget, as the script sees it now.
+    /// The state of one model of this budget, as the script sees it now
+    /// (of a long line, its first waiters: the snapshot counts them all, `BudgetSnapshot::waiting_turns`).
     pub async fn state(&self, model: &str) -> Result<(PacerState, Millis), PacerError> {
+        let (state, now, _) = self.state_and_line(model).await?;
+        Ok((state, now))
+    }
+
+    /// [`Self::state`], and how many turns wait in the line.
+    async fn state_and_line(&self, model: &str) -> Result<(PacerState, Millis, u64), PacerError> {
         let inv = self.invocation("snapshot", model);
         let mut conn = self.conn.clone();
         let flat: Vec<String> = inv.invoke_async(&mut conn).await?;
@@ -437,8 +456,8 @@ impl SharedPacer {
                 if !redis::cmd("EXISTS").arg(&key).query_async::<bool>(&mut conn).await? {
                     continue;
                 }
-                let (state, now) = other.state(&model).await?;
-                out.push(BudgetSnapshot::from_state(&budget, &model, &state, now));
+                let (state, now, waiting) = other.state_and_line(&model).await?;
+                out.push(BudgetSnapshot::from_state(&budget, &model, &state, now).of_line(waiting));
             }
         }
         out.sort_by(|a, b| (&a.budget, &a.model).cmp(&(&b.budget, &b.model)));

@@ -152,6 +152,22 @@ impl BudgetSnapshot {
 }
 
 impl BudgetSnapshot {
+    /// The snapshot of a line of `waiting` turns of which the state held the
+    /// first (the script reads no more): what they are expected to use is
+    /// scaled to the whole line.
+    pub fn of_line(mut self, waiting: u64) -> Self {
+        let seen = self.waiting_turns.max(1);
+        if waiting > self.waiting_turns {
+            let scale = waiting as f64 / seen as f64;
+            self.booked_tokens = (self.booked_tokens as f64 * scale) as u64;
+            for t in &mut self.tenants {
+                t.waiting_tokens = (t.waiting_tokens as f64 * scale) as u64;
+            }
+            self.waiting_turns = waiting;
+        }
+        self
+    }
+
     /// The watchdog: turns have waited longer than `after_ms` and nothing was
     /// admitted for as long, while the token bucket is nearly full and no 429
     /// closed the window. The pacer should never be in this state.
@@ -169,7 +185,7 @@ impl BudgetSnapshot {
 
 /// Reads the script's flat field list into the model's state: the state
 /// hash's fields, then each record as `rec:<id>` (see `decode_record`).
-pub(crate) fn state_from_fields(flat: &[String]) -> (PacerState, Millis) {
+pub(crate) fn state_from_fields(flat: &[String]) -> (PacerState, Millis, u64) {
     let mut map: HashMap<&str, f64> = HashMap::new();
     let mut state = PacerState::default();
     for kv in flat.chunks(2) {
@@ -212,11 +228,13 @@ pub(crate) fn state_from_fields(flat: &[String]) -> (PacerState, Millis) {
         probed_ms: f(&format!("{p}probed")) as Millis,
         unknown_credit: f(&format!("{p}unknown_credit")),
         assumed: f(&format!("{p}assumed")) > 0.0,
+        unsent: 0.0,
     };
     state.tokens = bucket("t_");
     state.requests = bucket("r_");
     state.input = bucket("i_");
     state.output = bucket("o_");
+    state.count_unsent();
     state.blocked_until_ms = f("blocked_until") as Millis;
     state.probe_until_ms = f("probe_until") as Millis;
     state.headerless = f("headerless") > 0.0;
@@ -260,7 +278,9 @@ pub(crate) fn state_from_fields(flat: &[String]) -> (PacerState, Millis) {
             (t.to_owned(), tenant)
         })
         .collect();
-    (state, f("now") as Millis)
+    // (How many wait: the script hands over the first of a long line only.)
+    let waiting = (f("nw") as u64).max(state.waiters.len() as u64);
+    (state, f("now") as Millis, waiting)
 }
 
 /// A reservation record as the script keeps it.
@@ -274,7 +294,7 @@ enum Record {
 /// `f|tokens|requests|output|mark|expiry|input|sent|alone|held_input|held_output|omark|rsent|isent|osent`.
 fn decode_record(s: &str) -> Option<Record> {
     // A waiter's last field, its tenant, is the rest of the record.
-    let fields = if s.starts_with("w|") { 11 } else { 16 };
+    let fields = if s.starts_with("w|") { 11 } else { 17 };
     let mut parts = s.splitn(fields, '|');
     let kind = parts.next()?;
     let mut num = || parts.next()?.parse::<f64>().ok();
@@ -300,6 +320,7 @@ fn decode_record(s: &str) -> Option<Record> {
             let (mark, expiry, input, sent, alone) = (num()?, num()?, num()?, num()?, num()?);
             let (held_input, held_output, omark) = (num()?, num()?, num()?);
             let marks = [num()?, num()?, num()?];
+            let started = num()?;
             Some(Record::Flight(Flight {
                 est,
                 input: input as u64,
@@ -311,6 +332,7 @@ fn decode_record(s: &str) -> Option<Record> {
                 marks,
                 alone: alone > 0.0,
                 expiry_ms: expiry as Millis,
+                started: started > 0.0,
             }))
         }
         _ => None,
@@ -344,6 +366,8 @@ mod tests {
             read.insert(piece[..piece.find('"').unwrap()].to_owned());
         }
         read.remove("now");
+        // (`nw`, the line's length, is a field of its own, kept by the line's writes.)
+        read.remove("nw");
         let storage_only: std::collections::BTreeSet<String> = ["ttl_at".to_owned()].into();
         let kept: std::collections::BTreeSet<String> = fixed.difference(&storage_only).cloned().collect();
         assert!(kept.len() > 100, "read {} names of FIXED", kept.len());

@@ -46,8 +46,11 @@ impl QueueKeys {
         }
     }
 
+    /// How many keys [`Self::script_keys`] gives (the library's `Q_NKEYS`).
+    pub const COUNT: usize = 7;
+
     /// `KEYS[1..7]` of any script built on [`LUA_LIB`](super::LUA_LIB), in order.
-    pub fn script_keys(&self) -> [&str; 7] {
+    pub fn script_keys(&self) -> [&str; Self::COUNT] {
         [&self.due, &self.lease, &self.jobs, &self.dead, &self.reasons, &self.notify, &self.timer]
     }
 }

@@ -1,28 +1,32 @@
 -- The run store's fetch (store.rs `RunStore::fetch_script`), on the queue's library,
--- the run store's (runs/lib.lua), the pacer's script as a function (pacer/store.rs
--- `lua_function`) and the queue's fetch (queue/fetch.lua), prepended:
+-- the run store's (runs/hooks.lua, runs/pacer_host.lua, runs/lib.lua), the pacer's script
+-- as a function (pacer/shared_pacer.rs `lua_function`) and the queue's fetch (queue/fetch.lua), prepended:
 -- each turn it leases is started in the same script, unless its payload carries a pacer
--- ask it has to make first (not one cleared already: store.rs `Turn::cleared`) or a
+-- ask it has to make first (not one cleared already: runs/turn.rs `Turn::cleared`) or a
 -- format this version does not read (the worker buries it).
--- A turn that carries an ask not made yet — back from a budget wait, or a run's first
--- turn (its ask made at submit, store.rs `FirstAsk`) — whose pacer this fetch may ask
--- (ARGV[8]) is asked for here, before it is leased: cleared, it is leased and started as a cleared turn; still
--- owed, it waits again in the queue, as the worker's wait would have left it (the run's
--- wait fields and counter, a `turn.paced` event), and no worker sees it — unless it is
--- owed no longer than the worker's in-place wait: then it is leased (not started: it
--- may be owed again after) with that pause (`pause_ms` in its payload), to wait in its
--- worker as the worker's own ask would have, and ask again there. A turn so owed for
--- the probe (a budget with no headers yet, a cold start: nearly every first turn) is
--- started here too: the probe's answer clears the turns that waited for it, so their
--- start costs three commands here, not a start script of six each after their ask.
+-- A turn that carries an ask not made yet — a run's first turn (its ask made at submit,
+-- runs/pacing.rs `FirstAsk`), a turn parked in its budget's line whose entry came due
+-- (the line's head at its timer, or a safety deadline) — whose pacer this fetch may ask
+-- (ARGV[8]) is asked for here, before it is leased: cleared, it is leased and started as
+-- a cleared turn; still owed, it stays parked in the queue, due when the pacer says (the
+-- run `waiting`: wait_again), and no worker sees it — unless it is owed no longer than
+-- the worker's in-place wait: then it is leased (not started: it may be owed again
+-- after) with that pause (`pause_ms` in its payload), to wait in its worker as the
+-- worker's own ask would have, and ask again there. A turn so owed for the probe (a
+-- budget with no headers yet, a cold start: nearly every first turn) is started here
+-- too: the probe's answer clears the turns that waited for it. A turn whose run ended
+-- while it waited leaves its budget's line here (the pacer's `forget`). A turn the
+-- line released is cleared in its payload already (`released`): asked for here too, the
+-- pacer notes that its worker has it (pacer release.rs `start`: its call may reach the
+-- provider from now on), and it is started as any.
 -- ARGV[1..5] the queue's fetch's; ARGV[6] the history depth in turns (0: all); ARGV[7]
 -- the payload format this version reads; ARGV[8] ('' none) the pacers to ask, JSON
--- (store.rs `FetchAsks`): {routes = {provider = {keys = the pacer's keys without
+-- (runs/pacing.rs `FetchAsks`): {routes = {provider = {keys = the pacer's keys without
 -- the model, cfg = its ARGV[2..]}}, first = the provider of an ask that names none,
 -- weights = {tenant = w}, caps = {tenant = c}, in_place_ms = the worker's in-place
 -- wait, unpaced = the providers its worker paces not at all}. A run's keys are named
 -- from its id, beside the queue's dead set, as keys.rs builds them (the queue's slot;
--- q_fail_run does the same). The pacer's keys are in their budget's slot: on Redis
+-- runs/hooks.lua does the same). The pacer's keys are in their budget's slot: on Redis
 -- Cluster, a fetch that asks needs them on the queue's node (ARCHITECTURE.md, "Keys
 -- and slots").
 local max_hist, format = tonumber(ARGV[6]) or 0, tonumber(ARGV[7]) or 1
@@ -68,48 +72,66 @@ local function jitter_u(rid, now)
   return h / 65521
 end
 
--- A turn still owed: the run waits again, as store.lua's `wait` leaves it.
-local function wait_again(it, ms, code, now)
+-- A turn still owed: the run waits, as store.lua's `wait` leaves it — the first time it
+-- is owed since it last ran (one `turn.paced`, one budget wait counted, its estimate as
+-- its waited time); a turn that waits on (the head's timer, a safety deadline) shows its
+-- new estimate, in its waited time too (the old estimate's rest replaced by the new), and
+-- says so in an event only when the estimate moved by more than a quarter (and 5 s). `a`
+-- is the pacer's answer {1, due_ms, reason, eta_ms}.
+local function wait_again(it, a, now)
+  local code, eta = tonumber(a[3]) or 1, math.max(math.floor(tonumber(a[4]) or tonumber(a[2]) or 0), 1)
   local names = REASONS[code] or REASONS[1]
   RUN, EV = base .. 'run:' .. it.qid, base .. 'ev:' .. it.qid
-  event('turn.paced', paced_data(it.job.turn, ms, code))
-  redis.call('HSET', RUN, unpack(wait_fields({'updated_ms', now}, it.f, now, ms, names[2], 'budget_waits')))
+  local f = it.f
+  if f.status == 'waiting' and f.wait_reason == names[2] then
+    local was = (tonumber(f.next_attempt_ms) or now) - now
+    if math.abs(eta - was) > math.max(5000, 0.25 * math.max(eta, was)) then
+      event('turn.paced', paced_data(it.job.turn, eta, code))
+    end
+    local waited = math.max((tonumber(f.waited_ms) or 0) - math.max(was, 0) + eta, 0)
+    redis.call('HSET', RUN, 'next_attempt_ms', now + eta, 'waited_ms', string.format('%d', waited))
+    return
+  end
+  event('turn.paced', paced_data(it.job.turn, eta, code))
+  redis.call('HSET', RUN, unpack(wait_fields({'updated_ms', now}, f, now, eta, names[2], 'budget_waits')))
 end
 
--- How many waiters near the head of a line a fetch that asks may move up (sim.rs PULL_IN_K).
-local PULL_IN_K = 4
-
 local function hold(ids, recs, now)
-  local keep, moved = {}, {}
-  if asks_json == '' then return keep, moved end
+  local keep = {}
+  if asks_json == '' then return keep, {} end
   local groups, order = {}, {}
   for i, qid in ipairs(ids) do
     local r = recs[i]
     local job = r and r.flag == 'q' and job_of(r)
     if job then r.job = job end
-    local ask = job and not job.cleared and job.ask
+    -- (A turn the line released is asked for too: its fetch starts it, pacer release.rs.)
+    local ask = job and (not job.cleared or job.released) and job.ask
     if type(ask) == 'table' and not asks then
       asks = cjson.decode(asks_json)
       in_place = tonumber(asks.in_place_ms) or 0
     end
     local route = type(ask) == 'table' and type(ask.model) == 'string' and asks.routes[ask.provider or asks.first]
     if type(route) == 'table' then
-      -- Only a run whose next turn is this very one, waiting or queued: anything else,
-      -- the worker's start decides. (Read whole: a turn cleared here is started from
-      -- this read, `start_leased`.)
+      -- Only a run whose next turn is this very one, waiting or queued, is asked for;
+      -- one that ended while its turn waited has it leave its budget's line, and the
+      -- worker's start ends it. (Read whole: a turn cleared here is started from this
+      -- read, `start_leased`.)
       RUN = base .. 'run:' .. qid
       local read = redis.call('HGETALL', RUN)
       local f = record_of(read)
       r.run_read = read
+      local gk = tostring(ask.provider or asks.first) .. '\n' .. ask.model
+      local g = groups[gk]
+      if not g then
+        g = {route = route, model = ask.model, items = {}, gone = {}}
+        groups[gk] = g
+        order[#order + 1] = gk
+      end
+      local rid = string.format('%s:%d:%d', qid, job.turn, tonumber(job.attempt) or 1)
       if (f.status == 'waiting' or f.status == 'queued') and tonumber(f.turns or '') == job.turn then
-        local gk = tostring(ask.provider or asks.first) .. '\n' .. ask.model
-        local g = groups[gk]
-        if not g then
-          g = {route = route, model = ask.model, items = {}}
-          groups[gk] = g
-          order[#order + 1] = gk
-        end
-        g.items[#g.items + 1] = {qid = qid, r = r, job = job, f = f}
+        g.items[#g.items + 1] = {qid = qid, r = r, job = job, f = f, rid = rid}
+      else
+        g.gone[#g.gone + 1] = rid
       end
     end
   end
@@ -117,60 +139,48 @@ local function hold(ids, recs, now)
     local g = groups[gk]
     local keys = {}
     for k = 1, #g.route.keys do keys[k] = g.route.keys[k] .. g.model end
-    -- The line's head read once for the asks and the pull-in after them (pacer, `head`).
-    local ops = {{'head', tostring(2 * PULL_IN_K)}}
+    local ops = {}
+    for _, rid in ipairs(g.gone) do ops[#ops + 1] = {'forget', rid} end
+    local first = #ops
     for _, it in ipairs(g.items) do
       local a = it.job.ask
-      local rid = string.format('%s:%d:%d', it.qid, it.job.turn, tonumber(it.job.attempt) or 1)
       local tenant = tostring(a.tenant or 'default')
-      ops[#ops + 1] = {'acquire', rid, string.format('%d', tonumber(a.tokens) or 0),
-        string.format('%d', tonumber(a.requests) or 1), tostring(jitter_u(rid, now)), tostring(a.mode or 'work'),
+      ops[#ops + 1] = {'acquire', it.rid, string.format('%d', tonumber(a.tokens) or 0),
+        string.format('%d', tonumber(a.requests) or 1), tostring(jitter_u(it.rid, now)), tostring(a.mode or 'work'),
         tostring(asks.weights[tenant] or 1), tostring(asks.caps[tenant] or 0), tenant,
         string.format('%d', tonumber(a.output) or 0)}
     end
-    -- Then the waiters near the head whose wait shortened are moved up (pacer, `pull`:
-    -- with whole waits, the re-timing comes to them), and their queue entries with them.
-    ops[#ops + 1] = {'pull', tostring(PULL_IN_K)}
     -- A pacer that fails here (an error, a reply not understood) leaves its turns to
-    -- the worker, which asks as before.
+    -- the worker, which asks as before. Its releases moved the turns they let go in this
+    -- same script (PACER_HOST, pacer_host.lua): due now, cleared.
     local replies = pacer_batch(keys, g.route.cfg, now, ops)
     if replies then
       for k, it in ipairs(g.items) do
-        local d = replies[k + 1]
+        local d = replies[first + k]
         if type(d) == 'table' and d[1] == 0 then
           it.job.cleared = true
+          it.job.released = nil
+          it.job.pause_ms = nil
           it.r.payload = cjson.encode(it.job)
         elseif type(d) == 'table' and d[1] == 1 then
+          -- (A released turn whose reservation lapsed asked anew, and waits again.)
+          it.job.cleared, it.job.released = nil, nil
           local ms = math.max(math.floor(tonumber(d[2]) or 0), 1)
           if ms <= in_place then
             -- Owed a moment: leased (not started, unless for the probe), it waits in its
-            -- worker (turn.rs).
+            -- worker (worker/src/pacing.rs `pace_at_start`).
             it.job.pause_ms = ms
             it.r.payload = cjson.encode(it.job)
             it.r.paused = tonumber(d[3]) == 3
           else
             keep[it.qid] = now + ms
-            wait_again(it, ms, tonumber(d[3]) or 1, now)
-          end
-        end
-      end
-    end
-    local pulled = replies and replies[#g.items + 2]
-    if type(pulled) == 'table' then
-      for j = 1, #pulled - 1, 2 do
-        local qid = string.match(tostring(pulled[j]), '^(.*):%d+:%d+$')
-        local at = tonumber(pulled[j + 1])
-        if qid and at then
-          if keep[qid] then
-            keep[qid] = math.min(keep[qid], at)
-          elseif redis.call('ZADD', Q_DUE, 'XX', 'LT', 'CH', at, qid) == 1 then
-            moved[#moved + 1] = at
+            wait_again(it, d, now)
           end
         end
       end
     end
   end
-  return keep, moved
+  return keep, {}
 end
 
 return q_fetch(tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5] == '1', start_leased, hold)

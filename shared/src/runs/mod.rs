@@ -25,6 +25,6 @@ pub use pacing::{BudgetWait, CommitPacing, FetchAsks, FirstAsk, PacedAsk};
 pub use record::{ErrorKind, PacingCounters, Run, RunError, Usage};
 pub use spec::{Refusal, RunSpec, SpecError, SubmitPolicy};
 pub use state::{InvalidTransition, RunStatus, Transition, WaitReason};
-pub use store::{run_queue, Created, Idempotency, RunStore, StoreError, TenantCounts, QUEUE_HOOKS};
+pub use store::{pacer_host, run_queue, Created, Idempotency, RunStore, StoreError, TenantCounts, QUEUE_HOOKS};
 pub use transcript::{ApiStyle, TranscriptEntry};
 pub use turn::{Committed, Fence, ModelOutput, Next, Phase, Started, StopReason, Turn, TurnContext, TurnJob};

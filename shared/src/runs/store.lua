@@ -57,9 +57,16 @@ if op == 'cancel' then
   redis.call('HSET', RUN, 'status', 'cancelled')
   retire(now, ARGV[4])
   event('run.cancelled', cjson.encode({status = 'cancelled'}))
-  -- A queued turn is removed now; one in flight is stopped by its fenced commit.
+  -- A queued turn is removed now; one in flight is stopped by its fenced commit. One
+  -- that carries a pacer ask (parked in its budget's line, or released there and not
+  -- started) is due now instead: the fetch that meets it has the pacer forget it (out of
+  -- the line, its reservation given back), and the worker's start ends it.
   local r = q_read(id)
-  if r and r.flag == 'q' then
+  local ok, job = false, nil
+  if r and r.flag == 'q' then ok, job = pcall(cjson.decode, r.payload) end
+  if ok and type(job) == 'table' and type(job.ask) == 'table' then
+    q_schedule(id, r, now, now)
+  elseif r and r.flag == 'q' then
     redis.call('ZREM', Q_DUE, id)
     redis.call('HDEL', Q_JOBS, id)
   elseif r and r.flag == 'l' and ARGV[5] then
@@ -78,7 +85,9 @@ end
 
 if op == 'wait' then
   -- ARGV[3] epoch, [4] turn, [5] next job payload, [6] delay ms, [7] wait reason,
-  -- [8] counter field to bump ('' none), [9] event type, [10] event data
+  -- [8] counter field to bump ('' none), [9] event type, [10] event data, [11] (absent:
+  -- the delay) the wait the run shows: a turn parked in its budget's line is due at its
+  -- safety deadline, and shows its estimate
   local counter = ARGV[8]
   local more = {'waited_ms'}
   if counter ~= '' then more[2] = counter end
@@ -86,7 +95,8 @@ if op == 'wait' then
   if not r then return {'stop', why} end
   local now = stamped(event(ARGV[9], ARGV[10]))
   local delay = tonumber(ARGV[6])
-  redis.call('HSET', RUN, unpack(wait_fields({'updated_ms', now, 'epoch', ''}, f, now, delay, ARGV[7], counter)))
+  local shown = tonumber(ARGV[11]) or delay
+  redis.call('HSET', RUN, unpack(wait_fields({'updated_ms', now, 'epoch', ''}, f, now, shown, ARGV[7], counter)))
   r.payload = ARGV[5]
   r.deliveries = 0
   q_schedule(id, r, now + delay, now)
@@ -150,7 +160,7 @@ if op == 'commit' then
   local next = ARGV[6]
   local payload = ARGV[7]
   -- The next turn's ask, made here: its answer, and the clock it was made at.
-  local asked, now = nil, nil
+  local asked, now, eta = nil, nil, 0
   if pacing and pacing.ask and next == 'continue' then
     now = q_now()
     -- (Its reservation, the next turn's first attempt's, was never asked for: a commit of
@@ -164,10 +174,13 @@ if op == 'commit' then
       job.cleared = true
       payload = cjson.encode(job)
     elseif type(asked) == 'table' and asked[1] == 1 then
+      -- Parked (pacer/lua/acquire.lua `park`): its entry is due at `delay` (the line's
+      -- timer, or a safety deadline: the line releases it before), the run shows its estimate.
       delay = math.max(math.floor(tonumber(asked[2]) or 0), 1)
+      eta = math.max(math.floor(tonumber(asked[4]) or delay), 1)
       local code = tonumber(asked[3]) or 1
       reason, counter = (REASONS[code] or REASONS[1])[2], 'budget_waits'
-      paced = paced_data(tag, delay, code)
+      paced = paced_data(tag, eta, code)
     else
       asked = nil
     end
@@ -202,7 +215,7 @@ if op == 'commit' then
   add_usage(f, set, ARGV[5], recorded and '' or ARGV[11])
   if next == 'continue' then
     if delay > 0 then
-      wait_fields(set, f, now, delay, reason, counter)
+      wait_fields(set, f, now, math.max(eta, 0) > 0 and eta or delay, reason, counter)
     else
       for _, v in ipairs({'status', 'queued', 'wait_reason', '', 'next_attempt_ms', ''}) do set[#set + 1] = v end
     end
@@ -213,6 +226,7 @@ if op == 'commit' then
     local out = {'continued', tostring(turns)}
     if asked then
       out[3] = tostring(asked[1]); out[4] = string.format('%d', delay); out[5] = tostring(asked[3] or 0)
+      out[6] = string.format('%d', eta)
     end
     return out
   end

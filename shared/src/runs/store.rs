@@ -52,9 +52,35 @@ pub fn run_queue(
     Ok(crate::queue::TurnQueue::new(redis, config)?.with_hooks(QUEUE_HOOKS))
 }
 
+/// The run store's queue as the shared pacer's host (`pacer_host.lua`): a
+/// release of a budget's line makes the turn's queue entry due now, cleared,
+/// and the head's timer moves its entry, in the same script as the pacer's op.
+const PACER_HOST_LUA: &str = include_str!("pacer_host.lua");
+
+static PACER_HOST_SCRIPT: LazyLock<redis::Script> = LazyLock::new(|| {
+    let n = crate::queue::QueueKeys::COUNT;
+    redis::Script::new(&format!(
+        "{LUA_LIB}\n{QUEUE_HOOKS}\n{PACER_HOST_LUA}\n{}\nreturn pacer_call({{KEYS[{}], KEYS[{}], KEYS[{}], KEYS[{}]}}, ARGV)",
+        crate::pacer::lua_function(),
+        n + 1,
+        n + 2,
+        n + 3,
+        n + 4
+    ))
+});
+
+/// The shared pacer's host for a run store under `keys`' prefix: its queue
+/// ([`crate::pacer::SharedPacer::with_host`]; every worker's pacer has it).
+pub fn pacer_host(keys: &Keys) -> crate::pacer::PacerHost {
+    crate::pacer::PacerHost {
+        script: &PACER_HOST_SCRIPT,
+        keys: QueueKeys::new(keys).script_keys().iter().map(|k| (*k).to_owned()).collect(),
+    }
+}
+
 static SCRIPT: LazyLock<redis::Script> = LazyLock::new(|| {
     redis::Script::new(&format!(
-        "{LUA_LIB}\n{QUEUE_HOOKS}\n{}\n{}\n{}",
+        "{LUA_LIB}\n{QUEUE_HOOKS}\n{PACER_HOST_LUA}\n{}\n{}\n{}",
         runs_lib(),
         crate::pacer::lua_function(),
         include_str!("store.lua")
@@ -736,7 +762,7 @@ impl RunStore {
     /// costs one pacer call in the fetch, not a delivery, an ask and a
     /// requeue (`runs/fetch.lua`).
     pub fn fetch_script_asking(&self, max_history: usize, asks: Option<&FetchAsks>) -> FetchScript {
-        let libs = format!("{QUEUE_HOOKS}\n{}\n{}", runs_lib(), crate::pacer::lua_function());
+        let libs = format!("{QUEUE_HOOKS}\n{PACER_HOST_LUA}\n{}\n{}", runs_lib(), crate::pacer::lua_function());
         let asks = asks.map(|a| serde_json::to_string(a).unwrap_or_default()).unwrap_or_default();
         FetchScript::new(&libs, FETCH_START_LUA, vec![max_history.to_string(), PAYLOAD_FORMAT.to_string(), asks])
     }
@@ -811,6 +837,39 @@ impl RunStore {
         event_kind: &str,
         event_data: &Value,
     ) -> Result<Fence, StoreError> {
+        self.wait_shown(lease, job, next, delay_ms, None, reason, event_kind, event_data).await
+    }
+
+    /// [`wait_asking`](Self::wait_asking) for a turn the pacer parked in its
+    /// budget's line: due at `due_ms` (its safety deadline, or the line's
+    /// timer; the line releases it sooner), the run showing `eta_ms`.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn wait_parked(
+        &self,
+        lease: &Lease,
+        job: TurnJob,
+        next: Turn,
+        due_ms: u64,
+        eta_ms: u64,
+        reason: WaitReason,
+        event_kind: &str,
+        event_data: &Value,
+    ) -> Result<Fence, StoreError> {
+        self.wait_shown(lease, job, next, due_ms, Some(eta_ms), reason, event_kind, event_data).await
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn wait_shown(
+        &self,
+        lease: &Lease,
+        job: TurnJob,
+        next: Turn,
+        delay_ms: u64,
+        shown_ms: Option<u64>,
+        reason: WaitReason,
+        event_kind: &str,
+        event_data: &Value,
+    ) -> Result<Fence, StoreError> {
         let counter = wait_counter(reason);
         let reason = serde_json::to_value(reason).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
         let mut inv = self.invocation("wait", &lease.id, "", None);
@@ -822,6 +881,9 @@ impl RunStore {
             .arg(counter)
             .arg(event_kind)
             .arg(event_data.to_string());
+        if let Some(shown) = shown_ms {
+            inv.arg(shown);
+        }
         Self::fence(&self.invoke_fenced(inv).await?)
     }
 
@@ -971,10 +1033,10 @@ impl RunStore {
             );
         }
         let reply = self.invoke_fenced(inv).await;
-        // {'continued', turns, code, ms, reason}: the ask's answer, when it was made.
+        // {'continued', turns, code, due_ms, reason, eta_ms}: the ask's answer, when it was made.
         let asked = reply.as_ref().ok().and_then(|r| {
-            let answer: Vec<i64> = r.get(2..5)?.iter().map(|v| v.parse().unwrap_or(-1)).collect();
-            // (The script pads a clear answer: `{0, 0, 0}`.)
+            let answer: Vec<i64> = r.get(2..6)?.iter().map(|v| v.parse().unwrap_or(-1)).collect();
+            // (The script pads a clear answer: `{0, 0, 0, 0}`.)
             crate::pacer::ops::decision(if answer.first() == Some(&0) { &answer[..1] } else { &answer })
         });
         // Whatever the answer (the turn may be queued), unless it waits.

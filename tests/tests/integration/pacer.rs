@@ -7,9 +7,10 @@ use paceline_tests::{unique_prefix, RedisServer};
 use rand::{Rng, SeedableRng};
 use shared::clock::{Clock, ManualClock, Millis};
 use shared::keys::Keys;
+use shared::pacer::model::{acquire, release, settle, Ask, Host, Move};
 use shared::pacer::{
-    sim, CallOutcome, Decision, Estimate, LocalPacer, Mode, Observation, OwedReason, Pacer, PacingConfig, SharedPacer,
-    Who,
+    sim, AcquireOp, CallOutcome, Decision, Estimate, Mode, Observation, Op, OwedReason, Pacer, PacerHost, PacerState,
+    PacingConfig, SettleOp, SharedPacer, Who,
 };
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -252,16 +253,16 @@ async fn a_turn_in_line_is_clear_when_it_comes_back_and_not_before() {
     else {
         panic!("expected a wait")
     };
-    assert_eq!(first, 2_000);
-    // A second waiter is owed the time after the first, not the same instant:
-    // it would be clear at 4 000 ms, and comes back once the turn ahead of it
-    // is due (plus `late_ms`) to be re-timed — if that turn never came back,
-    // it would go first.
-    let Decision::Owed { ms: second, .. } = pacer.acquire("m", "t2", est, Mode::Work, &Who::DEFAULT).await.unwrap()
+    assert_eq!(first, 2_000, "the head of the line is due when the refill brings it");
+    // A second waiter is parked behind it. With no host to move it (this
+    // pacer is asked directly: `PacingConfig::parks` off), it comes back when
+    // it is expected clear, and asks again.
+    let Decision::Owed { ms: second, eta_ms, .. } =
+        pacer.acquire("m", "t2", est, Mode::Work, &Who::DEFAULT).await.unwrap()
     else {
         panic!("expected a wait")
     };
-    assert_eq!(second, 3_000);
+    assert_eq!((second, eta_ms), (4_000, 4_000));
     clock.advance(1_500);
     match pacer.acquire("m", "t1", est, Mode::Work, &Who::DEFAULT).await.unwrap() {
         Decision::Owed { ms, .. } => assert_eq!(ms, 500, "a wait cut short is not a wait saved"),
@@ -272,7 +273,8 @@ async fn a_turn_in_line_is_clear_when_it_comes_back_and_not_before() {
     let (state, _) = pacer.state("m").await.unwrap();
     assert!(state.waiters.contains_key("t2"), "t2 still holds its place in line");
     assert_eq!(state.tokens.in_flight, 2_000.0, "t1 is now in flight");
-    // t2 comes back at 3 000 ms, at the head of the line: owed the rest, exactly.
+    // t1's clearance made t2 the head: its timer is 2 000 ms on, when the
+    // refill brings it. Asked at 3 000 ms it is owed the rest, exactly.
     clock.advance(1_000);
     match pacer.acquire("m", "t2", est, Mode::Work, &Who::DEFAULT).await.unwrap() {
         Decision::Owed { ms, .. } => assert_eq!(ms, 1_000),
@@ -321,23 +323,83 @@ async fn the_snapshot_lists_every_budget_and_model() {
     assert_eq!(snap.iter().map(|s| s.model.as_str()).collect::<Vec<_>>(), ["gpt-b"]);
 }
 
+/// The pure model run as the script runs it: the line's release before an
+/// ask, after a settle or a forget.
+struct Model {
+    state: PacerState,
+    config: PacingConfig,
+}
+
+impl Model {
+    #[allow(clippy::too_many_arguments)]
+    fn acquire(
+        &mut self,
+        now: Millis,
+        id: &str,
+        est: Estimate,
+        mode: Mode,
+        who: &Who<'_>,
+        jitter_u: f64,
+        host: &mut dyn Host,
+    ) -> (Decision, Vec<Move>) {
+        let moves = release(&mut self.state, &self.config, now, host);
+        (acquire(&mut self.state, &self.config, now, &Ask { id, est, mode, who: *who }, jitter_u), moves)
+    }
+
+    fn settle(&mut self, now: Millis, id: &str, outcome: &CallOutcome, host: &mut dyn Host) -> Vec<Move> {
+        settle(&mut self.state, &self.config, now, id, outcome);
+        release(&mut self.state, &self.config, now, host)
+    }
+
+    fn forget(&mut self, now: Millis, id: &str, host: &mut dyn Host) -> Vec<Move> {
+        shared::pacer::model::forget(&mut self.state, id);
+        release(&mut self.state, &self.config, now, host)
+    }
+}
+
+/// Runs `op` on the script in one batch with `moves`: its answer, and what
+/// the line's release moved.
+async fn on_script(pacer: &SharedPacer, op: Op) -> (Vec<i64>, Vec<Move>) {
+    let reply = pacer.run_ops("m", &[op, Op::Moves]).await.expect("script");
+    let parts: Vec<redis::Value> = redis::from_redis_value(reply).expect("two answers");
+    let answer: Vec<i64> = redis::from_redis_value(parts[0].clone()).expect("an answer");
+    let flat: Vec<String> = redis::from_redis_value(parts[1].clone()).expect("moves");
+    let moves = flat
+        .chunks(3)
+        .map(|m| match m {
+            [id, _, flag] if flag == "1" => Move::Release(id.clone()),
+            [id, at, _] => Move::Retime(id.clone(), at.parse().expect("a time")),
+            _ => panic!("moves: {flat:?}"),
+        })
+        .collect();
+    (answer, moves)
+}
+
 /// The script and the pure model are the same policy written twice (Lua for
 /// atomicity, Rust for the local pacer and for reading): drive both with the
-/// same random operations on one injected clock and compare every answer and
-/// the whole state (buckets, tenants, the line, the calls in flight).
+/// same random operations on one injected clock and compare every answer,
+/// every release and the whole state (buckets, tenants, the line, the calls
+/// in flight).
 #[tokio::test]
 async fn the_redis_script_and_the_pure_model_agree() {
     let server = RedisServer::start();
     // Every path must be taken, or a difference in it goes unseen.
     let mut paths = Paths::default();
     // 7, 9: a fixed window; 8: continuous; 9 starts without headers; 10:
-    // separate input and output buckets (Anthropic); 11: `remaining` alone (Azure).
-    for seed in [7, 8, 9, 10, 11] {
-        agree(&server, seed, &mut paths).await;
+    // separate input and output buckets (Anthropic); 11: `remaining` alone
+    // (Azure). Each with a host that moves the waiting turns (the workers'
+    // pacers), and 7 and 8 with none (a pacer asked directly: its turns come
+    // back and ask).
+    for (seed, hosted) in [(7, true), (8, true), (9, true), (10, true), (11, true), (7, false), (8, false)] {
+        agree(&server, seed, hosted, &mut paths).await;
     }
-    assert!(paths.back_and_clear >= 10, "only {} waiters came back clear: {paths:?}", paths.back_and_clear);
-    assert!(paths.back_and_owed >= 10, "only {} waiters came back owed again: {paths:?}", paths.back_and_owed);
+    eprintln!("{paths:?}");
+    assert!(paths.released >= 10, "only {} turns were released: {paths:?}", paths.released);
+    assert!(paths.retimed >= 10, "only {} head timers moved: {paths:?}", paths.retimed);
+    assert!(paths.back_and_clear >= 5, "only {} waiters came back clear: {paths:?}", paths.back_and_clear);
+    assert!(paths.back_and_owed >= 5, "only {} waiters came back owed again: {paths:?}", paths.back_and_owed);
     assert!(paths.early >= 5, "only {} early returns: {paths:?}", paths.early);
+    assert!(paths.forgotten >= 5, "only {} waiters forgotten: {paths:?}", paths.forgotten);
     assert!(paths.rate_limited >= 5, "only {} 429 waits: {paths:?}", paths.rate_limited);
     assert!(paths.fair_share >= 10, "only {} fair-share waits: {paths:?}", paths.fair_share);
     assert!(paths.headerless >= 5, "only {} clears without headers: {paths:?}", paths.headerless);
@@ -351,9 +413,12 @@ async fn the_redis_script_and_the_pure_model_agree() {
 
 #[derive(Debug, Default)]
 struct Paths {
+    released: usize,
+    retimed: usize,
     back_and_clear: usize,
     back_and_owed: usize,
     early: usize,
+    forgotten: usize,
     rate_limited: usize,
     fair_share: usize,
     /// Clear answers while the provider was taken to send no headers.
@@ -365,32 +430,62 @@ struct Paths {
 }
 
 /// One random walk of the differential test.
-async fn agree(server: &RedisServer, seed: u64, paths: &mut Paths) {
+async fn agree(server: &RedisServer, seed: u64, hosted: bool, paths: &mut Paths) {
     let clock = ManualClock::new(5_000_000);
-    let config =
-        PacingConfig { jitter_frac: 0.0, probe_wait_ms: 50, reservation_ttl_ms: 4_000, ..PacingConfig::default() };
-    let shared = shared_pacer(server, &unique_prefix(), config.clone()).await.with_test_clock(Arc::new(clock.clone()));
-    let local = LocalPacer::with_clock("default", config, Arc::new(clock.clone()));
+    let config = PacingConfig {
+        jitter_frac: 0.0,
+        probe_wait_ms: 50,
+        reservation_ttl_ms: 4_000,
+        parks: hosted,
+        ..PacingConfig::default()
+    };
+    let prefix = unique_prefix();
+    let shared = shared_pacer(server, &prefix, config.clone()).await.with_test_clock(Arc::new(clock.clone()));
+    // A host that holds every turn (its set of ended runs stays empty), as
+    // the model's `Everyone`.
+    let shared = if hosted {
+        shared.with_host(PacerHost { script: &TEST_HOST_SCRIPT, keys: vec![Keys::new(prefix.as_str()).test_gone()] })
+    } else {
+        shared
+    };
+    let mut model = Model { state: PacerState::default(), config };
+    let mut everyone = shared::pacer::model::Everyone;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut outstanding: Vec<String> = vec![];
     let mut waiting: std::collections::HashMap<String, Millis> = Default::default();
+    let track = |moves: &[Move], waiting: &mut std::collections::HashMap<String, Millis>, paths: &mut Paths| {
+        for m in moves {
+            match m {
+                Move::Release(id) => {
+                    waiting.remove(id);
+                    paths.released += 1;
+                }
+                Move::Retime(id, at) => {
+                    waiting.insert(id.clone(), *at);
+                    paths.retimed += 1;
+                }
+            }
+        }
+    };
     for step in 0..400 {
         clock.advance(rng.random_range(0..300));
-        let roll = rng.random_range(0..10);
-        if roll < 6 || outstanding.is_empty() {
+        let now = clock.now_ms();
+        let roll = rng.random_range(0..20);
+        if roll < 12 || outstanding.is_empty() {
             // A turn asks again only when it was owed time (a worker never
             // asks again for a call it was cleared to send): mostly the one
             // due first, at its due time, as the queue delivers it; sometimes early.
             let next_due =
                 waiting.iter().min_by_key(|(id, due)| (**due, (*id).clone())).map(|(id, due)| (id.clone(), *due));
             let id = if let (Some((id, due)), true) = (next_due, rng.random_bool(0.5)) {
-                if rng.random_bool(0.85) && due > clock.now_ms() {
+                if rng.random_bool(0.85) && due > now {
                     clock.set(due);
                 }
                 id
             } else {
                 format!("r{step}")
             };
+            let now = clock.now_ms();
             let back = waiting.get(&id).copied();
             let tokens = rng.random_range(100..5_000);
             // Most calls say which part is the output reservation; some do not.
@@ -406,29 +501,45 @@ async fn agree(server: &RedisServer, seed: u64, paths: &mut Paths) {
                 Who { tenant: "beta", weight: 1.0, cap: 0.0 },
                 Who { tenant: "gamma", weight: 1.0, cap: 0.3 },
             ][number % 3];
-            let want = local.acquire("m", &id, est, mode, &who);
-            let got = shared.acquire("m", &id, est, mode, &who).await.unwrap();
+            let (want, want_moves) = model.acquire(now, &id, est, mode, &who, 0.0, &mut everyone);
+            let op = Op::Acquire(AcquireOp::new(&id, est, mode, &who, 0.0));
+            let (answer, got_moves) = on_script(&shared, op).await;
+            let got = shared::pacer::ops::decision(&answer).expect("an answer");
             assert_eq!(got, want, "seed {seed} step {step}: acquire {id} {est:?} {mode:?} {who:?}");
+            assert_eq!(got_moves, want_moves, "seed {seed} step {step}: the release after {id}'s ask");
             match (got, back) {
                 (Decision::Clear, Some(_)) => paths.back_and_clear += 1,
-                (Decision::Owed { .. }, Some(due)) if clock.now_ms() < due => paths.early += 1,
+                (Decision::Owed { .. }, Some(due)) if now < due => paths.early += 1,
                 (Decision::Owed { .. }, Some(_)) => paths.back_and_owed += 1,
                 _ => {}
             }
             match got {
-                Decision::Owed { ms, reason } => {
+                Decision::Owed { ms, reason, .. } => {
                     paths.rate_limited += usize::from(reason == OwedReason::RateLimited);
                     paths.fair_share += usize::from(reason == OwedReason::FairShare);
-                    waiting.insert(id.clone(), clock.now_ms() + ms as i64);
+                    waiting.insert(id.clone(), now + ms as i64);
                 }
                 Decision::Clear => {
                     waiting.remove(&id);
-                    paths.headerless += usize::from(local.state("m").headerless);
+                    paths.headerless += usize::from(model.state.headerless);
                 }
             }
+            track(&want_moves, &mut waiting, paths);
             if !outstanding.contains(&id) {
                 outstanding.push(id);
             }
+        } else if roll < 13 && !waiting.is_empty() {
+            // A waiting turn's run ends: it leaves the line.
+            let mut ids: Vec<&String> = waiting.keys().collect();
+            ids.sort();
+            let id = ids[rng.random_range(0..ids.len())].clone();
+            waiting.remove(&id);
+            outstanding.retain(|o| o != &id);
+            let want_moves = model.forget(now, &id, &mut everyone);
+            let (_, got_moves) = on_script(&shared, Op::Forget(id.clone())).await;
+            assert_eq!(got_moves, want_moves, "seed {seed} step {step}: the release after {id} was forgotten");
+            paths.forgotten += 1;
+            track(&want_moves, &mut waiting, paths);
         } else {
             let id = outstanding.swap_remove(rng.random_range(0..outstanding.len()));
             waiting.remove(&id);
@@ -494,17 +605,21 @@ async fn agree(server: &RedisServer, seed: u64, paths: &mut Paths) {
             } else {
                 outcome
             };
-            let before = local.state("m");
-            local.settle("m", &id, &outcome);
-            shared.settle("m", &id, &outcome).await.unwrap();
-            let after = local.state("m");
+            let before = model.state.clone();
+            let want_moves = model.settle(now, &id, &outcome, &mut everyone);
+            let (_, got_moves) = on_script(&shared, Op::Settle(SettleOp { id: id.clone(), outcome })).await;
+            assert_eq!(got_moves, want_moves, "seed {seed} step {step}: the release after {id}'s settle");
+            track(&want_moves, &mut waiting, paths);
+            let after = &model.state;
             if after.refunds.share(after.tokens.limit).is_some() {
                 paths.refund_share_known += 1;
                 paths.withheld_released += usize::from(after.tokens.withheld + 1.0 < before.tokens.withheld);
             }
         }
         let (got, _) = shared.state("m").await.unwrap();
-        let want = local.state("m");
+        // (The snapshot drops the calls whose reservations lapsed, as every op does first.)
+        shared::pacer::model::expire(&mut model.state, &model.config, clock.now_ms());
+        let want = model.state.clone();
         let close = |a: f64, b: f64| (a - b).abs() <= 1e-6 * a.abs().max(b.abs()).max(1.0);
         for (name, g, w) in [
             ("tokens", &got.tokens, &want.tokens),
@@ -592,6 +707,7 @@ async fn agree(server: &RedisServer, seed: u64, paths: &mut Paths) {
                 close(g.order, w.order)
                     && close(g.line, w.line)
                     && g.due_ms == w.due_ms
+                    && g.clear_ms == w.clear_ms
                     && g.since_ms == w.since_ms
                     && g.reason == w.reason
                     && g.tenant == w.tenant
@@ -603,71 +719,162 @@ async fn agree(server: &RedisServer, seed: u64, paths: &mut Paths) {
     }
 }
 
+/// The script's host in the lockstep test: a turn is held unless the set
+/// `KEYS[1]` names it (the model's host, the simulator's queue, said it no
+/// longer held it: the test puts it there before the script's op).
+const TEST_HOST: &str = "local PACER_HOST = {}
+function PACER_HOST.release(id, now) return redis.call('SISMEMBER', KEYS[1], id) == 0 end
+function PACER_HOST.retime(id, at, now) return redis.call('SISMEMBER', KEYS[1], id) == 0 end
+function PACER_HOST.holds(id) return redis.call('SISMEMBER', KEYS[1], id) == 0 end
+";
+
+static TEST_HOST_SCRIPT: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+    redis::Script::new(&format!(
+        "{TEST_HOST}\n{}\nreturn pacer_call({{KEYS[2], KEYS[3], KEYS[4], KEYS[5]}}, ARGV)",
+        shared::pacer::lua_function()
+    ))
+});
+
+/// A host that answers as another does, and notes the turns it no longer held.
+struct Recorder<'h> {
+    inner: &'h mut dyn Host,
+    gone: Vec<String>,
+}
+
+impl Host for Recorder<'_> {
+    fn release(&mut self, id: &str) -> bool {
+        let held = self.inner.release(id);
+        if !held {
+            self.gone.push(id.to_owned());
+        }
+        held
+    }
+
+    fn retime(&mut self, id: &str, at: Millis) -> bool {
+        let held = self.inner.retime(id, at);
+        if !held {
+            self.gone.push(id.to_owned());
+        }
+        held
+    }
+
+    fn holds(&mut self, id: &str) -> bool {
+        let held = self.inner.holds(id);
+        if !held {
+            self.gone.push(id.to_owned());
+        }
+        held
+    }
+}
+
 /// The simulator's workloads through the Redis script, in lockstep with the
-/// pure model: every answer of the script must be the model's, so the
-/// properties the model holds over 10 000 workloads (`pacer::sim` in
-/// `shared`) hold for the script on these.
+/// pure model: every answer of the script, and every release and timer of its
+/// line, must be the model's, so the properties the model holds over 10 000
+/// workloads (`pacer::sim`) hold for the script on these.
 struct Lockstep {
     script: SharedPacer,
-    model: sim::ModelPolicy,
+    model: Model,
     clock: ManualClock,
     handle: tokio::runtime::Handle,
     seed: u64,
     /// The state's waiter count (field `nw`, which spares each op a `ZCARD`)
-    /// is checked against the line and the waiters hash after every op (a
-    /// waiter that lapsed is counted until a script reads it and deletes it,
-    /// its record and line entry together): (state key, line key, waiters key).
-    count: (redis::aio::MultiplexedConnection, String, String, String),
-    /// Waiters moved up by pull-ins (whole waits).
-    pulled: usize,
+    /// and its head (field `hd`) are checked against the line and the waiters
+    /// hash after every op: (connection, state, line, waiters, the host's set).
+    keys: (redis::aio::MultiplexedConnection, String, String, String, String),
+    released: usize,
+    retimed: usize,
 }
 
 impl Lockstep {
-    fn check_count(&self, what: &str, now: Millis) {
-        let (conn, state, line, waiters) = &self.count;
+    fn block<T>(&self, f: impl std::future::Future<Output = T>) -> T {
+        tokio::task::block_in_place(|| self.handle.block_on(f))
+    }
+
+    /// Runs `op` on the script after the model ran it with `gone` not held by
+    /// its host; their moves must be the same.
+    fn script_op(&mut self, op: Op, gone: &[String], want: &[Move], what: &str, now: Millis) -> Vec<i64> {
+        if !gone.is_empty() {
+            let (mut conn, dead) = (self.keys.0.clone(), self.keys.4.clone());
+            let () = self.block(redis::cmd("SADD").arg(dead).arg(gone).query_async(&mut conn)).expect("sadd");
+        }
+        let (answer, moves) = self.block(on_script(&self.script, op));
+        assert_eq!(moves, want, "seed {}: {what} at {now}: the line's release", self.seed);
+        for m in want {
+            match m {
+                Move::Release(_) => self.released += 1,
+                Move::Retime(..) => self.retimed += 1,
+            }
+        }
+        self.check_line(what, now);
+        answer
+    }
+
+    fn check_line(&self, what: &str, now: Millis) {
+        let (conn, state, line, waiters, _) = &self.keys;
         let mut conn = conn.clone();
-        // (nw, the line's length, the waiters hash's)
-        type Read = (Option<i64>, i64, i64);
-        let (kept, counted, records): Read = tokio::task::block_in_place(|| {
-            self.handle.block_on(redis::pipe().hget(state, "nw").zcard(line).hlen(waiters).query_async(&mut conn))
-        })
-        .expect("count");
-        assert_eq!(kept, Some(counted), "seed {}: {what} at {now}: the state's waiter count", self.seed);
+        // (nw, the line's length, the waiters hash's, the kept head, the line's first)
+        type Read = (Option<i64>, i64, i64, Option<Vec<u8>>, Vec<String>);
+        let (kept, counted, records, head, first): Read = self
+            .block(
+                redis::pipe()
+                    .hget(state, "nw")
+                    .zcard(line)
+                    .hlen(waiters)
+                    .hget(state, "hd")
+                    .zrange(line, 0, 0)
+                    .query_async(&mut conn),
+            )
+            .expect("count");
+        assert_eq!(kept.unwrap_or(0), counted, "seed {}: {what} at {now}: the state's waiter count", self.seed);
         assert_eq!(records, counted, "seed {}: {what} at {now}: records and line entries", self.seed);
+        if let Some(head) = head.filter(|h| h.len() > 2) {
+            let n = u16::from_le_bytes([head[0], head[1]]) as usize;
+            let id = String::from_utf8_lossy(&head[2..2 + n]).into_owned();
+            assert_eq!(Some(&id), first.first(), "seed {}: {what} at {now}: the kept head", self.seed);
+            let record: Vec<u8> = self.block(redis::cmd("HGET").arg(waiters).arg(&id).query_async(&mut conn)).unwrap();
+            assert_eq!(record, head[2 + n..], "seed {}: {what} at {now}: the kept head's record", self.seed);
+        }
     }
 }
 
 impl sim::Policy for Lockstep {
-    fn acquire(&mut self, now: Millis, id: &str, est: Estimate, mode: Mode, who: &Who<'_>, jitter_u: f64) -> Decision {
+    #[allow(clippy::too_many_arguments)]
+    fn acquire(
+        &mut self,
+        now: Millis,
+        id: &str,
+        est: Estimate,
+        mode: Mode,
+        who: &Who<'_>,
+        jitter_u: f64,
+        host: &mut dyn Host,
+    ) -> Decision {
         self.clock.set(now);
-        let want = self.model.acquire(now, id, est, mode, who, jitter_u);
-        let got = tokio::task::block_in_place(|| self.handle.block_on(self.script.acquire("m", id, est, mode, who)))
-            .expect("script");
-        assert_eq!(got, want, "seed {}: acquire {id} at {now}", self.seed);
-        self.check_count(id, now);
-        got
+        let mut recorder = Recorder { inner: host, gone: vec![] };
+        let (want, moves) = self.model.acquire(now, id, est, mode, who, jitter_u, &mut recorder);
+        let op = Op::Acquire(AcquireOp::new(id, est, mode, who, jitter_u));
+        let answer = self.script_op(op, &recorder.gone, &moves, id, now);
+        assert_eq!(shared::pacer::ops::decision(&answer), Some(want), "seed {}: acquire {id} at {now}", self.seed);
+        want
     }
 
-    fn settle(&mut self, now: Millis, id: &str, outcome: &CallOutcome) {
+    fn settle(&mut self, now: Millis, id: &str, outcome: &CallOutcome, host: &mut dyn Host) {
         self.clock.set(now);
-        self.model.settle(now, id, outcome);
-        tokio::task::block_in_place(|| self.handle.block_on(self.script.settle("m", id, outcome))).expect("script");
-        self.check_count(id, now);
+        let mut recorder = Recorder { inner: host, gone: vec![] };
+        let moves = self.model.settle(now, id, outcome, &mut recorder);
+        let op = Op::Settle(SettleOp { id: id.to_owned(), outcome: *outcome });
+        self.script_op(op, &recorder.gone, &moves, id, now);
     }
 
-    fn pull_in(&mut self, now: Millis) -> Vec<(String, Millis)> {
+    fn forget(&mut self, now: Millis, id: &str, host: &mut dyn Host) {
         self.clock.set(now);
-        let want = self.model.pull_in(now);
-        let got = tokio::task::block_in_place(|| self.handle.block_on(self.script.pull_in("m", sim::PULL_IN_K)))
-            .expect("script");
-        assert_eq!(got, want, "seed {}: pull-in at {now}", self.seed);
-        self.pulled += got.len();
-        self.check_count("pull", now);
-        got
+        let mut recorder = Recorder { inner: host, gone: vec![] };
+        let moves = self.model.forget(now, id, &mut recorder);
+        self.script_op(Op::Forget(id.to_owned()), &recorder.gone, &moves, id, now);
     }
 
-    fn head(&self, now: Millis) -> Option<String> {
-        self.model.head(now)
+    fn head(&self, _now: Millis) -> Option<String> {
+        self.model.state.head().map(|(id, _)| id.to_owned())
     }
 }
 
@@ -679,28 +886,35 @@ async fn the_simulators_workloads_hold_through_the_redis_script() {
     // And a provider without headers, whose bucket is learned from its 429s.
     let headerless = sim::Workload { headers: sim::SimHeaders::None, ..sim::Workload::one_tenant_per_minute(1) };
     let workloads = (0..SEEDS).map(sim::Workload::random).chain([headerless]);
-    let mut pulled = 0;
+    let (mut released, mut retimed) = (0, 0);
     for (seed, mut workload) in (0..).zip(workloads) {
         // Jitter is drawn inside the shared pacer; without it both are exact.
         workload.config.jitter_frac = 0.0;
-        // Every other workload the old way: three quarters of a long wait, re-timed.
-        workload.config.whole_waits = seed % 2 == 0;
         let clock = ManualClock::new(0);
         let prefix = unique_prefix();
-        let script =
-            shared_pacer(&server, &prefix, workload.config.clone()).await.with_test_clock(Arc::new(clock.clone()));
-        // Half of them with each batch reading the line's head first, as the fetch does.
-        let script = if seed % 4 < 2 { script.with_head_read(2 * sim::PULL_IN_K) } else { script };
         let k = Keys::new(prefix.as_str());
+        let dead = Keys::new(prefix.as_str()).test_gone();
+        let host = PacerHost { script: &TEST_HOST_SCRIPT, keys: vec![dead.clone()] };
+        let script = shared_pacer(&server, &prefix, workload.config.clone())
+            .await
+            .with_test_clock(Arc::new(clock.clone()))
+            .with_host(host);
         let conn = server.client().get_multiplexed_async_connection().await.unwrap();
         let mut policy = Lockstep {
             script,
-            model: sim::ModelPolicy::new(workload.config.clone()),
+            model: Model { state: PacerState::default(), config: workload.config.clone() },
             clock,
             handle: tokio::runtime::Handle::current(),
             seed,
-            count: (conn, k.pacer_state("default", "m"), k.pacer_line("default", "m"), k.pacer_waiters("default", "m")),
-            pulled: 0,
+            keys: (
+                conn,
+                k.pacer_state("default", "m"),
+                k.pacer_line("default", "m"),
+                k.pacer_waiters("default", "m"),
+                dead,
+            ),
+            released: 0,
+            retimed: 0,
         };
         let report = sim::simulate(&workload, &mut policy);
         assert_eq!(report.completed, report.runs, "seed {seed}: {report:?}");
@@ -708,11 +922,15 @@ async fn the_simulators_workloads_hold_through_the_redis_script() {
             assert!(policy.model.state.tokens.known(), "seed {seed}: no bucket learned without headers");
         }
         asks += report.asks;
-        pulled += policy.pulled;
+        released += policy.released;
+        retimed += policy.retimed;
     }
-    assert!(pulled >= 20, "only {pulled} waiters were pulled in: the pull-in went untested");
-    eprintln!("pacer: {} simulated workloads, {asks} asks, script and model agreed on every one", SEEDS + 1);
+    eprintln!(
+        "pacer: {} simulated workloads, {asks} asks, {released} releases, {retimed} head timers: script and model agreed on every one",
+        SEEDS + 1
+    );
     assert!(asks >= 1_000, "only {asks} asks: the workloads hardly ran");
+    assert!(released >= 100 && retimed >= 100, "{released} releases, {retimed} timers: the line went untested");
 }
 
 /// A process's concurrent calls of one budget go to the script together (one

@@ -623,12 +623,13 @@ async fn a_payload_or_record_of_a_newer_format_ends_its_run_with_the_reason_not_
     app.stop_workers().await;
 }
 
-/// A turn owed budget is requeued, and when it comes back it asks the pacer
-/// again before it starts (the ask rides in its payload): one still owed is
-/// requeued again without reading its run or its history, so a turn starts
-/// once when it is finally clear, however many times it waited (a run's first
-/// turn carries the ask its submit counted; a later turn was asked as the turn
-/// before it committed) — and every run still completes with every call paced.
+/// A turn owed budget is parked in the queue with its ask in its payload, and
+/// released by the pacer when it clears (or, at the head of its line, asks
+/// again at the line's timer): one still owed stays parked without its run or
+/// history being read, so a turn starts once, when it is finally clear (a
+/// run's first turn carries the ask its submit counted; a later turn was asked
+/// as the turn before it committed) — and every run still completes with
+/// every call paced.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_turn_still_owed_when_it_comes_back_waits_again_without_starting() {
     // 3 000 tokens per 2 s window: 12 runs of ~700-token calls queue for it.
@@ -644,7 +645,7 @@ async fn a_turn_still_owed_when_it_comes_back_waits_again_without_starting() {
     let mut app = app;
     app.spawn_worker(app.config());
     let ids = submit_tool_runs(&app, 12, |i| format!("task number {i}: {}", "background ".repeat(100)), 300).await;
-    let (mut waited_again, mut turns, mut asked_at_commit, mut first_waited) = (0, 0, 0, 0);
+    let (mut turns, mut asked_at_commit, mut first_waited) = (0, 0, 0);
     for id in &ids {
         let run = app.wait_finished(id, secs(90)).await;
         assert_eq!(run.status, RunStatus::Completed, "{run:?}");
@@ -655,7 +656,6 @@ async fn a_turn_still_owed_when_it_comes_back_waits_again_without_starting() {
             };
             let (started, paced) = (of("turn.started"), of("turn.paced"));
             turns += 1;
-            waited_again += usize::from(paced >= 2);
             assert!(started <= 2, "run {id} turn {turn}: started {started} times for {paced} waits");
             // The first turn waits unstarted: its fetch asked for it with the
             // ask its submit counted (one its fetch owed a moment for the
@@ -671,9 +671,8 @@ async fn a_turn_still_owed_when_it_comes_back_waits_again_without_starting() {
             }
         }
     }
-    assert!(waited_again >= 3, "only {waited_again} of {turns} turns waited more than once: the test proves nothing");
     assert!(asked_at_commit >= 3, "only {asked_at_commit} later turns were put to wait by the commit before them");
-    assert!(first_waited >= 3, "only {first_waited} first turns waited: the test proves nothing");
+    assert!(first_waited >= 3, "only {first_waited} of {turns} first turns waited: the test proves nothing");
     assert_eq!(app.mock.stats().rate_limited, 0, "a turn asked again and sent before it was clear");
     app.stop_workers().await;
 }

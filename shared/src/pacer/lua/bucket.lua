@@ -15,9 +15,11 @@ local function share_rate(p)
   return get(p .. 'rate')
 end
 
+-- Never above the bucket's top (bucket.rs, top): its limit, less what the line released
+-- that no worker has sent yet.
 local function level_at(p, at)
   local elapsed = math.max(at - get(p .. 'at'), 0)
-  return math.min(get(p .. 'level') + refill_rate(p) * elapsed, get(p .. 'limit'))
+  return math.min(get(p .. 'level') + refill_rate(p) * elapsed, get(p .. 'limit') - UNSENT[p])
 end
 
 -- A bucket without continuous refill whose next reset no headers named: the window after the last lift.
@@ -54,7 +56,7 @@ end
 
 -- Credits (or, negative, takes back) tokens given back to the bucket.
 local function credit(p, x)
-  S[p .. 'level'] = math.min(get(p .. 'level') + x, math.max(get(p .. 'limit'), get(p .. 'level')))
+  S[p .. 'level'] = math.min(get(p .. 'level') + x, math.max(get(p .. 'limit') - UNSENT[p], get(p .. 'level')))
   S[p .. 'charged_since'] = math.max(get(p .. 'charged_since') - x, 0)
 end
 
@@ -84,9 +86,11 @@ end
 local function refill_ms(p, short, deep)
   if short <= 0 then return 0 end
   local shape = get(p .. 'refill')
-  if shape == 0 then
-    return math.min(window_refill_ms(p, short), short / share_rate(p))
-  elseif shape == 2 then
+  if shape == UNKNOWN then
+    -- The window's boundary, or the refill the level counts meanwhile (bucket.rs).
+    if get(p .. 'rate') > 0 then return math.min(window_refill_ms(p, short), short / get(p .. 'rate')) end
+    return window_refill_ms(p, short)
+  elseif shape == WINDOW then
     return window_refill_ms(p, short)
   end
   local full_at = get(p .. 'full_at')

@@ -18,19 +18,20 @@ local TTL_REFRESH_MS = 60000
 -- (store.rs, decode_record).
 local KIND, TOKENS, REQUESTS, OUTPUT = 1, 2, 3, 4
 -- A call in flight ('f').
-local MARK, EXPIRY, INPUT, SENT, ALONE, IH, OH, OMARK, RSENT, ISENT, OSENT = 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15
+local MARK, EXPIRY, INPUT, SENT, ALONE, IH, OH, OMARK, RSENT, ISENT, OSENT, STARTED =
+  5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16
 -- A waiter ('w').
 local ORDER, LINE, DUE, CLEAR, SINCE, REASON, TENANT = 5, 6, 7, 8, 9, 10, 11
 -- What a call in flight holds of each bucket, in BUCKETS' order.
 local HELD_FIELDS = {TOKENS, REQUESTS, IH, OH}
 local W_NUMS, W_LEN = '<ddddddddd', 1 + 9 * 8
-local F_NUMS, F_LEN = '<dddddddddddddd', 1 + 14 * 8
+local F_NUMS, F_LEN = '<ddddddddddddddd', 1 + 15 * 8
 
 local function rec_encode(r)
   if r[KIND] == 'w' then
     return 'W' .. struct.pack(W_NUMS, unpack(r, TOKENS, REASON)) .. r[TENANT]
   end
-  return 'F' .. struct.pack(F_NUMS, unpack(r, TOKENS, OSENT))
+  return 'F' .. struct.pack(F_NUMS, unpack(r, TOKENS, STARTED))
 end
 
 local function rec_text(r)
@@ -39,7 +40,7 @@ local function rec_text(r)
       fmt(r[DUE]), fmt(r[CLEAR]), fmt(r[SINCE]), fmt(r[REASON]), r[TENANT]}, '|')
   end
   local out = {'f'}
-  for k = TOKENS, OSENT do out[k] = fmt(r[k]) end
+  for k = TOKENS, STARTED do out[k] = fmt(r[k]) end
   return table.concat(out, '|')
 end
 
@@ -48,7 +49,7 @@ local function rec_decode(s)
   local kind = string.sub(s, 1, 1)
   if kind == 'F' and #s == F_LEN then
     local r = {'f', struct.unpack(F_NUMS, s, 2)}
-    r[OSENT + 1] = nil
+    r[STARTED + 1] = nil
     return r
   elseif kind == 'W' and #s >= W_LEN then
     local r = {'w', struct.unpack(W_NUMS, s, 2)}
@@ -61,16 +62,16 @@ end
 -- The calls in flight (F), read with the state (field fl): every ask and settle
 -- looks at all of them, and there are no more than the fleet's slots. Changed here
 -- (`put`, `drop`), written back by save() in the state's one HSET.
--- The waiters, which a scarce budget has by the thousand, are read only as an op
--- needs them: its own (`waiter_of`), the ones ahead of it in line (`waiters_ahead`,
--- by the line's index), the least place. A waiter is written at once with its line
--- entry, in the same script, so the next op of a batch reads what the last one left;
--- Wc caches what was read (false: absent, or lapsed).
+-- The waiters, which a scarce budget has by the thousand (or the hundred thousand), are
+-- read only as an op needs them: its own (`waiter_of`), and the head of the line
+-- (`head`), which is kept in the state: no op reads the turns ahead of it. A waiter is
+-- written at once with its line entry, in the same script, so the next op of a batch
+-- reads what the last one left; Wc caches what was read (false: absent).
 local F, changed, Wc = {}, {}, {}
 -- No waiter at all when the script began, and none put since: every waiter query
 -- answers "none" without asking (a budget with room has no line; its asks and settles
 -- then read no waiter). Waiters and their line entries are written together. How
--- many there are (lapsed ones not deleted yet among them) is the state's field nw,
+-- many there are is the state's field nw,
 -- kept by the writes below (HSET and HDEL say how many they added or removed), so an
 -- op reads no index to learn it; counted from the line (ZCARD) where the field is
 -- missing (a state written before it was kept) and once a minute with the keys'
@@ -100,123 +101,81 @@ do
   end
 end
 
--- Waiters not back by due + grace have lapsed (model.rs, expire): there is no index of
--- lapse times; a lapsed record is taken as absent wherever it is read (every read of a
--- waiter comes here), and deleted, with its line entry, when this script saves.
--- (Whoever asks after it in line reads it: it leaves the line then, as it would have.)
-local lapsed_seen = {}
-local function live_waiter(id, raw)
-  local w = rec_decode(raw)
-  if not (w and w[KIND] == 'w') then return false end
-  if w[DUE] + grace <= now then
-    lapsed_seen[id] = true
-    return false
+-- What the line released that no worker has sent yet, on each bucket (bucket.rs,
+-- Bucket::unsent): counted from the calls in flight, after each change to them.
+local UNSENT = {t_ = 0, r_ = 0, i_ = 0, o_ = 0}
+local function count_unsent()
+  local u1, u2, u3, u4 = 0, 0, 0, 0
+  for _, f in pairs(F) do
+    if f[STARTED] ~= 1 then
+      u1, u2, u3, u4 = u1 + f[TOKENS], u2 + f[REQUESTS], u3 + f[IH], u4 + f[OH]
+    end
   end
-  return w
+  UNSENT.t_, UNSENT.r_, UNSENT.i_, UNSENT.o_ = u1, u2, u3, u4
 end
+count_unsent()
 
--- Waiter `id`, or nil.
+-- Waiter `id`, or nil (Wc caches what was read; false: absent).
 local function waiter_of(id)
   local w = Wc[id]
   if w == nil and no_waiters then return nil end
   if w == nil then
-    w = live_waiter(id, redis.call('HGET', waiters, id))
+    w = rec_decode(redis.call('HGET', waiters, id))
+    if not (w and w[KIND] == 'w') then w = false end
     Wc[id] = w
   end
   return w or nil
 end
 
--- Reads records `ids` this script has not read yet into Wc, in one HMGET.
-local function read_waiters(ids, from, to)
-  local missing = {}
-  for k = from, to do
-    if Wc[ids[k]] == nil then missing[#missing + 1] = ids[k] end
+-- The head of the line (state.rs, head): the waiter first by place, then id, as the
+-- line's index orders them. Kept in the state (field hd: its id's length, its id, its
+-- record), so an op that only weighs it reads nothing more; read from the index when
+-- the head left (forgotten, released) or the field is missing. `head_id` false: not
+-- known yet; nil: no head.
+local head_id, head_rec, head_changed = false, nil, false
+if head_packed and #head_packed > 2 then
+  local n = struct.unpack('<H', head_packed, 1)
+  local w = rec_decode(string.sub(head_packed, 3 + n))
+  if w and w[KIND] == 'w' then
+    head_id, head_rec = string.sub(head_packed, 3, 2 + n), w
+    Wc[head_id] = w
   end
-  if #missing > 0 then
-    local raw = redis.call('HMGET', waiters, unpack(missing))
-    for k, wid in ipairs(missing) do Wc[wid] = live_waiter(wid, raw[k]) end
+end
+local function head()
+  if head_id == false then
+    head_id, head_rec, head_changed = nil, nil, true
+    if not no_waiters then
+      local first = redis.call('ZRANGE', line_key, 0, 0)[1]
+      if first then
+        head_id, head_rec = first, waiter_of(first)
+        if not head_rec then head_id = nil end
+      end
+    end
   end
+  return head_id, head_rec
 end
 
--- The head of the line as this script knows it (op `head`, run by the fetch that asks
--- first: its turns are at the head, and the pull-in reads the head after them): the ids
--- in line order and their places, every waiter up to the bound (the last place and id
--- read; none: the whole line), kept so by put and forget_waiter. An ask reads the
--- turns ahead of it from here when they are all within it (no ZRANGEBYSCORE, and its
--- own record read with them), and the pull-in its first waiters.
-local head_ids, head_ord, head_bound = nil, nil, nil
-local function before(o1, id1, o2, id2) return o1 < o2 or (o1 == o2 and id1 < id2) end
-local function read_head(n)
-  head_ids, head_ord, head_bound = {}, {}, nil
-  if no_waiters then return end
-  local raw = redis.call('ZRANGE', line_key, 0, n - 1, 'WITHSCORES')
-  for i = 1, #raw, 2 do
-    head_ids[#head_ids + 1] = raw[i]
-    head_ord[#head_ord + 1] = tonumber(raw[i + 1])
-  end
-  if #head_ids >= n then head_bound = {head_ord[#head_ord], head_ids[#head_ids]} end
-  read_waiters(head_ids, 1, #head_ids)
-end
-local function head_remove(id)
-  if not head_ids then return end
-  for i, wid in ipairs(head_ids) do
-    if wid == id then
-      table.remove(head_ids, i)
-      table.remove(head_ord, i)
-      return
-    end
-  end
-end
-local function head_insert(id, order)
-  if not head_ids then return end
-  head_remove(id)
-  if head_bound and not before(order, id, head_bound[1], head_bound[2]) then return end
-  local at = #head_ids + 1
-  for i = 1, #head_ids do
-    if before(order, id, head_ord[i], head_ids[i]) then
-      at = i
-      break
-    end
-  end
-  table.insert(head_ids, at, id)
-  table.insert(head_ord, at, order)
+-- Whether `id` at `order` is (or would be) the head of the line (state.rs, is_head).
+local function is_head(id, order)
+  local hid, h = head()
+  if not hid or hid == id then return true end
+  return order < h[ORDER] or (order == h[ORDER] and id < hid)
 end
 
--- Calls visit(wid, w) for each waiter placed at or before `order` (its line's index):
--- the ids from the line, the records read in one HMGET (a slice a time) but for those
--- this script read already.
-local function each_waiter_upto(order, visit)
-  if no_waiters then return end
-  if head_ids and (not head_bound or order < head_bound[1]) then
-    -- Every waiter placed at or before `order` is in the head read.
-    for i, wid in ipairs(head_ids) do
-      if head_ord[i] > order then break end
-      local w = Wc[wid]
-      if w then visit(wid, w) end
-    end
-    return
-  end
-  local ids = redis.call('ZRANGEBYSCORE', line_key, '-inf', order)
-  local n = #ids
-  for i = 1, n, 1000 do
-    local last = math.min(i + 999, n)
-    read_waiters(ids, i, last)
-    for k = i, last do
-      local wid = ids[k]
-      local w = Wc[wid]
-      if w then visit(wid, w) end
-    end
-  end
+-- How many waiters stand strictly before place `order` (acquire.rs, estimate).
+local function rank(order)
+  if no_waiters then return 0 end
+  return redis.call('ZCOUNT', line_key, '-inf', '(' .. fmt(order))
 end
 
 local function forget_waiter(id)
-  if waiter_of(id) or lapsed_seen[id] then
+  if waiter_of(id) then
     S['nw'] = math.max(S['nw'] - redis.call('HDEL', waiters, id), 0)
     redis.call('ZREM', line_key, id)
-    lapsed_seen[id] = nil
+    if S['nw'] <= 0 then no_waiters = true end
   end
-  head_remove(id)
   Wc[id] = false
+  if head_id == id then head_id, head_rec, head_changed = false, nil, true end
 end
 
 local function put(id, r)
@@ -229,17 +188,17 @@ local function put(id, r)
       F[id] = nil
       changed[id] = true
     end
-    no_waiters = false
     local was = Wc[id]
+    no_waiters = false
     S['nw'] = S['nw'] + redis.call('HSET', waiters, id, rec_encode(r))
-    -- A waiter asking again keeps its place: its line entry is already that. (One
-    -- that lapsed is asking afresh: its record and line entry are overwritten.)
-    if not (was and was[ORDER] == r[ORDER]) then
-      redis.call('ZADD', line_key, r[ORDER], id)
-      head_insert(id, r[ORDER])
-    end
-    lapsed_seen[id] = nil
+    -- A waiter asking again keeps its place: its line entry is already that.
+    if not (was and was[ORDER] == r[ORDER]) then redis.call('ZADD', line_key, r[ORDER], id) end
     Wc[id] = r
+    -- The head as it stands after this waiter's place (known before it, or read now).
+    local hid, h = head()
+    if hid == id or not hid or r[ORDER] < h[ORDER] or (r[ORDER] == h[ORDER] and id < hid) then
+      head_id, head_rec, head_changed = id, r, true
+    end
   end
 end
 
@@ -260,15 +219,6 @@ local function save_records(flat)
 end
 
 local function save()
-  -- The lapsed waiters this script read and nobody put again leave the line.
-  local gone = {}
-  for id in pairs(lapsed_seen) do gone[#gone + 1] = id end
-  lapsed_seen = {}
-  for i = 1, #gone, 500 do
-    local chunk = {unpack(gone, i, math.min(i + 499, #gone))}
-    S['nw'] = math.max(S['nw'] - redis.call('HDEL', waiters, unpack(chunk)), 0)
-    redis.call('ZREM', line_key, unpack(chunk))
-  end
   fold_hist()
   local refresh = now - get('ttl_at') >= TTL_REFRESH_MS or now < get('ttl_at')
   if refresh then S['ttl_at'] = now end
@@ -296,6 +246,13 @@ local function save()
   if last_admit_changed then
     flat[#flat + 1] = 'last_admit_id'
     flat[#flat + 1] = last_admit_id
+  end
+  if head_changed then
+    -- (Not known here, after a forget: the next op reads it from the index.)
+    local hid, h = head_id, head_rec
+    flat[#flat + 1] = 'hd'
+    if hid then flat[#flat + 1] = struct.pack('<H', #hid) .. hid .. rec_encode(h) else flat[#flat + 1] = '' end
+    head_changed = false
   end
   save_records(flat)
   for i = 1, #flat, 1000 do redis.call('HSET', state, unpack(flat, i, math.min(i + 999, #flat))) end

@@ -1,18 +1,30 @@
 -- model.rs
--- Drops the calls past their reservation's TTL (waiters lapse where they are read).
+-- A call in flight leaves the model unsettled, lapsed or forgotten (model.rs,
+-- drop_flight): one the line released that was never started reached no provider, and
+-- its reservation comes back whole.
+local function drop_flight(id, r)
+  local held = {r[TOKENS], r[REQUESTS], r[IH], r[OH]}
+  for i, p in ipairs(BUCKETS) do
+    S[p .. 'inflight'] = math.max(get(p .. 'inflight') - held[i], 0)
+    if r[STARTED] ~= 1 then
+      UNSENT[p] = math.max(UNSENT[p] - held[i], 0)
+      credit(p, held[i])
+    end
+  end
+  drop(id)
+end
+
+-- Drops the calls past their reservation's TTL (a parked waiter never lapses: it leaves
+-- the line when released, or when its host no longer holds it: release.lua).
 -- Once per `now`: what an op of the same batch puts lapses later (TTL > 0).
 local expired_at = nil
 local function expire()
-  if expired_at == now and ttl > 0 and grace >= 0 then return end
+  if expired_at == now and ttl > 0 then return end
   expired_at = now
+  count_unsent()
   for id, r in pairs(F) do
-    if r[EXPIRY] <= now then
-      local held = {r[TOKENS], r[REQUESTS], r[IH], r[OH]}
-      for i, p in ipairs(BUCKETS) do S[p .. 'inflight'] = math.max(get(p .. 'inflight') - held[i], 0) end
-      drop(id)
-    end
+    if r[EXPIRY] <= now then drop_flight(id, r) end
   end
-  -- (Waiters lapse where they are read: live_waiter.)
 end
 
 -- Lifts both buckets at their reset; a window's lift subtracts what was
@@ -29,7 +41,9 @@ local function lift_all()
       do
         local held = {f[TOKENS], f[REQUESTS], f[IH], f[OH]}
         for j, p in ipairs(BUCKETS) do
-          if lifts[p] and f[EXPIRY] - ttl >= get(p .. 'full_at') - late_ms then recent[p] = recent[p] + held[j] end
+          if lifts[p] and (f[STARTED] ~= 1 or f[EXPIRY] - ttl >= get(p .. 'full_at') - late_ms) then
+            recent[p] = recent[p] + held[j]
+          end
         end
       end
     end
@@ -52,99 +66,15 @@ local function line_cost(tokens, out)
   return math.ceil(input + output * kept)
 end
 
+-- An owed answer (model.rs, owed): {1, ms, reason, eta_ms}, paid in full, jittered up.
 local function owed(ms, reason, u)
   local base = math.max(math.ceil(ms), 1)
   local jitter = math.min(base * jitter_frac, jitter_max) * math.min(math.max(u, 0), 1)
   hist('w', 1)
-  return {1, math.ceil(base + jitter), reason}
+  local due = math.ceil(base + jitter)
+  return {1, due, reason, due}
 end
 
 local function tenant_entry(t)
   if S['tw:' .. t] == nil then S['tw:' .. t] = 0 end
-end
-
--- What acquire reads of the line and the calls in flight (acquire.lua).
--- A call just cleared keeps the sent ledgers as they stand with its charge in them.
--- (Steps and helpers are functions of their own: Lua 5.1 lets a function reach at most
--- 60 locals of the script around it.)
-local function stamp_sent(r)
-  r[SENT] = get('t_sent')
-  r[RSENT], r[ISENT], r[OSENT] = get('r_sent'), get('i_sent'), get('o_sent')
-end
-
--- The share of its output reservation a waiter is expected to keep (model.rs, output_kept).
-local function output_kept()
-  local k = get('usage_ratio')
-  if k > 0 then return math.min(math.max(k, 0.05), 1) end
-  return 1
-end
-
--- What waiter `w` holds for the turns behind it, per bucket (model.rs, Waiter::holds): its
--- line cost, its requests, its input, the output it keeps (`okept`: output_kept()).
-local function holds(w, okept)
-  local wout = math.min(w[OUTPUT], w[TOKENS])
-  return w[LINE], w[REQUESTS], w[TOKENS] - wout, wout * okept
-end
-
--- What the turns ahead of `id` (at `order`, of `tenant`) in line hold of each bucket:
--- their line cost, their requests, their input, the output they keep (the waiters
--- before it by place, then id, found without putting it in line: a turn cleared now
--- never stands in it; one that waits is put there by put_waiter); whether another
--- tenant's work turn is among them; the latest time one of them is predicted clear; and
--- the least place of a work turn in line at or before `order` (none: `order` is the least).
-local function turns_ahead(id, order, tenant)
-  local okept = output_kept()
-  local a1, a2, a3, a4 = 0, 0, 0, 0
-  local other, last_clear, least = false, 0, nil
-  local held_until = now - late_ms
-  each_waiter_upto(order, function(wid, w)
-    if wid == id then return end
-    local o = w[ORDER]
-    if o >= 0 and (not least or o < least) then least = o end
-    if (o < order or (o == order and wid < id)) and w[DUE] >= held_until then
-      local h1, h2, h3, h4 = holds(w, okept)
-      a1, a2, a3, a4 = a1 + h1, a2 + h2, a3 + h3, a4 + h4
-      if o >= 0 and w[TENANT] ~= tenant then other = true end
-      if w[CLEAR] > last_clear then last_clear = w[CLEAR] end
-    end
-  end)
-  local ahead = {a1, a2, a3, a4}
-  return ahead, other, last_clear, least
-end
-
--- The calls in flight: how many; the output they are expected to give back (at the
--- refund share `share_now`); the output they reserve; what they hold of each bucket;
--- whether one was cleared at or before the headerless bucket's last cut (`wave`); and
--- whether one cleared since its bucket's last boundary, and since `answering`, may
--- still bring that boundary (then the head does not go as a probe).
-local function in_flight(share_now, answering)
-  local flights_n, coming, wave, outputs_flying = 0, 0, false, 0
-  local holding = {0, 0, 0, 0}
-  local answered = false
-  local kept = get('usage_ratio')
-  if kept <= 0 then kept = 1 end
-  kept = math.min(math.max(kept, 0), 1)
-  -- (What the loop compares with, read once: the loop runs for every call in flight.)
-  local hl_cut = get('hl_cut')
-  local answered_since = {}
-  for j, p in ipairs(BUCKETS) do
-    if known(p) then answered_since[j] = math.max(get(p .. 'boundary'), answering) end
-  end
-  local a1, a2, a3, a4 = answered_since[1], answered_since[2], answered_since[3], answered_since[4]
-  for _, f in pairs(F) do
-    flights_n = flights_n + 1
-    coming = coming + f[OUTPUT] * (1 - kept) * share_now
-    outputs_flying = outputs_flying + f[OUTPUT]
-    local cleared = f[EXPIRY] - ttl
-    if cleared <= hl_cut then wave = true end
-    holding[1] = holding[1] + f[TOKENS]
-    holding[2] = holding[2] + f[REQUESTS]
-    holding[3] = holding[3] + f[IH]
-    holding[4] = holding[4] + f[OH]
-    if not answered and ((a1 and cleared >= a1) or (a2 and cleared >= a2) or (a3 and cleared >= a3)
-      or (a4 and cleared >= a4)) then
-      answered = true
-    end
-  end
-  return flights_n, coming, wave, outputs_flying, holding, answered
 end

@@ -17,8 +17,12 @@ local function take_reservation(a)
     r.tk, r.out, r.mark, r.estimated_input, r.sent_mark = rec[TOKENS], rec[OUTPUT], rec[MARK], rec[INPUT], rec[SENT]
     r.held = {rec[TOKENS], rec[REQUESTS], rec[IH], rec[OH]}
     r.cleared_at = rec[EXPIRY] - ttl
+    -- Released and given back before its worker started it: it reached no provider,
+    -- and never entered the ledgers.
+    r.unsent = rec[STARTED] ~= 1
   end
   drop(id)
+  if r.unsent then count_unsent() end
   -- A probe (or any call) that settled: the next probe may go.
   if r.mark then S['probe_until'] = 0 end
   local output = r.tk
@@ -104,10 +108,11 @@ local function unseen_by_headers(r)
       if g[EXPIRY] > e then
         later[1], later[2], later[3], later[4] =
           later[1] + g[TOKENS], later[2] + g[REQUESTS], later[3] + g[IH], later[4] + g[OH]
-        if g[EXPIRY] - e > BURST_GAP_MS then
-          after[1], after[2], after[3], after[4] =
-            after[1] + g[TOKENS], after[2] + g[REQUESTS], after[3] + g[IH], after[4] + g[OH]
-        end
+      end
+      -- (What the line released and no worker has sent yet is in no headers.)
+      if g[STARTED] ~= 1 or g[EXPIRY] - e > BURST_GAP_MS then
+        after[1], after[2], after[3], after[4] =
+          after[1] + g[TOKENS], after[2] + g[REQUESTS], after[3] + g[IH], after[4] + g[OH]
       end
     end
   end
@@ -142,7 +147,7 @@ local function boundary_from_headers(r, flights)
         local recent = 0
         for _, g in ipairs(flights) do
           local gh = {g[TOKENS], g[REQUESTS], g[IH], g[OH]}
-          if g[EXPIRY] - ttl >= since then recent = recent + gh[j] end
+          if g[STARTED] ~= 1 or g[EXPIRY] - ttl >= since then recent = recent + gh[j] end
         end
         if r.cleared_at and r.cleared_at >= since then recent = recent + r.held[j] end
         advance(p)
@@ -171,6 +176,7 @@ local function refund_caps(r, flights)
       local sums, ats = {}, {}
       for _, g in ipairs(flights) do
         local at, x = g[EXPIRY] - ttl, g[field]
+        if g[STARTED] ~= 1 then at = now end
         if at > since and x > 0 then
           if sums[at] then
             sums[at] = sums[at] + x
@@ -227,11 +233,12 @@ local function credit_reservation(r, share, flights)
     end
     advance(p)
     S[p .. 'inflight'] = math.max(get(p .. 'inflight') - h, 0)
-    -- A refused call's whole reservation comes back, to us and to the ledger.
-    if r.limited >= 0 then fix = h end
+    -- A refused call's whole reservation comes back, to us and to the ledger; one never
+    -- sent, to us alone.
+    if r.limited >= 0 or r.unsent then fix = h end
     credit(p, fix)
     credit_refund(p, sh * u, caps[j])
-    S[p .. 'sent'] = get(p .. 'sent') - fix
+    if not r.unsent then S[p .. 'sent'] = get(p .. 'sent') - fix end
     S[p .. 'refunded'] = get(p .. 'refunded') + u
     if withhold > 0 then S[p .. 'withheld'] = get(p .. 'withheld') + withhold end
     cap_withheld(p)

@@ -80,9 +80,11 @@ if not now then
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
-local grace = tonumber(ARGV[12])
 local recheck_min = tonumber(ARGV[13])
-local whole_waits = tonumber(ARGV[15]) or 0
+-- model.rs, PacingConfig::parks: a host moves the waiting turns (the workers' pacers: the
+-- run store's queue). Without one, a waiting turn comes back at its estimate and asks
+-- again, and a head not back within the grace (ARGV[12]) of its due time leaves the line.
+local parks = ARGV[15] == '1'
 
 -- The history: counted here, kept by save() (fold_hist) in the call that decided it (no
 -- round trip more). The current second's counts are fields of the state (h_s the second,
@@ -100,12 +102,10 @@ end
 local COMPANION_BASE = -1e13
 local PROBE_HOLD_MS = 10000
 local RECHECK_TURNS = 4
-local RECHECK_SHARE = 0.75
-local RECHECK_TAIL = 4 / 3
-local PULL_IN_GAIN_MS = 50
-local PULL_IN_PAD_MS = 50
-local WHOLE_WAIT_MARGIN = 0.1
-local ANSWER_RECHECK_MIN_MS = 50
+-- release.rs: the most turns one op releases; a head timer moved only for this gain.
+local MAX_RELEASES, RETIME_GAIN_MS = 64, 20
+-- acquire.rs, safety_ms: a parked turn's queue entry is due at twice its estimate, within these.
+local SAFETY_MIN_MS, SAFETY_MAX_MS = 10000, 21600000
 local BURST_GAP_MS = 60
 local SHAPE_VOTES = 2
 local MAX_VOTES = 4
@@ -121,7 +121,7 @@ local HL_CUT_MIN = 0.5
 local HL_GROW_PER_MS = 5e-6
 local HL_GROW_MAX_MS = 10000
 local HL_ACCEL_MS = 20000
-local HL_ACCEL_MAX = 4
+local HL_ACCEL_MAX = 2
 
 local function fmt(x) return string.format('%.17g', x) end
 
@@ -164,8 +164,9 @@ local PACKED = '<' .. string.rep('d', #FIXED)
 local S, read = {}, {}
 local packed = nil
 local last_admit_id, last_admit_changed = nil, false
--- The calls in flight as read (field fl), decoded below with the records.
-local flights_packed = nil
+-- The calls in flight as read (field fl), decoded below with the records; and the head of
+-- the line as last saved (field hd, line.lua).
+local flights_packed, head_packed = nil, nil
 do
   local raw = redis.call('HGETALL', state)
   for i = 1, #raw, 2 do
@@ -176,6 +177,8 @@ do
       last_admit_id = raw[i + 1]
     elseif k == 'fl' then
       flights_packed = raw[i + 1]
+    elseif k == 'hd' then
+      head_packed = raw[i + 1]
     else
       local x = tonumber(raw[i + 1])
       S[k] = x
