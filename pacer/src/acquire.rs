@@ -306,7 +306,11 @@ fn park(
         }
         None => {
             let eta = (estimate(state, cfg, now, place) - now).max(1);
-            let due = if cfg.parks { safety_ms(eta) } else { eta.min(cfg.max_pace_ms as Millis) };
+            // (No rate known yet, nothing says how long: the probe's answer
+            // releases the line, and its head, due when the probe is, keeps
+            // it going if the probe is lost.)
+            let safety = if state.tokens.known() || state.input.known() { safety_ms(eta) } else { SAFETY_UNKNOWN_MS };
+            let due = if cfg.parks { safety } else { eta.min(cfg.max_pace_ms as Millis) };
             (due, eta, reason_behind(state, now, ask.who.tenant))
         }
     };
@@ -401,6 +405,11 @@ pub fn safety_ms(eta_ms: Millis) -> Millis {
 
 /// See [`safety_ms`].
 pub const SAFETY_MIN_MS: Millis = 10_000;
+/// The safety deadline of a turn parked behind the head while no rate is
+/// known (a cold start's probe out): its estimate says nothing, and a turn
+/// due every [`SAFETY_MIN_MS`] through a long probe call would cost a fetch
+/// each time for nothing.
+pub const SAFETY_UNKNOWN_MS: Millis = 300_000;
 /// See [`safety_ms`].
 pub const SAFETY_MAX_MS: Millis = 6 * 3_600_000;
 

@@ -281,7 +281,7 @@ impl Workload {
         // A release lost, or a run whose cancel the pacer did not hear of,
         // comes back at a safety deadline (acquire.rs, `safety_ms`).
         if faults.lose_release > 0.0 || faults.cancel_told < 1.0 {
-            until_ms += 6 * crate::acquire::SAFETY_MIN_MS;
+            until_ms += 6 * crate::acquire::SAFETY_MIN_MS + crate::acquire::SAFETY_UNKNOWN_MS;
         }
         Self {
             seed,

@@ -98,8 +98,8 @@ impl Keys {
 
     /// A run's record, a HASH (`runs::RunRecord`'s fields; `runs/store.lua`
     /// writes it): `prefix:{prefix}:run:<id>`. Under the queue's hash tag, so
-    /// one script commits a turn and enqueues the next; `queue/lib.lua`
-    /// (`q_fail_run`, `q_run_active`) finds it beside the queue's keys by this shape.
+    /// one script commits a turn and enqueues the next; the queue's hooks
+    /// (`runs/hooks.lua`) find it beside the queue's keys by this shape.
     pub fn run_record(&self, id: &str) -> String {
         format!("{}:{}:run:{}", self.prefix, self.slot_tag(), id)
     }
@@ -124,7 +124,7 @@ impl Keys {
 
     /// A tenant's unfinished runs, a ZSET id -> created ms, joined when a run
     /// is created or retried and left when it finishes (`store.lua` and
-    /// `queue/lib.lua`'s `q_run_active`, which derives it from the run record's
+    /// `runs/hooks.lua`'s `run_active`, which derives it from the run record's
     /// key): `prefix:{prefix}:tenant:<tenant>:active`.
     pub fn tenant_active(&self, tenant: &str) -> String {
         format!("{}:{}:tenant:{}:active", self.prefix, self.slot_tag(), tenant)

@@ -8,11 +8,13 @@
 //! - `workload.rs` — the run bodies, the tool endpoint, the in-process API and submits.
 //! - `trial.rs` — one configuration measured on its own (fresh prefix, fresh mock).
 //! - `pacing.rs` — the pacing scenario: one trial per pacer, same workload.
+//! - `backlog.rs` — the backlog scenario: the cost of waiting as the backlog grows, and of a call in flight by the second.
 //! - `shapes.rs` — the provider shapes `--shape` runs the pacing scenario against.
 //! - `fairness.rs` — the fairness scenario: companion turns first, tenants' shares, weights.
 //! - `throughput.rs` — the throughput scenario: an unlimited instant mock, one worker.
 //! - `report.rs` — the figures, the floor's formula, the table.
 
+pub mod backlog;
 pub mod fairness;
 pub mod fleet;
 pub mod pacing;

@@ -267,6 +267,78 @@ impl Trial {
         Ok(ids)
     }
 
+    /// [`Trial::submit`] in open mode, with how long each submit took.
+    pub async fn submit_timed(
+        &mut self,
+        bodies: Vec<Value>,
+        parallel: usize,
+    ) -> anyhow::Result<(Vec<String>, Vec<Duration>)> {
+        self.first_submit.get_or_insert_with(Instant::now);
+        let api = crate::api_client::ApiClient::new(&self.api.url(), None)?;
+        let (ids, took): (Vec<String>, Vec<Duration>) =
+            super::workload::submit_all_timed(&api, bodies, parallel).await?.into_iter().unzip();
+        self.submitted.extend(ids.iter().map(|id| ("default".to_owned(), id.clone())));
+        Ok((ids, took))
+    }
+
+    /// Waits until no turn is due (every submitted turn asked and parked, or
+    /// leased), polling every 100 ms, at most `timeout`; whether it came to that.
+    pub async fn wait_parked(&mut self, timeout: Duration) -> anyhow::Result<bool> {
+        let deadline = Instant::now() + timeout;
+        let due = self.queue.keys().due.clone();
+        loop {
+            let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(&mut self.admin).await?;
+            let now_ms = secs * 1000 + micros / 1000;
+            let n: u64 = redis::cmd("ZCOUNT").arg(&due).arg("-inf").arg(now_ms).query_async(&mut self.admin).await?;
+            if n == 0 {
+                return Ok(true);
+            }
+            if Instant::now() >= deadline {
+                return Ok(false);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// What Redis did since the trial started or the last mark — its
+    /// commands (the bench's own taken out) and CPU seconds — and starts the
+    /// figures [`Trial::finish`] reports from now.
+    pub async fn mark(&mut self) -> anyhow::Result<(CommandDelta, f64)> {
+        let now = CommandStats::read(&mut self.admin).await?;
+        let cpu = super::redis::cpu_seconds(&mut self.admin).await?;
+        let mut delta = now.since(&self.before);
+        if let Some(row) = delta.by_command.iter_mut().find(|(k, _)| k == "zcard") {
+            row.1 = row.1.saturating_sub(self.own_commands);
+        }
+        delta.by_command.retain(|(_, v)| *v > 0);
+        let spent = cpu - self.cpu_before;
+        (self.before, self.cpu_before, self.own_commands) = (now, cpu, 0);
+        Ok((delta, spent))
+    }
+
+    /// Budget waits counted so far over every submitted run (one read each).
+    pub async fn budget_waits_now(&self) -> anyhow::Result<u64> {
+        let mut waits = 0;
+        for (tenant, id) in &self.submitted {
+            if let Some(run) = self.store.get(tenant, id).await? {
+                waits += run.pacing.budget_waits;
+            }
+        }
+        Ok(waits)
+    }
+
+    /// The in-process API's base URL.
+    pub fn api_url(&self) -> String {
+        self.api.url()
+    }
+
+    /// The Redis server's `used_memory`, bytes (`INFO memory`: not counted
+    /// among the product's commands).
+    pub async fn used_memory(&mut self) -> anyhow::Result<u64> {
+        let info: String = redis::cmd("INFO").arg("memory").query_async(&mut self.admin).await?;
+        Ok(info.lines().find_map(|l| l.strip_prefix("used_memory:")).and_then(|v| v.trim().parse().ok()).unwrap_or(0))
+    }
+
     /// Now on the mock's clock (its log's `at_us`), µs: the mock starts its
     /// clock just after this trial's `mock_started`, so this reads at most the
     /// bind's duration (well under 1 ms) late.

@@ -184,8 +184,21 @@ pub async fn submit_all(
     bodies: Vec<Value>,
     parallel: usize,
 ) -> anyhow::Result<Vec<String>> {
-    let results: Vec<anyhow::Result<String>> = futures::stream::iter(bodies)
-        .map(|body| async move { Ok(api.submit(body.to_string(), None).await.context("POST /v1/runs")?.id) })
+    Ok(submit_all_timed(api, bodies, parallel).await?.into_iter().map(|(id, _)| id).collect())
+}
+
+/// [`submit_all`], with how long each submit took.
+pub async fn submit_all_timed(
+    api: &crate::api_client::ApiClient,
+    bodies: Vec<Value>,
+    parallel: usize,
+) -> anyhow::Result<Vec<(String, std::time::Duration)>> {
+    let results: Vec<anyhow::Result<(String, std::time::Duration)>> = futures::stream::iter(bodies)
+        .map(|body| async move {
+            let t = std::time::Instant::now();
+            let id = api.submit(body.to_string(), None).await.context("POST /v1/runs")?.id;
+            Ok((id, t.elapsed()))
+        })
         .buffered(parallel.max(1))
         .collect()
         .await;

@@ -47,6 +47,15 @@ pub enum Scenario {
     /// CPU and empty fetches per turn, efficiency and 429s. JSON:
     /// `{"config": …, "fleet": {"<processes>": figures}}`.
     Fleet,
+    /// What waiting costs as the backlog grows: per `--backlog-sizes` (one-turn
+    /// runs submitted at once, the shared pacer, measured for `--timeout-s`),
+    /// Redis commands, Redis CPU and budget waits per admitted turn, Redis
+    /// memory per waiting run, worker RSS, the p99 of a submit and of
+    /// `GET /v1/runs/{id}`; then what a call in flight costs by the second
+    /// (`--long-calls`: Redis CPU per call-second). Run it at a real
+    /// per-minute limit (`--window-s 60`). JSON: `{"config": …, "backlog":
+    /// {"<runs>": figures}, "long_calls": [figures], "marginal": {…}}`.
+    Backlog,
 }
 
 /// Arguments of `paceline bench`.
@@ -154,9 +163,29 @@ pub struct Args {
     /// Fleet scenario: worker process counts to compare, the same total slots split among them.
     #[arg(long, value_delimiter = ',', default_value = "2,16,64")]
     fleet_sizes: Vec<usize>,
+    /// Backlog scenario: runs submitted at once, one trial each.
+    #[arg(long, value_delimiter = ',', default_value = "100,1000,10000")]
+    backlog_sizes: Vec<usize>,
+    /// Backlog scenario: long-call trials, each `<seconds a call takes>x<calls in flight>` (`none`: no such trial).
+    #[arg(long, value_delimiter = ',', default_value = "20x64,120x64,20x1024,120x1024", value_parser = parse_long_call)]
+    long_calls: Vec<Option<(f64, usize)>>,
     /// Write the figures as one JSON object to this file.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
+}
+
+/// `--long-calls`: `<seconds>x<in flight>`, e.g. `20x64`; `none`.
+fn parse_long_call(s: &str) -> Result<Option<(f64, usize)>, String> {
+    if s == "none" {
+        return Ok(None);
+    }
+    let (secs, n) = s.split_once('x').ok_or_else(|| format!("`{s}`: write <seconds>x<calls in flight>, e.g. 20x64"))?;
+    let secs: f64 = secs.trim().parse().map_err(|_| format!("`{s}`: `{secs}` is not a number of seconds"))?;
+    let n: usize = n.trim().parse().map_err(|_| format!("`{s}`: `{n}` is not a count of calls"))?;
+    if !(secs > 0.0 && secs <= 3600.0) || n == 0 {
+        return Err(format!("`{s}`: a call takes more than 0 and at most 3600 s, and at least one is in flight"));
+    }
+    Ok(Some((secs, n)))
 }
 
 /// `--shape`: a shape's name, or `all`.
@@ -248,6 +277,9 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     if args.scenario == Scenario::Fleet {
         return fleet(&args, &plan, &env, &progress, started).await;
+    }
+    if args.scenario == Scenario::Backlog {
+        return backlog(&args, &plan, &env, &progress, started).await;
     }
     let mut shapes: Vec<Shape> = args.shape.iter().flatten().copied().collect();
     shapes.dedup();
@@ -391,6 +423,161 @@ async fn fleet(
     if let Some(path) = &args.json {
         let fleet: BTreeMap<String, &report::PacerFigures> = rows.iter().map(|(n, f)| (n.to_string(), f)).collect();
         let out = serde_json::json!({"config": args.setup(), "fleet": fleet});
+        let text = serde_json::to_string_pretty(&out)?;
+        std::fs::write(path, text + "\n").with_context(|| format!("write {}", path.display()))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The backlog scenario's bars (issue 37): from the smallest backlog to the
+/// largest, commands and CPU per admitted turn grow at most this much …
+const BACKLOG_GROWTH_BAR: f64 = 1.5;
+/// … with at most this many budget waits …
+const BACKLOG_WAITS_BAR: f64 = 2.0;
+/// … and Redis commands per admitted turn at every size.
+const BACKLOG_COMMANDS_BAR: f64 = 40.0;
+
+/// `--scenario backlog`: one trial per backlog size, then the long calls;
+/// the table, the bars, `--json`.
+async fn backlog(
+    args: &Args,
+    plan: &PacingPlan,
+    env: &Env,
+    progress: &ProgressBar,
+    started: Instant,
+) -> anyhow::Result<ExitCode> {
+    use crate::bench::backlog::{marginal_ms_per_call_second, measure_long, measure_size};
+    anyhow::ensure!(args.backlog_sizes.iter().all(|n| *n > 0), "--backlog-sizes lists counts of runs of at least 1");
+    let mut sizes = args.backlog_sizes.clone();
+    sizes.sort_unstable();
+    sizes.dedup();
+    let mut rows = BTreeMap::new();
+    for &n in &sizes {
+        let f = measure_size(env, plan, n, progress).await.with_context(|| format!("{n} runs"))?;
+        let line = format!(
+            "{n} runs: {} turns admitted, {:.2} budget waits / turn, {:.1} commands / turn, {:.2} ms Redis CPU / turn",
+            f.admitted_turns, f.budget_waits_per_turn, f.redis_commands_per_turn, f.redis_cpu_ms_per_turn
+        );
+        progress.suspend(|| eprintln!("{line}"));
+        rows.insert(n, f);
+    }
+    let mut long = vec![];
+    for &(secs, n) in args.long_calls.iter().flatten() {
+        let f = measure_long(env, plan, secs, n, progress).await.with_context(|| format!("{secs} s x {n}"))?;
+        let line = format!(
+            "{secs} s x {n} in flight: {:.4} ms Redis CPU per call-second, {:.1} commands per call",
+            f.redis_cpu_ms_per_call_second, f.redis_commands_per_call
+        );
+        progress.suspend(|| eprintln!("{line}"));
+        long.push(f);
+    }
+    progress.finish_and_clear();
+    println!(
+        "paceline bench --scenario backlog: {} workers x {} slots, one-turn runs, the shared pacer, mock {} tokens / {} requests per {} s, each size measured for {} s",
+        args.workers, args.concurrency, args.tpm, args.rpm, args.window_s, args.timeout_s
+    );
+    println!(
+        "{:>7} {:>10} {:>12} {:>7} {:>7} {:>12} {:>11} {:>12} {:>9} {:>10} {:>5} {:>11} {:>7} {:>15} {:>15}",
+        "runs",
+        "setup cmds",
+        "setup CPU ms",
+        "setup s",
+        "turns",
+        "waits/turn",
+        "cmds/turn",
+        "CPU ms/turn",
+        "CPU core",
+        "efficiency",
+        "429s",
+        "B/waiting",
+        "RSS MB",
+        "submit p50/p99",
+        "GET run p50/p99"
+    );
+    for (n, f) in &rows {
+        println!(
+            "{:>7} {:>10.1} {:>12.3} {:>7.1} {:>7} {:>12.2} {:>11.1} {:>12.3} {:>8.1}% {:>10.3} {:>5} {:>11.0} {:>7.1} {:>15} {:>15}",
+            n,
+            f.setup_commands_per_run,
+            f.setup_cpu_ms_per_run,
+            f.setup_s,
+            f.admitted_turns,
+            f.budget_waits_per_turn,
+            f.redis_commands_per_turn,
+            f.redis_cpu_ms_per_turn,
+            f.redis_cpu_share * 100.0,
+            f.efficiency,
+            f.rate_limited,
+            f.redis_bytes_per_waiting_run,
+            f.worker_peak_rss_mb,
+            format!("{:.1}/{:.1}", f.submit_ms.p50, f.submit_ms.p99),
+            format!("{:.1}/{:.1}", f.get_run_ms.p50, f.get_run_ms.p99)
+        );
+    }
+    println!("(setup: per run, from the first submit until no turn was due; the rest: per turn admitted after it, within the measured span)");
+    for (n, f) in &rows {
+        let by: Vec<String> = f.redis_commands_by_command.iter().map(|(k, v)| format!("{k} {v:.1}")).collect();
+        println!("{n} runs: commands per admitted turn: {}", by.join(", "));
+    }
+    if let (Some((small, fs)), Some((large, fl))) = (rows.iter().next(), rows.iter().next_back()) {
+        let growth = |a: f64, b: f64| b / a.max(1e-9);
+        let (commands, cpu) = (
+            growth(fs.redis_commands_per_turn, fl.redis_commands_per_turn),
+            growth(fs.redis_cpu_ms_per_turn, fl.redis_cpu_ms_per_turn),
+        );
+        let waits = rows.values().map(|f| f.budget_waits_per_turn).fold(0.0, f64::max);
+        let most = rows.values().map(|f| f.redis_commands_per_turn).fold(0.0, f64::max);
+        let yes = |ok: bool| if ok { "yes" } else { "NO" };
+        println!(
+            "bars: {small} -> {large} runs, commands per turn x{commands:.2}, CPU per turn x{cpu:.2} (<= {BACKLOG_GROWTH_BAR}: {}); budget waits per turn <= {BACKLOG_WAITS_BAR} at every size ({waits:.2}: {}); commands per turn <= {BACKLOG_COMMANDS_BAR} at every size ({most:.1}: {})",
+            yes(commands <= BACKLOG_GROWTH_BAR && cpu <= BACKLOG_GROWTH_BAR),
+            yes(waits <= BACKLOG_WAITS_BAR),
+            yes(most <= BACKLOG_COMMANDS_BAR)
+        );
+    }
+    let mut marginal = BTreeMap::new();
+    if !long.is_empty() {
+        println!(
+            "{:>8} {:>10} {:>7} {:>14} {:>20} {:>14}",
+            "call s", "in flight", "calls", "Redis CPU ms", "CPU ms / call-second", "cmds / call"
+        );
+        for f in &long {
+            println!(
+                "{:>8.0} {:>10} {:>7} {:>14.1} {:>20.4} {:>14.1}",
+                f.call_s,
+                f.in_flight,
+                f.calls,
+                f.redis_cpu_ms,
+                f.redis_cpu_ms_per_call_second,
+                f.redis_commands_per_call
+            );
+        }
+        for n in long.iter().map(|f| f.in_flight).collect::<std::collections::BTreeSet<_>>() {
+            let at: Vec<_> = long.iter().filter(|f| f.in_flight == n).collect();
+            let (short, longest) = (
+                at.iter().min_by(|a, b| a.call_s.total_cmp(&b.call_s)),
+                at.iter().max_by(|a, b| a.call_s.total_cmp(&b.call_s)),
+            );
+            if let (Some(s), Some(l)) = (short, longest) {
+                if let Some(m) = marginal_ms_per_call_second(s, l) {
+                    println!(
+                        "{n} in flight: a call's extra second ({:.0} s -> {:.0} s) costs {m:.4} ms of Redis CPU",
+                        s.call_s, l.call_s
+                    );
+                    marginal.insert(n.to_string(), m);
+                }
+            }
+        }
+    }
+    println!("bench took {:.0} s", started.elapsed().as_secs_f64());
+    if let Some(path) = &args.json {
+        let backlog: BTreeMap<String, _> = rows.iter().map(|(n, f)| (n.to_string(), f)).collect();
+        let out = serde_json::json!({
+            "config": args.setup(),
+            "backlog": backlog,
+            "long_calls": long,
+            "marginal_ms_per_call_second": marginal,
+        });
         let text = serde_json::to_string_pretty(&out)?;
         std::fs::write(path, text + "\n").with_context(|| format!("write {}", path.display()))?;
     }

@@ -96,7 +96,8 @@ pub struct TenantShare {
     pub weight: f64,
     /// Tokens admitted (expected use) since the state began.
     pub admitted_tokens: u64,
-    /// Tokens of its turns waiting or booked, not yet sent.
+    /// Tokens of its turns waiting in line (of the first waiters the
+    /// snapshot reads), not yet sent.
     pub waiting_tokens: u64,
     /// Times one of its turns waited in its line (for its fair share).
     pub waits: u64,

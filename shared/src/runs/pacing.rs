@@ -57,7 +57,7 @@ impl PacedAsk {
 /// will send, counted as a worker counts them. With it the first turn is
 /// queued as every later one is, carrying its ask: the fetch that leases it
 /// asks the pacer first, and under a scarce budget it waits in the queue from
-/// the start (not started, asked by its worker, owed and requeued). The binary
+/// the start, parked in its budget's line (never started before it is clear). The binary
 /// gives the worker's counter (`worker::turn::first_ask`): the API crate
 /// counts no tokens itself. A worker whose own count is larger asks again
 /// (turn.rs `CLEARED_SLACK`).

@@ -292,7 +292,7 @@ if op == 'retry' then
   redis.call('HSET', RUN, 'status', 'queued', 'phase', phase, 'wait_reason', '', 'next_attempt_ms', '', 'updated_ms', now)
   redis.call('ZADD', (run_active(RUN, tenant)), now, id)
   event('run.queued', cjson.encode({retried = true, turn = turns, previous_error = {kind = kind, message = message}}))
-  -- The next turn's payload: runs/store.rs `TurnJob` (its test holds the shape).
+  -- The next turn's payload: runs/turn.rs `TurnJob` (its test holds the shape).
   local payload = string.format('{"turn":%d,"attempt":1}', turns)
   local r = q_read(id)
   if r then

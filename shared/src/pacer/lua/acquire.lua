@@ -307,7 +307,9 @@ local function park(q, place, room)
   else
     eta = math.max(estimate(place) - now, 1)
     if parks then
-      due = math.min(math.max(2 * eta, SAFETY_MIN_MS), SAFETY_MAX_MS)
+      -- (No rate known yet: acquire.rs, SAFETY_UNKNOWN_MS.)
+      due = SAFETY_UNKNOWN_MS
+      if known('t_') or known('i_') then due = math.min(math.max(2 * eta, SAFETY_MIN_MS), SAFETY_MAX_MS) end
     else
       due = math.min(eta, max_pace)
     end

@@ -168,16 +168,6 @@ local function any_known()
   return false
 end
 
--- model.rs, PacerState::waits_whole: whole waits and pull-ins, unless a bucket is guessed
--- (learned without headers, or its limit inferred from `remaining` alone).
-local function waits_whole()
-  if whole_waits ~= 1 or get('headerless') == 1 then return false end
-  for _, p in ipairs(BUCKETS) do
-    if known(p) and get(p .. 'assumed') == 1 then return false end
-  end
-  return true
-end
-
 -- A continuous bucket of `limit` and `rate`, at `level`, with nothing else known of it
 -- (model.rs: a fresh `Bucket` with these set; `Bucket::per_minute` for a configured one).
 local function fresh_bucket(p, limit, rate, level)

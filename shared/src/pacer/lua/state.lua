@@ -44,20 +44,22 @@
 --   A record's fields are doubles (the snapshot hands them to Rust as text, in this order,
 --   separated by '|'):
 --   waiter: w|order|tokens|requests|output|line|due|clear|since|reason|tenant
---     (order: its place in line, companion turns < 0 <= work tags; due: when it may come
---      back, a checkpoint; clear: when it is predicted clear; it lapses at due + grace_ms)
---   flight: f|tokens|requests|output|mark|expiry|input|sent|alone|ih|oh|omark|rsent|isent|osent
+--     (order: its place in line, companion turns < 0 <= work tags; due: when its queue
+--      entry is due — the line's timer at the head, a safety deadline behind it; clear:
+--      when it is predicted clear)
+--   flight: f|tokens|requests|output|mark|expiry|input|sent|alone|ih|oh|omark|rsent|isent|osent|started
 --     (expiry: when the reservation lapses; input: the worker's own input estimate, to learn
---      input_ratio from; mark, sent: t_refunded and t_sent when it was cleared; ih, oh: what it
---      holds of the input and output buckets; omark: o_refunded when it was cleared; rsent,
---      isent, osent: the r_, i_ and o_ sent ledgers when it was cleared;
---      alone: 1 when no other call was cleared within BURST_GAP_MS of it)
+--      input_ratio from; mark, sent: t_refunded and t_sent when it was sent; ih, oh: what it
+--      holds of the input and output buckets; omark: o_refunded when it was sent; rsent,
+--      isent, osent: the r_, i_ and o_ sent ledgers when it was sent; alone: 1 when no
+--      other call was sent within BURST_GAP_MS of it; started: 1 once its worker has it —
+--      0 while the line released it and no fetch started it: reserved, not sent)
 -- KEYS[3] line zset: waiter id -> order. The index of the waiters hash, written with it
---   in the same step (put, forget_waiter), so an ask reads only the waiters ahead of it,
---   not the whole line. What the turns ahead hold is still summed from their records on
---   every ask: no counter is kept beside them. A waiter lapses where it is read
---   (live_waiter): no index of lapse times is kept (it cost a write at every put and
---   forget).
+--   in the same step (put, forget_waiter). Only its head is weighed (kept in the state,
+--   field hd); an ask behind it reads its rank (ZCOUNT) for its estimate, and no op reads
+--   the turns ahead (but a pacer with no host, whose turns come back at their estimate:
+--   acquire.lua, estimate). A waiter never lapses: it leaves when it is released, or when
+--   its host no longer holds it (release.lua).
 -- KEYS[4] the history's base key (the dashboard's chart, GET /v1/pacer/history): counters
 --   only, outside the policy, never read here. One hash per minute, KEYS[4]:<minute>, same
 --   hash tag; fields <second>:a (tokens cleared), <second>:r (429s settled), <second>:w
@@ -105,7 +107,7 @@ local RECHECK_TURNS = 4
 -- release.rs: the most turns one op releases; a head timer moved only for this gain.
 local MAX_RELEASES, RETIME_GAIN_MS = 64, 20
 -- acquire.rs, safety_ms: a parked turn's queue entry is due at twice its estimate, within these.
-local SAFETY_MIN_MS, SAFETY_MAX_MS = 10000, 21600000
+local SAFETY_MIN_MS, SAFETY_MAX_MS, SAFETY_UNKNOWN_MS = 10000, 21600000, 300000
 local BURST_GAP_MS = 60
 local SHAPE_VOTES = 2
 local MAX_VOTES = 4

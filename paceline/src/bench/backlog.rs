@@ -1,0 +1,286 @@
+//! The backlog scenario (`paceline bench --scenario backlog`, SPEC §7): what
+//! waiting costs as the backlog grows, and what a call in flight costs by the
+//! second.
+//!
+//! - **Backlog**: one-turn runs, as many as each of `--backlog-sizes`, all
+//!   submitted at once against a real per-minute limit. What a run costs to
+//!   submit and park (commands, CPU, memory) is measured apart: from the
+//!   first submit until no turn is due (each has asked and waits parked, or
+//!   runs). Then, for `--timeout-s` (most of a large backlog still waiting at
+//!   the end: that is the point), what each admitted turn costs Redis
+//!   (commands, CPU) and how many budget waits the span counted; the
+//!   workers' RSS, the p99 of a submit and of `GET /v1/runs/{id}` while they
+//!   wait.
+//! - **Long calls**: a limit nothing reaches, calls that take `latency` s,
+//!   `in_flight` of them at once (one each per slot): Redis CPU per
+//!   call-second, and the marginal cost — what a call's extra seconds cost,
+//!   from two latencies at the same count in flight.
+
+use indicatif::ProgressBar;
+use mock_provider::MockConfig;
+use std::time::{Duration, Instant};
+
+use super::pacing::{self, PacingPlan};
+use super::report::{PacerFigures, Percentiles};
+use super::trial::{Env, Trial, TrialSpec};
+use super::workload::Workload;
+
+/// The costs of one backlog size.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BacklogFigures {
+    /// Runs submitted at once (nearly all of them waiting at first).
+    pub runs: usize,
+    /// Submitting and parking: Redis commands per run, from the first submit
+    /// until no turn was due.
+    pub setup_commands_per_run: f64,
+    /// Submitting and parking: Redis CPU per run, ms.
+    pub setup_cpu_ms_per_run: f64,
+    /// Submitting and parking took this long, s.
+    pub setup_s: f64,
+    /// Calls answered (one a turn) within the measured span, after setup.
+    pub admitted_turns: u64,
+    /// Budget waits counted within the measured span, per admitted turn (a
+    /// turn parked in its budget's line counts one wait when it parks,
+    /// however long it waits).
+    pub budget_waits_per_turn: f64,
+    /// Redis commands per admitted turn within the measured span (`INFO
+    /// commandstats`; the bench's own probe of `GET /v1/runs/{id}`, once a
+    /// second, included).
+    pub redis_commands_per_turn: f64,
+    /// Redis CPU per admitted turn within the measured span, ms (`INFO cpu`).
+    pub redis_cpu_ms_per_turn: f64,
+    /// Redis CPU over the measured span, as a share of one core.
+    pub redis_cpu_share: f64,
+    /// Redis commands per admitted turn within the measured span, by command, the largest.
+    pub redis_commands_by_command: Vec<(String, f64)>,
+    /// Floor / makespan for the work admitted (see `report::FLOOR_FORMULA`).
+    pub efficiency: f64,
+    /// 429s.
+    pub rate_limited: u64,
+    /// Redis memory the submitted runs added, per run, bytes (`used_memory`
+    /// after the submits less before, over the runs).
+    pub redis_bytes_per_waiting_run: f64,
+    /// The largest peak RSS of the worker processes, MB.
+    pub worker_peak_rss_mb: f64,
+    /// `POST /v1/runs` as the backlog was submitted, ms.
+    pub submit_ms: Percentiles,
+    /// `GET /v1/runs/{id}` of a waiting run, once a second while they wait, ms.
+    pub get_run_ms: Percentiles,
+    /// The pacing trial's own figures.
+    pub trial: PacerFigures,
+}
+
+/// One long-call trial's cost.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct LongCallFigures {
+    /// How long each call takes at the provider, s.
+    pub call_s: f64,
+    /// Calls in flight at once (and runs).
+    pub in_flight: usize,
+    /// Calls answered.
+    pub calls: u64,
+    /// Redis CPU over the trial, ms.
+    pub redis_cpu_ms: f64,
+    /// `redis_cpu_ms` over the calls' seconds in flight.
+    pub redis_cpu_ms_per_call_second: f64,
+    /// Redis commands per call.
+    pub redis_commands_per_call: f64,
+    /// Wall time from the first submit to the last run finished, s.
+    pub makespan_s: f64,
+}
+
+/// Runs one backlog size: `plan` with `runs` one-turn runs, measured for
+/// `plan.timeout`.
+pub async fn measure_size(
+    env: &Env,
+    plan: &PacingPlan,
+    runs: usize,
+    progress: &ProgressBar,
+) -> anyhow::Result<BacklogFigures> {
+    let plan = PacingPlan { workload: Workload { runs, turns: 1, ..plan.workload.clone() }, ..plan.clone() };
+    let mut mock = plan.mock.clone();
+    (mock.tool_rounds, mock.output_tokens) = plan.workload.mock_script();
+    mock.log_limit = 1000;
+    let spec = TrialSpec {
+        label: format!("backlog{runs}"),
+        workers: plan.workers,
+        concurrency: plan.concurrency,
+        worker_args: vec!["--pacer".into(), "shared".into()],
+        mock,
+        tokens: vec![],
+        log_deliveries: true,
+    };
+    let mut trial = Trial::start(env, &spec).await?;
+    let tool_url = env.tool_url();
+    let bodies = (0..runs).map(|i| plan.workload.body(i, &tool_url, "shared")).collect();
+    progress.set_length(runs as u64);
+    progress.set_position(0);
+    progress.set_message(format!("{runs} runs"));
+    let memory_before = trial.used_memory().await?;
+    let set_up = Instant::now();
+    let (ids, submits) = trial.submit_timed(bodies, 16).await?;
+    trial.wait_parked(Duration::from_secs(600)).await?;
+    let setup_s = set_up.elapsed().as_secs_f64();
+    let memory_after = trial.used_memory().await?;
+    let (setup, setup_cpu_s) = trial.mark().await?;
+    let waits_before = trial.budget_waits_now().await?;
+    let calls_before = trial.mock.summary().ok;
+    let submit_ms = millis(&submits);
+    // While they wait: one `GET /v1/runs/{id}` a second, of a run in the middle of the backlog.
+    let api = crate::api_client::ApiClient::new(&trial.api_url(), None)?;
+    let probed = ids[ids.len() / 2].clone();
+    let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+    let probe = tokio::spawn(async move {
+        let mut took = vec![];
+        loop {
+            let t = Instant::now();
+            if api.run(&probed).await.is_ok() {
+                took.push(t.elapsed());
+            }
+            tokio::select! {
+                _ = &mut stopped => return took,
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+        }
+    });
+    let measured = Instant::now();
+    let drained = trial.wait_drained(plan.timeout, |mock| progress.set_position(mock.summary().ok)).await?;
+    let span_s = measured.elapsed().as_secs_f64();
+    let _ = stop.send(());
+    let get_run_ms = millis(&probe.await.unwrap_or_default());
+    let waits_after = trial.budget_waits_now().await?;
+    let data = trial.finish(drained).await?;
+    let figures = pacing::figures(&plan, &data);
+    let admitted = data.mock.ok.saturating_sub(calls_before);
+    let turns = admitted.max(1) as f64;
+    Ok(BacklogFigures {
+        runs,
+        setup_commands_per_run: setup.total() as f64 / runs.max(1) as f64,
+        setup_cpu_ms_per_run: setup_cpu_s * 1000.0 / runs.max(1) as f64,
+        setup_s,
+        admitted_turns: admitted,
+        budget_waits_per_turn: waits_after.saturating_sub(waits_before) as f64 / turns,
+        redis_commands_per_turn: data.commands.total() as f64 / turns,
+        redis_cpu_ms_per_turn: data.redis_cpu_s * 1000.0 / turns,
+        redis_cpu_share: data.redis_cpu_s / span_s.max(1e-9),
+        redis_commands_by_command: data
+            .commands
+            .by_command
+            .iter()
+            .take(12)
+            .map(|(k, v)| (k.clone(), *v as f64 / turns))
+            .collect(),
+        efficiency: figures.efficiency,
+        rate_limited: figures.rate_limited,
+        redis_bytes_per_waiting_run: (memory_after.saturating_sub(memory_before)) as f64 / runs.max(1) as f64,
+        worker_peak_rss_mb: figures.worker_peak_rss_mb,
+        submit_ms,
+        get_run_ms,
+        trial: figures,
+    })
+}
+
+/// Runs one long-call trial: `in_flight` one-turn runs against a limit
+/// nothing reaches, each call taking `call_s`, `plan.workers` processes
+/// sharing the slots.
+pub async fn measure_long(
+    env: &Env,
+    plan: &PacingPlan,
+    call_s: f64,
+    in_flight: usize,
+    progress: &ProgressBar,
+) -> anyhow::Result<LongCallFigures> {
+    let workers = plan.workers.min(in_flight).max(1);
+    let plan = PacingPlan {
+        workers,
+        concurrency: in_flight.div_ceil(workers),
+        workload: Workload { runs: in_flight, turns: 1, ..plan.workload.clone() },
+        mock: MockConfig {
+            tpm: 1_000_000_000,
+            rpm: 100_000_000,
+            window: Duration::from_secs(60),
+            latency: Duration::from_secs_f64(call_s),
+            ..plan.mock.clone()
+        },
+        timeout: Duration::from_secs_f64(call_s * 2.0 + 120.0),
+        ..plan.clone()
+    };
+    let mut mock = plan.mock.clone();
+    (mock.tool_rounds, mock.output_tokens) = plan.workload.mock_script();
+    mock.log_limit = 1000;
+    let spec = TrialSpec {
+        label: format!("long{}x{in_flight}", call_s as u64),
+        workers: plan.workers,
+        concurrency: plan.concurrency,
+        worker_args: vec!["--pacer".into(), "shared".into()],
+        mock,
+        tokens: vec![],
+        log_deliveries: false,
+    };
+    let mut trial = Trial::start(env, &spec).await?;
+    let tool_url = env.tool_url();
+    let bodies = (0..in_flight).map(|i| plan.workload.body(i, &tool_url, "shared")).collect();
+    progress.set_length(in_flight as u64);
+    progress.set_position(0);
+    progress.set_message(format!("{call_s:.0} s x {in_flight}"));
+    trial.submit(None, bodies, 64).await?;
+    let drained = trial.wait_drained(plan.timeout, |mock| progress.set_position(mock.summary().ok)).await?;
+    let data = trial.finish(drained).await?;
+    let calls = data.mock.by_status.get(&200).copied().unwrap_or(0);
+    let redis_cpu_ms = data.redis_cpu_s * 1000.0;
+    Ok(LongCallFigures {
+        call_s,
+        in_flight,
+        calls,
+        redis_cpu_ms,
+        redis_cpu_ms_per_call_second: redis_cpu_ms / (calls.max(1) as f64 * call_s),
+        redis_commands_per_call: data.commands.total() as f64 / calls.max(1) as f64,
+        makespan_s: data.makespan_s().unwrap_or(0.0),
+    })
+}
+
+/// The marginal cost of a call's seconds in flight: between two trials at the
+/// same count in flight, the extra Redis CPU per call over the extra seconds,
+/// ms per call-second.
+pub fn marginal_ms_per_call_second(short: &LongCallFigures, long: &LongCallFigures) -> Option<f64> {
+    let extra_s = long.call_s - short.call_s;
+    (extra_s > 0.0 && short.calls > 0 && long.calls > 0)
+        .then(|| (long.redis_cpu_ms / long.calls as f64 - short.redis_cpu_ms / short.calls as f64) / extra_s)
+}
+
+/// Durations as percentiles in ms (to the µs).
+fn millis(took: &[Duration]) -> Percentiles {
+    let p = Percentiles::of(took.iter().map(|d| d.as_micros() as i64).collect());
+    Percentiles { p50: p.p50 / 1000.0, p99: p.p99 / 1000.0, max: p.max / 1000.0, n: p.n }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn long(call_s: f64, calls: u64, redis_cpu_ms: f64) -> LongCallFigures {
+        LongCallFigures {
+            call_s,
+            in_flight: 64,
+            calls,
+            redis_cpu_ms,
+            redis_cpu_ms_per_call_second: 0.0,
+            redis_commands_per_call: 0.0,
+            makespan_s: 0.0,
+        }
+    }
+
+    #[test]
+    fn the_marginal_cost_is_the_extra_cpu_per_call_over_the_extra_seconds() {
+        // 2 ms a call at 20 s, 4 ms at 120 s: 2 ms more over 100 s more.
+        let m = marginal_ms_per_call_second(&long(20.0, 64, 128.0), &long(120.0, 64, 256.0)).unwrap();
+        assert!((m - 0.02).abs() < 1e-12, "{m}");
+        assert_eq!(marginal_ms_per_call_second(&long(20.0, 64, 1.0), &long(20.0, 64, 2.0)), None);
+    }
+
+    #[test]
+    fn durations_become_millisecond_percentiles() {
+        let p = millis(&[Duration::from_micros(1_500), Duration::from_micros(2_500)]);
+        assert_eq!((p.p50, p.max, p.n), (1.5, 2.5, 2));
+    }
+}
