@@ -368,7 +368,7 @@ fn reason_behind(state: &PacerState, now: Millis, tenant: &str) -> OwedReason {
 /// holds above its floor now.
 fn estimate(state: &PacerState, cfg: &PacingConfig, now: Millis, place: Place) -> Millis {
     // (No rate known yet: the probe's answer tells, and lets the line go.)
-    let rate = turn_rate(state);
+    let rate = turn_rate(state, cfg);
     let ahead = state.waiters.values().filter(|w| w.order < place.order);
     if !cfg.parks {
         let b = if state.tokens.known() { &state.tokens } else { &state.input };
@@ -383,12 +383,19 @@ fn estimate(state: &PacerState, cfg: &PacingConfig, now: Millis, place: Place) -
 }
 
 /// The refill the line is spaced by, tokens per ms: the token bucket's, or
-/// the separate input bucket's (0: neither is known).
-fn turn_rate(state: &PacerState) -> f64 {
+/// the separate input bucket's (0: neither is known). With a host, its
+/// learned rate: a parked turn's safety deadline follows from it, and one
+/// too short brings the turn back to ask for nothing (the faster reading of
+/// a bucket whose shape is not known yet, a window's limit over its reset,
+/// once made a 10 000-run backlog's early turns ask every ten seconds); with
+/// none, the faster reading (`Bucket::share_rate`): a turn that comes back
+/// early asks again, one that comes back late leaves the budget idle.
+fn turn_rate(state: &PacerState, cfg: &PacingConfig) -> f64 {
+    let rate = |b: &Bucket| if cfg.parks { b.rate } else { b.share_rate() };
     if state.tokens.known() {
-        state.tokens.share_rate()
+        rate(&state.tokens)
     } else if state.input.known() {
-        state.input.share_rate()
+        rate(&state.input)
     } else {
         0.0
     }

@@ -83,6 +83,15 @@ pub struct LongCallFigures {
     pub redis_cpu_ms: f64,
     /// `redis_cpu_ms` over the calls' seconds in flight.
     pub redis_cpu_ms_per_call_second: f64,
+    /// Redis's CPU with the fleet up and nothing to do (its own timers, the
+    /// workers' idle beats and looks), ms a second, measured over 5 s before
+    /// the submits.
+    pub idle_cpu_ms_per_s: f64,
+    /// `redis_cpu_ms` less the idle rate over the trial: what the calls
+    /// themselves cost, ms.
+    pub net_cpu_ms: f64,
+    /// `net_cpu_ms` over the calls' seconds in flight.
+    pub net_cpu_ms_per_call_second: f64,
     /// Redis commands per call.
     pub redis_commands_per_call: f64,
     /// Wall time from the first submit to the last run finished, s.
@@ -122,8 +131,9 @@ pub async fn measure_size(
     trial.wait_parked(Duration::from_secs(600)).await?;
     let setup_s = set_up.elapsed().as_secs_f64();
     let memory_after = trial.used_memory().await?;
-    let (setup, setup_cpu_s) = trial.mark().await?;
+    // (Read before the mark: one read of each run's record is the bench's, not the product's.)
     let waits_before = trial.budget_waits_now().await?;
+    let (setup, setup_cpu_s) = trial.mark().await?;
     let calls_before = trial.mock.summary().ok;
     let submit_ms = millis(&submits);
     // While they wait: one `GET /v1/runs/{id}` a second, of a run in the middle of the backlog.
@@ -148,8 +158,9 @@ pub async fn measure_size(
     let span_s = measured.elapsed().as_secs_f64();
     let _ = stop.send(());
     let get_run_ms = millis(&probe.await.unwrap_or_default());
-    let waits_after = trial.budget_waits_now().await?;
     let data = trial.finish(drained).await?;
+    // (The runs as `finish` read them, after its last snapshot.)
+    let waits_after: u64 = data.runs.iter().map(|r| r.pacing.budget_waits).sum();
     let figures = pacing::figures(&plan, &data);
     let admitted = data.mock.ok.saturating_sub(calls_before);
     let turns = admitted.max(1) as f64;
@@ -167,7 +178,6 @@ pub async fn measure_size(
             .commands
             .by_command
             .iter()
-            .take(12)
             .map(|(k, v)| (k.clone(), *v as f64 / turns))
             .collect(),
         efficiency: figures.efficiency,
@@ -222,30 +232,45 @@ pub async fn measure_long(
     let bodies = (0..in_flight).map(|i| plan.workload.body(i, &tool_url, "shared")).collect();
     progress.set_length(in_flight as u64);
     progress.set_position(0);
+    progress.set_message(format!("{call_s:.0} s x {in_flight}: idle"));
+    // Redis's idle rate with the fleet up, to take out of the calls' cost.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    trial.mark().await?;
+    let idle_for = Instant::now();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let (_, idle_cpu_s) = trial.mark().await?;
+    let idle_cpu_ms_per_s = idle_cpu_s * 1000.0 / idle_for.elapsed().as_secs_f64();
     progress.set_message(format!("{call_s:.0} s x {in_flight}"));
+    let span = Instant::now();
     trial.submit(None, bodies, 64).await?;
     let drained = trial.wait_drained(plan.timeout, |mock| progress.set_position(mock.summary().ok)).await?;
+    let span_s = span.elapsed().as_secs_f64();
     let data = trial.finish(drained).await?;
-    let calls = data.mock.by_status.get(&200).copied().unwrap_or(0);
+    let calls = data.mock.ok;
     let redis_cpu_ms = data.redis_cpu_s * 1000.0;
+    let call_seconds = calls.max(1) as f64 * call_s;
+    let net_cpu_ms = (redis_cpu_ms - idle_cpu_ms_per_s * span_s).max(0.0);
     Ok(LongCallFigures {
         call_s,
         in_flight,
         calls,
         redis_cpu_ms,
-        redis_cpu_ms_per_call_second: redis_cpu_ms / (calls.max(1) as f64 * call_s),
+        redis_cpu_ms_per_call_second: redis_cpu_ms / call_seconds,
+        idle_cpu_ms_per_s,
+        net_cpu_ms,
+        net_cpu_ms_per_call_second: net_cpu_ms / call_seconds,
         redis_commands_per_call: data.commands.total() as f64 / calls.max(1) as f64,
         makespan_s: data.makespan_s().unwrap_or(0.0),
     })
 }
 
 /// The marginal cost of a call's seconds in flight: between two trials at the
-/// same count in flight, the extra Redis CPU per call over the extra seconds,
-/// ms per call-second.
+/// same count in flight, the extra Redis CPU per call (the idle rate taken
+/// out) over the extra seconds, ms per call-second.
 pub fn marginal_ms_per_call_second(short: &LongCallFigures, long: &LongCallFigures) -> Option<f64> {
     let extra_s = long.call_s - short.call_s;
     (extra_s > 0.0 && short.calls > 0 && long.calls > 0)
-        .then(|| (long.redis_cpu_ms / long.calls as f64 - short.redis_cpu_ms / short.calls as f64) / extra_s)
+        .then(|| (long.net_cpu_ms / long.calls as f64 - short.net_cpu_ms / short.calls as f64) / extra_s)
 }
 
 /// Durations as percentiles in ms (to the µs).
@@ -258,13 +283,16 @@ fn millis(took: &[Duration]) -> Percentiles {
 mod tests {
     use super::*;
 
-    fn long(call_s: f64, calls: u64, redis_cpu_ms: f64) -> LongCallFigures {
+    fn long(call_s: f64, calls: u64, net_cpu_ms: f64) -> LongCallFigures {
         LongCallFigures {
             call_s,
             in_flight: 64,
             calls,
-            redis_cpu_ms,
+            redis_cpu_ms: net_cpu_ms,
             redis_cpu_ms_per_call_second: 0.0,
+            idle_cpu_ms_per_s: 0.0,
+            net_cpu_ms,
+            net_cpu_ms_per_call_second: 0.0,
             redis_commands_per_call: 0.0,
             makespan_s: 0.0,
         }

@@ -538,17 +538,26 @@ async fn backlog(
     let mut marginal = BTreeMap::new();
     if !long.is_empty() {
         println!(
-            "{:>8} {:>10} {:>7} {:>14} {:>20} {:>14}",
-            "call s", "in flight", "calls", "Redis CPU ms", "CPU ms / call-second", "cmds / call"
+            "{:>8} {:>10} {:>7} {:>14} {:>20} {:>12} {:>24} {:>12}",
+            "call s",
+            "in flight",
+            "calls",
+            "Redis CPU ms",
+            "CPU ms / call-second",
+            "idle ms / s",
+            "net CPU ms / call-second",
+            "cmds / call"
         );
         for f in &long {
             println!(
-                "{:>8.0} {:>10} {:>7} {:>14.1} {:>20.4} {:>14.1}",
+                "{:>8.0} {:>10} {:>7} {:>14.1} {:>20.4} {:>12.2} {:>24.4} {:>12.1}",
                 f.call_s,
                 f.in_flight,
                 f.calls,
                 f.redis_cpu_ms,
                 f.redis_cpu_ms_per_call_second,
+                f.idle_cpu_ms_per_s,
+                f.net_cpu_ms_per_call_second,
                 f.redis_commands_per_call
             );
         }

@@ -271,8 +271,9 @@ end
 local function estimate(place)
   local b = 'i_'
   if known('t_') then b = 't_' end
+  -- (With a host, the learned rate; with none, the faster reading: acquire.rs, turn_rate.)
   local rate = 0
-  if known(b) then rate = share_rate(b) end
+  if known(b) and parks then rate = get(b .. 'rate') elseif known(b) then rate = share_rate(b) end
   -- (No rate known yet: the probe's answer tells, and lets the line go.)
   if not parks then
     -- With no host the turn comes back then: the line costs ahead of it and its own,
