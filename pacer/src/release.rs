@@ -116,6 +116,7 @@ pub fn release(state: &mut PacerState, cfg: &PacingConfig, now: Millis, host: &m
         if let Some(w) = state.waiters.get_mut(&id) {
             w.reason = room.reason;
         }
+        let at = timer_at(state, cfg, now, at);
         if at + RETIME_GAIN_MS < w.due_ms && !retime(state, host, &id, at, &mut moves) {
             continue;
         }
@@ -134,6 +135,35 @@ pub fn release(state: &mut PacerState, cfg: &PacingConfig, now: Millis, host: &m
         break;
     }
     moves
+}
+
+/// When the head's timer goes, weighed at `now` to fit at `at`. Sooner than
+/// `at` a call in flight may settle — one in `call_ms` over the calls on
+/// their way (started, and not yet twice `call_ms` old: one overdue may be
+/// lost) — and a settle weighs the head again and lets it go if it fits by
+/// then. Then the timer goes only to when the last of those calls is
+/// overdue, the latest a settle is expected: the settles do the releasing,
+/// and the head's timer is not moved earlier at each (a move wakes a worker
+/// to watch the new time). A head let go a little late costs nothing with a
+/// line behind it: the bucket keeps what refilled meanwhile.
+fn timer_at(state: &PacerState, cfg: &PacingConfig, now: Millis, at: Millis) -> Millis {
+    let call = state.call_ms;
+    if call <= 0.0 {
+        return at;
+    }
+    let ttl = cfg.reservation_ttl_ms as Millis;
+    let (n, overdue) = state
+        .flights
+        .values()
+        .filter(|f| f.started)
+        .map(|f| (f.expiry_ms - ttl) as f64 + 2.0 * call)
+        .filter(|&overdue| overdue >= now as f64)
+        .fold((0, 0.0f64), |(n, last), overdue| (n + 1, last.max(overdue)));
+    if n > 0 && now as f64 + call / n as f64 <= at as f64 {
+        at.max(overdue.ceil() as Millis)
+    } else {
+        at
+    }
 }
 
 /// Moves the head `id`'s timer to `at`; false (and the turn dropped from

@@ -4,27 +4,32 @@
 //! The pacer is asked (the run store's side of each script hop is named):
 //! 1. at submit, for a run's first call (`crate::turn::first_ask`, carried as `Turn::ask`);
 //! 2. by the fetch that leases a turn carrying an ask, in its own script
-//!    (`runs/fetch.lua`, `Routes::fetch_asks`): cleared, the turn is
-//!    started; owed a moment, it is leased with a pause; owed longer, it waits
-//!    in the queue again;
+//!    (`runs/fetch.lua`, `Routes::fetch_asks`): a run's first turn, a parked
+//!    turn at its line's timer or its safety deadline, a turn the line
+//!    released (its ask starts it: the pacer's `send`). Cleared, the turn is
+//!    started; owed a moment, it is leased with a pause; owed longer, it stays
+//!    parked;
 //! 3. at the turn's start, by a turn its fetch did not clear (`Runner::pace_at_start`);
 //! 4. before the call, when the body built outgrows what was cleared, or
 //!    nothing was (`Runner::pace_call`);
-//! 5. for the next turn, as the turn commits, while the budget is scarce
-//!    (`Runner::ask_for_next`): in the commit's own script where the pacer
-//!    lets a script ask it (`runs/store.lua` `commit`), else here before it.
+//! 5. for the next turn, as the turn commits (`Runner::ask_for_next`): in
+//!    the commit's own script where the pacer lets a script ask it
+//!    (`runs/store.lua` `commit`), after the call's settle; else here before
+//!    it, while the budget is scarce.
 //!
 //! A call's reservation is settled (one of):
-//! - in the commit's script, with the next turn's ask, while the budget is
-//!   scarce and the tools answer within `SETTLE_IN_COMMIT`;
+//! - in the commit's script, before the next turn's ask, where the pacer
+//!   lets a script settle with it and the tools answer within
+//!   `SETTLE_IN_COMMIT`;
 //! - in the process's next batch of pacer calls (`Runner::settle_soon`):
-//!   with room in the budget, or tools slower than that, or a turn that ends
+//!   a pacer no script reaches, tools slower than that, or a turn that ends
 //!   before its commit (`SettleGuard` on drop);
 //! - at once, after a failed call (`Runner::settle_now`) or a cancel, or
 //!   for a clearance given back unused (`Runner::give_back`).
 //!
-//! Owed time up to the in-place wait is waited here; anything longer is a
-//! requeue for exactly the time owed (a wait cut short is not a wait saved).
+//! Owed time up to the in-place wait is waited here; anything longer parks
+//! the turn in the queue, where the pacer releases it when the budget can
+//! take it (a wait cut short is not a wait saved).
 //! Nothing outside this file matches on the `Pacer`'s variants.
 
 use std::time::Duration;

@@ -23,6 +23,16 @@ local function host_turn(rid)
 end
 
 local PACER_HOST = {}
+-- `quiet`: set by a script whose caller's process fetches after it (the commit:
+-- store.lua): a turn released here wakes no other worker — that fetch takes it, or takes
+-- a full batch and passes the baton (queue/fetch.lua) — and `kicked` marks the reply so
+-- the caller asks for that fetch (store.rs `commit_with_output`). A wake-up token per
+-- release woke a second worker to an empty fetch.
+PACER_HOST.quiet, PACER_HOST.kick = false, false
+function PACER_HOST.kicked(out)
+  if PACER_HOST.kick then out[#out + 1] = 'k' end
+  return out
+end
 
 -- Released: the turn is cleared (its reservation is held), its entry due now, and a
 -- worker woken for it. `released`: the fetch that leases it tells the pacer its worker
@@ -36,7 +46,8 @@ function PACER_HOST.release(rid, now)
   job.released = true
   job.pause_ms = nil
   r.payload = cjson.encode(job)
-  q_schedule(qid, r, now, now)
+  q_schedule(qid, r, now, now, PACER_HOST.quiet)
+  if PACER_HOST.quiet then PACER_HOST.kick = true end
   return true
 end
 

@@ -131,7 +131,9 @@ if op == 'commit' then
   -- in an 'output' step of its own; when that step did run (phase 'tools': the tools were
   -- slow, or this is a redelivery) they are written already and are skipped here.
   -- [14] '1': wake no worker for the next turn (this worker's process fetches next,
-  -- lib.lua q_schedule); [15] the next turn's wait, ms (0: due now): it asked the pacer
+  -- lib.lua q_schedule), nor for the turns the settle releases; '2': only for those
+  -- (the run does not go on now); the reply then ends with 'k' when any was: the
+  -- process fetches once more (store.rs `commit_with_output` kicks it); [15] the next turn's wait, ms (0: due now): it asked the pacer
   -- at this commit and is owed that long, so the run waits at once, [16] its reason,
   -- [17] the counter it adds to, [18] its turn.paced data;
   -- [19] ('' none) the pacer ops this step makes itself, JSON (store.rs `CommitPacing`):
@@ -142,6 +144,7 @@ if op == 'commit' then
   -- [20] n events written before turn.completed (the output's, then the tool results),
   -- then n type/data pairs, then the entries appended
   local tag = tonumber(ARGV[4]) + 1
+  PACER_HOST.quiet = ARGV[14] == '1' or ARGV[14] == '2'
   local delay, reason, counter, paced = tonumber(ARGV[15]) or 0, ARGV[16], ARGV[17], ARGV[18]
   local pacing = ARGV[19] ~= '' and cjson.decode(ARGV[19]) or nil
   -- The pacer's ops, in one call of its script: `ops` at the clock `now`; the answers,
@@ -154,7 +157,7 @@ if op == 'commit' then
   local r, f, why = fenced(ARGV[3], ARGV[4], usage_and(more))
   if not r then
     if pacing and pacing.settle then pace({pacing.settle}, q_now()) end
-    return {'stop', why}
+    return PACER_HOST.kicked({'stop', why})
   end
   local turns = (tonumber(f.turns) or 0) + 1
   local next = ARGV[6]
@@ -228,19 +231,19 @@ if op == 'commit' then
       out[3] = tostring(asked[1]); out[4] = string.format('%d', delay); out[5] = tostring(asked[3] or 0)
       out[6] = string.format('%d', eta)
     end
-    return out
+    return PACER_HOST.kicked(out)
   end
   q_finish(id)
   if next == 'complete' then
     for _, v in ipairs({'status', 'completed', 'output_text', ARGV[7]}) do set[#set + 1] = v end
     redis.call('HSET', RUN, unpack(set))
     retire(now, ARGV[10])
-    return {'completed', tostring(turns)}
+    return PACER_HOST.kicked({'completed', tostring(turns)})
   end
   for _, v in ipairs({'status', 'failed', 'error_kind', ARGV[7], 'error_message', ARGV[8]}) do set[#set + 1] = v end
   redis.call('HSET', RUN, unpack(set))
   retire(now, ARGV[10])
-  return {'failed', tostring(turns)}
+  return PACER_HOST.kicked({'failed', tostring(turns)})
 end
 
 if op == 'fail' then

@@ -985,7 +985,9 @@ impl RunStore {
             Next::Paced { wait, .. } => wait.is_none(),
             _ => false,
         };
-        let quiet = due_now && lease.refetches();
+        // Nor do the turns the call's settle lets go: the reply says when it let one go.
+        let refetches = lease.refetches();
+        let quiet = due_now && refetches;
         let wait = match next {
             Next::Paced { wait: Some(w), .. } => Some(w),
             _ => None,
@@ -1002,7 +1004,13 @@ impl RunStore {
             .arg(output.map(|o| usage_arg(o.usage)).unwrap_or_default())
             .arg(output.map_or(0, |o| o.events.len()))
             .arg(output.map_or(0, |o| o.items.len()))
-            .arg(if quiet { "1" } else { "0" })
+            .arg(if quiet {
+                "1"
+            } else if refetches {
+                "2"
+            } else {
+                "0"
+            })
             .arg(wait.map_or(0, |w| w.ms))
             .arg(wait.map_or("", |w| w.reason.as_str()))
             .arg(wait.map_or("", |w| wait_counter(w.reason)))
@@ -1039,8 +1047,10 @@ impl RunStore {
             // (The script pads a clear answer: `{0, 0, 0, 0}`.)
             crate::pacer::ops::decision(if answer.first() == Some(&0) { &answer[..1] } else { &answer })
         });
-        // Whatever the answer (the turn may be queued), unless it waits.
-        if quiet && !matches!(asked, Some(crate::pacer::Decision::Owed { .. })) {
+        // Whatever the answer (the turn may be queued), unless it waits; or
+        // when the settle let turns go quietly (a trailing 'k').
+        let released = reply.as_ref().is_ok_and(|r| r.last().is_some_and(|k| k == "k"));
+        if released || (quiet && !matches!(asked, Some(crate::pacer::Decision::Owed { .. }))) {
             lease.kick();
         }
         Ok(Committed { fence: Self::fence(&reply?)?, asked })

@@ -166,10 +166,11 @@ pub enum Next {
     /// Enqueue the next turn (due now); it asks the pacer when it starts.
     Continue,
     /// Enqueue the next turn, which asked the pacer at this commit: cleared
-    /// (its reservation held: `Turn::cleared`), it is due now; owed, it
-    /// waits in the queue for that long, the run `waiting` at once, and asks
-    /// again when it comes back (`Turn::ask`). The first wait of a turn then
-    /// costs no delivery, start or requeue of its own.
+    /// (its reservation held: `Turn::cleared`), it is due now; owed, it is
+    /// parked in the queue, the run `waiting` at once, until the pacer
+    /// releases it (or it asks again at its line's timer or its safety
+    /// deadline: `Turn::ask`). The first wait of a turn then costs no
+    /// delivery, start or requeue of its own.
     Paced {
         /// The next turn as the queue carries it.
         turn: Turn,

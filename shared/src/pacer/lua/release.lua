@@ -35,6 +35,24 @@ local function retime(hid, w, at)
   return true
 end
 
+-- When the head's timer goes, to fit at `at` (release.rs, timer_at): a call on its way
+-- (started, not twice call_ms old) expected to settle sooner weighs the head again, so
+-- the timer goes only to when the last of those is overdue.
+local function timer_at(at)
+  local c = get('call_ms')
+  if c <= 0 then return at end
+  local n, last = 0, 0
+  for _, f in pairs(F) do
+    local overdue = f[EXPIRY] - ttl + 2 * c
+    if f[STARTED] == 1 and overdue >= now then
+      n = n + 1
+      last = math.max(last, overdue)
+    end
+  end
+  if n > 0 and now + c / n <= at then return math.max(at, math.ceil(last)) end
+  return at
+end
+
 -- Weighs the head `hid` (release.rs, the loop's body): whether the line goes on to the
 -- next head (this one left it), and whether it was let go.
 local function weigh_head(hid, w)
@@ -56,7 +74,7 @@ local function weigh_head(hid, w)
     moves[#moves + 1] = {hid, now, 1}
     return true, true
   end
-  local at = now + math.ceil(head_timer(room, w[LINE]))
+  local at = timer_at(now + math.ceil(head_timer(room, w[LINE])))
   local changed = w[REASON] ~= room.reason
   w[REASON] = room.reason
   if at + RETIME_GAIN_MS < w[DUE] then
