@@ -17,6 +17,9 @@ use super::fleet::{Fleet, FleetSpec};
 use super::redis::{BenchRedis, CommandDelta, CommandStats};
 use super::workload::{api_server, submit_all, tool_server, Served};
 
+/// How often [`Trial::wait_drained`] reads the queue's depth.
+const DRAIN_POLL: Duration = Duration::from_millis(50);
+
 /// What every trial of one bench invocation shares: Redis and the tool endpoint.
 #[derive(Debug)]
 pub struct Env {
@@ -370,11 +373,8 @@ impl Trial {
         mut on_poll: impl FnMut(&MockServer),
     ) -> anyhow::Result<bool> {
         let deadline = Instant::now() + timeout;
-        let keys = self.queue.keys().clone();
         loop {
-            let (due, leased): (u64, u64) =
-                redis::pipe().zcard(&keys.due).zcard(&keys.lease).query_async(&mut self.admin).await?;
-            self.own_commands += 2;
+            let (due, leased) = self.poll_queue().await?;
             on_poll(&self.mock);
             if due + leased == 0 {
                 return Ok(true);
@@ -382,8 +382,28 @@ impl Trial {
             if Instant::now() >= deadline {
                 return Ok(false);
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            tokio::time::sleep(DRAIN_POLL).await;
         }
+    }
+
+    /// Polls as [`Self::wait_drained`] does, for `span`, whatever it reads: an
+    /// idle rate measured meanwhile holds the polls' own Redis CPU, which a
+    /// trial's net figure then leaves out.
+    pub async fn poll_for(&mut self, span: Duration) -> anyhow::Result<()> {
+        let until = Instant::now() + span;
+        while Instant::now() < until {
+            self.poll_queue().await?;
+            tokio::time::sleep(DRAIN_POLL).await;
+        }
+        Ok(())
+    }
+
+    /// How many turns are queued and leased (two `ZCARD`s, the bench's own).
+    async fn poll_queue(&mut self) -> anyhow::Result<(u64, u64)> {
+        let keys = self.queue.keys();
+        let counts = redis::pipe().zcard(&keys.due).zcard(&keys.lease).query_async(&mut self.admin).await?;
+        self.own_commands += 2;
+        Ok(counts)
     }
 
     /// Takes the "after" snapshot and the workers' peak RSS, stops everything
