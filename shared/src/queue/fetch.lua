@@ -155,7 +155,7 @@ local function q_fetch(max, lease_ms, dead_keep_ms, me, woken, on_leased, hold)
   -- a SET: most fetches that get here claim) …
   local old = redis.call('SET', Q_TIMER, string.format('%d|%s', at, me), 'PX', math.max(at - now, 1) + lease_ms, 'GET')
   local watched, who = q_claim_of(old, now)
-  if watched and watched <= at and who ~= me then
+  if watched and watched <= at and who ~= me and who ~= '*' then
     -- … and given back when another idle worker sleeps towards this time or an
     -- earlier one (it takes what is due when it wakes, then watches the next),
     -- expiring when it would have.

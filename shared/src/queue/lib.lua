@@ -75,13 +75,24 @@ local function q_watched(now)
   return q_claim_of(redis.call('GET', Q_TIMER), now)
 end
 
+-- Wakes one idle worker to watch `due_ms` (server clock) with no fetch of its own: the
+-- token names the time ('w' and the ms), and the watch is claimed for whoever takes it
+-- ('*': a fetch takes such a claim over, fetch.lua). A worker that cannot read the
+-- time fetches, as for any token.
+local function q_wake_at(due_ms, now)
+  redis.call('SET', Q_TIMER, string.format('%d|*', due_ms), 'PX', math.max(due_ms - now, 1) + 60000)
+  if redis.call('LPUSH', Q_NOTIFY, string.format('w%d', due_ms)) > Q_MAX_TOKENS then
+    redis.call('LTRIM', Q_NOTIFY, 0, 15)
+  end
+end
+
 -- Wakes one idle worker for a turn due at `due_ms`, unless one already sleeps
 -- towards that time or an earlier one (it will take this turn when it wakes):
 -- a due time reaches one worker process, however many are idle.
 local function q_wake_for(due_ms, now)
   if due_ms <= now then return q_wake() end
   local watched = q_watched(now)
-  if not watched or due_ms < watched then q_wake() end
+  if not watched or due_ms < watched then q_wake_at(due_ms, now) end
 end
 
 -- Adds a new turn `id` with `payload`, due at `due_ms` (server clock; `now`:

@@ -275,6 +275,44 @@ async fn a_due_time_wakes_one_idle_worker_process_not_all() {
 }
 
 #[tokio::test]
+async fn a_new_earliest_due_time_is_watched_with_no_fetch_to_learn_it() {
+    // Its wake-up token names the time (`q_wake_at`): the idle worker it wakes
+    // sleeps towards it and fetches once, when it is due. A plain token cost
+    // a fetch that found nothing first, one per turn here. (No safety-net
+    // looks in the span: they would fetch nothing too.)
+    let env = Env::start(QueueConfig { idle_ms: 60_000, ..QueueConfig::default() });
+    let seen = Seen::default();
+    let workers: Vec<_> = (0..2)
+        .map(|_| {
+            run_worker(
+                &env.queue,
+                2,
+                HandlerState { seen: seen.clone(), queue: env.queue.clone(), fail: false, hold_ms: 0 },
+            )
+        })
+        .collect();
+    eventually("2 idle workers to block on the queue", secs(10), || async {
+        (blocked_clients(&env).await >= 2).then_some(())
+    })
+    .await;
+    let before = empty_fetches(&env).await;
+    for i in 0..6usize {
+        env.queue.enqueue(&format!("run_{i}"), &json!({}), 300).await.unwrap();
+        eventually("the turn to start", secs(10), || async { (seen.len() > i).then_some(()) }).await;
+    }
+    for s in seen.all() {
+        assert!(s.server_now_ms >= s.due_ms, "{} started {} ms early", s.id, s.due_ms - s.server_now_ms);
+        assert!(s.server_now_ms - s.due_ms < 1000, "{} started {} ms late", s.id, s.server_now_ms - s.due_ms);
+    }
+    let empty = empty_fetches(&env).await - before;
+    assert_eq!(empty, 0, "{empty} fetches found nothing for 6 turns due one after another");
+    for (stop, handle) in workers {
+        let _ = stop.send(());
+        within("a worker to stop", secs(10), handle).await.unwrap();
+    }
+}
+
+#[tokio::test]
 async fn without_client_unblock_due_times_are_still_kept() {
     // Managed Redis services forbid CLIENT UNBLOCK; the watcher then waits with
     // BLPOP's own timeout (coarser, never early, never lost).

@@ -46,6 +46,14 @@ pub(super) struct Fetcher<T> {
     /// The last idle wait ended with a wake-up token: the next fetch clears
     /// any left over (`TurnQueue::fetch_woken`).
     pub(super) woken: bool,
+    /// A token named a due time to watch (server clock, ms; `q_wake_at`): the
+    /// earliest such since the last fetch.
+    pub(super) watch_token: Option<i64>,
+    /// The server's clock at the last fetch, and when that was here: a token's
+    /// due time becomes a local timer without a fetch.
+    pub(super) clock: Option<(i64, Instant)>,
+    /// When the watch this process sleeps towards is due, here.
+    pub(super) watching: Option<tokio::time::Instant>,
     pub(super) failures: u32,
 }
 
@@ -60,9 +68,20 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
             let backlog = matches!(self.then, Some(Then::FetchAgain));
             match self.then.take() {
                 Some(Then::Listen) => self.idle(None).await,
-                Some(Then::Watch { ms }) => self.idle(Some(ms)).await,
+                Some(Then::Watch { ms }) => {
+                    let until = tokio::time::Instant::now() + Duration::from_millis(ms.max(0) as u64);
+                    self.watching = Some(self.watching.map_or(until, |w| w.min(until)));
+                    self.idle(Some(ms)).await
+                }
                 Some(Then::FetchAgain) | None => {}
             }
+            if let Some(ms) = self.watch_from_token() {
+                // A token named the next due time: watch it (and any earlier
+                // watch of this process), with no fetch to learn it.
+                self.then = Some(Then::Watch { ms });
+                continue;
+            }
+            self.watching = None;
             // Kicks from here on are for turns this fetch may not see.
             self.shared.kicked.store(false, Ordering::SeqCst);
             // Counted after the idle wait: handlers may have started or ended in it.
@@ -88,6 +107,7 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
             match fetch_in_task(self.queue.clone(), self.script.clone(), self.shared.clone(), want, woken).await {
                 Ok(fetched) => {
                     self.failures = 0;
+                    self.clock = Some((fetched.now_ms, Instant::now()));
                     self.then = Some(fetched.then);
                     // Turns the fetch's own pacer ask owed time again: budget
                     // waits as much as the ones a turn's ask requeues.
@@ -198,11 +218,30 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
         }
     }
 
+    /// How long until the due time a token named, or this process's own watch
+    /// if that is sooner (ms, from the server's clock as the last fetch read
+    /// it); `None` when no token named one, it is due already, or no fetch has
+    /// read the clock yet: then the worker fetches.
+    fn watch_from_token(&mut self) -> Option<i64> {
+        let due = self.watch_token.take()?;
+        let (server_ms, at) = self.clock?;
+        let server_now = server_ms + at.elapsed().as_millis() as i64;
+        let mut ms = due - server_now;
+        if let Some(w) = self.watching {
+            ms = ms.min(w.saturating_duration_since(tokio::time::Instant::now()).as_millis() as i64);
+        }
+        (ms > 0).then_some(ms)
+    }
+
     /// A `BLPOP` returned: on an error, the blocking connection is opened
-    /// again at the next wait.
+    /// again at the next wait. A token that names a due time (`w` and server
+    /// ms) is watched; any other wakes a fetch.
     pub(super) fn listened(&mut self, result: redis::RedisResult<Option<(String, String)>>) {
-        if let Ok(Some(_)) = result {
-            self.woken = true;
+        if let Ok(Some((_, token))) = &result {
+            match token.strip_prefix('w').and_then(|t| t.parse::<i64>().ok()) {
+                Some(due) => self.watch_token = Some(self.watch_token.map_or(due, |d| d.min(due))),
+                None => self.woken = true,
+            }
         }
         if let Err(error) = result {
             debug!(message = "blocking read failed; reconnecting", %error);
@@ -249,10 +288,10 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
             }
         };
         match result {
-            Ok(Some(_token)) => {
+            Ok(Some((_, token))) => {
                 let pushed: redis::RedisResult<i64> = redis::cmd("LPUSH")
                     .arg(&self.queue.keys().notify)
-                    .arg("1")
+                    .arg(token)
                     .query_async(&mut self.queue.conn())
                     .await;
                 if let Err(error) = pushed {

@@ -17,7 +17,10 @@
 //! connection, its own long response timeout) until a token or its safety-net
 //! interval, which grows with the fleet so the fleet's idle checks stay as few
 //! as two workers' would. A turn due now, or due before the watched time, pushes
-//! one token (one worker wakes, not all); a fetch that filled its batch pushes
+//! one token (one worker wakes, not all); a token for a time to come names it
+//! (`w` and server ms, `q_wake_at`, which claims the watch for whoever takes
+//! it): the worker that takes it watches that time, its clock read from its
+//! last fetch, with no fetch to learn it; a fetch that filled its batch pushes
 //! one more (so idle workers join in); a fetch that a token woke and that took
 //! everything clears the rest (only such a fetch: any other would pay a `DEL`
 //! for tokens that are rarely there, since a token reaches a listening worker
@@ -333,6 +336,9 @@ impl<T: DeserializeOwned + Send + 'static> Backend for QueueBackend<T> {
                 listening: None,
                 unblock: true,
                 woken: false,
+                watch_token: None,
+                clock: None,
+                watching: None,
                 failures: 0,
             };
             futures::stream::unfold(state, |mut f| async move {
