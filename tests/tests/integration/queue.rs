@@ -223,13 +223,15 @@ async fn blocked_clients(env: &Env) -> u64 {
     info.lines().find_map(|l| l.strip_prefix("blocked_clients:")).and_then(|n| n.trim().parse().ok()).unwrap_or(0)
 }
 
-/// Eight idle worker processes (in-process backends, each its own identity)
-/// and 40 turns due one after another: each due time is watched by one of
-/// them, not slept towards by all (which cost ~7 fetches that found nothing per
-/// due time before the queue's timer key).
-async fn delayed_turns_reach_one_idle_worker(env: &Env) -> u64 {
-    let seen = Seen::default();
-    let workers: Vec<_> = (0..8)
+/// `n` worker processes of 2 slots (in-process backends, each its own
+/// identity) that record what they start in `seen`, once every one has made
+/// its first (empty) fetch and gone idle: all block on the server (`BLPOP`).
+async fn idle_workers(
+    env: &Env,
+    n: usize,
+    seen: &Seen,
+) -> Vec<(tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<()>)> {
+    let workers = (0..n)
         .map(|_| {
             run_worker(
                 &env.queue,
@@ -238,12 +240,20 @@ async fn delayed_turns_reach_one_idle_worker(env: &Env) -> u64 {
             )
         })
         .collect();
-    // Every worker has made its first (empty) fetch and gone idle: all eight
-    // block on the server (`BLPOP`).
-    eventually("8 idle workers to block on the queue", secs(10), || async {
-        (blocked_clients(env).await >= 8).then_some(())
+    eventually("the idle workers to block on the queue", secs(10), || async {
+        (blocked_clients(env).await >= n as u64).then_some(())
     })
     .await;
+    workers
+}
+
+/// Eight idle worker processes (in-process backends, each its own identity)
+/// and 40 turns due one after another: each due time is watched by one of
+/// them, not slept towards by all (which cost ~7 fetches that found nothing per
+/// due time before the queue's timer key).
+async fn delayed_turns_reach_one_idle_worker(env: &Env) -> u64 {
+    let seen = Seen::default();
+    let workers = idle_workers(env, 8, &seen).await;
     let before = empty_fetches(env).await;
     for i in 0..40u64 {
         env.queue.enqueue(&format!("run_{i}"), &json!({}), 300 + i * 60).await.unwrap();
@@ -282,19 +292,7 @@ async fn a_new_earliest_due_time_is_watched_with_no_fetch_to_learn_it() {
     // looks in the span: they would fetch nothing too.)
     let env = Env::start(QueueConfig { idle_ms: 60_000, ..QueueConfig::default() });
     let seen = Seen::default();
-    let workers: Vec<_> = (0..2)
-        .map(|_| {
-            run_worker(
-                &env.queue,
-                2,
-                HandlerState { seen: seen.clone(), queue: env.queue.clone(), fail: false, hold_ms: 0 },
-            )
-        })
-        .collect();
-    eventually("2 idle workers to block on the queue", secs(10), || async {
-        (blocked_clients(&env).await >= 2).then_some(())
-    })
-    .await;
+    let workers = idle_workers(&env, 2, &seen).await;
     let before = empty_fetches(&env).await;
     for i in 0..6usize {
         env.queue.enqueue(&format!("run_{i}"), &json!({}), 300).await.unwrap();
