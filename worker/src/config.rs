@@ -24,7 +24,23 @@ pub struct ProviderArgs {
     /// Named providers (they replace the single provider above).
     #[command(flatten)]
     pub named: ProvidersArg,
+    /// Longest silence a call may keep, in seconds: until its response
+    /// headers, and between two pieces of its stream. A reasoning model may
+    /// think for minutes before it writes, or answer a call that does not
+    /// stream only when it is done. A call silent longer is retried as a
+    /// transient error.
+    #[arg(
+        long = "provider-idle-timeout-s",
+        env = "PACELINE_PROVIDER_IDLE_TIMEOUT_S",
+        default_value_t = DEFAULT_IDLE_TIMEOUT_S,
+        value_parser = clap::value_parser!(u64).range(1..=86_400)
+    )]
+    pub idle_timeout_s: u64,
 }
+
+/// `--provider-idle-timeout-s`'s default
+/// ([`crate::provider::DEFAULT_BETWEEN_EVENTS_TIMEOUT`]).
+pub const DEFAULT_IDLE_TIMEOUT_S: u64 = crate::provider::DEFAULT_BETWEEN_EVENTS_TIMEOUT.as_secs();
 
 /// The variable holding the secret that signs tool calls (read by workers
 /// through [`KeySource`], like the providers' keys: never a flag, never logged).
@@ -76,7 +92,12 @@ pub struct ResolvedProvider {
 impl ProviderArgs {
     /// A single provider at `url` in `style`, no key (tests, `paceline up`).
     pub fn single(url: impl Into<String>, style: shared::runs::ApiStyle) -> Self {
-        Self { url: Some(url.into()), api_style: style, named: ProvidersArg::default() }
+        Self {
+            url: Some(url.into()),
+            api_style: style,
+            named: ProvidersArg::default(),
+            idle_timeout_s: DEFAULT_IDLE_TIMEOUT_S,
+        }
     }
 
     /// The providers to call, in order (the first is the default), each with
@@ -164,6 +185,19 @@ mod tests {
         // No key is a flag: a command line is in every `ps`.
         assert!(WorkerCli::try_parse_from(["x", "--api-key", "sk-openai"]).is_err());
         assert!(WorkerCli::try_parse_from(["x", "--anthropic-api-key", "k"]).is_err());
+    }
+
+    #[test]
+    fn a_call_may_stay_silent_as_long_as_the_idle_timeout_says() {
+        use clap::Parser;
+        let cli = WorkerCli::try_parse_from(["x"]).unwrap();
+        assert_eq!(cli.provider.idle_timeout_s, 120);
+        let cli = WorkerCli::try_parse_from(["x", "--provider-idle-timeout-s", "900"]).unwrap();
+        assert_eq!(cli.provider.idle_timeout_s, 900);
+        for bad in ["0", "ten", "86401"] {
+            let err = WorkerCli::try_parse_from(["x", "--provider-idle-timeout-s", bad]).unwrap_err();
+            assert!(err.to_string().contains("provider-idle-timeout-s"), "{bad}: {err}");
+        }
     }
 
     #[test]

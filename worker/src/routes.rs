@@ -46,7 +46,11 @@ impl Routes {
         let resolved = providers.resolve(&pacer.budget, pacer, keys).map_err(anyhow::Error::msg)?;
         let mut routes = Vec::with_capacity(resolved.len());
         for p in resolved {
-            let provider = Provider::new(p.style, &p.url, &p.key).with_context(|| format!("provider {}", p.name))?;
+            let provider =
+                Provider::new(p.style, &p.url, &p.key).with_context(|| format!("provider {}", p.name))?.with_timeouts(
+                    crate::provider::DEFAULT_CONNECT_TIMEOUT,
+                    std::time::Duration::from_secs(providers.idle_timeout_s),
+                );
             tracing::info!(message = "provider", provider.name = %p.name, api.style = ?p.style,
                 url = %crate::provider::shown_url(&p.url),
                 budget = %p.budget, key = if p.key.is_empty() { "none" } else { "set" }, key.from = %p.key_source);

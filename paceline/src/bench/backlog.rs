@@ -222,7 +222,14 @@ pub async fn measure_long(
         label: format!("long{}x{in_flight}", call_s as u64),
         workers: plan.workers,
         concurrency: plan.concurrency,
-        worker_args: vec!["--pacer".into(), "shared".into()],
+        // The mock sends its headers when its latency is up: the workers wait
+        // that long for them, as they would for a model that thinks silently.
+        worker_args: vec![
+            "--pacer".into(),
+            "shared".into(),
+            "--provider-idle-timeout-s".into(),
+            (call_s.ceil() as u64 + 60).to_string(),
+        ],
         mock,
         tokens: vec![],
         log_deliveries: false,

@@ -167,9 +167,7 @@ pub struct Args {
     #[arg(long, value_delimiter = ',', default_value = "100,1000,10000")]
     backlog_sizes: Vec<usize>,
     /// Backlog scenario: long-call trials, each `<seconds a call takes>x<calls in flight>` (`none`: no such trial).
-    /// The mock sends its headers when its latency is up, and a worker takes 120 s without them for a
-    /// stalled call: keep calls under that.
-    #[arg(long, value_delimiter = ',', default_value = "20x64,100x64,20x1024,100x1024", value_parser = parse_long_call)]
+    #[arg(long, value_delimiter = ',', default_value = "20x64,120x64,20x1024,120x1024", value_parser = parse_long_call)]
     long_calls: Vec<Option<(f64, usize)>>,
     /// Write the figures as one JSON object to this file.
     #[arg(long)]
