@@ -158,7 +158,8 @@ local function q_fetch(max, lease_ms, dead_keep_ms, me, woken, on_leased, hold)
   if watched and watched <= at and who ~= me and who ~= '*' then
     -- … and given back when another idle worker sleeps towards this time or an
     -- earlier one (it takes what is due when it wakes, then watches the next),
-    -- expiring when it would have.
+    -- expiring when it would have. A claim for whoever takes a token (`*`,
+    -- lib.lua q_wake_at) is kept by this fetch: nobody may have taken it yet.
     redis.call('SET', Q_TIMER, old, 'PX', math.max(watched - now, 1) + lease_ms)
     return out
   end

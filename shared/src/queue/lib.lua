@@ -78,7 +78,8 @@ end
 -- Wakes one idle worker to watch `due_ms` (server clock) with no fetch of its own: the
 -- token names the time ('w' and the ms), and the watch is claimed for whoever takes it
 -- ('*': a fetch takes such a claim over, fetch.lua). A worker that cannot read the
--- time fetches, as for any token.
+-- time fetches, as for any token. (The claim's expiry only tidies the key: a claim
+-- whose time has passed is anyone's, q_claim_of.)
 local function q_wake_at(due_ms, now)
   redis.call('SET', Q_TIMER, string.format('%d|*', due_ms), 'PX', math.max(due_ms - now, 1) + 60000)
   if redis.call('LPUSH', Q_NOTIFY, string.format('w%d', due_ms)) > Q_MAX_TOKENS then

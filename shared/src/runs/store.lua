@@ -133,8 +133,9 @@ if op == 'commit' then
   -- [14] '1': wake no worker for the next turn (this worker's process fetches next,
   -- lib.lua q_schedule), nor for the turns the settle releases; '2': only for those
   -- (the run does not go on now); the reply then ends with 'k' when any was: the
-  -- process fetches once more (store.rs `commit_with_output` kicks it); [15] the next turn's wait, ms (0: due now): it asked the pacer
-  -- at this commit and is owed that long, so the run waits at once, [16] its reason,
+  -- process fetches once more (store.rs `commit_with_output` kicks it);
+  -- [15] the next turn's wait, ms (0: due now): it asked the pacer at this commit and is
+  -- owed that long, so the run waits at once, [16] its reason,
   -- [17] the counter it adds to, [18] its turn.paced data;
   -- [19] ('' none) the pacer ops this step makes itself, JSON (store.rs `CommitPacing`):
   -- {keys = the pacer's four keys, cfg = its ARGV[2..15], settle = the turn's call's

@@ -1164,8 +1164,8 @@ async fn each_step_of_a_turn_costs_few_redis_commands() {
         "pacer settle" => 4 + 3,
         "record output" => 5,
         "commit" | "commit+output" => 9,
-        // (A wait the next due time of: its token names the time, and the
-        // claim of its watch is set here — the worker it wakes fetches nothing.)
+        // (A wait that becomes the queue's earliest due time also claims its
+        // watch, one SET: the worker its token wakes then fetches nothing.)
         "budget wait" | "wait again" => 11,
         "fetch, owed" => 14 + 3,
         _ => 0,

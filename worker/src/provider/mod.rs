@@ -129,8 +129,13 @@ impl Provider {
 
     /// The same client with other timeouts: `connect` for the TCP/TLS
     /// connect, `between_events` for the longest silence until the headers
-    /// and between two pieces of the stream.
+    /// and between two pieces of the stream. The HTTP client is built again
+    /// only for another connect timeout.
     pub fn with_timeouts(mut self, connect: Duration, between_events: Duration) -> Self {
+        self.between_events = between_events;
+        if connect == self.connect_timeout {
+            return self;
+        }
         match build_client(connect) {
             Ok(client) => {
                 self.client = client;
@@ -139,7 +144,6 @@ impl Provider {
             // Cannot happen once `new` built one; keep the working client.
             Err(error) => tracing::warn!(message = "HTTP client not rebuilt; connect timeout unchanged", %error),
         }
-        self.between_events = between_events;
         self
     }
 
