@@ -199,12 +199,34 @@ pub fn elide_browser_outputs(items: &mut [TranscriptEntry]) -> usize {
 ///    which the provider would reject anyway (Chat: a `tool` message must
 ///    follow its assistant `tool_calls`; Responses: "No tool output found").
 pub fn bound_history(entries: &[TranscriptEntry], max_turns: usize) -> Vec<TranscriptEntry> {
+    bound_history_in_steps(entries, max_turns, 1)
+}
+
+/// How many turns the window drops at once in [`prepare_context`]: a third
+/// of the depth, so the history sent stays the same from one turn to the
+/// next for that many turns (a provider's prompt cache holds a prefix only
+/// as long as it is byte for byte the same; a window sliding one turn at a
+/// time would change it on every turn past the depth).
+pub fn history_step(max_turns: usize) -> usize {
+    (max_turns / 3).max(1)
+}
+
+/// [`bound_history`] whose window starts only at every `step`-th turn: it
+/// keeps between `max_turns - step + 1` and `max_turns` turns after the task
+/// once there are more, and moves `step` turns at a time.
+pub fn bound_history_in_steps(entries: &[TranscriptEntry], max_turns: usize, step: usize) -> Vec<TranscriptEntry> {
     // 1. The window.
-    let turns: BTreeSet<u32> = entries.iter().map(|e| e.turn).filter(|&t| t > 0).collect();
-    let cutoff = if max_turns == 0 {
-        u32::MAX
-    } else {
-        turns.iter().rev().nth(max_turns - 1).or(turns.first()).copied().unwrap_or(u32::MAX)
+    let turns: Vec<u32> =
+        entries.iter().map(|e| e.turn).filter(|&t| t > 0).collect::<BTreeSet<u32>>().into_iter().collect();
+    let cutoff = match turns.len().checked_sub(max_turns) {
+        _ if max_turns == 0 => u32::MAX,
+        // Within the depth: every turn.
+        None | Some(0) => turns.first().copied().unwrap_or(u32::MAX),
+        // The first turn kept, at a multiple of `step` (never fewer than one turn).
+        Some(first) => {
+            let step = step.clamp(1, max_turns);
+            turns[(first.div_ceil(step) * step).min(turns.len() - 1)]
+        }
     };
     let mut keep: Vec<bool> = entries.iter().map(|e| e.turn == 0 || e.turn >= cutoff).collect();
 
@@ -264,14 +286,15 @@ pub fn bound_history(entries: &[TranscriptEntry], max_turns: usize) -> Vec<Trans
     entries.iter().zip(keep).filter(|(_, k)| *k).map(|(e, _)| e.clone()).collect()
 }
 
-/// The items to send for a turn: [`bound_history`] then
-/// [`elide_browser_outputs`], on a copy — the transcript is not changed.
+/// The items to send for a turn: [`bound_history_in_steps`] (by
+/// [`history_step`]) then [`elide_browser_outputs`], on a copy — the
+/// transcript is not changed.
 ///
 /// Tool outputs are not clipped here: the worker stored them clipped when the
 /// tools answered, so there is nothing left to clip, and clipping here as well
 /// would make a second copy of the rule that could disagree with the first.
 pub fn prepare_context(entries: &[TranscriptEntry], max_history: usize) -> Vec<Value> {
-    let mut items = bound_history(entries, max_history);
+    let mut items = bound_history_in_steps(entries, max_history, history_step(max_history));
     elide_browser_outputs(&mut items);
     items.into_iter().map(|e| e.item).collect()
 }
@@ -525,6 +548,32 @@ mod tests {
     }
 
     #[test]
+    fn the_window_moves_in_steps_so_the_history_sent_stays_the_same_for_a_while() {
+        assert_eq!(history_step(24), 8);
+        assert_eq!(history_step(2), 1);
+        let mut first_kept = vec![];
+        for n in 1..=60u32 {
+            let v = chain(n, false);
+            let sent = bound_history_in_steps(&v, 24, 8);
+            let turns: BTreeSet<u32> = sent.iter().map(|e| e.turn).filter(|&t| t > 0).collect();
+            assert!(turns.len() <= 24, "{n} turns: {} sent", turns.len());
+            assert!(turns.len() >= (n as usize).min(17), "{n} turns: {} sent", turns.len());
+            assert_eq!(turns.last(), Some(&n), "the newest turn is always sent");
+            first_kept.push(*turns.first().unwrap());
+            // Each step is the one-at-a-time window's, or later.
+            let sliding = bound_history(&v, 24);
+            assert!(sliding.iter().filter(|e| e.turn > 0).count() >= sent.iter().filter(|e| e.turn > 0).count());
+        }
+        // The first turn sent moves 8 at a time: 1 until 24 turns, then 9, 17, …
+        let moves: Vec<(usize, u32)> =
+            first_kept.windows(2).enumerate().filter(|(_, w)| w[0] != w[1]).map(|(i, w)| (i + 2, w[1])).collect();
+        assert_eq!(moves, [(25, 9), (33, 17), (41, 25), (49, 33), (57, 41)]);
+        // A step of one is the sliding window.
+        let v = chain(40, true);
+        assert_eq!(bound_history_in_steps(&v, 24, 1), bound_history(&v, 24));
+    }
+
+    #[test]
     fn bound_table() {
         // (entries, max_turns, expected)
         let cases: Vec<(Vec<TranscriptEntry>, usize, Vec<&str>)> = vec![
@@ -580,12 +629,14 @@ mod tests {
         let original = v.clone();
         let ctx = prepare_context(&v, DEFAULT_MAX_HISTORY);
         assert_eq!(v, original);
-        assert_eq!(ctx.len(), 1 + 2 * DEFAULT_MAX_HISTORY);
+        // 30 turns: the window has moved one step (8) past the first 24.
+        let kept = 30 - history_step(DEFAULT_MAX_HISTORY);
+        assert_eq!(ctx.len(), 1 + 2 * kept);
         assert_eq!(ctx[0], user("task"));
         let outputs: Vec<&str> = ctx.iter().filter(|i| is_output(i)).map(|i| i["output"].as_str().unwrap()).collect();
-        assert_eq!(outputs.len(), DEFAULT_MAX_HISTORY);
-        assert!(outputs[..DEFAULT_MAX_HISTORY - 1].iter().all(|o| *o == BROWSER_PLACEHOLDER));
-        assert_eq!(outputs[DEFAULT_MAX_HISTORY - 1], "<dom 30>");
+        assert_eq!(outputs.len(), kept);
+        assert!(outputs[..kept - 1].iter().all(|o| *o == BROWSER_PLACEHOLDER));
+        assert_eq!(outputs[kept - 1], "<dom 30>");
     }
 
     /// Random transcripts: turns of text, parallel calls answered in the same

@@ -24,13 +24,17 @@
 //! | `seed` | — | `seed` | — |
 //! | `service_tier` | as is | as is | `auto`; `default` as `standard_only` |
 //! | `prompt_cache_key` | as is | as is | — |
+//! | `prompt_cache` (`auto`) | a `prompt_cache_key` for the run | — (see [`cache_key`]) | `cache_control` breakpoints |
 //! | `store` | as is (default false) | when set | — |
 //! | `truncation` | as is | — | — |
 
 mod anthropic;
+mod cache;
 
 use serde_json::{json, Map, Value};
-use shared::runs::{ApiStyle, Format, Generation, ToolChoice};
+use shared::runs::{ApiStyle, Format, Generation, PromptCache, ToolChoice};
+
+pub use cache::run_cache_key;
 
 pub use anthropic::{
     answer_tool_name, anthropic_messages, thinking_budget, ANTHROPIC_DEFAULT_MAX_TOKENS, ANTHROPIC_VERSION,
@@ -91,6 +95,21 @@ pub(crate) fn dropped(style: ApiStyle, names: &[&str]) {
     }
 }
 
+/// The `prompt_cache_key` a Responses call sends: the run's own, else with
+/// caching on one stable for the run ([`run_cache_key`]). A Chat Completions
+/// call sends only the run's own: that style is also the one for the servers
+/// that copy it (vLLM, Mistral, Groq …), some of which refuse a field they do
+/// not know, and OpenAI's own caches it without a key.
+fn cache_key(params: &TurnParams, g: &Generation, context: &[Value]) -> Option<String> {
+    match (&g.prompt_cache_key, g.prompt_cache) {
+        (Some(key), _) => Some(key.clone()),
+        (None, PromptCache::Auto) => {
+            Some(run_cache_key(params.model, params.instructions, params.tools, context.first()))
+        }
+        (None, PromptCache::Off) => None,
+    }
+}
+
 /// `tool_choice` in the Responses shape (also the run spec's).
 fn responses_tool_choice(choice: &ToolChoice) -> Value {
     Value::from(choice.clone())
@@ -141,8 +160,8 @@ fn responses_body(params: &TurnParams, context: &[Value]) -> Value {
     if let Some(tier) = g.service_tier {
         body.insert("service_tier".into(), tier.as_str().into());
     }
-    if let Some(key) = &g.prompt_cache_key {
-        body.insert("prompt_cache_key".into(), key.as_str().into());
+    if let Some(key) = cache_key(params, &g, context) {
+        body.insert("prompt_cache_key".into(), key.into());
     }
     if let Some(t) = g.truncation {
         body.insert("truncation".into(), t.as_str().into());
@@ -465,6 +484,7 @@ mod tests {
                 "tools": tools,
                 "parallel_tool_calls": true,
                 "max_output_tokens": 2048,
+                "prompt_cache_key": run_cache_key("gpt-4.1-mini", Some("Be brief."), &tools, ctx.first()),
                 "store": false,
                 "stream": true,
                 "metadata": {"team": "search"},
@@ -484,7 +504,12 @@ mod tests {
         };
         let ctx = vec![json!({"role": "user", "content": "hi"})];
         let body = build_body(ApiStyle::Responses, &p, &ctx);
-        assert_eq!(body, json!({"model": "m", "input": ctx, "store": false, "stream": true}));
+        let key = run_cache_key("m", None, &[], ctx.first());
+        assert_eq!(body, json!({"model": "m", "input": ctx, "prompt_cache_key": key, "store": false, "stream": true}));
+        // With caching off, no key but the run's own.
+        let off = Generation { prompt_cache: PromptCache::Off, ..Generation::default() };
+        let body = build_body(ApiStyle::Responses, &TurnParams { generation: Some(&off), ..p }, &ctx);
+        assert!(body.get("prompt_cache_key").is_none());
         let empty = TurnParams { instructions: Some(""), ..p };
         assert!(build_body(ApiStyle::Responses, &empty, &ctx).get("instructions").is_none());
     }

@@ -397,11 +397,11 @@ fn describe(run: &Run) -> String {
     let _ = writeln!(out, "turns:       {}/{}", run.turns_completed, run.max_turns);
     let u = &run.usage;
     let _ = writeln!(out, "usage:       {} in + {} out = {} tokens", u.input_tokens, u.output_tokens, u.total_tokens);
-    if u.cached_input_tokens > 0 || u.reasoning_tokens > 0 {
+    if u.cached_input_tokens > 0 || u.cache_write_tokens > 0 || u.reasoning_tokens > 0 {
         let _ = writeln!(
             out,
-            "             {} of the input cached, {} of the output reasoning",
-            u.cached_input_tokens, u.reasoning_tokens
+            "             {} of the input read from the cache, {} written to it, {} of the output reasoning",
+            u.cached_input_tokens, u.cache_write_tokens, u.reasoning_tokens
         );
     }
     let p = &run.pacing;

@@ -61,6 +61,31 @@ pub struct Generation {
     /// What the provider does with a context larger than the model's window.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub truncation: Option<Truncation>,
+    /// Whether the run's calls use the provider's prompt cache (SPEC §4a);
+    /// a run stored before the field existed reads as `auto`.
+    #[serde(default, skip_serializing_if = "PromptCache::is_auto")]
+    pub prompt_cache: PromptCache,
+}
+
+/// `prompt_cache` (SPEC §4a): what paceline does for the provider's prompt
+/// cache (`worker/src/request.rs`, "Prompt caching").
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PromptCache {
+    /// Anthropic: `cache_control` breakpoints on the stable prefix and the
+    /// history; OpenAI: a `prompt_cache_key` stable for the run, unless the
+    /// run gives one.
+    #[default]
+    Auto,
+    /// Nothing: no breakpoints, no key but the run's own.
+    Off,
+}
+
+impl PromptCache {
+    /// The default.
+    pub fn is_auto(&self) -> bool {
+        *self == Self::Auto
+    }
 }
 
 /// `reasoning`: `{"effort": ...}`.
@@ -212,7 +237,7 @@ impl Truncation {
 }
 
 /// The run spec's fields this module validates.
-pub const FIELDS: [&str; 12] = [
+pub const FIELDS: [&str; 13] = [
     "temperature",
     "top_p",
     "reasoning",
@@ -225,6 +250,7 @@ pub const FIELDS: [&str; 12] = [
     "prompt_cache_key",
     "store",
     "truncation",
+    "prompt_cache",
 ];
 
 fn err(field: impl Into<String>, message: impl Into<String>) -> SpecError {
@@ -345,6 +371,13 @@ impl Generation {
                     .ok_or_else(|| err("truncation", "must be \"auto\" or \"disabled\""))?,
             ),
         };
+        let prompt_cache = match given(obj, "prompt_cache") {
+            None => PromptCache::Auto,
+            Some(v) => v
+                .as_str()
+                .and_then(|s| serde_json::from_value::<PromptCache>(json!(s)).ok())
+                .ok_or_else(|| err("prompt_cache", "must be \"auto\" or \"off\""))?,
+        };
         Ok(Self {
             temperature,
             top_p,
@@ -358,6 +391,7 @@ impl Generation {
             prompt_cache_key,
             store,
             truncation,
+            prompt_cache,
         })
     }
 
@@ -484,7 +518,7 @@ mod tests {
                                        "schema": {"type": "object"}}},
                    "tool_choice": {"type": "function", "name": "search"}, "parallel_tool_calls": false,
                    "stop": "END", "seed": -7, "service_tier": "flex", "prompt_cache_key": "k1",
-                   "store": true, "truncation": "auto"}),
+                   "store": true, "truncation": "auto", "prompt_cache": "off"}),
             &["search"],
         )
         .unwrap();
@@ -497,12 +531,17 @@ mod tests {
         assert_eq!(g.seed, Some(-7));
         assert_eq!(g.service_tier, Some(ServiceTier::Flex));
         assert_eq!(g.truncation, Some(Truncation::Auto));
+        assert_eq!(g.prompt_cache, PromptCache::Off);
         // Stored and read back (the worker reads the spec from Redis): the same.
         let back: Generation = serde_json::from_value(serde_json::to_value(&g).unwrap()).unwrap();
         assert_eq!(back, g);
         assert_eq!(serde_json::to_value(&g).unwrap()["tool_choice"], json!({"type": "function", "name": "search"}));
         assert_eq!(parse(json!({}), &[]).unwrap(), Generation::default());
         assert_eq!(parse(json!({"temperature": null}), &[]).unwrap(), Generation::default());
+        // Caching is on unless a run turns it off; a spec stored without the field reads as on.
+        assert_eq!(Generation::default().prompt_cache, PromptCache::Auto);
+        assert!(serde_json::to_value(Generation::default()).unwrap().get("prompt_cache").is_none());
+        assert_eq!(serde_json::from_value::<Generation>(json!({})).unwrap().prompt_cache, PromptCache::Auto);
     }
 
     #[test]
@@ -548,6 +587,8 @@ mod tests {
             (json!({"prompt_cache_key": "k".repeat(1025)}), "prompt_cache_key"),
             (json!({"store": 0}), "store"),
             (json!({"truncation": "yes"}), "truncation"),
+            (json!({"prompt_cache": "on"}), "prompt_cache"),
+            (json!({"prompt_cache": true}), "prompt_cache"),
         ];
         for (body, field) in cases {
             let got = parse(body.clone(), &["search"]).unwrap_err();

@@ -39,7 +39,8 @@ end
 local finished = run_finished
 
 -- The record's usage counters a call adds to (record.rs `field`).
-local USAGE_FIELDS = {'input_tokens', 'output_tokens', 'reasoning_tokens', 'cached_input_tokens'}
+local USAGE_FIELDS = {'input_tokens', 'output_tokens', 'reasoning_tokens', 'cached_input_tokens',
+  'cache_write_tokens'}
 
 -- Adds calls' usage (JSON objects of those counters; missing ones are 0; ''
 -- none) to the record's counters as read in `f`: the new values go into `set`,

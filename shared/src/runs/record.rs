@@ -34,6 +34,10 @@ pub struct Usage {
     /// `cache_read_input_tokens`).
     #[serde(default)]
     pub cached_input_tokens: u64,
+    /// The part of `input_tokens` written to the provider's prompt cache
+    /// (Anthropic `cache_creation_input_tokens`; OpenAI reports none).
+    #[serde(default)]
+    pub cache_write_tokens: u64,
 }
 
 /// What pacing did to a run.
@@ -210,6 +214,8 @@ pub mod field {
     pub const REASONING_TOKENS: &str = "reasoning_tokens";
     /// See above (part of the input).
     pub const CACHED_INPUT_TOKENS: &str = "cached_input_tokens";
+    /// See above (part of the input).
+    pub const CACHE_WRITE_TOKENS: &str = "cache_write_tokens";
     /// Pacing counters.
     pub const BUDGET_WAITS: &str = "budget_waits";
     /// See above.
@@ -314,6 +320,7 @@ impl Run {
                 total_tokens: input_tokens + output_tokens,
                 reasoning_tokens: num(field::REASONING_TOKENS),
                 cached_input_tokens: num(field::CACHED_INPUT_TOKENS),
+                cache_write_tokens: num(field::CACHE_WRITE_TOKENS),
             },
             pacing: PacingCounters {
                 budget_waits: num(field::BUDGET_WAITS),

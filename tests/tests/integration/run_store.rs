@@ -198,8 +198,14 @@ async fn a_turn_commits_once_and_enqueues_the_next_atomically() {
     assert_eq!(env.store.get("alpha", &run.id).await.unwrap().unwrap().status, RunStatus::Running);
 
     let items = [json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "hi"}]})];
-    let usage =
-        Usage { input_tokens: 10, output_tokens: 2, total_tokens: 12, reasoning_tokens: 1, cached_input_tokens: 4 };
+    let usage = Usage {
+        input_tokens: 10,
+        output_tokens: 2,
+        total_tokens: 12,
+        reasoning_tokens: 1,
+        cached_input_tokens: 4,
+        cache_write_tokens: 3,
+    };
     assert_eq!(env.store.commit(&lease, job, &items, usage, &Next::Continue).await.unwrap(), Fence::Ok);
     // The same commit again (a redelivery, a retry after a lost reply) writes nothing.
     assert!(matches!(env.store.commit(&lease, job, &items, usage, &Next::Continue).await.unwrap(), Fence::Stop(_)));
@@ -217,10 +223,17 @@ async fn a_turn_commits_once_and_enqueues_the_next_atomically() {
     assert_eq!(env.store.commit(&lease2, job2, &items, usage, &done).await.unwrap(), Fence::Ok);
     let run_now = env.store.get("alpha", &run.id).await.unwrap().unwrap();
     assert_eq!(run_now.status, RunStatus::Completed);
-    // Reasoning and cached tokens add up with the rest, turn by turn.
+    // Reasoning, cached and cache-write tokens add up with the rest, turn by turn.
     assert_eq!(
         run_now.usage,
-        Usage { input_tokens: 20, output_tokens: 4, total_tokens: 24, reasoning_tokens: 2, cached_input_tokens: 8 }
+        Usage {
+            input_tokens: 20,
+            output_tokens: 4,
+            total_tokens: 24,
+            reasoning_tokens: 2,
+            cached_input_tokens: 8,
+            cache_write_tokens: 6
+        }
     );
     assert_eq!(run_now.output_text.as_deref(), Some("the answer"));
     assert!(run_now.finished_at.is_some());

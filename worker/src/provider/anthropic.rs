@@ -271,6 +271,7 @@ fn usage(u: &Value) -> CallUsage {
             total_tokens: input_tokens + output_tokens,
             reasoning_tokens: 0,
             cached_input_tokens: read,
+            cache_write_tokens: written,
         },
         charged_input_tokens: uncached + written,
     }

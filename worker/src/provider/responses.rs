@@ -128,6 +128,7 @@ impl ResponsesDecoder {
                     total_tokens: count(u, "total_tokens").unwrap_or(input_tokens + output_tokens),
                     reasoning_tokens: detail("output_tokens_details", "reasoning_tokens"),
                     cached_input_tokens: detail("input_tokens_details", "cached_tokens"),
+                    cache_write_tokens: 0,
                 },
                 charged_input_tokens: input_tokens,
             }

@@ -32,7 +32,7 @@
 //!   beside `temperature` is left out (recent models refuse both).
 
 use serde_json::{json, Map, Value};
-use shared::runs::{ApiStyle, Effort, Format, ServiceTier, ToolChoice};
+use shared::runs::{ApiStyle, Effort, Format, PromptCache, ServiceTier, ToolChoice};
 
 use super::{dropped, TurnParams};
 
@@ -230,6 +230,9 @@ pub(super) fn body(params: &TurnParams, context: &[Value]) -> Value {
         }
     }
     dropped(ApiStyle::Anthropic, &not_sent);
+    if g.prompt_cache == PromptCache::Auto {
+        super::cache::mark_anthropic(&mut body, params.model);
+    }
     body.insert("stream".into(), true.into());
     Value::Object(body)
 }
