@@ -177,6 +177,37 @@ pub fn input_tokens(body: &Value) -> u64 {
     n
 }
 
+/// Of an Anthropic body's input, the tokens its prompt cache is expected to
+/// give back (`request/cache.rs`): the prefix up to the last message before
+/// the newest one that carries a cache breakpoint — the history the run's
+/// previous turn sent, and wrote, minutes ago at most. 0 without one (a
+/// run's first turn: what it writes is not read until the next). Anthropic
+/// does not count cache reads against its input limit, so the pacer is not
+/// asked for them; a cache that expired in between is a settle's correction.
+pub fn predicted_cache_reads(body: &Value) -> u64 {
+    let Some(messages) = body.get("messages").and_then(Value::as_array) else { return 0 };
+    let marked = |m: &Value| {
+        m.get("content").and_then(Value::as_array).is_some_and(|c| c.iter().any(|b| b.get("cache_control").is_some()))
+    };
+    let Some(last) = messages.len().checked_sub(1) else { return 0 };
+    let Some(end) = messages[..last].iter().rposition(marked) else { return 0 };
+    let mut n = 0;
+    match body.get("system") {
+        Some(Value::String(s)) => n += PER_ITEM_OVERHEAD + count_text(s),
+        Some(blocks @ Value::Array(_)) => n += PER_ITEM_OVERHEAD + value_tokens(blocks),
+        _ => {}
+    }
+    for item in &messages[..=end] {
+        n += PER_ITEM_OVERHEAD + value_tokens(item);
+    }
+    if let Some(tools) = body.get("tools").and_then(Value::as_array) {
+        for tool in tools {
+            n += count_text(&tool.to_string());
+        }
+    }
+    n
+}
+
 /// Tokens of the text inside one item, walked recursively.
 fn value_tokens(value: &Value) -> u64 {
     match value {
@@ -224,6 +255,34 @@ mod tests {
     use serde_json::json;
     use shared::runs::ApiStyle;
     use std::time::Instant;
+
+    #[test]
+    fn an_anthropic_turn_is_expected_to_read_the_history_its_previous_turn_wrote() {
+        let instructions = "Follow the rules. ".repeat(400);
+        let p = TurnParams {
+            model: "claude-sonnet-4-5",
+            instructions: Some(&instructions),
+            tools: &[],
+            max_output_tokens: Some(100),
+            metadata: None,
+            generation: None,
+        };
+        let task = json!({"role": "user", "content": "find the answer"});
+        let call = json!({"type": "function_call", "call_id": "c1", "name": "search", "arguments": "{}"});
+        let out = json!({"type": "function_call_output", "call_id": "c1", "output": "the answer is 42 ".repeat(300)});
+        // The first turn reads nothing yet: what it writes is for the next.
+        let first = build_body(ApiStyle::Anthropic, &p, std::slice::from_ref(&task));
+        assert_eq!(predicted_cache_reads(&first), 0);
+        // The second reads what the first sent: all but its own call and output.
+        let second = build_body(ApiStyle::Anthropic, &p, &[task, call, out]);
+        let reads = predicted_cache_reads(&second);
+        let whole = input_tokens(&second);
+        let first_input = input_tokens(&first);
+        assert!(reads + 10 >= first_input && reads <= first_input, "{reads} read of {first_input} sent before");
+        assert!(whole - reads > 900, "the tool output is new: {whole} - {reads}");
+        // A Responses body has no breakpoints: nothing is predicted there.
+        assert_eq!(predicted_cache_reads(&build_body(ApiStyle::Responses, &p, &[])), 0);
+    }
 
     #[test]
     fn counts_known_strings() {

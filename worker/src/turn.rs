@@ -551,7 +551,9 @@ impl Runner {
 }
 
 /// The body of a call of `spec` over `transcript` in `style` (bounded to
-/// `max_history` turns), its answer tool, and its input tokens as counted here.
+/// `max_history` turns), its answer tool, and its input tokens as counted
+/// here: on Anthropic, less the cache reads it is expected to make
+/// ([`crate::estimate::predicted_cache_reads`]), which its limit does not count.
 fn call_body(
     style: ApiStyle,
     spec: &shared::runs::RunSpec,
@@ -561,7 +563,11 @@ fn call_body(
     let params = turn_params(spec);
     let context = prepare_context(transcript, max_history);
     let body = build_body(style, &params, &context);
-    let input = crate::estimate::input_tokens(&body);
+    let mut input = crate::estimate::input_tokens(&body);
+    if style == ApiStyle::Anthropic {
+        // What the pacer is asked for is what the input limit will count.
+        input = input.saturating_sub(crate::estimate::predicted_cache_reads(&body)).max(1);
+    }
     (body, answer_tool(style, &params), input)
 }
 
