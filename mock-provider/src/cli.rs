@@ -95,6 +95,20 @@ pub struct MockArgs {
     /// The organization named in rate-limit messages.
     #[arg(long, env = "MOCK_ORGANIZATION", default_value = "org-mock")]
     pub organization: String,
+    /// Cache prompts: Anthropic's cache_control breakpoints (reads not charged to the input
+    /// bucket) and OpenAI's automatic prefixes of 1024+ tokens (charged in full).
+    #[arg(long, env = "MOCK_CACHE")]
+    pub cache: bool,
+    /// Anthropic: the shortest prefix written to the cache, in tokens.
+    #[arg(long, env = "MOCK_CACHE_MIN_TOKENS", default_value_t = MockConfig::default().cache_min_tokens)]
+    pub cache_min_tokens: u64,
+    /// OpenAI: seconds a cached prefix lives without a hit.
+    #[arg(long, env = "MOCK_CACHE_TTL_S", default_value_t = MockConfig::default().cache_ttl.as_secs_f64())]
+    pub cache_ttl_s: f64,
+    /// The model's context window in tokens: a longer input gets the provider's
+    /// context-length 400 [default: none].
+    #[arg(long, env = "MOCK_CONTEXT_WINDOW")]
+    pub context_window: Option<u64>,
 }
 
 impl MockArgs {
@@ -110,6 +124,15 @@ impl MockArgs {
         }
         if [Some(self.tpm), Some(self.rpm), self.itpm, self.otpm].contains(&Some(0)) {
             return Err("--tpm, --rpm, --itpm and --otpm must be at least 1".to_string());
+        }
+        if self.cache_min_tokens == 0 {
+            return Err("--cache-min-tokens must be at least 1".to_string());
+        }
+        if !(self.cache_ttl_s.is_finite() && self.cache_ttl_s > 0.0) {
+            return Err(format!("--cache-ttl-s must be a positive number of seconds, not {}", self.cache_ttl_s));
+        }
+        if self.context_window == Some(0) {
+            return Err("--context-window must be at least 1 token".to_string());
         }
         // `--no-headers` only changes the default, so an explicit style (flag
         // or env) still decides.
@@ -140,6 +163,10 @@ impl MockArgs {
             keep_bodies: self.keep_bodies,
             log_limit: self.log_limit,
             organization: self.organization,
+            cache: self.cache,
+            cache_min_tokens: self.cache_min_tokens,
+            cache_ttl: Duration::from_secs_f64(self.cache_ttl_s),
+            context_window: self.context_window,
         })
     }
 }
@@ -210,6 +237,13 @@ mod tests {
             "0.5",
             "--midstream-error-code",
             "rate_limit_exceeded",
+            "--cache",
+            "--cache-min-tokens",
+            "2048",
+            "--cache-ttl-s",
+            "0.5",
+            "--context-window",
+            "8000",
         ])
         .unwrap();
         let cfg = cli.mock.into_config().unwrap();
@@ -231,6 +265,9 @@ mod tests {
         assert_eq!(cfg.seed, 11);
         assert_eq!(cfg.midstream_error_code, "rate_limit_exceeded");
         assert_eq!(cfg.default_max_output(), 7);
+        assert!(cfg.cache);
+        assert_eq!((cfg.cache_min_tokens, cfg.cache_ttl), (2048, Duration::from_millis(500)));
+        assert_eq!(cfg.context_window, Some(8000));
     }
 
     /// The flags' defaults are `MockConfig::default()` (the listen address
@@ -265,7 +302,17 @@ mod tests {
 
     #[test]
     fn nonsense_is_refused() {
-        for bad in [["--window-s", "0"], ["--fail-rate", "1.5"], ["--tpm", "0"], ["--itpm", "0"], ["--otpm", "0"]] {
+        for bad in [
+            ["--window-s", "0"],
+            ["--fail-rate", "1.5"],
+            ["--tpm", "0"],
+            ["--itpm", "0"],
+            ["--otpm", "0"],
+            ["--cache-min-tokens", "0"],
+            ["--cache-ttl-s", "0"],
+            ["--cache-ttl-s", "inf"],
+            ["--context-window", "0"],
+        ] {
             let cli = Cli::try_parse_from(["mock", bad[0], bad[1]]).unwrap();
             assert!(cli.mock.into_config().is_err(), "{bad:?}");
         }

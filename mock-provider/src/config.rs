@@ -68,6 +68,18 @@ pub struct MockConfig {
     pub log_limit: usize,
     /// The organization named in rate-limit messages.
     pub organization: String,
+    /// Prompt caching: Anthropic's `cache_control` breakpoints (reads not
+    /// charged to the input bucket) and OpenAI's automatic prefixes of 1 024
+    /// tokens and more (charged in full). Off: nothing is ever cached.
+    pub cache: bool,
+    /// Anthropic: the shortest prefix written to the cache, in tokens (a
+    /// shorter one is simply not cached).
+    pub cache_min_tokens: u64,
+    /// OpenAI: how long a cached prefix lives without a hit.
+    pub cache_ttl: Duration,
+    /// The model's context window in tokens: a request of more input tokens
+    /// gets the provider's context-length 400. `None`: no window.
+    pub context_window: Option<u64>,
 }
 
 impl Default for MockConfig {
@@ -98,11 +110,20 @@ impl Default for MockConfig {
             keep_bodies: 32,
             log_limit: 100_000,
             organization: "org-mock".to_string(),
+            cache: false,
+            cache_min_tokens: 1024,
+            cache_ttl: Duration::from_secs(300),
+            context_window: None,
         }
     }
 }
 
 impl MockConfig {
+    /// The prompt cache's rules.
+    pub fn cache_rules(&self) -> crate::cache::Rules {
+        crate::cache::Rules { min_tokens: self.cache_min_tokens, ttl: self.cache_ttl }
+    }
+
     /// Output tokens charged when a request sets no limit.
     pub fn default_max_output(&self) -> u64 {
         self.default_max_output_tokens.unwrap_or(self.output_tokens)

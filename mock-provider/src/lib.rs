@@ -57,7 +57,8 @@
 //!   thinking block while thinking is on) is a 400 here too. A mid-stream
 //!   failure is an `error` event (`overloaded_error` or `rate_limit_error`).
 //! - `GET /_mock/stats` (`?log=false` to skip the log and bodies) — see [`Stats`].
-//! - `POST /_mock/reset` — zero the counters and logs, refill the buckets.
+//! - `POST /_mock/reset` — zero the counters and logs, refill the buckets,
+//!   empty the prompt cache.
 //! - `POST /_mock/faults` — queue [`Fault`]s (one object or a list) for the
 //!   next requests, e.g. `{"fault":"rate_limited","retry_after_ms":1500}`.
 //!
@@ -76,6 +77,9 @@
 //! Anthropic: `system` and `messages`) —
 //! text, tool outputs, function-call arguments — plus the compact JSON of
 //! `tools`; one word of output is one token.
+//!
+//! Under `--cache`, a Messages request's input charge leaves out what it
+//! read from the prompt cache (see below).
 //!
 //! With `--headers anthropic` the token bucket is split, as Anthropic's limits
 //! are: an input bucket of `--itpm` (default `--tpm`) charged the input (never
@@ -109,6 +113,58 @@
 //! it is admitted if nothing else took the budget. More than a bucket's whole limit:
 //! 429 "Request too large for MODEL … Limit L, Requested R." without a retry-after.
 //!
+//! # Prompt caching (`--cache`) and the context window (`--context-window N`)
+//!
+//! Without `--cache` nothing is cached: every usage reports 0 read and 0
+//! written. With it, each API caches as its provider does (`prefix.rs` reads a
+//! prompt's prefixes, `cache.rs` keeps them; both decided at admission, under
+//! the lock):
+//!
+//! - **Anthropic**, opt-in: the prompt is its blocks in order — each tool
+//!   definition, the `system` blocks, every content block of every message —
+//!   and `cache_control: {"type": "ephemeral"}` (`"ttl": "5m"` by default, or
+//!   `"1h"`) on a block makes its end a breakpoint. A block boundary's token
+//!   position is `ceil(chars / 4)` of everything up to it, so the last one is
+//!   the input tokens; a prefix's identity is its content without any
+//!   `cache_control` (moving a marker keeps it) and the model. For each
+//!   breakpoint the longest live entry at it or at one of the 20 boundaries
+//!   before it is found; the longest of those is read. The prefix up to the
+//!   last breakpoint is written when it is at least `--cache-min-tokens`
+//!   (default 1 024) and longer than the read, with an entry at each
+//!   breakpoint of at least the minimum, living its TTL; a hit refreshes an
+//!   entry by its own TTL. Usage: `cache_read_input_tokens` (the read),
+//!   `cache_creation_input_tokens` (the last breakpoint minus the read), and
+//!   `input_tokens` (the rest), in the JSON body and in `message_start`. The
+//!   input bucket (or the one token bucket) is charged `input_tokens +
+//!   cache_creation_input_tokens`: reads are free, as Anthropic's ITPM does
+//!   not count them. More than 4 markers is a 400 "A maximum of 4 blocks with
+//!   cache_control may be provided. Found N." — with or without `--cache`,
+//!   as is a marker whose type is not `ephemeral` or whose ttl is not `5m` or
+//!   `1h`.
+//! - **OpenAI**, automatic: the prompt is read as one text (instructions, or
+//!   chat's leading system and developer messages; the tools' JSON; the input
+//!   items or other messages: every string counted for the input, in order).
+//!   A prompt of at least 1 024 tokens stores its prefixes of 1 024, 1 152,
+//!   1 280, … tokens (4 characters each), per model and `prompt_cache_key`
+//!   (none is a partition of its own), each living `--cache-ttl-s` (default
+//!   300) from its last use. The longest stored prefix that matches is
+//!   `usage.input_tokens_details.cached_tokens` (chat:
+//!   `prompt_tokens_details.cached_tokens`), in the JSON and the streamed
+//!   final usage; `input_tokens` stays the whole prompt, and the token bucket
+//!   is charged in full, cached or not, as OpenAI's is.
+//!
+//! The store holds at most [`cache::MAX_ENTRIES`] entries (expired ones go
+//! first, then those closest to expiring); a reset empties it.
+//!
+//! `--context-window N`: a request of more than N input tokens is refused
+//! with the provider's 400 before the faults and the buckets (not admitted;
+//! logged with code `context_length_exceeded`): chat's "This model's maximum
+//! context length is N tokens. However, your messages resulted in M tokens.
+//! …" (`param: "messages"`), Responses' "Your input exceeds the context
+//! window of this model. Please adjust your input and try again." (`param:
+//! "input"`), both `code: "context_length_exceeded"`; Anthropic's
+//! `invalid_request_error` "prompt is too long: M tokens > N maximum".
+//!
 //! # The scripted model
 //!
 //! A request that offers a function tool (and not `tool_choice: "none"`) gets
@@ -134,23 +190,27 @@
 //!
 //! Counts (requests, `2xx`, by status, 429s by code, mid-stream errors, stalls),
 //! tokens charged / refunded / admitted and the admitted input and output
-//! apart (what an input and an output bucket let through),
+//! apart (what an input and an output bucket let through), the tokens read
+//! from and written to the prompt cache,
 //! `largest_overdraft` (computed from every bucket's level; 0 unless
 //! admission is broken), the buckets now (`input` and `output` too when they
 //! exist) with the header style and limits mode, a log of
 //! the latest `--log-limit` requests (arrival in µs and ms since start, status,
-//! code, tokens charged and refunded and when) and the latest `--keep-bodies`
+//! code, tokens charged (and their input part) and refunded and when, cache
+//! tokens read and written) and the latest `--keep-bodies`
 //! request bodies, so a test can see what the mock was sent.
 //!
 //! Any `Authorization` header (or none) is accepted; the mock holds no secrets.
 
 pub mod bucket;
+pub mod cache;
 pub mod cli;
 pub mod config;
 pub mod duration;
 pub mod fault;
 pub mod limits;
 pub mod messages;
+pub mod prefix;
 pub mod script;
 pub mod server;
 pub mod shape;
@@ -158,6 +218,7 @@ pub mod stats;
 pub mod wire;
 
 pub use bucket::{BucketMode, ChargeMode};
+pub use cache::CacheUsage;
 pub use cli::MockArgs;
 pub use config::MockConfig;
 pub use fault::Fault;

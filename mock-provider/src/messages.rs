@@ -21,6 +21,8 @@
 
 use serde_json::{json, Value};
 
+use crate::cache::CacheUsage;
+use crate::prefix::{check_markers, Prefix};
 use crate::script::{count_tokens, deltas, fnv1a, Answer, Prompt};
 use crate::wire::{
     fragments, pick_tool, string_chars, Api, Reply, Request, StreamError, StreamPlan, ARG_CHARS_PER_DELTA,
@@ -76,8 +78,10 @@ pub fn parse(body: &Value) -> Result<Request, String> {
         Some("any") => tools.last().and_then(|t| pick_tool(std::slice::from_ref(t), false, None)),
         _ => None,
     };
-    let tools_chars = if tools.is_empty() { 0 } else { Value::Array(tools).to_string().chars().count() };
     let system = obj.get("system").cloned().unwrap_or(Value::Null);
+    // Checked with or without `--cache`: the real API refuses bad markers always.
+    check_markers(&tools, &system, messages)?;
+    let tools_chars = if tools.is_empty() { 0 } else { Value::Array(tools).to_string().chars().count() };
     let tool_outputs = messages
         .iter()
         .filter(|m| m.get("role").and_then(Value::as_str) == Some("user"))
@@ -105,7 +109,8 @@ pub fn parse(body: &Value) -> Result<Request, String> {
         thinking,
         // Anthropic counts thinking as output and reports no part of it apart.
         reasoning_tokens: 0,
-        cached_tokens: 0,
+        prefix: Prefix::None,
+        cache: CacheUsage::default(),
     })
 }
 
@@ -165,9 +170,13 @@ fn tool_use_id(call_id: &str) -> String {
     format!("toolu_{}", call_id.trim_start_matches("call_"))
 }
 
+/// Anthropic's usage: `input_tokens` is the part after the last cached or
+/// written breakpoint; the three input fields add up to the prompt.
 fn usage(r: &Reply, output_tokens: u64) -> Value {
-    json!({"input_tokens": r.input_tokens(), "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
-           "output_tokens": output_tokens, "service_tier": "standard"})
+    let cache = r.request.cache;
+    let uncached = r.input_tokens().saturating_sub(cache.read + cache.write);
+    json!({"input_tokens": uncached, "cache_creation_input_tokens": cache.write,
+           "cache_read_input_tokens": cache.read, "output_tokens": output_tokens, "service_tier": "standard"})
 }
 
 fn stop_reason(r: &Reply) -> &'static str {

@@ -3,10 +3,12 @@
 //! The lock is never held across an `.await`; answers are written after it.
 
 use crate::bucket::{Bucket, ChargeMode};
+use crate::cache::{Lookup, PromptCache};
 use crate::config::MockConfig;
 use crate::duration::{ceil_ms, go_duration};
 use crate::fault::Fault;
 use crate::limits::{Charge, Level, Limit, RateLimits, Refused, Snapshot};
+use crate::prefix;
 use crate::script::{self, Script};
 use crate::shape::{self, HeaderStyle, LimitsMode};
 use crate::stats::{BucketView, Buckets, KeptBody, LogEntry, Stats};
@@ -105,7 +107,7 @@ impl MockServer {
     }
 
     /// Zeroes the counters and logs, refills the buckets, forgets queued
-    /// faults and re-seeds the dice (as `POST /_mock/reset`).
+    /// faults and cached prompts, and re-seeds the dice (as `POST /_mock/reset`).
     pub fn reset(&self) {
         self.shared.reset();
     }
@@ -228,6 +230,8 @@ struct State {
     log: VecDeque<LogEntry>,
     bodies: VecDeque<KeptBody>,
     faults: VecDeque<Fault>,
+    /// The stored prompt prefixes (`--cache`); emptied by a reset.
+    cache: PromptCache,
 }
 
 /// An admitted request, on its way to be answered.
@@ -298,7 +302,13 @@ impl ServerState {
     async fn handle(self: Arc<Self>, api: Api, headers: &HeaderMap, raw: Bytes) -> Response {
         let (body, parsed) = match serde_json::from_slice::<Value>(&raw) {
             Ok(body) => {
-                let parsed = wire::parse(api, &body);
+                // The prefixes are read here, outside the lock, and only when they are used.
+                let parsed = wire::parse(api, &body).map(|mut request| {
+                    if self.cfg.cache {
+                        request.prefix = prefix::read(api, &body);
+                    }
+                    request
+                });
                 (body, parsed)
             }
             Err(e) => (
@@ -354,10 +364,13 @@ impl ServerState {
             input_tokens: 0,
             tool_outputs: 0,
             charged: 0,
+            charged_input: 0,
+            cache_read_tokens: 0,
+            cache_write_tokens: 0,
             refunded: 0,
             refunded_at_us: None,
         };
-        let request = match parsed {
+        let mut request = match parsed {
             Ok(request) => request,
             Err(msg) => {
                 let body = error_body("invalid_request_error", None, &msg);
@@ -369,6 +382,14 @@ impl ServerState {
         entry.stream = request.stream;
         entry.input_tokens = prompt.input_tokens;
         entry.tool_outputs = prompt.tool_outputs;
+
+        // A prompt longer than the model's window is an invalid request, refused
+        // like a bad body: before the faults, the dice and the buckets.
+        if let Some(window) = cfg.context_window.filter(|w| prompt.input_tokens > *w) {
+            let body = context_length_body(api, window, prompt.input_tokens);
+            let code = Some("context_length_exceeded");
+            return Err(self.refuse(&mut st, entry, StatusCode::BAD_REQUEST, code, body, None));
+        }
 
         let fault = st.faults.pop_front();
         // Three draws per request whatever happens, so the n-th request's
@@ -419,7 +440,16 @@ impl ServerState {
         }
 
         let max_out = prompt.max_output_tokens.unwrap_or_else(|| cfg.default_max_output());
-        let charge = Charge { input: prompt.input_tokens, output: max_out };
+        // The cache is consulted before the buckets, since Anthropic does not
+        // charge its reads to the input limit (OpenAI charges them in full);
+        // it is written only once the request is admitted.
+        let lookup =
+            if cfg.cache { st.cache.lookup(now, &request.prefix, cfg.cache_rules()) } else { Lookup::default() };
+        let input = match api {
+            Api::Messages => prompt.input_tokens.saturating_sub(lookup.usage.read),
+            Api::Responses | Api::Chat => prompt.input_tokens,
+        };
+        let charge = Charge { input, output: max_out };
 
         if let Some(Fault::RateLimited { retry_after_ms }) = fault {
             let tokens = st.snapshot().map(|snap| snap.tokens).unwrap_or_default();
@@ -471,12 +501,18 @@ impl ServerState {
         }
 
         st.admitted += 1;
+        let cache = st.cache.commit(now, lookup);
         st.stats.tokens_charged += charge.total();
         st.stats.input_tokens_admitted += charge.input;
+        st.stats.cache_read_tokens += cache.read;
+        st.stats.cache_write_tokens += cache.write;
         st.stats.ok += 1;
         *st.stats.by_status.entry(200).or_default() += 1;
         entry.status = 200;
         entry.charged = charge.total();
+        entry.charged_input = charge.input;
+        entry.cache_read_tokens = cache.read;
+        entry.cache_write_tokens = cache.write;
         self.push_log(&mut st, entry);
         let snapshot = st.snapshot();
         let rate_headers = self.rate_headers(snapshot.as_ref());
@@ -498,6 +534,7 @@ impl ServerState {
             _ => cfg.stall,
         };
         drop(st);
+        request.cache = cache;
         Ok(Admission { seq, request, body, max_out, rate_headers, midstream, stall })
     }
 
@@ -732,6 +769,7 @@ impl State {
             log: VecDeque::new(),
             bodies: VecDeque::new(),
             faults: VecDeque::new(),
+            cache: PromptCache::default(),
         }
     }
 
@@ -772,12 +810,232 @@ fn insert(headers: &mut HeaderMap, name: &str, value: String) {
     }
 }
 
+/// The provider's own 400 for a prompt longer than the context window
+/// (`refuse` puts Anthropic's in its shape; its message names both numbers).
+fn context_length_body(api: Api, window: u64, tokens: u64) -> Value {
+    let (param, message) = match api {
+        Api::Chat => (
+            Some("messages"),
+            format!(
+                "This model's maximum context length is {window} tokens. However, your messages resulted in {tokens} tokens. Please reduce the length of the messages."
+            ),
+        ),
+        // The Responses API names no numbers.
+        Api::Responses => (
+            Some("input"),
+            "Your input exceeds the context window of this model. Please adjust your input and try again.".to_string(),
+        ),
+        Api::Messages => (None, format!("prompt is too long: {tokens} tokens > {window} maximum")),
+    };
+    let mut body = error_body("invalid_request_error", Some("context_length_exceeded"), &message);
+    body["error"]["param"] = json!(param);
+    body
+}
+
 fn server_error_body(status: StatusCode) -> Value {
     match status.as_u16() {
         503 => error_body("server_error", None, "The engine is currently overloaded, please try again later."),
         529 => error_body("overloaded_error", Some("overloaded"), "Overloaded"),
         _ => {
             error_body("server_error", None, "The server had an error while processing your request. Sorry about that!")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Caching and the context window through the whole admission and answer,
+    //! without a socket: `handle` is what the routes call.
+    use super::*;
+
+    fn state(cfg: MockConfig) -> Arc<ServerState> {
+        Arc::new(ServerState::new(MockConfig { bucket: crate::BucketMode::Window, ..cfg }))
+    }
+
+    /// The status and the body: the JSON, or a stream's `data:` lines as JSON.
+    async fn call(shared: &Arc<ServerState>, api: Api, body: &Value) -> (u16, Vec<Value>) {
+        let resp = shared.clone().handle(api, &HeaderMap::new(), Bytes::from(body.to_string())).await;
+        let status = resp.status().as_u16();
+        let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX).await.unwrap();
+        let text = String::from_utf8(bytes.to_vec()).unwrap();
+        let values = if body["stream"] == json!(true) {
+            text.lines()
+                .filter_map(|l| l.strip_prefix("data: "))
+                .filter(|d| *d != "[DONE]")
+                .map(|d| serde_json::from_str(d).unwrap())
+                .collect()
+        } else {
+            vec![serde_json::from_str(&text).unwrap()]
+        };
+        (status, values)
+    }
+
+    fn text(n: usize) -> String {
+        "x".repeat(n)
+    }
+
+    fn anthropic_usage(u: &Value) -> (u64, u64, u64) {
+        let n = |k: &str| u[k].as_u64().unwrap_or_else(|| panic!("no {k} in {u}"));
+        (n("input_tokens"), n("cache_creation_input_tokens"), n("cache_read_input_tokens"))
+    }
+
+    #[tokio::test]
+    async fn anthropic_cache_reads_are_not_charged_to_the_input_bucket() {
+        let shared = state(MockConfig {
+            cache: true,
+            headers: HeaderStyle::Anthropic,
+            itpm: Some(100_000),
+            ..MockConfig::default()
+        });
+        // A marked system block: "text" + 6 000 + "ephemeral" = 6 013 chars, 1 504
+        // tokens; then "user" + "what now?": 6 026 chars, 1 507 tokens in all.
+        let body = json!({"model": "claude", "max_tokens": 10,
+            "system": [{"type": "text", "text": text(6000), "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": "what now?"}]});
+        let (status, first) = call(&shared, Api::Messages, &body).await;
+        assert_eq!(status, 200);
+        assert_eq!(anthropic_usage(&first[0]["usage"]), (3, 1504, 0), "the system is written");
+        let (_, second) = call(&shared, Api::Messages, &body).await;
+        assert_eq!(anthropic_usage(&second[0]["usage"]), (3, 0, 1504), "and read");
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        let (_, frames) = call(&shared, Api::Messages, &streamed).await;
+        assert_eq!(frames[0]["type"], "message_start");
+        assert_eq!(anthropic_usage(&frames[0]["message"]["usage"]), (3, 0, 1504));
+
+        let stats = shared.stats(true);
+        let charged: Vec<(u64, u64, u64)> =
+            stats.log.iter().map(|e| (e.charged_input, e.cache_read_tokens, e.cache_write_tokens)).collect();
+        assert_eq!(charged, [(1507, 0, 1504), (3, 1504, 0), (3, 1504, 0)]);
+        assert_eq!(stats.input_tokens_admitted, 1507 + 3 + 3);
+        assert_eq!((stats.cache_read_tokens, stats.cache_write_tokens), (3008, 1504));
+        assert_eq!(stats.buckets.input.unwrap().remaining, 100_000 - 1513, "reads cost the input bucket nothing");
+        assert!(stats.log.iter().all(|e| e.input_tokens == 1507), "the input counted is still the whole prompt");
+    }
+
+    #[tokio::test]
+    async fn without_cache_nothing_is_cached() {
+        let shared = state(MockConfig { headers: HeaderStyle::Anthropic, ..MockConfig::default() });
+        let body = json!({"model": "claude", "max_tokens": 10,
+            "system": [{"type": "text", "text": text(6000), "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": "what now?"}]});
+        for _ in 0..2 {
+            let (_, answer) = call(&shared, Api::Messages, &body).await;
+            assert_eq!(anthropic_usage(&answer[0]["usage"]), (1507, 0, 0));
+        }
+        let openai = state(MockConfig::default());
+        let body = json!({"model": "gpt", "instructions": text(6000), "input": "hi", "prompt_cache_key": "k"});
+        for _ in 0..2 {
+            let (_, answer) = call(&openai, Api::Responses, &body).await;
+            assert_eq!(answer[0]["usage"]["input_tokens_details"]["cached_tokens"], 0);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_marker_moved_to_the_newest_block_still_reads_the_older_prefix() {
+        let shared = state(MockConfig { cache: true, headers: HeaderStyle::Anthropic, ..MockConfig::default() });
+        let marked = json!({"type": "ephemeral"});
+        let turn1 = json!({"model": "claude", "max_tokens": 10, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": text(6000), "cache_control": marked}]}]});
+        let (_, first) = call(&shared, Api::Messages, &turn1).await;
+        // "user" + "text" + 6 000 + "ephemeral" = 6 017 chars.
+        assert_eq!(anthropic_usage(&first[0]["usage"]), (0, 1505, 0));
+        // The marker moves on: the first block, unmarked, is still the same prefix.
+        let turn2 = json!({"model": "claude", "max_tokens": 10, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": text(6000)}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "ok"}]},
+            {"role": "user", "content": [{"type": "text", "text": text(400), "cache_control": marked}]}]});
+        let (_, second) = call(&shared, Api::Messages, &turn2).await;
+        // 6 008 chars (1 502 tokens) read; the rest up to the marker written.
+        let total = 6008 + "assistanttextok".len() + "usertext".len() + 400 + "ephemeral".len();
+        let total = total.div_ceil(4) as u64;
+        assert_eq!(anthropic_usage(&second[0]["usage"]), (0, total - 1502, 1502));
+    }
+
+    #[tokio::test]
+    async fn more_than_four_markers_is_a_400() {
+        let shared = state(MockConfig { cache: true, headers: HeaderStyle::Anthropic, ..MockConfig::default() });
+        let block = json!({"type": "text", "text": "t", "cache_control": {"type": "ephemeral"}});
+        let body = json!({"model": "claude", "max_tokens": 10, "system": [block, block, block],
+            "messages": [{"role": "user", "content": [block, block]}]});
+        let (status, answer) = call(&shared, Api::Messages, &body).await;
+        assert_eq!(status, 400);
+        assert_eq!(answer[0]["error"]["type"], "invalid_request_error");
+        assert_eq!(answer[0]["error"]["message"], "A maximum of 4 blocks with cache_control may be provided. Found 5.");
+    }
+
+    #[tokio::test]
+    async fn openai_cache_reads_are_charged_in_full() {
+        let max_out = 10;
+        let shared = state(MockConfig { cache: true, tpm: 100_000, ..MockConfig::default() });
+        // 5 000 + 5 chars = 1 252 tokens: steps of 1 024 and 1 152.
+        let body = json!({"model": "gpt", "instructions": text(5000), "input": "hello",
+                          "max_output_tokens": max_out, "prompt_cache_key": "run-1"});
+        let cached = |v: &Value| v["usage"]["input_tokens_details"]["cached_tokens"].as_u64().unwrap();
+        let (_, first) = call(&shared, Api::Responses, &body).await;
+        assert_eq!((first[0]["usage"]["input_tokens"].as_u64(), cached(&first[0])), (Some(1252), 0));
+        let (_, second) = call(&shared, Api::Responses, &body).await;
+        assert_eq!((second[0]["usage"]["input_tokens"].as_u64(), cached(&second[0])), (Some(1252), 1152));
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        let (_, frames) = call(&shared, Api::Responses, &streamed).await;
+        assert_eq!(cached(&frames.last().unwrap()["response"]), 1152, "the streamed final usage too");
+        let mut other_key = body.clone();
+        other_key["prompt_cache_key"] = json!("run-2");
+        assert_eq!(cached(&call(&shared, Api::Responses, &other_key).await.1[0]), 0, "another key, another partition");
+
+        let stats = shared.stats(true);
+        assert!(stats.log.iter().all(|e| e.charged_input == 1252), "cached or not, the whole input is charged");
+        assert_eq!(stats.cache_read_tokens, 2 * 1152);
+        assert_eq!(stats.cache_write_tokens, 0);
+
+        // Chat, streamed with its usage chunk.
+        let chat = json!({"model": "gpt", "max_tokens": max_out, "stream": true,
+            "stream_options": {"include_usage": true},
+            "messages": [{"role": "system", "content": text(5000)}, {"role": "user", "content": "hello"}]});
+        call(&shared, Api::Chat, &chat).await;
+        let (_, frames) = call(&shared, Api::Chat, &chat).await;
+        let usage = &frames.last().unwrap()["usage"];
+        assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 1152);
+        assert_eq!(usage["prompt_tokens"], 1254, "system + 5 000 + user + hello = 5 015 chars");
+    }
+
+    #[tokio::test]
+    async fn a_prompt_over_the_context_window_is_the_providers_400() {
+        let window = 100;
+        let long = text(404 * 4);
+        let cases = [
+            (
+                Api::Chat,
+                json!({"model": "gpt", "messages": [{"role": "user", "content": long}]}),
+                json!({"error": {"message": "This model's maximum context length is 100 tokens. However, your messages resulted in 405 tokens. Please reduce the length of the messages.",
+                       "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}}),
+            ),
+            (
+                Api::Responses,
+                json!({"model": "gpt", "input": long}),
+                json!({"error": {"message": "Your input exceeds the context window of this model. Please adjust your input and try again.",
+                       "type": "invalid_request_error", "param": "input", "code": "context_length_exceeded"}}),
+            ),
+            (
+                Api::Messages,
+                json!({"model": "claude", "max_tokens": 10, "messages": [{"role": "user", "content": long}]}),
+                json!({"type": "error", "error": {"type": "invalid_request_error",
+                       "message": "prompt is too long: 405 tokens > 100 maximum"}, "request_id": "req_mock"}),
+            ),
+        ];
+        for (api, body, expected) in cases {
+            let shared = state(MockConfig { context_window: Some(window), ..MockConfig::default() });
+            let (status, answer) = call(&shared, api, &body).await;
+            assert_eq!((status, &answer[0]), (400, &expected), "{api:?}");
+            let stats = shared.stats(true);
+            assert_eq!((stats.tokens_charged, stats.ok), (0, 0), "{api:?}: not admitted");
+            assert_eq!(stats.buckets.tokens.remaining, stats.buckets.tokens.limit, "{api:?}: nothing charged");
+            let entry = &stats.log[0];
+            assert_eq!((entry.status, entry.code.as_deref()), (400, Some("context_length_exceeded")));
+            // Within the window, the same request is admitted.
+            let roomy = state(MockConfig { context_window: Some(405), ..MockConfig::default() });
+            assert_eq!(call(&roomy, api, &body).await.0, 200, "{api:?}");
         }
     }
 }

@@ -28,7 +28,8 @@ pub struct Stats {
     /// Streams that stalled.
     pub stalls: u64,
     /// Tokens charged at admission (input + output limit; with split input
-    /// and output buckets, both together). Under `--limits none` nothing is
+    /// and output buckets, both together; Anthropic's cache reads are not
+    /// charged). Under `--limits none` nothing is
     /// enforced, but the counts still say what the requests would have cost.
     pub tokens_charged: u64,
     /// Unused output tokens given back after the answer.
@@ -43,6 +44,14 @@ pub struct Stats {
     /// refunded): what the output bucket let through, when there is one.
     #[serde(default)]
     pub output_tokens_admitted: u64,
+    /// Input tokens the admitted requests read from the prompt cache
+    /// (Anthropic `cache_read_input_tokens`, OpenAI `cached_tokens`; `--cache`).
+    #[serde(default)]
+    pub cache_read_tokens: u64,
+    /// Input tokens the admitted requests wrote to the prompt cache
+    /// (Anthropic `cache_creation_input_tokens`; OpenAI reports none).
+    #[serde(default)]
+    pub cache_write_tokens: u64,
     /// The largest overdraft any bucket ever reached, from its level; 0 unless admission is broken.
     pub largest_overdraft: u64,
     /// The buckets now.
@@ -121,6 +130,16 @@ pub struct LogEntry {
     pub tool_outputs: usize,
     /// Tokens charged at admission (0 when not admitted).
     pub charged: u64,
+    /// The input part of `charged`: the input tokens, less what Anthropic
+    /// read from the prompt cache (which its input bucket does not count).
+    #[serde(default)]
+    pub charged_input: u64,
+    /// Input tokens read from the prompt cache (when admitted).
+    #[serde(default)]
+    pub cache_read_tokens: u64,
+    /// Input tokens written to the prompt cache (Anthropic; when admitted).
+    #[serde(default)]
+    pub cache_write_tokens: u64,
     /// Tokens given back after the answer.
     pub refunded: u64,
     /// When they were given back (microseconds since start), once the answer is done.

@@ -3,6 +3,8 @@
 //! client reads (Responses events with `sequence_number`; chat chunks ending
 //! in `data: [DONE]`; Anthropic's Messages events, in `messages.rs`).
 
+use crate::cache::CacheUsage;
+use crate::prefix::Prefix;
 use crate::script::{count_tokens, deltas, fnv1a, Answer, Prompt, Tool};
 use serde_json::{json, Value};
 
@@ -35,10 +37,12 @@ pub struct Request {
     /// Reasoning tokens the answer reports (Responses `reasoning.effort`,
     /// chat `reasoning_effort`): part of the output, as with OpenAI.
     pub reasoning_tokens: u64,
-    /// Input tokens the answer reports as read from the prompt cache: half
-    /// the input when the request names a `prompt_cache_key` (a stand-in for
-    /// a cache that holds the conversation's earlier part), else none.
-    pub cached_tokens: u64,
+    /// The prompt's cacheable prefixes: read by the server only under
+    /// `--cache` (see `prefix::read`), else [`Prefix::None`].
+    pub prefix: Prefix,
+    /// What the prompt cache read and wrote for it, decided at admission
+    /// (nothing without `--cache`).
+    pub cache: CacheUsage,
 }
 
 /// The reasoning tokens the mock reports for an effort.
@@ -86,7 +90,6 @@ pub fn parse(api: Api, body: &Value) -> Result<Request, String> {
         _ => obj.get("reasoning").and_then(|r| r.get("effort")),
     };
     let reasoning = reasoning_tokens(effort.and_then(Value::as_str));
-    let cache = obj.get("prompt_cache_key").is_some_and(Value::is_string);
     let (text_chars, tool_outputs, fingerprint, max_output_tokens, include_usage) = match api {
         Api::Responses => {
             let input = obj.get("input").ok_or("Missing required parameter: 'input'.")?;
@@ -150,7 +153,8 @@ pub fn parse(api: Api, body: &Value) -> Result<Request, String> {
         include_usage,
         thinking: false,
         reasoning_tokens: reasoning,
-        cached_tokens: if cache { input_tokens / 2 } else { 0 },
+        prefix: Prefix::None,
+        cache: CacheUsage::default(),
     })
 }
 
@@ -272,7 +276,7 @@ impl Reply<'_> {
 fn responses_usage(r: &Reply) -> Value {
     json!({
         "input_tokens": r.input_tokens(),
-        "input_tokens_details": {"cached_tokens": r.request.cached_tokens},
+        "input_tokens_details": {"cached_tokens": r.request.cache.read},
         "output_tokens": r.output_tokens(),
         "output_tokens_details": {"reasoning_tokens": r.request.reasoning_tokens},
         "total_tokens": r.input_tokens() + r.output_tokens(),
@@ -428,7 +432,7 @@ fn chat_usage(r: &Reply) -> Value {
         "prompt_tokens": r.input_tokens(),
         "completion_tokens": r.output_tokens(),
         "total_tokens": r.input_tokens() + r.output_tokens(),
-        "prompt_tokens_details": {"cached_tokens": r.request.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": r.request.cache.read},
         "completion_tokens_details": {"reasoning_tokens": r.request.reasoning_tokens},
     })
 }

@@ -145,8 +145,8 @@ fn ledger(stats: &Stats, part: Part) -> Vec<(u64, i128)> {
     for e in stats.log.iter().filter(|e| e.status == 200) {
         let (taken, refunded) = match part {
             Part::Tokens => (e.charged, e.refunded),
-            Part::Input => (e.input_tokens, 0),
-            Part::Output => (e.charged - e.input_tokens, e.refunded),
+            Part::Input => (e.charged_input, 0),
+            Part::Output => (e.charged - e.charged_input, e.refunded),
             Part::Requests => (1, 0),
         };
         ledger.push((e.at_us, taken as i128));
@@ -572,8 +572,8 @@ fn assert_the_crowd_was_served_honestly(stats: &Stats, label: &str) {
     assert_eq!(stats.requests, stats.ok + stats.rate_limited, "{label}");
     // The counters agree with the log they summarise.
     let admitted: Vec<_> = stats.log.iter().filter(|e| e.status == 200).collect();
-    let input: u64 = admitted.iter().map(|e| e.input_tokens).sum();
-    let output: u64 = admitted.iter().map(|e| e.charged - e.input_tokens - e.refunded).sum();
+    let input: u64 = admitted.iter().map(|e| e.charged_input).sum();
+    let output: u64 = admitted.iter().map(|e| e.charged - e.charged_input - e.refunded).sum();
     assert_eq!((stats.input_tokens_admitted, stats.output_tokens_admitted), (input, output), "{label}");
     assert_eq!(stats.tokens_admitted, input + output, "{label}");
 }
@@ -1267,6 +1267,94 @@ async fn injected_faults_hit_the_next_requests_in_order() {
     assert_eq!(post_json(&server, "/responses", &body).await.0, 200);
 }
 
+// ------------------------------------------------------------------ prompt cache
+
+/// Anthropic's usage as `(input_tokens, cache_creation_input_tokens, cache_read_input_tokens)`.
+fn cache_usage(usage: &Value) -> (u64, u64, u64) {
+    let n = |k: &str| usage[k].as_u64().unwrap_or_else(|| panic!("no {k} in {usage}"));
+    (n("input_tokens"), n("cache_creation_input_tokens"), n("cache_read_input_tokens"))
+}
+
+/// A client that caches like paceline: a breakpoint on the system prompt and
+/// one on the newest block, moved forward each turn. Each turn reads what the
+/// turn before wrote and writes only what it adds; reads cost the input
+/// bucket nothing.
+#[tokio::test]
+async fn an_anthropic_conversation_reads_each_turn_what_the_last_one_wrote() {
+    let itpm = 100_000;
+    let server = start(MockConfig {
+        cache: true,
+        headers: HeaderStyle::Anthropic,
+        itpm: Some(itpm),
+        bucket: BucketMode::Window,
+        tool_rounds: 2,
+        ..MockConfig::default()
+    })
+    .await;
+    let marker = json!({"type": "ephemeral"});
+    let system = json!([{"type": "text", "text": "You answer questions. ".repeat(250), "cache_control": marker}]);
+    let tools = json!([{"name": "search", "description": "look something up",
+                        "input_schema": {"type": "object", "properties": {"query": {"type": "string"}}}}]);
+    let mut messages =
+        vec![json!({"role": "user", "content": [{"type": "text", "text": "What is new?", "cache_control": marker}]})];
+    let body = |messages: &[Value]| {
+        let mut body = json!({"model": "claude-test", "max_tokens": 100, "system": system, "tools": tools});
+        body["messages"] = json!(messages);
+        body
+    };
+
+    let mut turns = Vec::new();
+    for turn in 1..=3 {
+        let (status, _, answer) = post_json(&server, "/messages", &body(&messages)).await;
+        assert_eq!(status, 200, "turn {turn}: {answer}");
+        turns.push(cache_usage(&answer["usage"]));
+        if turn == 3 {
+            break;
+        }
+        // The next turn: the answer's tool call and its result, which takes the
+        // newest-block marker from the block before it.
+        let call = answer["content"].as_array().unwrap().iter().find(|b| b["type"] == "tool_use").unwrap().clone();
+        let newest = messages.last_mut().unwrap()["content"].as_array_mut().unwrap().last_mut().unwrap();
+        newest.as_object_mut().unwrap().remove("cache_control");
+        messages.push(json!({"role": "assistant", "content": [call.clone()]}));
+        messages.push(json!({"role": "user", "content": [{"type": "tool_result", "tool_use_id": call["id"],
+            "content": format!("result {turn}: ").repeat(40), "cache_control": marker}]}));
+    }
+
+    let stats = server.stats();
+    let totals: Vec<u64> = stats.log.iter().map(|e| e.input_tokens).collect();
+    for (i, &(input, write, read)) in turns.iter().enumerate() {
+        // The last block is marked: nothing after it, and the three parts are the prompt.
+        assert_eq!(input, 0, "turn {}", i + 1);
+        assert_eq!(read + write, totals[i], "turn {}", i + 1);
+    }
+    assert_eq!(turns[0].2, 0, "the first turn reads nothing");
+    assert!(turns[0].1 >= 1024, "and writes its whole prompt: {:?}", turns[0]);
+    for i in 1..3 {
+        // A turn reads the prompt the turn before wrote, up to the block that
+        // lost its marker (its 9 characters of "ephemeral", up to 3 tokens).
+        let (read, before) = (turns[i].2, totals[i - 1]);
+        assert!(read <= before && read + 3 >= before, "turn {}: read {read} of the {before} written", i + 1);
+        assert!(turns[i].1 < 200, "turn {} writes only what it adds: {:?}", i + 1, turns[i]);
+    }
+
+    // The same turn again (a retry) reads it all and writes nothing, in the stream too.
+    let mut retry = body(&messages);
+    retry["stream"] = json!(true);
+    let frames = read_sse(post(&server, "/messages", &retry).await).await;
+    assert_eq!(frames[0].event.as_deref(), Some("message_start"));
+    assert_eq!(cache_usage(&frames[0].json()["message"]["usage"]), (0, 0, totals[2]));
+
+    let stats = server.stats();
+    let reads: u64 = turns.iter().map(|t| t.2).sum::<u64>() + totals[2];
+    let writes: u64 = turns.iter().map(|t| t.1).sum();
+    assert_eq!((stats.cache_read_tokens, stats.cache_write_tokens), (reads, writes));
+    // The input bucket was charged the writes (and no uncached input): not the reads.
+    assert_eq!(stats.input_tokens_admitted, writes);
+    assert_eq!(stats.buckets.input.as_ref().unwrap().remaining, itpm - writes);
+    server.shutdown().await;
+}
+
 // ------------------------------------------------------------------ stats
 
 #[tokio::test]
@@ -1333,6 +1421,10 @@ async fn the_subcommand_lists_its_knobs_serves_and_stops_on_sigterm() {
         "--seed",
         "--midstream-error-rate",
         "--keep-bodies",
+        "--cache",
+        "--cache-min-tokens",
+        "--cache-ttl-s",
+        "--context-window",
     ] {
         assert!(help.contains(flag), "--help lacks {flag}:\n{help}");
     }
