@@ -7,7 +7,10 @@
 //! 1. stops that no wait can cure, whatever the status: `insufficient_quota`
 //!    ([`FailureKind::Quota`]), a spend or billing hard limit
 //!    ([`FailureKind::SpendLimit`]), a request larger than the whole limit
-//!    ([`FailureKind::RequestTooLarge`]). Each costs exactly one request;
+//!    ([`FailureKind::RequestTooLarge`]). Each costs exactly one request; an
+//!    input longer than the model's context window
+//!    ([`FailureKind::ContextOverflow`]), which the worker trims by its excess
+//!    ([`context_excess`]) and sends once more, never again;
 //! 2. rate limits: HTTP 429, a rate-limit code, or rate-limit wording in the
 //!    text ([`FailureKind::RateLimited`]);
 //! 3. transient failures: timeouts, connection resets, 408, 409, 5xx, 529
@@ -35,6 +38,10 @@ pub enum FailureKind {
     RequestTooLarge,
     /// A spend limit or billing hard limit was reached. Never retried.
     SpendLimit,
+    /// The input does not fit the model's context window (OpenAI's
+    /// `context_length_exceeded`, Anthropic's "prompt is too long"). Not
+    /// retried as it was: the worker trims it and sends it once more.
+    ContextOverflow,
     /// A server-side or network failure (408, 409, 5xx, 529, timeouts,
     /// connection resets): retried on the same ladder as rate limits.
     Transient,
@@ -146,6 +153,40 @@ static TRY_AGAIN: LazyLock<Regex> = LazyLock::new(|| {
     .expect("valid regex")
 });
 
+/// Context-window wording: OpenAI's Chat Completions ("This model's maximum
+/// context length is N tokens. However, your messages resulted in M
+/// tokens"), Responses ("Your input exceeds the context window of this
+/// model"), Anthropic ("prompt is too long: M tokens > N maximum"), and the
+/// servers that copy them (vLLM: "… maximum context length is N tokens.
+/// However, you requested M tokens …").
+static CONTEXT_TEXT: LazyLock<Regex> = LazyLock::new(|| {
+    Regex::new(
+        r"(?i)\bmaximum\s+context\s+length\s+is\b|\bprompt\s+is\s+too\s+long\b|\bexceeds\s+the\s+context\s+window\b|\bcontext[\s_]length[\s_]exceeded\b|\binput\s+is\s+too\s+long\s+for\s+(?:the\s+)?requested\s+model\b",
+    )
+    .expect("valid regex")
+});
+
+/// The two numbers of a context-length message: "maximum context length is N
+/// tokens … resulted in / requested M tokens", or "M tokens > N maximum".
+static CONTEXT_NUMBERS: LazyLock<Regex> = LazyLock::new(|| {
+    const NUM: &str = r"(\d{1,3}(?:,\d{3})+|\d+)";
+    Regex::new(&format!(
+        r"(?is)maximum\s+context\s+length\s+is\s+{NUM}\s+tokens.*?(?:resulted\s+in|requested)\s+{NUM}\s+tokens|{NUM}\s+tokens\s*>\s*{NUM}\s+maximum"
+    ))
+    .expect("valid regex")
+});
+
+/// What a context-length error says of the refused input, when it says:
+/// the provider's count of it and the window it did not fit, in that order.
+pub fn context_excess(message: &str) -> Option<(u64, u64)> {
+    let caps = CONTEXT_NUMBERS.captures(message)?;
+    let num = |i: usize| caps.get(i).and_then(|m| m.as_str().replace(',', "").parse::<u64>().ok());
+    match (num(1), num(2)) {
+        (Some(limit), Some(counted)) => Some((counted, limit)),
+        _ => Some((num(3)?, num(4)?)),
+    }
+}
+
 /// Codes and types that name a rate limit outright.
 const RATE_LIMIT_CODES: &[&str] =
     &["rate_limit_exceeded", "rate_limit_error", "too_many_requests", "resource_exhausted"];
@@ -180,6 +221,9 @@ pub fn classify(call: &FailedCall<'_>) -> FailureKind {
         || too_large(text).is_some_and(|(limit, requested)| requested > limit)
     {
         return FailureKind::RequestTooLarge;
+    }
+    if code_is(&["context_length_exceeded"]) || CONTEXT_TEXT.is_match(text) {
+        return FailureKind::ContextOverflow;
     }
 
     // 2. Rate limits. Wording counts whatever the status: an error event inside
@@ -328,6 +372,36 @@ mod tests {
     }
 
     #[test]
+    fn a_context_window_overflow_is_its_own_kind_and_says_by_how_much() {
+        let chat = "This model's maximum context length is 128000 tokens. However, your messages resulted in 130,512 tokens. Please reduce the length of the messages.";
+        let anthropic = "prompt is too long: 210000 tokens > 200000 maximum";
+        let vllm = "This model's maximum context length is 4096 tokens. However, you requested 5000 tokens (4900 in the messages, 100 in the completion). Please reduce the length of the messages or completion.";
+        let responses = "Your input exceeds the context window of this model. Please adjust your input and try again.";
+        let cases: &[(FailedCall<'_>, Option<(u64, u64)>)] = &[
+            (call(Some(400), Some("context_length_exceeded"), chat), Some((130_512, 128_000))),
+            (
+                FailedCall {
+                    status: Some(400),
+                    error_type: Some("invalid_request_error"),
+                    message: anthropic,
+                    ..Default::default()
+                },
+                Some((210_000, 200_000)),
+            ),
+            (call(Some(400), None, vllm), Some((5_000, 4_096))),
+            (call(Some(400), Some("context_length_exceeded"), responses), None),
+            (call(Some(200), Some("context_length_exceeded"), ""), None),
+        ];
+        for (c, excess) in cases {
+            assert_eq!(classify(c), ContextOverflow, "{c:?}");
+            assert!(!ContextOverflow.is_retryable(), "not on the ladder: the worker trims it once");
+            assert_eq!(context_excess(c.message), *excess, "{}", c.message);
+        }
+        // A rate limit's "Request too large" is not about the window.
+        assert_eq!(context_excess("Limit 30000, Requested 45000"), None);
+    }
+
+    #[test]
     fn transient_failures() {
         let cases: &[FailedCall<'_>] = &[
             call(Some(408), None, "Request Timeout"),
@@ -361,7 +435,6 @@ mod tests {
     #[test]
     fn terminal_failures() {
         let cases: &[FailedCall<'_>] = &[
-            call(Some(400), Some("context_length_exceeded"), "This model's maximum context length is 128000 tokens."),
             call(Some(401), Some("invalid_api_key"), "Incorrect API key provided"),
             call(Some(403), None, "Forbidden"),
             call(Some(404), Some("model_not_found"), "The model does not exist"),

@@ -36,7 +36,7 @@ pub mod state;
 
 pub use backoff::{next_retry, server_delay, DelaySource, GiveUp, RetryDecision, RetryPolicy};
 pub use bucket::Observation;
-pub use classify::{classify, FailedCall, FailureKind, Transport};
+pub use classify::{classify, context_excess, FailedCall, FailureKind, Transport};
 pub use headers::HeaderSnapshot;
 pub use model::{Ask, CallOutcome, Decision, Estimate, Mode, OwedReason, PacerState, PacingConfig, Who};
 

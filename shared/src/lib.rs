@@ -10,6 +10,7 @@
 pub mod clock;
 pub mod config;
 pub mod keys;
+pub mod models;
 pub mod pacer;
 pub mod providers;
 pub mod queue;

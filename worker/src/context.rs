@@ -211,9 +211,10 @@ pub fn history_step(max_turns: usize) -> usize {
     (max_turns / 3).max(1)
 }
 
-/// [`bound_history`] whose window starts only at every `step`-th turn: it
-/// keeps between `max_turns - step + 1` and `max_turns` turns after the task
-/// once there are more, and moves `step` turns at a time.
+/// [`bound_history`] whose window starts only at turn numbers k × `step` + 1:
+/// with turns numbered one after another it keeps between `max_turns - step
+/// + 1` and `max_turns` turns after the task once there are more, and moves
+/// `step` turns at a time.
 pub fn bound_history_in_steps(entries: &[TranscriptEntry], max_turns: usize, step: usize) -> Vec<TranscriptEntry> {
     // 1. The window.
     let turns: Vec<u32> =
@@ -222,10 +223,14 @@ pub fn bound_history_in_steps(entries: &[TranscriptEntry], max_turns: usize, ste
         _ if max_turns == 0 => u32::MAX,
         // Within the depth: every turn.
         None | Some(0) => turns.first().copied().unwrap_or(u32::MAX),
-        // The first turn kept, at a multiple of `step` (never fewer than one turn).
+        // The first turn kept: the sliding window's first, moved on to the
+        // next turn number of the form k × step + 1 (turn numbers, not
+        // positions: a transcript read from the window's start gives the
+        // same cut as the whole), never past the newest turn.
         Some(first) => {
-            let step = step.clamp(1, max_turns);
-            turns[(first.div_ceil(step) * step).min(turns.len() - 1)]
+            let step = step.clamp(1, max_turns) as u32;
+            let stepped = (turns[first] - 1).div_ceil(step) * step + 1;
+            turns.iter().copied().find(|&t| t >= stepped).unwrap_or(turns[turns.len() - 1])
         }
     };
     let mut keep: Vec<bool> = entries.iter().map(|e| e.turn == 0 || e.turn >= cutoff).collect();
@@ -294,9 +299,95 @@ pub fn bound_history_in_steps(entries: &[TranscriptEntry], max_turns: usize, ste
 /// tools answered, so there is nothing left to clip, and clipping here as well
 /// would make a second copy of the rule that could disagree with the first.
 pub fn prepare_context(entries: &[TranscriptEntry], max_history: usize) -> Vec<Value> {
+    context_entries(entries, max_history).into_iter().map(|e| e.item).collect()
+}
+
+/// [`prepare_context`] before the turn tags are dropped.
+pub fn context_entries(entries: &[TranscriptEntry], max_history: usize) -> Vec<TranscriptEntry> {
     let mut items = bound_history_in_steps(entries, max_history, history_step(max_history));
     elide_browser_outputs(&mut items);
-    items.into_iter().map(|e| e.item).collect()
+    items
+}
+
+/// The most input (our tokens) each model's window was found to hold, from
+/// the context-length errors one provider of this process answered: a window
+/// neither the run nor the built-in table gave is learned from the first such
+/// error, so later turns fit before they are sent instead of paying a 400
+/// each. One per provider ([`crate::routes::Route`]).
+#[derive(Debug, Clone, Default)]
+pub struct LearnedWindows(std::sync::Arc<std::sync::Mutex<HashMap<String, u64>>>);
+
+impl LearnedWindows {
+    /// What was learned of `model`.
+    pub fn get(&self, model: &str) -> Option<u64> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).get(model).copied()
+    }
+
+    /// Learns from a context-length error (`message`) of a call of `model`
+    /// whose input we counted at `input`: the provider's count and window,
+    /// when it names them, scale it (2 % under); when it does not, the window
+    /// is taken a tenth under what was refused. Only ever lowered. Returns
+    /// what is known now.
+    pub fn learn(&self, model: &str, input: u64, message: &str) -> u64 {
+        let fits = match shared::pacer::context_excess(message) {
+            Some((counted, limit)) if counted > limit => (input as f64 * limit as f64 / counted as f64 * 0.98) as u64,
+            _ => input / 10 * 9,
+        };
+        let mut learned = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let window = learned.entry(model.to_owned()).or_insert(fits);
+        *window = (*window).min(fits);
+        *window
+    }
+}
+
+/// What replaces a tool output trimmed to fit the model's context window.
+pub const TRIMMED_PLACEHOLDER: &str = "[An earlier tool output was removed here to fit the model's context window.]";
+
+/// Makes `items` (a context, [`context_entries`]) `excess` tokens shorter,
+/// as `tokens` counts an item, for a model whose window it overflows (SPEC
+/// §4a, `context_overflow: "trim"`): the oldest tool outputs first (each
+/// replaced by [`TRIMMED_PLACEHOLDER`]), then the oldest turns whole — never
+/// the task, never the newest turn, never a call without its output. `Err`
+/// with what is still over when nothing more can go.
+pub fn trim_to_fit(
+    mut items: Vec<TranscriptEntry>,
+    mut excess: u64,
+    tokens: impl Fn(&Value) -> u64,
+) -> Result<Vec<TranscriptEntry>, u64> {
+    let newest = items.iter().map(|e| e.turn).max().unwrap_or(0);
+    let placeholder = Value::String(TRIMMED_PLACEHOLDER.into());
+    // 1. The oldest tool outputs.
+    for e in items.iter_mut().filter(|e| e.turn != newest && is_output(&e.item)) {
+        if excess == 0 {
+            break;
+        }
+        let Some(output) = e.item.get_mut("output") else { continue };
+        let before = tokens(output);
+        let after = tokens(&placeholder);
+        if before > after {
+            *output = placeholder.clone();
+            excess = excess.saturating_sub(before - after);
+        }
+    }
+    // 2. The oldest turns, whole; a call whose output went with them goes too.
+    if excess == 0 {
+        return Ok(items);
+    }
+    let turns: BTreeSet<u32> = items.iter().map(|e| e.turn).filter(|&t| t != 0 && t != newest).collect();
+    for turn in turns {
+        if excess == 0 {
+            break;
+        }
+        let dropped: u64 = items.iter().filter(|e| e.turn == turn).map(|e| tokens(&e.item)).sum();
+        items.retain(|e| e.turn != turn);
+        excess = excess.saturating_sub(dropped);
+    }
+    let items = bound_history(&items, usize::MAX);
+    if excess == 0 {
+        Ok(items)
+    } else {
+        Err(excess)
+    }
 }
 
 #[cfg(test)]
@@ -571,6 +662,49 @@ mod tests {
         // A step of one is the sliding window.
         let v = chain(40, true);
         assert_eq!(bound_history_in_steps(&v, 24, 1), bound_history(&v, 24));
+    }
+
+    #[test]
+    fn trimming_takes_the_oldest_outputs_then_the_oldest_turns_and_never_the_task_or_the_newest() {
+        let tokens = |v: &Value| crate::estimate::item_tokens(v);
+        let mut v = vec![e(0, user("the task"))];
+        for t in 1..=6u32 {
+            let id = format!("c{t}");
+            v.push(e(t, call(&id, "search")));
+            v.push(e(t, out(&id, &format!("result {t} ").repeat(200))));
+        }
+        let whole: u64 = v.iter().map(|e| tokens(&e.item)).sum();
+        // A little over: the oldest output goes, nothing else.
+        let fit = trim_to_fit(v.clone(), 10, tokens).unwrap();
+        let outputs: Vec<&str> =
+            fit.iter().filter(|e| is_output(&e.item)).map(|e| e.item["output"].as_str().unwrap()).collect();
+        assert_eq!(outputs[0], TRIMMED_PLACEHOLDER);
+        assert!(outputs[1..].iter().all(|o| *o != TRIMMED_PLACEHOLDER));
+        assert_eq!(fit.len(), v.len(), "no turn dropped");
+        // More than all the outputs but the newest: turns go too, oldest first.
+        let fit = trim_to_fit(v.clone(), whole * 2 / 3, tokens).unwrap();
+        let left: u64 = fit.iter().map(|e| tokens(&e.item)).sum();
+        assert!(left + whole * 2 / 3 <= whole, "{left} of {whole} left");
+        assert_eq!(fit[0].item, user("the task"));
+        assert_eq!(fit.last().unwrap().item["output"].as_str().unwrap(), "result 6 ".repeat(200), "the newest intact");
+        assert_eq!(bound_history(&fit, usize::MAX), fit, "no orphan");
+        // More than everything but the task and the newest turn: it cannot fit.
+        assert!(trim_to_fit(v.clone(), whole, tokens).is_err());
+        assert_eq!(trim_to_fit(v.clone(), 0, tokens).unwrap(), v);
+    }
+
+    #[test]
+    fn a_window_is_learned_from_the_providers_error_and_only_lowered() {
+        let w = LearnedWindows::default();
+        assert_eq!(w.get("m"), None);
+        // Anthropic names both numbers: our 10 000 were its 210 000 over 200 000.
+        let fits = w.learn("m", 10_000, "prompt is too long: 210000 tokens > 200000 maximum");
+        assert_eq!(fits, 9_333);
+        // No numbers: a tenth under what was refused — higher here, so kept lower.
+        assert_eq!(w.learn("m", 12_000, "Your input exceeds the context window of this model."), 9_333);
+        assert_eq!(w.learn("m", 8_000, "Your input exceeds the context window of this model."), 7_200);
+        assert_eq!(w.get("m"), Some(7_200));
+        assert_eq!(w.get("other"), None, "per model");
     }
 
     #[test]

@@ -208,6 +208,12 @@ pub fn predicted_cache_reads(body: &Value) -> u64 {
     n
 }
 
+/// Tokens of one input item (a Responses item or a message): its text and
+/// its framing.
+pub fn item_tokens(item: &Value) -> u64 {
+    PER_ITEM_OVERHEAD + value_tokens(item)
+}
+
 /// Tokens of the text inside one item, walked recursively.
 fn value_tokens(value: &Value) -> u64 {
     match value {

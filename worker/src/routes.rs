@@ -27,6 +27,8 @@ pub struct Route {
     pub budget: String,
     /// When this process last heard its pacer owe a call time.
     pub owed: OwedLately,
+    /// The context windows its errors taught this process.
+    pub windows: crate::context::LearnedWindows,
 }
 
 /// Every provider of this worker, in order: the first is the default.
@@ -58,7 +60,14 @@ impl Routes {
             let pacer = pacer
                 .build_for(conn.clone(), redis_keys.clone(), &p.budget, p.tpm, p.rpm)
                 .with_host(shared::runs::pacer_host(redis_keys));
-            routes.push(Route { name: p.name, provider, pacer, budget: p.budget, owed: OwedLately::default() });
+            routes.push(Route {
+                name: p.name,
+                provider,
+                pacer,
+                budget: p.budget,
+                owed: OwedLately::default(),
+                windows: Default::default(),
+            });
         }
         anyhow::ensure!(!routes.is_empty(), "no provider to call");
         Ok(Self(Arc::new(routes)))

@@ -12,7 +12,7 @@ use crate::cancels::Cancel;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::context::{clip_tool_output, prepare_context};
+use crate::context::{clip_tool_output, context_entries};
 use rand::SeedableRng;
 use serde_json::{json, Value};
 use shared::pacer::{
@@ -22,8 +22,8 @@ use shared::providers::ProviderTable;
 use shared::queue::Lease;
 use shared::runs::state::event;
 use shared::runs::{
-    ApiStyle, ErrorKind, Fence, FirstAsk, ModelOutput, Next, PacedAsk, Phase, RunStore, Started, StoreError,
-    TranscriptEntry, Turn, TurnContext, TurnJob, Usage, WaitReason,
+    ApiStyle, ContextOverflow, ErrorKind, Fence, FirstAsk, ModelOutput, Next, PacedAsk, Phase, RunStore, Started,
+    StoreError, TranscriptEntry, Turn, TurnContext, TurnJob, Usage, WaitReason,
 };
 
 use crate::pacing::{reservation_id, AtStart, Clearance, SettleGuard, SETTLE_IN_COMMIT};
@@ -200,14 +200,15 @@ impl Runner {
         route: &Route,
         spec: &shared::runs::RunSpec,
         transcript: &[TranscriptEntry],
-    ) -> (Value, Option<String>, Estimate) {
-        let build = || call_body(route.provider.api_style(), spec, transcript, self.config.max_history);
+    ) -> (Built, Estimate) {
+        let learned = route.windows.get(&spec.model);
+        let build = || call_body(route.provider.api_style(), spec, transcript, self.config.max_history, learned);
         // A short body is built in place: stepping off the runtime's thread
         // costs more than building it (a thread hand-off, and the allocator's
         // pages of another thread).
-        let (body, answer_tool, input) =
-            if call_text_len(spec, transcript) > IN_PLACE_TEXT { shared::cpu_bound(build) } else { build() };
-        (body, answer_tool, call_estimate(spec, input))
+        let built = if call_text_len(spec, transcript) > IN_PLACE_TEXT { shared::cpu_bound(build) } else { build() };
+        let est = call_estimate(spec, built.input);
+        (built, est)
     }
 
     /// Builds the call, asks the pacer unless it was cleared for enough
@@ -242,19 +243,64 @@ impl Runner {
             let fence = self.store.fail(lease, job, ErrorKind::PartialOutput, message, Usage::default()).await?;
             return Ok(settled(lease, fence, TurnOutcome::Failed));
         }
-        let (body, answer_tool, est) = self.prepare_call(route, spec, &ctx.transcript);
+        let (built, est) = self.prepare_call(route, spec, &ctx.transcript);
         // One reservation id per call attempt: a budget wait keeps it (so the
         // turn finds its booking when it comes back), a retry gets a new one.
         let reservation = reservation_id(lease, job);
+        if let Some(message) = built.overflow {
+            // Never sent: a reservation the commit's ask may have made goes back.
+            self.settle_now(spec, &reservation, &CallOutcome::default()).await;
+            let fence = self.store.fail(lease, job, ErrorKind::ContextOverflow, &message, Usage::default()).await?;
+            return Ok(settled(lease, fence, TurnOutcome::Failed));
+        }
         if let Some(fence) = self.pace_call(lease, job, ctx, route, est, cleared).await? {
             return Ok(settled(lease, fence, TurnOutcome::Requeued));
         }
+        let full_input = built.full_input;
+        let mut result = self.send(route, lease, job, cancel, built.body, built.answer_tool.as_deref()).await;
+        // A provider's context-length error: the window it names (a tenth
+        // under what it refused when it names none) is learned, and the call
+        // trimmed to it is sent once more, under the same reservation (the
+        // shorter call needs less) — the one 400 that is retried, once.
+        if let Some(Err(failure)) = &result {
+            if failure.kind == FailureKind::ContextOverflow && spec.context_overflow != ContextOverflow::Fail {
+                let fits = route.windows.learn(&spec.model, full_input, &failure.message);
+                let (again, _) = self.prepare_call(route, spec, &ctx.transcript);
+                metrics::counter!(metric::PROVIDER_CALLS, "status" => "400").increment(1);
+                tracing::info!(message = "the provider said the input overflows its context window; trimmed and sent again",
+                    run.id = %lease.id, turn.index = job.turn, input = full_input, fits, error = %failure.message);
+                if again.overflow.is_none() {
+                    result = self.send(route, lease, job, cancel, again.body, again.answer_tool.as_deref()).await;
+                }
+            }
+        }
+        let Some(result) = result else {
+            // What the provider counted of an aborted call is not known: the
+            // reservation settles as a call without usage.
+            self.settle_now(spec, &reservation, &CallOutcome::default()).await;
+            return self.cancelled(lease, ctx).await;
+        };
+        match result {
+            Ok(success) => self.on_success(lease, job, ctx, &reservation, success, cancel).await,
+            Err(failure) => self.on_failure(lease, job, ctx, &reservation, failure).await,
+        }
+    }
 
-        // Stream text deltas to the run's events as they arrive, in order,
-        // without making the provider's stream wait on Redis. Deltas that
-        // arrive within 50 ms of each other go out as one event: a listener
-        // sees the text as it comes, Redis sees a few writes per turn, not one
-        // per token.
+    /// Sends one call and streams its text deltas to the run's events as they
+    /// arrive, in order, without making the provider's stream wait on Redis.
+    /// Deltas that arrive within 50 ms of each other go out as one event: a
+    /// listener sees the text as it comes, Redis sees a few writes per turn,
+    /// not one per token. `None`: the run was cancelled, and the call dropped
+    /// mid-way.
+    async fn send(
+        &self,
+        route: &Route,
+        lease: &Lease,
+        job: TurnJob,
+        cancel: &Cancel,
+        body: Value,
+        answer_tool: Option<&str>,
+    ) -> Option<Result<CallSuccess, CallFailure>> {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
         let store = self.store.clone();
         let run_id = lease.id.clone();
@@ -278,24 +324,14 @@ impl Runner {
                 let _ = tx.send(delta);
             }
         };
-        // A cancel of the run drops the call: its stream is aborted mid-way.
-        let call = route.provider.call_answering(body, answer_tool.as_deref(), &mut on_event);
+        let call = route.provider.call_answering(body, answer_tool, &mut on_event);
         let result = tokio::select! {
             r = call => Some(r),
             () = cancel.wait() => None,
         };
         drop(on_event);
         let _ = forward.await;
-        let Some(result) = result else {
-            // What the provider counted of an aborted call is not known: the
-            // reservation settles as a call without usage.
-            self.settle_now(spec, &reservation, &CallOutcome::default()).await;
-            return self.cancelled(lease, ctx).await;
-        };
-        match result {
-            Ok(success) => self.on_success(lease, job, ctx, &reservation, success, cancel).await,
-            Err(failure) => self.on_failure(lease, job, ctx, &reservation, failure).await,
-        }
+        result
     }
 
     async fn on_success(
@@ -550,25 +586,92 @@ impl Runner {
     }
 }
 
+/// A call built for a turn.
+pub(crate) struct Built {
+    /// The body.
+    pub body: Value,
+    /// The name of its answer tool, if the style needs one.
+    pub answer_tool: Option<String>,
+    /// Its input tokens as counted here: on Anthropic, less the cache reads
+    /// it is expected to make ([`crate::estimate::predicted_cache_reads`]),
+    /// which its limit does not count.
+    pub input: u64,
+    /// Why it must not be sent: it does not fit the model's context window
+    /// and the run says `fail`, or trimming could not make it fit.
+    pub overflow: Option<String>,
+    /// Its whole input as counted here (cache reads included).
+    pub full_input: u64,
+}
+
+/// How many of the provider's tokens one of ours may be, at most, for the
+/// context window check: o200k is OpenAI's own tokenizer (older models' a
+/// little different); Claude's counts English ~10-25 % higher.
+fn tokenizer_margin(style: ApiStyle) -> f64 {
+    match style {
+        ApiStyle::Anthropic => 1.25,
+        ApiStyle::Responses | ApiStyle::Chat => 1.05,
+    }
+}
+
 /// The body of a call of `spec` over `transcript` in `style` (bounded to
-/// `max_history` turns), its answer tool, and its input tokens as counted
-/// here: on Anthropic, less the cache reads it is expected to make
-/// ([`crate::estimate::predicted_cache_reads`]), which its limit does not count.
+/// `max_history` turns), made to fit the model's context window
+/// (`context_overflow`, SPEC §4a): the window is `context_window_tokens`,
+/// else the built-in table's (`shared::models`), where what must fit is the
+/// input at [`tokenizer_margin`] plus the output limit; and `learned`, what
+/// this process learned of it from the provider's errors
+/// ([`crate::context::LearnedWindows`]), in our tokens of input.
 fn call_body(
     style: ApiStyle,
     spec: &shared::runs::RunSpec,
     transcript: &[TranscriptEntry],
     max_history: usize,
-) -> (Value, Option<String>, u64) {
+    learned: Option<u64>,
+) -> Built {
     let params = turn_params(spec);
-    let context = prepare_context(transcript, max_history);
-    let body = build_body(style, &params, &context);
-    let mut input = crate::estimate::input_tokens(&body);
+    let build = |entries: &[TranscriptEntry]| {
+        let context: Vec<Value> = entries.iter().map(|e| e.item.clone()).collect();
+        let body = build_body(style, &params, &context);
+        let input = crate::estimate::input_tokens(&body);
+        (body, input)
+    };
+    let entries = context_entries(transcript, max_history);
+    let (mut body, mut input) = build(&entries);
+    let margin = tokenizer_margin(style);
+    let window = spec.context_window_tokens.or_else(|| shared::models::context_window(&spec.model));
+    let needed = (input as f64 * margin) as u64 + u64::from(spec.max_output_tokens);
+    // In our tokens.
+    let over = window.map_or(0, |w| (needed.saturating_sub(w) as f64 / margin).ceil() as u64);
+    let over = over.max(learned.map_or(0, |fits| input.saturating_sub(fits)));
+    let full_input = input;
+    let mut overflow = None;
+    if over > 0 {
+        // And 2 % of the input besides, so one pass fits.
+        let excess = over + input / 50;
+        let window = window.map_or_else(|| "its window".to_owned(), |w| format!("its window of {w} tokens"));
+        let what = format!("the input (about {needed} tokens with the output limit) does not fit {window}");
+        match spec.context_overflow {
+            ContextOverflow::Fail => overflow = Some(format!("{what}, and the run says context_overflow: fail")),
+            ContextOverflow::Compact if style == ApiStyle::Responses => {
+                // The provider drops the oldest items itself.
+                body["truncation"] = "auto".into();
+            }
+            ContextOverflow::Trim | ContextOverflow::Compact => {
+                match crate::context::trim_to_fit(entries, excess, crate::estimate::item_tokens) {
+                    Ok(fit) => (body, input) = build(&fit),
+                    Err(left) => {
+                        overflow = Some(format!(
+                            "{what}: without every earlier tool output and turn it is still {left} tokens over"
+                        ))
+                    }
+                }
+            }
+        }
+    }
     if style == ApiStyle::Anthropic {
         // What the pacer is asked for is what the input limit will count.
         input = input.saturating_sub(crate::estimate::predicted_cache_reads(&body)).max(1);
     }
-    (body, answer_tool(style, &params), input)
+    Built { answer_tool: answer_tool(style, &params), body, input, overflow, full_input }
 }
 
 /// The text of a call's body up to which it is built (and its tokens counted)
@@ -614,8 +717,8 @@ pub fn first_ask(providers: &ProviderTable) -> FirstAsk {
         .unwrap_or(ApiStyle::Responses);
         let transcript: Vec<TranscriptEntry> =
             spec.input.iter().map(|item| TranscriptEntry { turn: 0, item: item.clone() }).collect();
-        let (_, _, input) = call_body(style, spec, &transcript, crate::context::DEFAULT_MAX_HISTORY);
-        PacedAsk::new(spec, tenant, call_estimate(spec, input))
+        let built = call_body(style, spec, &transcript, crate::context::DEFAULT_MAX_HISTORY, None);
+        PacedAsk::new(spec, tenant, call_estimate(spec, built.input))
     })
 }
 

@@ -97,6 +97,17 @@ pub struct SubmitRun {
     /// `auto` or `disabled` (Responses).
     #[schema(example = "disabled")]
     truncation: Option<String>,
+    /// `auto` (default: Anthropic cache breakpoints, a `prompt_cache_key` for
+    /// the run on Responses) or `off` (SPEC §4a).
+    #[schema(example = "auto")]
+    prompt_cache: Option<String>,
+    /// What a turn that would overflow the model's context window does:
+    /// `trim` (default), `compact` or `fail` (SPEC §4a).
+    #[schema(example = "trim")]
+    context_overflow: Option<String>,
+    /// The model's context window in tokens, over the built-in table's (1 024 to 100 000 000).
+    #[schema(minimum = 1024, maximum = 100000000)]
+    context_window_tokens: Option<u64>,
 }
 
 /// A page of runs (`paceline runs` reads it back with the same type).

@@ -25,9 +25,9 @@ pub use history::History;
 pub use local::LocalPacer;
 pub use ops::{AcquireOp, Op, SettleOp};
 pub use pacer::{
-    next_retry, server_delay, Ask, CallOutcome, Decision, DelaySource, Estimate, FailedCall, FailureKind, GiveUp,
-    HeaderSnapshot, Mode, Observation, OwedReason, PacerState, PacingConfig, RetryDecision, RetryPolicy, Transport,
-    Who,
+    context_excess, next_retry, server_delay, Ask, CallOutcome, Decision, DelaySource, Estimate, FailedCall,
+    FailureKind, GiveUp, HeaderSnapshot, Mode, Observation, OwedReason, PacerState, PacingConfig, RetryDecision,
+    RetryPolicy, Transport, Who,
 };
 pub use shared_pacer::{lua_function, PacerHost, SharedPacer};
 pub use snapshot::{BudgetShape, BudgetSnapshot, TenantShare};

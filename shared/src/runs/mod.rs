@@ -23,7 +23,7 @@ pub use events::{stream_id_after, valid_stream_id, RunEvent};
 pub use generation::{Effort, Format, Generation, JsonSchema, PromptCache, ServiceTier, ToolChoice, Truncation};
 pub use pacing::{BudgetWait, CommitPacing, FetchAsks, FirstAsk, PacedAsk};
 pub use record::{ErrorKind, PacingCounters, Run, RunError, Usage};
-pub use spec::{Refusal, RunSpec, SpecError, SubmitPolicy};
+pub use spec::{ContextOverflow, Refusal, RunSpec, SpecError, SubmitPolicy};
 pub use state::{InvalidTransition, RunStatus, Transition, WaitReason};
 pub use store::{pacer_host, run_queue, Created, Idempotency, RunStore, StoreError, TenantCounts, QUEUE_HOOKS};
 pub use transcript::{ApiStyle, TranscriptEntry};

@@ -60,7 +60,8 @@ pub struct PacingCounters {
 pub struct RunError {
     /// `max_turns`, `rate_limited`, `quota`, `request_too_large`,
     /// `spend_limit`, `partial_output`, `provider_error`, `provider_unavailable`,
-    /// `dead_lettered` (its turn used up its deliveries: the queue buried it).
+    /// `dead_lettered` (its turn used up its deliveries: the queue buried it),
+    /// `deadline`, `context_overflow`.
     pub kind: String,
     /// The provider's or paceline's message.
     pub message: String,
@@ -92,6 +93,9 @@ pub enum ErrorKind {
     DeadLettered,
     /// The run passed its `max_run_seconds`.
     Deadline,
+    /// Its input does not fit the model's context window, and the run says
+    /// `context_overflow: "fail"` (or trimming could not make it fit).
+    ContextOverflow,
 }
 
 /// The run's `error.kind` when a failed call ends it:
@@ -104,6 +108,7 @@ pub enum ErrorKind {
 /// | `SpendLimit` | `spend_limit` | at once |
 /// | `Transient` | `provider_unavailable` | the ladder is exhausted |
 /// | `Terminal` | `provider_error` | at once, with the provider's message |
+/// | `ContextOverflow` | `context_overflow` | after the one trimmed retry |
 impl From<crate::pacer::FailureKind> for ErrorKind {
     fn from(kind: crate::pacer::FailureKind) -> Self {
         use crate::pacer::FailureKind;
@@ -114,13 +119,14 @@ impl From<crate::pacer::FailureKind> for ErrorKind {
             FailureKind::SpendLimit => Self::SpendLimit,
             FailureKind::Transient => Self::ProviderUnavailable,
             FailureKind::Terminal => Self::ProviderError,
+            FailureKind::ContextOverflow => Self::ContextOverflow,
         }
     }
 }
 
 impl ErrorKind {
     /// Every kind, in declaration order.
-    pub const ALL: [Self; 10] = [
+    pub const ALL: [Self; 11] = [
         Self::MaxTurns,
         Self::RateLimited,
         Self::Quota,
@@ -131,6 +137,7 @@ impl ErrorKind {
         Self::PartialOutput,
         Self::DeadLettered,
         Self::Deadline,
+        Self::ContextOverflow,
     ];
 
     /// The name in `error.kind`.
@@ -146,6 +153,7 @@ impl ErrorKind {
             Self::PartialOutput => "partial_output",
             Self::DeadLettered => "dead_lettered",
             Self::Deadline => "deadline",
+            Self::ContextOverflow => "context_overflow",
         }
     }
 }
@@ -359,6 +367,7 @@ mod tests {
             (SpendLimit, "spend_limit"),
             (Transient, "provider_unavailable"),
             (Terminal, "provider_error"),
+            (ContextOverflow, "context_overflow"),
         ];
         for (kind, error_kind) in cases {
             assert_eq!(ErrorKind::from(kind).as_str(), error_kind, "{kind:?}");

@@ -20,6 +20,30 @@ pub const MAX_MAX_RUN_SECONDS: u32 = 30 * 24 * 3_600;
 pub const DEFAULT_MAX_OUTPUT_TOKENS: u32 = 2_048;
 /// The largest `max_output_tokens` accepted.
 pub const MAX_MAX_OUTPUT_TOKENS: u32 = 1_000_000;
+/// The bounds of `context_window_tokens`.
+pub const CONTEXT_WINDOW_TOKENS: std::ops::RangeInclusive<u64> = 1_024..=100_000_000;
+
+/// `context_overflow` (SPEC §4a): what a turn whose input would not fit the
+/// model's context window does.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ContextOverflow {
+    /// The oldest tool outputs are elided, then the oldest turns, until it fits.
+    #[default]
+    Trim,
+    /// The provider's own compaction where it has one (Responses
+    /// `truncation: "auto"`), `trim` elsewhere.
+    Compact,
+    /// The run fails with `error.kind = "context_overflow"`, nothing sent.
+    Fail,
+}
+
+impl ContextOverflow {
+    /// The default.
+    pub fn is_trim(&self) -> bool {
+        *self == Self::Trim
+    }
+}
 
 /// A validated run spec.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -55,6 +79,13 @@ pub struct RunSpec {
     /// `None`: the fleet's first (its default).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub provider: Option<String>,
+    /// What a turn that would overflow the model's context window does.
+    #[serde(default, skip_serializing_if = "ContextOverflow::is_trim")]
+    pub context_overflow: ContextOverflow,
+    /// The model's context window, tokens, over the built-in table's
+    /// (`shared::models`); `None`: the table's, if it knows the model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context_window_tokens: Option<u64>,
     /// Sampling, reasoning, structured output, tool choice and the
     /// provider's knobs (`generation.rs`), at the top level of the body.
     #[serde(flatten)]
@@ -139,7 +170,7 @@ impl SubmitPolicy {
     }
 }
 
-const KNOWN_FIELDS: [&str; 11] = [
+const KNOWN_FIELDS: [&str; 13] = [
     "model",
     "instructions",
     "input",
@@ -151,6 +182,8 @@ const KNOWN_FIELDS: [&str; 11] = [
     "max_run_seconds",
     "metadata",
     "provider",
+    "context_overflow",
+    "context_window_tokens",
 ];
 
 impl RunSpec {
@@ -276,6 +309,26 @@ impl RunSpec {
             }
             Some(_) => return Err(err("provider", "must be the name of a provider")),
         };
+        let context_overflow = match obj.get("context_overflow") {
+            None | Some(Value::Null) => ContextOverflow::Trim,
+            Some(v) => v
+                .as_str()
+                .and_then(|s| serde_json::from_value::<ContextOverflow>(Value::String(s.to_owned())).ok())
+                .ok_or_else(|| err("context_overflow", "must be \"trim\", \"compact\" or \"fail\""))?,
+        };
+        let context_window_tokens = match obj.get("context_window_tokens") {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(v.as_u64().filter(|n| CONTEXT_WINDOW_TOKENS.contains(n)).ok_or_else(|| {
+                err(
+                    "context_window_tokens",
+                    format!(
+                        "must be an integer from {} to {}",
+                        CONTEXT_WINDOW_TOKENS.start(),
+                        CONTEXT_WINDOW_TOKENS.end()
+                    ),
+                )
+            })?),
+        };
         let tool_names: Vec<&str> = tools.iter().filter_map(|t| t.get("name").and_then(Value::as_str)).collect();
         let generation = Generation::from_json(obj, &tool_names)?;
         Ok(Self {
@@ -290,6 +343,8 @@ impl RunSpec {
             max_run_seconds,
             metadata,
             provider,
+            context_overflow,
+            context_window_tokens,
             generation,
         })
     }
@@ -335,6 +390,15 @@ mod tests {
         assert_eq!(s.max_turns, DEFAULT_MAX_TURNS);
         assert_eq!(s.input, vec![json!({"role": "user", "content": "hi"})]);
         assert_eq!(s.metadata, json!({}));
+        assert_eq!((s.context_overflow, s.context_window_tokens), (ContextOverflow::Trim, None));
+        let s = RunSpec::from_json(
+            &json!({"model": "m", "input": "hi", "context_overflow": "fail", "context_window_tokens": 8192}),
+            &policy(),
+        )
+        .unwrap();
+        assert_eq!((s.context_overflow, s.context_window_tokens), (ContextOverflow::Fail, Some(8192)));
+        let stored = serde_json::to_value(&s).unwrap();
+        assert_eq!(serde_json::from_value::<RunSpec>(stored).unwrap(), s);
     }
 
     #[test]
@@ -372,6 +436,13 @@ mod tests {
             (json!({"model": "m", "input": "x", "provider": 1}), "provider"),
             (json!({"model": "m", "input": "x", "temperature": 3}), "temperature"),
             (json!({"model": "m", "input": "x", "tool_choice": "required"}), "tool_choice"),
+            (json!({"model": "m", "input": "x", "context_overflow": "drop"}), "context_overflow"),
+            (json!({"model": "m", "input": "x", "context_overflow": 1}), "context_overflow"),
+            (json!({"model": "m", "input": "x", "context_window_tokens": 0}), "context_window_tokens"),
+            (json!({"model": "m", "input": "x", "context_window_tokens": -5}), "context_window_tokens"),
+            (json!({"model": "m", "input": "x", "context_window_tokens": 1.5}), "context_window_tokens"),
+            (json!({"model": "m", "input": "x", "context_window_tokens": "8k"}), "context_window_tokens"),
+            (json!({"model": "m", "input": "x", "prompt_cache": "maybe"}), "prompt_cache"),
         ];
         for (body, field) in cases {
             assert_eq!(field_of(body.clone()), field, "{body}");

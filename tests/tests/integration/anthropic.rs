@@ -163,10 +163,16 @@ async fn anthropics_errors_are_classified_as_the_spec_says() {
         assert_eq!((f.status, f.kind), (Some(status), FailureKind::Transient), "{status}");
         assert_eq!(f.error_type.as_deref(), Some(kind));
     }
-    // 400 invalid_request_error (prompt too long): terminal, with Anthropic's message.
-    server.inject(Fault::InvalidRequest { message: None });
+    // 400 invalid_request_error: terminal, with Anthropic's message; a prompt
+    // too long is its own kind (the worker trims it and sends it once more).
+    let invalid = "messages.0.content: Input should be a valid list";
+    server.inject(Fault::InvalidRequest { message: Some(invalid.into()) });
     let f = call(&p, body(ApiStyle::Anthropic, false)).await.1.expect_err("a 400");
     assert_eq!((f.status, f.kind), (Some(400), FailureKind::Terminal));
+    assert!(f.message.contains(invalid), "{}", f.message);
+    server.inject(Fault::InvalidRequest { message: None });
+    let f = call(&p, body(ApiStyle::Anthropic, false)).await.1.expect_err("a 400");
+    assert_eq!((f.status, f.kind), (Some(400), FailureKind::ContextOverflow));
     assert!(f.message.contains("prompt is too long"), "{}", f.message);
     // A credit balance too low: a billing stop (quota), not an ordinary 400.
     server.inject(Fault::Quota);
@@ -184,7 +190,7 @@ async fn anthropics_errors_are_classified_as_the_spec_says() {
     assert_eq!(f.kind, FailureKind::RateLimited);
     // Every body the mock answered was Anthropic's error shape.
     let codes: Vec<u16> = server.stats().log.iter().map(|e| e.status).collect();
-    assert_eq!(codes, vec![429, 529, 500, 400, 400, 200, 200]);
+    assert_eq!(codes, vec![429, 529, 500, 400, 400, 400, 200, 200]);
 }
 
 /// One request as the server saw it.

@@ -218,7 +218,9 @@ fn a_long_browsing_run_sends_one_view_and_a_bounded_history() {
     }
     let context = prepare_context(&transcript, DEFAULT_MAX_HISTORY);
     let outputs: Vec<&str> = context.iter().filter_map(|i| i.get("output").and_then(Value::as_str)).collect();
-    assert_eq!(outputs.len(), DEFAULT_MAX_HISTORY);
+    // The window moves 8 turns at a time (so a cached prefix holds): at 60
+    // turns it starts at turn 41, 20 turns.
+    assert_eq!(outputs.len(), 20);
     assert_eq!(outputs.iter().filter(|o| **o != BROWSER_PLACEHOLDER).count(), 1);
     let newest = outputs.last().unwrap();
     assert!(newest.starts_with("<page 60>"));

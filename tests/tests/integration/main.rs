@@ -4,6 +4,7 @@
 mod anthropic;
 mod api;
 mod bench;
+mod bill;
 mod context;
 mod dashboard;
 mod dead;

@@ -22,7 +22,7 @@ const STYLES: [ApiStyle; 3] = [ApiStyle::Responses, ApiStyle::Chat, ApiStyle::An
 /// The mock's shape for a style: Anthropic's headers and split buckets for
 /// Anthropic, its output bucket roomy enough for the output limits these
 /// tests reserve (the pacing against it is not what they are about).
-fn mock_config(style: ApiStyle, config: MockConfig) -> MockConfig {
+pub(crate) fn mock_config(style: ApiStyle, config: MockConfig) -> MockConfig {
     if style == ApiStyle::Anthropic {
         MockConfig { headers: HeaderStyle::Anthropic, otpm: config.otpm.or(Some(200_000)), ..config }
     } else {
@@ -31,7 +31,7 @@ fn mock_config(style: ApiStyle, config: MockConfig) -> MockConfig {
 }
 
 /// The provider's base URL on `mock` for `style`.
-fn base(mock: &MockServer, style: ApiStyle) -> String {
+pub(crate) fn base(mock: &MockServer, style: ApiStyle) -> String {
     if style == ApiStyle::Anthropic {
         mock.url()
     } else {
@@ -201,15 +201,27 @@ async fn an_anthropic_529_is_retried_and_a_400_costs_exactly_one_request() {
     assert_eq!(log.iter().map(|e| e.status).collect::<Vec<_>>(), vec![529, 200]);
     assert!(log[1].at_ms - log[0].at_ms >= 800, "the retry waited for the backoff");
 
-    app.mock.inject(Fault::InvalidRequest { message: None });
+    let invalid = "messages.0.content: Input should be a valid list";
+    app.mock.inject(Fault::InvalidRequest { message: Some(invalid.into()) });
     let before = app.mock.stats().requests;
     let run = app.submit(json!({"model": "claude-test", "input": "y"})).await;
     let run = app.wait_finished(&run.id, secs(20)).await;
     assert_eq!(run.status, RunStatus::Failed);
     let error = run.error.expect("an error");
     assert_eq!(error.kind, "provider_error");
-    assert!(error.message.contains("prompt is too long"), "{}", error.message);
+    assert!(error.message.contains(invalid), "{}", error.message);
     assert_eq!(app.mock.stats().requests - before, 1, "a 400 is never retried");
+
+    // A prompt too long whose run has nothing to trim (the task alone) fails
+    // as such, after that one request (`context::` has the trimmed retry).
+    app.mock.inject(Fault::InvalidRequest { message: None });
+    let before = app.mock.stats().requests;
+    let run = app.submit(json!({"model": "claude-test", "input": "w"})).await;
+    let run = app.wait_finished(&run.id, secs(20)).await;
+    let error = run.error.expect("an error");
+    assert_eq!(error.kind, "context_overflow");
+    assert!(error.message.contains("prompt is too long"), "{}", error.message);
+    assert_eq!(app.mock.stats().requests - before, 1, "nothing to trim: not sent again");
 
     // A credit balance too low is a billing stop: quota, one request.
     app.mock.inject(Fault::Quota);

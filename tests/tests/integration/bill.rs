@@ -1,0 +1,171 @@
+//! A long run's bill (SPEC §4a) against the mock provider: a run that
+//! outgrows the model's context window, each `context_overflow` policy, the
+//! provider's context-length 400; prompt caching on both styles.
+
+use serde_json::{json, Value};
+use shared::runs::{ApiStyle, RunStatus};
+use worker::config::ProviderArgs;
+use worker::context::TRIMMED_PLACEHOLDER;
+
+use crate::fixtures::{secs, tool_endpoint, App};
+use mock_provider::MockConfig;
+
+/// A tool output of about 2 400 characters of English (~600 of the mock's tokens).
+async fn wordy_tools() -> String {
+    tool_endpoint(|| async {
+        let note = "The reference note says the scheduler keeps due times on the server clock, \
+                    one lease per delivery, and a shared budget per model. ";
+        axum::Json(json!({"output": note.repeat(18)}))
+    })
+    .await
+}
+
+/// A run of up to 20 turns calling `lookup`, with `extra` fields.
+fn long_run(app: &App, extra: Value) -> Value {
+    let mut body = json!({
+        "model": "gpt-test",
+        "instructions": "You are a test.",
+        "input": "do the task",
+        "tools": [{"type": "function", "name": "lookup", "description": "a tool",
+                   "parameters": {"type": "object", "properties": {}}}],
+        "tool_endpoint": app.tools,
+        "max_turns": 20,
+        "max_output_tokens": 64,
+    });
+    for (k, v) in extra.as_object().into_iter().flatten() {
+        body[k] = v.clone();
+    }
+    body
+}
+
+/// The mock, scripted for 12 tool rounds (~7 000 of its tokens by the last),
+/// its context window `window`.
+async fn app_with_window(window: u64) -> App {
+    let mut app =
+        App::start(MockConfig { tool_rounds: 12, context_window: Some(window), ..MockConfig::default() }).await;
+    app.tools = wordy_tools().await;
+    app.spawn_worker(app.config());
+    app
+}
+
+/// SPEC §4a, `trim`: a run whose history outgrows the window it is given
+/// completes, its oldest tool outputs elided, and no call the provider would
+/// refuse is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_that_outgrows_its_context_window_is_trimmed_and_completes() {
+    let mut app = app_with_window(6_000).await;
+    let run = app.submit(long_run(&app, json!({"context_window_tokens": 4_500}))).await;
+    let run = app.wait_finished(&run.id, secs(60)).await;
+    assert_eq!(run.status, RunStatus::Completed, "{run:?}");
+    let stats = app.mock.stats();
+    assert!(stats.log.iter().all(|e| e.status == 200), "a call over the window was sent");
+    assert_eq!(stats.requests, 13, "12 tool rounds and the answer");
+    let trimmed = stats.bodies.iter().filter(|b| b.body.to_string().contains(TRIMMED_PLACEHOLDER)).count();
+    assert!(trimmed >= 3, "only {trimmed} calls were trimmed");
+    let largest = stats.log.iter().map(|e| e.input_tokens).max().unwrap();
+    assert!(largest <= 6_000, "{largest} tokens sent");
+    app.stop_workers().await;
+}
+
+/// SPEC §4a, `fail`: the run fails with `context_overflow` instead of sending
+/// a call that would not fit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_that_says_fail_fails_before_it_sends_a_call_over_its_window() {
+    let mut app = app_with_window(6_000).await;
+    let body = long_run(&app, json!({"context_window_tokens": 4_500, "context_overflow": "fail"}));
+    let run = app.submit(body).await;
+    let run = app.wait_finished(&run.id, secs(60)).await;
+    assert_eq!(run.status, RunStatus::Failed);
+    let error = run.error.expect("an error");
+    assert_eq!(error.kind, "context_overflow");
+    assert!(error.message.contains("does not fit"), "{}", error.message);
+    let stats = app.mock.stats();
+    assert!(stats.log.iter().all(|e| e.status == 200), "a call over the window was sent");
+    assert!(stats.requests < 13 && stats.requests > 3, "{} requests", stats.requests);
+    app.stop_workers().await;
+}
+
+/// SPEC §4a: a window paceline does not know is the provider's to say. Its
+/// context-length 400 is the one 400 sent again — trimmed to the window it
+/// learned, at once, once: every 400 is followed by the same turn's success,
+/// and the turns after it fit before they are sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_providers_context_length_error_costs_one_request_and_one_retry() {
+    let mut app = app_with_window(4_500).await;
+    let run = app.submit(long_run(&app, json!({}))).await;
+    let run = app.wait_finished(&run.id, secs(60)).await;
+    let log = app.mock.stats().log;
+    assert_eq!(run.status, RunStatus::Completed, "{run:?}");
+    let statuses: Vec<u16> = log.iter().map(|e| e.status).collect();
+    let refused = statuses.iter().filter(|&&s| s == 400).count();
+    assert!(refused >= 1, "the window never bound: {statuses:?}");
+    // The Responses API's error names no numbers: the window is learned a
+    // tenth under what it refused, and the first 400 teaches enough for most
+    // of what follows.
+    assert!(refused <= 2, "the window was not learned: {statuses:?}");
+    for (i, s) in statuses.iter().enumerate() {
+        if *s == 400 {
+            assert_eq!(statuses.get(i + 1), Some(&200), "a 400 not followed by its one retry: {statuses:?}");
+            assert_eq!(log[i].code.as_deref(), Some("context_length_exceeded"));
+        }
+    }
+    assert_eq!(statuses.len(), 13 + refused, "one retry per 400, never more: {statuses:?}");
+    app.stop_workers().await;
+}
+
+/// SPEC §4a, prompt caching on Anthropic: breakpoints on the prefix and the
+/// history, so each turn reads what the one before wrote; the run's usage
+/// reports the reads and the writes as the provider counted them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_anthropic_run_reads_its_earlier_turns_from_the_cache() {
+    let mock = MockConfig { tool_rounds: 6, cache: true, ..MockConfig::default() };
+    let mut app = App::start(crate::styles::mock_config(ApiStyle::Anthropic, mock)).await;
+    app.tools = wordy_tools().await;
+    let mut config = app.config();
+    config.provider = ProviderArgs::single(crate::styles::base(&app.mock, ApiStyle::Anthropic), ApiStyle::Anthropic);
+    app.spawn_worker(config);
+    let instructions = "Follow the house rules for research notes carefully. ".repeat(100);
+    let run = app.submit(long_run(&app, json!({"model": "claude-test", "instructions": instructions}))).await;
+    let run = app.wait_finished(&run.id, secs(60)).await;
+    assert_eq!(run.status, RunStatus::Completed, "{run:?}");
+    let stats = app.mock.stats();
+    assert_eq!(stats.requests, 7);
+    // What the run says is what the provider counted.
+    assert_eq!(run.usage.cached_input_tokens, stats.cache_read_tokens);
+    assert_eq!(run.usage.cache_write_tokens, stats.cache_write_tokens);
+    let input: u64 = stats.log.iter().map(|e| e.input_tokens).sum();
+    assert_eq!(run.usage.input_tokens, input);
+    // From the second turn on, every call reads all the previous call sent.
+    for pair in stats.log.windows(2) {
+        assert!(pair[1].cache_read_tokens + 3 >= pair[0].input_tokens, "{pair:?}");
+    }
+    let share = stats.cache_read_tokens as f64 / input as f64;
+    assert!(share > 0.6, "{share:.2} of the input read from the cache");
+    // Off: nothing marked, nothing read.
+    let before = stats.cache_read_tokens;
+    let body = long_run(&app, json!({"model": "claude-test", "prompt_cache": "off", "input": "another task"}));
+    let run = app.submit(body).await;
+    let run = app.wait_finished(&run.id, secs(60)).await;
+    assert_eq!((run.status, run.usage.cached_input_tokens, run.usage.cache_write_tokens), (RunStatus::Completed, 0, 0));
+    assert_eq!(app.mock.stats().cache_read_tokens, before);
+    app.stop_workers().await;
+}
+
+/// SPEC §4a, prompt caching on OpenAI: automatic, keyed by the run's
+/// `prompt_cache_key`; the pacer is asked for the cached tokens too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_openai_run_sends_a_key_of_its_own_and_reads_its_prefix() {
+    let mut app = App::start(MockConfig { tool_rounds: 6, cache: true, ..MockConfig::default() }).await;
+    app.tools = wordy_tools().await;
+    app.spawn_worker(app.config());
+    let run = app.submit(long_run(&app, json!({}))).await;
+    let run = app.wait_finished(&run.id, secs(60)).await;
+    assert_eq!(run.status, RunStatus::Completed, "{run:?}");
+    let stats = app.mock.stats();
+    let keys: Vec<&str> = stats.bodies.iter().filter_map(|b| b.body["prompt_cache_key"].as_str()).collect();
+    assert_eq!(keys.len(), 7, "every call carries the run's key");
+    assert!(keys.iter().all(|k| *k == keys[0] && k.starts_with("paceline-")), "{keys:?}");
+    assert_eq!(run.usage.cached_input_tokens, stats.cache_read_tokens);
+    assert!(run.usage.cached_input_tokens > 0);
+    app.stop_workers().await;
+}
