@@ -326,19 +326,30 @@ impl LearnedWindows {
     /// Learns from a context-length error (`message`) of a call of `model`
     /// whose input we counted at `input`: the provider's count and window,
     /// when it names them, scale it (2 % under); when it does not, the window
-    /// is taken a tenth under what was refused. Only ever lowered. Returns
-    /// what is known now.
-    pub fn learn(&self, model: &str, input: u64, message: &str) -> u64 {
+    /// is taken a tenth under what was refused. Only ever lowered, never
+    /// under [`MIN_LEARNED_WINDOW`], and not from a count that cannot be this
+    /// call's (more than 4× ours either way: a proxy's or a test's message).
+    /// Returns what is known now.
+    pub fn learn(&self, model: &str, input: u64, message: &str) -> Option<u64> {
         let fits = match shared::pacer::context_excess(message) {
-            Some((counted, limit)) if counted > limit => (input as f64 * limit as f64 / counted as f64 * 0.98) as u64,
-            _ => input / 10 * 9,
+            Some((counted, limit)) if counted > limit => {
+                let ratio = counted as f64 / input.max(1) as f64;
+                (0.25..=4.0).contains(&ratio).then(|| (limit as f64 / ratio * 0.98) as u64)
+            }
+            Some(_) => None,
+            None => Some(input / 10 * 9),
         };
         let mut learned = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        let window = learned.entry(model.to_owned()).or_insert(fits);
-        *window = (*window).min(fits);
-        *window
+        if let Some(fits) = fits.filter(|&f| f >= MIN_LEARNED_WINDOW) {
+            let window = learned.entry(model.to_owned()).or_insert(fits);
+            *window = (*window).min(fits);
+        }
+        learned.get(model).copied()
     }
 }
+
+/// The least context window [`LearnedWindows`] learns (no model has less).
+pub const MIN_LEARNED_WINDOW: u64 = 1_024;
 
 /// What replaces a tool output trimmed to fit the model's context window.
 pub const TRIMMED_PLACEHOLDER: &str = "[An earlier tool output was removed here to fit the model's context window.]";
@@ -697,14 +708,18 @@ mod tests {
     fn a_window_is_learned_from_the_providers_error_and_only_lowered() {
         let w = LearnedWindows::default();
         assert_eq!(w.get("m"), None);
-        // Anthropic names both numbers: our 10 000 were its 210 000 over 200 000.
-        let fits = w.learn("m", 10_000, "prompt is too long: 210000 tokens > 200000 maximum");
-        assert_eq!(fits, 9_333);
+        // Anthropic names both numbers: our 180 000 were its 210 000 over 200 000.
+        let fits = w.learn("m", 180_000, "prompt is too long: 210000 tokens > 200000 maximum");
+        assert_eq!(fits, Some(168_000));
         // No numbers: a tenth under what was refused — higher here, so kept lower.
-        assert_eq!(w.learn("m", 12_000, "Your input exceeds the context window of this model."), 9_333);
-        assert_eq!(w.learn("m", 8_000, "Your input exceeds the context window of this model."), 7_200);
-        assert_eq!(w.get("m"), Some(7_200));
+        let responses = "Your input exceeds the context window of this model.";
+        assert_eq!(w.learn("m", 200_000, responses), Some(168_000));
+        assert_eq!(w.learn("m", 150_000, responses), Some(135_000));
+        assert_eq!(w.get("m"), Some(135_000));
         assert_eq!(w.get("other"), None, "per model");
+        // A count that cannot be this call's teaches nothing; nor does a window under 1 024.
+        assert_eq!(w.learn("x", 10, "prompt is too long: 210000 tokens > 200000 maximum"), None);
+        assert_eq!(w.learn("x", 100, responses), None);
     }
 
     #[test]

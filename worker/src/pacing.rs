@@ -393,7 +393,7 @@ impl Runner {
         let mut transcript = ctx.transcript.clone();
         transcript
             .extend(new_items.iter().map(|item| shared::runs::TranscriptEntry { turn: next.turn, item: item.clone() }));
-        let (_, est) = self.prepare_call(route, spec, &transcript);
+        let (_, est) = self.prepare_call(route, spec, &transcript, None);
         let ask = PacedAsk::new(spec, &ctx.tenant, est);
         let unasked = Next::Paced {
             turn: Turn { job: next, ask: Some(ask.clone()), cleared: false, pause_ms: None },

@@ -192,7 +192,8 @@ impl Runner {
     }
 
     /// The body of a call of `spec` over `transcript` (bounded to the history
-    /// depth), its answer tool, and what the pacer is asked to reserve for it:
+    /// depth, fitted to the model's window and to `fits` tokens of input when
+    /// given), its answer tool, and what the pacer is asked to reserve for it:
     /// its input as counted here (the pacer charges it at its learned input
     /// ratio) and the output reservation.
     pub(crate) fn prepare_call(
@@ -200,8 +201,12 @@ impl Runner {
         route: &Route,
         spec: &shared::runs::RunSpec,
         transcript: &[TranscriptEntry],
+        fits: Option<u64>,
     ) -> (Built, Estimate) {
-        let learned = route.windows.get(&spec.model);
+        let learned = match (route.windows.get(&spec.model), fits) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         let build = || call_body(route.provider.api_style(), spec, transcript, self.config.max_history, learned);
         // A short body is built in place: stepping off the runtime's thread
         // costs more than building it (a thread hand-off, and the allocator's
@@ -243,7 +248,7 @@ impl Runner {
             let fence = self.store.fail(lease, job, ErrorKind::PartialOutput, message, Usage::default()).await?;
             return Ok(settled(lease, fence, TurnOutcome::Failed));
         }
-        let (built, est) = self.prepare_call(route, spec, &ctx.transcript);
+        let (built, est) = self.prepare_call(route, spec, &ctx.transcript, None);
         // One reservation id per call attempt: a budget wait keeps it (so the
         // turn finds its booking when it comes back), a retry gets a new one.
         let reservation = reservation_id(lease, job);
@@ -264,11 +269,14 @@ impl Runner {
         // shorter call needs less) — the one 400 that is retried, once.
         if let Some(Err(failure)) = &result {
             if failure.kind == FailureKind::ContextOverflow && spec.context_overflow != ContextOverflow::Fail {
-                let fits = route.windows.learn(&spec.model, full_input, &failure.message);
-                let (again, _) = self.prepare_call(route, spec, &ctx.transcript);
+                // What the error taught, or, when it taught nothing new, a
+                // tenth off this call.
+                let learned = route.windows.learn(&spec.model, full_input, &failure.message);
+                let fits = learned.filter(|&f| f < full_input).unwrap_or(full_input / 10 * 9);
+                let (again, _) = self.prepare_call(route, spec, &ctx.transcript, Some(fits));
                 metrics::counter!(metric::PROVIDER_CALLS, "status" => "400").increment(1);
                 tracing::info!(message = "the provider said the input overflows its context window; trimmed and sent again",
-                    run.id = %lease.id, turn.index = job.turn, input = full_input, fits, error = %failure.message);
+                    run.id = %lease.id, turn.index = job.turn, input = full_input, fits = ?fits, error = %failure.message);
                 if again.overflow.is_none() {
                     result = self.send(route, lease, job, cancel, again.body, again.answer_tool.as_deref()).await;
                 }

@@ -267,6 +267,8 @@ impl FairnessPlan {
             answer_tokens: self.answer_tokens,
             model: "gpt-4.1-mini".into(),
             input_chars: self.input_chars,
+            long_outputs: false,
+            prompt_cache: None,
         }
     }
 

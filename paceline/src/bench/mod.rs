@@ -11,12 +11,14 @@
 //! - `backlog.rs` — the backlog scenario: the cost of waiting as the backlog grows, and of a call in flight by the second.
 //! - `shapes.rs` — the provider shapes `--shape` runs the pacing scenario against.
 //! - `fairness.rs` — the fairness scenario: companion turns first, tenants' shares, weights.
+//! - `long_runs.rs` — the long-runs scenario: long runs with prompt caching on and off (work per minute, cached share, cost).
 //! - `throughput.rs` — the throughput scenario: an unlimited instant mock, one worker.
 //! - `report.rs` — the figures, the floor's formula, the table.
 
 pub mod backlog;
 pub mod fairness;
 pub mod fleet;
+pub mod long_runs;
 pub mod pacing;
 pub mod redis;
 pub mod report;

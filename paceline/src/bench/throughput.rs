@@ -36,6 +36,8 @@ pub async fn measure(env: &Env, plan: &ThroughputPlan, progress: &ProgressBar) -
         answer_tokens: 5,
         model: "gpt-4.1-mini".into(),
         input_chars: 0,
+        long_outputs: false,
+        prompt_cache: None,
     };
     let (tool_rounds, output_tokens) = workload.mock_script();
     let mock = MockConfig {

@@ -210,11 +210,13 @@ impl Trial {
         let deliveries_key = spec.log_deliveries.then(|| redis.keys().bench_deliveries());
         // Redis's URL goes by the environment, not the command line (every
         // process on the machine can read a command line).
+        // Anthropic's client adds `/v1/messages` to its URL; OpenAI's, `/responses` to its `/v1`.
+        let anthropic = spec.worker_args.windows(2).any(|w| w[0] == "--api-style" && w[1] == "anthropic");
         let mut args: Vec<String> = vec![
             "--prefix".into(),
             redis.prefix.clone(),
             "--provider-url".into(),
-            mock.base_url(),
+            if anthropic { mock.url() } else { mock.base_url() },
             "--tool-endpoints".into(),
             tool_url,
             "--concurrency".into(),

@@ -56,7 +56,17 @@ pub struct Workload {
     /// Characters of each run's input: its task padded with background text
     /// (0: the task alone, ~100 tokens).
     pub input_chars: usize,
+    /// Runs call [`LONG_TOOL`], whose output is a few thousand characters,
+    /// instead of `lookup`.
+    pub long_outputs: bool,
+    /// The runs' `prompt_cache` (`None`: not given, the default `auto`).
+    pub prompt_cache: Option<&'static str>,
 }
+
+/// The tool of the long runs: its output is [`TOOL_OUTPUT`] this many times
+/// (~3 400 characters).
+pub const LONG_TOOL: &str = "read_notes";
+const LONG_OUTPUT_REPEATS: usize = 5;
 
 impl Workload {
     /// Turns the whole workload takes when every run completes.
@@ -83,13 +93,14 @@ impl Workload {
 
     /// The `POST /v1/runs` body of run `i`.
     pub fn body(&self, i: usize, tool_endpoint: &str, label: &str) -> Value {
-        json!({
+        let tool = if self.long_outputs { LONG_TOOL } else { "lookup" };
+        let mut body = json!({
             "model": self.model,
             "instructions": INSTRUCTIONS,
             "input": self.input(i),
             "tools": [{
                 "type": "function",
-                "name": "lookup",
+                "name": tool,
                 "description": "Look a topic up in the reference notes.",
                 "parameters": {"type": "object", "properties": {"topic": {"type": "string"}}, "required": ["topic"]}
             }],
@@ -98,7 +109,11 @@ impl Workload {
             "max_turns": self.turns.max(1),
             "max_output_tokens": self.max_output_tokens,
             "metadata": {"bench": label, "i": i.to_string()},
-        })
+        });
+        if let Some(cache) = self.prompt_cache {
+            body["prompt_cache"] = cache.into();
+        }
+        body
     }
 }
 
@@ -137,8 +152,16 @@ impl Drop for Served {
 
 /// The tool endpoint: `POST /tools` answers the same short note at once.
 pub async fn tool_server() -> anyhow::Result<Served> {
-    let app = axum::Router::new()
-        .route("/tools", axum::routing::post(|| async { axum::Json(json!({"output": TOOL_OUTPUT})) }));
+    // `read_notes` (the long runs' tool) answers a few thousand characters;
+    // every other tool the short note.
+    let app = axum::Router::new().route(
+        "/tools",
+        axum::routing::post(|axum::Json(call): axum::Json<Value>| async move {
+            let output =
+                if call["name"] == LONG_TOOL { TOOL_OUTPUT.repeat(LONG_OUTPUT_REPEATS) } else { TOOL_OUTPUT.into() };
+            axum::Json(json!({"output": output}))
+        }),
+    );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.context("bind the tool endpoint")?;
     let addr = listener.local_addr()?;
     let (stop, stopped) = oneshot::channel::<()>();

@@ -56,6 +56,15 @@ pub enum Scenario {
     /// per-minute limit (`--window-s 60`). JSON: `{"config": …, "backlog":
     /// {"<runs>": figures}, "long_calls": [figures], "marginal": {…}}`.
     Backlog,
+    /// A long run's bill (SPEC §4a): `--long-run-count` runs of
+    /// `--long-run-turns` turns, each adding a tool output of ~3 400
+    /// characters, on the Anthropic shape (its input bucket, `--long-run-tpm`,
+    /// binding; cache reads not counted) and the OpenAI shape (cached tokens
+    /// counted), with prompt caching on and off: work per minute (input tokens
+    /// processed, cached or not), the cached share, 429s, cost per run at the
+    /// model's list price. JSON: `{"config": …, "long_runs": {"<shape>":
+    /// {"cache_on": figures, "cache_off": figures, "work_ratio": on / off}}}`.
+    LongRuns,
 }
 
 /// Arguments of `paceline bench`.
@@ -169,6 +178,18 @@ pub struct Args {
     /// Backlog scenario: long-call trials, each `<seconds a call takes>x<calls in flight>` (`none`: no such trial).
     #[arg(long, value_delimiter = ',', default_value = "20x64,120x64,20x1024,120x1024", value_parser = parse_long_call)]
     long_calls: Vec<Option<(f64, usize)>>,
+    /// Long-runs scenario: runs per trial.
+    #[arg(long, default_value_t = 16)]
+    long_run_count: usize,
+    /// Long-runs scenario: turns per run (at least 20).
+    #[arg(long, default_value_t = 20)]
+    long_run_turns: u32,
+    /// Long-runs scenario: the budget's input tokens per `--window-s` (the other buckets are roomy).
+    #[arg(long, default_value_t = 200_000)]
+    long_run_tpm: u64,
+    /// Long-runs scenario: the shapes to run.
+    #[arg(long, value_delimiter = ',', default_value = "anthropic,openai", value_parser = parse_long_shape)]
+    long_run_shapes: Vec<crate::bench::long_runs::LongShape>,
     /// Write the figures as one JSON object to this file.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
@@ -186,6 +207,15 @@ fn parse_long_call(s: &str) -> Result<Option<(f64, usize)>, String> {
         return Err(format!("`{s}`: a call takes more than 0 and at most 3600 s, and at least one is in flight"));
     }
     Ok(Some((secs, n)))
+}
+
+/// `--long-run-shapes`: `anthropic`, `openai`.
+fn parse_long_shape(s: &str) -> Result<crate::bench::long_runs::LongShape, String> {
+    use crate::bench::long_runs::LongShape;
+    LongShape::ALL
+        .into_iter()
+        .find(|shape| shape.name() == s)
+        .ok_or_else(|| format!("unknown shape `{s}` (anthropic or openai)"))
 }
 
 /// `--shape`: a shape's name, or `all`.
@@ -246,6 +276,8 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
         answer_tokens: args.answer_tokens,
         model: "gpt-4.1-mini".into(),
         input_chars: args.input_chars,
+        long_outputs: false,
+        prompt_cache: None,
     };
     let plan = PacingPlan {
         workers: args.workers,
@@ -280,6 +312,9 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     if args.scenario == Scenario::Backlog {
         return backlog(&args, &plan, &env, &progress, started).await;
+    }
+    if args.scenario == Scenario::LongRuns {
+        return long_runs(&args, &env, &progress, started).await;
     }
     let mut shapes: Vec<Shape> = args.shape.iter().flatten().copied().collect();
     shapes.dedup();
@@ -587,6 +622,129 @@ async fn backlog(
             "long_calls": long,
             "marginal_ms_per_call_second": marginal,
         });
+        let text = serde_json::to_string_pretty(&out)?;
+        std::fs::write(path, text + "\n").with_context(|| format!("write {}", path.display()))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Work per minute with caching on over off, on the Anthropic shape: the bar.
+const LONG_RUNS_WORK_BAR: f64 = 3.0;
+/// The cached share with caching on: Anthropic's bar, then OpenAI's.
+const LONG_RUNS_CACHED_BARS: (f64, f64) = (0.70, 0.60);
+
+async fn long_runs(args: &Args, env: &Env, progress: &ProgressBar, started: Instant) -> anyhow::Result<ExitCode> {
+    use crate::bench::long_runs::{measure, LongRunsPlan, LongShape};
+    anyhow::ensure!(args.long_run_turns >= 20, "--long-run-turns must be at least 20: these are long runs");
+    anyhow::ensure!(
+        args.long_run_count > 0 && args.long_run_tpm > 0,
+        "--long-run-count and --long-run-tpm must be at least 1"
+    );
+    let plan = LongRunsPlan {
+        workers: args.workers,
+        concurrency: args.concurrency,
+        runs: args.long_run_count,
+        turns: args.long_run_turns,
+        tpm: args.long_run_tpm,
+        window: Duration::from_secs_f64(args.window_s),
+        latency: Duration::from_millis(args.latency_ms),
+        max_output_tokens: args.max_output_tokens,
+        timeout: Duration::from_secs(args.timeout_s.max(600)),
+    };
+    let mut out = BTreeMap::new();
+    for &shape in &args.long_run_shapes {
+        let mut pair = BTreeMap::new();
+        for cache in [true, false] {
+            let f = measure(env, &plan, shape, cache, progress)
+                .await
+                .with_context(|| format!("{} cache {cache}", shape.name()))?;
+            let line = format!(
+                "{} cache {}: {:.0} s, {:.0} input tokens / min ({:.2} of the limit), {:.1} % cached, {} 429s in {} calls, {} of {} runs completed",
+                shape.name(),
+                if cache { "on" } else { "off" },
+                f.makespan_s,
+                f.work_tokens_per_min,
+                f.work_tokens_per_min / f.limit_tokens_per_min,
+                f.cached_share * 100.0,
+                f.rate_limited,
+                f.calls,
+                f.runs_completed,
+                plan.runs
+            );
+            progress.suspend(|| eprintln!("{line}"));
+            pair.insert(if cache { "cache_on" } else { "cache_off" }, f);
+        }
+        out.insert(shape, pair);
+    }
+    progress.finish_and_clear();
+    println!(
+        "paceline bench --scenario long-runs: {} runs x {} turns (a ~3 400-character tool output a turn), {} workers x {} slots, the shared pacer, {} input tokens per {} s, latency {} ms",
+        plan.runs, plan.turns, args.workers, args.concurrency, plan.tpm, args.window_s, args.latency_ms
+    );
+    println!(
+        "{:>10} {:>6} {:>10} {:>16} {:>9} {:>9} {:>14} {:>14} {:>6} {:>8} {:>14}",
+        "shape",
+        "cache",
+        "makespan s",
+        "input tok / min",
+        "x limit",
+        "cached %",
+        "cache writes",
+        "output tokens",
+        "429s",
+        "calls",
+        "USD / run"
+    );
+    let mut json = serde_json::Map::new();
+    for (shape, pair) in &out {
+        for (key, f) in pair {
+            println!(
+                "{:>10} {:>6} {:>10.1} {:>16.0} {:>9.2} {:>8.1}% {:>14} {:>14} {:>6} {:>8} {:>14}",
+                shape.name(),
+                if f.cache { "on" } else { "off" },
+                f.makespan_s,
+                f.work_tokens_per_min,
+                f.work_tokens_per_min / f.limit_tokens_per_min,
+                f.cached_share * 100.0,
+                f.cache_write_tokens,
+                f.output_tokens,
+                f.rate_limited,
+                f.calls,
+                f.cost_per_run_usd.map_or_else(|| "unknown".to_owned(), |c| format!("{c:.4}"))
+            );
+            let _ = key;
+        }
+        let (on, off) = (&pair["cache_on"], &pair["cache_off"]);
+        let ratio = on.work_tokens_per_min / off.work_tokens_per_min.max(1e-9);
+        let yes = |ok: bool| if ok { "yes" } else { "NO" };
+        match shape {
+            LongShape::Anthropic => println!(
+                "anthropic bars: work per minute x{ratio:.2} with caching (>= {LONG_RUNS_WORK_BAR}: {}), {:.1} % cached (>= {:.0} %: {}), {} 429s (0: {})",
+                yes(ratio >= LONG_RUNS_WORK_BAR),
+                on.cached_share * 100.0,
+                LONG_RUNS_CACHED_BARS.0 * 100.0,
+                yes(on.cached_share >= LONG_RUNS_CACHED_BARS.0),
+                on.rate_limited,
+                yes(on.rate_limited == 0)
+            ),
+            LongShape::Openai => println!(
+                "openai bars: {:.1} % cached (>= {:.0} %: {}), {:.2} 429s per 100 calls (<= 0.1: {}); work per minute x{ratio:.2}",
+                on.cached_share * 100.0,
+                LONG_RUNS_CACHED_BARS.1 * 100.0,
+                yes(on.cached_share >= LONG_RUNS_CACHED_BARS.1),
+                on.rate_limited_per_100_calls,
+                yes(on.rate_limited_per_100_calls <= 0.1)
+            ),
+        }
+        json.insert(
+            shape.name().to_owned(),
+            serde_json::json!({"cache_on": on, "cache_off": off, "work_ratio": ratio}),
+        );
+    }
+    println!("(work: input tokens the provider processed, read from its cache or not; USD at the model's list price, shared::models, {})", shared::models::TABLE_DATE);
+    println!("bench took {:.0} s", started.elapsed().as_secs_f64());
+    if let Some(path) = &args.json {
+        let out = serde_json::json!({"config": args.setup(), "long_runs": json});
         let text = serde_json::to_string_pretty(&out)?;
         std::fs::write(path, text + "\n").with_context(|| format!("write {}", path.display()))?;
     }

@@ -180,3 +180,52 @@ fn a_tiny_fairness_bench_writes_its_fields() {
         assert!(f["weights_2_1"]["shares"][tenant].is_number(), "fairness.weights_2_1.shares.{tenant} missing: {f:#}");
     }
 }
+
+/// `--scenario long-runs`, tiny (2 runs of 20 turns per trial, a roomy
+/// budget): the JSON has each shape's figures with caching on and off, and
+/// caching on reads most of the input from the cache on both.
+#[test]
+fn a_tiny_long_runs_bench_reads_most_of_its_input_from_the_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("long.json");
+    let json_path = json.display().to_string();
+    let args = [
+        "bench",
+        "--scenario",
+        "long-runs",
+        "--workers",
+        "1",
+        "--concurrency",
+        "4",
+        "--long-run-count",
+        "2",
+        "--latency-ms",
+        "20",
+        "--long-run-tpm",
+        "2000000",
+        "--json",
+        json_path.as_str(),
+    ];
+    let (status, stdout, stderr) = run_to_end(dir.path(), &args);
+    assert!(status.success(), "{stdout}\n{stderr}");
+    let out: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    for shape in ["anthropic", "openai"] {
+        let (on, off) = (&out["long_runs"][shape]["cache_on"], &out["long_runs"][shape]["cache_off"]);
+        for f in [on, off] {
+            assert_eq!(f["runs_completed"], 2, "{shape}: {f}");
+            assert_eq!(f["rate_limited"], 0, "{shape}: {f}");
+            for field in ["work_tokens_per_min", "cached_share", "cost_per_run_usd", "makespan_s", "input_tokens"] {
+                assert!(f[field].is_number(), "{shape}: {field} missing in {f}");
+            }
+        }
+        assert!(on["cached_share"].as_f64().unwrap() > 0.6, "{shape}: {on}");
+    }
+    // Anthropic caches only what is marked: off reads nothing, and pays for it.
+    let (on, off) = (&out["long_runs"]["anthropic"]["cache_on"], &out["long_runs"]["anthropic"]["cache_off"]);
+    assert_eq!(off["cached_share"].as_f64(), Some(0.0), "{off}");
+    assert!(
+        on["cost_per_run_usd"].as_f64().unwrap() < off["cost_per_run_usd"].as_f64().unwrap() / 2.0,
+        "{on} vs {off}"
+    );
+    assert!(stdout.contains("anthropic bars:") && stdout.contains("openai bars:"), "{stdout}");
+}
