@@ -404,6 +404,14 @@ fn describe(run: &Run) -> String {
             u.cached_input_tokens, u.cache_write_tokens, u.reasoning_tokens
         );
     }
+    match run.cost_usd {
+        Some(cost) => {
+            let _ = writeln!(out, "cost:        ${cost:.4} at the model's list price");
+        }
+        None => {
+            let _ = writeln!(out, "cost:        unknown (no price for {})", run.model);
+        }
+    }
     let p = &run.pacing;
     let _ = writeln!(
         out,

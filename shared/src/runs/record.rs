@@ -176,6 +176,11 @@ pub struct Run {
     pub max_turns: u32,
     /// Tokens used.
     pub usage: Usage,
+    /// What they cost, USD, at the model's list price (`crate::models`):
+    /// each kind of token at its own rate. `None` for a model whose price is
+    /// not known — never 0.
+    #[serde(default)]
+    pub cost_usd: Option<f64>,
     /// What pacing did.
     pub pacing: PacingCounters,
     /// Why it waits, while `waiting`.
@@ -309,6 +314,15 @@ impl Run {
         let mode = get(field::MODE).and_then(Mode::parse).unwrap_or(Mode::Work);
         let input_tokens = num(field::INPUT_TOKENS);
         let output_tokens = num(field::OUTPUT_TOKENS);
+        let usage = Usage {
+            input_tokens,
+            output_tokens,
+            total_tokens: input_tokens + output_tokens,
+            reasoning_tokens: num(field::REASONING_TOKENS),
+            cached_input_tokens: num(field::CACHED_INPUT_TOKENS),
+            cache_write_tokens: num(field::CACHE_WRITE_TOKENS),
+        };
+        let model = get(field::MODEL).unwrap_or_default();
         let waiting = status == RunStatus::Waiting;
         let wait_reason = if waiting {
             get(field::WAIT_REASON).and_then(|r| serde_json::from_value(Value::String(r.to_owned())).ok())
@@ -319,17 +333,11 @@ impl Run {
             id: id.to_owned(),
             status,
             mode,
-            model: get(field::MODEL).unwrap_or_default().to_owned(),
+            model: model.to_owned(),
             turns_completed: num(field::TURNS) as u32,
             max_turns: num(field::MAX_TURNS) as u32,
-            usage: Usage {
-                input_tokens,
-                output_tokens,
-                total_tokens: input_tokens + output_tokens,
-                reasoning_tokens: num(field::REASONING_TOKENS),
-                cached_input_tokens: num(field::CACHED_INPUT_TOKENS),
-                cache_write_tokens: num(field::CACHE_WRITE_TOKENS),
-            },
+            usage,
+            cost_usd: crate::models::price(model).map(|p| (p.cost_usd(&usage) * 1e6).round() / 1e6),
             pacing: PacingCounters {
                 budget_waits: num(field::BUDGET_WAITS),
                 waited_ms: num(field::WAITED_MS),

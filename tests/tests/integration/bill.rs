@@ -125,7 +125,8 @@ async fn an_anthropic_run_reads_its_earlier_turns_from_the_cache() {
     config.provider = ProviderArgs::single(crate::styles::base(&app.mock, ApiStyle::Anthropic), ApiStyle::Anthropic);
     app.spawn_worker(config);
     let instructions = "Follow the house rules for research notes carefully. ".repeat(100);
-    let run = app.submit(long_run(&app, json!({"model": "claude-test", "instructions": instructions}))).await;
+    let body = long_run(&app, json!({"model": "claude-sonnet-4-5", "instructions": instructions}));
+    let run = app.submit(body).await;
     let run = app.wait_finished(&run.id, secs(60)).await;
     assert_eq!(run.status, RunStatus::Completed, "{run:?}");
     let stats = app.mock.stats();
@@ -141,12 +142,23 @@ async fn an_anthropic_run_reads_its_earlier_turns_from_the_cache() {
     }
     let share = stats.cache_read_tokens as f64 / input as f64;
     assert!(share > 0.6, "{share:.2} of the input read from the cache");
+    // Its cost: each kind at its own list price (Sonnet: 3 uncached, 0.3 read,
+    // 3.75 written, 15 out, USD per million), from the provider's counts.
+    let uncached = input - stats.cache_read_tokens - stats.cache_write_tokens;
+    let want = (uncached as f64 * 3.0
+        + stats.cache_read_tokens as f64 * 0.3
+        + stats.cache_write_tokens as f64 * 3.75
+        + run.usage.output_tokens as f64 * 15.0)
+        / 1e6;
+    let cost = run.cost_usd.expect("a known model's cost");
+    assert!((cost - want).abs() < 2e-6, "{cost} against {want}");
     // Off: nothing marked, nothing read.
     let before = stats.cache_read_tokens;
     let body = long_run(&app, json!({"model": "claude-test", "prompt_cache": "off", "input": "another task"}));
     let run = app.submit(body).await;
     let run = app.wait_finished(&run.id, secs(60)).await;
     assert_eq!((run.status, run.usage.cached_input_tokens, run.usage.cache_write_tokens), (RunStatus::Completed, 0, 0));
+    assert_eq!(run.cost_usd, None, "a model without a price has no cost, not 0");
     assert_eq!(app.mock.stats().cache_read_tokens, before);
     app.stop_workers().await;
 }
