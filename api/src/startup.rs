@@ -41,6 +41,7 @@ impl Application {
         // The API only reads the pacer: its snapshot lists every budget under the prefix.
         let pacer = SharedPacer::new(conn.clone(), keys.clone(), "default", PacingConfig::default());
         let runs = RunStore::new(conn.clone(), keys, config.runs.retention);
+        config.runs.use_prices();
         crate::config::check_access(config.serve.listen, &config.serve.tokens, &config.access)
             .map_err(anyhow::Error::msg)?;
         let auth = Auth::new(&config.serve.tokens, config.access.operator());

@@ -93,9 +93,71 @@ pub fn context_window(model: &str) -> Option<u64> {
     longest(CONTEXT_WINDOWS, model).copied()
 }
 
-/// The list price of `model`, when this table knows it.
+/// The price of `model`: from the table given with `PACELINE_PRICES`
+/// ([`use_prices`]) when it names the model (or a prefix of it), else the
+/// built-in list price, when either knows it.
 pub fn price(model: &str) -> Option<Price> {
-    longest(PRICES, model).copied()
+    let given = GIVEN.read().unwrap_or_else(|e| e.into_inner());
+    let named: Vec<(&str, Price)> = given.0.iter().map(|(name, p)| (name.as_str(), *p)).collect();
+    longest(&named, model).copied().or_else(|| longest(PRICES, model).copied())
+}
+
+/// Prices given over the built-in table (`PACELINE_PRICES`, `--prices`):
+/// model names (or prefixes of them) and their prices.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PriceTable(Vec<(String, Price)>);
+
+/// The prices this process was given.
+static GIVEN: std::sync::RwLock<PriceTable> = std::sync::RwLock::new(PriceTable(Vec::new()));
+
+/// Puts `table` over the built-in prices for this process.
+pub fn use_prices(table: PriceTable) {
+    *GIVEN.write().unwrap_or_else(|e| e.into_inner()) = table;
+}
+
+impl PriceTable {
+    /// Reads `{"MODEL": {"input": 2.0, "cached_input": 0.5, "cache_write":
+    /// 2.5, "output": 8.0}}` (USD per million tokens): `input` and `output`
+    /// are required; `cached_input` and `cache_write` default to `input`.
+    /// Every price a finite number ≥ 0; nothing else is accepted.
+    pub fn from_json(text: &str) -> Result<Self, String> {
+        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
+        let models = value.as_object().ok_or("must be an object of model names")?;
+        let mut table = vec![];
+        for (model, p) in models {
+            let p = p.as_object().ok_or_else(|| format!("{model}: must be an object of prices"))?;
+            if let Some(unknown) =
+                p.keys().find(|k| !["input", "cached_input", "cache_write", "output"].contains(&k.as_str()))
+            {
+                return Err(format!("{model}.{unknown}: unknown price (input, cached_input, cache_write, output)"));
+            }
+            let get = |k: &str| -> Result<Option<f64>, String> {
+                match p.get(k) {
+                    None => Ok(None),
+                    Some(v) => match v.as_f64() {
+                        Some(x) if x.is_finite() && x >= 0.0 => Ok(Some(x)),
+                        _ => Err(format!("{model}.{k}: must be a number of USD per million tokens, 0 or more")),
+                    },
+                }
+            };
+            let input = get("input")?.ok_or_else(|| format!("{model}.input: is required"))?;
+            let output = get("output")?.ok_or_else(|| format!("{model}.output: is required"))?;
+            let price = Price {
+                input,
+                cached_input: get("cached_input")?.unwrap_or(input),
+                cache_write: get("cache_write")?.unwrap_or(input),
+                output,
+            };
+            table.push((model.clone(), price));
+        }
+        Ok(Self(table))
+    }
+}
+
+/// `--prices FILE` (`PACELINE_PRICES`): the file read and checked at start.
+pub fn read_prices(path: &str) -> Result<PriceTable, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {path}: {e}"))?;
+    PriceTable::from_json(&text).map_err(|e| format!("{path}: {e}"))
 }
 
 #[cfg(test)]
@@ -113,6 +175,26 @@ mod tests {
         assert_eq!(context_window("o3-mini"), Some(200_000));
         assert_eq!(context_window("llama-3.1-8b"), None);
         assert_eq!(context_window(""), None);
+    }
+
+    #[test]
+    fn a_price_table_is_read_strictly() {
+        let t = PriceTable::from_json(r#"{"my-model": {"input": 2, "output": 8, "cached_input": 0.5}}"#).unwrap();
+        assert_eq!(t.0[0].1, Price { input: 2.0, cached_input: 0.5, cache_write: 2.0, output: 8.0 });
+        for (bad, says) in [
+            ("[1]", "object of model names"),
+            ("{", "not JSON"),
+            (r#"{"m": 3}"#, "m: must be an object"),
+            (r#"{"m": {"input": -1, "output": 1}}"#, "m.input: must be a number"),
+            (r#"{"m": {"input": "1", "output": 1}}"#, "m.input: must be a number"),
+            (r#"{"m": {"output": 1}}"#, "m.input: is required"),
+            (r#"{"m": {"input": 1}}"#, "m.output: is required"),
+            (r#"{"m": {"input": 1, "output": 1, "batch": 0.5}}"#, "m.batch: unknown price"),
+        ] {
+            let err = PriceTable::from_json(bad).unwrap_err();
+            assert!(err.contains(says), "{bad}: {err}");
+        }
+        assert!(read_prices("/no/such/prices.json").unwrap_err().contains("cannot read /no/such/prices.json"));
     }
 
     #[test]

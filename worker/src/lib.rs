@@ -119,6 +119,7 @@ pub async fn runner(config: &WorkerConfig) -> anyhow::Result<(Runner, TurnQueue)
         .context("connect to Redis")?;
     let keys = config.redis.keys();
     let store = RunStore::new(conn.clone(), keys.clone(), config.runs.retention);
+    config.runs.use_prices();
     let routes = routes::Routes::build(&config.provider, &config.pacer, &config.keys, conn, &keys)?;
     let turn_config = TurnConfig {
         max_history: config.slots.max_history.max(1),

@@ -15,6 +15,20 @@ pub struct RunArgs {
     /// (`90s`, `30m`, `12h`, `7d`, or seconds).
     #[arg(long = "retention", env = "PACELINE_RETENTION", default_value = DEFAULT_RETENTION, value_parser = crate::config::parse_duration)]
     pub retention: std::time::Duration,
+    /// A JSON file of prices, USD per million tokens, over the built-in table
+    /// (`{"MODEL": {"input": 2.0, "cached_input": 0.5, "cache_write": 2.5,
+    /// "output": 8.0}}`): what a run's `cost_usd` is reckoned at.
+    #[arg(long = "prices", env = "PACELINE_PRICES", value_name = "FILE", value_parser = crate::models::read_prices)]
+    pub prices: Option<crate::models::PriceTable>,
+}
+
+impl RunArgs {
+    /// Puts the given prices over the built-in ones for this process.
+    pub fn use_prices(&self) {
+        if let Some(table) = &self.prices {
+            crate::models::use_prices(table.clone());
+        }
+    }
 }
 
 /// Default of `--retention`.
@@ -26,6 +40,7 @@ impl Default for RunArgs {
         Self {
             tool_endpoints: super::ToolEndpoints::default(),
             retention: crate::config::parse_duration(DEFAULT_RETENTION).expect("the default retention parses"),
+            prices: None,
         }
     }
 }

@@ -181,3 +181,45 @@ async fn an_openai_run_sends_a_key_of_its_own_and_reads_its_prefix() {
     assert!(run.usage.cached_input_tokens > 0);
     app.stop_workers().await;
 }
+
+/// `PACELINE_PRICES`: a table that does not parse, or a negative price, stops
+/// `paceline api` and `paceline worker` at start with the file and the field
+/// named, before anything reaches Redis.
+#[test]
+fn a_bad_price_table_stops_the_processes_at_start_naming_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    for (text, says) in
+        [("{\"gpt-x\": {\"input\": -2, \"output\": 8}}", "gpt-x.input: must be a number"), ("{not json", "not JSON")]
+    {
+        let file = dir.path().join("prices.json");
+        std::fs::write(&file, text).unwrap();
+        for command in ["api", "worker"] {
+            let out = std::process::Command::new(paceline_tests::paceline_bin())
+                .arg(command)
+                .env("PACELINE_PRICES", &file)
+                .env("REDIS_URL", "redis://127.0.0.1:1")
+                .output()
+                .unwrap();
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{command}: {stderr}");
+            assert!(stderr.contains(says) && stderr.contains("prices.json"), "{command}: {stderr}");
+        }
+    }
+}
+
+/// A table given with `PACELINE_PRICES` prices a model the built-in one does
+/// not know, and goes over one it does. (The table is the process's: this
+/// test names models no other test of this binary prices.)
+#[test]
+fn given_prices_go_over_the_built_in_table() {
+    let table = shared::models::PriceTable::from_json(
+        r#"{"house-model": {"input": 1, "output": 2}, "claude-3-5-haiku": {"input": 9, "output": 9}}"#,
+    )
+    .unwrap();
+    assert_eq!(shared::models::price("house-model"), None);
+    shared::models::use_prices(table);
+    assert_eq!(shared::models::price("house-model-v2").map(|p| p.output), Some(2.0));
+    assert_eq!(shared::models::price("claude-3-5-haiku-20241022").map(|p| p.input), Some(9.0));
+    assert_eq!(shared::models::price("gpt-4.1").map(|p| p.input), Some(2.0), "the rest stays built in");
+    shared::models::use_prices(Default::default());
+}
