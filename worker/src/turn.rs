@@ -258,6 +258,12 @@ impl Runner {
             let fence = self.store.fail(lease, job, ErrorKind::ContextOverflow, &message, Usage::default()).await?;
             return Ok(settled(lease, fence, TurnOutcome::Failed));
         }
+        if let Some(message) = self.over_cost_cap(lease, ctx, route.provider.api_style(), &built).await? {
+            // Never sent: a reservation the commit's ask may have made goes back.
+            self.settle_now(spec, &reservation, &CallOutcome::default()).await;
+            let fence = self.store.fail(lease, job, ErrorKind::BudgetExceeded, &message, Usage::default()).await?;
+            return Ok(settled(lease, fence, TurnOutcome::Failed));
+        }
         if let Some(fence) = self.pace_call(lease, job, ctx, route, est, cleared).await? {
             return Ok(settled(lease, fence, TurnOutcome::Requeued));
         }
@@ -292,6 +298,41 @@ impl Runner {
             Ok(success) => self.on_success(lease, job, ctx, &reservation, success, cancel).await,
             Err(failure) => self.on_failure(lease, job, ctx, &reservation, failure).await,
         }
+    }
+
+    /// Why the call `built` must not be sent under the run's `max_cost_usd`:
+    /// what the run has cost so far (its record) and the call's estimated
+    /// cost would cross it. The estimate errs high: the input at the dearer
+    /// of the input and cache-write prices and the tokenizer's margin, its
+    /// expected cache reads at theirs, the whole output limit. A run whose
+    /// model this worker has no price for is not sent either: its cap could
+    /// not be kept. `None` for a run without a cap.
+    async fn over_cost_cap(
+        &self,
+        lease: &Lease,
+        ctx: &TurnContext,
+        style: ApiStyle,
+        built: &Built,
+    ) -> Result<Option<String>, TurnError> {
+        let spec = &ctx.spec;
+        let Some(cap) = spec.max_cost_usd else { return Ok(None) };
+        let Some(price) = shared::models::price(&spec.model) else {
+            return Ok(Some(format!(
+                "no price is known for model {:?} on this worker (PACELINE_PRICES): its max_cost_usd cannot be kept",
+                spec.model
+            )));
+        };
+        let spent = self.store.get(&ctx.tenant, &lease.id).await?.and_then(|run| run.cost_usd).unwrap_or(0.0);
+        let reads = built.full_input.saturating_sub(built.input);
+        let estimate = (built.input as f64 * tokenizer_margin(style) * price.input.max(price.cache_write)
+            + reads as f64 * price.cached_input
+            + f64::from(spec.max_output_tokens) * price.output)
+            / 1e6;
+        Ok((spent + estimate > cap).then(|| {
+            format!(
+                "the next call (up to ${estimate:.4}) would take the run past its max_cost_usd of ${cap} (spent ${spent:.4}); not sent"
+            )
+        }))
     }
 
     /// Sends one call and streams its text deltas to the run's events as they

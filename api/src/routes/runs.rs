@@ -108,6 +108,10 @@ pub struct SubmitRun {
     /// The model's context window in tokens, over the built-in table's (1 024 to 100 000 000).
     #[schema(minimum = 1024, maximum = 100000000)]
     context_window_tokens: Option<u64>,
+    /// The most the run may cost, USD at the model's price: a call that would cross it
+    /// is not sent, and the run fails with `error.kind = "budget_exceeded"`.
+    #[schema(exclusive_minimum = 0, maximum = 1000000)]
+    max_cost_usd: Option<f64>,
 }
 
 /// A page of runs (`paceline runs` reads it back with the same type).

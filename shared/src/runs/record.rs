@@ -61,7 +61,7 @@ pub struct RunError {
     /// `max_turns`, `rate_limited`, `quota`, `request_too_large`,
     /// `spend_limit`, `partial_output`, `provider_error`, `provider_unavailable`,
     /// `dead_lettered` (its turn used up its deliveries: the queue buried it),
-    /// `deadline`, `context_overflow`.
+    /// `deadline`, `context_overflow`, `budget_exceeded`.
     pub kind: String,
     /// The provider's or paceline's message.
     pub message: String,
@@ -96,6 +96,8 @@ pub enum ErrorKind {
     /// Its input does not fit the model's context window, and the run says
     /// `context_overflow: "fail"` (or trimming could not make it fit).
     ContextOverflow,
+    /// Its next call would have crossed its `max_cost_usd`.
+    BudgetExceeded,
 }
 
 /// The run's `error.kind` when a failed call ends it:
@@ -126,7 +128,7 @@ impl From<crate::pacer::FailureKind> for ErrorKind {
 
 impl ErrorKind {
     /// Every kind, in declaration order.
-    pub const ALL: [Self; 11] = [
+    pub const ALL: [Self; 12] = [
         Self::MaxTurns,
         Self::RateLimited,
         Self::Quota,
@@ -138,6 +140,7 @@ impl ErrorKind {
         Self::DeadLettered,
         Self::Deadline,
         Self::ContextOverflow,
+        Self::BudgetExceeded,
     ];
 
     /// The name in `error.kind`.
@@ -154,6 +157,7 @@ impl ErrorKind {
             Self::DeadLettered => "dead_lettered",
             Self::Deadline => "deadline",
             Self::ContextOverflow => "context_overflow",
+            Self::BudgetExceeded => "budget_exceeded",
         }
     }
 }

@@ -20,6 +20,8 @@ pub const MAX_MAX_RUN_SECONDS: u32 = 30 * 24 * 3_600;
 pub const DEFAULT_MAX_OUTPUT_TOKENS: u32 = 2_048;
 /// The largest `max_output_tokens` accepted.
 pub const MAX_MAX_OUTPUT_TOKENS: u32 = 1_000_000;
+/// The largest `max_cost_usd` accepted.
+pub const MAX_COST_USD: f64 = 1_000_000.0;
 /// The bounds of `context_window_tokens`.
 pub const CONTEXT_WINDOW_TOKENS: std::ops::RangeInclusive<u64> = 1_024..=100_000_000;
 
@@ -86,6 +88,11 @@ pub struct RunSpec {
     /// (`shared::models`); `None`: the table's, if it knows the model.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub context_window_tokens: Option<u64>,
+    /// The most the run may cost, USD at the model's price: a call whose
+    /// estimated cost would cross it is not sent, and the run fails with
+    /// `budget_exceeded`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_cost_usd: Option<f64>,
     /// Sampling, reasoning, structured output, tool choice and the
     /// provider's knobs (`generation.rs`), at the top level of the body.
     #[serde(flatten)]
@@ -170,7 +177,7 @@ impl SubmitPolicy {
     }
 }
 
-const KNOWN_FIELDS: [&str; 13] = [
+const KNOWN_FIELDS: [&str; 14] = [
     "model",
     "instructions",
     "input",
@@ -184,6 +191,7 @@ const KNOWN_FIELDS: [&str; 13] = [
     "provider",
     "context_overflow",
     "context_window_tokens",
+    "max_cost_usd",
 ];
 
 impl RunSpec {
@@ -329,6 +337,21 @@ impl RunSpec {
                 )
             })?),
         };
+        let max_cost_usd = match obj.get("max_cost_usd") {
+            None | Some(Value::Null) => None,
+            Some(v) => {
+                let cap = v.as_f64().filter(|c| c.is_finite() && *c > 0.0 && *c <= MAX_COST_USD).ok_or_else(|| {
+                    err("max_cost_usd", format!("must be a number of USD above 0, at most {MAX_COST_USD}"))
+                })?;
+                if crate::models::price(&model).is_none() {
+                    return Err(err(
+                        "max_cost_usd",
+                        format!("no price is known for model {model:?}: give one in PACELINE_PRICES to cap its cost"),
+                    ));
+                }
+                Some(cap)
+            }
+        };
         let tool_names: Vec<&str> = tools.iter().filter_map(|t| t.get("name").and_then(Value::as_str)).collect();
         let generation = Generation::from_json(obj, &tool_names)?;
         Ok(Self {
@@ -345,6 +368,7 @@ impl RunSpec {
             provider,
             context_overflow,
             context_window_tokens,
+            max_cost_usd,
             generation,
         })
     }
@@ -443,6 +467,11 @@ mod tests {
             (json!({"model": "m", "input": "x", "context_window_tokens": 1.5}), "context_window_tokens"),
             (json!({"model": "m", "input": "x", "context_window_tokens": "8k"}), "context_window_tokens"),
             (json!({"model": "m", "input": "x", "prompt_cache": "maybe"}), "prompt_cache"),
+            (json!({"model": "gpt-4.1", "input": "x", "max_cost_usd": 0}), "max_cost_usd"),
+            (json!({"model": "gpt-4.1", "input": "x", "max_cost_usd": -1}), "max_cost_usd"),
+            (json!({"model": "gpt-4.1", "input": "x", "max_cost_usd": "5"}), "max_cost_usd"),
+            (json!({"model": "gpt-4.1", "input": "x", "max_cost_usd": 2e6}), "max_cost_usd"),
+            (json!({"model": "no-price", "input": "x", "max_cost_usd": 5}), "max_cost_usd"),
         ];
         for (body, field) in cases {
             assert_eq!(field_of(body.clone()), field, "{body}");

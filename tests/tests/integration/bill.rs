@@ -223,3 +223,29 @@ fn given_prices_go_over_the_built_in_table() {
     assert_eq!(shared::models::price("gpt-4.1").map(|p| p.input), Some(2.0), "the rest stays built in");
     shared::models::use_prices(Default::default());
 }
+
+/// SPEC §4a, `max_cost_usd`: a run never sends the call that would cross its
+/// cap; it fails with `budget_exceeded` instead, its cost within the cap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_with_a_cost_cap_never_sends_the_call_that_would_cross_it() {
+    let mut app = App::start(MockConfig { tool_rounds: 12, ..MockConfig::default() }).await;
+    app.tools = wordy_tools().await;
+    app.spawn_worker(app.config());
+    // gpt-4.1: $2 a million input, $8 output; a turn here costs ~$0.001-0.014
+    // (~600 more tokens of input a turn, 64 of output reserved).
+    let cap = 0.03;
+    let run = app.submit(long_run(&app, json!({"model": "gpt-4.1", "max_cost_usd": cap}))).await;
+    let run = app.wait_finished(&run.id, secs(60)).await;
+    assert_eq!(run.status, RunStatus::Failed, "{run:?}");
+    let error = run.error.expect("an error");
+    assert_eq!(error.kind, "budget_exceeded");
+    assert!(error.message.contains("max_cost_usd"), "{}", error.message);
+    let cost = run.cost_usd.expect("a priced model");
+    assert!(cost <= cap, "spent {cost} of {cap}");
+    let calls = app.mock.stats().requests;
+    assert!((3..13).contains(&calls), "{calls} calls");
+    // What the provider counted, at the list price, is what the run says it cost.
+    let input: u64 = app.mock.stats().log.iter().map(|e| e.input_tokens).sum();
+    assert_eq!(run.usage.input_tokens, input);
+    app.stop_workers().await;
+}
