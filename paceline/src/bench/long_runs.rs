@@ -103,7 +103,8 @@ pub struct LongRunFigures {
     pub rate_limited: u64,
     /// 429s per 100 calls.
     pub rate_limited_per_100_calls: f64,
-    /// A run's cost at the model's list price (`null`: not known).
+    /// A run's cost at the model's list price (`null`: not known, or not
+    /// every run completed: the others' cost is not a run's).
     pub cost_per_run_usd: Option<f64>,
     /// Runs completed.
     pub runs_completed: usize,
@@ -198,7 +199,7 @@ pub async fn measure(
         } else {
             0.0
         },
-        cost_per_run_usd: cost.map(|c| c / plan.runs.max(1) as f64),
+        cost_per_run_usd: cost.filter(|_| completed == plan.runs).map(|c| c / plan.runs.max(1) as f64),
         runs_completed: completed,
         runs_not_completed: plan.runs - completed,
     })

@@ -649,7 +649,7 @@ async fn long_runs(args: &Args, env: &Env, progress: &ProgressBar, started: Inst
         window: Duration::from_secs_f64(args.window_s),
         latency: Duration::from_millis(args.latency_ms),
         max_output_tokens: args.max_output_tokens,
-        timeout: Duration::from_secs(args.timeout_s.max(600)),
+        timeout: Duration::from_secs(args.timeout_s.max(1800)),
     };
     let mut out = BTreeMap::new();
     for &shape in &args.long_run_shapes {
