@@ -208,6 +208,18 @@ pub fn predicted_cache_reads(body: &Value) -> u64 {
     n
 }
 
+/// The length of the text in `v`, roughly: its strings' and keys' bytes, 8
+/// for any other value. What building or marking a body costs goes with it,
+/// and a quarter of it is a token count good enough to decide by.
+pub fn text_len(v: &Value) -> usize {
+    match v {
+        Value::String(s) => s.len(),
+        Value::Array(a) => a.iter().map(text_len).sum(),
+        Value::Object(o) => o.iter().map(|(k, v)| k.len() + text_len(v)).sum(),
+        _ => 8,
+    }
+}
+
 /// Tokens of one input item (a Responses item or a message): its text and
 /// its framing.
 pub fn item_tokens(item: &Value) -> u64 {

@@ -24,7 +24,7 @@
 //! | `seed` | — | `seed` | — |
 //! | `service_tier` | as is | as is | `auto`; `default` as `standard_only` |
 //! | `prompt_cache_key` | as is | as is | — |
-//! | `prompt_cache` (`auto`) | a `prompt_cache_key` for the run | — (see [`cache_key`]) | `cache_control` breakpoints |
+//! | `prompt_cache` (`auto`) | a `prompt_cache_key` for the run | — (see `cache_key`) | `cache_control` breakpoints |
 //! | `store` | as is (default false) | when set | — |
 //! | `truncation` | as is | — | — |
 

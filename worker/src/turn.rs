@@ -732,14 +732,7 @@ const IN_PLACE_TEXT: usize = 16 * 1024;
 /// (its strings and keys, the whole transcript before its history is bounded):
 /// what building its body costs goes with it.
 fn call_text_len(spec: &shared::runs::RunSpec, transcript: &[TranscriptEntry]) -> usize {
-    fn len(v: &Value) -> usize {
-        match v {
-            Value::String(s) => s.len(),
-            Value::Array(a) => a.iter().map(len).sum(),
-            Value::Object(o) => o.iter().map(|(k, v)| k.len() + len(v)).sum(),
-            _ => 8,
-        }
-    }
+    let len = crate::estimate::text_len;
     let instructions = spec.instructions.as_ref().map_or(0, String::len);
     instructions + spec.tools.iter().map(len).sum::<usize>() + transcript.iter().map(|e| len(&e.item)).sum::<usize>()
 }

@@ -47,15 +47,7 @@ pub fn anthropic_min_cacheable(model: &str) -> u64 {
 /// Tokens of `v`, roughly: its strings' characters over four (what a prefix
 /// holds only decides whether it is worth a mark).
 fn rough_tokens(v: &Value) -> u64 {
-    fn chars(v: &Value) -> usize {
-        match v {
-            Value::String(s) => s.len(),
-            Value::Array(a) => a.iter().map(chars).sum(),
-            Value::Object(o) => o.iter().map(|(k, v)| k.len() + chars(v)).sum(),
-            _ => 4,
-        }
-    }
-    chars(v).div_ceil(4) as u64
+    crate::estimate::text_len(v).div_ceil(4) as u64
 }
 
 /// A block the cache may be marked on: thinking blocks and empty text refuse it.
