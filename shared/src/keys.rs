@@ -130,6 +130,13 @@ impl Keys {
         format!("{}:{}:tenant:{}:active", self.prefix, self.slot_tag(), tenant)
     }
 
+    /// A tenant's spend on one day (`runs/spend.rs`), a HASH: `spent` (micro-USD)
+    /// and one `r:<reservation>` = `<micro-USD>|<expiry ms>` per call in
+    /// flight: `prefix:{prefix}:tenant:<tenant>:spend:<day>`.
+    pub fn tenant_spend(&self, tenant: &str, day: u64) -> String {
+        format!("{}:{}:tenant:{}:spend:{}", self.prefix, self.slot_tag(), tenant, day)
+    }
+
     /// A submit's idempotency record, a STRING `run id|fingerprint` that
     /// expires with the idempotency window: `prefix:{prefix}:idem:<tenant>:<key>`.
     pub fn idempotency(&self, tenant: &str, key: &str) -> String {

@@ -62,6 +62,9 @@ pub struct WorkerConfig {
     /// Slots and history depth.
     #[command(flatten)]
     pub slots: SlotArgs,
+    /// Tenants' spend caps per day.
+    #[command(flatten)]
+    pub spend: SpendArgs,
     /// Where the providers' keys and `PACELINE_TOOL_SECRET` are read (the
     /// environment; tests give them in code). Never a flag: a secret on a
     /// command line is in every `ps`.
@@ -86,6 +89,27 @@ pub struct SlotArgs {
     pub max_history: usize,
 }
 
+/// Tenants' spend caps per day (SPEC §4a). Declared once, flattened into
+/// `paceline worker` and `paceline up`.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct SpendArgs {
+    /// Spend caps per tenant and UTC day, USD: `alpha=50,beta=5`. A tenant's
+    /// calls that would cross its cap are not sent; its runs wait
+    /// (`wait_reason: "spend_cap"`) until the next day.
+    #[arg(long = "tenant-budgets", env = "PACELINE_TENANT_BUDGETS", default_value = "", value_name = "LIST")]
+    pub tenant_budgets: shared::runs::spend::TenantBudgets,
+    /// Tests only: a "day" of this many seconds instead of a UTC day.
+    #[arg(long = "spend-day-s", hide = true)]
+    pub day_s: Option<u64>,
+}
+
+impl SpendArgs {
+    /// How long a day of the ledger is, ms.
+    pub fn day_ms(&self) -> u64 {
+        self.day_s.map_or(shared::runs::spend::DAY_MS, |s| s.max(1) * 1000)
+    }
+}
+
 /// Default of `--concurrency`.
 pub const DEFAULT_CONCURRENCY: usize = 16;
 
@@ -105,6 +129,7 @@ impl WorkerConfig {
             pacer: PacerArgs::default(),
             queue: QueueConfig::default(),
             slots: SlotArgs::default(),
+            spend: SpendArgs::default(),
             // Hermetic: a config built in code reads no environment.
             keys: KeySource::Given(Default::default()),
             bench_deliveries_key: None,
@@ -120,6 +145,10 @@ pub async fn runner(config: &WorkerConfig) -> anyhow::Result<(Runner, TurnQueue)
     let keys = config.redis.keys();
     let store = RunStore::new(conn.clone(), keys.clone(), config.runs.retention);
     config.runs.use_prices();
+    let spend = (!config.spend.tenant_budgets.is_empty()).then(|| turn::Spend {
+        ledger: shared::runs::spend::SpendLedger::new(conn.clone(), keys.clone(), config.spend.day_ms()),
+        budgets: config.spend.tenant_budgets.clone(),
+    });
     let routes = routes::Routes::build(&config.provider, &config.pacer, &config.keys, conn, &keys)?;
     let turn_config = TurnConfig {
         max_history: config.slots.max_history.max(1),
@@ -138,6 +167,7 @@ pub async fn runner(config: &WorkerConfig) -> anyhow::Result<(Runner, TurnQueue)
         config: Arc::new(turn_config),
         tenants: Arc::new(tenants),
         cancels: cancels::Cancels::default(),
+        spend: spend.map(Arc::new),
         bench_deliveries_key: config.bench_deliveries_key.clone(),
     };
     Ok((runner, queue))

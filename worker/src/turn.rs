@@ -78,9 +78,28 @@ pub struct Runner {
     pub tenants: Arc<shared::config::TenantPolicy>,
     /// The turns a cancel can reach (`cancels.rs`).
     pub cancels: crate::cancels::Cancels,
+    /// Tenants' day caps and their ledger (`PACELINE_TENANT_BUDGETS`), when any is set.
+    pub spend: Option<Arc<Spend>>,
     /// Bench only: the list each delivery is logged to
     /// (`WorkerConfig::bench_deliveries_key`).
     pub bench_deliveries_key: Option<String>,
+}
+
+/// Tenants' day caps and the ledger that keeps them (`shared::runs::spend`).
+#[derive(Debug)]
+pub struct Spend {
+    /// The ledger on Redis.
+    pub ledger: shared::runs::spend::SpendLedger,
+    /// The caps.
+    pub budgets: shared::runs::spend::TenantBudgets,
+}
+
+/// What a call booked of its tenant's day cap: settled with its real cost.
+struct SpendHold {
+    ledger: Arc<Spend>,
+    day: u64,
+    price: shared::models::Price,
+    estimate: f64,
 }
 
 /// A turn that could not finish for a reason outside the run (Redis trouble):
@@ -264,7 +283,23 @@ impl Runner {
             let fence = self.store.fail(lease, job, ErrorKind::BudgetExceeded, &message, Usage::default()).await?;
             return Ok(settled(lease, fence, TurnOutcome::Failed));
         }
+        let hold = match self.reserve_spend(ctx, &reservation, route.provider.api_style(), &built).await? {
+            Ok(hold) => hold,
+            Err((wait_ms, why)) => {
+                // The tenant's cap for the day is reached: the run waits for the next day.
+                self.settle_now(spec, &reservation, &CallOutcome::default()).await;
+                let data = json!({"turn": job.turn, "reason": "spend_cap", "owed_ms": wait_ms, "why": why});
+                tracing::info!(message = "the tenant's spend cap for the day is reached; the run waits for the next day",
+                    run.id = %lease.id, tenant = %ctx.tenant, wait_ms);
+                let fence =
+                    self.store.wait(lease, job, job, wait_ms, WaitReason::SpendCap, event::TURN_PACED, &data).await?;
+                return Ok(settled(lease, fence, TurnOutcome::Requeued));
+            }
+        };
         if let Some(fence) = self.pace_call(lease, job, ctx, route, est, cleared).await? {
+            if let Some(hold) = hold {
+                hold.settle(&ctx.tenant, &reservation, 0.0).await;
+            }
             return Ok(settled(lease, fence, TurnOutcome::Requeued));
         }
         let full_input = built.full_input;
@@ -288,6 +323,16 @@ impl Runner {
                 }
             }
         }
+        if let Some(hold) = hold {
+            // What the call cost: its usage at the price; a refused call
+            // nothing; an aborted one is not known, so its estimate.
+            let cost = match &result {
+                Some(Ok(success)) => success.usage.map_or(hold.estimate, |u| hold.price.cost_usd(&u.tokens)),
+                Some(Err(_)) => 0.0,
+                None => hold.estimate,
+            };
+            hold.settle(&ctx.tenant, &reservation, cost).await;
+        }
         let Some(result) = result else {
             // What the provider counted of an aborted call is not known: the
             // reservation settles as a call without usage.
@@ -302,9 +347,7 @@ impl Runner {
 
     /// Why the call `built` must not be sent under the run's `max_cost_usd`:
     /// what the run has cost so far (its record) and the call's estimated
-    /// cost would cross it. The estimate errs high: the input at the dearer
-    /// of the input and cache-write prices and the tokenizer's margin, its
-    /// expected cache reads at theirs, the whole output limit. A run whose
+    /// cost would cross it ([`call_cost_estimate`], high on purpose). A run whose
     /// model this worker has no price for is not sent either: its cap could
     /// not be kept. `None` for a run without a cap.
     async fn over_cost_cap(
@@ -323,16 +366,48 @@ impl Runner {
             )));
         };
         let spent = self.store.get(&ctx.tenant, &lease.id).await?.and_then(|run| run.cost_usd).unwrap_or(0.0);
-        let reads = built.full_input.saturating_sub(built.input);
-        let estimate = (built.input as f64 * tokenizer_margin(style) * price.input.max(price.cache_write)
-            + reads as f64 * price.cached_input
-            + f64::from(spec.max_output_tokens) * price.output)
-            / 1e6;
+        let estimate = call_cost_estimate(&price, style, built, spec.max_output_tokens);
         Ok((spent + estimate > cap).then(|| {
             format!(
                 "the next call (up to ${estimate:.4}) would take the run past its max_cost_usd of ${cap} (spent ${spent:.4}); not sent"
             )
         }))
+    }
+
+    /// Books the call `built`'s estimated cost ([`call_cost_estimate`]) of its
+    /// tenant's cap for the day (`PACELINE_TENANT_BUDGETS`). `Ok(None)`: the
+    /// tenant has no cap; `Err((ms, why))`: the cap is reached (or the model
+    /// has no price, so it cannot be kept) — the run waits `ms`, until the
+    /// next day.
+    async fn reserve_spend(
+        &self,
+        ctx: &TurnContext,
+        reservation: &str,
+        style: ApiStyle,
+        built: &Built,
+    ) -> Result<Result<Option<SpendHold>, (u64, String)>, TurnError> {
+        use shared::runs::spend::Reserved;
+        let Some(spend) = &self.spend else { return Ok(Ok(None)) };
+        let Some(cap) = spend.budgets.cap(&ctx.tenant) else { return Ok(Ok(None)) };
+        let now_ms =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        let Some(price) = shared::models::price(&ctx.spec.model) else {
+            let why = format!(
+                "no price is known for model {:?}: tenant {}'s day cap cannot be kept",
+                ctx.spec.model, ctx.tenant
+            );
+            return Ok(Err((spend.ledger_day_left_ms(now_ms), why)));
+        };
+        let estimate = call_cost_estimate(&price, style, built, ctx.spec.max_output_tokens);
+        let answer =
+            spend.ledger.reserve(&ctx.tenant, reservation, estimate, cap, now_ms).await.map_err(StoreError::from)?;
+        Ok(match answer {
+            Reserved::Held { day } => Ok(Some(SpendHold { ledger: spend.clone(), day, price, estimate })),
+            Reserved::OverCap { next_day_ms, spent } => Err((
+                next_day_ms.saturating_sub(now_ms).max(1),
+                format!("tenant {} spent ${:.4} of its ${cap} today", ctx.tenant, spent as f64 / 1e6),
+            )),
+        })
     }
 
     /// Sends one call and streams its text deltas to the run's events as they
@@ -650,6 +725,35 @@ pub(crate) struct Built {
     pub overflow: Option<String>,
     /// Its whole input as counted here (cache reads included).
     pub full_input: u64,
+}
+
+/// A call's cost, estimated high on purpose (spend caps are checked with
+/// it): the input at the dearer of the input and cache-write prices and the
+/// tokenizer's margin, its expected cache reads at theirs, the whole output
+/// limit.
+fn call_cost_estimate(price: &shared::models::Price, style: ApiStyle, built: &Built, max_output: u32) -> f64 {
+    let reads = built.full_input.saturating_sub(built.input);
+    (built.input as f64 * tokenizer_margin(style) * price.input.max(price.cache_write)
+        + reads as f64 * price.cached_input
+        + f64::from(max_output) * price.output)
+        / 1e6
+}
+
+impl SpendHold {
+    /// Replaces the booking by what the call cost (a ledger that cannot be
+    /// reached keeps the booking until it lapses: logged, the turn goes on).
+    async fn settle(self, tenant: &str, reservation: &str, cost: f64) {
+        if let Err(error) = self.ledger.ledger.settle(tenant, self.day, reservation, cost).await {
+            tracing::warn!(message = "could not settle a call's cost in its tenant's ledger; its booking lapses", %error, tenant);
+        }
+    }
+}
+
+impl Spend {
+    /// How long until the ledger's next day from `now_ms`.
+    fn ledger_day_left_ms(&self, now_ms: u64) -> u64 {
+        self.ledger.next_day_ms(now_ms).saturating_sub(now_ms).max(1)
+    }
 }
 
 /// How many of the provider's tokens one of ours may be, at most, for the

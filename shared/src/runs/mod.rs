@@ -12,6 +12,7 @@ pub mod generation;
 pub mod pacing;
 pub mod record;
 pub mod spec;
+pub mod spend;
 pub mod state;
 pub mod store;
 pub mod transcript;

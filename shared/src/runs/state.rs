@@ -44,6 +44,8 @@ pub enum WaitReason {
     RateLimited,
     /// A transient error: retrying on the backoff ladder.
     Retry,
+    /// Its tenant's spend cap for the day is reached: until the next day.
+    SpendCap,
 }
 
 impl WaitReason {
@@ -54,6 +56,7 @@ impl WaitReason {
             Self::FairShare => "fair_share",
             Self::RateLimited => "rate_limited",
             Self::Retry => "retry",
+            Self::SpendCap => "spend_cap",
         }
     }
 }

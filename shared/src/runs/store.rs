@@ -1080,7 +1080,7 @@ impl RunStore {
 /// The run record's counter a wait for `reason` adds one to.
 fn wait_counter(reason: WaitReason) -> &'static str {
     match reason {
-        WaitReason::Budget | WaitReason::FairShare => field::BUDGET_WAITS,
+        WaitReason::Budget | WaitReason::FairShare | WaitReason::SpendCap => field::BUDGET_WAITS,
         WaitReason::RateLimited => field::RATE_LIMITED,
         WaitReason::Retry => field::RETRIES,
     }

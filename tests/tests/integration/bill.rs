@@ -249,3 +249,57 @@ async fn a_run_with_a_cost_cap_never_sends_the_call_that_would_cross_it() {
     assert_eq!(run.usage.input_tokens, input);
     app.stop_workers().await;
 }
+
+/// SPEC §4a, `PACELINE_TENANT_BUDGETS`: a tenant's calls never take a day's
+/// spend past its cap, however many of its turns are in flight at once (each
+/// books its estimated cost first); its runs wait for the next day
+/// (`spend_cap`), then finish. The day is 3 s here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_day_cap_holds_and_its_runs_resume_the_next_day() {
+    // A budget nothing reaches: the day's cap is what holds the runs back.
+    let mock = MockConfig { tool_rounds: 4, tpm: 10_000_000, rpm: 100_000, ..MockConfig::default() };
+    let mut app = App::start(mock).await;
+    app.tools = wordy_tools().await;
+    let cap = 0.04;
+    let mut config = app.config();
+    config.spend.tenant_budgets = format!("default={cap}").parse().unwrap();
+    config.spend.day_s = Some(3);
+    app.spawn_worker(config);
+    let start_day = now_ms() / 3_000;
+    let mut ids = vec![];
+    for i in 0..8 {
+        let body = long_run(&app, json!({"model": "gpt-4.1", "input": format!("task {i}")}));
+        ids.push(app.submit(body).await.id);
+    }
+    let mut total = 0.0;
+    let mut waited = 0;
+    for id in &ids {
+        let run = app.wait_finished(id, secs(90)).await;
+        assert_eq!(run.status, RunStatus::Completed, "{run:?}");
+        total += run.cost_usd.unwrap();
+        waited += run.pacing.budget_waits;
+    }
+    assert!(total > 2.0 * cap, "the work ({total}) must need more than two days' caps");
+    assert!(waited > 0, "no run waited for the next day");
+    // Each day's ledger: within the cap, and together what the runs cost.
+    let mut conn = redis::Client::open(app.redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let keys = shared::keys::Keys::new(&app.prefix);
+    let mut days = 0.0;
+    for day in start_day..=now_ms() / 3_000 {
+        let spent: Option<u64> = redis::cmd("HGET")
+            .arg(keys.tenant_spend("default", day))
+            .arg("spent")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let spent = spent.unwrap_or(0) as f64 / 1e6;
+        assert!(spent <= cap, "day {day}: {spent} spent of {cap}");
+        days += spent;
+    }
+    assert!((days - total).abs() < 1e-4, "the days' ledgers ({days}) against the runs' costs ({total})");
+    app.stop_workers().await;
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64
+}

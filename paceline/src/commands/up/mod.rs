@@ -68,6 +68,9 @@ pub struct Args {
     /// Worker slots and history depth.
     #[command(flatten)]
     slots: worker::SlotArgs,
+    /// Tenants' spend caps per day.
+    #[command(flatten)]
+    spend: worker::SpendArgs,
     /// Also start the mock provider and a demo tool endpoint, submit the sample runs, and show them progressing.
     #[cfg(feature = "mock")]
     #[arg(long)]
@@ -193,6 +196,7 @@ async fn serve(
         pacer: (*args.pacer).clone(),
         queue: (*args.queue).clone(),
         slots: args.slots.clone(),
+        spend: args.spend.clone(),
         keys,
         bench_deliveries_key: None,
     };
