@@ -102,6 +102,11 @@ impl ApiClient {
         self.json(self.request(reqwest::Method::GET, "/v1/pacer")).await
     }
 
+    /// `GET /v1/usage` with `query` (`from`, `to`, `group_by`), as the API wrote it.
+    pub async fn usage(&self, query: &[(&str, String)]) -> anyhow::Result<Value> {
+        self.json(self.request(reqwest::Method::GET, "/v1/usage").query(query)).await
+    }
+
     /// `GET /v1/dead` (operator), as the API wrote it.
     pub async fn dead(&self, limit: usize) -> anyhow::Result<Value> {
         self.json(self.request(reqwest::Method::GET, "/v1/dead").query(&[("limit", limit.to_string())])).await

@@ -44,6 +44,8 @@ enum Command {
     Status(commands::client::StatusArgs),
     /// The shared budget state(s), as the workers see them.
     Pacer(commands::client::PacerViewArgs),
+    /// Tokens by kind and cost per tenant, model or UTC day.
+    Usage(commands::client::UsageArgs),
     /// Dead-lettered turns, newest first (the operator's token).
     Dead(commands::client::DeadArgs),
     /// Re-drive a failed or dead-lettered run from its last committed turn.
@@ -73,6 +75,7 @@ async fn main() -> ExitCode {
         Command::Status(args) => commands::client::status(args).await,
         Command::Pacer(args) => commands::client::pacer(args).await,
         Command::Dead(args) => commands::client::dead(args).await,
+        Command::Usage(args) => commands::client::usage(args).await,
         Command::Retry(args) => commands::client::retry(args).await,
         #[cfg(feature = "mock")]
         Command::MockProvider(args) => commands::mock::run(args).await,

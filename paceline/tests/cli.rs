@@ -9,7 +9,7 @@ fn help_lists_every_subcommand_of_the_spec() {
     let out = Command::new(env!("CARGO_BIN_EXE_paceline")).arg("--help").output().unwrap();
     assert!(out.status.success());
     let help = String::from_utf8_lossy(&out.stdout);
-    for cmd in ["up", "api", "worker", "submit", "watch", "runs", "status", "pacer"] {
+    for cmd in ["up", "api", "worker", "submit", "watch", "runs", "status", "pacer", "usage"] {
         assert!(help.contains(&format!("  {cmd} ")), "help lacks `{cmd}`:\n{help}");
     }
     // The simulator's subcommands come with the `mock` feature (the default),

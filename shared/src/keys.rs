@@ -137,6 +137,12 @@ impl Keys {
         format!("{}:{}:tenant:{}:spend:{}", self.prefix, self.slot_tag(), tenant, day)
     }
 
+    /// What every tenant's calls used and cost on one UTC day (`runs/usage.rs`),
+    /// a HASH `<tenant>|<model>|<kind>` -> count: `prefix:{prefix}:usage:<day>`.
+    pub fn usage_day(&self, day: u64) -> String {
+        format!("{}:{}:usage:{}", self.prefix, self.slot_tag(), day)
+    }
+
     /// A submit's idempotency record, a STRING `run id|fingerprint` that
     /// expires with the idempotency window: `prefix:{prefix}:idem:<tenant>:<key>`.
     pub fn idempotency(&self, tenant: &str, key: &str) -> String {

@@ -149,6 +149,8 @@ pub async fn runner(config: &WorkerConfig) -> anyhow::Result<(Runner, TurnQueue)
         ledger: shared::runs::spend::SpendLedger::new(conn.clone(), keys.clone(), config.spend.day_ms()),
         budgets: config.spend.tenant_budgets.clone(),
     });
+    let usage = Arc::new(shared::runs::usage::UsageBook::default());
+    spawn_usage_writer(usage.clone(), conn.clone(), keys.clone());
     let routes = routes::Routes::build(&config.provider, &config.pacer, &config.keys, conn, &keys)?;
     let turn_config = TurnConfig {
         max_history: config.slots.max_history.max(1),
@@ -168,9 +170,29 @@ pub async fn runner(config: &WorkerConfig) -> anyhow::Result<(Runner, TurnQueue)
         tenants: Arc::new(tenants),
         cancels: cancels::Cancels::default(),
         spend: spend.map(Arc::new),
+        usage,
         bench_deliveries_key: config.bench_deliveries_key.clone(),
     };
     Ok((runner, queue))
+}
+
+/// Writes the process's usage book to Redis every
+/// [`shared::runs::usage::FLUSH_EVERY`], for as long as the process lives.
+fn spawn_usage_writer(
+    book: Arc<shared::runs::usage::UsageBook>,
+    mut conn: redis::aio::ConnectionManager,
+    keys: shared::keys::Keys,
+) {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(shared::runs::usage::FLUSH_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if let Err(error) = book.flush(&mut conn, &keys).await {
+                tracing::warn!(message = "could not write the usage counts; kept for the next write", %error);
+            }
+        }
+    });
 }
 
 async fn handle_turn(turn: Turn, lease: Lease, runner: Data<Runner>) -> Result<(), BoxDynError> {

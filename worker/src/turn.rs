@@ -80,6 +80,9 @@ pub struct Runner {
     pub cancels: crate::cancels::Cancels,
     /// Tenants' day caps and their ledger (`PACELINE_TENANT_BUDGETS`), when any is set.
     pub spend: Option<Arc<Spend>>,
+    /// What this process's calls used and cost, per tenant, model and day,
+    /// until its next write (`GET /v1/usage`).
+    pub usage: Arc<shared::runs::usage::UsageBook>,
     /// Bench only: the list each delivery is logged to
     /// (`WorkerConfig::bench_deliveries_key`).
     pub bench_deliveries_key: Option<String>,
@@ -321,6 +324,11 @@ impl Runner {
                 if again.overflow.is_none() {
                     result = self.send(route, lease, job, cancel, again.body, again.answer_tool.as_deref()).await;
                 }
+            }
+        }
+        if let Some(Ok(success)) = &result {
+            if let Some(u) = success.usage {
+                self.usage.add(&ctx.tenant, &spec.model, now_ms(), &u.tokens);
             }
         }
         if let Some(hold) = hold {
@@ -725,6 +733,11 @@ pub(crate) struct Built {
     pub overflow: Option<String>,
     /// Its whole input as counted here (cache reads included).
     pub full_input: u64,
+}
+
+/// The wall clock, ms since the epoch (the UTC day a call's cost counts on).
+fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
 /// A call's cost, estimated high on purpose (spend caps are checked with

@@ -38,6 +38,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/queue", get(ops::queue))
         .route("/v1/workers", get(ops::workers))
         .route("/v1/dead", get(ops::dead))
+        .route("/v1/usage", get(ops::usage))
         .route("/v1/openapi.json", get(health::openapi))
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))

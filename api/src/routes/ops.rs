@@ -335,3 +335,100 @@ pub async fn workers(State(state): State<AppState>, _: Operator) -> Result<Json<
         .collect();
     Ok(Json(WorkersView { workers }))
 }
+
+/// `GET /v1/usage`'s query.
+#[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+pub struct UsageQuery {
+    /// First UTC day, `YYYY-MM-DD` (default: 29 days before `to`).
+    from: Option<String>,
+    /// Last UTC day, `YYYY-MM-DD` (default: today).
+    to: Option<String>,
+    /// `tenant`, `model` or `day` (default).
+    group_by: Option<String>,
+}
+
+/// `GET /v1/usage`.
+#[derive(Debug, Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct UsageView {
+    /// First day read, `YYYY-MM-DD`.
+    pub from: String,
+    /// Last day read.
+    pub to: String,
+    /// `tenant`, `model` or `day`.
+    pub group_by: String,
+    /// One row per tenant, model or day, in key order.
+    pub data: Vec<UsageRow>,
+    /// The rows' sum.
+    pub total: shared::runs::usage::UsageTotals,
+}
+
+/// One row of [`UsageView`].
+#[derive(Debug, Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct UsageRow {
+    /// The tenant, the model or the day.
+    pub key: String,
+    /// Its counts and cost.
+    #[serde(flatten)]
+    pub totals: shared::runs::usage::UsageTotals,
+}
+
+/// Tokens by kind and cost per tenant, model or UTC day: a tenant sees its
+/// own calls, the operator every tenant's. Counted by the workers, written
+/// every 2 s (SPEC §3).
+#[utoipa::path(
+    get, path = "/v1/usage", tag = "operations",
+    params(UsageQuery),
+    responses(
+        (status = 200, description = "The sums, one row per group", body = UsageView),
+        (status = 401, description = "No or bad token", body = ErrorBody),
+        (status = 422, description = "A day, a range or a grouping this API cannot read", body = ErrorBody),
+        (status = 503, description = "Redis unavailable", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn usage(
+    State(state): State<AppState>,
+    caller: Caller,
+    q: Result<Query<UsageQuery>, QueryRejection>,
+) -> Result<Json<UsageView>, ApiError> {
+    use shared::runs::usage::{self, GroupBy, UsageTotals};
+    let Query(q) = q.map_err(|r| ApiError::BadRequest(r.body_text()))?;
+    let day = |field: &str, v: Option<&str>| -> Result<Option<u64>, ApiError> {
+        v.filter(|s| !s.is_empty())
+            .map(|s| usage::parse_day(s).ok_or_else(|| ApiError::invalid(field, "must be a UTC date, YYYY-MM-DD")))
+            .transpose()
+    };
+    let today = usage::day_of(
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
+    );
+    let to = day("to", q.to.as_deref())?.unwrap_or(today);
+    let from = day("from", q.from.as_deref())?.unwrap_or(to.saturating_sub(29));
+    if from > to {
+        return Err(ApiError::invalid("from", "must not be after `to`"));
+    }
+    if to - from >= usage::MAX_DAYS {
+        return Err(ApiError::invalid("from", format!("the range is at most {} days", usage::MAX_DAYS)));
+    }
+    let group_by = match q.group_by.as_deref().filter(|s| !s.is_empty()) {
+        None => GroupBy::Day,
+        Some(g) => GroupBy::parse(g).ok_or_else(|| ApiError::invalid("group_by", "must be tenant, model or day"))?,
+    };
+    // The operator (and open mode) every tenant's; a tenant its own.
+    let tenant = if caller.is_operator() { None } else { caller.tenant() };
+    let mut conn = state.conn.clone();
+    let keys = state.config.redis.keys();
+    let sums = state.redis("read the usage", usage::read(&mut conn, &keys, from, to, group_by, tenant)).await?;
+    let mut total = UsageTotals { cost_usd: Some(0.0), ..UsageTotals::default() };
+    for t in sums.values() {
+        total.calls += t.calls;
+        total.input_tokens += t.input_tokens;
+        total.cached_input_tokens += t.cached_input_tokens;
+        total.cache_write_tokens += t.cache_write_tokens;
+        total.output_tokens += t.output_tokens;
+        total.reasoning_tokens += t.reasoning_tokens;
+        total.cost_usd = total.cost_usd.zip(t.cost_usd).map(|(a, b)| ((a + b) * 1e6).round() / 1e6);
+    }
+    let group_by = serde_json::to_value(group_by).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
+    let data = sums.into_iter().map(|(key, totals)| UsageRow { key, totals }).collect();
+    Ok(Json(UsageView { from: usage::format_day(from), to: usage::format_day(to), group_by, data, total }))
+}

@@ -117,6 +117,25 @@ pub struct PacerViewArgs {
     pub api: ApiArgs,
 }
 
+/// `paceline usage`.
+#[derive(Debug, clap::Args)]
+pub struct UsageArgs {
+    /// First UTC day, YYYY-MM-DD (default: 29 days before --to).
+    #[arg(long)]
+    pub from: Option<String>,
+    /// Last UTC day, YYYY-MM-DD (default: today).
+    #[arg(long)]
+    pub to: Option<String>,
+    /// Rows per `tenant`, `model` or `day`.
+    #[arg(long, default_value = "day", value_parser = ["tenant", "model", "day"])]
+    pub group_by: String,
+    /// Print the API's JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub api: ApiArgs,
+}
+
 /// `paceline dead` (operator).
 #[derive(Debug, clap::Args)]
 pub struct DeadArgs {
@@ -471,6 +490,48 @@ pub async fn pacer(args: PacerViewArgs) -> anyhow::Result<ExitCode> {
             b["observed_at"].as_str().unwrap_or("-"),
         );
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Prints what the calls used and cost (`GET /v1/usage`): the caller's own,
+/// or every tenant's with the operator's token.
+pub async fn usage(args: UsageArgs) -> anyhow::Result<ExitCode> {
+    let mut query = vec![("group_by", args.group_by.clone())];
+    query.extend(args.from.clone().map(|f| ("from", f)));
+    query.extend(args.to.clone().map(|t| ("to", t)));
+    let v = client(&args.api)?.usage(&query).await?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("{} to {}, by {}", v["from"].as_str().unwrap_or("?"), v["to"].as_str().unwrap_or("?"), args.group_by);
+    println!(
+        "{:<24}  {:>8}  {:>14}  {:>14}  {:>13}  {:>12}  {:>12}",
+        args.group_by.to_uppercase(),
+        "CALLS",
+        "INPUT",
+        "CACHE READ",
+        "CACHE WRITE",
+        "OUTPUT",
+        "USD"
+    );
+    let row = |key: &str, t: &Value| {
+        let usd = t["cost_usd"].as_f64().map_or("unknown".to_owned(), |c| format!("{c:.4}"));
+        println!(
+            "{:<24}  {:>8}  {:>14}  {:>14}  {:>13}  {:>12}  {:>12}",
+            truncate(key, 24),
+            t["calls"],
+            t["input_tokens"],
+            t["cached_input_tokens"],
+            t["cache_write_tokens"],
+            t["output_tokens"],
+            usd
+        );
+    };
+    for r in v["data"].as_array().into_iter().flatten() {
+        row(r["key"].as_str().unwrap_or(""), r);
+    }
+    row("total", &v["total"]);
     Ok(ExitCode::SUCCESS)
 }
 

@@ -17,6 +17,7 @@ pub mod state;
 pub mod store;
 pub mod transcript;
 pub mod turn;
+pub mod usage;
 
 pub use config::{RunArgs, DEFAULT_RETENTION};
 pub use endpoints::{valid_tenant, ToolEndpoint, ToolEndpoints};

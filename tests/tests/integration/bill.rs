@@ -303,3 +303,81 @@ async fn a_tenants_day_cap_holds_and_its_runs_resume_the_next_day() {
 fn now_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64
 }
+
+/// SPEC §3, `GET /v1/usage`: tokens by kind and cost per tenant, model or day,
+/// the workers' counts; a tenant sees its own, the operator every tenant's;
+/// a bad day or grouping is a 422 naming the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_adds_up_per_tenant_model_and_day() {
+    let mut app = App::start(MockConfig { tool_rounds: 1, ..MockConfig::default() }).await;
+    app.tools = wordy_tools().await;
+    app.spawn_worker(app.config());
+    let (api, _stop) = app.tenant_api(&[("alpha", "tok-a"), ("beta", "tok-b")], "tok-op").await;
+    let http = reqwest::Client::new();
+    let send = |token: &'static str, body: Value| {
+        let (http, api) = (http.clone(), api.clone());
+        async move {
+            let r = http.post(format!("{api}/v1/runs")).bearer_auth(token).json(&body).send().await.unwrap();
+            r.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_owned()
+        }
+    };
+    let a = send("tok-a", long_run(&app, json!({"model": "gpt-4.1"}))).await;
+    let b = send("tok-b", long_run(&app, json!({"model": "gpt-test"}))).await;
+    let a = crate::fixtures::wait_finished_for(&app, "alpha", &a, secs(30)).await;
+    let b = crate::fixtures::wait_finished_for(&app, "beta", &b, secs(30)).await;
+    assert_eq!((a.status, b.status), (RunStatus::Completed, RunStatus::Completed));
+    let get = |token: &'static str, query: &'static str| {
+        let (http, api) = (http.clone(), api.clone());
+        async move {
+            let r = http.get(format!("{api}/v1/usage{query}")).bearer_auth(token).send().await.unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        }
+    };
+    // The workers write their counts every 2 s.
+    let by_tenant = paceline_tests::eventually("both tenants' usage written", secs(10), || async {
+        let (status, v) = get("tok-op", "?group_by=tenant").await;
+        (status == 200 && v["data"].as_array().is_some_and(|d| d.len() == 2)).then_some(v)
+    })
+    .await;
+    let rows = by_tenant["data"].as_array().unwrap();
+    assert_eq!((rows[0]["key"].as_str(), rows[1]["key"].as_str()), (Some("alpha"), Some("beta")));
+    assert_eq!(rows[0]["calls"], 2);
+    assert_eq!(rows[0]["input_tokens"], a.usage.input_tokens);
+    assert_eq!(rows[0]["output_tokens"], a.usage.output_tokens);
+    assert!((rows[0]["cost_usd"].as_f64().unwrap() - a.cost_usd.unwrap()).abs() < 2e-6, "{by_tenant}");
+    assert_eq!(rows[1]["cost_usd"], Value::Null, "a model without a price: unknown, not 0");
+    assert_eq!(by_tenant["total"]["calls"], 4);
+    // A tenant sees its own.
+    let (status, own) = get("tok-a", "?group_by=model").await;
+    assert_eq!(status, 200, "{own}");
+    let rows = own["data"].as_array().unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0]["key"], "gpt-4.1");
+    // By day: today.
+    let (_, days) = get("tok-op", "").await;
+    assert_eq!(days["group_by"], "day");
+    assert_eq!(days["data"][0]["key"], days["to"]);
+    // The CLI prints the same rows.
+    let out = tokio::process::Command::new(paceline_tests::paceline_bin())
+        .args(["usage", "--group-by", "tenant", "--api", &api])
+        .env("PACELINE_TOKEN", "tok-op")
+        .output()
+        .await
+        .unwrap();
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{table} {}", String::from_utf8_lossy(&out.stderr));
+    assert!(table.contains("alpha") && table.contains("beta") && table.contains("unknown"), "{table}");
+    // Bad input names its field.
+    for (query, field) in [
+        ("?from=2026-13-01", "from"),
+        ("?to=soon", "to"),
+        ("?group_by=hour", "group_by"),
+        ("?from=2026-12-05&to=2026-12-01", "from"),
+        ("?from=2020-01-01&to=2026-12-01", "from"),
+    ] {
+        let (status, err) = get("tok-op", query).await;
+        assert_eq!(status, 422, "{query}: {err}");
+        assert_eq!(err["error"]["field"], field, "{query}: {err}");
+    }
+    app.stop_workers().await;
+}
