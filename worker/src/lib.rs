@@ -246,6 +246,7 @@ pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()> + Send
     let stopping = backend.stopping();
     tracing::info!(message = "worker started", worker.id = %name, concurrency = config.slots.concurrency,
         pacer = ?config.pacer.kind, providers = ?runner.routes.names());
+    let (usage, mut usage_conn) = (runner.usage.clone(), runner.store.connection());
     let worker = WorkerBuilder::new(name.as_str()).backend(backend).data(runner).build(handle_turn);
     let ran = worker
         .run_until(async move {
@@ -256,6 +257,10 @@ pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()> + Send
         .await
         .context("worker");
     listener.abort();
+    // The counts since the last write, before the process goes.
+    if let Err(error) = usage.flush(&mut usage_conn, &config.redis.keys()).await {
+        tracing::warn!(message = "could not write the last usage counts", %error);
+    }
     ran?;
     tracing::info!(message = "worker stopped", worker.id = %name);
     Ok(())

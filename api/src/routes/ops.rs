@@ -374,7 +374,7 @@ pub struct UsageRow {
 
 /// Tokens by kind and cost per tenant, model or UTC day: a tenant sees its
 /// own calls, the operator every tenant's. Counted by the workers, written
-/// every 2 s (SPEC §3).
+/// every 10 s and when they stop (SPEC §3).
 #[utoipa::path(
     get, path = "/v1/usage", tag = "operations",
     params(UsageQuery),

@@ -333,8 +333,8 @@ async fn usage_adds_up_per_tenant_model_and_day() {
             (r.status().as_u16(), r.json::<Value>().await.unwrap())
         }
     };
-    // The workers write their counts every 2 s.
-    let by_tenant = paceline_tests::eventually("both tenants' usage written", secs(10), || async {
+    // The worker writes its counts every 10 s.
+    let by_tenant = paceline_tests::eventually("both tenants' usage written", secs(25), || async {
         let (status, v) = get("tok-op", "?group_by=tenant").await;
         (status == 200 && v["data"].as_array().is_some_and(|d| d.len() == 2)).then_some(v)
     })
