@@ -55,6 +55,8 @@ fn register() {
     describe_counter!(name::PROVIDER_CALLS, "Provider calls, by HTTP status");
     describe_counter!(name::RATE_LIMITED, "429 answers from the provider");
     describe_counter!(name::BUDGET_WAITS, "Turns the shared pacer owed time and requeued");
+    describe_counter!(name::TOKENS, "Tokens the provider reported, by model and kind");
+    describe_counter!(name::COST, "What the calls cost at the model's price, micro-USD, by model");
     describe_counter!(
         name::QUEUE_UNBLOCK_FALLBACKS,
         "Workers that found CLIENT UNBLOCK forbidden and watch due times with BLPOP timeouts"

@@ -43,4 +43,11 @@ pub mod metric {
     pub const TENANT_WAITS: &str = "paceline_tenant_waits";
     /// Histogram (seconds): a turn from its start to its commit.
     pub const TURN_LATENCY: &str = "paceline_turn_seconds";
+    /// Counter, labels `model`, `kind` (`input`, `cached_input`, `cache_write`,
+    /// `output`, `reasoning`): tokens the provider reported (cached and written
+    /// input are parts of `input`, reasoning of `output`).
+    pub const TOKENS: &str = "paceline_tokens_total";
+    /// Counter, label `model`: what the calls cost at the model's price, in
+    /// micro-USD (a model without a price adds nothing).
+    pub const COST: &str = "paceline_cost_micro_usd_total";
 }

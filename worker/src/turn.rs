@@ -329,6 +329,7 @@ impl Runner {
         if let Some(Ok(success)) = &result {
             if let Some(u) = success.usage {
                 self.usage.add(&ctx.tenant, &spec.model, now_ms(), &u.tokens);
+                count_usage(&spec.model, &u.tokens);
             }
         }
         if let Some(hold) = hold {
@@ -733,6 +734,25 @@ pub(crate) struct Built {
     pub overflow: Option<String>,
     /// Its whole input as counted here (cache reads included).
     pub full_input: u64,
+}
+
+/// Counts a call's tokens by kind and its cost in the metrics (`/metrics`).
+fn count_usage(model: &str, u: &Usage) {
+    let model = model.to_owned();
+    for (kind, n) in [
+        ("input", u.input_tokens),
+        ("cached_input", u.cached_input_tokens),
+        ("cache_write", u.cache_write_tokens),
+        ("output", u.output_tokens),
+        ("reasoning", u.reasoning_tokens),
+    ] {
+        if n > 0 {
+            metrics::counter!(metric::TOKENS, "model" => model.clone(), "kind" => kind).increment(n);
+        }
+    }
+    if let Some(price) = shared::models::price(&model) {
+        metrics::counter!(metric::COST, "model" => model).increment(shared::runs::spend::micros(price.cost_usd(u)));
+    }
 }
 
 /// The wall clock, ms since the epoch (the UTC day a call's cost counts on).

@@ -357,6 +357,11 @@ async fn usage_adds_up_per_tenant_model_and_day() {
     let (_, days) = get("tok-op", "").await;
     assert_eq!(days["group_by"], "day");
     assert_eq!(days["data"][0]["key"], days["to"]);
+    // Prometheus: tokens by kind and cost by model (what this process's worker counted).
+    let metrics = http.get(format!("{api}/metrics")).bearer_auth("tok-op").send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains(r#"paceline_tokens_total{model="gpt-4.1",kind="input"}"#), "{metrics}");
+    assert!(metrics.contains(r#"paceline_cost_micro_usd_total{model="gpt-4.1"}"#), "{metrics}");
+    assert!(!metrics.contains(r#"paceline_cost_micro_usd_total{model="gpt-test"}"#), "no price, no cost: {metrics}");
     // The CLI prints the same rows.
     let out = tokio::process::Command::new(paceline_tests::paceline_bin())
         .args(["usage", "--group-by", "tenant", "--api", &api])
