@@ -350,7 +350,9 @@
       fact(dl, 'Model', r.model);
       fact(dl, 'Turns', r.turns_completed + ' of ' + r.max_turns);
       const u = r.usage || {};
-      fact(dl, 'Tokens', num(u.input_tokens) + ' in · ' + num(u.output_tokens) + ' out · ' + num(u.total_tokens) + ' total');
+      fact(dl, 'Tokens', num(u.input_tokens) + ' in (' + num(u.cached_input_tokens) + ' read from the cache, '
+        + num(u.cache_write_tokens) + ' written) · ' + num(u.output_tokens) + ' out · ' + num(u.total_tokens) + ' total');
+      fact(dl, 'Cost', r.cost_usd == null ? 'unknown (no price for ' + r.model + ')' : '$' + r.cost_usd.toFixed(4) + ' at list price');
       const p = r.pacing || {};
       fact(dl, 'Pacing', num(p.budget_waits) + ' budget waits · ' + num(p.waited_ms) + ' ms waited · '
         + num(p.rate_limited) + ' rate limited · ' + num(p.retries) + ' retries');
