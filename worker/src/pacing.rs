@@ -261,7 +261,8 @@ impl Runner {
         match self.pace(route, &ask.model, &reservation, est, ask.mode, &ask.tenant).await? {
             Paced::Clear => Ok(AtStart::Go(Clearance::Cleared(ask.tokens))),
             Paced::Owed { ms, reason, eta_ms } => {
-                Ok(AtStart::Requeued(self.budget_wait(lease, turn.job, ms, eta_ms, reason, ask.clone()).await?))
+                let waited = self.budget_wait(lease, turn.job, ms, eta_ms, reason, ask.clone(), turn.cached_until_ms);
+                Ok(AtStart::Requeued(waited.await?))
             }
         }
     }
@@ -283,6 +284,8 @@ impl Runner {
     /// ([`CLEARED_SLACK`]; one cleared for too few gives that back and asks
     /// for what it sends). `None`: send it; `Some(fence)`: it was requeued for
     /// the time it owes.
+    // The call's parts as the turn holds them; a struct for them would be built here only.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) async fn pace_call(
         &self,
         lease: &Lease,
@@ -291,6 +294,7 @@ impl Runner {
         route: &Route,
         est: Estimate,
         cleared: &Clearance,
+        cached_until_ms: Option<u64>,
     ) -> Result<Option<Fence>, TurnError> {
         let spec = &ctx.spec;
         let reservation = reservation_id(lease, job);
@@ -308,7 +312,7 @@ impl Runner {
             Paced::Clear => Ok(None),
             Paced::Owed { ms, reason, eta_ms } => {
                 let ask = PacedAsk::new(spec, &ctx.tenant, est);
-                Ok(Some(self.budget_wait(lease, job, ms, eta_ms, reason, ask).await?))
+                Ok(Some(self.budget_wait(lease, job, ms, eta_ms, reason, ask, cached_until_ms).await?))
             }
         }
     }
@@ -340,8 +344,11 @@ impl Runner {
     }
 
     /// Requeues the turn, parked: due in `ms` (its line releases it sooner,
-    /// or it comes back then to ask), carrying `ask` to make again; the run
-    /// shows `eta_ms`. A budget wait is not a failure: the attempt stays.
+    /// or it comes back then to ask), carrying `ask` to make again and how
+    /// long the prompt cache of the turn before holds; the run shows
+    /// `eta_ms`. A budget wait is not a failure: the attempt stays.
+    // The parked turn's parts as its callers hold them.
+    #[allow(clippy::too_many_arguments)]
     async fn budget_wait(
         &self,
         lease: &Lease,
@@ -350,9 +357,10 @@ impl Runner {
         eta_ms: u64,
         reason: OwedReason,
         ask: PacedAsk,
+        cached_until_ms: Option<u64>,
     ) -> Result<Fence, TurnError> {
         let (data, wait_reason) = budget_wait_record(job, eta_ms, reason);
-        let next = Turn { job, ask: Some(ask), cleared: false, pause_ms: None };
+        let next = Turn { job, ask: Some(ask), cleared: false, pause_ms: None, cached_until_ms };
         let event = shared::runs::state::event::TURN_PACED;
         Ok(self.store.wait_parked(lease, job, next, ms, eta_ms, wait_reason, event, &data).await?)
     }
@@ -393,10 +401,13 @@ impl Runner {
         let mut transcript = ctx.transcript.clone();
         transcript
             .extend(new_items.iter().map(|item| shared::runs::TranscriptEntry { turn: next.turn, item: item.clone() }));
-        let (_, est) = self.prepare_call(route, spec, &transcript, None);
+        let (_, est) = self.prepare_call(route, spec, &transcript, None, true);
         let ask = PacedAsk::new(spec, &ctx.tenant, est);
+        // The call just answered wrote the prompt cache the next one is
+        // expected to read (`request/cache.rs`): for so long.
+        let cached_until_ms = Some(crate::turn::now_ms() + crate::request::CACHE_HOLDS_MS);
         let unasked = Next::Paced {
-            turn: Turn { job: next, ask: Some(ask.clone()), cleared: false, pause_ms: None },
+            turn: Turn { job: next, ask: Some(ask.clone()), cleared: false, pause_ms: None, cached_until_ms },
             wait: None,
         };
         if !scarce {
@@ -409,13 +420,17 @@ impl Runner {
             return (unasked, Some(op));
         }
         let next = match self.pace(route, &spec.model, &reservation, est, spec.mode, &ctx.tenant).await {
-            Ok(Paced::Clear) => {
-                Next::Paced { turn: Turn { job: next, ask: Some(ask), cleared: true, pause_ms: None }, wait: None }
-            }
+            Ok(Paced::Clear) => Next::Paced {
+                turn: Turn { job: next, ask: Some(ask), cleared: true, pause_ms: None, cached_until_ms },
+                wait: None,
+            },
             Ok(Paced::Owed { ms, reason, eta_ms }) => {
                 let (data, reason) = budget_wait_record(next, eta_ms, reason);
                 let wait = Some(BudgetWait { ms, reason, data });
-                Next::Paced { turn: Turn { job: next, ask: Some(ask), cleared: false, pause_ms: None }, wait }
+                Next::Paced {
+                    turn: Turn { job: next, ask: Some(ask), cleared: false, pause_ms: None, cached_until_ms },
+                    wait,
+                }
             }
             Err(error) => {
                 tracing::warn!(message = "could not ask the pacer for the next turn; it asks when it starts", %error,

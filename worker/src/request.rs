@@ -34,7 +34,7 @@ mod cache;
 use serde_json::{json, Map, Value};
 use shared::runs::{ApiStyle, Format, Generation, PromptCache, ToolChoice};
 
-pub use cache::run_cache_key;
+pub use cache::{run_cache_key, CACHE_HOLDS_MS};
 
 pub use anthropic::{
     answer_tool_name, anthropic_messages, thinking_budget, ANTHROPIC_DEFAULT_MAX_TOKENS, ANTHROPIC_VERSION,

@@ -161,7 +161,8 @@ fn settled(lease: &Lease, fence: Fence, ok: TurnOutcome) -> TurnOutcome {
 impl Runner {
     /// Runs turn `job` of the run `lease.id`.
     pub async fn run_turn(&self, job: TurnJob, lease: &Lease) -> Result<TurnOutcome, TurnError> {
-        self.run_turn_asking(Turn { job, ask: None, cleared: false, pause_ms: None }, lease).await
+        self.run_turn_asking(Turn { job, ask: None, cleared: false, pause_ms: None, cached_until_ms: None }, lease)
+            .await
     }
 
     /// Runs `turn`; one back from a budget wait (`ask`) asks the pacer first,
@@ -206,7 +207,7 @@ impl Runner {
             }
             self.run_tools_and_commit(lease, job, &ctx, &calls, &cancel, None, None).await?
         } else {
-            self.call_model(lease, job, &ctx, &cancel, &cleared).await?
+            self.call_model(lease, job, &ctx, &cancel, &cleared, turn.cached_until_ms).await?
         };
         metrics::counter!(metric::TURNS, "outcome" => outcome.as_str()).increment(1);
         metrics::histogram!(metric::TURN_LATENCY).record(started.elapsed().as_secs_f64());
@@ -224,12 +225,14 @@ impl Runner {
         spec: &shared::runs::RunSpec,
         transcript: &[TranscriptEntry],
         fits: Option<u64>,
+        cache_fresh: bool,
     ) -> (Built, Estimate) {
         let learned = match (route.windows.get(&spec.model), fits) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
-        let build = || call_body(route.provider.api_style(), spec, transcript, self.config.max_history, learned);
+        let build =
+            || call_body(route.provider.api_style(), spec, transcript, self.config.max_history, learned, cache_fresh);
         // A short body is built in place: stepping off the runtime's thread
         // costs more than building it (a thread hand-off, and the allocator's
         // pages of another thread).
@@ -248,8 +251,11 @@ impl Runner {
         ctx: &TurnContext,
         cancel: &Cancel,
         cleared: &Clearance,
+        cached_until_ms: Option<u64>,
     ) -> Result<TurnOutcome, TurnError> {
         let spec = &ctx.spec;
+        // A turn that waited past the prompt cache of the turn before counts its input in full.
+        let cache_fresh = cached_until_ms.is_none_or(|until| now_ms() < until);
         let Some(route) = self.routes.get(spec.provider.as_deref()) else {
             // The API knew the name (it checks PACELINE_PROVIDERS at submit);
             // this worker does not: its configuration differs from the API's.
@@ -270,7 +276,7 @@ impl Runner {
             let fence = self.store.fail(lease, job, ErrorKind::PartialOutput, message, Usage::default()).await?;
             return Ok(settled(lease, fence, TurnOutcome::Failed));
         }
-        let (built, est) = self.prepare_call(route, spec, &ctx.transcript, None);
+        let (built, est) = self.prepare_call(route, spec, &ctx.transcript, None, cache_fresh);
         // One reservation id per call attempt: a budget wait keeps it (so the
         // turn finds its booking when it comes back), a retry gets a new one.
         let reservation = reservation_id(lease, job);
@@ -299,7 +305,7 @@ impl Runner {
                 return Ok(settled(lease, fence, TurnOutcome::Requeued));
             }
         };
-        if let Some(fence) = self.pace_call(lease, job, ctx, route, est, cleared).await? {
+        if let Some(fence) = self.pace_call(lease, job, ctx, route, est, cleared, cached_until_ms).await? {
             if let Some(hold) = hold {
                 hold.settle(&ctx.tenant, &reservation, 0.0).await;
             }
@@ -317,7 +323,7 @@ impl Runner {
                 // tenth off this call.
                 let learned = route.windows.learn(&spec.model, full_input, &failure.message);
                 let fits = learned.filter(|&f| f < full_input).unwrap_or(full_input / 10 * 9);
-                let (again, _) = self.prepare_call(route, spec, &ctx.transcript, Some(fits));
+                let (again, _) = self.prepare_call(route, spec, &ctx.transcript, Some(fits), cache_fresh);
                 metrics::counter!(metric::PROVIDER_CALLS, "status" => "400").increment(1);
                 tracing::info!(message = "the provider said the input overflows its context window; trimmed and sent again",
                     run.id = %lease.id, turn.index = job.turn, input = full_input, fits = ?fits, error = %failure.message);
@@ -756,7 +762,7 @@ fn count_usage(model: &str, u: &Usage) {
 }
 
 /// The wall clock, ms since the epoch (the UTC day a call's cost counts on).
-fn now_ms() -> u64 {
+pub(crate) fn now_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
@@ -805,13 +811,16 @@ fn tokenizer_margin(style: ApiStyle) -> f64 {
 /// else the built-in table's (`shared::models`), where what must fit is the
 /// input at [`tokenizer_margin`] plus the output limit; and `learned`, what
 /// this process learned of it from the provider's errors
-/// ([`crate::context::LearnedWindows`]), in our tokens of input.
+/// ([`crate::context::LearnedWindows`]), in our tokens of input. With
+/// `cache_fresh` (the turn before wrote the prompt cache lately) an Anthropic
+/// call's expected cache reads are not counted in its input.
 fn call_body(
     style: ApiStyle,
     spec: &shared::runs::RunSpec,
     transcript: &[TranscriptEntry],
     max_history: usize,
     learned: Option<u64>,
+    cache_fresh: bool,
 ) -> Built {
     let params = turn_params(spec);
     let build = |entries: &[TranscriptEntry]| {
@@ -853,7 +862,7 @@ fn call_body(
             }
         }
     }
-    if style == ApiStyle::Anthropic {
+    if style == ApiStyle::Anthropic && cache_fresh {
         // What the pacer is asked for is what the input limit will count.
         input = input.saturating_sub(crate::estimate::predicted_cache_reads(&body)).max(1);
     }
@@ -896,7 +905,7 @@ pub fn first_ask(providers: &ProviderTable) -> FirstAsk {
         .unwrap_or(ApiStyle::Responses);
         let transcript: Vec<TranscriptEntry> =
             spec.input.iter().map(|item| TranscriptEntry { turn: 0, item: item.clone() }).collect();
-        let built = call_body(style, spec, &transcript, crate::context::DEFAULT_MAX_HISTORY, None);
+        let built = call_body(style, spec, &transcript, crate::context::DEFAULT_MAX_HISTORY, None, true);
         PacedAsk::new(spec, tenant, call_estimate(spec, built.input))
     })
 }
@@ -943,4 +952,34 @@ fn pending_tool_calls(transcript: &[TranscriptEntry], turn: u32) -> Vec<ToolCall
             })
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// An Anthropic call asks for its input less the cache reads it expects
+    /// only while the prompt cache of the turn before holds; past it (a long
+    /// wait in the budget's line), its whole input, as it will be charged.
+    #[test]
+    fn a_turn_past_its_prompt_cache_counts_its_input_in_full() {
+        let body = json!({"model": "claude-sonnet-4-5", "input": "find the answer",
+                          "instructions": "Follow the house rules. ".repeat(300)});
+        let spec = shared::runs::RunSpec::from_json(&body, &Default::default()).unwrap();
+        let entry = |turn: u32, item: Value| TranscriptEntry { turn, item };
+        let transcript = vec![
+            entry(0, json!({"role": "user", "content": "find the answer"})),
+            entry(1, json!({"type": "function_call", "call_id": "c1", "name": "search", "arguments": "{}"})),
+            entry(1, json!({"type": "function_call_output", "call_id": "c1", "output": "a short note"})),
+        ];
+        let fresh = call_body(ApiStyle::Anthropic, &spec, &transcript, 24, None, true);
+        let stale = call_body(ApiStyle::Anthropic, &spec, &transcript, 24, None, false);
+        assert_eq!(fresh.body, stale.body, "the same call either way");
+        assert_eq!(stale.input, stale.full_input);
+        assert!(fresh.input * 5 < stale.input, "{} of {} asked while the cache holds", fresh.input, stale.input);
+        // The Responses style is charged in full anyway.
+        let openai = call_body(ApiStyle::Responses, &spec, &transcript, 24, None, true);
+        assert_eq!(openai.input, openai.full_input);
+    }
 }

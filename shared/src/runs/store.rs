@@ -290,7 +290,13 @@ impl RunStore {
             fields[field::MAX_RUN_MS] = json!((u64::from(s) * 1_000).to_string());
         }
         // The first turn carries its ask, as every later one does ([`super::FirstAsk`]).
-        let first = Turn { job: TurnJob { turn: 0, attempt: 1 }, ask: first_ask, cleared: false, pause_ms: None };
+        let first = Turn {
+            job: TurnJob { turn: 0, attempt: 1 },
+            ask: first_ask,
+            cleared: false,
+            pause_ms: None,
+            cached_until_ms: None,
+        };
         let job = serde_json::to_string(&first).unwrap_or_default();
         let mut inv = self.invocation("create", &id, tenant, idem.map(|i| i.key.as_str()));
         inv.arg(tenant)
@@ -815,7 +821,7 @@ impl RunStore {
         self.wait_asking(
             lease,
             job,
-            Turn { job: next, ask: None, cleared: false, pause_ms: None },
+            Turn { job: next, ask: None, cleared: false, pause_ms: None, cached_until_ms: None },
             delay_ms,
             reason,
             event_kind,

@@ -86,6 +86,12 @@ pub struct Turn {
     /// this long, then asks again, and starts it once clear.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pause_ms: Option<u64>,
+    /// Until when (ms since the epoch) the prompt cache the turn before
+    /// wrote is expected to hold: a call after it counts its input in full,
+    /// as it will be charged, and asks again if it was cleared for less.
+    /// `None`: the turn goes at once (or the worker that queued it predates it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cached_until_ms: Option<u64>,
 }
 
 /// What a fenced worker write found.

@@ -73,7 +73,7 @@ async fn waiting_with_ask(env: &Env, model: &str) -> String {
     let lease = env.queue.fetch("w0", 1).await.unwrap().deliveries.remove(0).lease;
     assert_eq!(lease.id, run.id);
     let ask = shared::runs::PacedAsk { model: model.into(), ..asked() };
-    let next = shared::runs::Turn { job, ask: Some(ask), cleared: false, pause_ms: None };
+    let next = shared::runs::Turn { job, ask: Some(ask), cleared: false, pause_ms: None, cached_until_ms: None };
     let data = json!({"turn": 0, "owed_ms": 1, "reason": "budget"});
     let fence = env.store.wait_asking(&lease, job, next, 1, WaitReason::Budget, "turn.paced", &data).await.unwrap();
     assert_eq!(fence, Fence::Ok);
@@ -363,7 +363,7 @@ async fn the_fetch_starts_the_turns_it_leases_as_a_start_would_but_not_one_that_
     let ask = asked();
     let job = TurnJob { turn: 0, attempt: 1 };
     let data = json!({"turn": 0, "owed_ms": 1, "reason": "budget"});
-    let next = Turn { job, ask: Some(ask), cleared: false, pause_ms: None };
+    let next = Turn { job, ask: Some(ask), cleared: false, pause_ms: None, cached_until_ms: None };
     let fence = env.store.wait_asking(&lease, job, next, 1, WaitReason::Budget, "turn.paced", &data).await.unwrap();
     assert_eq!(fence, Fence::Ok);
     let plain = env.store.create("alpha", &spec("plain"), None, None).await.unwrap().run;
@@ -433,8 +433,10 @@ async fn a_commit_settles_its_call_and_makes_the_next_turns_ask_in_its_own_scrip
         assert_eq!(pacer.acquire(model, &call, est, Mode::Work, &Who::DEFAULT).await.unwrap(), Decision::Clear);
         let next_job = TurnJob { turn: 1, attempt: 1 };
         let ask = shared::runs::PacedAsk { model: model.into(), ..asked() };
-        let next =
-            Next::Paced { turn: Turn { job: next_job, ask: Some(ask), cleared: false, pause_ms: None }, wait: None };
+        let next = Next::Paced {
+            turn: Turn { job: next_job, ask: Some(ask), cleared: false, pause_ms: None, cached_until_ms: None },
+            wait: None,
+        };
         let pacing = CommitPacing {
             route: pacer.commit_route(model).unwrap(),
             settle: Some(SharedPacer::settle_op(&call, &answered(remaining))),
@@ -493,7 +495,13 @@ async fn a_commit_settles_its_call_and_makes_the_next_turns_ask_in_its_own_scrip
     };
     let ask = shared::runs::PacedAsk { model: "gpt-late".into(), ..asked() };
     let next = Next::Paced {
-        turn: Turn { job: TurnJob { turn: 1, attempt: 1 }, ask: Some(ask), cleared: false, pause_ms: None },
+        turn: Turn {
+            job: TurnJob { turn: 1, attempt: 1 },
+            ask: Some(ask),
+            cleared: false,
+            pause_ms: None,
+            cached_until_ms: None,
+        },
         wait: None,
     };
     let committed = env
@@ -536,6 +544,7 @@ async fn a_fetch_that_asks_the_pacer_keeps_an_owed_turn_queued_and_starts_a_clea
             ask: Some(shared::runs::PacedAsk { model: model.into(), ..asked() }),
             cleared: false,
             pause_ms: None,
+            cached_until_ms: None,
         };
         let fence = env.store.wait_asking(lease, job, next, 1, WaitReason::Budget, "turn.paced", &data).await.unwrap();
         assert_eq!(fence, Fence::Ok);
@@ -684,7 +693,8 @@ async fn a_commit_queues_a_next_turn_the_pacer_cleared_or_puts_it_to_wait_at_onc
             reason: WaitReason::Budget,
             data: json!({"turn": 1, "owed_ms": 1_000, "reason": "budget"}),
         });
-        let turn = Turn { job: next_job, ask: Some(ask.clone()), cleared: !owed, pause_ms: None };
+        let turn =
+            Turn { job: next_job, ask: Some(ask.clone()), cleared: !owed, pause_ms: None, cached_until_ms: None };
         let next = Next::Paced { turn: turn.clone(), wait };
         assert_eq!(env.store.commit(&lease, job, &[], Usage::default(), &next).await.unwrap(), Fence::Ok);
         let now = env.store.get("alpha", &run.id).await.unwrap().unwrap();
@@ -1118,7 +1128,8 @@ async fn each_step_of_a_turn_costs_few_redis_commands() {
         requests: est.requests,
         output: est.output,
     };
-    let next = shared::runs::Turn { job, ask: Some(ask.clone()), cleared: false, pause_ms: None };
+    let next =
+        shared::runs::Turn { job, ask: Some(ask.clone()), cleared: false, pause_ms: None, cached_until_ms: None };
     let fence = step!(
         "budget wait",
         store.wait_asking(&lease, job, next, 5, WaitReason::Budget, "turn.paced", &data).await.unwrap()
@@ -1144,7 +1155,7 @@ async fn each_step_of_a_turn_costs_few_redis_commands() {
     ));
     pacer.settle("gpt-slow", "probe", &empty).await.unwrap();
     let ask = shared::runs::PacedAsk { model: "gpt-slow".into(), ..ask };
-    let next = shared::runs::Turn { job, ask: Some(ask), cleared: false, pause_ms: None };
+    let next = shared::runs::Turn { job, ask: Some(ask), cleared: false, pause_ms: None, cached_until_ms: None };
     let fence = step!(
         "wait again",
         store.wait_asking(&lease, job, next, 5, WaitReason::Budget, "turn.paced", &data).await.unwrap()

@@ -25,6 +25,10 @@
 use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
 
+/// How long after a call its prompt cache is counted on by the next turn's
+/// estimate: the 5-minute TTL less a margin for the call's own time.
+pub const CACHE_HOLDS_MS: u64 = 270_000;
+
 /// The `cache_control` of a breakpoint: the default 5-minute cache.
 fn breakpoint() -> Value {
     json!({"type": "ephemeral"})
