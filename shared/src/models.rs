@@ -84,13 +84,13 @@ const PRICES: &[(&str, Price)] = &[
 ];
 
 /// The entry of `table` whose name is the longest prefix of `model`.
-fn longest<'t, T>(table: &'t [(&str, T)], model: &str) -> Option<&'t T> {
-    table.iter().filter(|(prefix, _)| model.starts_with(prefix)).max_by_key(|(prefix, _)| prefix.len()).map(|(_, v)| v)
+fn longest<'t, T: 't>(table: impl Iterator<Item = (&'t str, &'t T)>, model: &str) -> Option<&'t T> {
+    table.filter(|(prefix, _)| model.starts_with(prefix)).max_by_key(|(prefix, _)| prefix.len()).map(|(_, v)| v)
 }
 
 /// The context window of `model`, in tokens, when this table knows it.
 pub fn context_window(model: &str) -> Option<u64> {
-    longest(CONTEXT_WINDOWS, model).copied()
+    longest(CONTEXT_WINDOWS.iter().map(|(name, w)| (*name, w)), model).copied()
 }
 
 /// The price of `model`: from the table given with `PACELINE_PRICES`
@@ -98,8 +98,9 @@ pub fn context_window(model: &str) -> Option<u64> {
 /// built-in list price, when either knows it.
 pub fn price(model: &str) -> Option<Price> {
     let given = GIVEN.read().unwrap_or_else(|e| e.into_inner());
-    let named: Vec<(&str, Price)> = given.0.iter().map(|(name, p)| (name.as_str(), *p)).collect();
-    longest(&named, model).copied().or_else(|| longest(PRICES, model).copied())
+    longest(given.0.iter().map(|(name, p)| (name.as_str(), p)), model)
+        .or_else(|| longest(PRICES.iter().map(|(name, p)| (*name, p)), model))
+        .copied()
 }
 
 /// Prices given over the built-in table (`PACELINE_PRICES`, `--prices`):

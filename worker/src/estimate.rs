@@ -149,30 +149,31 @@ pub fn estimate_tokens(body: &Value, max_output_tokens: u64) -> u64 {
 
 /// The input half of [`estimate_tokens`].
 pub fn input_tokens(body: &Value) -> u64 {
-    let mut n = REPLY_PRIMING;
+    let mut n = REPLY_PRIMING + instructions_and_tools(body);
+    for key in ["input", "messages"] {
+        match body.get(key) {
+            Some(Value::String(s)) => n += PER_ITEM_OVERHEAD + count_text(s),
+            Some(Value::Array(items)) => n += items.iter().map(item_tokens).sum::<u64>(),
+            _ => {}
+        }
+    }
+    n
+}
+
+/// Tokens of a body's instructions (`instructions`, or Anthropic's `system`,
+/// a string or a list of text blocks) and its tools: what every turn of a
+/// run starts with.
+fn instructions_and_tools(body: &Value) -> u64 {
+    let mut n = 0;
     for key in ["instructions", "system"] {
         match body.get(key) {
             Some(Value::String(s)) => n += PER_ITEM_OVERHEAD + count_text(s),
-            // Anthropic's `system` may be a list of text blocks.
             Some(blocks @ Value::Array(_)) => n += PER_ITEM_OVERHEAD + value_tokens(blocks),
             _ => {}
         }
     }
-    for key in ["input", "messages"] {
-        match body.get(key) {
-            Some(Value::String(s)) => n += PER_ITEM_OVERHEAD + count_text(s),
-            Some(Value::Array(items)) => {
-                for item in items {
-                    n += PER_ITEM_OVERHEAD + value_tokens(item);
-                }
-            }
-            _ => {}
-        }
-    }
     if let Some(tools) = body.get("tools").and_then(Value::as_array) {
-        for tool in tools {
-            n += count_text(&tool.to_string());
-        }
+        n += tools.iter().map(|tool| count_text(&tool.to_string())).sum::<u64>();
     }
     n
 }
@@ -191,21 +192,7 @@ pub fn predicted_cache_reads(body: &Value) -> u64 {
     };
     let Some(last) = messages.len().checked_sub(1) else { return 0 };
     let Some(end) = messages[..last].iter().rposition(marked) else { return 0 };
-    let mut n = 0;
-    match body.get("system") {
-        Some(Value::String(s)) => n += PER_ITEM_OVERHEAD + count_text(s),
-        Some(blocks @ Value::Array(_)) => n += PER_ITEM_OVERHEAD + value_tokens(blocks),
-        _ => {}
-    }
-    for item in &messages[..=end] {
-        n += PER_ITEM_OVERHEAD + value_tokens(item);
-    }
-    if let Some(tools) = body.get("tools").and_then(Value::as_array) {
-        for tool in tools {
-            n += count_text(&tool.to_string());
-        }
-    }
-    n
+    instructions_and_tools(body) + messages[..=end].iter().map(item_tokens).sum::<u64>()
 }
 
 /// The length of the text in `v`, roughly: its strings' and keys' bytes, 8

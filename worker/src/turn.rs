@@ -280,16 +280,17 @@ impl Runner {
         // One reservation id per call attempt: a budget wait keeps it (so the
         // turn finds its booking when it comes back), a retry gets a new one.
         let reservation = reservation_id(lease, job);
-        if let Some(message) = built.overflow {
+        let unsent = match built.overflow.clone() {
+            Some(message) => Some((ErrorKind::ContextOverflow, message)),
+            None => self
+                .over_cost_cap(lease, ctx, route.provider.api_style(), &built)
+                .await?
+                .map(|message| (ErrorKind::BudgetExceeded, message)),
+        };
+        if let Some((kind, message)) = unsent {
             // Never sent: a reservation the commit's ask may have made goes back.
             self.settle_now(spec, &reservation, &CallOutcome::default()).await;
-            let fence = self.store.fail(lease, job, ErrorKind::ContextOverflow, &message, Usage::default()).await?;
-            return Ok(settled(lease, fence, TurnOutcome::Failed));
-        }
-        if let Some(message) = self.over_cost_cap(lease, ctx, route.provider.api_style(), &built).await? {
-            // Never sent: a reservation the commit's ask may have made goes back.
-            self.settle_now(spec, &reservation, &CallOutcome::default()).await;
-            let fence = self.store.fail(lease, job, ErrorKind::BudgetExceeded, &message, Usage::default()).await?;
+            let fence = self.store.fail(lease, job, kind, &message, Usage::default()).await?;
             return Ok(settled(lease, fence, TurnOutcome::Failed));
         }
         let hold = match self.reserve_spend(ctx, &reservation, route.provider.api_style(), &built).await? {
@@ -404,8 +405,7 @@ impl Runner {
         use shared::runs::spend::Reserved;
         let Some(spend) = &self.spend else { return Ok(Ok(None)) };
         let Some(cap) = spend.budgets.cap(&ctx.tenant) else { return Ok(Ok(None)) };
-        let now_ms =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        let now_ms = now_ms();
         let Some(price) = shared::models::price(&ctx.spec.model) else {
             let why = format!(
                 "no price is known for model {:?}: tenant {}'s day cap cannot be kept",
@@ -761,9 +761,11 @@ fn count_usage(model: &str, u: &Usage) {
     }
 }
 
-/// The wall clock, ms since the epoch (the UTC day a call's cost counts on).
+/// The host's wall clock ([`shared::clock::SystemClock`]), ms since the epoch:
+/// the UTC day a call's cost counts on, when a prompt cache lapses.
 pub(crate) fn now_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+    use shared::clock::Clock as _;
+    shared::clock::SystemClock.now_ms().max(0) as u64
 }
 
 /// A call's cost, estimated high on purpose (spend caps are checked with

@@ -398,9 +398,10 @@ pub async fn usage(
             .map(|s| usage::parse_day(s).ok_or_else(|| ApiError::invalid(field, "must be a UTC date, YYYY-MM-DD")))
             .transpose()
     };
-    let today = usage::day_of(
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
-    );
+    let today = {
+        use shared::clock::Clock as _;
+        usage::day_of(shared::clock::SystemClock.now_ms().max(0) as u64)
+    };
     let to = day("to", q.to.as_deref())?.unwrap_or(today);
     let from = day("from", q.from.as_deref())?.unwrap_or(to.saturating_sub(29));
     if from > to {
@@ -418,16 +419,7 @@ pub async fn usage(
     let mut conn = state.conn.clone();
     let keys = state.config.redis.keys();
     let sums = state.redis("read the usage", usage::read(&mut conn, &keys, from, to, group_by, tenant)).await?;
-    let mut total = UsageTotals { cost_usd: Some(0.0), ..UsageTotals::default() };
-    for t in sums.values() {
-        total.calls += t.calls;
-        total.input_tokens += t.input_tokens;
-        total.cached_input_tokens += t.cached_input_tokens;
-        total.cache_write_tokens += t.cache_write_tokens;
-        total.output_tokens += t.output_tokens;
-        total.reasoning_tokens += t.reasoning_tokens;
-        total.cost_usd = total.cost_usd.zip(t.cost_usd).map(|(a, b)| ((a + b) * 1e6).round() / 1e6);
-    }
+    let total = sums.values().fold(UsageTotals::zero(), |total, t| total.plus(t));
     let group_by = serde_json::to_value(group_by).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
     let data = sums.into_iter().map(|(key, totals)| UsageRow { key, totals }).collect();
     Ok(Json(UsageView { from: usage::format_day(from), to: usage::format_day(to), group_by, data, total }))

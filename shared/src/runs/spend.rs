@@ -182,13 +182,6 @@ impl SpendLedger {
     pub fn next_day_ms(&self, now_ms: u64) -> u64 {
         (now_ms / self.day_ms + 1) * self.day_ms
     }
-
-    /// What `tenant` spent on the day of `now_ms`, USD (settled calls only).
-    pub async fn spent(&self, tenant: &str, now_ms: u64) -> Result<f64, redis::RedisError> {
-        let key = self.keys.tenant_spend(tenant, now_ms / self.day_ms);
-        let spent: Option<u64> = redis::cmd("HGET").arg(key).arg("spent").query_async(&mut self.conn.clone()).await?;
-        Ok(spent.unwrap_or(0) as f64 / 1e6)
-    }
 }
 
 #[cfg(test)]

@@ -52,6 +52,26 @@ pub struct UsageTotals {
     pub cost_usd: Option<f64>,
 }
 
+impl UsageTotals {
+    /// Nothing yet, at a known cost of 0.
+    pub fn zero() -> Self {
+        Self { cost_usd: Some(0.0), ..Self::default() }
+    }
+
+    /// These and `other` together (the cost unknown if either's is).
+    pub fn plus(self, other: &Self) -> Self {
+        Self {
+            calls: self.calls + other.calls,
+            input_tokens: self.input_tokens + other.input_tokens,
+            cached_input_tokens: self.cached_input_tokens + other.cached_input_tokens,
+            cache_write_tokens: self.cache_write_tokens + other.cache_write_tokens,
+            output_tokens: self.output_tokens + other.output_tokens,
+            reasoning_tokens: self.reasoning_tokens + other.reasoning_tokens,
+            cost_usd: self.cost_usd.zip(other.cost_usd).map(|(a, b)| ((a + b) * 1e6).round() / 1e6),
+        }
+    }
+}
+
 /// The kinds a day's hash counts, by field suffix.
 const KINDS: [&str; 7] = ["calls", "input", "cached", "written", "output", "reasoning", "cost_micros"];
 
@@ -74,10 +94,7 @@ impl UsageBook {
             usage.reasoning_tokens,
             cost,
         ];
-        for (c, a) in counts.iter_mut().zip(add) {
-            // A model without a price marks its cost unknown for good.
-            *c = if *c == u64::MAX || a == u64::MAX { u64::MAX } else { *c + a };
-        }
+        merge(counts, add);
     }
 
     /// Writes what the book holds and empties it; on failure the counts go
@@ -106,14 +123,19 @@ impl UsageBook {
         if let Err(error) = pipe.query_async::<()>(conn).await {
             let mut book = self.0.lock().unwrap_or_else(|e| e.into_inner());
             for (k, counts) in taken {
-                let c = book.entry(k).or_default();
-                for (x, n) in c.iter_mut().zip(counts) {
-                    *x = if *x == u64::MAX || n == u64::MAX { u64::MAX } else { *x + n };
-                }
+                merge(book.entry(k).or_default(), counts);
             }
             return Err(error);
         }
         Ok(())
+    }
+}
+
+/// Adds `add` to `counts`; `u64::MAX` (a cost unknown: a model without a
+/// price) stays unknown for good.
+fn merge(counts: &mut [u64; 7], add: [u64; 7]) {
+    for (c, a) in counts.iter_mut().zip(add) {
+        *c = if *c == u64::MAX || a == u64::MAX { u64::MAX } else { *c + a };
     }
 }
 
@@ -187,7 +209,7 @@ pub async fn read(
                 GroupBy::Model => model.to_owned(),
                 GroupBy::Day => format_day(day),
             };
-            let t = out.entry(key).or_insert(UsageTotals { cost_usd: Some(0.0), ..UsageTotals::default() });
+            let t = out.entry(key).or_insert(UsageTotals::zero());
             let n_u = n.max(0) as u64;
             match kind {
                 "calls" => t.calls += n_u,

@@ -157,8 +157,10 @@ async fn a_window_provider_finishes_with_at_most_one_429_a_window() {
 /// of their pace, measured). On a loaded machine a worker's send lags its
 /// clearance by more than the gap between two clearances, and the later one
 /// cleared, counted in the earlier one's headers, reaches the provider after
-/// them: one refused call for each such pair. Alone on a 2-core machine:
-/// 0 429s in 60 runs; 14 copies at once: 1 in 42 runs had one; a CI run once 3.
+/// them: one refused call for each such pair. Counted with copies of the
+/// test binary started at once on a 2-core machine (`…integration-* shapes::an_anthropic
+/// --nocapture`): alone or beside two busy loops, 0 429s in 16 runs; eight at
+/// a time, one run of 32 had one; fourteen at a time, one of 42; a CI run had 3.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_anthropic_provider_with_a_tight_output_bucket_pauses_on_output() {
     // 64 output tokens reserved a call for its 300 ms, 10 used: 640 a window
