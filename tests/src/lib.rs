@@ -118,7 +118,19 @@ pub fn unique_prefix() -> String {
 }
 
 /// Polls `check` until it returns `Some`, or fails the test after `timeout`.
-pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
+pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    match poll_until(timeout, check).await {
+        Some(value) => value,
+        None => panic!("timed out after {timeout:?} waiting for {what}"),
+    }
+}
+
+/// Polls `check` every 10 ms until it returns `Some`, or gives `None` after `timeout`.
+pub async fn poll_until<T, F, Fut>(timeout: Duration, mut check: F) -> Option<T>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Option<T>>,
@@ -126,13 +138,66 @@ where
     let deadline = Instant::now() + timeout;
     loop {
         if let Some(value) = check().await {
-            return value;
+            return Some(value);
         }
         if Instant::now() > deadline {
-            panic!("timed out after {timeout:?} waiting for {what}");
+            return None;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// Every key of the Redis at `url` whose name holds `pattern` (a `SCAN`
+/// pattern), with its value, one line each: what a test prints when it times
+/// out waiting, so a stall in CI leaves the queue's and the pacer's state
+/// behind it. Long values are cut; a Redis that does not answer says so.
+pub async fn dump_redis(url: &str, pattern: &str) -> String {
+    use redis::AsyncCommands;
+    let mut out = String::new();
+    let client = match redis::Client::open(url) {
+        Ok(client) => client,
+        Err(e) => return format!("(no dump: {e})"),
+    };
+    let mut conn = match client.get_multiplexed_async_connection().await {
+        Ok(conn) => conn,
+        Err(e) => return format!("(no dump: {e})"),
+    };
+    let mut keys: Vec<String> = match conn.scan_match::<_, String>(pattern).await {
+        Ok(iter) => {
+            use futures::StreamExt;
+            iter.filter_map(|k| async move { k.ok() }).collect().await
+        }
+        Err(e) => return format!("(no dump: {e})"),
+    };
+    keys.sort();
+    let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
+    out.push_str(&format!("redis dump at {now_ms} ms, {} keys matching {pattern}\n", keys.len()));
+    for key in keys {
+        let kind: String = redis::cmd("TYPE").arg(&key).query_async(&mut conn).await.unwrap_or_default();
+        let value = match kind.as_str() {
+            "string" => conn.get::<_, Option<String>>(&key).await.map(|v| format!("{v:?}")),
+            // (The pacer's records are packed numbers: shown escaped.)
+            "hash" => conn.hgetall::<_, Vec<(String, Vec<u8>)>>(&key).await.map(|v| {
+                let fields: Vec<String> = v.iter().map(|(f, b)| format!("{f}={}", b.escape_ascii())).collect();
+                fields.join(" ")
+            }),
+            "zset" => conn.zrange_withscores::<_, Vec<(String, f64)>>(&key, 0, -1).await.map(|v| format!("{v:?}")),
+            "list" => conn.lrange::<_, Vec<String>>(&key, 0, -1).await.map(|v| format!("{v:?}")),
+            "set" => conn.smembers::<_, Vec<String>>(&key).await.map(|v| format!("{v:?}")),
+            "stream" => conn.xlen::<_, u64>(&key).await.map(|n| format!("stream of {n} entries")),
+            other => Ok(format!("({other})")),
+        };
+        let mut value = value.unwrap_or_else(|e| format!("(error: {e})"));
+        if value.len() > 4_000 {
+            let mut cut = 4_000;
+            while !value.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            value = format!("{}… ({} bytes)", &value[..cut], value.len());
+        }
+        out.push_str(&format!("{key} [{kind}] {value}\n"));
+    }
+    out
 }
 
 /// Runs a future with a bound; panics naming `what` when it is exceeded.

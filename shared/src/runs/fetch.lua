@@ -153,18 +153,27 @@ local function hold(ids, recs, now)
     -- A pacer that fails here (an error, a reply not understood) leaves its turns to
     -- the worker, which asks as before. Its releases moved the turns they let go in this
     -- same script (PACER_HOST, pacer_host.lua): due now, cleared.
+    PACER_HOST.moved = {}
     local replies = pacer_batch(keys, g.route.cfg, now, ops)
     if replies then
       for k, it in ipairs(g.items) do
         local d = replies[first + k]
-        if type(d) == 'table' and d[1] == 0 then
+        -- A turn its own ask parked that a later op of the batch let go or retimed: the
+        -- host moved its entry already (pacer_host.lua), and that stands — released, it
+        -- stays queued, due now (a fetch asks for it again: the pacer's `start`); retimed,
+        -- it is due no later than the line's timer.
+        local moved = type(d) == 'table' and d[1] == 1 and PACER_HOST.moved[it.qid]
+        if type(moved) == 'number' then d[2] = math.min(tonumber(d[2]) or moved, math.max(moved - now, 1)) end
+        if moved == true then
+          keep[it.qid] = now
+        elseif type(d) == 'table' and d[1] == 0 then
           it.job.cleared = true
-          it.job.released = nil
+          it.job.released, it.job.due_at = nil, nil
           it.job.pause_ms = nil
           it.r.payload = cjson.encode(it.job)
         elseif type(d) == 'table' and d[1] == 1 then
           -- (A released turn whose reservation lapsed asked anew, and waits again.)
-          it.job.cleared, it.job.released = nil, nil
+          it.job.cleared, it.job.released, it.job.due_at = nil, nil, nil
           local ms = math.max(math.floor(tonumber(d[2]) or 0), 1)
           if ms <= in_place then
             -- Owed a moment: leased (not started, unless for the probe), it waits in its

@@ -34,21 +34,53 @@ function PACER_HOST.kicked(out)
   return out
 end
 
+-- What this script's releases and retimes moved, queue id -> true (released) or the new
+-- due time (retimed): a fetch that asks for the turns it holds reads it after its batch
+-- (runs/fetch.lua `hold`), since a later op's release may move a turn an earlier op
+-- parked, and the fetch's own answer for that turn must not undo it.
+PACER_HOST.moved = {}
+
 -- Released: the turn is cleared (its reservation is held), its entry due now, and a
 -- worker woken for it. `released`: the fetch that leases it tells the pacer its worker
 -- has it (runs/fetch.lua; pacer release.rs `start`): from then on its call may reach the
--- provider.
+-- provider. A leased turn is its worker's, between its own ask and what it does with the
+-- answer: parked, it is requeued by the worker (store.lua `wait`), which reads the mark
+-- left on its record here and makes it due now, released, instead of at the safety
+-- deadline its ask was given (a release lost there left the turn stranded for that long).
 function PACER_HOST.release(rid, now)
   local qid, r, job = host_turn(rid)
   if not qid then return false end
-  if r.flag ~= 'q' then return true end
   job.cleared = true
   job.released = true
   job.pause_ms = nil
   r.payload = cjson.encode(job)
+  if r.flag ~= 'q' then
+    redis.call('HSET', Q_JOBS, qid, q_encode(r))
+    return true
+  end
   q_schedule(qid, r, now, now, PACER_HOST.quiet)
   if PACER_HOST.quiet then PACER_HOST.kick = true end
+  PACER_HOST.moved[qid] = true
   return true
+end
+
+-- A worker's requeue of the turn it holds, parked by its own ask (store.lua `wait`): its
+-- payload `next` and its delay, as the line left them while the turn was leased
+-- (`held`, the leased record's payload, marked by PACER_HOST.release and .retime for the
+-- same turn and attempt): released, due now, cleared and released; retimed, due no later
+-- than the line's timer. `delay` and the result's are ms from `now`. Returns the payload
+-- and the delay.
+function PACER_HOST.requeue(held, next, delay, now)
+  local ok, h = pcall(cjson.decode, held)
+  if not ok or type(h) ~= 'table' or not (h.released or h.due_at) then return next, delay end
+  local ok2, n = pcall(cjson.decode, next)
+  if not ok2 or type(n) ~= 'table' or type(n.ask) ~= 'table' or tonumber(n.turn) ~= tonumber(h.turn)
+    or (tonumber(n.attempt) or 1) ~= (tonumber(h.attempt) or 1) then
+    return next, delay
+  end
+  if not h.released then return next, math.min(delay, math.max((tonumber(h.due_at) or now + delay) - now, 0)) end
+  n.cleared, n.released, n.pause_ms = true, true, nil
+  return cjson.encode(n), 0
 end
 
 -- Whether the turn is still there (queued or leased under that id).
@@ -56,12 +88,19 @@ function PACER_HOST.holds(rid)
   return host_turn(rid) ~= nil
 end
 
--- The head of its line: its entry is due when the pacer weighs it next.
+-- The head of its line: its entry is due when the pacer weighs it next. A leased one's
+-- record is marked (`due_at`) for its worker's requeue (PACER_HOST.requeue).
 function PACER_HOST.retime(rid, at, now)
-  local qid, r = host_turn(rid)
+  local qid, r, job = host_turn(rid)
   if not qid then return false end
-  if r.flag ~= 'q' then return true end
+  if r.flag ~= 'q' then
+    job.due_at = at
+    r.payload = cjson.encode(job)
+    redis.call('HSET', Q_JOBS, qid, q_encode(r))
+    return true
+  end
   redis.call('ZADD', Q_DUE, 'XX', at, qid)
   q_wake_for(at, now)
+  if PACER_HOST.moved[qid] ~= true then PACER_HOST.moved[qid] = at end
   return true
 end

@@ -97,7 +97,11 @@ if op == 'wait' then
   local delay = tonumber(ARGV[6])
   local shown = tonumber(ARGV[11]) or delay
   redis.call('HSET', RUN, unpack(wait_fields({'updated_ms', now, 'epoch', ''}, f, now, shown, ARGV[7], counter)))
+  local held = r.payload
   r.payload = ARGV[5]
+  -- Parked by its worker's ask: released or retimed by the line since (pacer_host.lua
+  -- marks the leased record), it is queued as the line left it, not as the ask said.
+  if ARGV[11] then r.payload, delay = PACER_HOST.requeue(held, r.payload, delay, now) end
   r.deliveries = 0
   q_schedule(id, r, now + delay, now)
   return {'ok'}

@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use mock_provider::{MockConfig, MockServer};
-use paceline_tests::{eventually, unique_prefix, within, ChildGuard, RedisServer};
+use paceline_tests::{poll_until, unique_prefix, within, ChildGuard, RedisServer};
 use serde_json::{json, Value};
 use shared::config::RedisArgs;
 use shared::keys::Keys;
@@ -153,11 +153,7 @@ impl App {
     }
 
     pub(crate) async fn wait_finished(&self, id: &str, timeout: Duration) -> Run {
-        eventually(&format!("run {id} to finish"), timeout, || async {
-            let run = self.store.get(TENANT, id).await.ok()??;
-            run.status.is_finished().then_some(run)
-        })
-        .await
+        wait_finished_for(self, TENANT, id, timeout).await
     }
 
     /// Stops the in-process workers: each must drain and return within 15 s;
@@ -210,12 +206,23 @@ pub(crate) async fn submit_tool_runs(
 }
 
 /// Waits (bounded) for a run of `tenant` to finish.
+/// A run that does not finish in time fails the test with the run and every
+/// key of the test's prefix printed (the queue's and the pacer's state), so
+/// a stall in CI leaves what it held behind it.
 pub(crate) async fn wait_finished_for(app: &App, tenant: &str, id: &str, timeout: Duration) -> Run {
-    eventually(&format!("run {id} to finish"), timeout, || async {
+    let finished = poll_until(timeout, || async {
         let run = app.store.get(tenant, id).await.ok()??;
         run.status.is_finished().then_some(run)
     })
-    .await
+    .await;
+    match finished {
+        Some(run) => run,
+        None => {
+            let run = app.store.get(tenant, id).await;
+            let dump = paceline_tests::dump_redis(&app.redis.url(), &format!("*{}*", app.prefix)).await;
+            panic!("timed out after {timeout:?} waiting for run {id} to finish; it is {run:?}\n{dump}")
+        }
+    }
 }
 
 // ------------------------------------------------------------------ provider calls

@@ -722,6 +722,59 @@ async fn a_commit_queues_a_next_turn_the_pacer_cleared_or_puts_it_to_wait_at_onc
     }
 }
 
+/// The stall CI found (`worker::work_and_companion_runs_all_finish…` timed
+/// out on ten runs waiting at a five-minute safety deadline): a worker asks
+/// for the turn it holds and is parked in line; before its requeue lands, the
+/// probe's answer lets the line go. The release found the turn leased, moved
+/// nothing, and the requeue put it at its safety deadline, out of the line
+/// with its reservation held for nothing. Now the release marks the leased
+/// record and the requeue makes the turn due now, released; the fetch after
+/// it starts it, cleared.
+#[tokio::test]
+async fn a_turn_the_line_lets_go_while_its_worker_requeues_it_is_due_at_once() {
+    use shared::pacer::{CallOutcome, Decision, Estimate, Mode, Observation, PacingConfig, SharedPacer, Who};
+    use shared::runs::{FetchAsks, Started, Turn};
+    let env = env().await;
+    let pacer = SharedPacer::new(env.store.connection(), env.keys.clone(), "default", PacingConfig::default())
+        .with_host(shared::runs::pacer_host(&env.keys));
+    let est = Estimate { tokens: 300, requests: 1, output: 200 };
+    // A cold start: the probe is out, nothing is known.
+    assert_eq!(pacer.acquire("gpt-test", "probe", est, Mode::Work, &Who::DEFAULT).await.unwrap(), Decision::Clear);
+    let run = env.store.create("alpha", &spec("x"), None, None).await.unwrap().run;
+    let lease = env.queue.fetch("w0", 1).await.unwrap().deliveries.remove(0).lease;
+    let job = TurnJob { turn: 0, attempt: 1 };
+    let reservation = format!("{}:0:1", run.id);
+    let owed = pacer.acquire("gpt-test", &reservation, est, Mode::Work, &Who::DEFAULT).await.unwrap();
+    let Decision::Owed { ms, eta_ms, .. } = owed else { panic!("the probe is out: {owed:?}") };
+    assert!(ms >= 1_000, "parked until the probe's answer: {owed:?}");
+    // The probe answers with room: the line lets the turn go while its worker holds it.
+    let room = CallOutcome {
+        used_tokens: Some(300),
+        tokens: Observation { limit: Some(100_000), remaining: Some(99_000), reset_ms: Some(60_000) },
+        requests: Observation { limit: Some(1_000), remaining: Some(999), reset_ms: Some(600) },
+        ..CallOutcome::default()
+    };
+    pacer.settle("gpt-test", "probe", &room).await.unwrap();
+    // The worker's requeue, as its ask left it.
+    let next = Turn { job, ask: Some(asked()), cleared: false, pause_ms: None, cached_until_ms: None };
+    let data = json!({"turn": 0, "owed_ms": eta_ms, "reason": "probe"});
+    let fence = env.store.wait_parked(&lease, job, next, ms, eta_ms, WaitReason::Budget, "turn.paced", &data).await;
+    assert_eq!(fence.unwrap(), Fence::Ok);
+    let c = env.queue.counts().await.unwrap();
+    assert_eq!((c.ready, c.delayed), (1, 0), "due now, not when its ask said: {c:?}");
+    // The fetch after it tells the pacer its worker has it, and starts it.
+    let asks = FetchAsks {
+        routes: [("default".to_owned(), pacer.script_route().unwrap())].into(),
+        first: "default".into(),
+        ..FetchAsks::default()
+    };
+    let fetched = env.queue.fetch_with("w1", 10, Some(&env.store.fetch_script_asking(24, Some(&asks)))).await.unwrap();
+    assert_eq!((fetched.held, fetched.deliveries.len()), (0, 1));
+    let turn: Turn = serde_json::from_str(&fetched.deliveries[0].payload).unwrap();
+    assert!(turn.cleared, "{}", fetched.deliveries[0].payload);
+    assert!(matches!(env.store.started(&fetched.deliveries[0].lease), Some(Ok(Started::Run(_)))));
+}
+
 #[tokio::test]
 async fn a_waiting_run_shows_why_and_its_turn_comes_back_when_due() {
     let env = env().await;
