@@ -537,9 +537,21 @@
       histories = new Map(v.budgets.map((h) => [h.budget + '/' + h.model, h]));
       paint();
     };
+    // Each tenant's day so far (a tenant's token: its own), from GET /v1/usage.
+    const spend = async () => {
+      const day = new Date().toISOString().slice(0, 10);
+      const v = await api('/v1/usage?' + new URLSearchParams({ from: day, to: day, group_by: 'tenant' }));
+      const cost = (c) => (c === null || c === undefined ? 'unknown' : '$' + Number(c).toFixed(4));
+      $('#spend-table tbody').replaceChildren(...v.data.map((x) => el('tr', { 'data-tenant': x.key },
+        el('td', { text: x.key }), el('td', { class: 'n num', text: num(x.calls) }),
+        el('td', { class: 'n num', text: num(x.input_tokens) }), el('td', { class: 'n num', text: num(x.cached_input_tokens) }),
+        el('td', { class: 'n num', text: num(x.output_tokens) }), el('td', { class: 'n num', text: cost(x.cost_usd) }))));
+      $('#spend-note').textContent = v.data.length ? '' : 'No calls answered today.';
+    };
     const a = poller(BUDGET_MS, cards);
     const b = poller(HISTORY_MS, history);
-    return { now() { a.now(); b.now(); }, stop() { a.stop(); b.stop(); } };
+    const c = poller(HISTORY_MS, spend);
+    return { now() { a.now(); b.now(); c.now(); }, stop() { a.stop(); b.stop(); c.stop(); } };
   }
 
   // ---- Fleet ------------------------------------------------------------------

@@ -141,6 +141,12 @@ fn take_reservation<'o>(
     }
 }
 
+/// The most one settle's count may differ from the learned input ratio
+/// (either way) before it is weighed in: a count far off the others is that
+/// call's own (a prompt cache its ask expected that had expired), not the
+/// tokenizers' difference, which the probe's count shows whole at once.
+pub const INPUT_RATIO_STEP: f64 = 1.25;
+
 /// Step 2: the ratios an answered call teaches — the provider's input count
 /// against our estimate, the call's time from clearance to settle, and the
 /// share of its output reservation it used.
@@ -155,6 +161,8 @@ fn learn_usage(state: &mut PacerState, cfg: &PacingConfig, now: Millis, r: &Repo
             // first wave); later ones weigh 30 %.
             let seen = (counted as f64 / f.input as f64).clamp(0.25, 4.0);
             let prior = if state.input_ratio > 0.0 { state.input_ratio } else { seen };
+            // One count moves the ratio a step at most (INPUT_RATIO_STEP).
+            let seen = seen.clamp(prior / INPUT_RATIO_STEP, prior * INPUT_RATIO_STEP);
             state.input_ratio = 0.7 * prior + 0.3 * seen;
         }
     }

@@ -127,6 +127,11 @@ pub struct Faults {
     /// … and systematically this fraction low (a tokenizer that counts fewer
     /// tokens than the provider; 0.18 is tiktoken against a chars/4 count).
     pub est_low: f64,
+    /// A turn's ask predicted a prompt cache that expired before its call
+    /// (an Anthropic input bucket charges no cache reads, so a cached prefix
+    /// is not asked for): it asks for a tenth of the input the provider then
+    /// charges. The settle corrects it — never a stall, never an overdraft.
+    pub cache_expired: f64,
     /// A settle arrives up to this long after the call ended.
     pub settle_delay_max_ms: Millis,
     /// Of the runs cancelled while waiting, the share whose cancel the
@@ -245,6 +250,7 @@ impl Workload {
             settle_delay_max_ms: if rng.random_bool(0.5) { 1_000 } else { 50 },
             cancel_told: 1.0,
             lose_release: 0.0,
+            cache_expired: 0.0,
         };
         // The faults of the parked line, drawn apart (the draws above make the
         // same workloads as before there was a line to fault): a cancel
@@ -258,6 +264,10 @@ impl Workload {
             lose_release: if strong && line_rng.random_bool(0.5) { 0.05 } else { 0.0 },
             ..faults
         };
+        // A prompt cache predicted and expired, drawn apart too (the workloads
+        // without it stay as they were).
+        let mut cache_rng = StdRng::seed_from_u64(seed ^ 0xcac4e);
+        let faults = Faults { cache_expired: if strong && cache_rng.random_bool(0.5) { 0.1 } else { 0.0 }, ..faults };
         let config = PacingConfig { jitter_frac: 0.02, ..PacingConfig::default() };
         let total: u64 =
             runs.iter().map(|r| (0..r.turns as u64).map(|t| r.input + r.growth * t + r.max_output).sum::<u64>()).sum();
@@ -962,6 +972,10 @@ impl<'w> Sim<'w> {
         r.input = r.plan.input + r.plan.growth * r.turn as u64;
         let factor = if err > 0.0 { self.rng.random_range(1.0 - err..1.0 + err) } else { 1.0 };
         r.estimate = (r.input as f64 * factor * (1.0 - self.w.faults.est_low)).round() as u64;
+        let expired = self.w.faults.cache_expired;
+        if expired > 0.0 && self.rng.random_bool(expired) {
+            r.estimate /= 10;
+        }
         r.attempt = 0;
         let now = self.now;
         self.enqueue(run, now);
@@ -1713,7 +1727,11 @@ mod tests {
                 if warm * 100 > r.calls * HEADERLESS_REFUSED_PCT {
                     why.push(format!("{warm} of {} calls refused without headers after the first wave", r.calls));
                 }
-            } else if w.faults.est_error == 0.0 && w.faults.est_low == 0.0 && r.refused > allowed {
+            } else if w.faults.est_error == 0.0
+                && w.faults.est_low == 0.0
+                && w.faults.cache_expired == 0.0
+                && r.refused > allowed
+            {
                 why.push(format!("{} of {} calls refused with exact estimates", r.refused, r.calls));
             }
             if r.max_shortfall > r.max_charge {

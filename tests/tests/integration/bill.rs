@@ -9,6 +9,7 @@ use worker::context::TRIMMED_PLACEHOLDER;
 
 use crate::fixtures::{secs, tool_endpoint, App};
 use mock_provider::MockConfig;
+use paceline_tests::ChildGuard;
 
 /// A tool output of about 2 400 characters of English (~600 of the mock's tokens).
 async fn wordy_tools() -> String {
@@ -252,22 +253,22 @@ async fn a_run_with_a_cost_cap_never_sends_the_call_that_would_cross_it() {
 
 /// SPEC §4a, `PACELINE_TENANT_BUDGETS`: a tenant's calls never take a day's
 /// spend past its cap, however many of its turns are in flight at once (each
-/// books its estimated cost first); its runs wait for the next day
-/// (`spend_cap`), then finish. The day is 3 s here.
+/// books its estimated cost first) across four worker processes of 16 slots;
+/// its runs wait for the next day (`spend_cap`), then finish. The day is 3 s
+/// here.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenants_day_cap_holds_and_its_runs_resume_the_next_day() {
     // A budget nothing reaches: the day's cap is what holds the runs back.
     let mock = MockConfig { tool_rounds: 4, tpm: 10_000_000, rpm: 100_000, ..MockConfig::default() };
     let mut app = App::start(mock).await;
     app.tools = wordy_tools().await;
-    let cap = 0.04;
-    let mut config = app.config();
-    config.spend.tenant_budgets = format!("default={cap}").parse().unwrap();
-    config.spend.day_s = Some(3);
-    app.spawn_worker(config);
+    let cap = 0.1;
+    let budgets = format!("default={cap}");
+    let flags = ["--concurrency", "16", "--tenant-budgets", &budgets, "--spend-day-s", "3"];
+    let workers: Vec<ChildGuard> = (0..4).map(|_| app.worker_process(&flags, "error")).collect();
     let start_day = now_ms() / 3_000;
     let mut ids = vec![];
-    for i in 0..8 {
+    for i in 0..32 {
         let body = long_run(&app, json!({"model": "gpt-4.1", "input": format!("task {i}")}));
         ids.push(app.submit(body).await.id);
     }
@@ -284,7 +285,7 @@ async fn a_tenants_day_cap_holds_and_its_runs_resume_the_next_day() {
     // Each day's ledger: within the cap, and together what the runs cost.
     let mut conn = redis::Client::open(app.redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
     let keys = shared::keys::Keys::new(&app.prefix);
-    let mut days = 0.0;
+    let (mut days, mut fullest) = (0.0, 0.0f64);
     for day in start_day..=now_ms() / 3_000 {
         let spent: Option<u64> = redis::cmd("HGET")
             .arg(keys.tenant_spend("default", day))
@@ -295,9 +296,14 @@ async fn a_tenants_day_cap_holds_and_its_runs_resume_the_next_day() {
         let spent = spent.unwrap_or(0) as f64 / 1e6;
         assert!(spent <= cap, "day {day}: {spent} spent of {cap}");
         days += spent;
+        fullest = fullest.max(spent);
     }
+    eprintln!(
+        "day cap {cap} over 4 processes x 16: 32 runs cost {total:.4} over {} days, the fullest {fullest:.4}; {waited} budget waits",
+        now_ms() / 3_000 - start_day + 1
+    );
     assert!((days - total).abs() < 1e-4, "the days' ledgers ({days}) against the runs' costs ({total})");
-    app.stop_workers().await;
+    drop(workers);
 }
 
 fn now_ms() -> u64 {

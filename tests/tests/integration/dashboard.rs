@@ -310,6 +310,17 @@ async fn the_dashboard_shows_a_tenants_runs_live_its_transcript_and_budget_and_n
     let card = browser.js("return document.querySelector('#budgets').textContent", json!([])).await;
     let card = card.as_str().unwrap();
     assert!(card.contains("default · gpt-test") && card.contains("600"), "{card}");
+    // The tenant's day: its answered calls, as the workers counted them
+    // (written every 10 s); `gpt-test` has no price, so its cost is unknown, not 0.
+    let spend = browser
+        .until(
+            "acme's spend today",
+            secs(30),
+            "const r = document.querySelector('#spend-table tbody tr[data-tenant=\"acme\"]');
+             return r && Number(r.children[1].textContent.replace(/,/g, '')) >= 10 && r.textContent",
+        )
+        .await;
+    assert!(spend.as_str().unwrap().contains("unknown"), "a model without a price costs unknown: {spend}");
     browser.screenshot(&shots, "budget.png").await;
 
     // The fleet: a tenant's own counts; workers need the operator's token.
@@ -456,7 +467,9 @@ async fn the_dashboard_shows_a_tenants_runs_live_its_transcript_and_budget_and_n
         .until(
             "beta's empty budget page",
             secs(10),
-            "return document.querySelector('#budget-note').textContent.includes('No budget')",
+            "return document.querySelector('#budget-note').textContent.includes('No budget')
+                && document.querySelector('#spend-note').textContent.includes('No calls')
+                && document.querySelectorAll('#spend-table tbody tr').length === 0",
         )
         .await;
     browser.js("location.hash = '#/run/' + arguments[0]", json!([ids[0]])).await;

@@ -64,6 +64,8 @@ local function learn_usage(r)
     local seen = math.min(math.max(counted / r.estimated_input, 0.25), 4)
     local prior = get('input_ratio')
     if prior <= 0 then prior = seen end
+    -- One count moves the ratio a step at most (settle.rs, INPUT_RATIO_STEP = 1.25).
+    seen = math.min(math.max(seen, prior / 1.25), prior * 1.25)
     S['input_ratio'] = 0.7 * prior + 0.3 * seen
   end
   if r.mark then
