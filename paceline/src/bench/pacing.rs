@@ -182,6 +182,12 @@ pub fn figures(plan: &PacingPlan, data: &TrialData) -> PacerFigures {
         lease_losses: data.lease_losses,
         redis_cpu_ms_per_turn: 1000.0 * data.redis_cpu_s / data.turns_completed().max(1) as f64,
         empty_fetches_per_turn: data.empty_fetches as f64 / data.turns_completed().max(1) as f64,
+        empty_fetches_breakdown: data
+            .empty_by_cause
+            .iter()
+            .map(|(cause, n)| format!("{cause} {:.2}", *n as f64 / data.turns_completed().max(1) as f64))
+            .collect::<Vec<_>>()
+            .join(", "),
         runs_completed: completed,
         runs_failed: failed,
         runs_unfinished: plan.workload.runs.saturating_sub(completed + failed),

@@ -122,6 +122,9 @@ pub struct PacerFigures {
     /// Fetches that found nothing due, per completed turn.
     #[serde(default)]
     pub empty_fetches_per_turn: f64,
+    /// Of them, per completed turn by what made the worker fetch.
+    #[serde(default)]
+    pub empty_fetches_breakdown: String,
     // --- beyond the pacing comparison's own figures ---
     /// Runs that completed.
     pub runs_completed: usize,
@@ -306,6 +309,11 @@ pub fn table(report: &Report) -> String {
                 let _ = writeln!(out, "{p}: failed runs by kind: {:?}", f.failures);
             }
             let _ = writeln!(out, "{p}: Redis commands per turn: {}", f.redis_commands_breakdown);
+            let _ = writeln!(
+                out,
+                "{p}: empty fetches per turn, by what made the worker fetch: {}",
+                f.empty_fetches_breakdown
+            );
         }
     }
     if let Some(t) = &report.throughput {

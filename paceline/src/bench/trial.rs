@@ -162,6 +162,9 @@ pub struct TrialData {
     pub redis_cpu_s: f64,
     /// Fetches that found nothing due (a worker woken for nothing).
     pub empty_fetches: u64,
+    /// Of them, by what made the worker fetch (`queue::FetchWhy`: token,
+    /// watch, kick, safety, again, unsaid), the most first.
+    pub empty_by_cause: Vec<(String, u64)>,
     /// Leases the workers lost while they held them (their heartbeat did not
     /// renew them in time: a stalled process, a starved runtime).
     pub lease_losses: usize,
@@ -413,12 +416,18 @@ impl Trial {
     pub async fn finish(mut self, drained: bool) -> anyhow::Result<TrialData> {
         let after = CommandStats::read(&mut self.admin).await?;
         let redis_cpu_s = super::redis::cpu_seconds(&mut self.admin).await? - self.cpu_before;
-        let empty_fetches: u64 = redis::cmd("HGET")
-            .arg(&self.queue.keys().stats)
-            .arg("empty_fetches")
-            .query_async::<Option<u64>>(&mut self.admin)
-            .await?
-            .unwrap_or(0);
+        // Counted under their cause (`empty_fetches:<cause>`; unsaid: `empty_fetches`).
+        let stats: Vec<(String, u64)> =
+            redis::cmd("HGETALL").arg(&self.queue.keys().stats).query_async(&mut self.admin).await?;
+        let mut empty_by_cause: Vec<(String, u64)> = stats
+            .into_iter()
+            .filter_map(|(field, n)| {
+                let cause = field.strip_prefix("empty_fetches")?;
+                Some((cause.strip_prefix(':').unwrap_or("unsaid").to_owned(), n))
+            })
+            .collect();
+        empty_by_cause.sort_by_key(|(_, n)| std::cmp::Reverse(*n));
+        let empty_fetches = empty_by_cause.iter().map(|(_, n)| n).sum();
         let worker_peak_rss_mb = self.fleet.peak_rss_mb();
         let logs = self.fleet.logs();
         self.fleet.stop(Duration::from_secs(15)).await;
@@ -458,6 +467,7 @@ impl Trial {
             worker_peak_rss_mb,
             redis_cpu_s,
             empty_fetches,
+            empty_by_cause,
             lease_losses,
             drained,
         })

@@ -2,14 +2,18 @@
 -- calls it, and so does a script that does more with each turn it leases (the run
 -- store's fetch starts them: runs/store.rs `fetch_script`).
 --
--- q_fetch(max, lease_ms, dead_keep_ms, me, woken, on_leased, hold): fetch and lease up to
+-- q_fetch(max, lease_ms, dead_keep_ms, me, why, on_leased, hold): fetch and lease up to
 -- `max` due turns for `lease_ms` ms for worker `me` (`dead_keep_ms`: the dead set's
--- retention). `woken`: this fetch follows a wake-up token its worker took, so others may
+-- retention). `why` the worker fetches (mod.rs `FetchWhy`): '1' a wake-up token, 'w' its
+-- watch's timer, 'k' a kick, 's' the safety net, 'a' a slot freed after a full batch,
+-- '0' unsaid. A fetch that finds nothing counts itself under its cause (Q_EMPTY_FIELD:
+-- the queue's counters, KEYS[Q_NKEYS+2]), one HINCRBY as before. `woken` ('1'): this
+-- fetch follows a wake-up token its worker took, so others may
 -- be left over (pushed while no worker listened): a fetch that takes everything due
 -- clears them. Any other fetch leaves them (a token reaches a listening worker at once,
 -- so leftovers are rare; clearing them at every fetch cost a DEL a turn).
 -- KEYS[Q_NKEYS+1]: the epoch counter; KEYS[Q_NKEYS+2]: the queue's counters
--- (empty_fetches: a fetch that found nothing due is a cost to count, not to accept).
+-- (empty_fetches[:cause]: a fetch that found nothing due is a cost to count, not to accept).
 -- `on_leased(id, r)` (optional), called for each leased turn with its record once its
 -- lease is written, returns what the delivery carries besides (an array; nil: nothing).
 -- `hold(ids, recs, now)` (optional), called with the due turns before any is leased
@@ -57,7 +61,11 @@ local function q_next_epochs(lasts)
   return out
 end
 
-local function q_fetch(max, lease_ms, dead_keep_ms, me, woken, on_leased, hold)
+local Q_EMPTY_FIELD = {['1'] = 'empty_fetches:token', w = 'empty_fetches:watch', k = 'empty_fetches:kick',
+  s = 'empty_fetches:safety', a = 'empty_fetches:again'}
+
+local function q_fetch(max, lease_ms, dead_keep_ms, me, why, on_leased, hold)
+  local woken = why == '1'
   local now = q_now()
   -- The first max + 1 queued turns by due time: those due now (at most max), and
   -- after them the next one, whose due time says whether more are due and when.
@@ -74,7 +82,7 @@ local function q_fetch(max, lease_ms, dead_keep_ms, me, woken, on_leased, hold)
   local n = #due / 2
   local out = {tostring(now), '-1', '0'}
   if n == 0 then
-    redis.call('HINCRBY', KEYS[Q_NKEYS + 2], 'empty_fetches', 1)
+    redis.call('HINCRBY', KEYS[Q_NKEYS + 2], Q_EMPTY_FIELD[why] or 'empty_fetches', 1)
   else
     local ids = {}
     for i = 1, n do ids[i] = due[2 * i - 1] end

@@ -19,8 +19,9 @@ pub struct QueueKeys {
     pub timer: String,
     /// Counter the epochs come from.
     pub epoch_seq: String,
-    /// HASH of the queue's own counters (`empty_fetches`: fetches that found
-    /// nothing due, a worker woken for nothing).
+    /// HASH of the queue's own counters (`empty_fetches:<cause>`: fetches that
+    /// found nothing due, a worker woken for nothing, by what made it fetch —
+    /// `FetchWhy`; `empty_fetches` when its caller did not say).
     pub stats: String,
     /// ZSET worker identity → last heartbeat ms.
     pub workers: String,

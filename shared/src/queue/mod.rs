@@ -54,8 +54,40 @@ use std::sync::Arc;
 /// [`Lease::mark_settled`] so the backend does not also complete it.
 pub const LUA_LIB: &str = include_str!("lib.lua");
 
+/// Why a worker fetches, told to the fetch so that one that finds nothing is
+/// counted under its cause (the queue's counters, `empty_fetches:<cause>`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FetchWhy {
+    /// A wake-up token (its fetch also clears the tokens left over).
+    Token,
+    /// This worker's watch of the next due time came due.
+    Watch,
+    /// A handler of this process queued a turn quietly (`kick`).
+    Kick,
+    /// The safety net's interval passed with no token.
+    SafetyNet,
+    /// A slot freed after a fetch that filled every slot with more due.
+    Again,
+    /// Not said (a first fetch, a caller that does not say).
+    Unsaid,
+}
+
+impl FetchWhy {
+    /// Its code in the fetch script's `ARGV[5]` (fetch.lua `Q_EMPTY_FIELD`).
+    pub fn code(self) -> &'static str {
+        match self {
+            Self::Token => "1",
+            Self::Watch => "w",
+            Self::Kick => "k",
+            Self::SafetyNet => "s",
+            Self::Again => "a",
+            Self::Unsaid => "0",
+        }
+    }
+}
+
 /// The queue's fetch as a Lua function, `q_fetch(max, lease_ms, dead_keep_ms,
-/// me, woken, on_leased, hold)` (prepend it after [`LUA_LIB`]): the queue's own fetch
+/// me, why, on_leased, hold)` (`why`: [`FetchWhy::code`]) (prepend it after [`LUA_LIB`]): the queue's own fetch
 /// script calls it; a [`FetchScript`] built on it does more with each turn it
 /// leases (`on_leased(id, record)` returns what the delivery carries besides:
 /// [`Lease::extra`]).
@@ -96,7 +128,7 @@ impl Scripts {
         Self {
             enqueue: with_lib(ENQUEUE_LUA),
             fetch: with_lib(&format!(
-                "{FETCH_LIB}\nreturn q_fetch(tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5] == '1')"
+                "{FETCH_LIB}\nreturn q_fetch(tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5])"
             )),
             settle: with_lib(SETTLE_LUA),
             heartbeat: with_lib(HEARTBEAT_LUA),
@@ -235,6 +267,20 @@ impl TurnQueue {
         with: Option<&FetchScript>,
         woken: bool,
     ) -> Result<Fetched, QueueError> {
+        self.fetch_for(worker, max, with, if woken { FetchWhy::Token } else { FetchWhy::Unsaid }).await
+    }
+
+    /// [`Self::fetch_woken`], saying why the worker fetches: a fetch that
+    /// finds nothing is counted under its cause (`empty_fetches:<cause>` in
+    /// the queue's counters; `empty_fetches` when unsaid), at the cost of the
+    /// one count it made before.
+    pub async fn fetch_for(
+        &self,
+        worker: &str,
+        max: usize,
+        with: Option<&FetchScript>,
+        why: FetchWhy,
+    ) -> Result<Fetched, QueueError> {
         let mut inv = self.invocation(with.map_or(&self.scripts.fetch, |w| &*w.script));
         inv.key(&self.keys.epoch_seq)
             .key(&self.keys.stats)
@@ -242,7 +288,7 @@ impl TurnQueue {
             .arg(self.config.lease_ms)
             .arg(self.config.dead_retention_ms)
             .arg(worker)
-            .arg(if woken { "1" } else { "0" });
+            .arg(why.code());
         for a in with.map_or(&[][..], |w| &w.args[..]) {
             inv.arg(a);
         }
@@ -483,7 +529,7 @@ impl std::fmt::Debug for FetchScript {
 
 impl FetchScript {
     /// `body` (prepended with [`LUA_LIB`] and `libs`, then [`FETCH_LIB`]) must
-    /// `return q_fetch(tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5] == '1', on_leased, hold)`
+    /// `return q_fetch(tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5], on_leased, hold)`
     /// (`hold` optional: the due turns to leave queued, `fetch.lua`);
     /// `args` are its ARGV from 6 on.
     pub fn new(libs: &str, body: &str, args: Vec<String>) -> Self {

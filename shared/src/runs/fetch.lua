@@ -192,4 +192,4 @@ local function hold(ids, recs, now)
   return keep, {}
 end
 
-return q_fetch(tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5] == '1', start_leased, hold)
+return q_fetch(tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5], start_leased, hold)

@@ -4,6 +4,7 @@
 //! (see the backend's module doc for the whole waking scheme).
 
 use super::*;
+use shared::queue::FetchWhy;
 
 /// One fetch, in a task of its own (see `BackendState::fetching`).
 pub(super) async fn fetch_in_task(
@@ -11,12 +12,12 @@ pub(super) async fn fetch_in_task(
     script: Option<FetchScript>,
     shared: Arc<BackendState>,
     want: usize,
-    woken: bool,
+    why: FetchWhy,
 ) -> Result<shared::queue::Fetched, QueueError> {
     shared.fetching.fetch_add(1, Ordering::SeqCst);
     let task = tokio::spawn(async move {
         let sent = Instant::now();
-        let result = queue.fetch_woken(&shared.identity, want, script.as_ref(), woken).await;
+        let result = queue.fetch_for(&shared.identity, want, script.as_ref(), why).await;
         if let Ok(fetched) = &result {
             for d in &fetched.deliveries {
                 shared.hold(&d.lease, sent);
@@ -43,9 +44,11 @@ pub(super) struct Fetcher<T> {
     pub(super) listening: Option<Listen>,
     /// Whether the server lets this worker use `CLIENT UNBLOCK`.
     pub(super) unblock: bool,
-    /// The last idle wait ended with a wake-up token: the next fetch clears
-    /// any left over (`TurnQueue::fetch_woken`).
-    pub(super) woken: bool,
+    /// Why the next fetch is made (what ended the last idle wait, or a slot
+    /// freed after a full batch): a fetch that finds nothing is counted under
+    /// it, and one after a wake-up token clears any left over
+    /// (`TurnQueue::fetch_for`).
+    pub(super) why: FetchWhy,
     /// A token named a due time to watch (server clock, ms; `q_wake_at`): the
     /// earliest such since the last fetch.
     pub(super) watch_token: Option<i64>,
@@ -73,7 +76,8 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
                     self.watching = Some(self.watching.map_or(until, |w| w.min(until)));
                     self.idle(Some(ms)).await
                 }
-                Some(Then::FetchAgain) | None => {}
+                Some(Then::FetchAgain) => self.why = FetchWhy::Again,
+                None => {}
             }
             if let Some(ms) = self.watch_from_token() {
                 // A token named the next due time: watch it (and any earlier
@@ -103,8 +107,8 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
                 free = self.free_slot().await;
             }
             let want = free.min(self.queue.config().fetch_batch);
-            let woken = std::mem::take(&mut self.woken);
-            match fetch_in_task(self.queue.clone(), self.script.clone(), self.shared.clone(), want, woken).await {
+            let why = std::mem::replace(&mut self.why, FetchWhy::Unsaid);
+            match fetch_in_task(self.queue.clone(), self.script.clone(), self.shared.clone(), want, why).await {
                 Ok(fetched) => {
                     self.failures = 0;
                     self.clock = Some((fetched.now_ms, Instant::now()));
@@ -182,12 +186,15 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
         kicked.as_mut().enable();
         if shared.kicked.load(Ordering::SeqCst) {
             // Queued since the last fetch began: it may not have seen it.
+            self.why = FetchWhy::Kick;
             return;
         }
         let cap = self.safety_net();
         // +1 ms: the timer must not fire before the due time; the fetch script
         // re-checks against the server clock anyway.
         let wait = watch_ms.map(|w| Duration::from_millis(w.max(0) as u64 + 1)).unwrap_or(cap).min(cap);
+        // What ends the wait unless a token or a kick does first.
+        self.why = if wait < cap { FetchWhy::Watch } else { FetchWhy::SafetyNet };
         let Some((conn, _)) = self.blocking_conn(cap).await else {
             tokio::time::sleep(wait.min(backoff(self.failures.max(1)))).await;
             return;
@@ -212,9 +219,11 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
         tokio::select! {
             r = listen => {
                 self.listening = None;
+                self.why = FetchWhy::SafetyNet;
                 self.listened(r);
             }
-            _ = futures::future::select(Box::pin(timer), kicked) => {}
+            _ = timer => {}
+            _ = kicked => self.why = FetchWhy::Kick,
         }
     }
 
@@ -240,7 +249,7 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
         if let Ok(Some((_, token))) = &result {
             match token.strip_prefix('w').and_then(|t| t.parse::<i64>().ok()) {
                 Some(due) => self.watch_token = Some(self.watch_token.map_or(due, |d| d.min(due))),
-                None => self.woken = true,
+                None => self.why = FetchWhy::Token,
             }
         }
         if let Err(error) = result {

@@ -335,7 +335,7 @@ impl<T: DeserializeOwned + Send + 'static> Backend for QueueBackend<T> {
                 blocking: None,
                 listening: None,
                 unblock: true,
-                woken: false,
+                why: shared::queue::FetchWhy::Unsaid,
                 watch_token: None,
                 clock: None,
                 watching: None,
