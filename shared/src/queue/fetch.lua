@@ -163,11 +163,15 @@ local function q_fetch(max, lease_ms, dead_keep_ms, me, why, on_leased, hold)
   -- a SET: most fetches that get here claim) …
   local old = redis.call('SET', Q_TIMER, string.format('%d|%s', at, me), 'PX', math.max(at - now, 1) + lease_ms, 'GET')
   local watched, who = q_claim_of(old, now)
-  if watched and watched <= at and who ~= me and who ~= '*' then
-    -- … and given back when another idle worker sleeps towards this time or an
-    -- earlier one (it takes what is due when it wakes, then watches the next),
-    -- expiring when it would have. A claim for whoever takes a token (`*`,
-    -- lib.lua q_wake_at) is kept by this fetch: nobody may have taken it yet.
+  if watched and watched == at and who ~= me and who ~= '*' then
+    -- … and given back when another idle worker sleeps towards this very time
+    -- (it takes what is due when it wakes, then watches the next), expiring when
+    -- it would have. A claim for an earlier time is stale: nothing is due before
+    -- `at` (a release moved the turn it watched to now, and it was taken), so this
+    -- worker watches instead, and the one that claimed it finds its claim gone when
+    -- its timer goes, and listens rather than fetch for nothing (backend/fetcher.rs
+    -- `watch_still_mine`). A claim for whoever takes a token (`*`, lib.lua q_wake_at)
+    -- is kept by this fetch: nobody may have taken it yet.
     redis.call('SET', Q_TIMER, old, 'PX', math.max(watched - now, 1) + lease_ms)
     return out
   end

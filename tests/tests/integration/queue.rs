@@ -315,6 +315,38 @@ async fn a_new_earliest_due_time_is_watched_with_no_fetch_to_learn_it() {
 }
 
 #[tokio::test]
+async fn a_watch_made_stale_by_an_early_release_costs_no_fetch() {
+    // The pacer's line often lets its head go before the head's timer: its
+    // entry moves to now and a token wakes some idle worker, while another
+    // still sleeps towards the old time. The fetch that takes the turn finds
+    // nothing due before the next turn and watches that instead; the worker
+    // whose watch went stale finds its claim gone when its timer goes and
+    // listens, rather than fetch for nothing (one watch-woken empty fetch per
+    // early release before).
+    let env = Env::start(QueueConfig { idle_ms: 60_000, ..QueueConfig::default() });
+    let seen = Seen::default();
+    let workers = idle_workers(&env, 8, &seen).await;
+    env.queue.enqueue("run_a", &json!({}), 1_500).await.unwrap();
+    env.queue.enqueue("run_b", &json!({}), 3_000).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let before = empty_fetches(&env).await;
+    // A release, as the pacer's host makes it: due now, and one worker woken.
+    let mut conn = env.server.conn().await;
+    let keys = env.queue.keys();
+    let _: () = redis::cmd("ZADD").arg(&keys.due).arg(0).arg("run_a").query_async(&mut conn).await.unwrap();
+    let _: () = redis::cmd("LPUSH").arg(&keys.notify).arg("1").query_async(&mut conn).await.unwrap();
+    eventually("both turns to start", secs(10), || async { (seen.len() >= 2).then_some(()) }).await;
+    let b = seen.all().into_iter().find(|s| s.id == "run_b").unwrap();
+    assert!(b.server_now_ms >= b.due_ms && b.server_now_ms - b.due_ms < 1_000, "{b:?}");
+    let empty = empty_fetches(&env).await - before;
+    assert_eq!(empty, 0, "{empty} fetches found nothing (the stale watch's among them)");
+    for (stop, handle) in workers {
+        let _ = stop.send(());
+        within("a worker to stop", secs(10), handle).await.unwrap();
+    }
+}
+
+#[tokio::test]
 async fn without_client_unblock_due_times_are_still_kept() {
     // Managed Redis services forbid CLIENT UNBLOCK; the watcher then waits with
     // BLPOP's own timeout (coarser, never early, never lost).

@@ -74,7 +74,15 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
                 Some(Then::Watch { ms }) => {
                     let until = tokio::time::Instant::now() + Duration::from_millis(ms.max(0) as u64);
                     self.watching = Some(self.watching.map_or(until, |w| w.min(until)));
-                    self.idle(Some(ms)).await
+                    self.idle(Some(ms)).await;
+                    if self.why == FetchWhy::Watch && !self.watch_still_mine().await {
+                        // Another fetch found this watch stale and watches the
+                        // next due time instead: nothing is due here yet.
+                        self.watching = None;
+                        self.why = FetchWhy::Unsaid;
+                        self.then = Some(Then::Listen);
+                        continue;
+                    }
                 }
                 Some(Then::FetchAgain) => self.why = FetchWhy::Again,
                 None => {}
@@ -225,6 +233,25 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
             _ = timer => {}
             _ = kicked => self.why = FetchWhy::Kick,
         }
+    }
+
+    /// Whether the watch this process's timer ended is still its own: the
+    /// queue's claim (`timer`, `due|worker`) names this worker or whoever took
+    /// a token (`*`: this worker may be that one), there is none (expired),
+    /// or its time has passed (anyone's to act on; 50 ms of slack for this
+    /// process's reading of the server's clock). A fetch that
+    /// found nothing due before the next turn's due time took the claim over
+    /// (fetch.lua): the turn this worker watched was released early and taken,
+    /// and a fetch now would find nothing. One `GET` instead of that fetch; on
+    /// any doubt (an error, a clock not read yet), the worker fetches.
+    async fn watch_still_mine(&mut self) -> bool {
+        let claim: redis::RedisResult<Option<String>> =
+            redis::cmd("GET").arg(&self.queue.keys().timer).query_async(&mut self.queue.conn()).await;
+        let Ok(Some(claim)) = claim else { return true };
+        let Some((at, who)) = claim.split_once('|') else { return true };
+        let (Ok(at), Some((server_ms, read))) = (at.parse::<i64>(), self.clock) else { return true };
+        let server_now = server_ms + read.elapsed().as_millis() as i64;
+        who == self.shared.identity || who == "*" || at <= server_now + 50
     }
 
     /// How long until the due time a token named, or this process's own watch
