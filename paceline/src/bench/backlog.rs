@@ -53,6 +53,9 @@ pub struct BacklogFigures {
     pub redis_cpu_share: f64,
     /// Redis commands per admitted turn within the measured span, by command, the largest.
     pub redis_commands_by_command: Vec<(String, f64)>,
+    /// Fetches that found nothing, per admitted turn within the measured
+    /// span, by what made the worker fetch (`queue::FetchWhy`).
+    pub empty_fetches_by_cause: Vec<(String, f64)>,
     /// Floor / makespan for the work admitted (see `report::FLOOR_FORMULA`).
     pub efficiency: f64,
     /// 429s.
@@ -133,6 +136,7 @@ pub async fn measure_size(
     let memory_after = trial.used_memory().await?;
     // (Read before the mark: one read of each run's record is the bench's, not the product's.)
     let waits_before = trial.budget_waits_now().await?;
+    let empty_before = trial.empty_fetches_by_cause().await?;
     let (setup, setup_cpu_s) = trial.mark().await?;
     let calls_before = trial.mock.summary().ok;
     let submit_ms = millis(&submits);
@@ -179,6 +183,14 @@ pub async fn measure_size(
             .by_command
             .iter()
             .map(|(k, v)| (k.clone(), *v as f64 / turns))
+            .collect(),
+        empty_fetches_by_cause: data
+            .empty_by_cause
+            .iter()
+            .map(|(cause, n)| {
+                let before = empty_before.iter().find(|(c, _)| c == cause).map_or(0, |(_, b)| *b);
+                (cause.clone(), n.saturating_sub(before) as f64 / turns)
+            })
             .collect(),
         efficiency: figures.efficiency,
         rate_limited: figures.rate_limited,

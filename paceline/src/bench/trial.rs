@@ -411,22 +411,30 @@ impl Trial {
         Ok(counts)
     }
 
-    /// Takes the "after" snapshot and the workers' peak RSS, stops everything
-    /// and reads the runs and deliveries.
-    pub async fn finish(mut self, drained: bool) -> anyhow::Result<TrialData> {
-        let after = CommandStats::read(&mut self.admin).await?;
-        let redis_cpu_s = super::redis::cpu_seconds(&mut self.admin).await? - self.cpu_before;
-        // Counted under their cause (`empty_fetches:<cause>`; unsaid: `empty_fetches`).
+    /// The fetches that found nothing so far, by what made the worker fetch
+    /// (the queue's counters, `empty_fetches:<cause>`; unsaid: `empty_fetches`),
+    /// the most first. Read outside the command snapshots (call it before
+    /// [`Self::mark`] or after the last).
+    pub async fn empty_fetches_by_cause(&mut self) -> anyhow::Result<Vec<(String, u64)>> {
         let stats: Vec<(String, u64)> =
             redis::cmd("HGETALL").arg(&self.queue.keys().stats).query_async(&mut self.admin).await?;
-        let mut empty_by_cause: Vec<(String, u64)> = stats
+        let mut by: Vec<(String, u64)> = stats
             .into_iter()
             .filter_map(|(field, n)| {
                 let cause = field.strip_prefix("empty_fetches")?;
                 Some((cause.strip_prefix(':').unwrap_or("unsaid").to_owned(), n))
             })
             .collect();
-        empty_by_cause.sort_by_key(|(_, n)| std::cmp::Reverse(*n));
+        by.sort_by_key(|(_, n)| std::cmp::Reverse(*n));
+        Ok(by)
+    }
+
+    /// Takes the "after" snapshot and the workers' peak RSS, stops everything
+    /// and reads the runs and deliveries.
+    pub async fn finish(mut self, drained: bool) -> anyhow::Result<TrialData> {
+        let after = CommandStats::read(&mut self.admin).await?;
+        let redis_cpu_s = super::redis::cpu_seconds(&mut self.admin).await? - self.cpu_before;
+        let empty_by_cause = self.empty_fetches_by_cause().await?;
         let empty_fetches = empty_by_cause.iter().map(|(_, n)| n).sum();
         let worker_peak_rss_mb = self.fleet.peak_rss_mb();
         let logs = self.fleet.logs();

@@ -553,6 +553,8 @@ async fn backlog(
     for (n, f) in &rows {
         let by: Vec<String> = f.redis_commands_by_command.iter().map(|(k, v)| format!("{k} {v:.1}")).collect();
         println!("{n} runs: commands per admitted turn: {}", by.join(", "));
+        let empty: Vec<String> = f.empty_fetches_by_cause.iter().map(|(k, v)| format!("{k} {v:.2}")).collect();
+        println!("{n} runs: empty fetches per admitted turn, by what made the worker fetch: {}", empty.join(", "));
     }
     if let (Some((small, fs)), Some((large, fl))) = (rows.iter().next(), rows.iter().next_back()) {
         let growth = |a: f64, b: f64| b / a.max(1e-9);
