@@ -251,29 +251,18 @@ impl TurnQueue {
         max: usize,
         with: Option<&FetchScript>,
     ) -> Result<Fetched, QueueError> {
-        self.fetch_woken(worker, max, with, true).await
+        self.fetch_for(worker, max, with, FetchWhy::Token).await
     }
 
-    /// [`Self::fetch_with`], saying whether the worker took a wake-up token
-    /// just before (`woken`): only such a fetch clears the tokens left over
-    /// when it takes everything due (fetch.lua). A worker that fetches for
-    /// any other reason (a slot freed, its watch's timer, a kick) finds them
-    /// left for the next token-woken fetch: they are rare, since a token
-    /// reaches a listening worker at once.
-    pub async fn fetch_woken(
-        &self,
-        worker: &str,
-        max: usize,
-        with: Option<&FetchScript>,
-        woken: bool,
-    ) -> Result<Fetched, QueueError> {
-        self.fetch_for(worker, max, with, if woken { FetchWhy::Token } else { FetchWhy::Unsaid }).await
-    }
-
-    /// [`Self::fetch_woken`], saying why the worker fetches: a fetch that
-    /// finds nothing is counted under its cause (`empty_fetches:<cause>` in
-    /// the queue's counters; `empty_fetches` when unsaid), at the cost of the
-    /// one count it made before.
+    /// [`Self::fetch_with`], saying why the worker fetches (`why`). Only a
+    /// fetch after a wake-up token ([`FetchWhy::Token`]) clears the tokens
+    /// left over when it takes everything due (fetch.lua); a worker that
+    /// fetches for any other reason (a slot freed, its watch's timer, a kick)
+    /// finds them left for the next token-woken fetch: they are rare, since a
+    /// token reaches a listening worker at once. A fetch that finds nothing is
+    /// counted under its cause (`empty_fetches:<cause>` in the queue's
+    /// counters; `empty_fetches` when unsaid), at the cost of the one count it
+    /// made before.
     pub async fn fetch_for(
         &self,
         worker: &str,

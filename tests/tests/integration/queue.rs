@@ -8,7 +8,7 @@ use shared::config::RedisArgs;
 use shared::queue::apalis_core::error::BoxDynError;
 use shared::queue::apalis_core::task::data::Data;
 use shared::queue::apalis_core::worker::builder::WorkerBuilder;
-use shared::queue::{Lease, QueueConfig, QueueError, TurnQueue, LUA_LIB, MAX_FETCH_BATCH};
+use shared::queue::{FetchWhy, Lease, QueueConfig, QueueError, TurnQueue, LUA_LIB, MAX_FETCH_BATCH};
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -605,13 +605,13 @@ async fn only_a_fetch_a_token_woke_clears_the_tokens_left_over() {
     q.enqueue("run_a", &json!({}), 0).await.unwrap();
     q.enqueue("run_b", &json!({}), 0).await.unwrap();
     assert_eq!(tokens(conn.clone()).await, 2, "each turn due now pushed a token (nobody listened)");
-    let got = q.fetch_woken("w1", 10, None, false).await.unwrap();
+    let got = q.fetch_for("w1", 10, None, FetchWhy::Unsaid).await.unwrap();
     assert_eq!(got.deliveries.len(), 2);
     assert_eq!(tokens(conn.clone()).await, 2, "a fetch no token woke leaves them");
     q.enqueue("run_c", &json!({}), 0).await.unwrap();
     let _: Option<(String, String)> =
         redis::cmd("BLPOP").arg(&q.keys().notify).arg(1).query_async(&mut conn).await.unwrap();
-    let got = q.fetch_woken("w1", 10, None, true).await.unwrap();
+    let got = q.fetch_for("w1", 10, None, FetchWhy::Token).await.unwrap();
     assert_eq!(got.deliveries.len(), 1);
     assert_eq!(tokens(conn.clone()).await, 0, "the fetch a token woke took everything due and cleared the rest");
 }
