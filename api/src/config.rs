@@ -40,6 +40,9 @@ pub struct ApiConfig {
     /// How many event streams may be open, and for how long.
     #[command(flatten)]
     pub streams: StreamArgs,
+    /// Per-tenant quotas on submits: unfinished runs, submits a minute.
+    #[command(flatten)]
+    pub quotas: shared::runs::Quotas,
     /// How a run's first turn gets its pacer ask at submit (set in code by
     /// the binary: the worker's token count). None: the first turn asks when
     /// a worker starts it.
@@ -192,6 +195,7 @@ impl ApiConfig {
             providers: ProvidersArg::default(),
             access: AccessArgs::default(),
             streams: StreamArgs::default(),
+            quotas: shared::runs::Quotas::default(),
             first_ask: None,
         }
     }

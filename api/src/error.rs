@@ -49,6 +49,9 @@ pub enum ApiError {
     /// Too many open event streams, for the tenant or the process (429).
     #[error("{0}")]
     TooManyStreams(String),
+    /// A submit over one of the tenant's quotas (429 with `Retry-After`).
+    #[error("{}", .0.message)]
+    Quota(shared::runs::QuotaExceeded),
     /// Redis did not answer in time, or refused the connection (503).
     #[error("the run store (Redis) is unavailable; try again")]
     Unavailable(#[source] anyhow::Error),
@@ -63,7 +66,7 @@ pub struct ErrorDetail {
     /// A stable code: `invalid_json`, `bad_request`, `unauthorized`,
     /// `forbidden`, `not_found`, `method_not_allowed`, `conflict`,
     /// `payload_too_large`, `unsupported_media_type`, `invalid_request`,
-    /// `too_many_streams`, `unavailable`, `internal_error`.
+    /// `too_many_streams`, `quota_exceeded`, `unavailable`, `internal_error`.
     #[serde(rename = "type")]
     pub kind: &'static str,
     /// What went wrong, for a human.
@@ -100,6 +103,7 @@ impl ApiError {
             Self::PayloadTooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
             Self::Invalid(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid_request"),
             Self::TooManyStreams(_) => (StatusCode::TOO_MANY_REQUESTS, "too_many_streams"),
+            Self::Quota(_) => (StatusCode::TOO_MANY_REQUESTS, "quota_exceeded"),
             Self::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
             Self::Unexpected(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
         }
@@ -153,6 +157,7 @@ impl From<shared::runs::StoreError> for ApiError {
                 Self::invalid("Idempotency-Key", "this Idempotency-Key was already used with another body")
             }
             StoreError::Redis(e) => Self::from_redis(e),
+            StoreError::Quota(q) => Self::Quota(q),
             #[allow(unreachable_patterns)]
             other => Self::Unexpected(anyhow::Error::new(other).context("run store")),
         }
@@ -191,7 +196,13 @@ impl IntoResponse for ApiError {
             _ => None,
         };
         let body = ErrorBody { error: ErrorDetail { kind, message: self.to_string(), field } };
-        (status, axum::Json(body)).into_response()
+        let mut response = (status, axum::Json(body)).into_response();
+        if let Self::Quota(q) = &self {
+            // Whole seconds, rounded up: a client that waits this long passes.
+            let seconds = q.retry_after_ms.div_ceil(1000).max(1);
+            response.headers_mut().insert(axum::http::header::RETRY_AFTER, seconds.into());
+        }
+        response
     }
 }
 

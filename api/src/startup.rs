@@ -40,7 +40,7 @@ impl Application {
         let queue = shared::runs::run_queue(&config.redis, QueueConfig::default()).context("the turn queue")?;
         // The API only reads the pacer: its snapshot lists every budget under the prefix.
         let pacer = SharedPacer::new(conn.clone(), keys.clone(), "default", PacingConfig::default());
-        let runs = RunStore::new(conn.clone(), keys, config.runs.retention);
+        let runs = RunStore::new(conn.clone(), keys, config.runs.retention).with_quotas(config.quotas.clone());
         config.runs.use_prices();
         crate::config::check_access(config.serve.listen, &config.serve.tokens, &config.access)
             .map_err(anyhow::Error::msg)?;

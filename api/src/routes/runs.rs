@@ -207,6 +207,7 @@ fn idempotency(headers: &HeaderMap, spec: &RunSpec) -> Result<Option<Idempotency
         (status = 413, description = "Body over the limit", body = ErrorBody),
         (status = 415, description = "The body is not sent as application/json", body = ErrorBody),
         (status = 422, description = "A rule is broken; `field` names it", body = ErrorBody),
+        (status = 429, description = "Over a tenant's quota (PACELINE_MAX_ACTIVE_RUNS, PACELINE_SUBMITS_PER_MIN); `Retry-After` says when to try again, and nothing was written", body = ErrorBody),
         (status = 503, description = "Redis unavailable", body = ErrorBody),
     ),
     security(("bearer" = []))
@@ -396,8 +397,9 @@ pub async fn cancel(
         (status = 202, description = "Queued again: its next turn is enqueued with fresh deliveries, its dead turn out of the dead set", body = Run),
         (status = 401, description = "No or bad token", body = ErrorBody),
         (status = 404, description = "No such run for this tenant (the operator may retry any tenant's)", body = ErrorBody),
-        (status = 409, description = "The run is not failed (or failed with max_turns)", body = ErrorBody),
+        (status = 409, description = "The run is not failed (or failed with max_turns, or was retried 10 times already)", body = ErrorBody),
         (status = 415, description = "A body not sent as application/json", body = ErrorBody),
+        (status = 429, description = "A tenant's retry that would pass its PACELINE_MAX_ACTIVE_RUNS", body = ErrorBody),
         (status = 503, description = "Redis unavailable", body = ErrorBody),
     ),
     security(("bearer" = []))

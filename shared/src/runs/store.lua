@@ -16,10 +16,26 @@ RUN, TX, EV, IDX, IDEM = KEYS[Q_NKEYS + 1], KEYS[Q_NKEYS + 2], KEYS[Q_NKEYS + 3]
 id = ARGV[2]
 local op = ARGV[1]
 
+-- A tenant's submit rate, a GCRA (runs/quota.rs): its key, beside its unfinished runs'
+-- set `active`, holds the time its submits are paid up to; a submit adds a minute's
+-- share of `per_min` and is refused when that would run more than a minute ahead of
+-- now (a burst of the whole minute's, then evenly). `take` books the submit.
+local function create_rate(active, per_min)
+  if per_min <= 0 then return {refused = true, retry_ms = 60000} end
+  local key = string.sub(active, 1, #active - #'active') .. 'submits'
+  local now = q_now()
+  local after = math.max(tonumber(redis.call('GET', key)) or now, now) + 60000 / per_min
+  if after - now > 60000 then return {refused = true, retry_ms = math.ceil(after - now - 60000)} end
+  return {take = function()
+    redis.call('SET', key, string.format('%.3f', after), 'PX', math.ceil(after - now) + 1000)
+  end}
+end
+
 if op == 'create' then
   -- ARGV[3] tenant, [4] fingerprint ('' = no idempotency key), [5] idem ttl ms,
   -- [6] job payload, [7] record fields JSON (flat object of strings), [8] run.queued data,
-  -- [9..] transcript entries (JSON, stored as given: never re-encoded by Lua)
+  -- [9] the tenant's most unfinished runs, [10] its submits a minute (runs/quota.rs),
+  -- [11..] transcript entries (JSON, stored as given: never re-encoded by Lua)
   local tenant, fp = ARGV[3], ARGV[4]
   if fp ~= '' then
     local prior = redis.call('GET', IDEM)
@@ -30,6 +46,17 @@ if op == 'create' then
     end
   end
   if redis.call('EXISTS', RUN) == 1 then return {'exists', id} end
+  -- The tenant's quotas, before anything is written (a refusal writes nothing).
+  local active = run_active(RUN, tenant)
+  local max_active = tonumber(ARGV[9])
+  if redis.call('ZCARD', active) >= max_active then
+    return {'quota', string.format('the tenant has %d unfinished runs, its most (PACELINE_MAX_ACTIVE_RUNS)', max_active), '5000'}
+  end
+  local rate = create_rate(active, tonumber(ARGV[10]))
+  if rate.refused then
+    return {'quota', string.format('the tenant made its %d submits of the minute (PACELINE_SUBMITS_PER_MIN)',
+      tonumber(ARGV[10])), string.format('%d', rate.retry_ms)}
+  end
   local now = stamped(event('run.queued', ARGV[8]))
   local fields = cjson.decode(ARGV[7])
   local flat = {}
@@ -38,9 +65,10 @@ if op == 'create' then
     flat[#flat + 1] = tostring(v)
   end
   redis.call('HSET', RUN, 'tenant', tenant, 'created_ms', now, 'updated_ms', now, unpack(flat))
-  for i = 9, #ARGV, 500 do redis.call('RPUSH', TX, unpack(ARGV, i, math.min(i + 499, #ARGV))) end
+  for i = 11, #ARGV, 500 do redis.call('RPUSH', TX, unpack(ARGV, i, math.min(i + 499, #ARGV))) end
   redis.call('ZADD', IDX, now, id)
-  redis.call('ZADD', (run_active(RUN, tenant)), now, id)
+  redis.call('ZADD', active, now, id)
+  rate.take()
   if fp ~= '' then redis.call('SET', IDEM, id .. '|' .. fp, 'PX', tonumber(ARGV[5])) end
   q_add(id, ARGV[6], now, now)
   -- The run as this step wrote it is ARGV[7] with these (store.rs `create` builds it
@@ -270,7 +298,10 @@ if op == 'retry' then
   -- in one step: its dead turn leaves the dead set, the run is queued again
   -- (error and finish cleared, retention cancelled, back among its tenant's
   -- unfinished runs, run.queued written) and its next turn is enqueued with
-  -- fresh deliveries. ARGV[3] tenant ('' = the operator: any tenant's run).
+  -- fresh deliveries. ARGV[3] tenant ('' = the operator: any tenant's run), ARGV[4] the
+  -- tenant's most unfinished runs ('' for the operator's retry: no quota), ARGV[5] the
+  -- most retries a run may have (a poison run's turn must not be re-driven without end
+  -- into workers other tenants' turns share).
   -- No epoch is bumped: the turn's record goes back to 'q', which fences every
   -- earlier holder ('not_leased'), and the next fetch gives it the next epoch of its
   -- record, larger than any before it (fetch.lua `q_next_epoch`).
@@ -280,6 +311,14 @@ if op == 'retry' then
   if status ~= 'failed' then return {'conflict', status} end
   local kind = redis.call('HGET', RUN, 'error_kind') or ''
   if kind == 'max_turns' then return {'conflict', 'failed with max_turns: it has no turn left to run'} end
+  local retries = tonumber(redis.call('HGET', RUN, 'retries') or '0') or 0
+  if retries >= tonumber(ARGV[5]) then
+    return {'conflict', string.format('failed; it was retried %d times, the most a run may be', retries)}
+  end
+  local max_active = tonumber(ARGV[4])
+  if max_active and redis.call('ZCARD', (run_active(RUN, tenant))) >= max_active then
+    return {'quota', string.format('the tenant has %d unfinished runs, its most (PACELINE_MAX_ACTIVE_RUNS)', max_active), '5000'}
+  end
   local message = redis.call('HGET', RUN, 'error_message') or ''
   local now = q_now()
   local turns = tonumber(redis.call('HGET', RUN, 'turns') or '0') or 0
@@ -297,7 +336,8 @@ if op == 'retry' then
   redis.call('PERSIST', TX)
   redis.call('PERSIST', EV)
   redis.call('HDEL', RUN, 'error_kind', 'error_message', 'finished_ms')
-  redis.call('HSET', RUN, 'status', 'queued', 'phase', phase, 'wait_reason', '', 'next_attempt_ms', '', 'updated_ms', now)
+  redis.call('HSET', RUN, 'status', 'queued', 'phase', phase, 'wait_reason', '', 'next_attempt_ms', '', 'updated_ms', now,
+    'retries', retries + 1)
   redis.call('ZADD', (run_active(RUN, tenant)), now, id)
   event('run.queued', cjson.encode({retried = true, turn = turns, previous_error = {kind = kind, message = message}}))
   -- The next turn's payload: runs/turn.rs `TurnJob` (its test holds the shape).

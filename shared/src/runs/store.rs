@@ -183,7 +183,15 @@ pub enum StoreError {
     /// Redis answered something this code does not understand.
     #[error("run store answered {0}")]
     Protocol(String),
+    /// A submit over one of its tenant's quotas ([`super::Quotas`]); nothing was written.
+    #[error(transparent)]
+    Quota(#[from] super::QuotaExceeded),
 }
+
+/// The most times one run may be retried (`POST /v1/runs/{id}/retry`): a run
+/// whose turn kills its worker must not be re-driven without end into
+/// workers other tenants' turns share.
+pub const MAX_RETRIES: u32 = 10;
 
 /// The run store.
 #[derive(Clone)]
@@ -192,6 +200,7 @@ pub struct RunStore {
     keys: Keys,
     queue: QueueKeys,
     retention: Duration,
+    quotas: std::sync::Arc<super::Quotas>,
 }
 
 impl std::fmt::Debug for RunStore {
@@ -204,7 +213,13 @@ impl RunStore {
     /// A store over `conn`, under `keys`' prefix; finished runs are kept for `retention`.
     pub fn new(conn: ConnectionManager, keys: Keys, retention: Duration) -> Self {
         let queue = QueueKeys::new(&keys);
-        Self { conn, keys, queue, retention }
+        Self { conn, keys, queue, retention, quotas: Default::default() }
+    }
+
+    /// This store with `quotas` on submits (the SPEC's defaults otherwise).
+    pub fn with_quotas(mut self, quotas: super::Quotas) -> Self {
+        self.quotas = std::sync::Arc::new(quotas);
+        self
     }
 
     /// The connection (for callers that read the queue or the pacer too).
@@ -305,6 +320,8 @@ impl RunStore {
             .arg(job)
             .arg(fields.to_string())
             .arg(json!({"model": spec.model, "mode": spec.mode, "max_turns": spec.max_turns}).to_string());
+        let quota = self.quotas.of(tenant);
+        inv.arg(quota.max_active_runs).arg(quota.submits_per_min);
         for item in &spec.input {
             inv.arg(serde_json::to_string(&TranscriptEntry { turn: 0, item: item.clone() }).unwrap_or_default());
         }
@@ -336,6 +353,10 @@ impl RunStore {
                 Ok(Created { run, replayed: outcome == "replayed" })
             }
             "mismatch" => Err(StoreError::IdempotencyMismatch),
+            "quota" => Err(StoreError::Quota(super::QuotaExceeded {
+                message: run_id,
+                retry_after_ms: reply.get(2).and_then(|ms| ms.parse().ok()).unwrap_or(1_000),
+            })),
             other => Err(StoreError::Protocol(other.to_owned())),
         }
     }
@@ -551,7 +572,8 @@ impl RunStore {
             return Err(StoreError::NotFound);
         }
         let mut inv = self.invocation("retry", id, tenant.unwrap_or(""), None);
-        inv.arg(tenant.unwrap_or(""));
+        let max_active = tenant.map(|t| self.quotas.of(t).max_active_runs.to_string()).unwrap_or_default();
+        inv.arg(tenant.unwrap_or("")).arg(max_active).arg(MAX_RETRIES);
         let reply = self.invoke(inv).await?;
         match reply.first().map(String::as_str) {
             // The run as the retry left it, read in the same script: a worker
@@ -562,6 +584,10 @@ impl RunStore {
             }
             Some("conflict") => Err(StoreError::Conflict(reply.get(1).cloned().unwrap_or_default())),
             Some("not_found") => Err(StoreError::NotFound),
+            Some("quota") => Err(StoreError::Quota(super::QuotaExceeded {
+                message: reply.get(1).cloned().unwrap_or_default(),
+                retry_after_ms: 5_000,
+            })),
             _ => Err(StoreError::Protocol(format!("{reply:?}"))),
         }
     }

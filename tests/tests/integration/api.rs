@@ -1743,3 +1743,47 @@ async fn companion_mode_from_a_tenant_not_listed_is_403_and_writes_nothing() {
     let open = spawn_app().await;
     assert_eq!(open.submit(BETA, &companion).await["mode"], "companion");
 }
+
+/// Per-tenant quotas (SPEC §1): a submit over a tenant's unfinished runs or its
+/// submits a minute answers 429 with `Retry-After` and the error body, and
+/// writes nothing; another tenant is not held back; a run that finishes makes
+/// room; a retry that would pass the active quota is refused the same way.
+#[tokio::test]
+async fn a_submit_over_a_tenants_quota_is_429_with_retry_after_and_writes_nothing() {
+    let app = spawn_app_with(|c| {
+        c.quotas.max_active_runs = "100,acme=2".parse().unwrap();
+        c.quotas.submits_per_min = "3".parse().unwrap();
+    })
+    .await;
+    let (url, pattern) = (app.redis.url(), format!("{}*", app.prefix));
+    // (Its first line names the time it was taken.)
+    let dump = || async { paceline_tests::dump_redis(&url, &pattern).await.split_once('\n').unwrap().1.to_owned() };
+    let first = app.submit(ACME, &spec()).await;
+    app.submit(ACME, &spec()).await;
+    let before = dump().await;
+    let resp = app.req(reqwest::Method::POST, "/v1/runs", Some(ACME)).json(&spec()).send().await.unwrap();
+    let retry_after = resp.headers().get("retry-after").map(|v| v.to_str().unwrap().to_owned());
+    let (status, err) = read(resp).await;
+    assert_eq!(status, 429, "{err}");
+    assert_eq!(error_type(&err), "quota_exceeded");
+    assert!(err["error"]["message"].as_str().unwrap().contains("PACELINE_MAX_ACTIVE_RUNS"), "{err}");
+    assert!(retry_after.as_deref().is_some_and(|s| s.parse::<u64>().is_ok_and(|n| n >= 1)), "{retry_after:?}");
+    assert_eq!(dump().await, before, "a refused submit writes nothing");
+    // Another tenant has its own count; its submits a minute run out at 3.
+    for _ in 0..3 {
+        app.submit(BETA, &spec()).await;
+    }
+    let resp = app.req(reqwest::Method::POST, "/v1/runs", Some(BETA)).json(&spec()).send().await.unwrap();
+    let retry_after: u64 = resp.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+    let (status, err) = read(resp).await;
+    assert_eq!(status, 429, "{err}");
+    assert!(err["error"]["message"].as_str().unwrap().contains("PACELINE_SUBMITS_PER_MIN"), "{err}");
+    // 3 a minute: the next is allowed a third of a minute after the first.
+    assert!((15..=21).contains(&retry_after), "Retry-After {retry_after}");
+    // A run of acme's that ends makes room for one more.
+    let (status, _) = app.post(&format!("/v1/runs/{}/cancel", first["id"].as_str().unwrap()), ACME, &json!({})).await;
+    assert_eq!(status, 200);
+    app.submit(ACME, &spec()).await;
+    let (status, _) = app.post("/v1/runs", ACME, &spec()).await;
+    assert_eq!(status, 429);
+}

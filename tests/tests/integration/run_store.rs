@@ -1251,3 +1251,27 @@ async fn each_step_of_a_turn_costs_few_redis_commands() {
         assert!(*n <= ceiling(name), "{name} costs {n} Redis commands (ceiling {})", ceiling(name));
     }
 }
+
+/// A run is retried at most `MAX_RETRIES` times: a run whose turn keeps
+/// killing its worker cannot be re-driven without end into workers other
+/// tenants' turns share. The operator's retry counts too.
+#[tokio::test]
+async fn a_run_is_retried_at_most_max_retries_times() {
+    let env = env().await;
+    let id = env.store.create("alpha", &spec("r"), None, None).await.unwrap().run.id;
+    let job = TurnJob { turn: 0, attempt: 1 };
+    let usage = Default::default();
+    for round in 0..=shared::runs::store::MAX_RETRIES {
+        let lease = env.queue.fetch("w", 1).await.unwrap().deliveries.remove(0).lease;
+        assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Ok);
+        let failed = env.store.fail(&lease, job, shared::runs::ErrorKind::ProviderError, "boom", usage).await;
+        assert_eq!(failed.unwrap(), Fence::Ok);
+        let retried = env.store.retry(if round % 2 == 0 { Some("alpha") } else { None }, &id).await;
+        if round < shared::runs::store::MAX_RETRIES {
+            assert!(retried.is_ok(), "retry {round}: {retried:?}");
+        } else {
+            let Err(StoreError::Conflict(why)) = retried else { panic!("retry {round}: {retried:?}") };
+            assert!(why.contains("retried 10 times"), "{why}");
+        }
+    }
+}

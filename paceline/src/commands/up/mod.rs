@@ -53,6 +53,9 @@ pub struct Args {
     /// Bounds on the API's event streams.
     #[command(flatten)]
     streams: api::config::StreamArgs,
+    /// Per-tenant quotas on submits.
+    #[command(flatten)]
+    quotas: shared::runs::Quotas,
     /// Tool endpoints and retention (the API's and the workers').
     #[command(flatten)]
     runs: RunArgs,
@@ -187,6 +190,7 @@ async fn serve(
         providers: provider.named.clone(),
         access: args.access.clone(),
         streams: args.streams.clone(),
+        quotas: args.quotas.clone(),
         first_ask: Some(worker::turn::first_ask(&provider.named.providers)),
     };
     let worker_config = worker::WorkerConfig {
