@@ -66,6 +66,8 @@ fn register() {
     describe_gauge!(name::PACER_OLDEST_WAIT, "How long the oldest turn in line has waited, per budget and model");
     describe_gauge!(name::PACER_SINCE_ADMISSION, "Time since the pacer last cleared a call, per budget and model");
     describe_gauge!(name::QUEUE_DEPTH, "Turns in the queue, by state");
+    describe_gauge!(name::REDIS_MEMORY_USED_RATIO, "Redis used_memory over its maxmemory");
+    describe_gauge!(name::REDIS_MEMORY_PRESSURE, "1 when Redis is at 90 % of its maxmemory or over");
     describe_histogram!(name::TURN_LATENCY, Unit::Seconds, "A turn from its start to its commit");
     counter!(name::TURNS, "outcome" => "completed").increment(0);
     counter!(name::PROVIDER_CALLS, "status" => "200").increment(0);
@@ -85,13 +87,21 @@ pub fn set_queue_depth(c: &shared::queue::QueueCounts) {
     }
 }
 
+/// Sets the Redis memory gauges (none without a `maxmemory`).
+pub fn set_redis_memory(memory: Option<crate::routes::health::RedisMemory>) {
+    if let Some(m) = memory {
+        metrics::gauge!(name::REDIS_MEMORY_USED_RATIO).set(m.used_bytes as f64 / m.max_bytes as f64);
+        metrics::gauge!(name::REDIS_MEMORY_PRESSURE).set(if m.pressure { 1.0 } else { 0.0 });
+    }
+}
+
 /// A full bucket with turns waiting this long and nothing admitted logs a warning.
 const STALL_WARN_MS: u64 = 30_000;
 
 /// Sets the pacer gauges from a snapshot.
 pub fn set_pacer(snapshots: &[shared::pacer::BudgetSnapshot]) {
     for s in snapshots {
-        let labels = [("budget", s.budget.clone()), ("model", s.model.clone())];
+        let labels = [("budget", s.budget.clone()), ("model", shared::telemetry::model_label(&s.model))];
         metrics::gauge!(name::PACER_OLDEST_WAIT, &labels).set(s.oldest_wait_ms as f64 / 1000.0);
         if let Some(ms) = s.since_admission_ms {
             metrics::gauge!(name::PACER_SINCE_ADMISSION, &labels).set(ms as f64 / 1000.0);
@@ -112,11 +122,15 @@ pub fn set_pacer(snapshots: &[shared::pacer::BudgetSnapshot]) {
             );
         }
         if let Some(remaining) = s.remaining_tokens {
-            metrics::gauge!(name::PACER_REMAINING_TOKENS, "budget" => s.budget.clone(), "model" => s.model.clone())
+            metrics::gauge!(name::PACER_REMAINING_TOKENS, "budget" => s.budget.clone(), "model" => shared::telemetry::model_label(&s.model))
                 .set(remaining as f64);
         }
         for t in &s.tenants {
-            let labels = [("budget", s.budget.clone()), ("model", s.model.clone()), ("tenant", t.tenant.clone())];
+            let labels = [
+                ("budget", s.budget.clone()),
+                ("model", shared::telemetry::model_label(&s.model)),
+                ("tenant", t.tenant.clone()),
+            ];
             metrics::gauge!(name::TENANT_ADMITTED_TOKENS, &labels).set(t.admitted_tokens as f64);
             metrics::gauge!(name::TENANT_WAITING_TOKENS, &labels).set(t.waiting_tokens as f64);
             metrics::gauge!(name::TENANT_WAITS, &labels).set(t.waits as f64);

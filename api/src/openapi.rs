@@ -23,7 +23,7 @@ use crate::routes::{dashboard, events, health, ops, runs};
         ops::PacerView, ops::BudgetView, ops::HistoryView, shared::pacer::History, ops::QueueView, ops::WorkersView, ops::WorkerView,
         ops::DeadList, ops::DeadView, ops::UsageView, ops::UsageRow, shared::runs::usage::UsageTotals,
         shared::pacer::BudgetShape, shared::pacer::bucket::Refill,
-        health::Health, crate::error::ErrorBody, crate::error::ErrorDetail,
+        health::Health, health::RedisMemory, crate::error::ErrorBody, crate::error::ErrorDetail,
     )),
     modifiers(&BearerAuth),
     tags(

@@ -59,6 +59,7 @@ impl Application {
             tool_endpoints: config.runs.tool_endpoints.clone(),
             providers: config.providers.names(),
             companion_tenants: config.access.companion_tenants(),
+            models: config.runs.models.clone(),
         };
         let _ = crate::metrics::handle();
         let listener = TcpListener::bind(config.serve.listen)

@@ -12,6 +12,26 @@ pub fn init(default_filter: &str) {
     let _ = if json { builder.json().try_init() } else { builder.try_init() };
 }
 
+/// The most distinct `model` label values one process gives its metrics;
+/// models seen after them are counted under `other`, so the number of series
+/// stays bounded whatever names runs give (Prometheus keeps every series).
+pub const MAX_MODEL_LABELS: usize = 64;
+
+/// The `model` label of `model` in this process's metrics: itself while
+/// fewer than [`MAX_MODEL_LABELS`] models have been labelled, `other` after.
+pub fn model_label(model: &str) -> String {
+    static SEEN: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
+    if seen.iter().any(|m| m == model) {
+        return model.to_owned();
+    }
+    if seen.len() < MAX_MODEL_LABELS {
+        seen.push(model.to_owned());
+        return model.to_owned();
+    }
+    "other".to_owned()
+}
+
 /// Metric names: the worker records them, the API
 /// exports them; one list so the two cannot drift.
 pub mod metric {
@@ -35,6 +55,11 @@ pub mod metric {
     pub const PACER_SINCE_ADMISSION: &str = "paceline_pacer_since_admission_seconds";
     /// Gauge, label `state` (`ready`, `delayed`, `in_flight`, `dead`).
     pub const QUEUE_DEPTH: &str = "paceline_queue_depth";
+    /// Gauge: Redis's `used_memory` over its `maxmemory` (absent without one).
+    pub const REDIS_MEMORY_USED_RATIO: &str = "paceline_redis_memory_used_ratio";
+    /// Gauge: 1 when Redis is at 90 % of its `maxmemory` or over (with `noeviction` it
+    /// refuses every write at the limit), else 0.
+    pub const REDIS_MEMORY_PRESSURE: &str = "paceline_redis_memory_pressure";
     /// Gauge, labels `budget`, `model`, `tenant`: tokens admitted to the tenant.
     pub const TENANT_ADMITTED_TOKENS: &str = "paceline_tenant_admitted_tokens";
     /// Gauge, labels `budget`, `model`, `tenant`: tokens of its turns waiting.
@@ -50,4 +75,17 @@ pub mod metric {
     /// Counter, label `model`: what the calls cost at the model's price, in
     /// micro-USD (a model without a price adds nothing).
     pub const COST: &str = "paceline_cost_micro_usd_total";
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn model_labels_are_bounded() {
+        let labels: Vec<String> =
+            (0..3 * super::MAX_MODEL_LABELS).map(|i| super::model_label(&format!("m-{i}"))).collect();
+        let named = labels.iter().filter(|l| *l != "other").count();
+        assert!(named <= super::MAX_MODEL_LABELS, "{named}");
+        assert_eq!(labels.last().map(String::as_str), Some("other"));
+        assert_eq!(super::model_label(&labels[0]), labels[0], "a labelled model keeps its label");
+    }
 }

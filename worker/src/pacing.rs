@@ -543,7 +543,7 @@ impl Runner {
     fn settling_route(&self, spec: &RunSpec, outcome: &CallOutcome) -> Option<&Route> {
         let route: &Route = self.routes.get(spec.provider.as_deref())?;
         if let Some(remaining) = outcome.tokens.remaining {
-            metrics::gauge!(metric::PACER_REMAINING_TOKENS, "budget" => route.budget.clone(), "model" => spec.model.clone())
+            metrics::gauge!(metric::PACER_REMAINING_TOKENS, "budget" => route.budget.clone(), "model" => shared::telemetry::model_label(&spec.model))
                 .set(remaining as f64);
         }
         Some(route)

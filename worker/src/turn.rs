@@ -739,7 +739,8 @@ pub(crate) struct Built {
 
 /// Counts a call's tokens by kind and its cost in the metrics (`/metrics`).
 fn count_usage(model: &str, u: &Usage) {
-    let model = model.to_owned();
+    let price = shared::models::price(model);
+    let model = shared::telemetry::model_label(model);
     for (kind, n) in [
         ("input", u.input_tokens),
         ("cached_input", u.cached_input_tokens),
@@ -751,7 +752,7 @@ fn count_usage(model: &str, u: &Usage) {
             metrics::counter!(metric::TOKENS, "model" => model.clone(), "kind" => kind).increment(n);
         }
     }
-    if let Some(price) = shared::models::price(&model) {
+    if let Some(price) = price {
         metrics::counter!(metric::COST, "model" => model).increment(shared::runs::spend::micros(price.cost_usd(u)));
     }
 }

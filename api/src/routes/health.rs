@@ -22,26 +22,69 @@ const SCRAPE_TIMEOUT: Duration = Duration::from_millis(1000);
 pub struct Health {
     /// `ok` or `ready`.
     pub status: &'static str,
+    /// `/readyz`: Redis's memory, when it has a `maxmemory`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub redis_memory: Option<RedisMemory>,
+}
+
+/// Redis's memory against its `maxmemory`: with `noeviction` (the only
+/// policy paceline runs on), a Redis at its limit refuses every write — every
+/// tenant's submits and every turn's commit — so pressure is reported before.
+#[derive(Debug, Clone, Copy, Serialize, utoipa::ToSchema)]
+pub struct RedisMemory {
+    /// `used_memory`, bytes.
+    pub used_bytes: u64,
+    /// `maxmemory`, bytes.
+    pub max_bytes: u64,
+    /// Whether it is at [`MEMORY_PRESSURE`] of its limit or over.
+    pub pressure: bool,
+}
+
+/// The share of `maxmemory` from which `/readyz` and the metric
+/// `paceline_redis_memory_pressure` report pressure.
+pub const MEMORY_PRESSURE: f64 = 0.9;
+
+impl RedisMemory {
+    /// Read off `INFO memory`; `None` when Redis has no `maxmemory` (0).
+    pub fn from_info(info: &str) -> Option<Self> {
+        let field =
+            |name: &str| info.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(':')?.trim().parse::<u64>().ok());
+        let (used_bytes, max_bytes) = (field("used_memory")?, field("maxmemory")?);
+        (max_bytes > 0).then_some(Self {
+            used_bytes,
+            max_bytes,
+            pressure: used_bytes as f64 >= MEMORY_PRESSURE * max_bytes as f64,
+        })
+    }
 }
 
 /// The process is up.
 #[utoipa::path(get, path = "/healthz", tag = "operations",
     responses((status = 200, description = "The process is up", body = Health)))]
 pub async fn healthz() -> Json<Health> {
-    Json(Health { status: "ok" })
+    Json(Health { status: "ok", redis_memory: None })
 }
 
-/// Redis answers.
+/// Redis answers; and how full it is.
 #[utoipa::path(get, path = "/readyz", tag = "operations",
     responses(
-        (status = 200, description = "Redis answers PING", body = Health),
+        (status = 200, description = "Redis answers (`redis_memory`: its memory against its maxmemory, with `pressure` from 90 %)", body = Health),
         (status = 503, description = "Redis does not answer", body = ErrorBody),
     ))]
 pub async fn readyz(State(state): State<AppState>) -> Result<Json<Health>, crate::ApiError> {
     let mut conn = state.conn.clone();
-    let ping = async move { redis::cmd("PING").query_async::<String>(&mut conn).await };
-    crate::state::bounded(READY_TIMEOUT, "readiness PING", ping).await?;
-    Ok(Json(Health { status: "ready" }))
+    let info = async move { redis::cmd("INFO").arg("memory").query_async::<String>(&mut conn).await };
+    let info = crate::state::bounded(READY_TIMEOUT, "readiness INFO memory", info).await?;
+    let redis_memory = RedisMemory::from_info(&info);
+    crate::metrics::set_redis_memory(redis_memory);
+    if redis_memory.is_some_and(|m| m.pressure) {
+        tracing::warn!(
+            message = "Redis is near its maxmemory: with noeviction it will refuse writes at the limit",
+            used_bytes = redis_memory.map(|m| m.used_bytes),
+            max_bytes = redis_memory.map(|m| m.max_bytes)
+        );
+    }
+    Ok(Json(Health { status: "ready", redis_memory }))
 }
 
 /// Prometheus metrics: the operator token's, or open to all in open mode.
@@ -59,6 +102,11 @@ pub async fn metrics(State(state): State<AppState>, _: crate::auth::Operator) ->
     }
     if let Ok(Ok(s)) = tokio::time::timeout(SCRAPE_TIMEOUT, state.pacer.snapshot()).await {
         crate::metrics::set_pacer(&s);
+    }
+    let mut conn = state.conn.clone();
+    let info = async move { redis::cmd("INFO").arg("memory").query_async::<String>(&mut conn).await };
+    if let Ok(Ok(info)) = tokio::time::timeout(SCRAPE_TIMEOUT, info).await {
+        crate::metrics::set_redis_memory(RedisMemory::from_info(&info));
     }
     let handle = crate::metrics::handle();
     handle.run_upkeep();

@@ -84,6 +84,10 @@ struct Pending {
 /// write of the state) instead of two.
 const SETTLE_LINGER: std::time::Duration = std::time::Duration::from_millis(20);
 
+/// A model's batch loop ends after this long without a call (a call after it
+/// starts another).
+const BATCHER_IDLE: std::time::Duration = std::time::Duration::from_secs(600);
+
 /// A process's calls of one budget and model go to the script together: while
 /// one batch is in Redis, the calls that arrive meanwhile queue here and go as
 /// the next, in one script call that reads and writes the state once (the
@@ -114,7 +118,22 @@ impl Batcher {
                     false
                 }
             };
-            while let Some(first) = rx.recv().await {
+            loop {
+                let first = match tokio::time::timeout(BATCHER_IDLE, rx.recv()).await {
+                    Ok(Some(p)) => p,
+                    Ok(None) => break,
+                    // Idle: the loop ends, so a process holds loops (and the
+                    // pacer lists models) only for models in use, whatever
+                    // names runs gave. Closed, it takes no more (a sender
+                    // starts a new loop); what came meanwhile is answered.
+                    Err(_) => {
+                        rx.close();
+                        match rx.recv().await {
+                            Some(p) => p,
+                            None => break,
+                        }
+                    }
+                };
                 let mut batch = vec![first];
                 // Lazy calls alone wait a moment for one that is not.
                 let deadline = tokio::time::Instant::now() + SETTLE_LINGER;
@@ -281,10 +300,7 @@ impl SharedPacer {
         if !self.scriptable() {
             return None;
         }
-        let mut map = self.batchers.lock().unwrap_or_else(|e| e.into_inner());
-        map.entry((self.budget.clone(), model.to_owned()))
-            .or_insert_with(|| Batcher::start(self.clone(), model.to_owned()));
-        drop(map);
+        self.batcher(model);
         Some(serde_json::json!({"keys": self.script_keys(model), "cfg": self.config_args(String::new())}))
     }
 
@@ -324,6 +340,20 @@ impl SharedPacer {
         self.enqueue(model, op, false)?.await.map_err(|_| PacerError::Protocol("the batch loop stopped".into()))?
     }
 
+    /// The batch loop of `model`, started when there is none or it ended
+    /// (idle for [`BATCHER_IDLE`]; then the loops that ended leave the map too).
+    fn batcher(&self, model: &str) -> Batcher {
+        let mut map = self.batchers.lock().unwrap_or_else(|e| e.into_inner());
+        let key = (self.budget.clone(), model.to_owned());
+        if let Some(b) = map.get(&key).filter(|b| !b.tx.is_closed()) {
+            return b.clone();
+        }
+        map.retain(|_, b| !b.tx.is_closed());
+        let b = Batcher::start(self.clone(), model.to_owned());
+        map.insert(key, b.clone());
+        b
+    }
+
     /// Queues `op` for the next batch of `model` now; its answer comes on the receiver.
     fn enqueue(
         &self,
@@ -334,15 +364,9 @@ impl SharedPacer {
         let (reply, answer) = tokio::sync::oneshot::channel();
         let mut pending = Pending { op, reply, lazy };
         for _ in 0..2 {
-            let batcher = {
-                let mut map = self.batchers.lock().unwrap_or_else(|e| e.into_inner());
-                map.entry((self.budget.clone(), model.to_owned()))
-                    .or_insert_with(|| Batcher::start(self.clone(), model.to_owned()))
-                    .clone()
-            };
-            match batcher.tx.send(pending) {
+            match self.batcher(model).tx.send(pending) {
                 Ok(()) => return Ok(answer),
-                // Its loop is gone (a runtime that ended): start another.
+                // Its loop is gone (idle, or a runtime that ended): start another.
                 Err(tokio::sync::mpsc::error::SendError(p)) => {
                     pending = p;
                     self.batchers
@@ -448,16 +472,30 @@ impl SharedPacer {
             let models: Vec<String> =
                 redis::cmd("SMEMBERS").arg(self.keys.pacer_models(&budget)).query_async(&mut conn).await?;
             let other = Self { budget: budget.clone(), ..self.clone() };
+            let mut listed = models.len();
             for model in models {
                 // A model not used for a day has its keys expired (the
-                // script's IDLE_TTL_MS): nothing to show. It stays listed, for
-                // a process that still takes it as registered.
+                // script's IDLE_TTL_MS): nothing to show, and it leaves the
+                // list, so the list is of models in use, not of every name
+                // ever given. (No batch loop still holds it: a loop ends
+                // after BATCHER_IDLE without calls and lists its model
+                // again when it starts.)
                 let key = self.keys.pacer_state(&budget, &model);
                 if !redis::cmd("EXISTS").arg(&key).query_async::<bool>(&mut conn).await? {
+                    let _: () = redis::cmd("SREM")
+                        .arg(self.keys.pacer_models(&budget))
+                        .arg(&model)
+                        .query_async(&mut conn)
+                        .await?;
+                    listed -= 1;
                     continue;
                 }
                 let (state, now, waiting) = other.state_and_line(&model).await?;
                 out.push(BudgetSnapshot::from_state(&budget, &model, &state, now).of_line(waiting));
+            }
+            if listed == 0 {
+                let _: () =
+                    redis::cmd("SREM").arg(self.keys.pacer_budgets()).arg(&budget).query_async(&mut conn).await?;
             }
         }
         out.sort_by(|a, b| (&a.budget, &a.model).cmp(&(&b.budget, &b.model)));

@@ -133,6 +133,13 @@ local function q_fetch(max, lease_ms, dead_keep_ms, me, why, on_leased, hold)
         -- failed, never dropped (a dropped turn left its run waiting forever).
         local dead = {epoch = 0, deliveries = 0, flag = 'd', payload = recs[i]}
         q_bury(ids[i], dead, 'unreadable queue record (written by another version?)', now, dead_keep_ms)
+      elseif not recs[i] then
+        -- Due, with no record at all: no script leaves a turn so, but a Redis that
+        -- evicts keys does (paceline refuses to start on one; a policy changed later
+        -- still can). Buried and its run failed with the reason, never dropped unseen.
+        local dead = {epoch = 0, deliveries = 0, flag = 'd', payload = ''}
+        q_bury(ids[i], dead, 'its queue record is missing (evicted? Redis must run with maxmemory-policy noeviction)',
+          now, dead_keep_ms)
       end
     end
     if #hset > 0 then redis.call('HSET', Q_JOBS, unpack(hset)) end

@@ -20,6 +20,10 @@ pub struct RunArgs {
     /// "output": 8.0}}`): what a run's `cost_usd` is reckoned at.
     #[arg(long = "prices", env = "PACELINE_PRICES", value_name = "FILE", value_parser = crate::models::read_prices)]
     pub prices: Option<crate::models::PriceTable>,
+    /// The models runs may name, comma-separated, a trailing `*` for a
+    /// prefix (`gpt-4.1*,claude-*`); unset: any valid model name.
+    #[arg(long = "models", env = "PACELINE_MODELS", default_value = "", value_name = "LIST")]
+    pub models: super::spec::ModelAllowList,
 }
 
 impl RunArgs {
@@ -41,6 +45,7 @@ impl Default for RunArgs {
             tool_endpoints: super::ToolEndpoints::default(),
             retention: crate::config::parse_duration(DEFAULT_RETENTION).expect("the default retention parses"),
             prices: None,
+            models: Default::default(),
         }
     }
 }

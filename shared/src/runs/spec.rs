@@ -99,6 +99,54 @@ pub struct RunSpec {
     pub generation: Generation,
 }
 
+/// The longest model name a run may give.
+pub const MAX_MODEL_LEN: usize = 128;
+
+/// Whether `m` may be a model name: 1 to [`MAX_MODEL_LEN`] characters of
+/// letters, digits and `._:/@+-`, a letter or digit first — every provider's
+/// names (`gpt-4.1-mini`, `claude-sonnet-4-5-20250929`,
+/// `meta-llama/Llama-3.1-8B-Instruct`, `ft:gpt-4o-mini:org::id`,
+/// `us.anthropic.claude-3-5-sonnet-20241022-v2:0`), and nothing that could
+/// be a key, a label or a log line of its own (the name keys the pacer's
+/// state and labels metrics).
+pub fn valid_model(m: &str) -> bool {
+    let mut chars = m.chars();
+    m.len() <= MAX_MODEL_LEN
+        && chars.next().is_some_and(|c| c.is_ascii_alphanumeric())
+        && chars.all(|c| c.is_ascii_alphanumeric() || "._:/@+-".contains(c))
+}
+
+/// `PACELINE_MODELS`: the models runs may name, comma-separated; a name
+/// ending in `*` allows every name it starts (`gpt-4.1*,claude-*`). Empty:
+/// any valid name.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ModelAllowList(Vec<String>);
+
+impl ModelAllowList {
+    /// Whether a run may name `model`.
+    pub fn allows(&self, model: &str) -> bool {
+        self.0.is_empty()
+            || self.0.iter().any(|m| match m.strip_suffix('*') {
+                Some(prefix) => model.starts_with(prefix),
+                None => m == model,
+            })
+    }
+}
+
+impl std::str::FromStr for ModelAllowList {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let names: Vec<String> = s.split(',').map(str::trim).filter(|m| !m.is_empty()).map(str::to_owned).collect();
+        if let Some(bad) = names.iter().find(|m| !valid_model(m.strip_suffix('*').unwrap_or(m))) {
+            return Err(format!(
+                "`{bad}` is not a model name (letters, digits and ._:/@+-, a trailing * for a prefix)"
+            ));
+        }
+        Ok(Self(names))
+    }
+}
+
 /// What a submitted body got wrong.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{field}: {message}")]
@@ -128,6 +176,8 @@ pub struct SubmitPolicy {
     pub providers: Vec<String>,
     /// The tenants that may submit `mode: companion`; empty: every tenant.
     pub companion_tenants: Vec<String>,
+    /// The models runs may name (`PACELINE_MODELS`); empty: any valid name.
+    pub models: ModelAllowList,
 }
 
 /// Why a tenant may not submit a spec that is valid in itself.
@@ -164,6 +214,9 @@ impl SubmitPolicy {
             return Err(Refusal::Forbidden(format!(
                 "tenant {tenant} may not submit companion runs (PACELINE_COMPANION_TENANTS); submit it as mode \"work\""
             )));
+        }
+        if !self.models.allows(&spec.model) {
+            return Err(Refusal::Invalid(err("model", "is not an allowed model (PACELINE_MODELS)")));
         }
         if let Some(url) = &spec.tool_endpoint {
             if !self.tool_endpoints.allows(tenant, url) {
@@ -203,8 +256,16 @@ impl RunSpec {
             return Err(err(unknown.clone(), "unknown field"));
         }
         let model = match obj.get("model") {
-            Some(Value::String(m)) if !m.trim().is_empty() && m.len() <= 200 => m.clone(),
-            Some(Value::String(_)) => return Err(err("model", "must be a non-empty name of at most 200 characters")),
+            Some(Value::String(m)) if valid_model(m) => m.clone(),
+            Some(Value::String(_)) => {
+                return Err(err(
+                    "model",
+                    format!(
+                        "must be a model name of 1 to {MAX_MODEL_LEN} characters: letters, digits and . _ : / @ + - \
+                         (not first)"
+                    ),
+                ))
+            }
             Some(_) => return Err(err("model", "must be a string")),
             None => return Err(err("model", "is required")),
         };
@@ -400,6 +461,7 @@ mod tests {
                 .with(Some("acme"), "http://tools.acme.internal/"),
             providers: vec!["openai".into(), "claude".into()],
             companion_tenants: vec![],
+            models: ModelAllowList::default(),
         }
     }
 
@@ -524,5 +586,32 @@ mod tests {
         let Err(Refusal::Forbidden(why)) = p.admit("beta", &companion) else { panic!("beta may not") };
         assert!(why.contains("beta") && why.contains("PACELINE_COMPANION_TENANTS"), "{why}");
         assert_eq!(p.admit("beta", &work), Ok(()), "work runs stay open to every tenant");
+    }
+
+    #[test]
+    fn a_model_name_is_bounded_and_the_allow_list_checks_it() {
+        for good in [
+            "gpt-4.1-mini",
+            "claude-sonnet-4-5-20250929",
+            "meta-llama/Llama-3.1-8B-Instruct",
+            "ft:gpt-4o-mini:org::id",
+            "us.anthropic.claude-3-5-sonnet-20241022-v2:0",
+            "m",
+        ] {
+            assert!(valid_model(good), "{good}");
+        }
+        let long = "m".repeat(MAX_MODEL_LEN + 1);
+        for bad in ["", " gpt", "gpt 4", "-gpt", "gpt\n", "a{b}", "caf\u{e9}", long.as_str()] {
+            assert!(!valid_model(bad), "{bad:?}");
+            let e = RunSpec::from_json(&json!({"model": bad, "input": "x"}), &policy()).unwrap_err();
+            assert_eq!(e.field, "model", "{bad:?}");
+        }
+        let p = SubmitPolicy { models: "gpt-4.1*,claude-sonnet-4-5".parse().unwrap(), ..policy() };
+        let spec = |m: &str| RunSpec::from_json(&json!({"model": m, "input": "x"}), &p).unwrap();
+        assert_eq!(p.admit("a", &spec("gpt-4.1-mini")), Ok(()));
+        assert_eq!(p.admit("a", &spec("claude-sonnet-4-5")), Ok(()));
+        let Err(Refusal::Invalid(e)) = p.admit("a", &spec("claude-sonnet-4-5-x")) else { panic!("not listed") };
+        assert!(e.field == "model" && e.message.contains("PACELINE_MODELS"), "{e:?}");
+        assert!("gpt 4*".parse::<ModelAllowList>().is_err());
     }
 }

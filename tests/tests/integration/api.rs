@@ -1787,3 +1787,26 @@ async fn a_submit_over_a_tenants_quota_is_429_with_retry_after_and_writes_nothin
     let (status, _) = app.post("/v1/runs", ACME, &spec()).await;
     assert_eq!(status, 429);
 }
+
+/// `/readyz` reports Redis's memory against its `maxmemory`, with pressure
+/// from 90 % (with `noeviction` a Redis at its limit refuses every write), and
+/// `/metrics` carries it; a Redis without a `maxmemory` reports none.
+#[tokio::test]
+async fn readyz_and_metrics_report_redis_memory_pressure_before_writes_are_refused() {
+    let app = spawn_app().await;
+    let (status, ready) = read(app.req(reqwest::Method::GET, "/readyz", None).send().await.unwrap()).await;
+    assert_eq!((status, ready.get("redis_memory")), (200, None), "{ready}");
+    let mut conn = app.redis.conn().await;
+    let info: String = redis::cmd("INFO").arg("memory").query_async(&mut conn).await.unwrap();
+    let used: u64 = info.lines().find_map(|l| l.strip_prefix("used_memory:")).unwrap().trim().parse().unwrap();
+    let set = |max: u64| redis::cmd("CONFIG").arg("SET").arg("maxmemory").arg(max).to_owned();
+    let _: () = set(used * 20).query_async(&mut conn).await.unwrap();
+    let (_, ready) = read(app.req(reqwest::Method::GET, "/readyz", None).send().await.unwrap()).await;
+    assert_eq!(ready["redis_memory"]["pressure"], false, "{ready}");
+    let _: () = set(used + used / 20).query_async(&mut conn).await.unwrap();
+    let (status, ready) = read(app.req(reqwest::Method::GET, "/readyz", None).send().await.unwrap()).await;
+    assert_eq!((status, &ready["redis_memory"]["pressure"]), (200, &json!(true)), "{ready}");
+    let metrics = app.req(reqwest::Method::GET, "/metrics", Some(OPERATOR)).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.lines().any(|l| l == "paceline_redis_memory_pressure 1"), "{metrics}");
+    let _: () = set(0).query_async(&mut conn).await.unwrap();
+}

@@ -321,6 +321,10 @@ async fn the_snapshot_lists_every_budget_and_model() {
     let _: () = redis::cmd("DEL").arg(&keys).query_async(&mut conn).await.unwrap();
     let snap = pacer.snapshot().await.unwrap();
     assert_eq!(snap.iter().map(|s| s.model.as_str()).collect::<Vec<_>>(), ["gpt-b"]);
+    // … and leaves the list: the list is of models in use, not every name ever given.
+    let listed: Vec<String> =
+        redis::cmd("SMEMBERS").arg(k.pacer_models("default")).query_async(&mut conn).await.unwrap();
+    assert_eq!(listed, ["gpt-b"]);
 }
 
 /// The pure model run as the script runs it: the line's release before an

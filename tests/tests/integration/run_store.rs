@@ -1275,3 +1275,26 @@ async fn a_run_is_retried_at_most_max_retries_times() {
         }
     }
 }
+
+/// A due turn whose queue record is gone (a Redis that evicts keys does that)
+/// is buried with the reason and its run failed — never dropped unseen, with
+/// its run `queued` for ever.
+#[tokio::test]
+async fn a_due_turn_whose_record_is_missing_is_buried_and_its_run_failed() {
+    let env = env().await;
+    let mut conn = env.store.connection();
+    let run = env.store.create("alpha", &spec("x"), None, None).await.unwrap().run;
+    let jobs = shared::queue::QueueKeys::new(&env.keys).jobs;
+    let _: () = redis::cmd("HDEL").arg(&jobs).arg(&run.id).query_async(&mut conn).await.unwrap();
+    assert!(env.queue.fetch("w1", 1).await.unwrap().deliveries.is_empty());
+    let run = env.store.get("alpha", &run.id).await.unwrap().unwrap();
+    assert_eq!(run.status, RunStatus::Failed);
+    let error = run.error.expect("a failed run says why");
+    assert_eq!(error.kind, "dead_lettered");
+    assert!(
+        error.message.contains("queue record is missing") && error.message.contains("noeviction"),
+        "{}",
+        error.message
+    );
+    assert_eq!(env.queue.counts().await.unwrap().dead, 1, "in the dead set, where the operator sees it");
+}
