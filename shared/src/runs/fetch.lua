@@ -128,7 +128,9 @@ local function hold(ids, recs, now)
         order[#order + 1] = gk
       end
       local rid = string.format('%s:%d:%d', qid, job.turn, tonumber(job.attempt) or 1)
-      if (f.status == 'waiting' or f.status == 'queued') and tonumber(f.turns or '') == job.turn then
+      -- (A run past its deadline leaves the line too: its worker's start fails it.)
+      if (f.status == 'waiting' or f.status == 'queued') and tonumber(f.turns or '') == job.turn
+        and not past_deadline(f, now) then
         g.items[#g.items + 1] = {qid = qid, r = r, job = job, f = f, rid = rid}
       else
         g.gone[#g.gone + 1] = rid
@@ -182,7 +184,7 @@ local function hold(ids, recs, now)
             it.r.payload = cjson.encode(it.job)
             it.r.paused = tonumber(d[3]) == 3
           else
-            keep[it.qid] = now + ms
+            keep[it.qid] = now + until_deadline(it.f, now, ms)
             wait_again(it, d, now)
           end
         end

@@ -7,6 +7,16 @@
 
 local RUN, TX, EV, IDX, IDEM, id
 
+-- Events one stream entry holds at most (event_entry).
+local EVENTS_PER_ENTRY = 500
+
+-- ARGV[from..to] as a table, copied (not unpacked: a slice may be longer than unpack holds).
+local function argv_slice(from, to)
+  local out = {}
+  for i = from, to do out[#out + 1] = ARGV[i] end
+  return out
+end
+
 local function event(kind, data)
   return redis.call('XADD', EV, 'MAXLEN', '~', EV_MAXLEN, '*', 'type', kind, 'data', data)
 end
@@ -17,16 +27,22 @@ end
 -- Returns the entry's id (nil: no events).
 local function event_entry(list)
   if #list == 0 then return nil end
-  local args = {'XADD', EV, 'MAXLEN', '~', EV_MAXLEN, '*'}
-  for i = 1, #list, 2 do
-    local k = (i - 1) / 2
-    local suffix = k == 0 and '' or tostring(k)
-    args[#args + 1] = 'type' .. suffix
-    args[#args + 1] = list[i]
-    args[#args + 1] = 'data' .. suffix
-    args[#args + 1] = list[i + 1]
+  -- At most EVENTS_PER_ENTRY events an entry (Lua's unpack holds ~8 000 values: a turn
+  -- of thousands of tool calls is several entries, written in this same script).
+  local id
+  for from = 1, #list, 2 * EVENTS_PER_ENTRY do
+    local args = {'XADD', EV, 'MAXLEN', '~', EV_MAXLEN, '*'}
+    for i = from, math.min(from + 2 * EVENTS_PER_ENTRY - 1, #list), 2 do
+      local k = (i - from) / 2
+      local suffix = k == 0 and '' or tostring(k)
+      args[#args + 1] = 'type' .. suffix
+      args[#args + 1] = list[i]
+      args[#args + 1] = 'data' .. suffix
+      args[#args + 1] = list[i + 1]
+    end
+    id = redis.call(unpack(args))
   end
-  return redis.call(unpack(args))
+  return id
 end
 
 -- The Redis server's clock in ms, read off the id of an event just written: XADD
@@ -118,7 +134,7 @@ end
 -- written by its own fenced script (a stale holder writes none, a retried step none twice).
 local function events_from(at)
   local n = tonumber(ARGV[at]) or 0
-  return at + 1 + 2 * n, event_entry({unpack(ARGV, at + 1, at + 2 * n)})
+  return at + 1 + 2 * n, event_entry(argv_slice(at + 1, at + 2 * n))
 end
 
 -- A finished run's keys live for the retention period, then go.
@@ -220,6 +236,23 @@ local function window_entries(fields, max_hist)
   return redis.call('LRANGE', TX, 0, -1)
 end
 
+-- Whether the run whose fields `f` holds (max_run_ms, created_ms) is past its deadline
+-- (max_run_seconds) at `now`.
+local function past_deadline(f, now)
+  local max_run = tonumber(f.max_run_ms or '')
+  return max_run ~= nil and now >= (tonumber(f.created_ms) or now) + max_run
+end
+
+-- A waiting turn's delay (ms from `now`), no later than its run's deadline (`f` as
+-- above; at least 1 ms): a turn waiting for budget, a 429 or a retry is started — and so
+-- failed — when its run's time is up, not when its wait ends (a parked turn's safety
+-- deadline may be hours out).
+local function until_deadline(f, now, delay)
+  local max_run = tonumber(f.max_run_ms or '')
+  if not max_run then return delay end
+  return math.max(math.min(delay, (tonumber(f.created_ms) or now) + max_run - now), 1)
+end
+
 -- Starts turn `turn` (attempt `attempt`) of run `id` for the lease at `epoch`, whose
 -- fence the caller checked: marks the run running (turn.started), or fails it past its
 -- deadline, and reads what the turn needs with a history of `max_hist` turns (0: all).
@@ -239,7 +272,7 @@ local function start_turn(epoch, turn, attempt, max_hist, read)
   -- A run past its wall-clock deadline (max_run_seconds) fails here, before any call.
   local max_run = tonumber(f.max_run_ms or '')
   if max_run then now = q_now() end
-  if max_run and now >= (tonumber(f.created_ms) or now) + max_run then
+  if max_run and past_deadline(f, now) then
     local message = 'the run passed its max_run_seconds (' .. math.floor(max_run / 1000) .. ' s)'
     redis.call('HSET', RUN, 'status', 'failed', 'error_kind', 'deadline', 'error_message', message, 'updated_ms', now)
     retire(now, redis.call('HGET', RUN, 'retention_ms'))

@@ -99,6 +99,67 @@ pub struct RunSpec {
     pub generation: Generation,
 }
 
+/// The most input items a run may start with.
+pub const MAX_INPUT_ITEMS: usize = 1_000;
+/// The most tools a run may offer (OpenAI's own bound).
+pub const MAX_TOOLS: usize = 128;
+/// The most keys of a run's metadata.
+pub const MAX_METADATA_KEYS: usize = 64;
+/// The most bytes of a run's metadata, as JSON (every page of a search reads it).
+pub const MAX_METADATA_BYTES: usize = 16 * 1024;
+
+/// The roles a message in a run's input may have.
+const ROLES: [&str; 4] = ["user", "assistant", "system", "developer"];
+
+/// Checks input item `i`: a message (`role` one of [`ROLES`], `content` a
+/// string or a list of content parts) or a typed item (`type` a short
+/// snake_case name); a function call carries `call_id`, `name` and string
+/// `arguments`, a function call's output `call_id` and `output`, as the
+/// providers will require of them at the first call.
+fn check_input_item(i: usize, item: &Value) -> Result<(), SpecError> {
+    let field = |f: &str| if f.is_empty() { format!("input[{i}]") } else { format!("input[{i}].{f}") };
+    let Some(o) = item.as_object() else {
+        return Err(err(field(""), "must be an object (a Responses-API input item)"));
+    };
+    let text = |k: &str| o.get(k).is_some_and(Value::is_string);
+    match o.get("type") {
+        Some(Value::String(t))
+            if t.is_empty() || t.len() > 64 || !t.chars().all(|c| c.is_ascii_lowercase() || c == '_') =>
+        {
+            return Err(err(field("type"), "must be an item type (snake_case, at most 64 characters)"))
+        }
+        Some(Value::String(t)) if t == "function_call" => {
+            if let Some(k) = ["call_id", "name", "arguments"].into_iter().find(|k| !text(k)) {
+                return Err(err(field(k), "must be a string (a function_call carries call_id, name and arguments)"));
+            }
+            return Ok(());
+        }
+        Some(Value::String(t)) if t == "function_call_output" => {
+            if !text("call_id") {
+                return Err(err(field("call_id"), "must be a string"));
+            }
+            if !o.get("output").is_some_and(|v| v.is_string() || v.is_array()) {
+                return Err(err(field("output"), "must be a string or a list of content parts"));
+            }
+            return Ok(());
+        }
+        Some(Value::String(t)) if t != "message" => return Ok(()),
+        Some(Value::String(_)) | None => {}
+        Some(_) => return Err(err(field("type"), "must be a string")),
+    }
+    match o.get("role") {
+        Some(Value::String(r)) if ROLES.contains(&r.as_str()) => {}
+        Some(_) => return Err(err(field("role"), "must be user, assistant, system or developer")),
+        None => return Err(err(field(""), "must be a message ({role, content}) or a typed item")),
+    }
+    match o.get("content") {
+        Some(Value::String(_)) => Ok(()),
+        Some(Value::Array(parts)) if parts.iter().all(Value::is_object) => Ok(()),
+        Some(_) => Err(err(field("content"), "must be a string or a list of content parts (objects)")),
+        None => Err(err(field(""), "must be a message ({role, content}) or a typed item")),
+    }
+}
+
 /// The longest model name a run may give.
 pub const MAX_MODEL_LEN: usize = 128;
 
@@ -277,16 +338,12 @@ impl RunSpec {
         let input = match obj.get("input") {
             Some(Value::String(s)) if !s.is_empty() => vec![serde_json::json!({"role": "user", "content": s})],
             Some(Value::String(_)) => return Err(err("input", "must not be empty")),
+            Some(Value::Array(items)) if items.len() > MAX_INPUT_ITEMS => {
+                return Err(err("input", format!("must hold at most {MAX_INPUT_ITEMS} items")))
+            }
             Some(Value::Array(items)) if !items.is_empty() => {
                 for (i, item) in items.iter().enumerate() {
-                    let Some(o) = item.as_object() else {
-                        return Err(err(format!("input[{i}]"), "must be an object (a Responses-API input item)"));
-                    };
-                    let is_message = o.contains_key("role") && o.contains_key("content");
-                    let is_typed = o.get("type").is_some_and(Value::is_string);
-                    if !is_message && !is_typed {
-                        return Err(err(format!("input[{i}]"), "must be a message ({role, content}) or a typed item"));
-                    }
+                    check_input_item(i, item)?;
                 }
                 items.clone()
             }
@@ -296,6 +353,9 @@ impl RunSpec {
         };
         let tools = match obj.get("tools") {
             None | Some(Value::Null) => vec![],
+            Some(Value::Array(tools)) if tools.len() > MAX_TOOLS => {
+                return Err(err("tools", format!("must hold at most {MAX_TOOLS} tools")))
+            }
             Some(Value::Array(tools)) => {
                 let mut names = std::collections::HashSet::new();
                 for (i, tool) in tools.iter().enumerate() {
@@ -361,7 +421,15 @@ impl RunSpec {
         };
         let metadata = match obj.get("metadata") {
             None | Some(Value::Null) => Value::Object(Default::default()),
-            Some(m @ Value::Object(_)) => m.clone(),
+            Some(m @ Value::Object(o)) if o.len() <= MAX_METADATA_KEYS && m.to_string().len() <= MAX_METADATA_BYTES => {
+                m.clone()
+            }
+            Some(Value::Object(_)) => {
+                return Err(err(
+                    "metadata",
+                    format!("must hold at most {MAX_METADATA_KEYS} keys and {MAX_METADATA_BYTES} bytes of JSON"),
+                ))
+            }
             Some(_) => return Err(err("metadata", "must be an object")),
         };
         let provider = match obj.get("provider") {
@@ -613,5 +681,44 @@ mod tests {
         let Err(Refusal::Invalid(e)) = p.admit("a", &spec("claude-sonnet-4-5-x")) else { panic!("not listed") };
         assert!(e.field == "model" && e.message.contains("PACELINE_MODELS"), "{e:?}");
         assert!("gpt 4*".parse::<ModelAllowList>().is_err());
+    }
+
+    #[test]
+    fn input_items_tools_and_metadata_are_checked_and_bounded() {
+        let ok = |body: Value| RunSpec::from_json(&body, &policy()).map(|_| ()).map_err(|e| e.field);
+        let with_input = |input: Value| json!({"model": "m", "input": input});
+        assert_eq!(
+            ok(with_input(json!([
+                {"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+                {"type": "reasoning", "summary": []},
+            ]))),
+            Ok(())
+        );
+        for (item, field) in [
+            (json!({"role": "tool", "content": "x"}), "input[0].role"),
+            (json!({"role": "user", "content": 3}), "input[0].content"),
+            (json!({"role": "user", "content": ["x"]}), "input[0].content"),
+            (json!({"type": "function_call", "call_id": "c", "name": "f"}), "input[0].arguments"),
+            (json!({"type": "function_call_output", "output": "x"}), "input[0].call_id"),
+            (json!({"type": "function_call_output", "call_id": "c"}), "input[0].output"),
+            (json!({"type": "Bad Type"}), "input[0].type"),
+            (json!({"type": 3}), "input[0].type"),
+        ] {
+            assert_eq!(ok(with_input(json!([item]))), Err(field.to_owned()), "{item}");
+        }
+        let many: Vec<Value> = (0..=MAX_INPUT_ITEMS).map(|_| json!({"role": "user", "content": "x"})).collect();
+        assert_eq!(ok(with_input(json!(many))), Err("input".to_owned()));
+        let tools: Vec<Value> =
+            (0..=MAX_TOOLS).map(|i| json!({"type": "function", "name": format!("t{i}"), "parameters": {}})).collect();
+        let body = json!({"model": "m", "input": "x", "tools": tools, "tool_endpoint": "http://127.0.0.1:9000/tools"});
+        assert_eq!(ok(body), Err("tools".to_owned()));
+        let keys: serde_json::Map<String, Value> =
+            (0..=MAX_METADATA_KEYS).map(|i| (format!("k{i}"), json!(1))).collect();
+        assert_eq!(ok(json!({"model": "m", "input": "x", "metadata": keys})), Err("metadata".to_owned()));
+        let big = "x".repeat(MAX_METADATA_BYTES);
+        assert_eq!(ok(json!({"model": "m", "input": "x", "metadata": {"k": big}})), Err("metadata".to_owned()));
     }
 }

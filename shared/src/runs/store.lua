@@ -117,8 +117,8 @@ if op == 'wait' then
   -- the delay) the wait the run shows: a turn parked in its budget's line is due at its
   -- safety deadline, and shows its estimate
   local counter = ARGV[8]
-  local more = {'waited_ms'}
-  if counter ~= '' then more[2] = counter end
+  local more = {'waited_ms', 'max_run_ms', 'created_ms'}
+  if counter ~= '' then more[#more + 1] = counter end
   local r, f, why = fenced_lease(ARGV[3], ARGV[4], more)
   if not r then return {'stop', why} end
   local now = stamped(event(ARGV[9], ARGV[10]))
@@ -131,7 +131,7 @@ if op == 'wait' then
   -- marks the leased record), it is queued as the line left it, not as the ask said.
   if ARGV[11] then r.payload, delay = PACER_HOST.requeue(held, r.payload, delay, now) end
   r.deliveries = 0
-  q_schedule(id, r, now + delay, now)
+  q_schedule(id, r, now + until_deadline(f, now, delay), now)
   return {'ok'}
 end
 
@@ -185,7 +185,7 @@ if op == 'commit' then
   local function pace(ops, now)
     return pacer_batch(pacing.keys, pacing.cfg, now, ops)
   end
-  local more = {'txi:' .. tag, 'phase', 'waited_ms', 'budget_waits'}
+  local more = {'txi:' .. tag, 'phase', 'waited_ms', 'budget_waits', 'max_run_ms', 'created_ms'}
   if counter ~= '' and counter ~= 'budget_waits' then more[#more + 1] = counter end
   local r, f, why = fenced(ARGV[3], ARGV[4], usage_and(more))
   if not r then
@@ -227,7 +227,7 @@ if op == 'commit' then
   -- The step's events, one entry: the output's tool calls (unless written), the
   -- tool results, turn.completed, and the run's end when it ends here, or the
   -- next turn's wait.
-  local events = {unpack(ARGV, 21 + 2 * skip, 20 + 2 * n)}
+  local events = argv_slice(21 + 2 * skip, 20 + 2 * n)
   local from = 21 + 2 * n + (recorded and tonumber(ARGV[13]) or 0)
   events[#events + 1] = 'turn.completed'
   events[#events + 1] = ARGV[9]
@@ -258,7 +258,7 @@ if op == 'commit' then
     redis.call('HSET', RUN, unpack(set))
     r.payload = payload
     r.deliveries = 0
-    q_schedule(id, r, now + delay, now, delay == 0 and ARGV[14] == '1')
+    q_schedule(id, r, now + (delay > 0 and until_deadline(f, now, delay) or 0), now, delay == 0 and ARGV[14] == '1')
     local out = {'continued', tostring(turns)}
     if asked then
       out[3] = tostring(asked[1]); out[4] = string.format('%d', delay); out[5] = tostring(asked[3] or 0)

@@ -143,6 +143,14 @@ fn run_matches(run: &Run, q: &str) -> bool {
         })
 }
 
+/// The most bytes of run records one page of `GET /v1/runs` reads (a search
+/// reads each run's metadata and answer); past it the page ends early, with a
+/// cursor to go on from.
+pub const LIST_SCAN_BYTES: usize = 4 << 20;
+
+/// Records a search reads a round trip.
+const LIST_SEARCH_BATCH: usize = 100;
+
 /// How long a fenced write keeps retrying Redis trouble in place (see
 /// `RunStore::invoke_fenced`); past it the queue's own retry takes over.
 pub const FENCED_WRITE_PATIENCE: Duration = Duration::from_secs(30);
@@ -402,9 +410,15 @@ impl RunStore {
         let mut after: Option<(i64, String)> = cursor.and_then(parse_cursor).map(|(ms, id)| (ms, id.to_owned()));
         let mut out = vec![];
         let mut conn = self.conn.clone();
+        let mut read = 0;
         // Scan the index in batches until the page is full (a status filter may
-        // skip many), bounded so that one request cannot scan forever.
+        // skip many), bounded so that one request cannot scan forever: 20
+        // batches, and LIST_SCAN_BYTES of records (a search reads each run's
+        // metadata and answer); past either the page ends with a cursor.
         for _ in 0..20 {
+            if read >= LIST_SCAN_BYTES {
+                break;
+            }
             let max = after.as_ref().map(|(ms, _)| ms.to_string()).unwrap_or_else(|| "+inf".into());
             let batch: Vec<(String, i64)> = redis::cmd("ZREVRANGEBYSCORE")
                 .arg(self.keys.tenant_runs(tenant))
@@ -413,7 +427,7 @@ impl RunStore {
                 .arg("WITHSCORES")
                 .arg("LIMIT")
                 .arg(0)
-                .arg(limit * 2 + 1)
+                .arg(if search.is_some() { LIST_SEARCH_BATCH } else { limit * 2 + 1 })
                 .query_async(&mut conn)
                 .await?;
             // Members of one score come in reverse order of their ids: skip
@@ -433,22 +447,41 @@ impl RunStore {
                 pipe.cmd("HMGET").arg(self.keys.run_record(id)).arg(&Run::FIELDS[..]);
             }
             let records: Vec<Vec<Option<String>>> = pipe.query_async(&mut conn).await?;
-            for ((id, ms), values) in fresh.into_iter().zip(records) {
+            read += records.iter().flatten().flatten().map(String::len).sum::<usize>();
+            // Parsed (each run's metadata is JSON) off the runtime's threads.
+            let (who, q) = (tenant.to_owned(), search.clone());
+            let looked = tokio::task::spawn_blocking(move || {
+                fresh
+                    .into_iter()
+                    .zip(records)
+                    .map(|((id, ms), values)| {
+                        let gone = values.iter().all(Option::is_none);
+                        let f: HashMap<String, String> = Run::FIELDS
+                            .iter()
+                            .zip(values)
+                            .filter_map(|(k, v)| v.map(|v| ((*k).to_owned(), v)))
+                            .collect();
+                        let run = tenant_run(&who, &id, &f);
+                        let readable = run.is_some();
+                        let shown = run.filter(|r| {
+                            status.is_none_or(|s| s == r.status) && q.as_deref().is_none_or(|q| run_matches(r, q))
+                        });
+                        (id, ms, gone, readable, shown)
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .await
+            .map_err(|e| StoreError::Protocol(format!("reading a page of runs: {e}")))?;
+            for (id, ms, gone, readable, shown) in looked {
                 after = Some((ms, id.clone()));
-                let gone = values.iter().all(Option::is_none);
-                let f: HashMap<String, String> =
-                    Run::FIELDS.iter().zip(values).filter_map(|(k, v)| v.map(|v| ((*k).to_owned(), v))).collect();
-                match tenant_run(tenant, &id, &f) {
-                    Some(run)
-                        if status.is_none_or(|s| s == run.status)
-                            && search.as_deref().is_none_or(|q| run_matches(&run, q)) =>
-                    {
+                match shown {
+                    Some(run) => {
                         out.push(run);
                         if out.len() == limit {
                             return Ok((out, Some(format!("{ms}:{id}"))));
                         }
                     }
-                    Some(_) => {}
+                    None if readable => {}
                     None if gone => {
                         // A retired (expired) run: drop it from the index.
                         let _: () = redis::cmd("ZREM")

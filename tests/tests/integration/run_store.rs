@@ -1298,3 +1298,120 @@ async fn a_due_turn_whose_record_is_missing_is_buried_and_its_run_failed() {
     );
     assert_eq!(env.queue.counts().await.unwrap().dead, 1, "in the dead set, where the operator sees it");
 }
+
+/// An answer with thousands of function calls commits (Lua's `unpack` holds
+/// ~8 000 values: the step's events once went to one `XADD` call, and a turn
+/// of ~2 000 calls could never commit, paying its call again each delivery),
+/// and its events read back whole.
+#[tokio::test]
+async fn a_turn_with_thousands_of_tool_calls_commits_with_all_its_events() {
+    let env = env().await;
+    let run = env.store.create("alpha", &spec("x"), None, None).await.unwrap().run;
+    let job = TurnJob { turn: 0, attempt: 1 };
+    let lease = env.queue.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
+    assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Ok);
+    let calls = 5_000;
+    let mut items = vec![];
+    let mut events = vec![];
+    for i in 0..calls {
+        let call_id = format!("call_{i}");
+        items.push(serde_json::json!({"type": "function_call", "call_id": call_id, "name": "f", "arguments": "{}"}));
+        items.push(serde_json::json!({"type": "function_call_output", "call_id": call_id, "output": "ok"}));
+        events.push(("tool.result", serde_json::json!({"call_id": call_id})));
+    }
+    let done = Next::Complete("done".into());
+    let fence = env.store.commit_with_events(&lease, job, &items, Default::default(), &done, &events).await.unwrap();
+    assert_eq!(fence, Fence::Ok);
+    let read = env.store.events("alpha", &run.id, None, None, 3 * calls).await.unwrap().unwrap();
+    let results = read.iter().filter(|e| e.kind == "tool.result").count();
+    assert_eq!(results, calls);
+    assert_eq!(read.last().map(|e| e.kind.as_str()), Some("run.completed"));
+    let run = env.store.get("alpha", &run.id).await.unwrap().unwrap();
+    assert_eq!(run.status, RunStatus::Completed);
+}
+
+/// `max_run_seconds` holds while a turn waits: a turn put to wait for longer
+/// than its run has left (a parked turn's safety deadline may be hours out)
+/// is due at the run's deadline, and its start there fails the run.
+#[tokio::test]
+async fn a_turn_waiting_past_its_runs_deadline_is_due_at_the_deadline_and_fails_the_run() {
+    use shared::runs::{Started, StopReason, Turn};
+    let env = env().await;
+    let spec = RunSpec::from_json(
+        &json!({"model": "gpt-test", "input": "x", "max_turns": 3, "max_run_seconds": 1}),
+        &SubmitPolicy::default(),
+    )
+    .unwrap();
+    let run = env.store.create("alpha", &spec, None, None).await.unwrap().run;
+    let lease = env.queue.fetch("w0", 1).await.unwrap().deliveries.remove(0).lease;
+    let job = TurnJob { turn: 0, attempt: 1 };
+    let data = json!({"turn": 0, "owed_ms": 3_600_000, "reason": "budget"});
+    let next = Turn { job, ask: Some(asked()), cleared: false, pause_ms: None, cached_until_ms: None };
+    let hour = 3_600_000;
+    let fence = env.store.wait_asking(&lease, job, next, hour, WaitReason::Budget, "turn.paced", &data).await.unwrap();
+    assert_eq!(fence, Fence::Ok);
+    let mut conn = env.store.connection();
+    let due: f64 = redis::cmd("ZSCORE")
+        .arg(shared::queue::QueueKeys::new(&env.keys).due)
+        .arg(&run.id)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let created: f64 = redis::cmd("HGET")
+        .arg(env.keys.run_record(&run.id))
+        .arg("created_ms")
+        .query_async::<String>(&mut conn)
+        .await
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(due <= created + 1_000.0, "due {} ms after its creation, past its 1-s deadline", due - created);
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    let fetched = env.queue.fetch_with("w1", 1, Some(&env.store.fetch_script(24))).await.unwrap();
+    let lease = fetched.deliveries[0].lease.clone();
+    assert!(env.store.started(&lease).is_none(), "a turn that carries its ask is leased, not started");
+    match env.store.start_turn_with_history(&lease, job, 24).await.unwrap() {
+        Started::Stop(why) => assert_eq!(why, StopReason::Deadline),
+        Started::Run(_) => panic!("a run past its deadline started its turn"),
+    }
+    let failed = env.store.get("alpha", &run.id).await.unwrap().unwrap();
+    assert_eq!((failed.status, failed.error.unwrap().kind.as_str()), (RunStatus::Failed, "deadline"));
+}
+
+/// A search reads at most `LIST_SCAN_BYTES` of run records a page: past it
+/// the page ends early with a cursor, and following the cursors finds what
+/// the bound left for later.
+#[tokio::test]
+async fn a_search_reads_a_bounded_number_of_bytes_a_page_and_its_cursor_goes_on() {
+    let env = env().await;
+    let big = "x".repeat(15_000);
+    let mut spec = spec("x");
+    spec.metadata = json!({"blob": big});
+    // The needle ~350 runs from the newest: past the bytes of one page (~280
+    // runs' records), within the 20 batches of records a page scanned before.
+    let runs = 560;
+    let mut oldest = None;
+    for i in 0..runs {
+        if i == runs - 350 {
+            let mut needle = spec.clone();
+            needle.metadata = json!({"blob": big, "tag": "needle"});
+            oldest = Some(env.store.create("alpha", &needle, None, None).await.unwrap().run.id);
+        } else {
+            env.store.create("alpha", &spec, None, None).await.unwrap();
+        }
+    }
+    let (page, cursor) = env.store.list_matching("alpha", None, Some("needle"), 10, None).await.unwrap();
+    assert!(page.is_empty(), "the needle is past the first page's bytes");
+    let mut cursor = cursor.expect("a page cut short by the byte bound hands a cursor on");
+    let mut pages = 1;
+    let found = loop {
+        let (page, next) = env.store.list_matching("alpha", None, Some("needle"), 10, Some(&cursor)).await.unwrap();
+        pages += 1;
+        if let Some(run) = page.first() {
+            break run.id.clone();
+        }
+        cursor = next.expect("not found yet, so not the end");
+    };
+    assert_eq!(Some(found), oldest);
+    assert!(pages >= 2, "{pages}");
+}
