@@ -46,6 +46,9 @@ pub struct RedisServerOptions {
     /// More `redis-server` arguments, after these (tests: a TLS port and its
     /// certificates).
     pub extra_args: Vec<String>,
+    /// A password clients must give (`requirepass`), put in `DIR/redis.conf`
+    /// (mode 600), never on the command line, where `ps` shows it.
+    pub password: Option<String>,
 }
 
 impl RedisServerOptions {
@@ -58,6 +61,7 @@ impl RedisServerOptions {
             persistence: Persistence::None,
             own_process_group: false,
             extra_args: vec![],
+            password: None,
         }
     }
 
@@ -69,15 +73,21 @@ impl RedisServerOptions {
     /// The URL a client connects with: the Unix socket when there is one,
     /// else the TCP port.
     pub fn url(&self) -> String {
+        let auth = self.password.as_ref().map(|p| format!(":{p}@")).unwrap_or_default();
         match (self.unix_socket, self.tcp_port) {
-            (false, Some(port)) => format!("redis://127.0.0.1:{port}"),
-            _ => format!("redis+unix://{}", self.socket().display()),
+            (false, Some(port)) => format!("redis://{auth}127.0.0.1:{port}"),
+            _ if auth.is_empty() => format!("redis+unix://{}", self.socket().display()),
+            _ => format!("redis+unix://{}?pass={}", self.socket().display(), self.password.as_deref().unwrap_or("")),
         }
     }
 
     /// The `redis-server` command line these options describe.
     pub fn command(&self) -> Command {
         let mut cmd = Command::new("redis-server");
+        if self.password.is_some() {
+            // A config file must come first; `start` writes it.
+            cmd.arg(self.dir.join(CONF_FILE));
+        }
         cmd.arg("--bind").arg("127.0.0.1").arg("--port").arg(self.tcp_port.unwrap_or(0).to_string());
         cmd.arg("--protected-mode").arg("yes");
         if self.unix_socket {
@@ -106,6 +116,9 @@ impl RedisServerOptions {
     /// its log's end is in the error.
     pub fn start(&self) -> Result<RedisChild, LaunchError> {
         std::fs::create_dir_all(&self.dir).map_err(LaunchError::Io)?;
+        if let Some(password) = &self.password {
+            write_private(&self.dir.join(CONF_FILE), &format!("requirepass {password}\n")).map_err(LaunchError::Io)?;
+        }
         let child = match self.command().spawn() {
             Ok(c) => c,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(LaunchError::NotInstalled),
@@ -185,10 +198,11 @@ impl RedisChild {
 
     /// Whether it answers `PING` now (a blocking probe of at most 0.5 s).
     pub fn answers(&self) -> bool {
+        let password = self.options.password.as_deref();
         if self.options.unix_socket {
-            ping_unix(&self.options.socket())
+            ping_unix(&self.options.socket(), password)
         } else {
-            self.options.tcp_port.is_some_and(|p| ping_tcp(std::net::SocketAddr::from(([127, 0, 0, 1], p))))
+            self.options.tcp_port.is_some_and(|p| ping_tcp(std::net::SocketAddr::from(([127, 0, 0, 1], p)), password))
         }
     }
 
@@ -228,36 +242,76 @@ impl Drop for RedisChild {
 }
 
 /// A blocking `PING` over a Unix socket: true on `+PONG`.
-fn ping_unix(socket: &Path) -> bool {
+fn ping_unix(socket: &Path, password: Option<&str>) -> bool {
     #[cfg(unix)]
     {
         std::os::unix::net::UnixStream::connect(socket).is_ok_and(|mut stream| {
             let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
-            pong(&mut stream)
+            pong(&mut stream, password)
         })
     }
     #[cfg(not(unix))]
     {
-        let _ = socket;
+        let _ = (socket, password);
         false
     }
 }
 
-/// A blocking `PING` over TCP: true on `+PONG`.
-fn ping_tcp(addr: std::net::SocketAddr) -> bool {
+/// A blocking `PING` over TCP (after `AUTH` with a password): true on `+PONG`.
+pub fn ping_tcp(addr: std::net::SocketAddr, password: Option<&str>) -> bool {
     std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(300)).is_ok_and(|mut stream| {
         let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
-        pong(&mut stream)
+        pong(&mut stream, password)
     })
 }
 
-/// Sends `PING` on `stream`; true when the answer is `+PONG`.
-fn pong(stream: &mut (impl std::io::Read + std::io::Write)) -> bool {
-    if stream.write_all(b"PING\r\n").is_err() {
+/// Sends `PING` on `stream`, `AUTH` first with a password; true when the
+/// answer is `+PONG` (after `+OK`).
+fn pong(stream: &mut (impl std::io::Read + std::io::Write), password: Option<&str>) -> bool {
+    let (send, want) = match password {
+        Some(p) => (format!("AUTH {p}\r\nPING\r\n"), &b"+OK\r\n+PONG"[..]),
+        None => ("PING\r\n".to_owned(), &b"+PONG"[..]),
+    };
+    if stream.write_all(send.as_bytes()).is_err() {
         return false;
     }
-    let mut buf = [0u8; 16];
-    matches!(stream.read(&mut buf), Ok(n) if buf[..n].starts_with(b"+PONG"))
+    let mut buf = Vec::new();
+    let mut piece = [0u8; 32];
+    while buf.len() < want.len() {
+        match stream.read(&mut piece) {
+            Ok(n) if n > 0 => buf.extend_from_slice(&piece[..n]),
+            _ => return false,
+        }
+    }
+    buf.starts_with(want)
+}
+
+/// A fresh password for a private server: 128 random bits, in hex (safe in
+/// a URL and an inline command).
+pub fn new_password() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
+/// The config file a server with a password starts from.
+const CONF_FILE: &str = "redis.conf";
+
+/// Writes `text` to `path`, readable by this user alone.
+pub fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write as _;
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        options.mode(0o600);
+    }
+    let mut file = options.open(path)?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    }
+    file.write_all(text.as_bytes())
 }
 
 #[cfg(test)]

@@ -142,12 +142,26 @@ impl Drop for PidFileGuard {
     }
 }
 
+/// Without `REDIS_URL`, `up` starts a private Redis with a generated password
+/// (a file of mode 600 beside its data; a client without it is refused) and
+/// stops it on exit. An open Redis where it looks (127.0.0.1:6379 by
+/// default) is named but not used: `up` writes to no Redis it cannot tell is
+/// its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_redis_url_up_starts_a_private_redis_server_and_stops_it_on_exit() {
     let dir = tempfile::tempdir().unwrap();
     let _leftover = PidFileGuard(dir.path().join(".paceline/redis/redis.pid"));
     let listen = format!("127.0.0.1:{}", paceline_tests::free_tcp_port());
-    let probe = format!("127.0.0.1:{}", paceline_tests::free_tcp_port());
+    let open_dir = tempfile::tempdir().unwrap();
+    let open_port = paceline_tests::free_tcp_port();
+    let open = shared::redis_server::RedisServerOptions {
+        unix_socket: false,
+        tcp_port: Some(open_port),
+        ..shared::redis_server::RedisServerOptions::unix(open_dir.path())
+    }
+    .start()
+    .unwrap();
+    let probe = format!("127.0.0.1:{open_port}");
     let mut child = up(
         dir.path(),
         &["--listen", &listen, "--local-redis-probe", &probe, "--concurrency", "2"],
@@ -158,14 +172,39 @@ async fn without_redis_url_up_starts_a_private_redis_server_and_stops_it_on_exit
     eventually("the API is ready", secs(20), || get(&http, format!("http://{listen}/readyz"))).await;
     let err = stderr_of(dir.path());
     assert!(err.contains("started a private redis-server"), "{err}");
+    assert!(err.contains(&format!("an open Redis answers on {probe}")) && err.contains("REDIS_URL="), "{err}");
     let port: u16 = err
-        .split("on 127.0.0.1:")
+        .split("started a private redis-server")
         .nth(1)
+        .and_then(|s| s.split("on 127.0.0.1:").nth(1))
         .and_then(|s| s.split(',').next())
         .and_then(|p| p.parse().ok())
         .unwrap_or_else(|| panic!("no port in: {err}"));
     let redis_dir = dir.path().join(".paceline/redis");
     assert!(redis_dir.join("appendonlydir").is_dir(), "AOF is on under ./.paceline/redis");
+    // Its password: readable by its owner alone, and required.
+    use std::os::unix::fs::PermissionsExt as _;
+    let mode = std::fs::metadata(redis_dir.join("paceline-password")).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600);
+    let password = std::fs::read_to_string(redis_dir.join("paceline-password")).unwrap();
+    let anyone = redis::Client::open(format!("redis://127.0.0.1:{port}")).unwrap();
+    let mut conn = anyone.get_multiplexed_async_connection().await.unwrap();
+    let refused = redis::cmd("PING").query_async::<String>(&mut conn).await.unwrap_err();
+    assert!(refused.to_string().contains("NOAUTH"), "{refused}");
+    let owner = redis::Client::open(format!("redis://:{}@127.0.0.1:{port}", password.trim())).unwrap();
+    let owned = owner.get_multiplexed_async_connection().await.unwrap();
+    eventually("up's keys (its worker's registration) in its private Redis", secs(10), || {
+        let mut conn = owned.clone();
+        async move { (redis::cmd("DBSIZE").query_async::<usize>(&mut conn).await.ok()? > 0).then_some(()) }
+    })
+    .await;
+    let open_client = redis::Client::open(format!("redis://{probe}")).unwrap();
+    let open_keys: usize = redis::cmd("DBSIZE")
+        .query_async(&mut open_client.get_multiplexed_async_connection().await.unwrap())
+        .await
+        .unwrap();
+    assert_eq!(open_keys, 0, "nothing was written to the open Redis");
+    drop(open);
     stop_cleanly(&mut child, dir.path(), secs(20));
     let err = stderr_of(dir.path());
     assert!(err.contains("the private redis-server stopped"), "{err}");

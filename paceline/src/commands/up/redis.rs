@@ -1,7 +1,10 @@
-//! Which Redis `paceline up` uses: `REDIS_URL` when set; else the one that
-//! answers PING on 127.0.0.1:6379; else a private `redis-server` child
-//! (`shared::redis_server`) on a free port with its data and AOF under
-//! `DATA_DIR/redis`, adopted again by a later `up` if this one is killed.
+//! Which Redis `paceline up` uses: `REDIS_URL` when set; else a private
+//! `redis-server` child (`shared::redis_server`) on a free port of 127.0.0.1,
+//! with a generated password (in `DATA_DIR/redis`, mode 600) and its data and
+//! AOF there, adopted again by a later `up` if this one is killed — only when
+//! it answers to that password, so `up` never writes to a Redis it cannot tell
+//! is its own. An open Redis on 127.0.0.1:6379 (any local process may read
+//! and write it) is named, and used only when `REDIS_URL` names it.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -16,8 +19,6 @@ use super::{say, Args};
 pub(super) enum RedisSource {
     /// `REDIS_URL` / `--redis-url`.
     Given(String),
-    /// The one that answered on 127.0.0.1:6379.
-    Local(String),
     /// A child (or one a killed `up` left behind) that `up` stops on exit.
     Private(OwnRedis),
 }
@@ -25,7 +26,7 @@ pub(super) enum RedisSource {
 impl RedisSource {
     pub(super) fn url(&self) -> String {
         match self {
-            Self::Given(u) | Self::Local(u) => u.clone(),
+            Self::Given(u) => u.clone(),
             Self::Private(p) => p.url(),
         }
     }
@@ -43,20 +44,14 @@ pub(super) async fn find_redis(args: &Args) -> anyhow::Result<RedisSource> {
         return Ok(RedisSource::Given(url.to_owned()));
     }
     let probe_addr = args.local_redis_probe;
-    match probe(probe_addr).await {
-        Probe::Pong => {
-            say(format!("REDIS_URL is not set; using the Redis that answers on {probe_addr}"));
-            Ok(RedisSource::Local(format!("redis://{probe_addr}")))
-        }
-        Probe::Other(reply) => anyhow::bail!(
-            "REDIS_URL is not set, and what answers on {probe_addr} is not an open Redis ({reply}). \
-             Set REDIS_URL (with its password: redis://:PASSWORD@{probe_addr}) or free the port."
-        ),
-        Probe::Nothing => {
-            let p = OwnRedis::start(&args.data_dir.join("redis"), probe_addr).await?;
-            Ok(RedisSource::Private(p))
-        }
+    if probe(probe_addr).await == Probe::Pong {
+        say(format!(
+            "REDIS_URL is not set; an open Redis answers on {probe_addr}, but paceline up does not use a Redis it \
+             cannot tell is its own (any local process may read and write an open one): set \
+             REDIS_URL=redis://{probe_addr} to use it"
+        ));
     }
+    Ok(RedisSource::Private(OwnRedis::start(&args.data_dir.join("redis")).await?))
 }
 
 #[derive(Debug, PartialEq)]
@@ -89,32 +84,43 @@ pub(super) async fn probe(addr: SocketAddr) -> Probe {
 }
 
 const PORT_FILE: &str = "paceline-port";
+/// The private server's password, mode 600 beside its data.
+const PASSWORD_FILE: &str = "paceline-password";
 
 /// A private `redis-server` on 127.0.0.1 with its data and AOF in `dir`.
 pub(super) struct OwnRedis {
     dir: PathBuf,
     port: u16,
+    password: String,
     /// `None` when it was adopted from a killed earlier `up`.
     child: Option<RedisChild>,
 }
 
 impl OwnRedis {
-    async fn start(dir: &Path, probed: SocketAddr) -> anyhow::Result<Self> {
+    async fn start(dir: &Path) -> anyhow::Result<Self> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let dir = dir.canonicalize().with_context(|| format!("{}", dir.display()))?;
         // A private server an earlier `up` left running (it was SIGKILLed):
-        // use it rather than start a second one on the same files.
-        if let Some(port) = std::fs::read_to_string(dir.join(PORT_FILE)).ok().and_then(|s| s.trim().parse::<u16>().ok())
-        {
-            if probe(SocketAddr::from(([127, 0, 0, 1], port))).await == Probe::Pong {
+        // used rather than a second one on the same files — when it answers to
+        // this directory's password, which only its owner can read.
+        let port = std::fs::read_to_string(dir.join(PORT_FILE)).ok().and_then(|s| s.trim().parse::<u16>().ok());
+        let password = std::fs::read_to_string(dir.join(PASSWORD_FILE)).ok().map(|p| p.trim().to_owned());
+        if let (Some(port), Some(password)) = (port, password.filter(|p| !p.is_empty())) {
+            let addr = SocketAddr::from(([127, 0, 0, 1], port));
+            let pw = password.clone();
+            if tokio::task::spawn_blocking(move || shared::redis_server::ping_tcp(addr, Some(&pw))).await? {
                 say(format!(
-                    "REDIS_URL is not set and nothing answers on {probed}; using the private redis-server an earlier \
-                     `paceline up` left running on 127.0.0.1:{port} (data in {}); it stops when this one does",
+                    "REDIS_URL is not set; using the private redis-server an earlier `paceline up` left running on \
+                     127.0.0.1:{port} (it answers to the password in {}); it stops when this one does",
                     dir.display()
                 ));
-                return Ok(Self { dir, port, child: None });
+                return Ok(Self { dir, port, password, child: None });
             }
         }
+        // A new password each start, readable by this user alone.
+        let password = shared::redis_server::new_password();
+        shared::redis_server::write_private(&dir.join(PASSWORD_FILE), &password)
+            .with_context(|| format!("writing {}", dir.join(PASSWORD_FILE).display()))?;
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .context("finding a free port for redis-server")?
@@ -128,28 +134,30 @@ impl OwnRedis {
             // we stop Redis after the workers have drained into it.
             own_process_group: true,
             extra_args: vec![],
+            password: Some(password.clone()),
         };
         let child = match tokio::task::spawn_blocking(move || options.start()).await? {
             Ok(child) => child,
             Err(LaunchError::NotInstalled) => anyhow::bail!(
-                "no Redis to use: REDIS_URL is not set, nothing answers on {probed}, and there is no `redis-server` \
-                 on PATH to start a private one. Install Redis (Debian/Ubuntu: `sudo apt-get install redis-server`; \
-                 macOS: `brew install redis`), or set REDIS_URL to a Redis you have."
+                "no Redis to use: REDIS_URL is not set, and there is no `redis-server` on PATH to start a private \
+                 one. Install Redis (Debian/Ubuntu: `sudo apt-get install redis-server`; macOS: `brew install \
+                 redis`), or set REDIS_URL to a Redis you have."
             ),
             Err(e) => return Err(e.into()),
         };
         let pid = child.pid().unwrap_or(0);
         let _ = std::fs::write(dir.join(PORT_FILE), port.to_string());
         say(format!(
-            "REDIS_URL is not set and nothing answers on {probed}, so paceline started a private redis-server \
-             (pid {pid}) on 127.0.0.1:{port}, data and AOF in {}; it stops when paceline up stops",
+            "REDIS_URL is not set, so paceline started a private redis-server (pid {pid}) on 127.0.0.1:{port}, with a \
+             generated password (in {}), data and AOF in {}; it stops when paceline up stops",
+            dir.join(PASSWORD_FILE).display(),
             dir.display()
         ));
-        Ok(Self { dir, port, child: Some(child) })
+        Ok(Self { dir, port, password, child: Some(child) })
     }
 
     fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        format!("redis://:{}@127.0.0.1:{}", self.password, self.port)
     }
 
     /// `SHUTDOWN` (Redis writes its AOF and exits), then waits for it; a kill
