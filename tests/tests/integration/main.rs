@@ -10,6 +10,7 @@ mod dashboard;
 mod dead;
 mod fairness;
 mod fixtures;
+mod fuzz;
 mod harness;
 mod mock_provider;
 mod pacer;
