@@ -39,8 +39,11 @@ if op == 'create' then
   local tenant, fp = ARGV[3], ARGV[4]
   if fp ~= '' then
     local prior = redis.call('GET', IDEM)
-    if prior then
-      local prior_id, prior_fp = string.match(prior, '^([^|]+)|(.*)$')
+    local prior_id, prior_fp
+    if prior then prior_id, prior_fp = string.match(prior, '^([^|]+)|(.*)$') end
+    -- A key whose run is gone (its retention ran out before the key's day did) names
+    -- nothing to replay: the submit creates a run, and the key names it from now on.
+    if prior_id and redis.call('EXISTS', string.sub(RUN, 1, #RUN - #id) .. prior_id) == 1 then
       if prior_fp ~= fp then return {'mismatch', prior_id} end
       return {'replayed', prior_id}
     end

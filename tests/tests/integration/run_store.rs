@@ -1415,3 +1415,25 @@ async fn a_search_reads_a_bounded_number_of_bytes_a_page_and_its_cursor_goes_on(
     assert_eq!(Some(found), oldest);
     assert!(pages >= 2, "{pages}");
 }
+
+/// An idempotency key whose run is gone (its retention ran out before the
+/// key's day did) names nothing to replay: the submit creates a run (once,
+/// however many race) instead of answering 404 for ever.
+#[tokio::test]
+async fn an_idempotency_key_whose_run_expired_makes_a_new_run_not_a_404() {
+    let env = env().await;
+    let key = Idempotency { key: "k1".into(), fingerprint: "body-a".into() };
+    let first = env.store.create("alpha", &spec("x"), Some(&key), None).await.unwrap().run;
+    let mut conn = env.store.connection();
+    // Its retention ran out: the run's keys are gone, the key's are not.
+    let _: () = redis::cmd("DEL").arg(env.keys.run_record(&first.id)).query_async(&mut conn).await.unwrap();
+    let body = spec("x");
+    let (a, b) = tokio::join!(
+        env.store.create("alpha", &body, Some(&key), None),
+        env.store.create("alpha", &body, Some(&key), None),
+    );
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert_ne!(a.run.id, first.id);
+    assert_eq!(a.run.id, b.run.id, "the key names the new run from then on");
+    assert!(a.replayed != b.replayed);
+}
