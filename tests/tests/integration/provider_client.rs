@@ -414,6 +414,55 @@ async fn a_server_that_does_not_stream_is_read_all_the_same() {
     assert_eq!(ok.usage.map(|u| u.tokens.total_tokens), Some(15));
 }
 
+/// A server that counts what reaches it, and another that redirects every
+/// request to it with `status`.
+async fn redirect_pair(status: StatusCode) -> (String, String, Arc<Mutex<usize>>) {
+    let reached = Arc::new(Mutex::new(0));
+    let counter = reached.clone();
+    let target = serve(Router::new().fallback(move || {
+        let counter = counter.clone();
+        async move {
+            *counter.lock().unwrap() += 1;
+            Json(json!({"error": {"message": "the target answered"}}))
+        }
+    }))
+    .await;
+    let location = format!("{target}/v1/stolen?key=k");
+    let redirector = serve(Router::new().fallback(move || {
+        let location = location.clone();
+        async move { (status, [("location", location)]).into_response() }
+    }))
+    .await;
+    (redirector, target, reached)
+}
+
+#[tokio::test]
+async fn a_redirecting_provider_is_a_terminal_failure_naming_its_target_which_receives_nothing() {
+    for status in [
+        StatusCode::MOVED_PERMANENTLY,
+        StatusCode::FOUND,
+        StatusCode::TEMPORARY_REDIRECT,
+        StatusCode::PERMANENT_REDIRECT,
+    ] {
+        for style in [ApiStyle::Responses, ApiStyle::Chat, ApiStyle::Anthropic] {
+            let (redirector, target, reached) = redirect_pair(status).await;
+            let base = if style == ApiStyle::Anthropic { redirector } else { format!("{redirector}/v1") };
+            let p = provider_at(&base, "sk-ant-secret-key", style);
+            let (_, result) = call(&p, body(style, false)).await;
+            let f = failure(style, result);
+            assert_eq!(*reached.lock().unwrap(), 0, "{style:?} {status}: the redirect's target received the call");
+            assert_eq!(f.status, Some(status.as_u16()), "{style:?}");
+            assert_eq!(f.kind, FailureKind::Terminal, "{style:?} {status}: a redirect is never retried");
+            assert!(
+                f.message.contains(&format!("HTTP {} to {target}/v1/stolen", status.as_u16())),
+                "{style:?}: the message names the target: {}",
+                f.message
+            );
+            assert!(!f.message.contains("key=k"), "no query in the message: {}", f.message);
+        }
+    }
+}
+
 // ------------------------------------------------------------------ tools
 
 #[derive(Clone)]
