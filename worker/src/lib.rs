@@ -8,7 +8,7 @@
 //! - `routes.rs` — the named providers, each with its client and its budget.
 //! - `request.rs` — the request body from the transcript, in each wire format.
 //! - `estimate.rs` — the call's token estimate (tiktoken, o200k_base).
-//! - `tools.rs` — calling the run's tool endpoint.
+//! - `tools/` — calling the run's tool endpoint (where it may connect, how it is signed).
 //!
 //! A worker is `worker::run(config, shutdown)`: apalis's worker runtime over
 //! our Redis queue (`shared::queue`), `concurrency` turns at once.

@@ -13,23 +13,31 @@
 //! followed: a 3xx would send the call (and its signature) to a URL the
 //! allow-list never saw, so it is the tool's error instead.
 //!
+//! Where a call may connect is checked on the address its host resolves to
+//! (`resolve.rs`): a name that resolves to loopback, a private or
+//! link-local address is refused, and the connection goes to the addresses
+//! checked.
+//!
 //! Each call names its tenant (`X-Paceline-Tenant`, and `tenant` in the
-//! body) and, with `PACELINE_TOOL_SECRET`, is signed Stripe-style:
-//! `X-Paceline-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>.<body>">`
-//! ([`sign`], [`verify`]), so a tool server can authorise the call and refuse
+//! body) and, with `PACELINE_TOOL_SECRET`, is signed with the key of its tool
+//! server (`signing.rs`), so a tool server can authorise the call and refuse
 //! a replay older than its tolerance.
+
+mod resolve;
+mod signing;
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use std::sync::Arc;
+
 use futures::StreamExt;
-use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use sha2::Sha256;
 use shared::config::Secret;
 use shared::runs::ToolEndpoints;
 
 pub use crate::provider::ToolCall;
+pub use signing::{endpoint_key, sign, verify, SIGNATURE_HEADER};
 
 /// The default time a tool has to answer.
 pub const DEFAULT_TOOL_TIMEOUT: Duration = Duration::from_secs(60);
@@ -64,66 +72,10 @@ pub struct ToolResult {
 
 /// The header naming the run's tenant.
 pub const TENANT_HEADER: &str = "x-paceline-tenant";
-/// The header carrying the call's signature (with `PACELINE_TOOL_SECRET`).
-pub const SIGNATURE_HEADER: &str = "x-paceline-signature";
-
-/// The signature header's value for `body` sent at `unix_secs`:
-/// `t=<unix_secs>,v1=<hex HMAC-SHA256 over "<unix_secs>.<body>">`.
-pub fn sign(secret: &Secret, unix_secs: u64, body: &[u8]) -> String {
-    let mut mac = mac(secret, unix_secs);
-    mac.update(body);
-    let hex: String = mac.finalize().into_bytes().iter().map(|b| format!("{b:02x}")).collect();
-    format!("t={unix_secs},v1={hex}")
-}
-
-/// Whether `header` (an `X-Paceline-Signature` value) signs `body` with
-/// `secret`, made no more than `tolerance_secs` from `now_secs` either way:
-/// what a tool server written in Rust checks (README has the same in Python).
-/// The comparison is constant-time.
-pub fn verify(secret: &Secret, header: &str, body: &[u8], now_secs: u64, tolerance_secs: u64) -> bool {
-    let mut t = None;
-    let mut signatures = Vec::new();
-    for part in header.split(',') {
-        match part.trim().split_once('=') {
-            Some(("t", v)) => t = v.parse::<u64>().ok(),
-            Some(("v1", v)) => signatures.push(v),
-            _ => {}
-        }
-    }
-    let Some(t) = t else { return false };
-    if t.abs_diff(now_secs) > tolerance_secs {
-        return false;
-    }
-    signatures.into_iter().any(|hex| {
-        let Some(expected) = unhex(hex) else { return false };
-        let mut mac = mac(secret, t);
-        mac.update(body);
-        mac.verify_slice(&expected).is_ok()
-    })
-}
-
-/// The MAC over `"<t>."`, ready for the body.
-fn mac(secret: &Secret, t: u64) -> Hmac<Sha256> {
-    let mut mac = Hmac::<Sha256>::new_from_slice(secret.expose().as_bytes()).expect("HMAC takes a key of any length");
-    mac.update(format!("{t}.").as_bytes());
-    mac
-}
-
-fn unhex(s: &str) -> Option<Vec<u8>> {
-    if !s.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return None;
-    }
-    s.as_bytes()
-        .chunks(2)
-        .map(|pair| match pair {
-            [hi, lo] => std::str::from_utf8(&[*hi, *lo]).ok().and_then(|p| u8::from_str_radix(p, 16).ok()),
-            _ => None,
-        })
-        .collect()
-}
 
 /// Calls a worker's tool endpoints: the allow-list, the signing secret, the
-/// timeout and an HTTP client that follows no redirect.
+/// timeout and an HTTP client that follows no redirect, uses no proxy and
+/// connects to public addresses only, unless the allow-list names the address.
 #[derive(Debug, Clone)]
 pub struct ToolClient {
     http: reqwest::Client,
@@ -139,6 +91,9 @@ impl ToolClient {
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(10))
             .redirect(reqwest::redirect::Policy::none())
+            // A proxy would resolve the host itself, past the address check.
+            .no_proxy()
+            .dns_resolver(Arc::new(resolve::PublicOnly))
             .build()?;
         Ok(Self { http, allowed, secret: secret.filter(|s| !s.is_empty()), timeout })
     }
@@ -193,9 +148,9 @@ impl ToolClient {
             .post(endpoint)
             .header(reqwest::header::CONTENT_TYPE, "application/json")
             .header(TENANT_HEADER, tenant);
-        if let Some(secret) = &self.secret {
+        if let Some(key) = self.secret.as_ref().and_then(|secret| endpoint_key(secret, endpoint)) {
             let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-            request = request.header(SIGNATURE_HEADER, sign(secret, now, &body));
+            request = request.header(SIGNATURE_HEADER, sign(&key, now, &body));
         }
         let response = request.body(body).send().await.map_err(|e| describe_error(&e))?;
         let status = response.status();
@@ -289,28 +244,6 @@ mod tests {
         assert_eq!(not_run, 40 - MAX_TOOL_CALLS_PER_TURN);
         assert!(results[..MAX_TOOL_CALLS_PER_TURN].iter().all(|r| r.output.contains("not allowed")));
         assert_eq!(results[39].call_id, "c39", "in the order of the calls");
-    }
-
-    #[test]
-    fn the_signature_is_hmac_sha256_over_time_dot_body_and_verifies_with_the_secret_only() {
-        let secret = Secret::new("whsec_test");
-        let body = br#"{"run_id":"run_1","tenant":"acme"}"#;
-        // Computed apart: python3 -c 'import hmac,hashlib;
-        //   print(hmac.new(b"whsec_test", b"1700000000." + BODY, hashlib.sha256).hexdigest())'
-        let header = sign(&secret, 1_700_000_000, body);
-        assert_eq!(header, "t=1700000000,v1=85adc9db6174b90bed86f4b6c0f7fea50c4c685d5ff96ad3a9326535069cec99");
-        assert!(verify(&secret, &header, body, 1_700_000_100, 300));
-        assert!(!verify(&Secret::new("whsec_wrong"), &header, body, 1_700_000_100, 300), "a wrong secret");
-        assert!(
-            !verify(&secret, &header, br#"{"run_id":"run_2","tenant":"acme"}"#, 1_700_000_100, 300),
-            "another body"
-        );
-        assert!(!verify(&secret, &header, body, 1_700_000_301, 300), "too old: a replay");
-        let moved = header.replace("t=1700000000", "t=1700000001");
-        assert!(!verify(&secret, &moved, body, 1_700_000_000, 300), "the time is signed too");
-        for bad in ["", "t=1700000000", "v1=00", "t=x,v1=00", "t=1700000000,v1=zz", "t=1700000000,v1=+0"] {
-            assert!(!verify(&secret, bad, body, 1_700_000_000, 300), "{bad}");
-        }
     }
 
     #[test]
