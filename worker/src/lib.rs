@@ -8,7 +8,7 @@
 //! - `routes.rs` — the named providers, each with its client and its budget.
 //! - `request.rs` — the request body from the transcript, in each wire format.
 //! - `estimate.rs` — the call's token estimate (tiktoken, o200k_base).
-//! - `tools/` — calling the run's tool endpoint (where it may connect, how it is signed).
+//! - `tools.rs` — calling the run's tool endpoint.
 //!
 //! A worker is `worker::run(config, shutdown)`: apalis's worker runtime over
 //! our Redis queue (`shared::queue`), `concurrency` turns at once.
@@ -81,8 +81,10 @@ pub struct WorkerConfig {
 /// `paceline worker` and `paceline up`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct SlotArgs {
-    /// Worker slots in this process: turns run at once.
-    #[arg(long, alias = "workers", env = "PACELINE_CONCURRENCY", default_value_t = DEFAULT_CONCURRENCY)]
+    /// Worker slots in this process: turns run at once (1 to 1024; start more
+    /// processes for more).
+    #[arg(long, alias = "workers", env = "PACELINE_CONCURRENCY", default_value_t = DEFAULT_CONCURRENCY,
+          value_parser = parse_concurrency)]
     pub concurrency: usize,
     /// History depth sent to the model, in turns (one number for every transport).
     #[arg(long = "max-history", env = "PACELINE_MAX_HISTORY", default_value_t = crate::context::DEFAULT_MAX_HISTORY)]
@@ -112,6 +114,20 @@ impl SpendArgs {
 
 /// Default of `--concurrency`.
 pub const DEFAULT_CONCURRENCY: usize = 16;
+
+/// The most slots one worker process may have. A process's leases travel
+/// together in one Redis script (its fetch and heartbeat pass them to one
+/// command, two arguments a lease, and a Lua `unpack` holds about 8 000), and
+/// one process with thousands of calls in flight is one crash away from
+/// handing them all back at once: more processes scale further.
+pub const MAX_CONCURRENCY: usize = 1024;
+
+/// Reads `--concurrency`: 1 to [`MAX_CONCURRENCY`].
+fn parse_concurrency(s: &str) -> Result<usize, String> {
+    s.trim().parse::<usize>().ok().filter(|n| (1..=MAX_CONCURRENCY).contains(n)).ok_or_else(|| {
+        format!("must be a number from 1 to {MAX_CONCURRENCY} (start more worker processes for more slots)")
+    })
+}
 
 impl Default for SlotArgs {
     fn default() -> Self {
@@ -264,4 +280,28 @@ pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()> + Send
     ran?;
     tracing::info!(message = "worker stopped", worker.id = %name);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Slots {
+        #[command(flatten)]
+        slots: SlotArgs,
+    }
+
+    #[test]
+    fn concurrency_is_1_to_1024_and_anything_else_is_a_clear_error() {
+        let parse = |n: &str| Slots::try_parse_from(["worker", "--concurrency", n]).map(|s| s.slots.concurrency);
+        assert_eq!(parse("1").unwrap(), 1);
+        assert_eq!(parse("1024").unwrap(), MAX_CONCURRENCY);
+        for bad in ["0", "1025", "100000", "x", "18446744073709551616"] {
+            let error = parse(bad).unwrap_err().to_string();
+            assert!(error.contains("must be a number from 1 to 1024"), "{bad}: {error}");
+        }
+        assert_eq!(Slots::try_parse_from(["worker"]).unwrap().slots.concurrency, DEFAULT_CONCURRENCY);
+    }
 }
