@@ -240,13 +240,10 @@ async fn handle_turn(turn: Turn, lease: Lease, runner: Data<Runner>) -> Result<(
 /// hands back the ones in flight, and returns.
 pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
     let (runner, queue) = runner(&config).await?;
-    // A Redis too old for the scripts is said at once (a Redis that is not up
-    // yet is not: the worker starts and waits for it).
+    // A Redis too old for the scripts, or one that evicts keys, is said at
+    // once (a Redis that is not up yet is not: the worker starts and waits for it).
     let mut conn = runner.store.connection();
-    let checked = tokio::time::timeout(Duration::from_secs(2), shared::redis_util::check_version(&mut conn)).await;
-    if let Ok(Ok(Err(too_old))) = checked {
-        anyhow::bail!(too_old);
-    }
+    shared::redis_util::refuse_unfit(&mut conn, Duration::from_secs(2)).await.map_err(anyhow::Error::msg)?;
     let listener =
         tokio::spawn(runner.cancels.clone().listen(config.redis.url.clone(), config.redis.keys().cancel_channel()));
     // Each turn is started by the fetch that leases it (one script a batch),
