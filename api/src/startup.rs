@@ -36,6 +36,11 @@ impl Application {
     pub async fn build(config: ApiConfig) -> anyhow::Result<Self> {
         let conn = shared::redis_util::lazy_manager(&config.redis.url, config.serve.redis_timeout())
             .with_context(|| "the Redis URL is not valid".to_string())?;
+        // A Redis that evicts keys (or is too old for the scripts) is refused
+        // before anything is served; one not up yet is waited for.
+        shared::redis_util::refuse_unfit(&mut conn.clone(), std::time::Duration::from_secs(2))
+            .await
+            .map_err(anyhow::Error::msg)?;
         let keys = config.redis.keys();
         let queue = shared::runs::run_queue(&config.redis, QueueConfig::default()).context("the turn queue")?;
         // The API only reads the pacer: its snapshot lists every budget under the prefix.

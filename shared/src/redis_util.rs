@@ -99,9 +99,81 @@ pub async fn check_version<C: redis::aio::ConnectionLike + Send>(
     })
 }
 
+/// The one `maxmemory-policy` that keeps every key: any other drops keys
+/// under memory pressure.
+pub const NO_EVICTION: &str = "noeviction";
+
+/// The server's `maxmemory-policy`: `CONFIG GET`, or `INFO memory`'s
+/// `maxmemory_policy` where `CONFIG` is disabled or renamed (managed Redis
+/// services often do that); `None` when neither says.
+pub async fn maxmemory_policy<C: redis::aio::ConnectionLike + Send>(
+    conn: &mut C,
+) -> redis::RedisResult<Option<String>> {
+    let config: redis::RedisResult<Vec<String>> =
+        redis::cmd("CONFIG").arg("GET").arg("maxmemory-policy").query_async(conn).await;
+    if let Ok(pair) = config {
+        if let [_, policy] = pair.as_slice() {
+            return Ok(Some(policy.clone()));
+        }
+    }
+    let info: String = redis::cmd("INFO").arg("memory").query_async(conn).await?;
+    Ok(info_field(&info, "maxmemory_policy").map(str::to_owned))
+}
+
+/// A field of `INFO` text (`name:value` lines).
+fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
+    info.lines().find_map(|l| l.trim().strip_prefix(name)?.strip_prefix(':'))
+}
+
+/// Why a Redis whose policy is `policy` cannot hold paceline's state, if it
+/// cannot: an evicting policy would drop a queued turn, a run record or a
+/// transcript without a trace, and the run would stay stuck (SPEC §1).
+pub fn eviction_refused(policy: &str) -> Option<String> {
+    (policy != NO_EVICTION).then(|| {
+        format!(
+            "Redis evicts keys (maxmemory-policy {policy}): it would silently drop queued turns and runs. \
+             Set `maxmemory-policy {NO_EVICTION}` (redis.conf, or CONFIG SET maxmemory-policy {NO_EVICTION}) \
+             and give Redis the memory it needs"
+        )
+    })
+}
+
+/// Whether this Redis can hold paceline's state: new enough for the scripts
+/// ([`check_version`]) and evicting no key ([`eviction_refused`]). Redis
+/// not answering within `wait` is no refusal: a process starts before its
+/// Redis and waits for it. Every process (`paceline api`, `worker`, `up`)
+/// asks at start and exits with the reason when this is `Err`.
+pub async fn refuse_unfit<C: redis::aio::ConnectionLike + Send>(conn: &mut C, wait: Duration) -> Result<(), String> {
+    let checked = tokio::time::timeout(wait, async {
+        if let Err(too_old) = check_version(conn).await? {
+            return Ok(Err(too_old));
+        }
+        let policy = maxmemory_policy(conn).await?;
+        Ok::<_, redis::RedisError>(policy.as_deref().and_then(eviction_refused).map_or(Ok(()), Err))
+    })
+    .await;
+    match checked {
+        Ok(Ok(verdict)) => verdict,
+        // Not up yet, or not answering: said by the first command that needs it.
+        Ok(Err(_)) | Err(_) => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_policy_but_noeviction_is_refused_naming_it() {
+        assert_eq!(eviction_refused("noeviction"), None);
+        for policy in ["allkeys-lru", "volatile-lru", "allkeys-lfu", "volatile-lfu", "allkeys-random", "volatile-ttl"] {
+            let why = eviction_refused(policy).unwrap();
+            assert!(why.contains(&format!("maxmemory-policy {policy}")), "{why}");
+        }
+        let info = "# Memory\r\nused_memory:1024\r\nmaxmemory_policy:allkeys-lru\r\n";
+        assert_eq!(info_field(info, "maxmemory_policy"), Some("allkeys-lru"));
+        assert_eq!(info_field(info, "maxmemory"), None, "a field is its whole name");
+    }
 
     #[test]
     fn the_version_is_read_from_info_server() {

@@ -81,8 +81,10 @@ pub struct WorkerConfig {
 /// `paceline worker` and `paceline up`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct SlotArgs {
-    /// Worker slots in this process: turns run at once.
-    #[arg(long, alias = "workers", env = "PACELINE_CONCURRENCY", default_value_t = DEFAULT_CONCURRENCY)]
+    /// Worker slots in this process: turns run at once (1 to 1024; start more
+    /// processes for more).
+    #[arg(long, alias = "workers", env = "PACELINE_CONCURRENCY", default_value_t = DEFAULT_CONCURRENCY,
+          value_parser = parse_concurrency)]
     pub concurrency: usize,
     /// History depth sent to the model, in turns (one number for every transport).
     #[arg(long = "max-history", env = "PACELINE_MAX_HISTORY", default_value_t = crate::context::DEFAULT_MAX_HISTORY)]
@@ -112,6 +114,20 @@ impl SpendArgs {
 
 /// Default of `--concurrency`.
 pub const DEFAULT_CONCURRENCY: usize = 16;
+
+/// The most slots one worker process may have. A process's leases travel
+/// together in one Redis script (its fetch and heartbeat pass them to one
+/// command, two arguments a lease, and a Lua `unpack` holds about 8 000), and
+/// one process with thousands of calls in flight is one crash away from
+/// handing them all back at once: more processes scale further.
+pub const MAX_CONCURRENCY: usize = 1024;
+
+/// Reads `--concurrency`: 1 to [`MAX_CONCURRENCY`].
+fn parse_concurrency(s: &str) -> Result<usize, String> {
+    s.trim().parse::<usize>().ok().filter(|n| (1..=MAX_CONCURRENCY).contains(n)).ok_or_else(|| {
+        format!("must be a number from 1 to {MAX_CONCURRENCY} (start more worker processes for more slots)")
+    })
+}
 
 impl Default for SlotArgs {
     fn default() -> Self {
@@ -224,13 +240,10 @@ async fn handle_turn(turn: Turn, lease: Lease, runner: Data<Runner>) -> Result<(
 /// hands back the ones in flight, and returns.
 pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
     let (runner, queue) = runner(&config).await?;
-    // A Redis too old for the scripts is said at once (a Redis that is not up
-    // yet is not: the worker starts and waits for it).
+    // A Redis too old for the scripts, or one that evicts keys, is said at
+    // once (a Redis that is not up yet is not: the worker starts and waits for it).
     let mut conn = runner.store.connection();
-    let checked = tokio::time::timeout(Duration::from_secs(2), shared::redis_util::check_version(&mut conn)).await;
-    if let Ok(Ok(Err(too_old))) = checked {
-        anyhow::bail!(too_old);
-    }
+    shared::redis_util::refuse_unfit(&mut conn, Duration::from_secs(2)).await.map_err(anyhow::Error::msg)?;
     let listener =
         tokio::spawn(runner.cancels.clone().listen(config.redis.url.clone(), config.redis.keys().cancel_channel()));
     // Each turn is started by the fetch that leases it (one script a batch),
@@ -264,4 +277,28 @@ pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()> + Send
     ran?;
     tracing::info!(message = "worker stopped", worker.id = %name);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Slots {
+        #[command(flatten)]
+        slots: SlotArgs,
+    }
+
+    #[test]
+    fn concurrency_is_1_to_1024_and_anything_else_is_a_clear_error() {
+        let parse = |n: &str| Slots::try_parse_from(["worker", "--concurrency", n]).map(|s| s.slots.concurrency);
+        assert_eq!(parse("1").unwrap(), 1);
+        assert_eq!(parse("1024").unwrap(), MAX_CONCURRENCY);
+        for bad in ["0", "1025", "100000", "x", "18446744073709551616"] {
+            let error = parse(bad).unwrap_err().to_string();
+            assert!(error.contains("must be a number from 1 to 1024"), "{bad}: {error}");
+        }
+        assert_eq!(Slots::try_parse_from(["worker"]).unwrap().slots.concurrency, DEFAULT_CONCURRENCY);
+    }
 }

@@ -551,7 +551,8 @@ impl Runner {
             return self.cancelled(lease, ctx).await;
         }
         let endpoint = ctx.spec.tool_endpoint.as_deref().unwrap_or_default();
-        let tools = self.tools.run(endpoint, &ctx.tenant, &lease.id, calls);
+        let declared = declared_tools(&ctx.spec.tools);
+        let tools = self.tools.run(endpoint, &ctx.tenant, &lease.id, &declared, calls);
         let record = async {
             match &output {
                 Some(o) => {
@@ -925,6 +926,12 @@ fn turn_params(spec: &shared::runs::RunSpec) -> TurnParams<'_> {
         metadata: Some(&spec.metadata),
         generation: Some(&spec.generation),
     }
+}
+
+/// The names of the tools a run declared: the only ones its tool calls may
+/// name (a model that names another is answered "not run").
+fn declared_tools(tools: &[Value]) -> Vec<&str> {
+    tools.iter().filter_map(|t| t.get("name").and_then(Value::as_str)).collect()
 }
 
 /// The `turn.tool_call` events of `calls`.

@@ -10,7 +10,7 @@ use axum::Json;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
-use shared::runs::store::{parse_cursor, valid_id};
+use shared::runs::store::{parse_cursor, parse_transcript_cursor, transcript_cursor, valid_id};
 use shared::runs::{Idempotency, Run, RunSpec, RunStatus, TranscriptEntry};
 
 use crate::auth::{Caller, Tenant};
@@ -345,16 +345,14 @@ pub async fn transcript(
     };
     let from = match q.cursor.as_deref() {
         None => 0,
-        Some(c) => c
-            .strip_prefix("tx_")
-            .and_then(|n| n.parse::<usize>().ok())
+        Some(c) => parse_transcript_cursor(c)
             .ok_or_else(|| ApiError::BadRequest("cursor is not a next_cursor of this route".into()))?,
     };
     let (items, has_more) = state
         .redis("read transcript", state.runs.transcript_page(&tenant, &id, from, limit))
         .await?
         .ok_or_else(|| ApiError::NotFound(format!("no run {id}")))?;
-    let next_cursor = has_more.then(|| format!("tx_{}", from + items.len()));
+    let next_cursor = has_more.then(|| transcript_cursor(from + items.len()));
     Ok(Json(Transcript { run_id: id, items, next_cursor, has_more }))
 }
 

@@ -6,8 +6,15 @@
 //! or for one tenant (`acme=https://tools.acme.internal/`); entries are
 //! comma-separated. A prefix is compared on the parsed URL, never as raw text
 //! ([`endpoint_allowed`]).
+//!
+//! Where a call may go (SPEC §5) is also a matter of the address a host
+//! *name* resolves to: [`forbidden_address`] names the addresses that are not
+//! the public internet (loopback, private, link-local — the cloud metadata
+//! service —, and the like). A prefix that names such an address itself
+//! (`http://127.0.0.1:9000/`) allows it; a name that resolves to one does not.
 
 use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::str::FromStr;
 
 /// Whether `s` may name a tenant: 1–64 characters of `a-z A-Z 0-9 _ - .`
@@ -134,9 +141,127 @@ pub fn endpoint_allowed(url: &str, prefixes: &[String]) -> bool {
     })
 }
 
+/// What kind of address `ip` is when it is not a public one (`"loopback"`,
+/// `"private"`, `"link-local"`, …), or `None` for a public address.
+///
+/// A tool host given by name must resolve to public addresses only: a name
+/// anyone can point at 127.0.0.1, 10.x or 169.254.169.254 would otherwise
+/// reach the worker's own services, its network or the cloud's metadata. An
+/// IPv6 address that carries an IPv4 one (mapped `::ffff:a.b.c.d`, NAT64,
+/// 6to4) is judged by the IPv4 address; IPv6 outside global unicast
+/// (`2000::/3`) is refused.
+pub fn forbidden_address(ip: IpAddr) -> Option<&'static str> {
+    match ip {
+        IpAddr::V4(v4) => forbidden_v4(v4),
+        IpAddr::V6(v6) => forbidden_v6(v6),
+    }
+}
+
+/// [`forbidden_address`] for IPv4 (RFC 6890's special-purpose registry).
+fn forbidden_v4(ip: Ipv4Addr) -> Option<&'static str> {
+    let [a, b, c, _] = ip.octets();
+    Some(match (a, b, c) {
+        (0, ..) => "unspecified",
+        (10, ..) | (172, 16..=31, _) | (192, 168, _) => "private",
+        (100, 64..=127, _) => "carrier-grade NAT",
+        (127, ..) => "loopback",
+        (169, 254, _) => "link-local",
+        (192, 0, 0) => "reserved",
+        (192, 0, 2) | (198, 51, 100) | (203, 0, 113) => "documentation",
+        (198, 18..=19, _) => "benchmarking",
+        (224..=239, ..) => "multicast",
+        (240..=255, ..) => "reserved",
+        _ => return None,
+    })
+}
+
+/// [`forbidden_address`] for IPv6 (RFC 6890, RFC 4291).
+fn forbidden_v6(ip: Ipv6Addr) -> Option<&'static str> {
+    let s = ip.segments();
+    if let Some(v4) = ip.to_ipv4_mapped() {
+        return forbidden_v4(v4);
+    }
+    let embedded = |hi: u16, lo: u16| Ipv4Addr::from((u32::from(hi) << 16) | u32::from(lo));
+    Some(match s {
+        [0, 0, 0, 0, 0, 0, 0, 0] => "unspecified",
+        [0, 0, 0, 0, 0, 0, 0, 1] => "loopback",
+        [0, 0, 0, 0, 0, 0, ..] => "IPv4-compatible",
+        // NAT64 carries the IPv4 address it reaches in its last 32 bits.
+        [0x64, 0xff9b, 0, 0, 0, 0, hi, lo] => return forbidden_v4(embedded(hi, lo)),
+        [0x64, 0xff9b, 1, ..] => "local NAT64",
+        // 6to4 carries the IPv4 address of its relay's other end in bits 16..48.
+        [0x2002, hi, lo, ..] => return forbidden_v4(embedded(hi, lo)),
+        [0x2001, 0xdb8, ..] => "documentation",
+        [0x2001, 0..=0x1ff, ..] => "IETF protocol or Teredo",
+        [first, ..] if first & 0xfe00 == 0xfc00 => "unique local",
+        [first, ..] if first & 0xffc0 == 0xfe80 => "link-local",
+        [first, ..] if first & 0xffc0 == 0xfec0 => "site-local",
+        [first, ..] if first & 0xff00 == 0xff00 => "multicast",
+        [first, ..] if first & 0xe000 != 0x2000 => "reserved",
+        _ => return None,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_public_addresses_pass_in_ipv4_and_ipv6_including_the_ipv4_an_ipv6_address_carries() {
+        for (ip, kind) in [
+            ("127.0.0.1", "loopback"),
+            ("127.255.0.9", "loopback"),
+            ("10.0.0.5", "private"),
+            ("172.16.0.1", "private"),
+            ("172.31.255.255", "private"),
+            ("192.168.1.1", "private"),
+            ("169.254.169.254", "link-local"),
+            ("0.0.0.0", "unspecified"),
+            ("100.64.0.1", "carrier-grade NAT"),
+            ("224.0.0.1", "multicast"),
+            ("255.255.255.255", "reserved"),
+            ("192.0.2.7", "documentation"),
+            ("198.18.0.1", "benchmarking"),
+            ("::", "unspecified"),
+            ("::1", "loopback"),
+            ("::ffff:127.0.0.1", "loopback"),
+            ("::ffff:10.0.0.5", "private"),
+            ("::ffff:169.254.169.254", "link-local"),
+            ("::127.0.0.1", "IPv4-compatible"),
+            ("64:ff9b::a00:5", "private"),
+            ("64:ff9b::7f00:1", "loopback"),
+            ("64:ff9b:1::1", "local NAT64"),
+            ("2002:a00:5::1", "private"),
+            ("2002:a9fe:a9fe::", "link-local"),
+            ("2001::1", "IETF protocol or Teredo"),
+            ("2001:db8::1", "documentation"),
+            ("fc00::1", "unique local"),
+            ("fd12:3456::1", "unique local"),
+            ("fe80::1", "link-local"),
+            ("fec0::1", "site-local"),
+            ("ff02::1", "multicast"),
+            ("100::1", "reserved"),
+            ("4000::1", "reserved"),
+        ] {
+            let parsed: IpAddr = ip.parse().unwrap();
+            assert_eq!(forbidden_address(parsed), Some(kind), "{ip}");
+        }
+        for ip in [
+            "8.8.8.8",
+            "1.1.1.1",
+            "172.15.255.255",
+            "172.32.0.1",
+            "100.63.255.255",
+            "169.253.0.1",
+            "::ffff:8.8.8.8",
+            "64:ff9b::808:808",
+            "2002:808:808::1",
+            "2606:4700:4700::1111",
+            "2a00:1450:4001::200e",
+        ] {
+            assert_eq!(forbidden_address(ip.parse().unwrap()), None, "{ip} is public");
+        }
+    }
 
     #[test]
     fn plain_and_tenant_prefixes_parse_and_apply_to_their_tenants() {

@@ -21,7 +21,7 @@ pub mod turn;
 pub mod usage;
 
 pub use config::{RunArgs, DEFAULT_RETENTION};
-pub use endpoints::{valid_tenant, ToolEndpoint, ToolEndpoints};
+pub use endpoints::{forbidden_address, valid_tenant, ToolEndpoint, ToolEndpoints};
 pub use events::{stream_id_after, valid_stream_id, RunEvent};
 pub use generation::{Effort, Format, Generation, JsonSchema, PromptCache, ServiceTier, ToolChoice, Truncation};
 pub use pacing::{BudgetWait, CommitPacing, FetchAsks, FirstAsk, PacedAsk};

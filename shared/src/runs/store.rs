@@ -558,13 +558,17 @@ impl RunStore {
         if self.get(tenant, id).await?.is_none() {
             return Ok(None);
         }
-        let limit = limit.max(1);
+        // Past the last position a cursor may name there is nothing to read.
+        if from > MAX_TRANSCRIPT_POSITION {
+            return Ok(Some((Vec::new(), false)));
+        }
+        let limit = limit.clamp(1, MAX_TRANSCRIPT_POSITION);
         let mut conn = self.conn.clone();
         // One entry more than asked for says whether there is a next page.
         let raw: Vec<String> = redis::cmd("LRANGE")
             .arg(self.keys.run_transcript(id))
             .arg(from)
-            .arg(from + limit)
+            .arg(from.saturating_add(limit))
             .query_async(&mut conn)
             .await?;
         let more = raw.len() > limit;
@@ -1200,6 +1204,27 @@ pub fn parse_cursor(cursor: &str) -> Option<(i64, &str)> {
     Some((ms.parse().unwrap_or(i64::MAX), id))
 }
 
+/// The largest position a transcript cursor may name: far past any
+/// transcript a run can hold, and small enough that a page's end (`+ limit`)
+/// is still an index Redis reads (`LRANGE` takes signed 64-bit indexes).
+pub const MAX_TRANSCRIPT_POSITION: usize = u32::MAX as usize;
+
+/// The transcript cursor naming `position` (`tx_<position>`), what
+/// [`parse_transcript_cursor`] reads back.
+pub fn transcript_cursor(position: usize) -> String {
+    format!("tx_{position}")
+}
+
+/// Reads a transcript cursor, `tx_<position>`: `None` unless the position is
+/// 1 to 10 digits and at most [`MAX_TRANSCRIPT_POSITION`].
+pub fn parse_transcript_cursor(cursor: &str) -> Option<usize> {
+    let digits = cursor.strip_prefix("tx_")?;
+    if !(1..=10).contains(&digits.len()) || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok().filter(|&n| n <= MAX_TRANSCRIPT_POSITION)
+}
+
 /// Transcript entries as stored (JSON).
 fn parse_transcript(raw: &[String]) -> Result<Vec<TranscriptEntry>, StoreError> {
     raw.iter()
@@ -1226,6 +1251,27 @@ mod tests {
         let c = TenantCounts::tally(runs, 1000, false);
         assert_eq!((c.ready, c.delayed, c.in_flight, c.next_due_ms), (2, 2, 1, Some(1200)));
         assert_eq!(TenantCounts::tally([], 5, true), TenantCounts { now_ms: 5, truncated: true, ..Default::default() });
+    }
+
+    #[test]
+    fn transcript_cursors_name_a_position_redis_can_read_or_nothing() {
+        assert_eq!(parse_transcript_cursor("tx_0"), Some(0));
+        assert_eq!(parse_transcript_cursor(&transcript_cursor(1000)), Some(1000));
+        assert_eq!(parse_transcript_cursor("tx_4294967295"), Some(MAX_TRANSCRIPT_POSITION));
+        for bad in [
+            "tx_4294967296",
+            "tx_18446744073709551615",
+            "tx_99999999999999999999999",
+            "tx_",
+            "tx_-1",
+            "tx_+1",
+            "tx_1.5",
+            "tx_ 1",
+            "1",
+            "",
+        ] {
+            assert_eq!(parse_transcript_cursor(bad), None, "{bad}");
+        }
     }
 
     #[test]

@@ -949,6 +949,23 @@ async fn a_transcript_is_read_in_pages() {
 }
 
 #[tokio::test]
+async fn a_transcript_cursor_too_large_to_be_one_is_a_400_not_a_500() {
+    let app = spawn_app().await;
+    let id = app.submit(ACME, &spec()).await["id"].as_str().unwrap().to_owned();
+    // usize::MAX overflowed the page's end (a panic in a debug build); past
+    // i64::MAX Redis refused the index (a 500).
+    for huge in ["tx_18446744073709551615", "tx_9223372036854775807", "tx_9223372036854775808", "tx_4294967296"] {
+        let (status, body) = app.get(&format!("/v1/runs/{id}/transcript?cursor={huge}&limit=1000"), ACME).await;
+        assert_eq!((status, error_type(&body)), (400, "bad_request"), "{huge}: {body}");
+        assert!(body["error"]["message"].as_str().unwrap().contains("cursor"), "{body}");
+    }
+    // The largest a cursor may name reads an empty last page.
+    let (status, page) = app.get(&format!("/v1/runs/{id}/transcript?cursor=tx_4294967295&limit=1000"), ACME).await;
+    assert_eq!(status, 200, "{page}");
+    assert_eq!((page["items"].as_array().map(Vec::len), &page["has_more"]), (Some(0), &json!(false)));
+}
+
+#[tokio::test]
 async fn a_live_runs_stream_ends_when_the_run_is_gone() {
     let app = spawn_app().await;
     let run = app.submit(ACME, &spec()).await;

@@ -6,7 +6,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use mock_provider::MockConfig;
-use paceline_tests::{eventually, paceline_bin, unique_prefix, ChildGuard, RedisServer};
+use paceline_tests::{eventually, paceline_bin, unique_prefix, ChildGuard, RedisOptions, RedisServer};
 use serde_json::{json, Value};
 use shared::runs::RunStatus;
 
@@ -113,5 +113,34 @@ async fn an_api_process_with_an_open_event_stream_exits_0_on_sigterm_and_on_sigi
         let status = child.wait_timeout(secs(10)).unwrap_or_else(|| panic!("no exit within 10 s of SIG{signal}"));
         assert!(status.success(), "SIG{signal}: exit status {status:?}");
         drop(stream);
+    }
+}
+
+#[test]
+fn api_worker_and_up_each_refuse_a_redis_that_evicts_keys_naming_its_policy() {
+    let redis = RedisServer::start_with(RedisOptions {
+        extra_args: vec!["--maxmemory-policy".into(), "allkeys-lru".into()],
+        ..RedisOptions::default()
+    });
+    for args in [&["api", "--listen", "127.0.0.1:0"][..], &["worker"], &["up", "--listen", "127.0.0.1:0"]] {
+        let mut child = ChildGuard(
+            Command::new(paceline_bin())
+                .args(args)
+                .env("REDIS_URL", redis.url())
+                .env("PACELINE_PREFIX", unique_prefix())
+                .env_remove("PACELINE_API_TOKENS")
+                .env("RUST_LOG", "warn")
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("start paceline"),
+        );
+        let status = child.wait_timeout(secs(20));
+        assert!(status.is_some(), "{args:?} kept running on an evicting Redis");
+        let mut stderr = String::new();
+        std::io::Read::read_to_string(child.0.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+        assert!(!status.unwrap().success(), "{args:?} exited 0: {stderr}");
+        assert!(stderr.contains("maxmemory-policy allkeys-lru"), "{args:?} does not name the policy: {stderr}");
     }
 }

@@ -414,6 +414,55 @@ async fn a_server_that_does_not_stream_is_read_all_the_same() {
     assert_eq!(ok.usage.map(|u| u.tokens.total_tokens), Some(15));
 }
 
+/// A server that counts what reaches it, and another that redirects every
+/// request to it with `status`.
+async fn redirect_pair(status: StatusCode) -> (String, String, Arc<Mutex<usize>>) {
+    let reached = Arc::new(Mutex::new(0));
+    let counter = reached.clone();
+    let target = serve(Router::new().fallback(move || {
+        let counter = counter.clone();
+        async move {
+            *counter.lock().unwrap() += 1;
+            Json(json!({"error": {"message": "the target answered"}}))
+        }
+    }))
+    .await;
+    let location = format!("{target}/v1/stolen?key=k");
+    let redirector = serve(Router::new().fallback(move || {
+        let location = location.clone();
+        async move { (status, [("location", location)]).into_response() }
+    }))
+    .await;
+    (redirector, target, reached)
+}
+
+#[tokio::test]
+async fn a_redirecting_provider_is_a_terminal_failure_naming_its_target_which_receives_nothing() {
+    for status in [
+        StatusCode::MOVED_PERMANENTLY,
+        StatusCode::FOUND,
+        StatusCode::TEMPORARY_REDIRECT,
+        StatusCode::PERMANENT_REDIRECT,
+    ] {
+        for style in [ApiStyle::Responses, ApiStyle::Chat, ApiStyle::Anthropic] {
+            let (redirector, target, reached) = redirect_pair(status).await;
+            let base = if style == ApiStyle::Anthropic { redirector } else { format!("{redirector}/v1") };
+            let p = provider_at(&base, "sk-ant-secret-key", style);
+            let (_, result) = call(&p, body(style, false)).await;
+            let f = failure(style, result);
+            assert_eq!(*reached.lock().unwrap(), 0, "{style:?} {status}: the redirect's target received the call");
+            assert_eq!(f.status, Some(status.as_u16()), "{style:?}");
+            assert_eq!(f.kind, FailureKind::Terminal, "{style:?} {status}: a redirect is never retried");
+            assert!(
+                f.message.contains(&format!("HTTP {} to {target}/v1/stolen", status.as_u16())),
+                "{style:?}: the message names the target: {}",
+                f.message
+            );
+            assert!(!f.message.contains("key=k"), "no query in the message: {}", f.message);
+        }
+    }
+}
+
 // ------------------------------------------------------------------ tools
 
 #[derive(Clone)]
@@ -433,9 +482,14 @@ async fn tool_endpoint(State(state): State<ToolServer>, Json(req): Json<Value>) 
         "not_json" => "plain words".into_response(),
         "structured" => Json(json!({"output": {"rows": [1, 2]}})).into_response(),
         "hang" => std::future::pending().await,
+        // 6 MiB of output: under the 8 MiB one answer may have, but three pass a turn's 16 MiB.
+        "big" => Json(json!({"output": "x".repeat(6 << 20)})).into_response(),
         other => (StatusCode::NOT_FOUND, format!("no tool {other}")).into_response(),
     }
 }
+
+/// The tools the runs of these tests declared: every name `tool_endpoint` knows.
+const DECLARED: [&str; 7] = ["echo", "meet", "fail", "not_json", "structured", "hang", "big"];
 
 fn tool_call(id: &str, name: &str) -> ToolCall {
     ToolCall { call_id: id.into(), name: name.into(), arguments: r#"{"q":"x"}"#.into() }
@@ -459,7 +513,8 @@ async fn tools_run_in_parallel_and_failures_become_output_text() {
     ];
     // The two `meet` calls only finish when both are in flight: run one by
     // one, they would wait on each other until the timeout.
-    let results = within("the tools", Duration::from_secs(15), client.run(&endpoint, "acme", "run_1", &calls)).await;
+    let results =
+        within("the tools", Duration::from_secs(15), client.run(&endpoint, "acme", "run_1", &DECLARED, &calls)).await;
     let ids: Vec<&str> = results.iter().map(|r| r.call_id.as_str()).collect();
     assert_eq!(ids, ["call_1", "call_2", "call_3", "call_4", "call_5", "call_6"], "results keep the calls' order");
 
@@ -488,9 +543,12 @@ async fn a_hanging_or_absent_tool_becomes_an_error_text_in_time() {
         ToolClient::new(ToolEndpoints::every_tenant([base.clone()]), None, Duration::from_millis(300)).unwrap();
 
     let calls = [tool_call("call_h", "hang"), tool_call("call_e", "echo")];
-    let results =
-        within("the tools", Duration::from_secs(10), client.run(&format!("{base}/tools"), "acme", "run_2", &calls))
-            .await;
+    let results = within(
+        "the tools",
+        Duration::from_secs(10),
+        client.run(&format!("{base}/tools"), "acme", "run_2", &DECLARED, &calls),
+    )
+    .await;
     assert_eq!(results[0].output, "tool error: timed out after 300 ms");
     assert!(results[0].error);
     assert!(!results[1].error, "a slow tool does not hold back its neighbour's result");
@@ -505,6 +563,7 @@ async fn a_hanging_or_absent_tool_becomes_an_error_text_in_time() {
             &gone,
             "acme",
             "run_2",
+            &DECLARED,
             &calls[1..],
         ),
     )
@@ -520,12 +579,67 @@ async fn a_tool_endpoint_outside_the_workers_prefixes_is_not_called() {
     // Allowed to acme alone, and to everyone under another path.
     let allowed = ToolEndpoints::every_tenant(["http://127.0.0.1:9/other"]).with(Some("acme"), "http://127.0.0.1:9/");
     let client = ToolClient::new(allowed, None, Duration::from_secs(5)).unwrap();
-    let results = within("the tools", Duration::from_secs(5), client.run(endpoint, "beta", "run_3", &calls)).await;
+    let results =
+        within("the tools", Duration::from_secs(5), client.run(endpoint, "beta", "run_3", &DECLARED, &calls)).await;
     for r in &results {
         assert!(r.error);
         assert_eq!(r.output, "tool error: the endpoint \"http://127.0.0.1:9/tools\" is not allowed on this worker");
     }
     // acme's run may: it is called (and nothing answers there).
-    let results = within("the tools", Duration::from_secs(5), client.run(endpoint, "acme", "run_3", &calls)).await;
+    let results =
+        within("the tools", Duration::from_secs(5), client.run(endpoint, "acme", "run_3", &DECLARED, &calls)).await;
     assert!(results[0].error && !results[0].output.contains("not allowed"), "{}", results[0].output);
+}
+
+#[tokio::test]
+async fn a_call_to_a_tool_the_run_never_declared_is_not_run_and_never_reaches_the_endpoint() {
+    let reached = Arc::new(Mutex::new(Vec::<String>::new()));
+    let seen = reached.clone();
+    let base = serve(Router::new().fallback(move |Json(req): Json<Value>| {
+        let seen = seen.clone();
+        async move {
+            seen.lock().unwrap().push(req["name"].as_str().unwrap_or_default().to_owned());
+            Json(json!({"output": "ran"}))
+        }
+    }))
+    .await;
+    let endpoint = format!("{base}/tools");
+    let client =
+        ToolClient::new(ToolEndpoints::every_tenant([endpoint.clone()]), None, Duration::from_secs(5)).unwrap();
+    let calls = [tool_call("call_1", "search"), tool_call("call_2", "delete_everything"), tool_call("call_3", "")];
+    let results =
+        within("the tools", Duration::from_secs(10), client.run(&endpoint, "acme", "run_4", &["search"], &calls)).await;
+    assert_eq!(*reached.lock().unwrap(), vec!["search"], "only the declared tool reached the endpoint");
+    assert_eq!((results[0].output.as_str(), results[0].error), ("ran", false));
+    assert_eq!(results[1].output, "tool error: not run: the run declared no tool named \"delete_everything\"");
+    assert_eq!(results[2].output, "tool error: not run: the run declared no tool named \"\"");
+    assert!(results[1].error && results[2].error);
+}
+
+#[tokio::test]
+async fn a_turns_tool_answers_share_16_mib_and_an_answer_past_its_share_is_answered_too_large() {
+    let state = ToolServer { barrier: Arc::new(tokio::sync::Barrier::new(2)) };
+    let base = serve(Router::new().route("/tools", post(tool_endpoint)).with_state(state)).await;
+    let endpoint = format!("{base}/tools");
+    let client =
+        ToolClient::new(ToolEndpoints::every_tenant([endpoint.clone()]), None, Duration::from_secs(30)).unwrap();
+    let big = |n: usize| (0..n).map(|i| tool_call(&format!("call_{i}"), "big")).collect::<Vec<_>>();
+    // Two calls share 16 MiB: 8 MiB each, and 6 MiB answers are read whole.
+    let two =
+        within("the tools", Duration::from_secs(60), client.run(&endpoint, "acme", "run_5", &DECLARED, &big(2))).await;
+    assert!(
+        two.iter().all(|r| !r.error && r.output.len() == 6 << 20),
+        "{:?}",
+        two.iter().map(|r| &r.output[..60]).collect::<Vec<_>>()
+    );
+    // Three: 5.3 MiB each, and not one 6 MiB answer is held whole.
+    let three =
+        within("the tools", Duration::from_secs(60), client.run(&endpoint, "acme", "run_5", &DECLARED, &big(3))).await;
+    for r in &three {
+        assert_eq!(
+            r.output,
+            "tool error: the answer is larger than 5461 KiB, its share of the 16 MiB a turn's tool answers may take together"
+        );
+    }
+    assert_eq!(worker::tools::MAX_TOOL_ANSWERS_PER_TURN, 16 << 20);
 }

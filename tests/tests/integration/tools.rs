@@ -1,6 +1,7 @@
 //! Tool calls as a tool server sees them (README, "Tool endpoints"): no redirect is followed,
-//! the worker checks a run's tenant against the allow-list again, and each
-//! call names its tenant and is signed with `PACELINE_TOOL_SECRET`.
+//! the worker checks a run's tenant against the allow-list again, a host
+//! name is called only on public addresses, and each call names its tenant
+//! and is signed with its tool server's key, derived from `PACELINE_TOOL_SECRET`.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -13,6 +14,7 @@ use serde_json::{json, Value};
 use shared::config::Secret;
 use shared::runs::{RunStatus, ToolEndpoints};
 use worker::config::{KeySource, TOOL_SECRET_ENV};
+use worker::tools::{endpoint_key, ToolCall, ToolClient};
 
 use crate::fixtures::{secs, serve, App};
 
@@ -79,13 +81,15 @@ async fn a_redirecting_tool_endpoint_never_reaches_its_target_and_the_run_comple
 }
 
 /// What the verifying tool server saw of one call: the tenant header, the
-/// body's tenant, whether the signature verifies with the secret, and with a
-/// wrong one.
+/// body's tenant, whether the signature verifies with its own key, and with
+/// a key that is not its own (the fleet's secret, another server's key).
 type SeenCall = (Option<String>, Value, bool, bool);
 
 #[derive(Clone, Default)]
 struct Seen {
     calls: Arc<Mutex<Vec<SeenCall>>>,
+    /// The tool server's own key, and keys that must not verify.
+    keys: Arc<Mutex<(Option<Secret>, Vec<Secret>)>>,
 }
 
 const SECRET: &str = "whsec_test_0123456789";
@@ -97,8 +101,9 @@ async fn verifying_tool(
 ) -> axum::Json<Value> {
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
     let signature = headers.get("x-paceline-signature").and_then(|v| v.to_str().ok()).unwrap_or_default();
-    let good = worker::tools::verify(&Secret::new(SECRET), signature, &body, now, 300);
-    let wrong = worker::tools::verify(&Secret::new("whsec_wrong"), signature, &body, now, 300);
+    let (own, others) = seen.keys.lock().unwrap().clone();
+    let good = worker::tools::verify(&own.expect("the server's key"), signature, &body, now, 300);
+    let wrong = others.iter().any(|key| worker::tools::verify(key, signature, &body, now, 300));
     let tenant = headers.get("x-paceline-tenant").and_then(|v| v.to_str().ok()).map(str::to_owned);
     let parsed: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     seen.calls.lock().unwrap().push((tenant, parsed["tenant"].clone(), good, wrong));
@@ -110,6 +115,11 @@ async fn tool_calls_name_the_tenant_and_carry_a_signature_the_tool_server_verifi
     let seen = Seen::default();
     let server = serve(axum::Router::new().fallback(verifying_tool).with_state(seen.clone())).await;
     let endpoint = format!("http://{server}/tools");
+    // The server knows its own key only: the one its origin derives.
+    let secret = Secret::new(SECRET);
+    let own = endpoint_key(&secret, &format!("http://{server}")).unwrap();
+    let another = endpoint_key(&secret, "https://tools.other.internal").unwrap();
+    *seen.keys.lock().unwrap() = (Some(own), vec![secret, another, Secret::new("whsec_wrong")]);
 
     let mut app = App::start(MockConfig { tool_rounds: 2, ..MockConfig::default() }).await;
     let mut config = app.config();
@@ -124,8 +134,8 @@ async fn tool_calls_name_the_tenant_and_carry_a_signature_the_tool_server_verifi
     for (header, body_tenant, good, wrong) in calls {
         assert_eq!(header.as_deref(), Some("default"), "X-Paceline-Tenant");
         assert_eq!(body_tenant, json!("default"), "the body's tenant");
-        assert!(good, "the signature verifies with the secret");
-        assert!(!wrong, "and not with another");
+        assert!(good, "the signature verifies with the server's own key");
+        assert!(!wrong, "and not with the fleet's secret or another server's key");
     }
     assert_eq!(tool_outputs(&app, &run.id).await, vec!["verified", "verified"]);
     app.stop_workers().await;
@@ -177,4 +187,30 @@ async fn without_a_secret_calls_name_the_tenant_and_carry_no_signature() {
     assert_eq!(seen[0]["x-paceline-tenant"], "default");
     assert!(seen[0].get("x-paceline-signature").is_none());
     app.stop_workers().await;
+}
+
+/// One call of a declared tool.
+fn lookup_call() -> [ToolCall; 1] {
+    [ToolCall { call_id: "call_1".into(), name: "lookup".into(), arguments: "{}".into() }]
+}
+
+#[tokio::test]
+async fn a_tool_host_named_by_a_name_that_resolves_to_loopback_is_never_called_even_when_allowed() {
+    let (server, reached) = counting_tool("called").await;
+    // `localhost` is allowed by name; it resolves to 127.0.0.1 (and ::1).
+    let by_name = format!("http://localhost:{}/tools", server.port());
+    let client = ToolClient::new(ToolEndpoints::every_tenant([by_name.clone()]), None, secs(5)).unwrap();
+    let results = client.run(&by_name, "acme", "run_1", &["lookup"], &lookup_call()).await;
+    assert_eq!(reached.load(Ordering::SeqCst), 0, "a name resolving to loopback was called");
+    let output = &results[0].output;
+    assert!(results[0].error, "{output}");
+    assert!(output.contains("the tool host localhost resolves to "), "{output}");
+    assert!(output.contains("(loopback), not a public address"), "{output}");
+
+    // The same server named by its address, which the prefix names itself: called.
+    let by_address = format!("http://{server}/tools");
+    let client = ToolClient::new(ToolEndpoints::every_tenant([format!("http://{server}/")]), None, secs(5)).unwrap();
+    let results = client.run(&by_address, "acme", "run_1", &["lookup"], &lookup_call()).await;
+    assert_eq!((results[0].output.as_str(), results[0].error), ("called", false));
+    assert_eq!(reached.load(Ordering::SeqCst), 1);
 }

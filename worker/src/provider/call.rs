@@ -110,7 +110,8 @@ pub struct CallFailure {
     pub error_type: Option<String>,
     /// The provider's message, or what went wrong below HTTP, as it may be
     /// shown: without URLs or anything that looks like a key
-    /// (`scrub.rs`; classification saw the raw text).
+    /// (`scrub.rs`; classification saw the raw text). A redirect's is ours,
+    /// naming its target without user, password or query.
     pub message: String,
     /// Set when the failure was below HTTP (timeout, reset, refused).
     pub transport: Option<Transport>,

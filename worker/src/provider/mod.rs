@@ -88,9 +88,14 @@ impl fmt::Debug for Provider {
     }
 }
 
+/// The HTTP client of every provider call. It follows no redirect: reqwest
+/// strips only `Authorization` on one, so a 3xx would carry Anthropic's
+/// `x-api-key` and every prompt to whatever the `Location` names
+/// ([`redirect_failure`] says so instead).
 fn build_client(connect: Duration) -> reqwest::Result<reqwest::Client> {
     reqwest::Client::builder()
         .connect_timeout(connect)
+        .redirect(reqwest::redirect::Policy::none())
         .user_agent(concat!("paceline/", env!("CARGO_PKG_VERSION")))
         .build()
 }
@@ -239,6 +244,10 @@ impl Provider {
         let headers = snapshot(response.headers());
         let answer = (status, headers.clone(), headers_received);
 
+        if response.status().is_redirection() {
+            let failure = redirect_failure(&url, status, response.headers(), headers, headers_received);
+            return Err(self.failed(failure));
+        }
         if !response.status().is_success() {
             let body = match self.read_body(response, MAX_ERROR_BODY).await {
                 Ok(bytes) => ProviderErrorBody::from_body(&bytes),
@@ -451,6 +460,32 @@ impl Provider {
         );
         failure
     }
+}
+
+/// A 3xx answer, as a failure that is never retried and names where the
+/// redirect pointed: the same request would be redirected the same way, and
+/// the fix is the operator's (`PACELINE_PROVIDER_URL` naming where the API
+/// really answers). The target is shown as [`shown_url`] shows a URL (no
+/// user, password or query), resolved against the call's URL when relative.
+fn redirect_failure(
+    url: &str,
+    status: u16,
+    answer: &HeaderMap,
+    headers: HeaderSnapshot,
+    received: Instant,
+) -> CallFailure {
+    let target = answer
+        .get(reqwest::header::LOCATION)
+        .and_then(|l| l.to_str().ok())
+        .and_then(|l| reqwest::Url::parse(url).ok()?.join(l.trim()).ok())
+        .map_or_else(|| "no readable Location".to_owned(), |to| shown_url(to.as_str()));
+    let mut failure = CallFailure::new(Some(status), ProviderErrorBody::default(), None, headers, Some(received));
+    failure.kind = FailureKind::Terminal;
+    failure.message = format!(
+        "the provider redirected the call (HTTP {status} to {target}); provider calls follow no redirect, \
+         so the key and the prompt never went there: set the provider URL to where the API answers"
+    );
+    failure
 }
 
 /// Why reading an answer's body failed.

@@ -13,37 +13,53 @@
 //! followed: a 3xx would send the call (and its signature) to a URL the
 //! allow-list never saw, so it is the tool's error instead.
 //!
+//! Where a call may connect is checked on the address its host resolves to
+//! (`resolve.rs`): a name that resolves to loopback, a private or
+//! link-local address is refused, and the connection goes to the addresses
+//! checked. Only tools the run declared are called; a turn runs at most
+//! [`MAX_TOOL_CALLS_PER_TURN`] calls and reads at most
+//! [`MAX_TOOL_ANSWERS_PER_TURN`] bytes of answers, however many there are.
+//!
 //! Each call names its tenant (`X-Paceline-Tenant`, and `tenant` in the
-//! body) and, with `PACELINE_TOOL_SECRET`, is signed Stripe-style:
-//! `X-Paceline-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>.<body>">`
-//! ([`sign`], [`verify`]), so a tool server can authorise the call and refuse
+//! body) and, with `PACELINE_TOOL_SECRET`, is signed with the key of its tool
+//! server (`signing.rs`), so a tool server can authorise the call and refuse
 //! a replay older than its tolerance.
+
+mod resolve;
+mod signing;
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use std::sync::Arc;
+
 use futures::StreamExt;
-use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use sha2::Sha256;
 use shared::config::Secret;
 use shared::runs::ToolEndpoints;
 
 pub use crate::provider::ToolCall;
+pub use signing::{endpoint_key, sign, verify, SIGNATURE_HEADER};
 
 /// The default time a tool has to answer.
 pub const DEFAULT_TOOL_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// The most of a tool's answer that is read. Far above what the model is
+/// The most of one tool's answer that is read. Far above what the model is
 /// shown (16 000 / 24 000 characters, clipped later with a note), so the
 /// clipping note can say how long the output was; it only bounds memory.
-const MAX_TOOL_ANSWER: usize = 8 * 1024 * 1024;
+pub const MAX_TOOL_ANSWER: usize = 8 * 1024 * 1024;
+
+/// The most of all of one turn's tool answers that is read, together: what a
+/// turn holds at once, whatever its calls answer. Each call made gets an
+/// equal share (at most [`MAX_TOOL_ANSWER`]): its calls run at once, and a
+/// share no other call can eat keeps one call's answer from depending on
+/// how fast the others' arrive. An answer past its share is answered "too
+/// large" instead.
+pub const MAX_TOOL_ANSWERS_PER_TURN: usize = 16 * 1024 * 1024;
 
 /// Tool calls run in one turn at most; a model asking for more gets the rest
 /// answered "not run" (every call still gets an output, or the provider
-/// rejects the next turn). With `MAX_TOOL_ANSWER` (8 MiB) this bounds what one turn
-/// reads: 32 × 8 MiB, each clipped to 16 000 (browser: 24 000) characters for
-/// the model.
+/// rejects the next turn).
 pub const MAX_TOOL_CALLS_PER_TURN: usize = 32;
 
 /// The most of an error body quoted in the output text.
@@ -64,66 +80,10 @@ pub struct ToolResult {
 
 /// The header naming the run's tenant.
 pub const TENANT_HEADER: &str = "x-paceline-tenant";
-/// The header carrying the call's signature (with `PACELINE_TOOL_SECRET`).
-pub const SIGNATURE_HEADER: &str = "x-paceline-signature";
-
-/// The signature header's value for `body` sent at `unix_secs`:
-/// `t=<unix_secs>,v1=<hex HMAC-SHA256 over "<unix_secs>.<body>">`.
-pub fn sign(secret: &Secret, unix_secs: u64, body: &[u8]) -> String {
-    let mut mac = mac(secret, unix_secs);
-    mac.update(body);
-    let hex: String = mac.finalize().into_bytes().iter().map(|b| format!("{b:02x}")).collect();
-    format!("t={unix_secs},v1={hex}")
-}
-
-/// Whether `header` (an `X-Paceline-Signature` value) signs `body` with
-/// `secret`, made no more than `tolerance_secs` from `now_secs` either way:
-/// what a tool server written in Rust checks (README has the same in Python).
-/// The comparison is constant-time.
-pub fn verify(secret: &Secret, header: &str, body: &[u8], now_secs: u64, tolerance_secs: u64) -> bool {
-    let mut t = None;
-    let mut signatures = Vec::new();
-    for part in header.split(',') {
-        match part.trim().split_once('=') {
-            Some(("t", v)) => t = v.parse::<u64>().ok(),
-            Some(("v1", v)) => signatures.push(v),
-            _ => {}
-        }
-    }
-    let Some(t) = t else { return false };
-    if t.abs_diff(now_secs) > tolerance_secs {
-        return false;
-    }
-    signatures.into_iter().any(|hex| {
-        let Some(expected) = unhex(hex) else { return false };
-        let mut mac = mac(secret, t);
-        mac.update(body);
-        mac.verify_slice(&expected).is_ok()
-    })
-}
-
-/// The MAC over `"<t>."`, ready for the body.
-fn mac(secret: &Secret, t: u64) -> Hmac<Sha256> {
-    let mut mac = Hmac::<Sha256>::new_from_slice(secret.expose().as_bytes()).expect("HMAC takes a key of any length");
-    mac.update(format!("{t}.").as_bytes());
-    mac
-}
-
-fn unhex(s: &str) -> Option<Vec<u8>> {
-    if !s.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return None;
-    }
-    s.as_bytes()
-        .chunks(2)
-        .map(|pair| match pair {
-            [hi, lo] => std::str::from_utf8(&[*hi, *lo]).ok().and_then(|p| u8::from_str_radix(p, 16).ok()),
-            _ => None,
-        })
-        .collect()
-}
 
 /// Calls a worker's tool endpoints: the allow-list, the signing secret, the
-/// timeout and an HTTP client that follows no redirect.
+/// timeout and an HTTP client that follows no redirect, uses no proxy and
+/// connects to public addresses only, unless the allow-list names the address.
 #[derive(Debug, Clone)]
 pub struct ToolClient {
     http: reqwest::Client,
@@ -139,6 +99,9 @@ impl ToolClient {
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(10))
             .redirect(reqwest::redirect::Policy::none())
+            // A proxy would resolve the host itself, past the address check.
+            .no_proxy()
+            .dns_resolver(Arc::new(resolve::PublicOnly))
             .build()?;
         Ok(Self { http, allowed, secret: secret.filter(|s| !s.is_empty()), timeout })
     }
@@ -150,21 +113,33 @@ impl ToolClient {
 
     /// Calls every tool of one turn of `tenant`'s run in parallel and returns
     /// their results in the order of `calls`. Never fails: a tool's failure is
-    /// its output text — also an endpoint this worker does not allow to
-    /// `tenant`, which is not called.
-    pub async fn run(&self, endpoint: &str, tenant: &str, run_id: &str, calls: &[ToolCall]) -> Vec<ToolResult> {
+    /// its output text — also a call to a tool the run did not `declare`, or
+    /// to an endpoint this worker does not allow to `tenant`, which is not made.
+    pub async fn run(
+        &self,
+        endpoint: &str,
+        tenant: &str,
+        run_id: &str,
+        declared: &[&str],
+        calls: &[ToolCall],
+    ) -> Vec<ToolResult> {
         let permitted = self.allowed.allows(tenant, endpoint);
         let asked = calls.len();
+        let made = calls.iter().take(MAX_TOOL_CALLS_PER_TURN).filter(|c| declared.contains(&c.name.as_str())).count();
+        let share = answer_share(made);
         let futures = calls.iter().enumerate().map(|(i, call)| async move {
             let started = std::time::Instant::now();
             let result = if i >= MAX_TOOL_CALLS_PER_TURN {
                 Err(format!(
                     "not run: this turn asked for {asked} tool calls and at most {MAX_TOOL_CALLS_PER_TURN} run in one turn"
                 ))
+            } else if !declared.contains(&call.name.as_str()) {
+                Err(format!("not run: the run declared no tool named {:?}", excerpt(&call.name)))
             } else if !permitted {
                 Err(format!("the endpoint {endpoint:?} is not allowed on this worker"))
             } else {
-                match tokio::time::timeout(self.timeout, self.call(endpoint, tenant, run_id, call)).await {
+                let call = self.call(endpoint, tenant, run_id, call, share);
+                match tokio::time::timeout(self.timeout, call).await {
                     Ok(result) => result,
                     Err(_) => Err(format!("timed out after {}", describe(self.timeout))),
                 }
@@ -182,8 +157,16 @@ impl ToolClient {
         futures::future::join_all(futures).await
     }
 
-    /// One POST; `Err` is the failure's description.
-    async fn call(&self, endpoint: &str, tenant: &str, run_id: &str, call: &ToolCall) -> Result<String, String> {
+    /// One POST, its answer read up to `share` bytes; `Err` is the failure's
+    /// description.
+    async fn call(
+        &self,
+        endpoint: &str,
+        tenant: &str,
+        run_id: &str,
+        call: &ToolCall,
+        share: usize,
+    ) -> Result<String, String> {
         let body = json!({"run_id": run_id, "call_id": call.call_id, "name": call.name, "arguments": call.arguments,
                           "tenant": tenant});
         // The bytes signed are the bytes sent.
@@ -193,9 +176,9 @@ impl ToolClient {
             .post(endpoint)
             .header(reqwest::header::CONTENT_TYPE, "application/json")
             .header(TENANT_HEADER, tenant);
-        if let Some(secret) = &self.secret {
+        if let Some(key) = self.secret.as_ref().and_then(|secret| endpoint_key(secret, endpoint)) {
             let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-            request = request.header(SIGNATURE_HEADER, sign(secret, now, &body));
+            request = request.header(SIGNATURE_HEADER, sign(&key, now, &body));
         }
         let response = request.body(body).send().await.map_err(|e| describe_error(&e))?;
         let status = response.status();
@@ -211,7 +194,7 @@ impl ToolClient {
                 status.as_u16()
             ));
         }
-        let bytes = read_limited(response).await?;
+        let bytes = read_limited(response, share).await?;
         let text = String::from_utf8_lossy(&bytes);
         if !status.is_success() {
             let excerpt = excerpt(text.trim());
@@ -232,18 +215,39 @@ impl ToolClient {
     }
 }
 
-/// The answer's body, refusing one larger than [`MAX_TOOL_ANSWER`].
-async fn read_limited(response: reqwest::Response) -> Result<Vec<u8>, String> {
+/// The most of each answer read when a turn makes `calls` calls: an equal
+/// share of [`MAX_TOOL_ANSWERS_PER_TURN`], at most [`MAX_TOOL_ANSWER`].
+fn answer_share(calls: usize) -> usize {
+    (MAX_TOOL_ANSWERS_PER_TURN / calls.max(1)).min(MAX_TOOL_ANSWER)
+}
+
+/// The answer's body, refusing one larger than `limit`. Read a piece at a
+/// time: an answer too large is dropped at the piece that passed the limit,
+/// never held whole.
+async fn read_limited(response: reqwest::Response, limit: usize) -> Result<Vec<u8>, String> {
     let mut stream = response.bytes_stream();
     let mut body = Vec::new();
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(|e| describe_error(&e))?;
-        if body.len() + chunk.len() > MAX_TOOL_ANSWER {
-            return Err(format!("the answer is larger than {} MiB", MAX_TOOL_ANSWER / (1024 * 1024)));
+        if body.len() + chunk.len() > limit {
+            return Err(too_large(limit));
         }
         body.extend_from_slice(&chunk);
     }
     Ok(body)
+}
+
+/// Why an answer over `limit` bytes was not read.
+fn too_large(limit: usize) -> String {
+    if limit == MAX_TOOL_ANSWER {
+        format!("the answer is larger than {} MiB", MAX_TOOL_ANSWER >> 20)
+    } else {
+        format!(
+            "the answer is larger than {} KiB, its share of the {} MiB a turn's tool answers may take together",
+            limit >> 10,
+            MAX_TOOL_ANSWERS_PER_TURN >> 20
+        )
+    }
 }
 
 /// `60 s`, `1.5 s`, `250 ms`.
@@ -282,7 +286,7 @@ mod tests {
         let calls: Vec<ToolCall> = (0..40)
             .map(|i| ToolCall { call_id: format!("c{i}"), name: "search".into(), arguments: "{}".into() })
             .collect();
-        let results = client.run("http://127.0.0.1:9/tools", "acme", "run_1", &calls).await;
+        let results = client.run("http://127.0.0.1:9/tools", "acme", "run_1", &["search"], &calls).await;
         assert_eq!(results.len(), 40);
         assert!(results.iter().all(|r| r.error));
         let not_run = results.iter().filter(|r| r.output.contains("not run")).count();
@@ -292,25 +296,17 @@ mod tests {
     }
 
     #[test]
-    fn the_signature_is_hmac_sha256_over_time_dot_body_and_verifies_with_the_secret_only() {
-        let secret = Secret::new("whsec_test");
-        let body = br#"{"run_id":"run_1","tenant":"acme"}"#;
-        // Computed apart: python3 -c 'import hmac,hashlib;
-        //   print(hmac.new(b"whsec_test", b"1700000000." + BODY, hashlib.sha256).hexdigest())'
-        let header = sign(&secret, 1_700_000_000, body);
-        assert_eq!(header, "t=1700000000,v1=85adc9db6174b90bed86f4b6c0f7fea50c4c685d5ff96ad3a9326535069cec99");
-        assert!(verify(&secret, &header, body, 1_700_000_100, 300));
-        assert!(!verify(&Secret::new("whsec_wrong"), &header, body, 1_700_000_100, 300), "a wrong secret");
-        assert!(
-            !verify(&secret, &header, br#"{"run_id":"run_2","tenant":"acme"}"#, 1_700_000_100, 300),
-            "another body"
+    fn each_call_gets_an_equal_share_of_the_turns_bytes_up_to_the_answer_cap() {
+        assert_eq!(answer_share(0), MAX_TOOL_ANSWER);
+        assert_eq!(answer_share(1), MAX_TOOL_ANSWER);
+        assert_eq!(answer_share(2), MAX_TOOL_ANSWER);
+        assert_eq!(answer_share(4), 4 << 20);
+        assert_eq!(answer_share(MAX_TOOL_CALLS_PER_TURN), 512 << 10);
+        assert!(answer_share(3) * 3 <= MAX_TOOL_ANSWERS_PER_TURN);
+        assert_eq!(
+            too_large(4 << 20),
+            "the answer is larger than 4096 KiB, its share of the 16 MiB a turn's tool answers may take together"
         );
-        assert!(!verify(&secret, &header, body, 1_700_000_301, 300), "too old: a replay");
-        let moved = header.replace("t=1700000000", "t=1700000001");
-        assert!(!verify(&secret, &moved, body, 1_700_000_000, 300), "the time is signed too");
-        for bad in ["", "t=1700000000", "v1=00", "t=x,v1=00", "t=1700000000,v1=zz", "t=1700000000,v1=+0"] {
-            assert!(!verify(&secret, bad, body, 1_700_000_000, 300), "{bad}");
-        }
     }
 
     #[test]
