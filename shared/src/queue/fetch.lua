@@ -12,7 +12,7 @@
 -- be left over (pushed while no worker listened): a fetch that takes everything due
 -- clears them. Any other fetch leaves them (a token reaches a listening worker at once,
 -- so leftovers are rare; clearing them at every fetch cost a DEL a turn).
--- KEYS[Q_NKEYS+1]: the epoch counter; KEYS[Q_NKEYS+2]: the queue's counters
+-- KEYS[Q_NKEYS+1]: the queue's counters
 -- (empty_fetches[:cause]: a fetch that found nothing due is a cost to count, not to accept).
 -- `on_leased(id, r)` (optional), called for each leased turn with its record once its
 -- lease is written, returns what the delivery carries besides (an array; nil: nothing).
@@ -30,34 +30,20 @@
 --         turn, in `ms`: the one idle worker that does (KEYS[7], lib.lua).
 -- A worker asks for no more than its free slots, so a batch that is not full
 -- leaves it idle with a slot to spare: it is the one to watch.
--- A lease's epoch: its record's last plus one, so an epoch is never reused under an
--- id. A record never leased (epoch 0: new, or under an id used before and deleted
--- since) starts a block of Q_EPOCH_BLOCK epochs drawn from the counter (KEYS[Q_NKEYS+1]),
--- later than every block drawn before, and so past every epoch an earlier record under
--- its id had; a record that used up its block draws another. One INCRBY a fetch that
--- leases such records, none for the rest (a turn's later leases). (Records from before
--- blocks carry epochs below the first block's.)
-local Q_EPOCH_BLOCK = 65536
-local function q_needs_block(last)
-  return last == 0 or (last + 1) % Q_EPOCH_BLOCK == 0
-end
--- The next epochs of records whose last epochs are `lasts`, drawing the blocks they
--- need with one INCRBY (none when no record needs one: a turn's later leases).
-local function q_next_epochs(lasts)
-  local need = 0
-  for _, last in ipairs(lasts) do
-    if q_needs_block(last) then need = need + 1 end
-  end
-  local block = need > 0 and redis.call('INCRBY', KEYS[Q_NKEYS + 1], need) - need or 0
+-- A lease's epoch: past its record's last, and past Q_EPOCHS_PER_MS epochs for every ms
+-- of the server's clock — max(last + 1, now * Q_EPOCHS_PER_MS) — so it is never handed
+-- out twice under an id: not by a record's later leases (past its last), not to a record
+-- made again under an id whose record was deleted (past every epoch of an earlier ms),
+-- and not after a Redis whose AOF lost its last second restarts (the lost leases' epochs
+-- were of ms before the restart; a record's last, rolled back, no longer counts). It
+-- holds while the server's clock does not go back across them, and while a record is
+-- leased fewer than Q_EPOCHS_PER_MS times in one ms. Exact in Lua's doubles (2^53) for
+-- ms up to the year 2248. (A counter drawn by INCRBY, before, was rolled back with the
+-- AOF, and cost a command a turn's first lease.)
+local Q_EPOCHS_PER_MS = 1024
+local function q_next_epochs(lasts, now)
   local out = {}
-  for i, last in ipairs(lasts) do
-    if q_needs_block(last) then
-      block = block + 1
-      out[i] = block * Q_EPOCH_BLOCK + 1
-    else
-      out[i] = last + 1
-    end
-  end
+  for i, last in ipairs(lasts) do out[i] = math.max(last + 1, now * Q_EPOCHS_PER_MS) end
   return out
 end
 
@@ -82,7 +68,7 @@ local function q_fetch(max, lease_ms, dead_keep_ms, me, why, on_leased, hold)
   local n = #due / 2
   local out = {tostring(now), '-1', '0'}
   if n == 0 then
-    redis.call('HINCRBY', KEYS[Q_NKEYS + 2], Q_EMPTY_FIELD[why] or 'empty_fetches', 1)
+    redis.call('HINCRBY', KEYS[Q_NKEYS + 1], Q_EMPTY_FIELD[why] or 'empty_fetches', 1)
   else
     local ids = {}
     for i = 1, n do ids[i] = due[2 * i - 1] end
@@ -110,7 +96,7 @@ local function q_fetch(max, lease_ms, dead_keep_ms, me, why, on_leased, hold)
         slot[i] = #lasts
       end
     end
-    local epochs = q_next_epochs(lasts)
+    local epochs = q_next_epochs(lasts, now)
     for i = 1, n do
       local r = decoded[i]
       local again = keep[ids[i]]

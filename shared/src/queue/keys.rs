@@ -17,8 +17,6 @@ pub struct QueueKeys {
     pub notify: String,
     /// STRING `due_ms|worker`: the idle worker that sleeps towards the next due turn.
     pub timer: String,
-    /// Counter the epochs come from.
-    pub epoch_seq: String,
     /// HASH of the queue's own counters (`empty_fetches:<cause>`: fetches that
     /// found nothing due, a worker woken for nothing, by what made it fetch —
     /// `FetchWhy`; `empty_fetches` when its caller did not say).
@@ -40,7 +38,6 @@ impl QueueKeys {
             reasons: keys.queue_key("reasons"),
             notify: keys.queue_key("notify"),
             timer: keys.queue_key("timer"),
-            epoch_seq: keys.queue_key("epoch"),
             stats: keys.queue_key("stats"),
             workers: keys.queue_key("workers"),
             worker_info: keys.queue_key("worker_info"),
