@@ -114,9 +114,21 @@ local function paced_data(turn, ms, code)
   return cjson.encode({turn = turn, owed_ms = ms, reason = (REASONS[code] or REASONS[1])[1]})
 end
 
+-- The most bytes one run may store, its spec and transcript (field stored_bytes): a
+-- commit that takes it past fails the run (`run_too_large`), its last turn kept, so a
+-- run holds at most this and one turn (whose tool answers are bounded on their own).
+local RUN_MAX_BYTES = 32 * 1024 * 1024
+
+-- What run `f` stores once ARGV[from..] are appended to its transcript.
+local function stored_after(f, from)
+  local n = tonumber(f.stored_bytes) or 0
+  for i = from, #ARGV do n = n + #ARGV[i] end
+  return n
+end
+
 -- Appends transcript entries ARGV[from..] in one RPUSH per 500, and puts where
--- turn `tag`'s entries begin (field txi:<tag>, see window_entries) in `set`
--- unless `f` shows it set already.
+-- turn `tag`'s entries begin (field txi:<tag>, see window_entries) and what the run
+-- stores then in `set` (`f` holds txi:<tag> and stored_bytes).
 local function append_entries(from, tag, f, set)
   local len
   for i = from, #ARGV, 500 do
@@ -126,6 +138,10 @@ local function append_entries(from, tag, f, set)
   if len and not f[field] then
     set[#set + 1] = field
     set[#set + 1] = len - (#ARGV - from + 1)
+  end
+  if len then
+    set[#set + 1] = 'stored_bytes'
+    set[#set + 1] = stored_after(f, from)
   end
 end
 

@@ -98,6 +98,9 @@ pub enum ErrorKind {
     ContextOverflow,
     /// Its next call would have crossed its `max_cost_usd`.
     BudgetExceeded,
+    /// Its spec and transcript passed the bound of what one run may store
+    /// (`RUN_MAX_BYTES`, runs/lib.lua).
+    RunTooLarge,
 }
 
 /// The run's `error.kind` when a failed call ends it:
@@ -128,7 +131,7 @@ impl From<crate::pacer::FailureKind> for ErrorKind {
 
 impl ErrorKind {
     /// Every kind, in declaration order.
-    pub const ALL: [Self; 12] = [
+    pub const ALL: [Self; 13] = [
         Self::MaxTurns,
         Self::RateLimited,
         Self::Quota,
@@ -141,6 +144,7 @@ impl ErrorKind {
         Self::Deadline,
         Self::ContextOverflow,
         Self::BudgetExceeded,
+        Self::RunTooLarge,
     ];
 
     /// The name in `error.kind`.
@@ -158,6 +162,7 @@ impl ErrorKind {
             Self::Deadline => "deadline",
             Self::ContextOverflow => "context_overflow",
             Self::BudgetExceeded => "budget_exceeded",
+            Self::RunTooLarge => "run_too_large",
         }
     }
 }

@@ -62,7 +62,7 @@ if op == 'create' then
   end
   local now = stamped(event('run.queued', ARGV[8]))
   local fields = cjson.decode(ARGV[7])
-  local flat = {}
+  local flat = {'stored_bytes', stored_after({stored_bytes = #ARGV[7]}, 11)}
   for k, v in pairs(fields) do
     flat[#flat + 1] = k
     flat[#flat + 1] = tostring(v)
@@ -144,7 +144,7 @@ if op == 'output' then
   -- ARGV[3] epoch, [4] turn, [5] usage JSON, [6] n events (the tool calls announced), then
   -- n type/data pairs, then the entries
   local tag = tonumber(ARGV[4]) + 1
-  local r, f, why = fenced(ARGV[3], ARGV[4], usage_and({'phase', 'txi:' .. tag}))
+  local r, f, why = fenced(ARGV[3], ARGV[4], usage_and({'phase', 'txi:' .. tag, 'stored_bytes'}))
   if not r then return {'stop', why} end
   if f.phase == 'tools' then return {'ok'} end
   local from, eid = events_from(6)
@@ -188,7 +188,7 @@ if op == 'commit' then
   local function pace(ops, now)
     return pacer_batch(pacing.keys, pacing.cfg, now, ops)
   end
-  local more = {'txi:' .. tag, 'phase', 'waited_ms', 'budget_waits', 'max_run_ms', 'created_ms'}
+  local more = {'txi:' .. tag, 'phase', 'waited_ms', 'budget_waits', 'max_run_ms', 'created_ms', 'stored_bytes'}
   if counter ~= '' and counter ~= 'budget_waits' then more[#more + 1] = counter end
   local r, f, why = fenced(ARGV[3], ARGV[4], usage_and(more))
   if not r then
@@ -198,6 +198,19 @@ if op == 'commit' then
   local turns = (tonumber(f.turns) or 0) + 1
   local next = ARGV[6]
   local payload = ARGV[7]
+  local recorded = f.phase == 'tools'
+  local n = tonumber(ARGV[20]) or 0
+  local from = 21 + 2 * n + (recorded and tonumber(ARGV[13]) or 0)
+  -- (On a fail, ARGV[7] and [8]; or the stored-size bound's.)
+  local kind, message = ARGV[7], ARGV[8]
+  -- A run whose spec and transcript, this turn's entries with them, pass RUN_MAX_BYTES
+  -- ends here, its turn kept, rather than grow on (its next turn is asked for nowhere).
+  if next == 'continue' and stored_after(f, from) > RUN_MAX_BYTES then
+    next = 'fail'
+    kind = 'run_too_large'
+    message = string.format('the run stores more than %d MiB (its spec and transcript): the most one run may',
+      RUN_MAX_BYTES / 1048576)
+  end
   -- The next turn's ask, made here: its answer, and the clock it was made at.
   local asked, now, eta = nil, nil, 0
   if pacing and pacing.ask and next == 'continue' then
@@ -224,14 +237,11 @@ if op == 'commit' then
       asked = nil
     end
   end
-  local recorded = f.phase == 'tools'
-  local n = tonumber(ARGV[20]) or 0
   local skip = recorded and tonumber(ARGV[12]) or 0
   -- The step's events, one entry: the output's tool calls (unless written), the
   -- tool results, turn.completed, and the run's end when it ends here, or the
   -- next turn's wait.
   local events = argv_slice(21 + 2 * skip, 20 + 2 * n)
-  local from = 21 + 2 * n + (recorded and tonumber(ARGV[13]) or 0)
   events[#events + 1] = 'turn.completed'
   events[#events + 1] = ARGV[9]
   if next == 'continue' and delay > 0 then
@@ -243,7 +253,7 @@ if op == 'commit' then
     events[#events + 1] = cjson.encode({output_text = ARGV[7], turns = turns})
   elseif next ~= 'continue' then
     events[#events + 1] = 'run.failed'
-    events[#events + 1] = cjson.encode({error = {kind = ARGV[7], message = ARGV[8]}, turns = turns})
+    events[#events + 1] = cjson.encode({error = {kind = kind, message = message}, turns = turns})
   end
   local stamp = stamped(event_entry(events))
   now = now or stamp
@@ -276,7 +286,7 @@ if op == 'commit' then
     retire(now, ARGV[10])
     return PACER_HOST.kicked({'completed', tostring(turns)})
   end
-  for _, v in ipairs({'status', 'failed', 'error_kind', ARGV[7], 'error_message', ARGV[8]}) do set[#set + 1] = v end
+  for _, v in ipairs({'status', 'failed', 'error_kind', kind, 'error_message', message}) do set[#set + 1] = v end
   redis.call('HSET', RUN, unpack(set))
   retire(now, ARGV[10])
   return PACER_HOST.kicked({'failed', tostring(turns)})

@@ -1437,3 +1437,33 @@ async fn an_idempotency_key_whose_run_expired_makes_a_new_run_not_a_404() {
     assert_eq!(a.run.id, b.run.id, "the key names the new run from then on");
     assert!(a.replayed != b.replayed);
 }
+
+/// A run stores at most 32 MiB (its spec and transcript): a commit that takes
+/// it past fails the run with `run_too_large`, its turn kept, rather than let
+/// it grow on turn after turn.
+#[tokio::test]
+async fn a_run_past_its_stored_size_bound_fails_with_run_too_large_and_keeps_its_turn() {
+    let env = env().await;
+    let run = env.store.create("alpha", &spec("x"), None, None).await.unwrap().run;
+    let job = TurnJob { turn: 0, attempt: 1 };
+    let lease = env.queue.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
+    assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Ok);
+    let big = json!({"type": "function_call_output", "call_id": "c", "output": "x".repeat(33 << 20)});
+    let fence = env.store.commit(&lease, job, &[big], Usage::default(), &Next::Continue).await.unwrap();
+    assert_eq!(fence, Fence::Ok);
+    let failed = env.store.get("alpha", &run.id).await.unwrap().unwrap();
+    assert_eq!(failed.status, RunStatus::Failed);
+    let error = failed.error.unwrap();
+    assert_eq!(error.kind, "run_too_large");
+    assert!(error.message.contains("32 MiB"), "{}", error.message);
+    assert_eq!(failed.turns_completed, 1, "its turn is kept");
+    let c = env.queue.counts().await.unwrap();
+    assert_eq!((c.ready, c.delayed, c.in_flight), (0, 0, 0), "no next turn");
+    // A run under the bound goes on as before.
+    let small = env.store.create("alpha", &spec("y"), None, None).await.unwrap().run;
+    let lease = env.queue.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
+    assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Ok);
+    let item = json!({"type": "function_call_output", "call_id": "c", "output": "ok"});
+    assert_eq!(env.store.commit(&lease, job, &[item], Usage::default(), &Next::Continue).await.unwrap(), Fence::Ok);
+    assert_eq!(env.store.get("alpha", &small.id).await.unwrap().unwrap().status, RunStatus::Queued);
+}
