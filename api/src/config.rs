@@ -67,6 +67,33 @@ pub struct ServeArgs {
     /// How long one Redis command of a request may take before it answers 503 (ms).
     #[arg(long = "redis-timeout-ms", env = "PACELINE_REDIS_TIMEOUT_MS", default_value_t = DEFAULT_REDIS_TIMEOUT_MS)]
     pub redis_timeout_ms: u64,
+    /// How long a connection has, from its opening and from each response,
+    /// to send a request's complete headers (`10s`); then it is closed.
+    #[arg(long = "header-timeout", env = "PACELINE_HEADER_TIMEOUT", default_value = crate::serve::DEFAULT_HEADER_TIMEOUT,
+          value_parser = shared::config::parse_duration)]
+    pub header_timeout: Duration,
+    /// How long a write may wait for the client to read (`30s`): a client
+    /// that stopped reading has its connection closed, and an event stream
+    /// its place back.
+    #[arg(long = "write-timeout", env = "PACELINE_WRITE_TIMEOUT", default_value = crate::serve::DEFAULT_WRITE_TIMEOUT,
+          value_parser = shared::config::parse_duration)]
+    pub write_timeout: Duration,
+    /// Connections open at once in this process (held under half its file
+    /// descriptors); one more is answered 503 and closed.
+    #[arg(long = "max-connections", env = "PACELINE_MAX_CONNECTIONS", default_value_t = crate::serve::DEFAULT_MAX_CONNECTIONS,
+          value_parser = at_least_one)]
+    pub max_connections: usize,
+    /// Connections open at once from one client address (an IPv6 /64 counts
+    /// as one); one more is answered 503 and closed. 0: no cap per client
+    /// (behind a proxy, where every client comes from its address).
+    #[arg(long = "max-client-connections", env = "PACELINE_MAX_CLIENT_CONNECTIONS",
+          default_value_t = crate::serve::DEFAULT_MAX_CLIENT_CONNECTIONS)]
+    pub max_client_connections: usize,
+}
+
+/// Reads a count that must be 1 or more.
+fn at_least_one(s: &str) -> Result<usize, String> {
+    s.trim().parse::<usize>().ok().filter(|&n| n >= 1).ok_or_else(|| "must be a number, 1 or more".to_owned())
 }
 
 impl ServeArgs {
@@ -77,6 +104,22 @@ impl ServeArgs {
             tokens: ApiTokens::default(),
             body_limit: DEFAULT_BODY_LIMIT,
             redis_timeout_ms: DEFAULT_REDIS_TIMEOUT_MS,
+            header_timeout: shared::config::parse_duration(crate::serve::DEFAULT_HEADER_TIMEOUT)
+                .expect("the default header timeout reads"),
+            write_timeout: shared::config::parse_duration(crate::serve::DEFAULT_WRITE_TIMEOUT)
+                .expect("the default write timeout reads"),
+            max_connections: crate::serve::DEFAULT_MAX_CONNECTIONS,
+            max_client_connections: crate::serve::DEFAULT_MAX_CLIENT_CONNECTIONS,
+        }
+    }
+
+    /// The bounds on this process's connections, as configured.
+    pub fn connection_limits(&self) -> crate::serve::Limits {
+        crate::serve::Limits {
+            header_timeout: self.header_timeout,
+            write_timeout: self.write_timeout,
+            max_connections: self.max_connections,
+            max_per_client: self.max_client_connections,
         }
     }
 

@@ -4,6 +4,12 @@
 //! streams of its run. So a thousand open streams hold one Redis connection
 //! between them, not a thousand, and Redis sees one read per batch of events
 //! (or per `BLOCK` when nothing happens), however many streams are open.
+//!
+//! Each stream's share is bounded: at most [`BUFFER`] events wait for it.
+//! A stream that falls that far behind (its client reads slowly, or has
+//! stopped reading and its connection's buffers are full) is dropped from
+//! the run: the hub holds nothing more for it, and the stream, if it is
+//! polled again, catches up from Redis itself and subscribes anew (`events.rs`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -18,6 +24,9 @@ use tokio::sync::{mpsc, watch, Notify};
 const BLOCK: Duration = Duration::from_millis(500);
 /// Events read per run at once.
 const COUNT: usize = 200;
+/// Events waiting for one stream at most: five full reads' worth. A stream
+/// past it is dropped from its run and catches up from Redis.
+pub const BUFFER: usize = 5 * COUNT;
 
 /// The process's reader (cheap to clone).
 #[derive(Clone)]
@@ -38,7 +47,7 @@ struct State {
 /// A run the reader follows: the last event id it read, and the streams to hand events to.
 struct Followed {
     after: String,
-    streams: HashMap<u64, mpsc::UnboundedSender<RunEvent>>,
+    streams: HashMap<u64, mpsc::Sender<RunEvent>>,
 }
 
 impl EventHub {
@@ -82,7 +91,7 @@ impl EventHub {
     /// start) if the reader does not follow it yet. The stream reads what it
     /// missed itself (see `events.rs`) and skips what it has seen.
     pub fn subscribe(&self, id: &str, after: &str) -> Subscription {
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = mpsc::channel(BUFFER);
         let mut state = self.0.state.lock().unwrap_or_else(|e| e.into_inner());
         state.next += 1;
         let key = state.next;
@@ -105,6 +114,8 @@ impl EventHub {
         state.runs.iter().map(|(id, f)| (id.clone(), f.after.clone())).collect()
     }
 
+    /// Hands each run's new events to its streams. A stream whose buffer is
+    /// full, or that is gone, is dropped; a run left with none is followed no more.
     fn hand_out(&self, batches: Vec<(String, Vec<RunEvent>)>) {
         let mut state = self.0.state.lock().unwrap_or_else(|e| e.into_inner());
         for (id, events) in batches {
@@ -114,7 +125,10 @@ impl EventHub {
                     continue;
                 }
                 followed.after = event.id.clone();
-                followed.streams.retain(|_, tx| tx.send(event.clone()).is_ok());
+                followed.streams.retain(|_, tx| tx.try_send(event.clone()).is_ok());
+            }
+            if followed.streams.is_empty() {
+                state.runs.remove(&id);
             }
         }
     }
@@ -122,16 +136,33 @@ impl EventHub {
 
 /// One stream's share of the reader; it stops following when dropped.
 pub struct Subscription {
-    rx: mpsc::UnboundedReceiver<RunEvent>,
+    rx: mpsc::Receiver<RunEvent>,
     hub: EventHub,
     id: String,
     key: u64,
 }
 
+/// What a subscription has next.
+#[derive(Debug)]
+pub enum Next {
+    /// The run's next event.
+    Event(RunEvent),
+    /// Nothing came within the wait.
+    Quiet,
+    /// The stream fell [`BUFFER`] events behind and was dropped: the events
+    /// after the ones it got are in Redis only.
+    Dropped,
+}
+
 impl Subscription {
-    /// The next event of the run, or `None` after `wait` without one.
-    pub async fn next(&mut self, wait: Duration) -> Option<RunEvent> {
-        tokio::time::timeout(wait, self.rx.recv()).await.ok().flatten()
+    /// The next event of the run, or what stands in its place after `wait`.
+    pub async fn next(&mut self, wait: Duration) -> Next {
+        match tokio::time::timeout(wait, self.rx.recv()).await {
+            Ok(Some(event)) => Next::Event(event),
+            // The hub let go of this stream's sender: only a full buffer does that.
+            Ok(None) => Next::Dropped,
+            Err(_) => Next::Quiet,
+        }
     }
 }
 
@@ -150,6 +181,51 @@ impl Drop for Subscription {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn hub() -> EventHub {
+        EventHub(Arc::new(Inner { state: Mutex::default(), wake: Notify::new() }))
+    }
+
+    fn events(from: u64, n: u64) -> Vec<(String, Vec<RunEvent>)> {
+        let list = (from..from + n)
+            .map(|i| RunEvent {
+                id: format!("{i}-0"),
+                kind: "turn.output_text.delta".into(),
+                data: serde_json::json!({}),
+            })
+            .collect();
+        vec![("run_1".to_owned(), list)]
+    }
+
+    #[tokio::test]
+    async fn a_stream_that_stops_reading_holds_at_most_its_buffer_and_is_dropped_past_it() {
+        let hub = hub();
+        let mut stopped = hub.subscribe("run_1", "0-0");
+        let mut reading = hub.subscribe("run_1", "0-0");
+        let mut next = 1;
+        for _ in 0..(BUFFER as u64 / COUNT as u64 + 2) {
+            hub.hand_out(events(next, COUNT as u64));
+            next += COUNT as u64;
+            // One stream keeps up; the other reads nothing.
+            while let Next::Event(_) = reading.next(Duration::ZERO).await {}
+        }
+        assert_eq!(hub.0.state.lock().unwrap().runs["run_1"].streams.len(), 1, "the stopped stream was dropped");
+        // It got its buffer's worth, in order, then learns it was dropped.
+        for i in 1..=BUFFER as u64 {
+            match stopped.next(Duration::ZERO).await {
+                Next::Event(e) => assert_eq!(e.id, format!("{i}-0")),
+                other => panic!("event {i}: {other:?}"),
+            }
+        }
+        assert!(matches!(stopped.next(Duration::ZERO).await, Next::Dropped));
+        drop(reading);
+        assert!(hub.0.state.lock().unwrap().runs.is_empty(), "a run no stream follows is not read");
+        // Dropped and subscribed anew, it follows again.
+        drop(stopped);
+        let mut again = hub.subscribe("run_1", &format!("{}-0", next - 1));
+        hub.hand_out(events(next, 1));
+        assert!(matches!(again.next(Duration::ZERO).await, Next::Event(e) if e.id == format!("{next}-0")));
+    }
 
     #[test]
     fn stream_ids_compare_as_numbers() {

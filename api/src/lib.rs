@@ -2,7 +2,8 @@
 //! "Submitting a run"; the OpenAPI document at `/v1/openapi.json`).
 //!
 //! - `startup.rs` — `Application::build(config)`, `.local_addr()`,
-//!   `.run_until_stopped(shutdown)`.
+//!   `.run_until_stopped(shutdown)`; `serve.rs` — the connections, bounded
+//!   (header timeout, caps per process and per client).
 //! - `config.rs` — `ApiConfig` (clap, env fallbacks).
 //! - `routes/` — the handlers: runs, events (SSE), pacer/queue/workers, probes.
 //! - `auth.rs` — bearer tokens → tenants; `error.rs` — the one `ApiError`.
@@ -18,6 +19,7 @@ mod hub;
 pub mod metrics;
 mod openapi;
 mod routes;
+pub mod serve;
 mod startup;
 mod state;
 

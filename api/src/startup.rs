@@ -6,7 +6,6 @@ use std::future::Future;
 use std::net::SocketAddr;
 
 use anyhow::Context as _;
-use axum::serve::ListenerExt as _;
 use shared::pacer::{PacingConfig, SharedPacer};
 use shared::queue::QueueConfig;
 use shared::runs::{RunStore, SubmitPolicy};
@@ -22,6 +21,7 @@ pub struct Application {
     listener: TcpListener,
     addr: SocketAddr,
     router: axum::Router,
+    limits: crate::serve::Limits,
     stop: watch::Sender<bool>,
 }
 
@@ -85,9 +85,10 @@ impl Application {
             config.serve.redis_timeout(),
             shutdown.clone(),
         );
+        let limits = config.serve.connection_limits().fitted(crate::serve::raise_fd_limit());
         let state = AppState::new(Inner { runs, queue, pacer, conn, auth, policy, config, shutdown, streams, hub });
         let router = crate::routes::router(state);
-        Ok(Self { listener, addr, router, stop })
+        Ok(Self { listener, addr, router, limits, stop })
     }
 
     /// The bound address.
@@ -96,27 +97,19 @@ impl Application {
     }
 
     /// Serves until `shutdown` resolves; then open event streams end, requests
-    /// in flight finish, and it returns.
+    /// in flight finish, and it returns. Each connection is bounded
+    /// (`serve.rs`).
     pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
-        let Self { listener, addr, router, stop } = self;
-        tracing::info!(message = "api listening", %addr, dashboard = %format!("http://{addr}/"));
-        axum::serve(listener.tap_io(no_delay), router)
-            .with_graceful_shutdown(async move {
-                shutdown.await;
-                let _ = stop.send(true);
-            })
-            .await
-            .context("serving the API")?;
+        let Self { listener, addr, router, limits, stop } = self;
+        tracing::info!(message = "api listening", %addr, dashboard = %format!("http://{addr}/"),
+            header_timeout = ?limits.header_timeout, max_connections = limits.max_connections,
+            max_client_connections = limits.max_per_client);
+        crate::serve::serve(listener, router, limits, async move {
+            shutdown.await;
+            let _ = stop.send(true);
+        })
+        .await;
         tracing::info!(message = "api stopped");
         Ok(())
-    }
-}
-
-/// Sends each write of an accepted connection at once. An event stream's
-/// events are small writes: under Nagle's algorithm each waited for the
-/// client's ACK of the one before, which a client may delay by up to 40 ms.
-fn no_delay(stream: &mut tokio::net::TcpStream) {
-    if let Err(error) = stream.set_nodelay(true) {
-        tracing::debug!(message = "could not set TCP_NODELAY", %error);
     }
 }

@@ -11,7 +11,11 @@
 //! connection each. They are bounded per tenant and per process
 //! (`--max-tenant-streams`, `--max-streams`; one more answers 429) and in
 //! time (`--stream-lifetime`: then the stream ends, and the client resumes
-//! with `Last-Event-ID`).
+//! with `Last-Event-ID`). A stream whose client reads too slowly for the
+//! hub's buffer is dropped by the hub and catches up from Redis; one whose
+//! client stopped reading altogether is not polled, so its lifetime cannot
+//! end it: its connection is closed when a write stalls past
+//! `--write-timeout` (`serve.rs`), and that frees its place.
 
 use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
@@ -31,6 +35,7 @@ use tokio::sync::watch;
 
 use crate::auth::Tenant;
 use crate::error::{ApiError, ErrorBody};
+use crate::hub::{EventHub, Next};
 use crate::state::AppState;
 
 /// How long a stream waits for an event before it looks whether its run is over.
@@ -100,6 +105,7 @@ pub async fn events(
     let sub = state.hub.subscribe(&id, &from);
     let mut follow = Follow {
         store: state.runs.clone(),
+        hub: state.hub.clone(),
         sub,
         caught_up: false,
         timeout: state.config.serve.redis_timeout(),
@@ -176,6 +182,8 @@ impl Drop for StreamSlot {
 struct Follow {
     /// For non-blocking reads (shared connection).
     store: RunStore,
+    /// The process's reader, to follow the run again after being dropped.
+    hub: EventHub,
     /// Its run's new events, from the process's reader.
     sub: crate::hub::Subscription,
     /// Whether it has read what came before it subscribed.
@@ -260,10 +268,17 @@ impl Follow {
                 e = self.sub.next(BLOCK) => e,
             };
             match next {
-                Some(e) => self.pending.push_back(e),
+                Next::Event(e) => self.pending.push_back(e),
                 // Quiet for BLOCK: is the run over (or gone)? The run's tenant
                 // was checked when the stream opened.
-                None => self.check_finished().await,
+                Next::Quiet => self.check_finished().await,
+                // Too far behind for the hub's buffer: what it missed is in
+                // Redis; read it as at the start, and follow the run anew.
+                Next::Dropped => {
+                    let from = self.after.as_deref().unwrap_or("0-0");
+                    self.sub = self.hub.subscribe(&self.id, from);
+                    self.caught_up = false;
+                }
             }
         }
     }

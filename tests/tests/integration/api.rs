@@ -843,6 +843,53 @@ async fn event_streams_are_bounded_per_tenant_in_all_and_in_time() {
     drop(again);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_stream_whose_client_stopped_reading_gives_its_place_back_within_the_write_timeout() {
+    let app = spawn_app_with(|c| {
+        c.streams.max_tenant_streams = 1;
+        c.streams.lifetime = Duration::from_secs(1);
+        c.serve.write_timeout = Duration::from_secs(2);
+    })
+    .await;
+    let id = app.submit(ACME, &spec()).await["id"].as_str().unwrap().to_owned();
+    // A client that opens the stream, reads its answer's first bytes, and
+    // then reads nothing more, with a small receive window.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stalled = socket.connect(app.url.trim_start_matches("http://").parse().unwrap()).await.unwrap();
+    let request =
+        format!("GET /v1/runs/{id}/events HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {ACME}\r\n\r\n");
+    tokio::io::AsyncWriteExt::write_all(&mut stalled, request.as_bytes()).await.unwrap();
+    let mut head = [0u8; 12];
+    tokio::io::AsyncReadExt::read_exact(&mut stalled, &mut head).await.unwrap();
+    assert_eq!(&head, b"HTTP/1.1 200");
+    let open = || app.req(reqwest::Method::GET, &format!("/v1/runs/{id}/events"), Some(ACME)).send();
+    assert_eq!(open().await.unwrap().status(), 429, "the stalled stream holds acme's one place");
+    // The run goes on: far more than the connection's buffers hold (8 MiB).
+    let store = app.store().await;
+    let chunk = "x".repeat(64 * 1024);
+    for _ in 0..128 {
+        store.emit(&id, "turn.output_text.delta", &json!({"delta": chunk})).await.unwrap();
+    }
+    // The stream's lifetime (1 s) cannot end it, unpolled behind full
+    // buffers; the write timeout (2 s) closes its connection and frees the place.
+    let started = Instant::now();
+    let again = eventually("acme's place back", Duration::from_secs(15), || async {
+        let r = open().await.unwrap();
+        (r.status() == 200).then_some(r)
+    })
+    .await;
+    assert!(started.elapsed() < Duration::from_secs(10), "took {:?}", started.elapsed());
+    drop(again);
+    // The stalled connection was closed by the server: what it holds ends in EOF.
+    let mut rest = Vec::new();
+    let read = within("the stalled connection's end", Duration::from_secs(10), async {
+        tokio::io::AsyncReadExt::read_to_end(&mut stalled, &mut rest).await
+    })
+    .await;
+    assert!(read.is_err() || rest.len() < 16 * 1024 * 1024, "it ended");
+}
+
 /// Redis's `connected_clients`.
 async fn redis_clients(app: &TestApp) -> i64 {
     let mut conn = app.redis.conn().await;

@@ -5,6 +5,7 @@ mod anthropic;
 mod api;
 mod bench;
 mod bill;
+mod connections;
 mod context;
 mod dashboard;
 mod dead;
