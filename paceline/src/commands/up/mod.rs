@@ -1,7 +1,7 @@
 //! `paceline up`: everything on one machine — the API and a worker pool in one
 //! process, with a Redis found or started for them.
 //!
-//! Which Redis: `REDIS_URL` (or `--redis-url`) when set; else the one that
+//! Which Redis: `REDIS_URL` (or `REDIS_URL_FILE`) when set; else the one that
 //! answers PING on 127.0.0.1:6379; else a private `redis-server` child
 //! (127.0.0.1, a free port, data and AOF under `./.paceline/redis`) that stops
 //! when `up` stops. Each choice is said on stderr. With no `redis-server` to
@@ -35,8 +35,10 @@ use crate::demo::{self, DemoArgs};
 /// from one set of flags — the same argument groups, flattened once each.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Redis URL. Unset: the Redis on 127.0.0.1:6379 if one answers, else a private redis-server.
-    #[arg(id = "redis_url", long = "redis-url", env = "REDIS_URL", hide_env_values = true, value_name = "URL")]
+    /// Redis URL: `REDIS_URL` or `REDIS_URL_FILE` in the environment only
+    /// (`shared::config::env_only`). Unset: the Redis on 127.0.0.1:6379 if one
+    /// answers, else a private redis-server.
+    #[arg(skip = shared::config::env_only::<String>("REDIS_URL"))]
     redis_url: Option<String>,
     /// Prefix of every Redis key [default: paceline; paceline-demo with --demo, so demo runs never reach real workers].
     #[arg(long = "prefix", env = "PACELINE_PREFIX")]

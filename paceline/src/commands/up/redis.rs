@@ -14,7 +14,7 @@ use super::{say, Args};
 
 /// The Redis `up` uses.
 pub(super) enum RedisSource {
-    /// `REDIS_URL` / `--redis-url`.
+    /// `REDIS_URL` (or `REDIS_URL_FILE`).
     Given(String),
     /// The one that answered on 127.0.0.1:6379.
     Local(String),
