@@ -57,9 +57,11 @@ pub struct ServeArgs {
     /// Address to listen on (port 0 picks a free one).
     #[arg(long, env = "PACELINE_LISTEN", default_value = DEFAULT_LISTEN)]
     pub listen: SocketAddr,
-    /// Bearer tokens per tenant: `tenant:token,tenant:token`. Unset or empty:
-    /// open development mode (every request is tenant `default`).
-    #[arg(long = "api-tokens", env = "PACELINE_API_TOKENS", hide_env_values = true, default_value = "")]
+    /// Bearer tokens per tenant: `tenant:token,tenant:token`, from
+    /// `PACELINE_API_TOKENS` or `PACELINE_API_TOKENS_FILE` in the environment
+    /// only (`shared::config::env_only`). Unset or empty: open development
+    /// mode (every request is tenant `default`).
+    #[arg(skip = shared::config::env_only::<ApiTokens>("PACELINE_API_TOKENS").unwrap_or_default())]
     pub tokens: ApiTokens,
     /// Largest request body accepted, in bytes.
     #[arg(long = "body-limit", env = "PACELINE_BODY_LIMIT", default_value_t = DEFAULT_BODY_LIMIT)]
@@ -169,7 +171,9 @@ impl Default for StreamArgs {
 pub struct AccessArgs {
     /// The operator's bearer token: `/metrics`, `/v1/workers`, `/v1/dead`, the
     /// global `/v1/queue`, every tenant's lines in `/v1/pacer`, retrying any run.
-    #[arg(long = "operator-token", env = "PACELINE_OPERATOR_TOKEN", hide_env_values = true)]
+    /// From `PACELINE_OPERATOR_TOKEN` or `PACELINE_OPERATOR_TOKEN_FILE` in the
+    /// environment only.
+    #[arg(skip = shared::config::env_only::<Secret>("PACELINE_OPERATOR_TOKEN"))]
     pub operator_token: Option<Secret>,
     /// Serve open mode (no tokens at all) on an address that is not loopback,
     /// and accept any `Host` header: anyone who reaches the port is tenant `default`.
@@ -363,7 +367,10 @@ mod tests {
         assert_eq!(cli.api.runs.tool_endpoints.0.len(), 2);
         assert_eq!(cli.api.runs.retention, Duration::from_secs(3600));
         assert_eq!(cli.api.serve.body_limit, DEFAULT_BODY_LIMIT);
-        assert!(Cli::try_parse_from(["x", "--api-tokens", "nocolon"]).is_err());
+        for flag in ["--api-tokens", "--operator-token", "--redis-url"] {
+            let error = Cli::try_parse_from(["x", flag, "sekrit"]).unwrap_err().to_string();
+            assert!(error.contains("unexpected argument"), "{flag} is a flag: {error}");
+        }
         let cli = Cli::try_parse_from(["x", "--tool-endpoints", "http://a/tools,acme=http://b/t"]).unwrap();
         assert_eq!(cli.api.runs.tool_endpoints.0[1].tenant.as_deref(), Some("acme"));
         assert!(Cli::try_parse_from(["x", "--tool-endpoints", "not-a-url"]).is_err());
@@ -375,9 +382,10 @@ mod tests {
         assert!(Cli::try_parse_from(["x", "--providers", "a=gemini@http://h"]).is_err());
         let cli = Cli::try_parse_from(["x"]).unwrap();
         assert!(!cli.api.access.insecure_open && cli.api.access.operator().is_none());
-        let cli = Cli::try_parse_from(["x", "--insecure-open", "--operator-token", "op-sekrit"]).unwrap();
+        let cli = Cli::try_parse_from(["x", "--insecure-open"]).unwrap();
         assert!(cli.api.access.insecure_open);
-        assert_eq!(cli.api.access.operator().map(Secret::expose), Some("op-sekrit"));
-        assert!(!format!("{:?}", cli.api).contains("op-sekrit"), "the operator token is redacted");
+        let access = AccessArgs { operator_token: Some(Secret::new("op-sekrit")), ..cli.api.access };
+        assert_eq!(access.operator().map(Secret::expose), Some("op-sekrit"));
+        assert!(!format!("{access:?}").contains("op-sekrit"), "the operator token is redacted");
     }
 }

@@ -29,10 +29,13 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// All-in-one on one machine: the API and a worker pool in one process.
+    #[command(after_help = shared::config::SECRETS_HELP)]
     Up(commands::up::Args),
     /// The HTTP API alone.
+    #[command(after_help = shared::config::SECRETS_HELP)]
     Api(commands::api::Args),
     /// One worker process.
+    #[command(after_help = shared::config::SECRETS_HELP)]
     Worker(commands::worker::Args),
     /// Submit a run spec (JSON file, or - for stdin) to the API; prints the run id.
     Submit(commands::client::SubmitArgs),

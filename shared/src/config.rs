@@ -1,23 +1,74 @@
 //! Config pieces shared by the binaries: clap arguments with environment
 //! fallbacks (flag > env > default), flattened into each subcommand.
 //!
+//! Secrets are the exception: the Redis URL (it may hold a password) and the
+//! API's tokens are read from the environment only ([`env_only`]), never a
+//! flag, because a command line is in every `ps`. Each may also come from a
+//! file named by `<NAME>_FILE` (Docker and Kubernetes mount secrets as files).
+//!
 //! Tests build these values directly (`RedisArgs::new(url, prefix)`) and never
 //! call `set_var`.
 
 use std::fmt;
+use std::str::FromStr;
+
+/// What `--help` of `paceline api`, `worker` and `up` says of the secrets.
+pub const SECRETS_HELP: &str = "Secrets are read from the environment only, never from a flag (a command line \
+is in every `ps`): REDIS_URL, PACELINE_API_TOKENS and PACELINE_OPERATOR_TOKEN (each also from a file named \
+by REDIS_URL_FILE, PACELINE_API_TOKENS_FILE, PACELINE_OPERATOR_TOKEN_FILE), OPENAI_API_KEY, ANTHROPIC_API_KEY \
+and PACELINE_TOOL_SECRET.";
+
+/// The default `REDIS_URL`.
+pub const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
+
+/// A secret's value from the environment only: `name`, else the contents
+/// of the file `<name>_FILE` names (its trailing newline dropped); `None`
+/// when neither is set (or set empty). A value that cannot be used — both
+/// set, a file that cannot be read, a value `T` does not read — ends the
+/// process with the reason, naming the variable and never the value, as
+/// clap ends it for a bad flag. For `#[arg(skip = env_only(…))]` fields.
+pub fn env_only<T: FromStr>(name: &str) -> Option<T>
+where
+    T::Err: fmt::Display,
+{
+    match env_value(name, |var| std::env::var(var).ok()).and_then(|value| parse_secret(name, value)) {
+        Ok(value) => value,
+        Err(why) => {
+            eprintln!("error: {why}");
+            std::process::exit(2);
+        }
+    }
+}
+
+/// [`env_only`]'s reading, over `get` (the environment, or a test's map).
+fn env_value(name: &str, get: impl Fn(&str) -> Option<String>) -> Result<Option<String>, String> {
+    let file_var = format!("{name}_FILE");
+    let set = |var: &str| get(var).filter(|v| !v.trim().is_empty());
+    match (set(name), set(&file_var)) {
+        (Some(_), Some(_)) => Err(format!("{name} and {file_var} are both set: set one")),
+        (Some(value), None) => Ok(Some(value)),
+        (None, Some(path)) => std::fs::read_to_string(path.trim())
+            .map(|text| Some(text.trim_end_matches(['\n', '\r']).to_owned()))
+            .map_err(|e| format!("{file_var} names a file that cannot be read ({e})")),
+        (None, None) => Ok(None),
+    }
+}
+
+/// `value` read as a `T`; the error names `name`, not the value.
+fn parse_secret<T: FromStr>(name: &str, value: Option<String>) -> Result<Option<T>, String>
+where
+    T::Err: fmt::Display,
+{
+    value.map(|v| v.parse::<T>().map_err(|e| format!("{name}: {e}"))).transpose()
+}
 
 /// Where Redis is and which key prefix this deployment uses. Its `Debug`
-/// hides the URL's password; `--help` never shows `REDIS_URL`'s value.
+/// hides the URL's password; the URL is never a flag.
 #[derive(Clone, clap::Args)]
 pub struct RedisArgs {
-    /// Redis URL (`redis://`, `rediss://` or `redis+unix://`).
-    #[arg(
-        id = "redis_url",
-        long = "redis-url",
-        env = "REDIS_URL",
-        hide_env_values = true,
-        default_value = "redis://127.0.0.1:6379"
-    )]
+    /// Redis URL (`redis://`, `rediss://` or `redis+unix://`): `REDIS_URL` or
+    /// `REDIS_URL_FILE` in the environment ([`env_only`]), else [`DEFAULT_REDIS_URL`].
+    #[arg(skip = env_only::<String>("REDIS_URL").unwrap_or_else(|| DEFAULT_REDIS_URL.to_owned()))]
     pub url: String,
     /// Prefix of every Redis key paceline writes.
     #[arg(long = "prefix", env = "PACELINE_PREFIX", default_value = "paceline")]
@@ -351,5 +402,44 @@ mod tests {
         assert!(!format!("{s:?}").contains("sk-live"));
         assert!(!format!("{s}").contains("sk-live"));
         assert_eq!(s.expose(), "sk-live-123");
+    }
+}
+
+#[cfg(test)]
+mod secret_tests {
+    use super::*;
+
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |var| vars.iter().find(|(k, _)| *k == var).map(|(_, v)| (*v).to_owned())
+    }
+
+    #[test]
+    fn a_secret_comes_from_its_variable_or_the_file_its_file_variable_names() {
+        let dir = tempfile_dir();
+        let file = dir.join("redis_url");
+        std::fs::write(&file, "redis://:hunter2@cache:6379\n").unwrap();
+        let path = file.to_str().unwrap();
+        assert_eq!(env_value("REDIS_URL", env(&[("REDIS_URL", "redis://a")])), Ok(Some("redis://a".into())));
+        assert_eq!(
+            env_value("REDIS_URL", env(&[("REDIS_URL_FILE", path)])),
+            Ok(Some("redis://:hunter2@cache:6379".into())),
+            "the file's text, its newline dropped"
+        );
+        assert_eq!(env_value("REDIS_URL", env(&[("REDIS_URL", " ")])), Ok(None), "set empty is unset");
+        assert_eq!(env_value("REDIS_URL", env(&[])), Ok(None));
+        let both = env_value("REDIS_URL", env(&[("REDIS_URL", "redis://a"), ("REDIS_URL_FILE", path)])).unwrap_err();
+        assert!(both.contains("both set"), "{both}");
+        let missing = env_value("REDIS_URL", env(&[("REDIS_URL_FILE", "/nonexistent/secret")])).unwrap_err();
+        assert!(missing.starts_with("REDIS_URL_FILE names a file that cannot be read"), "{missing}");
+        let bad = parse_secret::<u32>("PACELINE_X", Some("sekrit".into())).unwrap_err();
+        assert!(bad.starts_with("PACELINE_X: ") && !bad.contains("sekrit"), "{bad}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A fresh directory under the system's temp dir.
+    fn tempfile_dir() -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("paceline-secret-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
     }
 }

@@ -59,7 +59,7 @@ struct ConsumeArgs {
 
 #[derive(Debug, clap::Args)]
 struct BenchArgs {
-    /// Use `--redis-url` instead of a private redis-server.
+    /// Use `REDIS_URL` instead of a private redis-server.
     #[arg(long)]
     external_redis: bool,
     #[command(flatten)]

@@ -132,7 +132,8 @@ impl App {
     pub(crate) fn worker_process(&self, args: &[&str], rust_log: &str) -> ChildGuard {
         let mut cmd = std::process::Command::new(paceline_tests::paceline_bin());
         cmd.arg("worker")
-            .args(["--redis-url", &self.redis.url(), "--prefix", &self.prefix])
+            .args(["--prefix", &self.prefix])
+            .env("REDIS_URL", self.redis.url())
             .args(["--provider-url", &self.mock.base_url(), "--tool-endpoints", &self.tools])
             .args(args)
             .env("RUST_LOG", rust_log)

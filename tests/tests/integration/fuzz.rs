@@ -65,24 +65,43 @@ async fn schemathesis_finds_no_server_error_with_a_tenants_token_or_the_operator
     let config = dir.path().join("schemathesis.toml");
     std::fs::write(&config, format!("[parameters]\n\"path.id\" = \"{id}\"\n")).unwrap();
     for (who, token) in [("tenant", TENANT), ("operator", OPERATOR)] {
-        let (st, config, base, token) = (st.clone(), config.clone(), base.clone(), token.to_owned());
-        let out = tokio::task::spawn_blocking(move || {
-            Command::new(&st[0])
-                .args(&st[1..])
-                .arg("--config-file")
-                .arg(&config)
-                .args(["run", &format!("{base}/v1/openapi.json"), "--checks", "not_a_server_error"])
-                .args(["--max-examples", "25", "--request-timeout", "10", "--workers", "2"])
-                .args(["--header", &format!("Authorization: Bearer {token}"), "--no-color"])
-                .output()
-                .expect("run schemathesis")
-        })
-        .await
-        .unwrap();
-        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        assert!(out.status.success(), "schemathesis with the {who}'s token found server errors:\n{text}");
-        assert!(text.contains("passed"), "{text}");
+        // A run the tool itself broke in (its "ERRORS" section alone: CPython 3.11's
+        // "AST constructor recursion depth mismatch" while Hypothesis describes a
+        // recursive strategy, now and then under load) is run again, twice at most; a
+        // failure of the API's ("FAILURES": a 5xx) fails the test at once.
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let (ok, text) = fuzz(&st, &config, &base, token).await;
+            assert!(!text.contains("FAILURES"), "schemathesis with the {who}'s token found server errors:\n{text}");
+            if ok {
+                assert!(text.contains("passed"), "{text}");
+                break;
+            }
+            assert!(tries < 3 && text.contains("Runtime Error"), "schemathesis with the {who}'s token failed:\n{text}");
+            eprintln!("schemathesis broke on its own (not an answer of the API's); running it again:\n{text}");
+        }
     }
     let _ = stop.send(());
     tokio::time::sleep(Duration::from_millis(50)).await;
+}
+
+/// One schemathesis run against `base` with `token`: whether it passed, and
+/// what it printed.
+async fn fuzz(st: &[String], config: &std::path::Path, base: &str, token: &str) -> (bool, String) {
+    let (st, config, base, token) = (st.to_vec(), config.to_owned(), base.to_owned(), token.to_owned());
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(&st[0])
+            .args(&st[1..])
+            .arg("--config-file")
+            .arg(&config)
+            .args(["run", &format!("{base}/v1/openapi.json"), "--checks", "not_a_server_error"])
+            .args(["--max-examples", "25", "--request-timeout", "10", "--workers", "1"])
+            .args(["--header", &format!("Authorization: Bearer {token}"), "--no-color"])
+            .output()
+            .expect("run schemathesis")
+    })
+    .await
+    .unwrap();
+    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
 }

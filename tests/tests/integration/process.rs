@@ -50,6 +50,96 @@ fn no_key_is_accepted_as_a_flag() {
     }
 }
 
+#[test]
+fn no_redis_url_or_api_token_is_accepted_as_a_flag() {
+    let commands: [(&str, &[&str]); 3] = [
+        ("api", &["--redis-url", "--api-tokens", "--operator-token"]),
+        ("worker", &["--redis-url"]),
+        ("up", &["--redis-url", "--api-tokens", "--operator-token"]),
+    ];
+    for (command, flags) in commands {
+        for flag in flags {
+            let value = if *flag == "--redis-url" { "redis://:hunter2@127.0.0.1:1" } else { "acme:canary-token" };
+            // Everything else as it should be, so only the flag is at fault.
+            let listen: &[&str] = if command == "worker" { &[] } else { &["--listen", "127.0.0.1:0"] };
+            let mut child = ChildGuard(
+                Command::new(paceline_bin())
+                    .arg(command)
+                    .args(listen)
+                    .args([*flag, value])
+                    .env("PACELINE_PREFIX", unique_prefix())
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .expect("run paceline"),
+            );
+            let status = child.wait_timeout(secs(10));
+            assert!(status.is_some_and(|s| !s.success()), "{command} {flag} was accepted");
+            let mut stderr = String::new();
+            std::io::Read::read_to_string(child.0.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+            assert!(stderr.contains("unexpected argument"), "{command} {flag}: {stderr}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_redis_url_and_the_api_tokens_may_come_from_files_named_in_the_environment() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let file = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, format!("{text}\n")).unwrap();
+        path
+    };
+    let port = paceline_tests::free_tcp_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let prefix = unique_prefix();
+    let _api = ChildGuard(
+        Command::new(paceline_bin())
+            .args(["api", "--listen", &format!("127.0.0.1:{port}"), "--prefix", &prefix])
+            .env_remove("REDIS_URL")
+            .env_remove("PACELINE_API_TOKENS")
+            .env_remove("PACELINE_OPERATOR_TOKEN")
+            .env("REDIS_URL_FILE", file("redis_url", &redis.url()))
+            .env("PACELINE_API_TOKENS_FILE", file("tokens", "acme:file-token-1"))
+            .env("PACELINE_OPERATOR_TOKEN_FILE", file("operator", "file-operator-token"))
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("start paceline api"),
+    );
+    let http = reqwest::Client::new();
+    let status = |path: &'static str, token: Option<&'static str>| {
+        let mut request = http.get(format!("{base}{path}"));
+        if let Some(token) = token {
+            request = request.bearer_auth(token);
+        }
+        async move { request.send().await.map_or(0, |r| r.status().as_u16()) }
+    };
+    eventually("the API to reach the Redis its file names", secs(15), || async {
+        (status("/readyz", None).await == 200).then_some(())
+    })
+    .await;
+    assert_eq!(status("/v1/queue", Some("file-token-1")).await, 200, "the tenant's token from its file");
+    assert_eq!(status("/v1/queue", None).await, 401, "not open mode");
+    assert_eq!(status("/v1/workers", Some("file-operator-token")).await, 200, "the operator's token from its file");
+    assert_eq!(status("/v1/workers", Some("file-token-1")).await, 403);
+    // The run lands in the Redis the file names (not one on the default address).
+    let submitted = http
+        .post(format!("{base}/v1/runs"))
+        .bearer_auth("file-token-1")
+        .json(&json!({"model": "gpt-test", "input": "x"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(submitted.status(), 202);
+    let keys: Vec<String> =
+        redis::cmd("KEYS").arg(format!("{prefix}*")).query_async(&mut redis.conn().await).await.unwrap();
+    assert!(!keys.is_empty(), "nothing written to the Redis of REDIS_URL_FILE");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_process_drains_its_turn_and_exits_0_on_sigterm_and_on_sigint() {
     for signal in ["TERM", "INT"] {
@@ -79,8 +169,8 @@ async fn an_api_process_with_an_open_event_stream_exits_0_on_sigterm_and_on_sigi
         let base = format!("http://127.0.0.1:{port}");
         let mut child = ChildGuard(
             Command::new(paceline_bin())
-                .args(["api", "--listen", &format!("127.0.0.1:{port}"), "--redis-url", &redis.url()])
-                .args(["--prefix", &unique_prefix()])
+                .args(["api", "--listen", &format!("127.0.0.1:{port}"), "--prefix", &unique_prefix()])
+                .env("REDIS_URL", redis.url())
                 .env_remove("PACELINE_API_TOKENS")
                 .env_remove("PACELINE_OPERATOR_TOKEN")
                 .env("RUST_LOG", "warn")

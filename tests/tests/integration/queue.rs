@@ -39,7 +39,8 @@ impl Env {
     /// A worker process running the no-op probe consumer.
     fn spawn_probe(&self, extra: &[&str]) -> ChildGuard {
         let child = Command::new(paceline_bin())
-            .args(["queue-probe", "consume", "--redis-url", &self.redis.url, "--prefix", &self.redis.prefix])
+            .args(["queue-probe", "consume", "--prefix", &self.redis.prefix])
+            .env("REDIS_URL", &self.redis.url)
             .args(extra)
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())

@@ -336,7 +336,8 @@ fn worker_with_env(app: &App, dir: &std::path::Path, env: &[(&str, String)]) -> 
     let log = std::fs::File::create(dir.join("worker.log")).unwrap();
     let mut cmd = std::process::Command::new(paceline_tests::paceline_bin());
     cmd.arg("worker")
-        .args(["--redis-url", &app.redis.url(), "--prefix", &app.prefix, "--tool-endpoints", &app.tools])
+        .args(["--prefix", &app.prefix, "--tool-endpoints", &app.tools])
+        .env("REDIS_URL", app.redis.url())
         .env_remove("PACELINE_PROVIDERS")
         .env_remove("PACELINE_API_STYLE")
         .env_remove("PACELINE_PROVIDER_URL")

@@ -1,11 +1,12 @@
 //! `paceline up`: everything on one machine — the API and a worker pool in one
 //! process, with a Redis found or started for them.
 //!
-//! Which Redis: `REDIS_URL` when set; else a private `redis-server` child
-//! (127.0.0.1, a free port, a generated password, data and AOF under
-//! `./.paceline/redis`) that stops when `up` stops — never an open Redis it
-//! cannot tell is its own (`up/redis.rs`). Each choice is said on stderr. With
-//! no `redis-server` to start, `up` exits naming how to install one.
+//! Which Redis: `REDIS_URL` (or `REDIS_URL_FILE`) when set; else a private
+//! `redis-server` child (127.0.0.1, a free port, a generated password, data
+//! and AOF under `./.paceline/redis`) that stops when `up` stops — never an
+//! open Redis it cannot tell is its own (`up/redis.rs`). Each choice is said
+//! on stderr. With no `redis-server` to start, `up` exits naming how to
+//! install one.
 //!
 //! `--demo` adds the mock provider and a tool endpoint in-process (see
 //! `crate::demo`), points the workers at them, submits the sample runs through
@@ -35,8 +36,10 @@ use crate::demo::{self, DemoArgs};
 /// from one set of flags — the same argument groups, flattened once each.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Redis URL. Unset: a private redis-server with a generated password.
-    #[arg(id = "redis_url", long = "redis-url", env = "REDIS_URL", hide_env_values = true, value_name = "URL")]
+    /// Redis URL: `REDIS_URL` or `REDIS_URL_FILE` in the environment only
+    /// (`shared::config::env_only`). Unset: a private redis-server with a
+    /// generated password.
+    #[arg(skip = shared::config::env_only::<String>("REDIS_URL"))]
     redis_url: Option<String>,
     /// Prefix of every Redis key [default: paceline; paceline-demo with --demo, so demo runs never reach real workers].
     #[arg(long = "prefix", env = "PACELINE_PREFIX")]

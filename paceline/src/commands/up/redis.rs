@@ -17,7 +17,7 @@ use super::{say, Args};
 
 /// The Redis `up` uses.
 pub(super) enum RedisSource {
-    /// `REDIS_URL` / `--redis-url`.
+    /// `REDIS_URL` (or `REDIS_URL_FILE`).
     Given(String),
     /// A child (or one a killed `up` left behind) that `up` stops on exit.
     Private(OwnRedis),
