@@ -12,7 +12,8 @@
 -- be left over (pushed while no worker listened): a fetch that takes everything due
 -- clears them. Any other fetch leaves them (a token reaches a listening worker at once,
 -- so leftovers are rare; clearing them at every fetch cost a DEL a turn).
--- KEYS[Q_NKEYS+1]: the queue's counters
+-- KEYS[Q_NKEYS+1]: the epoch a record never leased was last given (q_next_epochs);
+-- KEYS[Q_NKEYS+2]: the queue's counters
 -- (empty_fetches[:cause]: a fetch that found nothing due is a cost to count, not to accept).
 -- `on_leased(id, r)` (optional), called for each leased turn with its record once its
 -- lease is written, returns what the delivery carries besides (an array; nil: nothing).
@@ -30,20 +31,33 @@
 --         turn, in `ms`: the one idle worker that does (KEYS[7], lib.lua).
 -- A worker asks for no more than its free slots, so a batch that is not full
 -- leaves it idle with a slot to spare: it is the one to watch.
--- A lease's epoch: past its record's last, and past Q_EPOCHS_PER_MS epochs for every ms
--- of the server's clock — max(last + 1, now * Q_EPOCHS_PER_MS) — so it is never handed
--- out twice under an id: not by a record's later leases (past its last), not to a record
--- made again under an id whose record was deleted (past every epoch of an earlier ms),
--- and not after a Redis whose AOF lost its last second restarts (the lost leases' epochs
--- were of ms before the restart; a record's last, rolled back, no longer counts). It
--- holds while the server's clock does not go back across them, and while a record is
--- leased fewer than Q_EPOCHS_PER_MS times in one ms. Exact in Lua's doubles (2^53) for
--- ms up to the year 2248. (A counter drawn by INCRBY, before, was rolled back with the
--- AOF, and cost a command a turn's first lease.)
+-- A lease's epoch is never handed out twice under an id. Q_EPOCHS_PER_MS epochs belong
+-- to each ms of the server's clock: a record's later lease takes max(last + 1, now's
+-- first); a record never leased (new, or made again under an id whose record was
+-- deleted) takes the upper half of now's epochs, and past the last such epoch by a
+-- whole ms's worth (KEYS[Q_NKEYS+1]) — so past every epoch an earlier record under its
+-- id had, in an earlier ms (the clock) or this one (the half, and the last one given).
+-- After a Redis whose AOF lost its last second restarts, the leases lost with it had
+-- epochs of ms before the restart, and the clock puts every new one past them (the
+-- counter this replaces was rolled back with the AOF, and handed them out again). Holds
+-- while the server's clock does not go back across them, and while a record is leased
+-- fewer than Q_EPOCHS_PER_MS / 2 times in one ms. Exact in Lua's doubles (2^53) for ms up
+-- to the year 2248.
 local Q_EPOCHS_PER_MS = 1024
 local function q_next_epochs(lasts, now)
-  local out = {}
-  for i, last in ipairs(lasts) do out[i] = math.max(last + 1, now * Q_EPOCHS_PER_MS) end
+  local out, fresh = {}, nil
+  for i, last in ipairs(lasts) do
+    if last == 0 then
+      if not fresh then
+        local given = tonumber(redis.call('GET', KEYS[Q_NKEYS + 1]) or '') or 0
+        fresh = math.max(now * Q_EPOCHS_PER_MS + Q_EPOCHS_PER_MS / 2, given + Q_EPOCHS_PER_MS)
+        redis.call('SET', KEYS[Q_NKEYS + 1], string.format('%d', fresh))
+      end
+      out[i] = fresh
+    else
+      out[i] = math.max(last + 1, now * Q_EPOCHS_PER_MS)
+    end
+  end
   return out
 end
 
@@ -68,7 +82,7 @@ local function q_fetch(max, lease_ms, dead_keep_ms, me, why, on_leased, hold)
   local n = #due / 2
   local out = {tostring(now), '-1', '0'}
   if n == 0 then
-    redis.call('HINCRBY', KEYS[Q_NKEYS + 1], Q_EMPTY_FIELD[why] or 'empty_fetches', 1)
+    redis.call('HINCRBY', KEYS[Q_NKEYS + 2], Q_EMPTY_FIELD[why] or 'empty_fetches', 1)
   else
     local ids = {}
     for i = 1, n do ids[i] = due[2 * i - 1] end

@@ -17,6 +17,9 @@ pub struct QueueKeys {
     pub notify: String,
     /// STRING `due_ms|worker`: the idle worker that sleeps towards the next due turn.
     pub timer: String,
+    /// STRING: the epoch a record never leased was last given (fetch.lua
+    /// `q_next_epochs`).
+    pub epoch_given: String,
     /// HASH of the queue's own counters (`empty_fetches:<cause>`: fetches that
     /// found nothing due, a worker woken for nothing, by what made it fetch —
     /// `FetchWhy`; `empty_fetches` when its caller did not say).
@@ -38,6 +41,7 @@ impl QueueKeys {
             reasons: keys.queue_key("reasons"),
             notify: keys.queue_key("notify"),
             timer: keys.queue_key("timer"),
+            epoch_given: keys.queue_key("epoch"),
             stats: keys.queue_key("stats"),
             workers: keys.queue_key("workers"),
             worker_info: keys.queue_key("worker_info"),

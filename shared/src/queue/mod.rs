@@ -271,7 +271,8 @@ impl TurnQueue {
         why: FetchWhy,
     ) -> Result<Fetched, QueueError> {
         let mut inv = self.invocation(with.map_or(&self.scripts.fetch, |w| &*w.script));
-        inv.key(&self.keys.stats)
+        inv.key(&self.keys.epoch_given)
+            .key(&self.keys.stats)
             .arg(max.clamp(1, MAX_FETCH_BATCH))
             .arg(self.config.lease_ms)
             .arg(self.config.dead_retention_ms)
