@@ -29,12 +29,15 @@ pub struct ApiArgs {
     /// Base URL of the paceline API.
     #[arg(long = "api", env = "PACELINE_API", default_value = "http://127.0.0.1:8080")]
     pub api: String,
-    /// Bearer token (a tenant's token from the server's PACELINE_API_TOKENS).
-    #[arg(long = "token", env = "PACELINE_TOKEN", hide_env_values = true)]
+    /// Bearer token (a tenant's token from the server's PACELINE_API_TOKENS):
+    /// `PACELINE_TOKEN` or `PACELINE_TOKEN_FILE` in the environment only, never
+    /// a flag (a command line shows in `ps`).
+    #[arg(skip = shared::config::env_only::<Secret>("PACELINE_TOKEN"))]
     pub token: Option<Secret>,
     /// The operator's token (the server's PACELINE_OPERATOR_TOKEN): used by
-    /// `dead`, and by the other commands when no tenant token is given.
-    #[arg(long = "operator-token", env = "PACELINE_OPERATOR_TOKEN", hide_env_values = true)]
+    /// `dead`, and by the other commands when no tenant token is given;
+    /// `PACELINE_OPERATOR_TOKEN` or its `_FILE` in the environment only.
+    #[arg(skip = shared::config::env_only::<Secret>("PACELINE_OPERATOR_TOKEN"))]
     pub operator_token: Option<Secret>,
 }
 

@@ -1644,7 +1644,8 @@ async fn the_cli_submits_watches_lists_and_shows_errors_in_one_line() {
     // `watch` follows it while this test plays the worker: a budget wait,
     // then a turn that completes the run.
     let watch = tokio::process::Command::new(paceline_tests::paceline_bin())
-        .args(["watch", &id, "--api", &app.url, "--token", ACME])
+        .args(["watch", &id, "--api", &app.url])
+        .env("PACELINE_TOKEN", ACME)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)

@@ -141,7 +141,7 @@ async fn a_dead_lettered_run_is_listed_for_the_operator_and_completes_after_a_re
     assert_eq!(code, 0, "{err}");
     let row = out.lines().find(|l| l.contains(&id)).unwrap_or_else(|| panic!("{out}"));
     assert!(row.contains("acme"), "{out}");
-    let (code, _, err) = api.cli(&["dead", "--token", ACME], &[]).await;
+    let (code, _, err) = api.cli(&["dead"], &[("PACELINE_TOKEN", ACME)]).await;
     assert!(code != 0 && err.contains("API 403 forbidden"), "{err}");
 
     // Another tenant's run is not found; the spec fixed, its tenant re-drives it.

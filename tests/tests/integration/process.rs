@@ -52,16 +52,19 @@ fn no_key_is_accepted_as_a_flag() {
 
 #[test]
 fn no_redis_url_or_api_token_is_accepted_as_a_flag() {
-    let commands: [(&str, &[&str]); 3] = [
+    let commands: [(&str, &[&str]); 5] = [
         ("api", &["--redis-url", "--api-tokens", "--operator-token"]),
         ("worker", &["--redis-url"]),
         ("up", &["--redis-url", "--api-tokens", "--operator-token"]),
+        // The CLI client's tokens too.
+        ("dead", &["--token", "--operator-token"]),
+        ("runs", &["--token", "--operator-token"]),
     ];
     for (command, flags) in commands {
         for flag in flags {
             let value = if *flag == "--redis-url" { "redis://:hunter2@127.0.0.1:1" } else { "acme:canary-token" };
             // Everything else as it should be, so only the flag is at fault.
-            let listen: &[&str] = if command == "worker" { &[] } else { &["--listen", "127.0.0.1:0"] };
+            let listen: &[&str] = if matches!(command, "api" | "up") { &["--listen", "127.0.0.1:0"] } else { &[] };
             let mut child = ChildGuard(
                 Command::new(paceline_bin())
                     .arg(command)
