@@ -49,9 +49,13 @@ local function q_next_epochs(lasts, now)
   for i, last in ipairs(lasts) do
     if last == 0 then
       if not fresh then
-        local given = tonumber(redis.call('GET', KEYS[Q_NKEYS + 1]) or '') or 0
-        fresh = math.max(now * Q_EPOCHS_PER_MS + Q_EPOCHS_PER_MS / 2, given + Q_EPOCHS_PER_MS)
-        redis.call('SET', KEYS[Q_NKEYS + 1], string.format('%d', fresh))
+        -- Set and read in one command; set again only when the last was of this very ms.
+        fresh = now * Q_EPOCHS_PER_MS + Q_EPOCHS_PER_MS / 2
+        local given = tonumber(redis.call('SET', KEYS[Q_NKEYS + 1], string.format('%d', fresh), 'GET') or '') or 0
+        if given + Q_EPOCHS_PER_MS > fresh then
+          fresh = given + Q_EPOCHS_PER_MS
+          redis.call('SET', KEYS[Q_NKEYS + 1], string.format('%d', fresh))
+        end
       end
       out[i] = fresh
     else
