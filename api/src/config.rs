@@ -80,6 +80,11 @@ pub struct ServeArgs {
     #[arg(long = "write-timeout", env = "PACELINE_WRITE_TIMEOUT", default_value = crate::serve::DEFAULT_WRITE_TIMEOUT,
           value_parser = shared::config::parse_duration)]
     pub write_timeout: Duration,
+    /// How long a request's body may take to arrive in full, once its
+    /// headers have (`30s`): a body sent a byte at a time is answered 408.
+    #[arg(long = "body-timeout", env = "PACELINE_BODY_TIMEOUT", default_value = crate::serve::DEFAULT_BODY_TIMEOUT,
+          value_parser = shared::config::parse_duration)]
+    pub body_timeout: Duration,
     /// Connections open at once in this process (held under half its file
     /// descriptors); one more is answered 503 and closed.
     #[arg(long = "max-connections", env = "PACELINE_MAX_CONNECTIONS", default_value_t = crate::serve::DEFAULT_MAX_CONNECTIONS,
@@ -110,6 +115,8 @@ impl ServeArgs {
                 .expect("the default header timeout reads"),
             write_timeout: shared::config::parse_duration(crate::serve::DEFAULT_WRITE_TIMEOUT)
                 .expect("the default write timeout reads"),
+            body_timeout: shared::config::parse_duration(crate::serve::DEFAULT_BODY_TIMEOUT)
+                .expect("the default body timeout reads"),
             max_connections: crate::serve::DEFAULT_MAX_CONNECTIONS,
             max_client_connections: crate::serve::DEFAULT_MAX_CLIENT_CONNECTIONS,
         }

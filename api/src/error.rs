@@ -43,6 +43,9 @@ pub enum ApiError {
     /// The body is larger than the limit (413).
     #[error("the body is larger than the limit of {0} bytes")]
     PayloadTooLarge(usize),
+    /// The body did not arrive in full within the body timeout (408).
+    #[error("the body did not arrive in full within {0:?}")]
+    RequestTimeout(std::time::Duration),
     /// A valid JSON body (or parameter) that breaks a rule (422), naming the field.
     #[error("{}", .0.message)]
     Invalid(SpecError),
@@ -65,7 +68,7 @@ pub enum ApiError {
 pub struct ErrorDetail {
     /// A stable code: `invalid_json`, `bad_request`, `unauthorized`,
     /// `forbidden`, `not_found`, `method_not_allowed`, `conflict`,
-    /// `payload_too_large`, `unsupported_media_type`, `invalid_request`,
+    /// `payload_too_large`, `request_timeout`, `unsupported_media_type`, `invalid_request`,
     /// `too_many_streams`, `quota_exceeded`, `unavailable`, `internal_error`.
     #[serde(rename = "type")]
     pub kind: &'static str,
@@ -101,6 +104,7 @@ impl ApiError {
             Self::UnsupportedMediaType => (StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type"),
             Self::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
             Self::PayloadTooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
+            Self::RequestTimeout(_) => (StatusCode::REQUEST_TIMEOUT, "request_timeout"),
             Self::Invalid(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid_request"),
             Self::TooManyStreams(_) => (StatusCode::TOO_MANY_REQUESTS, "too_many_streams"),
             Self::Quota(_) => (StatusCode::TOO_MANY_REQUESTS, "quota_exceeded"),

@@ -43,6 +43,8 @@ use tokio::net::{TcpListener, TcpStream};
 pub const DEFAULT_HEADER_TIMEOUT: &str = "10s";
 /// Default of `--write-timeout`.
 pub const DEFAULT_WRITE_TIMEOUT: &str = "30s";
+/// Default of `--body-timeout` (routes/mod.rs `body_within_deadline`).
+pub const DEFAULT_BODY_TIMEOUT: &str = "30s";
 /// Default of `--max-connections`.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
 /// Default of `--max-client-connections`.

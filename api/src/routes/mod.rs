@@ -49,6 +49,8 @@ pub fn router(state: AppState) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         // A chunked body is cut off at the limit while it is read...
         .layer(DefaultBodyLimit::max(limit))
+        // ...a slow one gets a deadline for the whole of it...
+        .layer(middleware::from_fn_with_state(state.clone(), body_within_deadline))
         // ...and a declared one over it is refused before a byte is read.
         .layer(middleware::from_fn_with_state(state.clone(), reject_declared_oversize))
         // Open mode answers only requests addressed to a loopback name (DNS rebinding).
@@ -67,6 +69,34 @@ async fn method_not_allowed(method: Method) -> ApiError {
 }
 
 /// 413 for a `Content-Length` over the limit, without reading the body.
+/// A request's body arrives in full within `--body-timeout` of its headers, or
+/// the request is answered 408 (and its connection closed): the header
+/// timeout bounds a client that sends headers a byte at a time, this one a
+/// client that does so with a body (a frame's idle timeout would not: a byte
+/// every few seconds keeps it alive). Read here, at most the body limit, and
+/// handed on whole; a request without a body passes as it came.
+async fn body_within_deadline(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    let bodiless = request.headers().get(CONTENT_LENGTH).is_some_and(|v| v.as_bytes() == b"0")
+        || (!request.headers().contains_key(CONTENT_LENGTH)
+            && !request.headers().contains_key(axum::http::header::TRANSFER_ENCODING));
+    if bodiless {
+        return next.run(request).await;
+    }
+    let limit = state.config.serve.body_limit;
+    let (parts, body) = request.into_parts();
+    match tokio::time::timeout(state.config.serve.body_timeout, axum::body::to_bytes(body, limit)).await {
+        Ok(Ok(bytes)) => next.run(Request::from_parts(parts, axum::body::Body::from(bytes))).await,
+        Ok(Err(_)) => ApiError::PayloadTooLarge(limit).into_response(),
+        Err(_) => {
+            let mut response = ApiError::RequestTimeout(state.config.serve.body_timeout).into_response();
+            response
+                .headers_mut()
+                .insert(axum::http::header::CONNECTION, axum::http::HeaderValue::from_static("close"));
+            response
+        }
+    }
+}
+
 async fn reject_declared_oversize(State(state): State<AppState>, request: Request, next: Next) -> Response {
     let limit = state.config.serve.body_limit;
     let declared =

@@ -1875,3 +1875,34 @@ async fn readyz_and_metrics_report_redis_memory_pressure_before_writes_are_refus
     assert!(metrics.lines().any(|l| l == "paceline_redis_memory_pressure 1"), "{metrics}");
     let _: () = set(0).query_async(&mut conn).await.unwrap();
 }
+
+/// A body sent a byte at a time (a slowloris past the headers) is answered
+/// 408 once `--body-timeout` has passed since its headers, and its connection
+/// closed: the header timeout alone never ended it.
+#[tokio::test]
+async fn a_body_that_does_not_arrive_within_the_body_timeout_is_a_408() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let app = spawn_app_with(|c| c.serve.body_timeout = Duration::from_secs(1)).await;
+    let mut stream = tokio::net::TcpStream::connect(app.url.trim_start_matches("http://")).await.unwrap();
+    let head = format!(
+        "POST /v1/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {ACME}\r\n\
+         Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{"
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let started = Instant::now();
+    // A byte every 300 ms: each frame arrives well within any idle timeout.
+    let mut answer = vec![0u8; 4096];
+    let n = loop {
+        tokio::select! {
+            read = stream.read(&mut answer) => break read.unwrap(),
+            _ = tokio::time::sleep(Duration::from_millis(300)) => {
+                let _ = stream.write_all(b" ").await;
+            }
+        }
+        assert!(started.elapsed() < Duration::from_secs(5), "no answer 5 s into a body the server waits for");
+    };
+    let text = String::from_utf8_lossy(&answer[..n]);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.contains("request_timeout"), "{text}");
+    assert!(started.elapsed() >= Duration::from_millis(900), "answered before the timeout");
+}
