@@ -201,6 +201,12 @@ impl IntoResponse for ApiError {
         };
         let body = ErrorBody { error: ErrorDetail { kind, message: self.to_string(), field } };
         let mut response = (status, axum::Json(body)).into_response();
+        if let Self::RequestTimeout(_) = &self {
+            // The rest of a body that came too slowly is not waited for.
+            response
+                .headers_mut()
+                .insert(axum::http::header::CONNECTION, axum::http::HeaderValue::from_static("close"));
+        }
         if let Self::Quota(q) = &self {
             // Whole seconds, rounded up: a client that waits this long passes.
             let seconds = q.retry_after_ms.div_ceil(1000).max(1);

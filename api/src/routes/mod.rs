@@ -68,35 +68,35 @@ async fn method_not_allowed(method: Method) -> ApiError {
     ApiError::MethodNotAllowed(method.to_string())
 }
 
-/// 413 for a `Content-Length` over the limit, without reading the body.
-/// A request's body arrives in full within `--body-timeout` of its headers, or
-/// the request is answered 408 (and its connection closed): the header
-/// timeout bounds a client that sends headers a byte at a time, this one a
-/// client that does so with a body (a frame's idle timeout would not: a byte
-/// every few seconds keeps it alive). Read here, at most the body limit, and
-/// handed on whole; a request without a body passes as it came.
+/// A request's body arrives in full within `--body-timeout` of its headers:
+/// its reader (a handler, after it has checked the caller) meets
+/// [`BodyDeadline`] past it, answered 408 with the connection closed. The
+/// header timeout bounds a client that sends headers a byte at a time, this
+/// one a client that does so with a body (a frame's idle timeout would not: a
+/// byte every few seconds keeps it alive). Nothing is read here: a caller
+/// without a valid token is refused before its body is.
 async fn body_within_deadline(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    let bodiless = request.headers().get(CONTENT_LENGTH).is_some_and(|v| v.as_bytes() == b"0")
-        || (!request.headers().contains_key(CONTENT_LENGTH)
-            && !request.headers().contains_key(axum::http::header::TRANSFER_ENCODING));
-    if bodiless {
-        return next.run(request).await;
-    }
-    let limit = state.config.serve.body_limit;
+    use futures::StreamExt as _;
+    let deadline = tokio::time::Instant::now() + state.config.serve.body_timeout;
     let (parts, body) = request.into_parts();
-    match tokio::time::timeout(state.config.serve.body_timeout, axum::body::to_bytes(body, limit)).await {
-        Ok(Ok(bytes)) => next.run(Request::from_parts(parts, axum::body::Body::from(bytes))).await,
-        Ok(Err(_)) => ApiError::PayloadTooLarge(limit).into_response(),
-        Err(_) => {
-            let mut response = ApiError::RequestTimeout(state.config.serve.body_timeout).into_response();
-            response
-                .headers_mut()
-                .insert(axum::http::header::CONNECTION, axum::http::HeaderValue::from_static("close"));
-            response
+    let timed = futures::stream::unfold(Some(body.into_data_stream()), move |stream| async move {
+        let mut stream = stream?;
+        match tokio::time::timeout_at(deadline, stream.next()).await {
+            Ok(Some(Ok(bytes))) => Some((Ok(bytes), Some(stream))),
+            Ok(Some(Err(e))) => Some((Err(axum::BoxError::from(e)), None)),
+            Ok(None) => None,
+            Err(_) => Some((Err(axum::BoxError::from(BodyDeadline)), None)),
         }
-    }
+    });
+    next.run(Request::from_parts(parts, axum::body::Body::from_stream(timed))).await
 }
 
+/// A request body that did not arrive in full within `--body-timeout`.
+#[derive(Debug, thiserror::Error)]
+#[error("the body did not arrive in full within the body timeout")]
+pub struct BodyDeadline;
+
+/// 413 for a `Content-Length` over the limit, without reading the body.
 async fn reject_declared_oversize(State(state): State<AppState>, request: Request, next: Next) -> Response {
     let limit = state.config.serve.body_limit;
     let declared =

@@ -167,15 +167,33 @@ pub struct ListQuery {
 
 /// Reads a body whose size the router has bounded; a body over the limit is a
 /// 413 without being read whole, one that is not JSON a 400.
-fn json_body(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<Value, ApiError> {
+fn json_body(
+    body: Result<Bytes, BytesRejection>,
+    limit: usize,
+    body_timeout: std::time::Duration,
+) -> Result<Value, ApiError> {
     let bytes = body.map_err(|r| {
         if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::PayloadTooLarge(limit)
+        } else if past_its_deadline(&r) {
+            ApiError::RequestTimeout(body_timeout)
         } else {
             ApiError::BadRequest(r.body_text())
         }
     })?;
     serde_json::from_slice(&bytes).map_err(|e| ApiError::MalformedJson(e.to_string()))
+}
+
+/// Whether reading the body failed at its deadline (`routes::BodyDeadline`).
+fn past_its_deadline(rejection: &BytesRejection) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(rejection);
+    while let Some(e) = cause {
+        if e.is::<super::BodyDeadline>() {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
 }
 
 fn idempotency(headers: &HeaderMap, spec: &RunSpec) -> Result<Option<Idempotency>, ApiError> {
@@ -219,7 +237,7 @@ pub async fn submit(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let value = json_body(body, state.config.serve.body_limit)?;
+    let value = json_body(body, state.config.serve.body_limit, state.config.serve.body_timeout)?;
     let spec = RunSpec::from_json(&value, &state.policy)?;
     state.policy.admit(&tenant, &spec)?;
     let idem = idempotency(&headers, &spec)?;

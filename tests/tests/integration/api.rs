@@ -1905,4 +1905,12 @@ async fn a_body_that_does_not_arrive_within_the_body_timeout_is_a_408() {
     assert!(text.starts_with("HTTP/1.1 408"), "{text}");
     assert!(text.contains("request_timeout"), "{text}");
     assert!(started.elapsed() >= Duration::from_millis(900), "answered before the timeout");
+    // A caller without a token is refused before its body is read: it cannot
+    // make the API hold a megabyte for the body timeout.
+    let mut stream = tokio::net::TcpStream::connect(app.url.trim_start_matches("http://")).await.unwrap();
+    let head = "POST /v1/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 1000000\r\n\r\n{";
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let n = within("the 401", Duration::from_millis(500), stream.read(&mut answer)).await.unwrap();
+    let text = String::from_utf8_lossy(&answer[..n]);
+    assert!(text.starts_with("HTTP/1.1 401"), "{text}");
 }
