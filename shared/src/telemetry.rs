@@ -17,9 +17,14 @@ pub fn init(default_filter: &str) {
 /// stays bounded whatever names runs give (Prometheus keeps every series).
 pub const MAX_MODEL_LABELS: usize = 64;
 
-/// The `model` label of `model` in this process's metrics: itself while
-/// fewer than [`MAX_MODEL_LABELS`] models have been labelled, `other` after.
+/// The `model` label of `model` in this process's metrics: itself for a model
+/// of the price table (or of `PACELINE_PRICES`), and for others while fewer
+/// than [`MAX_MODEL_LABELS`] of them have been labelled; `other` after (names
+/// a tenant made up cannot crowd out the models a fleet runs).
 pub fn model_label(model: &str) -> String {
+    if crate::models::price(model).is_some() {
+        return model.to_owned();
+    }
     static SEEN: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
     let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
     if seen.iter().any(|m| m == model) {

@@ -506,7 +506,9 @@ impl Runner {
             count_budget_wait(*ms);
         }
         // (Not on Redis trouble: the commit may have landed, and its turn holds the reservation.)
-        if let Ok(Committed { fence: Fence::Stop(_), .. }) = committed {
+        let not_queued =
+            matches!(committed, Ok(Committed { fence: Fence::Stop(_), .. } | Committed { ended: true, .. }));
+        if not_queued {
             if let Next::Paced { turn: turn @ Turn { cleared: true, .. }, .. } = next {
                 // Cleared for a turn that was not queued: the reservation goes back unused.
                 self.give_back(turn, lease).await;

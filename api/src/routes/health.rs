@@ -73,9 +73,19 @@ pub async fn healthz() -> Json<Health> {
     ))]
 pub async fn readyz(State(state): State<AppState>) -> Result<Json<Health>, crate::ApiError> {
     let mut conn = state.conn.clone();
-    let info = async move { redis::cmd("INFO").arg("memory").query_async::<String>(&mut conn).await };
+    let info = async move {
+        match redis::cmd("INFO").arg("memory").query_async::<String>(&mut conn).await {
+            Ok(info) => Ok(Some(info)),
+            // A Redis user without INFO (an ACL's -@dangerous) still answers PING:
+            // ready, its memory unknown.
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm) => {
+                redis::cmd("PING").query_async::<String>(&mut conn).await.map(|_| None)
+            }
+            Err(e) => Err(e),
+        }
+    };
     let info = crate::state::bounded(READY_TIMEOUT, "readiness INFO memory", info).await?;
-    let redis_memory = RedisMemory::from_info(&info);
+    let redis_memory = info.as_deref().and_then(RedisMemory::from_info);
     crate::metrics::set_redis_memory(redis_memory);
     if redis_memory.is_some_and(|m| m.pressure) {
         tracing::warn!(

@@ -34,16 +34,19 @@
 -- A lease's epoch is never handed out twice under an id. Q_EPOCHS_PER_MS epochs belong
 -- to each ms of the server's clock: a record's later lease takes max(last + 1, now's
 -- first); a record never leased (new, or made again under an id whose record was
--- deleted) takes the upper half of now's epochs, and past the last such epoch by a
--- whole ms's worth (KEYS[Q_NKEYS+1]) — so past every epoch an earlier record under its
--- id had, in an earlier ms (the clock) or this one (the half, and the last one given).
+-- deleted) takes the upper half of now's epochs, and at least Q_FRESH_STEP past the last
+-- such epoch (KEYS[Q_NKEYS+1]) — so past every epoch an earlier record under its id had,
+-- in an earlier ms (the clock) or this one (the half, and the last one given: a record
+-- is leased far fewer than Q_FRESH_STEP times in one ms). The last one given runs ahead
+-- of the clock only past Q_EPOCHS_PER_MS / 2 / Q_FRESH_STEP such fetches in one ms (a
+-- Redis runs a few scripts a ms), so what a restart's clock puts past is not outrun.
 -- After a Redis whose AOF lost its last second restarts, the leases lost with it had
 -- epochs of ms before the restart, and the clock puts every new one past them (the
 -- counter this replaces was rolled back with the AOF, and handed them out again). Holds
 -- while the server's clock does not go back across them, and while a record is leased
--- fewer than Q_EPOCHS_PER_MS / 2 times in one ms. Exact in Lua's doubles (2^53) for ms up
+-- fewer than Q_FRESH_STEP times in one ms. Exact in Lua's doubles (2^53) for ms up
 -- to the year 2248.
-local Q_EPOCHS_PER_MS = 1024
+local Q_EPOCHS_PER_MS, Q_FRESH_STEP = 1024, 16
 local function q_next_epochs(lasts, now)
   local out, fresh = {}, nil
   for i, last in ipairs(lasts) do
@@ -52,8 +55,8 @@ local function q_next_epochs(lasts, now)
         -- Set and read in one command; set again only when the last was of this very ms.
         fresh = now * Q_EPOCHS_PER_MS + Q_EPOCHS_PER_MS / 2
         local given = tonumber(redis.call('SET', KEYS[Q_NKEYS + 1], string.format('%d', fresh), 'GET') or '') or 0
-        if given + Q_EPOCHS_PER_MS > fresh then
-          fresh = given + Q_EPOCHS_PER_MS
+        if given + Q_FRESH_STEP > fresh then
+          fresh = given + Q_FRESH_STEP
           redis.call('SET', KEYS[Q_NKEYS + 1], string.format('%d', fresh))
         end
       end

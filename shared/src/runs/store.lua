@@ -324,6 +324,7 @@ if op == 'retry' then
   if status ~= 'failed' then return {'conflict', status} end
   local kind = redis.call('HGET', RUN, 'error_kind') or ''
   if kind == 'max_turns' then return {'conflict', 'failed with max_turns: it has no turn left to run'} end
+  if kind == 'run_too_large' then return {'conflict', 'failed with run_too_large: it stores all a run may'} end
   local retries = tonumber(redis.call('HGET', RUN, 'retries') or '0') or 0
   if retries >= tonumber(ARGV[5]) then
     return {'conflict', string.format('failed; it was retried %d times, the most a run may be', retries)}

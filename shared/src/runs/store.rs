@@ -148,8 +148,9 @@ fn run_matches(run: &Run, q: &str) -> bool {
 /// cursor to go on from.
 pub const LIST_SCAN_BYTES: usize = 4 << 20;
 
-/// Records a search reads a round trip.
-const LIST_SEARCH_BATCH: usize = 100;
+/// Records a search reads a round trip: small, since the byte bound is
+/// checked between round trips (a run's answer may be long).
+const LIST_SEARCH_BATCH: usize = 16;
 
 /// How long a fenced write keeps retrying Redis trouble in place (see
 /// `RunStore::invoke_fenced`); past it the queue's own retry takes over.
@@ -1122,7 +1123,9 @@ impl RunStore {
         if released || (quiet && !matches!(asked, Some(crate::pacer::Decision::Owed { .. }))) {
             lease.kick();
         }
-        Ok(Committed { fence: Self::fence(&reply?)?, asked })
+        let reply = reply?;
+        let ended = reply.first().is_some_and(|o| o == "failed") && matches!(next, Next::Continue | Next::Paced { .. });
+        Ok(Committed { fence: Self::fence(&reply)?, asked, ended })
     }
 
     /// Fails the run (fenced): `error.kind` and message; usage of a call that

@@ -202,6 +202,10 @@ pub struct Committed {
     pub fence: Fence,
     /// The pacer's answer to the next turn's ask, if it was made.
     pub asked: Option<crate::pacer::Decision>,
+    /// The step failed the run though the turn asked to go on (the run
+    /// passed what one run may store): no next turn, so whatever the worker
+    /// reserved for one goes back.
+    pub ended: bool,
 }
 
 /// Where a turn stands when a delivery starts it (the record's `phase`).

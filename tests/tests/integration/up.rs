@@ -317,3 +317,62 @@ async fn up_runs_its_demo_over_a_tls_redis_and_refuses_an_untrusted_one() {
     assert_eq!(status, 503, "an untrusted Redis is unavailable, never used:\n{}", stderr_of(untrusted.path()));
     child.signal("KILL");
 }
+
+/// A program on the port an earlier `up`'s private Redis used, answering
+/// `+OK` and `+PONG` to anything (so "taking the password"), is not adopted:
+/// it does not hold the directory's owner mark. `up` refuses it and starts
+/// no second server on the same files.
+#[test]
+fn up_refuses_what_answers_on_its_old_private_port_without_proving_to_be_its_redis() {
+    let dir = tempfile::tempdir().unwrap();
+    let redis_dir = dir.path().join(".paceline/redis");
+    std::fs::create_dir_all(&redis_dir).unwrap();
+    let fake = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = fake.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for stream in fake.incoming().flatten() {
+            std::thread::spawn(move || {
+                let mut stream = stream;
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = std::io::Read::read(&mut stream, &mut buf) {
+                    if n == 0 || std::io::Write::write_all(&mut stream, b"+OK\r\n+PONG\r\n").is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    std::fs::write(redis_dir.join("paceline-port"), port.to_string()).unwrap();
+    std::fs::write(redis_dir.join("paceline-password"), "a-password").unwrap();
+    std::fs::write(redis_dir.join("paceline-owner"), "the-mark").unwrap();
+    let probe = format!("127.0.0.1:{}", paceline_tests::free_tcp_port());
+    let mut child = up(dir.path(), &["--listen", "127.0.0.1:0", "--local-redis-probe", &probe], &[]);
+    let status = child.wait_timeout(secs(15)).expect("up exits");
+    let err = stderr_of(dir.path());
+    assert!(!status.success(), "{err}");
+    assert!(err.contains("does not prove to be that Redis"), "{err}");
+    assert!(!redis_dir.join("redis.pid").exists(), "no second redis-server was started: {err}");
+}
+
+/// An `up` killed with SIGKILL leaves its private Redis running; the next
+/// `up` in the same directory proves it is that Redis (its owner mark) and
+/// uses it — no second server on the same files — and stops it on exit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_later_up_adopts_the_private_redis_a_killed_one_left_running() {
+    let dir = tempfile::tempdir().unwrap();
+    let _leftover = PidFileGuard(dir.path().join(".paceline/redis/redis.pid"));
+    let probe = format!("127.0.0.1:{}", paceline_tests::free_tcp_port());
+    let http = reqwest::Client::builder().timeout(secs(2)).build().unwrap();
+    let listen = format!("127.0.0.1:{}", paceline_tests::free_tcp_port());
+    let args = ["--listen", listen.as_str(), "--local-redis-probe", probe.as_str(), "--concurrency", "2"];
+    let mut first = up(dir.path(), &args, &[("PACELINE_PROVIDER_URL", "http://127.0.0.1:9/v1")]);
+    eventually("the first up is ready", secs(20), || get(&http, format!("http://{listen}/readyz"))).await;
+    first.signal("KILL");
+    let _ = first.wait_timeout(secs(10));
+    let mut second = up(dir.path(), &args, &[("PACELINE_PROVIDER_URL", "http://127.0.0.1:9/v1")]);
+    eventually("the second up is ready", secs(20), || get(&http, format!("http://{listen}/readyz"))).await;
+    let err = stderr_of(dir.path());
+    assert!(err.contains("using the private redis-server an earlier `paceline up` left running"), "{err}");
+    stop_cleanly(&mut second, dir.path(), secs(20));
+    assert!(stderr_of(dir.path()).contains("the private redis-server stopped"), "{}", stderr_of(dir.path()));
+}

@@ -86,6 +86,15 @@ pub(super) async fn probe(addr: SocketAddr) -> Probe {
 const PORT_FILE: &str = "paceline-port";
 /// The private server's password, mode 600 beside its data.
 const PASSWORD_FILE: &str = "paceline-password";
+/// A mark only this directory's owner can read, held by the server too
+/// (`OWNER_KEY`): the proof an adopted server is the one started here.
+const OWNER_FILE: &str = "paceline-owner";
+const OWNER_KEY: &str = "paceline-up:owner";
+
+/// A file's text without surrounding whitespace; `None` when missing or empty.
+fn read_trimmed(path: &Path) -> Option<String> {
+    std::fs::read_to_string(path).ok().map(|s| s.trim().to_owned()).filter(|s| !s.is_empty())
+}
 
 /// A private `redis-server` on 127.0.0.1 with its data and AOF in `dir`.
 pub(super) struct OwnRedis {
@@ -101,20 +110,32 @@ impl OwnRedis {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let dir = dir.canonicalize().with_context(|| format!("{}", dir.display()))?;
         // A private server an earlier `up` left running (it was SIGKILLed):
-        // used rather than a second one on the same files — when it answers to
-        // this directory's password, which only its owner can read.
+        // used rather than a second one on the same files — when it proves it
+        // is that server (it holds this directory's owner mark, which only the
+        // directory's owner can read; taking the password proves nothing of a
+        // server). Anything else on that port is refused, never joined by a
+        // second server on the same files.
         let port = std::fs::read_to_string(dir.join(PORT_FILE)).ok().and_then(|s| s.trim().parse::<u16>().ok());
-        let password = std::fs::read_to_string(dir.join(PASSWORD_FILE)).ok().map(|p| p.trim().to_owned());
-        if let (Some(port), Some(password)) = (port, password.filter(|p| !p.is_empty())) {
+        if let Some(port) = port {
             let addr = SocketAddr::from(([127, 0, 0, 1], port));
-            let pw = password.clone();
-            if tokio::task::spawn_blocking(move || shared::redis_server::ping_tcp(addr, Some(&pw))).await? {
-                say(format!(
-                    "REDIS_URL is not set; using the private redis-server an earlier `paceline up` left running on \
-                     127.0.0.1:{port} (it answers to the password in {}); it stops when this one does",
-                    dir.display()
-                ));
-                return Ok(Self { dir, port, password, child: None });
+            if probe(addr).await != Probe::Nothing {
+                let password = read_trimmed(&dir.join(PASSWORD_FILE)).unwrap_or_default();
+                let owned = Self { dir: dir.clone(), port, password, child: None };
+                if owned.holds_the_mark().await {
+                    say(format!(
+                        "REDIS_URL is not set; using the private redis-server an earlier `paceline up` left running \
+                         on 127.0.0.1:{port} (data in {}); it stops when this one does",
+                        dir.display()
+                    ));
+                    return Ok(owned);
+                }
+                anyhow::bail!(
+                    "something answers on 127.0.0.1:{port}, where an earlier `paceline up` ran its private Redis \
+                     (data in {}), but it does not prove to be that Redis: stop it, or remove {} if the port is \
+                     another program's now",
+                    dir.display(),
+                    dir.join(PORT_FILE).display()
+                );
             }
         }
         // A new password each start, readable by this user alone.
@@ -147,6 +168,8 @@ impl OwnRedis {
         };
         let pid = child.pid().unwrap_or(0);
         let _ = std::fs::write(dir.join(PORT_FILE), port.to_string());
+        let own = Self { dir: dir.clone(), port, password: password.clone(), child: None };
+        own.set_the_mark().await.context("marking the private redis-server as this directory's")?;
         say(format!(
             "REDIS_URL is not set, so paceline started a private redis-server (pid {pid}) on 127.0.0.1:{port}, with a \
              generated password (in {}), data and AOF in {}; it stops when paceline up stops",
@@ -158,6 +181,26 @@ impl OwnRedis {
 
     fn url(&self) -> String {
         format!("redis://:{}@127.0.0.1:{}", self.password, self.port)
+    }
+
+    /// Writes a fresh owner mark to the server and to `DIR/paceline-owner`
+    /// (mode 600): a later `up` adopts the server only if it holds the mark.
+    async fn set_the_mark(&self) -> anyhow::Result<()> {
+        let mark = shared::redis_server::new_password();
+        shared::redis_server::write_private(&self.dir.join(OWNER_FILE), &mark)?;
+        let mut conn = redis::Client::open(self.url())?.get_multiplexed_async_connection().await?;
+        let _: () = redis::cmd("SET").arg(OWNER_KEY).arg(&mark).query_async(&mut conn).await?;
+        Ok(())
+    }
+
+    /// Whether the server on this port holds the mark in `DIR/paceline-owner`.
+    async fn holds_the_mark(&self) -> bool {
+        let Some(mark) = read_trimmed(&self.dir.join(OWNER_FILE)) else { return false };
+        let read = async {
+            let mut conn = redis::Client::open(self.url()).ok()?.get_multiplexed_async_connection().await.ok()?;
+            redis::cmd("GET").arg(OWNER_KEY).query_async::<Option<String>>(&mut conn).await.ok()?
+        };
+        tokio::time::timeout(Duration::from_secs(2), read).await.ok().flatten().is_some_and(|held| held == mark)
     }
 
     /// `SHUTDOWN` (Redis writes its AOF and exits), then waits for it; a kill
