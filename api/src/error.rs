@@ -55,6 +55,10 @@ pub enum ApiError {
     /// A submit over one of the tenant's quotas (429 with `Retry-After`).
     #[error("{}", .0.message)]
     Quota(shared::runs::QuotaExceeded),
+    /// Redis answers but cannot hold paceline's state now (503): it was set to
+    /// evict keys after the process started.
+    #[error("{0}")]
+    NotReady(String),
     /// Redis did not answer in time, or refused the connection (503).
     #[error("the run store (Redis) is unavailable; try again")]
     Unavailable(#[source] anyhow::Error),
@@ -69,7 +73,7 @@ pub struct ErrorDetail {
     /// A stable code: `invalid_json`, `bad_request`, `unauthorized`,
     /// `forbidden`, `not_found`, `method_not_allowed`, `conflict`,
     /// `payload_too_large`, `request_timeout`, `unsupported_media_type`, `invalid_request`,
-    /// `too_many_streams`, `quota_exceeded`, `unavailable`, `internal_error`.
+    /// `too_many_streams`, `quota_exceeded`, `not_ready`, `unavailable`, `internal_error`.
     #[serde(rename = "type")]
     pub kind: &'static str,
     /// What went wrong, for a human.
@@ -108,6 +112,7 @@ impl ApiError {
             Self::Invalid(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid_request"),
             Self::TooManyStreams(_) => (StatusCode::TOO_MANY_REQUESTS, "too_many_streams"),
             Self::Quota(_) => (StatusCode::TOO_MANY_REQUESTS, "quota_exceeded"),
+            Self::NotReady(_) => (StatusCode::SERVICE_UNAVAILABLE, "not_ready"),
             Self::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
             Self::Unexpected(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
         }

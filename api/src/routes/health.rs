@@ -69,7 +69,7 @@ pub async fn healthz() -> Json<Health> {
 #[utoipa::path(get, path = "/readyz", tag = "operations",
     responses(
         (status = 200, description = "Redis answers (`redis_memory`: its memory against its maxmemory, with `pressure` from 90 %)", body = Health),
-        (status = 503, description = "Redis does not answer", body = ErrorBody),
+        (status = 503, description = "Redis does not answer, or evicts keys (`not_ready`, naming its maxmemory-policy)", body = ErrorBody),
     ))]
 pub async fn readyz(State(state): State<AppState>) -> Result<Json<Health>, crate::ApiError> {
     let mut conn = state.conn.clone();
@@ -85,6 +85,11 @@ pub async fn readyz(State(state): State<AppState>) -> Result<Json<Health>, crate
         }
     };
     let info = crate::state::bounded(READY_TIMEOUT, "readiness INFO memory", info).await?;
+    // A policy set to evict after this process started (it refuses one at start).
+    let policy = info.as_deref().and_then(|i| i.lines().find_map(|l| l.trim().strip_prefix("maxmemory_policy:")));
+    if let Some(why) = policy.and_then(shared::redis_util::eviction_refused) {
+        return Err(crate::ApiError::NotReady(why));
+    }
     let redis_memory = info.as_deref().and_then(RedisMemory::from_info);
     crate::metrics::set_redis_memory(redis_memory);
     if redis_memory.is_some_and(|m| m.pressure) {

@@ -1874,6 +1874,16 @@ async fn readyz_and_metrics_report_redis_memory_pressure_before_writes_are_refus
     let metrics = app.req(reqwest::Method::GET, "/metrics", Some(OPERATOR)).send().await.unwrap().text().await.unwrap();
     assert!(metrics.lines().any(|l| l == "paceline_redis_memory_pressure 1"), "{metrics}");
     let _: () = set(0).query_async(&mut conn).await.unwrap();
+    // A Redis set to evict keys after the API started (it refuses one at
+    // start) makes it not ready, naming the policy.
+    let policy = |p: &str| redis::cmd("CONFIG").arg("SET").arg("maxmemory-policy").arg(p).to_owned();
+    let _: () = policy("allkeys-lru").query_async(&mut conn).await.unwrap();
+    let (status, err) = read(app.req(reqwest::Method::GET, "/readyz", None).send().await.unwrap()).await;
+    assert_eq!((status, error_type(&err)), (503, "not_ready"), "{err}");
+    assert!(err["error"]["message"].as_str().unwrap().contains("maxmemory-policy allkeys-lru"), "{err}");
+    let _: () = policy("noeviction").query_async(&mut conn).await.unwrap();
+    let (status, _) = read(app.req(reqwest::Method::GET, "/readyz", None).send().await.unwrap()).await;
+    assert_eq!(status, 200);
 }
 
 /// A body sent a byte at a time (a slowloris past the headers) is answered
