@@ -81,6 +81,15 @@ async fn waiting_with_ask(env: &Env, model: &str) -> String {
     run.id
 }
 
+/// A run of three turns at most that has one second (`max_run_seconds`).
+fn one_second_run() -> RunSpec {
+    RunSpec::from_json(
+        &json!({"model": "gpt-test", "input": "x", "max_turns": 3, "max_run_seconds": 1}),
+        &SubmitPolicy::default(),
+    )
+    .unwrap()
+}
+
 fn spec(input: &str) -> RunSpec {
     RunSpec::from_json(&json!({"model": "gpt-test", "input": input, "max_turns": 3}), &SubmitPolicy::default()).unwrap()
 }
@@ -367,11 +376,7 @@ async fn the_fetch_starts_the_turns_it_leases_as_a_start_would_but_not_one_that_
     let fence = env.store.wait_asking(&lease, job, next, 1, WaitReason::Budget, "turn.paced", &data).await.unwrap();
     assert_eq!(fence, Fence::Ok);
     let plain = env.store.create("alpha", &spec("plain"), None, None).await.unwrap().run;
-    let late = RunSpec::from_json(
-        &json!({"model": "gpt-test", "input": "x", "max_turns": 3, "max_run_seconds": 1}),
-        &SubmitPolicy::default(),
-    )
-    .unwrap();
+    let late = one_second_run();
     let late = env.store.create("alpha", &late, None, None).await.unwrap().run;
     // Past the late run's deadline.
     tokio::time::sleep(Duration::from_millis(1100)).await;
@@ -1049,11 +1054,7 @@ async fn a_turn_reads_only_the_history_its_model_sees() {
 #[tokio::test]
 async fn a_run_past_its_deadline_fails_at_its_next_turn_before_any_call() {
     let env = env().await;
-    let spec = RunSpec::from_json(
-        &json!({"model": "gpt-test", "input": "x", "max_turns": 3, "max_run_seconds": 1}),
-        &SubmitPolicy::default(),
-    )
-    .unwrap();
+    let spec = one_second_run();
     let run = env.store.create("alpha", &spec, None, None).await.unwrap().run;
     let lease = env.queue.fetch("w", 1).await.unwrap().deliveries.remove(0).lease;
     let job = TurnJob { turn: 0, attempt: 1 };
@@ -1337,11 +1338,7 @@ async fn a_turn_with_thousands_of_tool_calls_commits_with_all_its_events() {
 async fn a_turn_waiting_past_its_runs_deadline_is_due_at_the_deadline_and_fails_the_run() {
     use shared::runs::{Started, StopReason, Turn};
     let env = env().await;
-    let spec = RunSpec::from_json(
-        &json!({"model": "gpt-test", "input": "x", "max_turns": 3, "max_run_seconds": 1}),
-        &SubmitPolicy::default(),
-    )
-    .unwrap();
+    let spec = one_second_run();
     let run = env.store.create("alpha", &spec, None, None).await.unwrap().run;
     let lease = env.queue.fetch("w0", 1).await.unwrap().deliveries.remove(0).lease;
     let job = TurnJob { turn: 0, attempt: 1 };
