@@ -258,7 +258,7 @@ fn ping_unix(socket: &Path, password: Option<&str>) -> bool {
 }
 
 /// A blocking `PING` over TCP (after `AUTH` with a password): true on `+PONG`.
-pub fn ping_tcp(addr: std::net::SocketAddr, password: Option<&str>) -> bool {
+fn ping_tcp(addr: std::net::SocketAddr, password: Option<&str>) -> bool {
     std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(300)).is_ok_and(|mut stream| {
         let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
         pong(&mut stream, password)

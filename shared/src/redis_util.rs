@@ -121,7 +121,7 @@ pub async fn maxmemory_policy<C: redis::aio::ConnectionLike + Send>(
 }
 
 /// A field of `INFO` text (`name:value` lines).
-fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
+pub fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
     info.lines().find_map(|l| l.trim().strip_prefix(name)?.strip_prefix(':'))
 }
 

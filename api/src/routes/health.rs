@@ -47,8 +47,7 @@ pub const MEMORY_PRESSURE: f64 = 0.9;
 impl RedisMemory {
     /// Read off `INFO memory`; `None` when Redis has no `maxmemory` (0).
     pub fn from_info(info: &str) -> Option<Self> {
-        let field =
-            |name: &str| info.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(':')?.trim().parse::<u64>().ok());
+        let field = |name: &str| shared::redis_util::info_field(info, name)?.trim().parse::<u64>().ok();
         let (used_bytes, max_bytes) = (field("used_memory")?, field("maxmemory")?);
         (max_bytes > 0).then_some(Self {
             used_bytes,
@@ -86,7 +85,7 @@ pub async fn readyz(State(state): State<AppState>) -> Result<Json<Health>, crate
     };
     let info = crate::state::bounded(READY_TIMEOUT, "readiness INFO memory", info).await?;
     // A policy set to evict after this process started (it refuses one at start).
-    let policy = info.as_deref().and_then(|i| i.lines().find_map(|l| l.trim().strip_prefix("maxmemory_policy:")));
+    let policy = info.as_deref().and_then(|i| shared::redis_util::info_field(i, "maxmemory_policy")).map(str::trim);
     if let Some(why) = policy.and_then(shared::redis_util::eviction_refused) {
         return Err(crate::ApiError::NotReady(why));
     }

@@ -344,7 +344,7 @@ impl Trial {
     /// among the product's commands).
     pub async fn used_memory(&mut self) -> anyhow::Result<u64> {
         let info: String = redis::cmd("INFO").arg("memory").query_async(&mut self.admin).await?;
-        Ok(info.lines().find_map(|l| l.strip_prefix("used_memory:")).and_then(|v| v.trim().parse().ok()).unwrap_or(0))
+        Ok(shared::redis_util::info_field(&info, "used_memory").and_then(|v| v.trim().parse().ok()).unwrap_or(0))
     }
 
     /// Now on the mock's clock (its log's `at_us`), µs: the mock starts its
