@@ -1,5 +1,6 @@
 -- A worker's heartbeat: registers it, renews its leases, brings back turns whose
--- lease expired (their worker died or stalled), forgets dead workers.
+-- lease expired (their worker died or stalled), forgets dead workers, and (an idle
+-- worker's) wakes a worker for a turn left due.
 -- KEYS[Q_NKEYS+1] workers ZSET (identity -> last heartbeat ms), KEYS[Q_NKEYS+2]
 -- worker info HASH (identity -> JSON). ARGV: lease_ms, max_deliveries, identity,
 -- info JSON (or '' to skip registering), forget_ms (a registration silent this long
@@ -11,6 +12,8 @@
 -- not register: it is counted, and silent registrations forgotten, only by beats
 -- that register); lost ids are leases it no longer holds.
 local lease_ms, maxd = tonumber(ARGV[1]), tonumber(ARGV[2])
+-- How long a turn may stay due, untaken, before an idle worker's beat wakes one for it.
+local Q_STRAY_MS = 500
 local workers, info = KEYS[Q_NKEYS + 1], KEYS[Q_NKEYS + 2]
 local now = q_now()
 local registering = ARGV[4] ~= ''
@@ -34,6 +37,14 @@ if n > 0 then
     end
   end
   if #zadd > 0 then redis.call('ZADD', Q_LEASE, unpack(zadd)) end
+end
+-- A worker with no leases is idle, listening for tokens: a turn due a while and not
+-- taken lost its wake-up (a watch whose worker died, a token popped by a worker that
+-- died before it fetched), and is woken for here, so the workers' safety-net looks
+-- can be rare.
+if n == 0 then
+  local first = redis.call('ZRANGE', Q_DUE, 0, 0, 'WITHSCORES')
+  if first[2] and tonumber(first[2]) <= now - Q_STRAY_MS then q_wake() end
 end
 local expired = redis.call('ZRANGEBYSCORE', Q_LEASE, '-inf', now, 'LIMIT', 0, tonumber(ARGV[6]))
 for _, id in ipairs(expired) do

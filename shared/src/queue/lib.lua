@@ -96,6 +96,22 @@ local function q_wake_for(due_ms, now)
   if not watched or due_ms < watched then q_wake_at(due_ms, now) end
 end
 
+-- q_wake_for for a due time that is most likely the earliest (a budget line's head moved
+-- up: the watch is for its old time, or for nothing): the claim set and the old one read
+-- in one command, and put back when it was for this time or an earlier one.
+local function q_wake_first(due_ms, now)
+  if due_ms <= now then return q_wake() end
+  local old = redis.call('SET', Q_TIMER, string.format('%d|*', due_ms), 'PX', math.max(due_ms - now, 1) + 60000, 'GET')
+  local watched = q_claim_of(old, now)
+  if watched and watched <= due_ms then
+    redis.call('SET', Q_TIMER, old, 'PX', math.max(watched - now, 1) + 60000)
+    return
+  end
+  if redis.call('LPUSH', Q_NOTIFY, string.format('w%d', due_ms)) > Q_MAX_TOKENS then
+    redis.call('LTRIM', Q_NOTIFY, 0, 15)
+  end
+end
+
 -- Adds a new turn `id` with `payload`, due at `due_ms` (server clock; `now`:
 -- the script's), and wakes a worker for it; false (and nothing written) when
 -- the id is already queued, in flight or dead.

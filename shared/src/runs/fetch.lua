@@ -97,8 +97,8 @@ local function wait_again(it, a, now)
 end
 
 local function hold(ids, recs, now)
-  local keep = {}
-  if asks_json == '' then return keep, {} end
+  local keep, watch = {}, {}
+  if asks_json == '' then return keep, watch end
   local groups, order = {}, {}
   for i, qid in ipairs(ids) do
     local r = recs[i]
@@ -156,17 +156,26 @@ local function hold(ids, recs, now)
     -- the worker, which asks as before. Its releases moved the turns they let go in this
     -- same script (PACER_HOST, pacer_host.lua): due now, cleared.
     PACER_HOST.moved = {}
+    PACER_HOST.own = {}
+    for _, it in ipairs(g.items) do PACER_HOST.own[it.qid] = true end
+    PACER_HOST.watch = watch
     local replies = pacer_batch(keys, g.route.cfg, now, ops)
+    PACER_HOST.own, PACER_HOST.watch = nil, nil
     if replies then
       for k, it in ipairs(g.items) do
         local d = replies[first + k]
         -- A turn its own ask parked that a later op of the batch let go or retimed: the
-        -- host moved its entry already (pacer_host.lua), and that stands — released, it
-        -- stays queued, due now (a fetch asks for it again: the pacer's `start`); retimed,
-        -- it is due no later than the line's timer.
+        -- host noted it (pacer_host.lua `own`), and that stands — released, it stays
+        -- queued, due now, marked released here (a fetch asks for it again: the pacer's
+        -- `start`); retimed, it is due no later than the line's timer.
         local moved = type(d) == 'table' and d[1] == 1 and PACER_HOST.moved[it.qid]
         if type(moved) == 'number' then d[2] = math.min(tonumber(d[2]) or moved, math.max(moved - now, 1)) end
         if moved == true then
+          -- (Its own ask, later in the batch, is not cleared: it stays queued, due now,
+          -- released, as the host leaves a turn it releases.)
+          it.job.cleared, it.job.released, it.job.pause_ms = true, true, nil
+          it.r.payload = cjson.encode(it.job)
+          redis.call('HSET', Q_JOBS, it.qid, q_encode(it.r))
           keep[it.qid] = now
         elseif type(d) == 'table' and d[1] == 0 then
           it.job.cleared = true
@@ -191,7 +200,7 @@ local function hold(ids, recs, now)
       end
     end
   end
-  return keep, {}
+  return keep, watch
 end
 
 return q_fetch(tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5], start_leased, hold)

@@ -22,13 +22,19 @@ end
 
 -- A finished run's record, transcript and events (`run`, `tx`, `ev`) live for
 -- `retention` ms, then go (runs/store.lua); it leaves its tenant's unfinished runs.
-local function run_retire(run, tx, ev, now, retention)
-  local tenant = redis.call('HGET', run, 'tenant')
+-- `tenant`: the run's, when the caller read it already (else read here); `set`: fields
+-- the caller writes to the record anyway, written with the finish's in one HSET.
+local function run_retire(run, tx, ev, now, retention, tenant, set)
+  if not tenant then tenant = redis.call('HGET', run, 'tenant') end
   if tenant then
     local active, id = run_active(run, tenant)
     redis.call('ZREM', active, id)
   end
-  redis.call('HSET', run, 'finished_ms', now, 'updated_ms', now, 'wait_reason', '', 'next_attempt_ms', '', 'phase', '')
+  set = set or {}
+  for _, v in ipairs({'finished_ms', now, 'updated_ms', now, 'wait_reason', '', 'next_attempt_ms', '', 'phase', ''}) do
+    set[#set + 1] = v
+  end
+  redis.call('HSET', run, unpack(set))
   local ttl = tonumber(retention)
   if ttl and ttl > 0 then
     redis.call('PEXPIRE', run, ttl)

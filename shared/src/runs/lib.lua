@@ -154,7 +154,7 @@ local function events_from(at)
 end
 
 -- A finished run's keys live for the retention period, then go.
-local function retire(now, retention) run_retire(RUN, TX, EV, now, retention) end
+local function retire(now, retention, tenant, set) run_retire(RUN, TX, EV, now, retention, tenant, set) end
 
 -- Checks the run as read in `f` (its status and turns) for turn `turn`
 -- (nil: any): nil when this turn is not to go on, and why.

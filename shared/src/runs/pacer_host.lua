@@ -40,6 +40,16 @@ end
 -- parked, and the fetch's own answer for that turn must not undo it.
 PACER_HOST.moved = {}
 
+-- Set by the fetch while it asks for the turns it holds (runs/fetch.lua `hold`), nil
+-- otherwise. `own`: queue id -> true for those turns: one the line releases or retimes
+-- is not moved here (no record read or rewritten, nobody woken) — the fetch leases it
+-- when its ask clears it, or leaves it queued at its new time — only noted in `moved`.
+-- `watch`: the due times this script moved up, for the fetch's own watch (queue/fetch.lua:
+-- it claims the earliest for its worker, or wakes one), instead of a token and a claim
+-- for whoever takes it at each retime (a retime woke an idle worker to watch a time the
+-- fetching worker, idle with a slot, would watch itself).
+PACER_HOST.own, PACER_HOST.watch = nil, nil
+
 -- Released: the turn is cleared (its reservation is held), its entry due now, and a
 -- worker woken for it. `released`: the fetch that leases it tells the pacer its worker
 -- has it (runs/fetch.lua; pacer release.rs `start`): from then on its call may reach the
@@ -48,6 +58,11 @@ PACER_HOST.moved = {}
 -- left on its record here and makes it due now, released, instead of at the safety
 -- deadline its ask was given (a release lost there left the turn stranded for that long).
 function PACER_HOST.release(rid, now)
+  local own = PACER_HOST.own and PACER_HOST.own[string.match(rid, '^(.*):%d+:%d+$') or '']
+  if own then
+    PACER_HOST.moved[string.match(rid, '^(.*):%d+:%d+$')] = true
+    return true
+  end
   local qid, r, job = host_turn(rid)
   if not qid then return false end
   job.cleared = true
@@ -91,16 +106,33 @@ end
 -- The head of its line: its entry is due when the pacer weighs it next. A leased one's
 -- record is marked (`due_at`) for its worker's requeue (PACER_HOST.requeue).
 function PACER_HOST.retime(rid, at, now)
-  local qid, r, job = host_turn(rid)
-  if not qid then return false end
-  if r.flag ~= 'q' then
-    job.due_at = at
-    r.payload = cjson.encode(job)
-    redis.call('HSET', Q_JOBS, qid, q_encode(r))
+  local oid = string.match(rid, '^(.*):%d+:%d+$')
+  if oid and PACER_HOST.own and PACER_HOST.own[oid] then
+    if PACER_HOST.moved[oid] ~= true then PACER_HOST.moved[oid] = at end
     return true
   end
-  redis.call('ZADD', Q_DUE, 'XX', at, qid)
-  q_wake_for(at, now)
+  -- Queued (the line's usual head): its entry moved up in one command that says so (a
+  -- retime moves a timer up; LT: never a turn due sooner, were the waiter stale, so at
+  -- worst an entry comes due early and asks again); not queued, under no such id, or not
+  -- moved, it is read (a leased turn is marked, a gone one dropped) as before.
+  local qid = oid
+  if not (qid and redis.call('ZADD', Q_DUE, 'XX', 'LT', 'CH', at, qid) == 1) then
+    local r, job
+    qid, r, job = host_turn(rid)
+    if not qid then return false end
+    if r.flag ~= 'q' then
+      job.due_at = at
+      r.payload = cjson.encode(job)
+      redis.call('HSET', Q_JOBS, qid, q_encode(r))
+      return true
+    end
+    redis.call('ZADD', Q_DUE, 'XX', at, qid)
+  end
+  if PACER_HOST.watch then
+    PACER_HOST.watch[#PACER_HOST.watch + 1] = at
+  else
+    q_wake_first(at, now)
+  end
   if PACER_HOST.moved[qid] ~= true then PACER_HOST.moved[qid] = at end
   return true
 end

@@ -188,7 +188,8 @@ if op == 'commit' then
   local function pace(ops, now)
     return pacer_batch(pacing.keys, pacing.cfg, now, ops)
   end
-  local more = {'txi:' .. tag, 'phase', 'waited_ms', 'budget_waits', 'max_run_ms', 'created_ms', 'stored_bytes'}
+  local more = {'txi:' .. tag, 'phase', 'waited_ms', 'budget_waits', 'max_run_ms', 'created_ms', 'stored_bytes',
+    'tenant'}
   if counter ~= '' and counter ~= 'budget_waits' then more[#more + 1] = counter end
   local r, f, why = fenced(ARGV[3], ARGV[4], usage_and(more))
   if not r then
@@ -282,13 +283,11 @@ if op == 'commit' then
   q_finish(id)
   if next == 'complete' then
     for _, v in ipairs({'status', 'completed', 'output_text', ARGV[7]}) do set[#set + 1] = v end
-    redis.call('HSET', RUN, unpack(set))
-    retire(now, ARGV[10])
+    retire(now, ARGV[10], f.tenant or nil, set)
     return PACER_HOST.kicked({'completed', tostring(turns)})
   end
   for _, v in ipairs({'status', 'failed', 'error_kind', kind, 'error_message', message}) do set[#set + 1] = v end
-  redis.call('HSET', RUN, unpack(set))
-  retire(now, ARGV[10])
+  retire(now, ARGV[10], f.tenant or nil, set)
   return PACER_HOST.kicked({'failed', tostring(turns)})
 end
 

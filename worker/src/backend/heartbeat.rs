@@ -11,13 +11,14 @@ use super::*;
 /// leases of dead workers, and ends the shutdown grace.
 /// Between renewals it beats as an idle worker does: less often, the more so
 /// the larger the fleet (up to 8×), so the fleet's idle beats, and so its
-/// reclaims of dead workers' leases, stay about as frequent as two workers'
-/// would. (A turn that ends within a third of the lease, most of them, is
+/// reclaims of dead workers' leases and its looks for a turn left due
+/// (heartbeat.lua), stay about as frequent as one worker's would: one a
+/// third of the lease, a killed worker's turns back within 4/3 of it. (A turn that ends within a third of the lease, most of them, is
 /// never renewed: a beat at every third of the lease whatever the leases' age
 /// was most of a busy fleet's beats.)
 pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, worker: WorkerContext) {
     let every = queue.config().heartbeat_every();
-    let idle_every = |fleet: usize| every.mul_f64((fleet as f64 / 2.0).clamp(1.0, IDLE_BEAT_SCALE));
+    let idle_every = |fleet: usize| every.mul_f64((fleet as f64).clamp(1.0, IDLE_BEAT_SCALE));
     let grace = Duration::from_millis(queue.config().grace_ms);
     let mut started_at_ms = None;
     let mut last_beat: Option<Instant> = None;

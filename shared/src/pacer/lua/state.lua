@@ -203,17 +203,18 @@ local function fold_hist()
   local at = get('h_s')
   if at ~= sec then
     if at > 0 then
-      local key = KEYS[4] .. ':' .. string.format('%d', math.floor(at / 60))
-      local fresh = false
+      local minute = math.floor(at / 60)
+      local key = KEYS[4] .. ':' .. string.format('%d', minute)
       for _, kind in ipairs(HIST_KINDS) do
         local n = get('h_' .. kind)
-        if n > 0 then
-          local field = string.format('%d:%s', at, kind)
-          -- A second's first count (so also a new key's): the key's expiry is set then.
-          fresh = redis.call('HINCRBY', key, field, string.format('%d', n)) == n or fresh
-        end
+        if n > 0 then redis.call('HINCRBY', key, string.format('%d:%s', at, kind), string.format('%d', n)) end
       end
-      if fresh then redis.call('PEXPIRE', key, HIST_TTL_MS) end
+      -- The minute's expiry is set by its first fold (h_x: the minute last set), not by
+      -- each second's.
+      if get('h_x') ~= minute then
+        redis.call('PEXPIRE', key, HIST_TTL_MS)
+        S['h_x'] = minute
+      end
     end
     S['h_s'] = sec
     for _, kind in ipairs(HIST_KINDS) do S['h_' .. kind] = 0 end
