@@ -75,9 +75,10 @@ impl UsageTotals {
 /// The kinds a day's hash counts, by field suffix.
 const KINDS: [&str; 7] = ["calls", "input", "cached", "written", "output", "reasoning", "cost_micros"];
 
-/// A worker's counts not yet written, by (day, tenant, model).
+/// A worker's counts not yet written, by (day, tenant, model), and the last
+/// day whose hash this process gave its expiry (0: none yet).
 #[derive(Debug, Default)]
-pub struct UsageBook(Mutex<HashMap<(u64, String, String), [u64; 7]>>);
+pub struct UsageBook(Mutex<HashMap<(u64, String, String), [u64; 7]>>, std::sync::atomic::AtomicU64);
 
 impl UsageBook {
     /// Adds one answered call of `tenant` on `model` at `now_ms`.
@@ -117,8 +118,12 @@ impl UsageBook {
                 }
             }
         }
-        for day in days {
-            pipe.cmd("PEXPIRE").arg(keys.usage_day(day)).arg(KEEP_DAYS * DAY_MS).ignore();
+        // A day's hash expires KEEP_DAYS after the day ends: one fixed instant,
+        // set once a day by each process (not at every write).
+        use std::sync::atomic::Ordering::Relaxed;
+        let last = days.iter().copied().max().unwrap_or_default();
+        for &day in days.iter().filter(|&&d| d > self.1.load(Relaxed)) {
+            pipe.cmd("PEXPIREAT").arg(keys.usage_day(day)).arg((day + 1 + KEEP_DAYS) * DAY_MS).ignore();
         }
         if let Err(error) = pipe.query_async::<()>(conn).await {
             let mut book = self.0.lock().unwrap_or_else(|e| e.into_inner());
@@ -127,6 +132,7 @@ impl UsageBook {
             }
             return Err(error);
         }
+        self.1.fetch_max(last, Relaxed);
         Ok(())
     }
 }

@@ -345,6 +345,12 @@ async fn usage_adds_up_per_tenant_model_and_day() {
         (status == 200 && v["data"].as_array().is_some_and(|d| d.len() == 2)).then_some(v)
     })
     .await;
+    // A day's counts expire KEEP_DAYS after the day ends: one instant, the same from every
+    // worker and write (set once a day by each process, not with every write).
+    let day = now_ms() / 86_400_000;
+    let key = shared::keys::Keys::new(&app.prefix).usage_day(day);
+    let expires: i64 = redis::cmd("PEXPIRETIME").arg(&key).query_async(&mut app.redis.conn().await).await.unwrap();
+    assert_eq!(expires, ((day + 1 + shared::runs::usage::KEEP_DAYS) * 86_400_000) as i64, "{key}");
     let rows = by_tenant["data"].as_array().unwrap();
     assert_eq!((rows[0]["key"].as_str(), rows[1]["key"].as_str()), (Some("alpha"), Some("beta")));
     assert_eq!(rows[0]["calls"], 2);

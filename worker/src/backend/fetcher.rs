@@ -75,13 +75,23 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
                     let until = tokio::time::Instant::now() + Duration::from_millis(ms.max(0) as u64);
                     self.watching = Some(self.watching.map_or(until, |w| w.min(until)));
                     self.idle(Some(ms)).await;
-                    if self.why == FetchWhy::Watch && !self.watch_still_mine().await {
-                        // Another fetch found this watch stale and watches the
-                        // next due time instead: nothing is due here yet.
-                        self.watching = None;
-                        self.why = FetchWhy::Unsaid;
-                        self.then = Some(Then::Listen);
-                        continue;
+                    if self.why == FetchWhy::Watch {
+                        // Nothing is due here yet: the claim is for a later time.
+                        match self.after_watch().await {
+                            AfterWatch::Fetch => {}
+                            AfterWatch::Listen => {
+                                self.watching = None;
+                                self.why = FetchWhy::Unsaid;
+                                self.then = Some(Then::Listen);
+                                continue;
+                            }
+                            AfterWatch::Watch { ms } => {
+                                self.watching = None;
+                                self.why = FetchWhy::Unsaid;
+                                self.then = Some(Then::Watch { ms });
+                                continue;
+                            }
+                        }
                     }
                 }
                 Some(Then::FetchAgain) => self.why = FetchWhy::Again,
@@ -235,23 +245,31 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
         }
     }
 
-    /// Whether the watch this process's timer ended is still its own: the
-    /// queue's claim (`timer`, `due|worker`) names this worker or whoever took
-    /// a token (`*`: this worker may be that one), there is none (expired),
-    /// or its time has passed (anyone's to act on; 50 ms of slack for this
-    /// process's reading of the server's clock). A fetch that
-    /// found nothing due before the next turn's due time took the claim over
-    /// (fetch.lua): the turn this worker watched was released early and taken,
-    /// and a fetch now would find nothing. One `GET` instead of that fetch; on
-    /// any doubt (an error, a clock not read yet), the worker fetches.
-    async fn watch_still_mine(&mut self) -> bool {
+    /// What to do when the watch this process's timer ended: the queue's
+    /// claim (`timer`, `due|worker`) is the earliest due time any worker
+    /// watches (turns due at once wake workers with tokens of their own). Its
+    /// time passed, or there is none (expired): fetch (anyone's to act on; 50
+    /// ms of slack for this process's reading of the server's clock). Still
+    /// ahead: nothing is due yet — the turn this worker watched was released
+    /// early and taken, or its line's head moved — so a fetch now would find
+    /// nothing: watch it if the claim is this worker's, else listen (a claim
+    /// for whoever takes a token, `*`, has its token in the list, which this
+    /// worker may be the one to take). One `GET` instead of that fetch; on any
+    /// doubt (an error, a clock not read yet), the worker fetches.
+    async fn after_watch(&mut self) -> AfterWatch {
         let claim: redis::RedisResult<Option<String>> =
             redis::cmd("GET").arg(&self.queue.keys().timer).query_async(&mut self.queue.conn()).await;
-        let Ok(Some(claim)) = claim else { return true };
-        let Some((at, who)) = claim.split_once('|') else { return true };
-        let (Ok(at), Some((server_ms, read))) = (at.parse::<i64>(), self.clock) else { return true };
+        let Ok(Some(claim)) = claim else { return AfterWatch::Fetch };
+        let Some((at, who)) = claim.split_once('|') else { return AfterWatch::Fetch };
+        let (Ok(at), Some((server_ms, read))) = (at.parse::<i64>(), self.clock) else { return AfterWatch::Fetch };
         let server_now = server_ms + read.elapsed().as_millis() as i64;
-        who == self.shared.identity || who == "*" || at <= server_now + 50
+        if at <= server_now + 50 {
+            AfterWatch::Fetch
+        } else if who == self.shared.identity {
+            AfterWatch::Watch { ms: at - server_now }
+        } else {
+            AfterWatch::Listen
+        }
     }
 
     /// How long until the due time a token named, or this process's own watch
@@ -401,4 +419,14 @@ const GATHER: Duration = Duration::from_millis(2);
 /// Exponential backoff for Redis trouble: 50 ms doubling to 2 s.
 pub(super) fn backoff(failures: u32) -> Duration {
     Duration::from_millis((50u64 << failures.min(6)).min(2000))
+}
+
+/// What a worker whose watch's timer went does ([`Fetcher::after_watch`]).
+enum AfterWatch {
+    /// Its time (or a later claim's) is due: fetch.
+    Fetch,
+    /// Another worker, or whoever takes a token, watches a later time: listen.
+    Listen,
+    /// This worker's own claim is for a later time: watch that, `ms` from now.
+    Watch { ms: i64 },
 }
