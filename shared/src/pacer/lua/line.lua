@@ -190,6 +190,16 @@ local function put(id, r)
     end
     local was = Wc[id]
     no_waiters = false
+    if was and id == head_id and was[ORDER] == r[ORDER] then
+      -- The head, changed in place (a retime, a new reason): its record is the state's
+      -- field hd, written with the state; its entry in the waiters' hash is brought up to
+      -- date only if it stops being the head while it waits (below), so each retime
+      -- costs no write of its own. Every read of the head goes through hd (`head`, the
+      -- snapshot: ops.lua).
+      Wc[id] = r
+      head_rec, head_changed = r, true
+      return
+    end
     S['nw'] = S['nw'] + redis.call('HSET', waiters, id, rec_encode(r))
     -- A waiter asking again keeps its place: its line entry is already that.
     if not (was and was[ORDER] == r[ORDER]) then redis.call('ZADD', line_key, r[ORDER], id) end
@@ -197,6 +207,8 @@ local function put(id, r)
     -- The head as it stands after this waiter's place (known before it, or read now).
     local hid, h = head()
     if hid == id or not hid or r[ORDER] < h[ORDER] or (r[ORDER] == h[ORDER] and id < hid) then
+      -- (The head it displaces waits on behind it: its record, kept in hd, written back.)
+      if hid and hid ~= id then redis.call('HSET', waiters, hid, rec_encode(h)) end
       head_id, head_rec, head_changed = id, r, true
     end
   end

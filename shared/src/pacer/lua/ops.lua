@@ -47,8 +47,10 @@ if op == 'snapshot' then
     local ids = redis.call('ZRANGE', line_key, 0, SNAPSHOT_WAITERS - 1)
     if #ids > 0 then
       local raw = redis.call('HMGET', waiters, unpack(ids))
+      local hid, h = head()
       for i, id in ipairs(ids) do
-        local w = rec_decode(raw[i])
+        -- (The head's record is the state's hd field: line.lua `put`.)
+        local w = (id == hid and h) or rec_decode(raw[i])
         if w and w[KIND] == 'w' then
           out[#out + 1] = 'rec:' .. id
           out[#out + 1] = rec_text(w)
