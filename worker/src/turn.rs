@@ -310,7 +310,8 @@ impl Runner {
             return Ok(settled(lease, fence, TurnOutcome::Requeued));
         }
         let full_input = built.full_input;
-        let mut result = self.send(route, lease, job, cancel, built.body, built.answer_tool.as_deref()).await;
+        let (mut result, mut tail) =
+            self.send(route, lease, job, cancel, built.body, built.answer_tool.as_deref()).await;
         // A provider's context-length error: the window it names (a tenth
         // under what it refused when it names none) is learned, and the call
         // trimmed to it is sent once more, under the same reservation (the
@@ -326,7 +327,8 @@ impl Runner {
                 tracing::info!(message = "the provider said the input overflows its context window; trimmed and sent again",
                     run.id = %lease.id, turn.index = job.turn, input = full_input, fits = ?fits, error = %failure.message);
                 if again.overflow.is_none() {
-                    result = self.send(route, lease, job, cancel, again.body, again.answer_tool.as_deref()).await;
+                    (result, tail) =
+                        self.send(route, lease, job, cancel, again.body, again.answer_tool.as_deref()).await;
                 }
             }
         }
@@ -353,7 +355,7 @@ impl Runner {
             return self.cancelled(lease, ctx).await;
         };
         match result {
-            Ok(success) => self.on_success(lease, job, ctx, &reservation, success, cancel).await,
+            Ok(success) => self.on_success(lease, job, ctx, &reservation, success, tail, cancel).await,
             Err(failure) => self.on_failure(lease, job, ctx, &reservation, failure).await,
         }
     }
@@ -424,8 +426,11 @@ impl Runner {
     /// arrive, in order, without making the provider's stream wait on Redis.
     /// Deltas that arrive within 50 ms of each other go out as one event: a
     /// listener sees the text as it comes, Redis sees a few writes per turn,
-    /// not one per token. `None`: the run was cancelled, and the call dropped
-    /// mid-way.
+    /// not one per token. The last batch, still gathering when the answer
+    /// ended, is handed back with an answer (its event data: the commit writes
+    /// it, before `turn.completed`, in the entry it writes anyway — one `XADD`
+    /// a turn less), else emitted here. `None`: the run was cancelled, and the
+    /// call dropped mid-way.
     async fn send(
         &self,
         route: &Route,
@@ -434,24 +439,30 @@ impl Runner {
         cancel: &Cancel,
         body: Value,
         answer_tool: Option<&str>,
-    ) -> Option<Result<CallSuccess, CallFailure>> {
+    ) -> (Option<Result<CallSuccess, CallFailure>>, Option<Value>) {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
         let store = self.store.clone();
         let run_id = lease.id.clone();
         let turn = job.turn;
         let epoch = lease.epoch;
+        let delta = move |text: String| json!({"turn": turn, "epoch": epoch, "delta": text});
         let forward = tokio::spawn(async move {
             while let Some(first) = rx.recv().await {
                 let mut text = first;
                 let flush_at = tokio::time::Instant::now() + DELTA_BATCH;
-                while let Ok(Some(more)) = tokio::time::timeout_at(flush_at, rx.recv()).await {
-                    text.push_str(&more);
+                loop {
+                    match tokio::time::timeout_at(flush_at, rx.recv()).await {
+                        Ok(Some(more)) => text.push_str(&more),
+                        // The answer ended while this batch gathered: the caller's.
+                        Ok(None) => return Some(delta(text)),
+                        Err(_) => break,
+                    }
                 }
-                let data = json!({"turn": turn, "epoch": epoch, "delta": text});
-                if let Err(error) = store.emit(&run_id, event::TURN_OUTPUT_TEXT_DELTA, &data).await {
+                if let Err(error) = store.emit(&run_id, event::TURN_OUTPUT_TEXT_DELTA, &delta(text)).await {
                     tracing::warn!(message = "could not emit a text delta", %error, run.id = %run_id);
                 }
             }
+            None
         });
         let mut on_event = move |ev: StreamEvent| {
             if let StreamEvent::TextDelta(delta) = ev {
@@ -464,10 +475,22 @@ impl Runner {
             () = cancel.wait() => None,
         };
         drop(on_event);
-        let _ = forward.await;
-        result
+        let tail = forward.await.ok().flatten();
+        match (&result, tail) {
+            (Some(Ok(_)), tail) => (result, tail),
+            (_, Some(data)) => {
+                if let Err(error) = self.store.emit(&lease.id, event::TURN_OUTPUT_TEXT_DELTA, &data).await {
+                    tracing::warn!(message = "could not emit a text delta", %error, run.id = %lease.id);
+                }
+                (result, None)
+            }
+            (_, None) => (result, None),
+        }
     }
 
+    /// `tail`: the answer's last text delta not emitted yet ([`Self::send`]),
+    /// written by the script that commits the output.
+    #[allow(clippy::too_many_arguments)]
     async fn on_success(
         &self,
         lease: &Lease,
@@ -475,6 +498,7 @@ impl Runner {
         ctx: &TurnContext,
         reservation: &str,
         success: CallSuccess,
+        tail: Option<Value>,
         cancel: &Cancel,
     ) -> Result<TurnOutcome, TurnError> {
         metrics::counter!(metric::PROVIDER_CALLS, "status" => success.status.to_string()).increment(1);
@@ -510,18 +534,20 @@ impl Runner {
         } else {
             None
         };
+        // The last text delta first, then the tool calls, announced by whichever
+        // script commits the output.
+        let mut announced: Vec<(&str, Value)> = tail.map(|d| (event::TURN_OUTPUT_TEXT_DELTA, d)).into_iter().collect();
         if let Some((next, outcome)) = ends {
             let pacing = self.commit_pacing(&ctx.spec, &settle, None);
             let committed = self
                 .store
-                .commit_with_output(lease, job, None, &success.output, usage, &next, &[], pacing.as_ref())
+                .commit_with_output(lease, job, None, &success.output, usage, &next, &announced, pacing.as_ref())
                 .await;
             settle.made_by(&committed);
             return Ok(settled(lease, committed?.fence, outcome));
         }
-        // The tool calls, announced by whichever script commits the output.
-        let announced: Vec<(&str, Value)> =
-            tool_call_events(lease, job, &success.tool_calls).into_iter().map(|e| (event::TURN_TOOL_CALL, e)).collect();
+        announced
+            .extend(tool_call_events(lease, job, &success.tool_calls).into_iter().map(|e| (event::TURN_TOOL_CALL, e)));
         let output = ModelOutput { items: &success.output, usage, events: &announced };
         self.run_tools_and_commit(lease, job, ctx, &success.tool_calls, cancel, Some(output), Some(settle)).await
     }

@@ -593,6 +593,29 @@ async fn a_turn_whose_lease_is_taken_back_stops_its_call_and_writes_no_text() {
     app.stop_workers().await;
 }
 
+/// The answer's last text delta, still gathering when the answer ended, is
+/// written by the commit, in the entry it writes anyway, before
+/// `turn.completed`: the streamed text is whole and in order, and a turn
+/// whose answer comes in one batch writes no delta entry of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_text_delta_rides_in_the_commits_entry_before_turn_completed() {
+    let mut app = App::start(MockConfig { output_tokens: 20, ..MockConfig::default() }).await;
+    app.spawn_worker(app.config());
+    let run = app.submit(json!({"model": "gpt-test", "input": "say something"})).await;
+    let done = app.wait_finished(&run.id, secs(20)).await;
+    assert_eq!(done.status, RunStatus::Completed, "{:?}", done.error);
+    let events = app.store.events(TENANT, &run.id, None, None, 500).await.unwrap().unwrap();
+    let deltas: Vec<_> = events.iter().filter(|e| e.kind == "turn.output_text.delta").collect();
+    let streamed: String = deltas.iter().map(|e| e.data["delta"].as_str().unwrap_or_default().to_owned()).collect();
+    assert_eq!(Some(streamed.as_str()), done.output_text.as_deref());
+    let entry = |id: &str| id.split('.').next().unwrap().to_owned();
+    let completed = events.iter().position(|e| e.kind == "turn.completed").expect("turn.completed");
+    let last = events.iter().rposition(|e| e.kind == "turn.output_text.delta").expect("a delta");
+    assert_eq!(last + 1, completed, "the last delta just before turn.completed: {events:?}");
+    assert_eq!(entry(&events[last].id), entry(&events[completed].id), "in the commit's entry: {events:?}");
+    app.stop_workers().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_payload_or_record_of_a_newer_format_ends_its_run_with_the_reason_not_a_wrong_turn() {
     let mut app = App::start(MockConfig::default()).await;
