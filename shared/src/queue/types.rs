@@ -46,6 +46,10 @@ pub trait LocalFetcher: Send + Sync + std::fmt::Debug {
     /// A turn was just queued with no wake-up token: fetch once more after
     /// this, even if idle or about to be.
     fn kick(&self);
+    /// A queued turn's due time (server clock, ms) moved up with no wake-up
+    /// token: this process watches it (claimed for whoever takes a token,
+    /// `*`), as a token naming it would have made any idle worker do.
+    fn watch(&self, due_ms: i64);
 }
 
 impl Lease {
@@ -103,6 +107,13 @@ impl Lease {
     pub fn kick(&self) {
         if let Some(f) = &self.fetcher {
             f.kick();
+        }
+    }
+
+    /// Tells the process's fetcher to watch `due_ms` (see [`LocalFetcher::watch`]).
+    pub fn watch(&self, due_ms: i64) {
+        if let Some(f) = &self.fetcher {
+            f.watch(due_ms);
         }
     }
 

@@ -29,8 +29,29 @@ local PACER_HOST = {}
 -- the caller asks for that fetch (store.rs `commit_with_output`). A wake-up token per
 -- release woke a second worker to an empty fetch.
 PACER_HOST.quiet, PACER_HOST.kick = false, false
-function PACER_HOST.kicked(out)
-  if PACER_HOST.kick then out[#out + 1] = 'k' end
+function PACER_HOST.kicked(out, now)
+  if PACER_HOST.kick then
+    -- (That fetch claims the watch of what it finds: a retime's time needs no more.)
+    out[#out + 1] = 'k'
+  elseif PACER_HOST.watch and #PACER_HOST.watch > 0 then
+    -- The line's head moved up, and no fetch follows: the caller's process watches
+    -- its time (`w` and the ms: store.rs, Lease::watch), claimed for whoever takes a
+    -- token as q_wake_first claims it, with no token to wake another worker.
+    local at = math.min(unpack(PACER_HOST.watch))
+    now = now or q_now()
+    if at <= now then
+      q_wake()
+    else
+      local old = redis.call('SET', Q_TIMER, string.format('%d|*', at), 'PX', math.max(at - now, 1) + 60000, 'GET')
+      local watched = q_claim_of(old, now)
+      if watched and watched <= at then
+        redis.call('SET', Q_TIMER, old, 'PX', math.max(watched - now, 1) + 60000)
+      else
+        out[#out + 1] = string.format('w%d', at)
+      end
+    end
+  end
+  PACER_HOST.watch = nil
   return out
 end
 

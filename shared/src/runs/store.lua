@@ -181,6 +181,8 @@ if op == 'commit' then
   -- then n type/data pairs, then the entries appended
   local tag = tonumber(ARGV[4]) + 1
   PACER_HOST.quiet = ARGV[14] == '1' or ARGV[14] == '2'
+  -- (Its process watches what the line's retimes move up: PACER_HOST.kicked.)
+  if PACER_HOST.quiet then PACER_HOST.watch = {} end
   local delay, reason, counter, paced = tonumber(ARGV[15]) or 0, ARGV[16], ARGV[17], ARGV[18]
   local pacing = ARGV[19] ~= '' and cjson.decode(ARGV[19]) or nil
   -- The pacer's ops, in one call of its script: `ops` at the clock `now`; the answers,
@@ -278,17 +280,17 @@ if op == 'commit' then
       out[3] = tostring(asked[1]); out[4] = string.format('%d', delay); out[5] = tostring(asked[3] or 0)
       out[6] = string.format('%d', eta)
     end
-    return PACER_HOST.kicked(out)
+    return PACER_HOST.kicked(out, now)
   end
   q_finish(id)
   if next == 'complete' then
     for _, v in ipairs({'status', 'completed', 'output_text', ARGV[7]}) do set[#set + 1] = v end
     retire(now, ARGV[10], f.tenant or nil, set)
-    return PACER_HOST.kicked({'completed', tostring(turns)})
+    return PACER_HOST.kicked({'completed', tostring(turns)}, now)
   end
   for _, v in ipairs({'status', 'failed', 'error_kind', kind, 'error_message', message}) do set[#set + 1] = v end
   retire(now, ARGV[10], f.tenant or nil, set)
-  return PACER_HOST.kicked({'failed', tostring(turns)})
+  return PACER_HOST.kicked({'failed', tostring(turns)}, now)
 end
 
 if op == 'fail' then

@@ -1123,6 +1123,12 @@ impl RunStore {
         if released || (quiet && !matches!(asked, Some(crate::pacer::Decision::Owed { .. }))) {
             lease.kick();
         }
+        // Or the settle moved the line's head up, and no fetch follows: this
+        // process watches its time (a trailing `w<ms>`, pacer_host.lua `kicked`).
+        let watch = reply.as_ref().ok().and_then(|r| r.last()?.strip_prefix('w')?.parse::<i64>().ok());
+        if let Some(due_ms) = watch {
+            lease.watch(due_ms);
+        }
         let reply = reply?;
         let ended = reply.first().is_some_and(|o| o == "failed") && matches!(next, Next::Continue | Next::Paced { .. });
         Ok(Committed { fence: Self::fence(&reply)?, asked, ended })

@@ -781,6 +781,53 @@ async fn a_worker_takes_its_runs_next_turns_without_a_wake_up_token() {
     }
 }
 
+/// A scarce budget's line moves by its releases and its head's timer alone:
+/// one worker process whose safety net is a minute (so no look of its own
+/// moves anything) takes 16 runs that wait in line, every one completes, and
+/// the wake-up tokens pushed after the submits are a few, not one a turn (a
+/// release in a fetch or a commit wakes no other worker; a timer moved up is
+/// watched by the process that moved it: the fetch's, or the commit's,
+/// `Lease::watch`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scarce_budgets_line_moves_with_no_safety_net_and_few_wake_up_tokens() {
+    let app = App::start(MockConfig {
+        tpm: 2_000,
+        rpm: 10_000,
+        window: Duration::from_secs(2),
+        latency: Duration::from_millis(50),
+        ..MockConfig::default()
+    })
+    .await;
+    let _worker = app.worker_process(&["--concurrency", "8", "--queue-idle-ms", "60000", "--pacer", "shared"], "error");
+    let runs = 16;
+    let mut ids = vec![];
+    for i in 0..runs {
+        let body = json!({"model": "gpt-test", "input": format!("task {i} {}", "words ".repeat(200)), "max_output_tokens": 100});
+        ids.push(app.submit(body).await.id);
+    }
+    let mut conn = app.redis.conn().await;
+    let lpush = |info: &str| -> u64 {
+        info.lines()
+            .find_map(|l| l.strip_prefix("cmdstat_lpush:calls="))
+            .and_then(|l| l.split(',').next()?.parse().ok())
+            .unwrap_or(0)
+    };
+    let info: String = redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.unwrap();
+    let submitted = lpush(&info);
+    for id in &ids {
+        let run = app.wait_finished(id, secs(60)).await;
+        assert_eq!(run.status, RunStatus::Completed, "{run:?}");
+    }
+    let info: String = redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.unwrap();
+    let pushed = lpush(&info) - submitted;
+    let stats = app.mock.stats();
+    eprintln!(
+        "{runs} runs: {} calls, {} 429s; tokens pushed {submitted} by the submits, {pushed} after",
+        stats.requests, stats.rate_limited
+    );
+    assert!(pushed <= 4, "{pushed} wake-up tokens pushed while {runs} turns were let go one by one");
+}
+
 /// A first turn cleared for fewer tokens than its worker counts (the API's
 /// ask is its count of the body in the style it knows; here an ask of 5
 /// tokens) gives the reservation back and asks for what it will send: the

@@ -97,6 +97,13 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
                 Some(Then::FetchAgain) => self.why = FetchWhy::Again,
                 None => {}
             }
+            // A due time this process's commit moved up (`Lease::watch`): as a
+            // token naming it — unless a fetch comes next anyway (more was due,
+            // or a kick): that fetch claims the watch of what it finds.
+            let hint = self.shared.watch_hint.swap(0, Ordering::SeqCst);
+            if hint > 0 && !backlog && !self.shared.kicked.load(Ordering::SeqCst) {
+                self.watch_token = Some(self.watch_token.map_or(hint, |t| t.min(hint)));
+            }
             if let Some(ms) = self.watch_from_token() {
                 // A token named the next due time: watch it (and any earlier
                 // watch of this process), with no fetch to learn it.
@@ -357,14 +364,14 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
     }
 
     /// How long an idle worker waits for a token before it looks anyway: the
-    /// configured interval times twice the fleet (at most 32×), so the fleet
-    /// looks about as often as one worker every two intervals would, whatever
-    /// its size; jittered ±20 % so the fleet's looks spread out. (A turn left
-    /// due is found sooner by the idle workers' beats, heartbeat.lua; this net
-    /// is for a Redis that loses what those write.)
+    /// configured interval times four times the fleet (at most 64×), so the
+    /// fleet looks about as often as one worker every four intervals would,
+    /// whatever its size; jittered ±20 % so the fleet's looks spread out. (A
+    /// turn left due is found sooner by the idle workers' beats,
+    /// heartbeat.lua; this net is for a Redis that loses what those write.)
     pub(super) fn safety_net(&self) -> Duration {
         let base = self.queue.config().idle_ms.max(100) as f64;
-        let scale = (self.shared.fleet.load(Ordering::Relaxed) as f64 * 2.0).clamp(1.0, 32.0);
+        let scale = (self.shared.fleet.load(Ordering::Relaxed) as f64 * 4.0).clamp(1.0, 64.0);
         Duration::from_millis((base * scale * (0.8 + 0.4 * rand::random::<f64>())) as u64)
     }
 

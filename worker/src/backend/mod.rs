@@ -100,6 +100,9 @@ struct BackendState {
     kicked: AtomicBool,
     /// Wakes an idle fetcher when kicked.
     kick: tokio::sync::Notify,
+    /// A due time a handler's commit moved up for this process to watch
+    /// (`Lease::watch`; 0: none): taken by the fetcher as a token naming it.
+    watch_hint: std::sync::atomic::AtomicI64,
     /// The server lets this worker cancel its idle `BLPOP` (`CLIENT UNBLOCK`),
     /// which a kick needs; without it, turns are queued with a token as before.
     can_unblock: AtomicBool,
@@ -230,6 +233,7 @@ impl<T> QueueBackend<T> {
                 stopping: AtomicBool::new(false),
                 kicked: AtomicBool::new(false),
                 kick: tokio::sync::Notify::new(),
+                watch_hint: std::sync::atomic::AtomicI64::new(0),
                 can_unblock: AtomicBool::new(true),
                 on_held: std::sync::OnceLock::new(),
             }),
@@ -285,6 +289,17 @@ impl LocalFetcher for FetcherHandle {
     fn kick(&self) {
         if let Some(s) = self.0.upgrade() {
             s.kicked.store(true, Ordering::SeqCst);
+            s.kick.notify_waiters();
+        }
+    }
+
+    fn watch(&self, due_ms: i64) {
+        if let Some(s) = self.0.upgrade() {
+            // The earliest, if two commits hint before the fetcher looks.
+            let _ = s
+                .watch_hint
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |h| Some(if h > 0 { h.min(due_ms) } else { due_ms }));
+            // (Not `kicked`: that asks for a fetch; this only wakes an idle wait.)
             s.kick.notify_waiters();
         }
     }
