@@ -31,7 +31,7 @@ pub struct BacklogFigures {
     /// Runs submitted at once (nearly all of them waiting at first).
     pub runs: usize,
     /// Submitting and parking: Redis commands per run, from the first submit
-    /// until no turn was due.
+    /// until no turn was due or leased (the first wave answered).
     pub setup_commands_per_run: f64,
     /// Submitting and parking: Redis CPU per run, ms.
     pub setup_cpu_ms_per_run: f64,

@@ -83,6 +83,9 @@ pub struct Trial {
     /// Commands this bench itself sent between the snapshots (polls).
     own_commands: u64,
     deliveries_key: Option<String>,
+    /// Deliveries the hook logged before the last mark (their `RPUSH`es
+    /// belong to the span before it).
+    deliveries_at_mark: u64,
     /// (tenant, run id) of every submit.
     submitted: Vec<(String, String)>,
 }
@@ -252,6 +255,7 @@ impl Trial {
             cpu_before: 0.0,
             own_commands: 0,
             deliveries_key,
+            deliveries_at_mark: 0,
             submitted: vec![],
         };
         trial.before = CommandStats::read(&mut trial.admin).await?;
@@ -289,16 +293,25 @@ impl Trial {
         Ok((ids, took))
     }
 
-    /// Waits until no turn is due (every submitted turn asked and parked, or
-    /// leased), polling every 100 ms, at most `timeout`; whether it came to that.
+    /// Waits until no turn is due and none is leased (every submitted turn
+    /// asked and parked, and the first wave the full bucket let through
+    /// answered and committed: its commits are setup's, as its admissions
+    /// are), polling every 100 ms, at most `timeout`; whether it came to that.
     pub async fn wait_parked(&mut self, timeout: Duration) -> anyhow::Result<bool> {
         let deadline = Instant::now() + timeout;
-        let due = self.queue.keys().due.clone();
+        let (due, lease) = (self.queue.keys().due.clone(), self.queue.keys().lease.clone());
         loop {
             let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(&mut self.admin).await?;
             let now_ms = secs * 1000 + micros / 1000;
-            let n: u64 = redis::cmd("ZCOUNT").arg(&due).arg("-inf").arg(now_ms).query_async(&mut self.admin).await?;
-            if n == 0 {
+            let (n, leased): (u64, u64) = redis::pipe()
+                .cmd("ZCOUNT")
+                .arg(&due)
+                .arg("-inf")
+                .arg(now_ms)
+                .zcard(&lease)
+                .query_async(&mut self.admin)
+                .await?;
+            if n == 0 && leased == 0 {
                 return Ok(true);
             }
             if Instant::now() >= deadline {
@@ -312,15 +325,26 @@ impl Trial {
     /// commands (the bench's own taken out) and CPU seconds — and starts the
     /// figures [`Trial::finish`] reports from now.
     pub async fn mark(&mut self) -> anyhow::Result<(CommandDelta, f64)> {
+        // (Read first: this `LLEN` is counted in the span it ends, with our polls.)
+        let logged: u64 = match &self.deliveries_key {
+            Some(key) => redis::cmd("LLEN").arg(key).query_async(&mut self.admin).await?,
+            None => 0,
+        };
         let now = CommandStats::read(&mut self.admin).await?;
         let cpu = super::redis::cpu_seconds(&mut self.admin).await?;
         let mut delta = now.since(&self.before);
-        if let Some(row) = delta.by_command.iter_mut().find(|(k, _)| k == "zcard") {
-            row.1 = row.1.saturating_sub(self.own_commands);
+        // Our polls, and the hook's RPUSHes in this span, out of their rows.
+        let hooked = logged.saturating_sub(self.deliveries_at_mark);
+        for (name, n) in
+            [("zcard", self.own_commands), ("rpush", hooked), ("llen", u64::from(self.deliveries_key.is_some()))]
+        {
+            if let Some(row) = delta.by_command.iter_mut().find(|(k, _)| k == name) {
+                row.1 = row.1.saturating_sub(n);
+            }
         }
         delta.by_command.retain(|(_, v)| *v > 0);
         let spent = cpu - self.cpu_before;
-        (self.before, self.cpu_before, self.own_commands) = (now, cpu, 0);
+        (self.before, self.cpu_before, self.own_commands, self.deliveries_at_mark) = (now, cpu, 0, logged);
         Ok((delta, spent))
     }
 
@@ -442,14 +466,18 @@ impl Trial {
         let lease_losses = super::fleet::log_lines_with(&logs, shared::queue::LEASE_LOST_MESSAGE);
         let mut commands = after.since(&self.before);
         let mut deliveries = vec![];
+        let mut logged = 0;
         if let Some(key) = &self.deliveries_key {
             let lines: Vec<String> = redis::cmd("LRANGE").arg(key).arg(0).arg(-1).query_async(&mut self.admin).await?;
             // Each line was one RPUSH of the hook, inside the measured span.
             deliveries = lines.iter().filter_map(|l| Delivery::parse(l)).collect();
+            logged = lines.len() as u64;
         }
         // The hook's RPUSHes and our ZCARDs, taken out of their own rows too,
         // so the breakdown shows the product's commands only.
-        for (name, n) in [("rpush", deliveries.len() as u64), ("zcard", self.own_commands)] {
+        // (Only those after the last mark: the earlier ones' RPUSHes were in its span.)
+        let hooked = logged.saturating_sub(self.deliveries_at_mark);
+        for (name, n) in [("rpush", hooked), ("zcard", self.own_commands)] {
             if let Some(row) = commands.by_command.iter_mut().find(|(k, _)| k == name) {
                 row.1 = row.1.saturating_sub(n);
             }

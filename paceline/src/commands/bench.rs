@@ -549,7 +549,7 @@ async fn backlog(
             format!("{:.1}/{:.1}", f.get_run_ms.p50, f.get_run_ms.p99)
         );
     }
-    println!("(setup: per run, from the first submit until no turn was due; the rest: per turn admitted after it, within the measured span)");
+    println!("(setup: per run, from the first submit until no turn was due or leased (the first wave answered); the rest: per turn admitted after it, within the measured span)");
     for (n, f) in &rows {
         let by: Vec<String> = f.redis_commands_by_command.iter().map(|(k, v)| format!("{k} {v:.1}")).collect();
         println!("{n} runs: commands per admitted turn: {}", by.join(", "));

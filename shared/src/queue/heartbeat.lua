@@ -40,9 +40,10 @@ if n > 0 then
 end
 -- A worker with no leases is idle, listening for tokens: a turn due a while and not
 -- taken lost its wake-up (a watch whose worker died, a token popped by a worker that
--- died before it fetched), and is woken for here, so the workers' safety-net looks
--- can be rare.
-if n == 0 then
+-- died before it fetched), and is woken for here — by an idle worker's registering
+-- beat (the fleet's come every few seconds) — so the workers' safety-net looks can be
+-- rare.
+if n == 0 and registering then
   local first = redis.call('ZRANGE', Q_DUE, 0, 0, 'WITHSCORES')
   if first[2] and tonumber(first[2]) <= now - Q_STRAY_MS then q_wake() end
 end

@@ -10,15 +10,15 @@ use super::*;
 /// leases, or two `beat_ms`: it is renewed well within that), reclaims expired
 /// leases of dead workers, and ends the shutdown grace.
 /// Between renewals it beats as an idle worker does: less often, the more so
-/// the larger the fleet (up to 16×), so the fleet's idle beats, and so its
-/// reclaims of dead workers' leases and its looks for a turn left due
-/// (heartbeat.lua), stay about as frequent as one worker's would: one a
-/// third of the lease, a killed worker's turns back within 4/3 of it. (A turn that ends within a third of the lease, most of them, is
+/// the larger the fleet (up to 8×), so the fleet's idle beats, and so its
+/// reclaims of dead workers' leases, stay about as frequent as two workers'
+/// would (each beats at least every two thirds of the lease while the fleet
+/// is 4 or fewer: a killed worker's turns back within 5/3 of it, 5 s). (A turn that ends within a third of the lease, most of them, is
 /// never renewed: a beat at every third of the lease whatever the leases' age
 /// was most of a busy fleet's beats.)
 pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, worker: WorkerContext) {
     let every = queue.config().heartbeat_every();
-    let idle_every = |fleet: usize| every.mul_f64((fleet as f64).clamp(1.0, IDLE_BEAT_SCALE));
+    let idle_every = |fleet: usize| every.mul_f64((fleet as f64 / 2.0).clamp(1.0, IDLE_GAP_SCALE));
     let grace = Duration::from_millis(queue.config().grace_ms);
     let mut started_at_ms = None;
     let mut last_beat: Option<Instant> = None;
@@ -55,8 +55,8 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
             // it, and any beat whose next (half a gap early, as the 100-ms tick
             // makes gaps a little longer) would come later than `beat_ms` after
             // the last registration (a reader counts it alive for two of
-            // those, 32 s at the default lease): every idle beat of a fleet of
-            // 16 or more, every fourth of 4 workers. (Compared without the half gap, the tick's slack made
+            // those, 32 s at the default lease): every other idle beat of a
+            // fleet of 16 or more, every eighth of 4 workers. (Compared without the half gap, the tick's slack made
             // nearly every idle beat register.)
             let beat_span = every.mul_f64(IDLE_BEAT_SCALE);
             let due = registered_at.is_none_or(|at| now + gap / 2 > at + beat_span);
@@ -118,7 +118,11 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
 const REGISTER_EVERY: u64 = 3;
 
 /// How many times longer than [`QueueConfig::heartbeat_every`] an idle worker
-/// of a large fleet goes between beats, and an idle worker between
-/// registrations (16 s at the default lease: a registration is the beat's
-/// costliest part, and only `GET /v1/workers` and the fleet's count read it).
+/// goes between registrations (16 s at the default lease: a registration is
+/// the beat's costliest part, and only `GET /v1/workers`, the fleet's count
+/// and the look for a turn left due, heartbeat.lua, ride on it).
 const IDLE_BEAT_SCALE: f64 = 16.0;
+
+/// How many times longer than [`QueueConfig::heartbeat_every`] an idle worker
+/// of a large fleet goes between beats.
+const IDLE_GAP_SCALE: f64 = 8.0;
