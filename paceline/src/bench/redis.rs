@@ -106,6 +106,17 @@ pub struct CommandDelta {
 }
 
 impl CommandDelta {
+    /// Takes `n` calls out of each named command's row (the bench's own: its
+    /// polls, the deliveries hook), dropping rows left empty.
+    pub fn take_out(&mut self, own: &[(&str, u64)]) {
+        for (name, n) in own {
+            if let Some(row) = self.by_command.iter_mut().find(|(k, _)| k == name) {
+                row.1 = row.1.saturating_sub(*n);
+            }
+        }
+        self.by_command.retain(|(_, v)| *v > 0);
+    }
+
     /// All calls.
     pub fn total(&self) -> u64 {
         self.by_command.iter().map(|(_, v)| v).sum()

@@ -335,14 +335,11 @@ impl Trial {
         let mut delta = now.since(&self.before);
         // Our polls, and the hook's RPUSHes in this span, out of their rows.
         let hooked = logged.saturating_sub(self.deliveries_at_mark);
-        for (name, n) in
-            [("zcard", self.own_commands), ("rpush", hooked), ("llen", u64::from(self.deliveries_key.is_some()))]
-        {
-            if let Some(row) = delta.by_command.iter_mut().find(|(k, _)| k == name) {
-                row.1 = row.1.saturating_sub(n);
-            }
-        }
-        delta.by_command.retain(|(_, v)| *v > 0);
+        delta.take_out(&[
+            ("zcard", self.own_commands),
+            ("rpush", hooked),
+            ("llen", u64::from(self.deliveries_key.is_some())),
+        ]);
         let spent = cpu - self.cpu_before;
         (self.before, self.cpu_before, self.own_commands, self.deliveries_at_mark) = (now, cpu, 0, logged);
         Ok((delta, spent))
@@ -477,12 +474,7 @@ impl Trial {
         // so the breakdown shows the product's commands only.
         // (Only those after the last mark: the earlier ones' RPUSHes were in its span.)
         let hooked = logged.saturating_sub(self.deliveries_at_mark);
-        for (name, n) in [("rpush", hooked), ("zcard", self.own_commands)] {
-            if let Some(row) = commands.by_command.iter_mut().find(|(k, _)| k == name) {
-                row.1 = row.1.saturating_sub(n);
-            }
-        }
-        commands.by_command.retain(|(_, v)| *v > 0);
+        commands.take_out(&[("rpush", hooked), ("zcard", self.own_commands)]);
         commands.by_command.sort_by_key(|(_, v)| std::cmp::Reverse(*v));
         let mut runs = Vec::with_capacity(self.submitted.len());
         for (tenant, id) in &self.submitted {

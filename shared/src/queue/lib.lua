@@ -98,18 +98,25 @@ end
 
 -- q_wake_for for a due time that is most likely the earliest (a budget line's head moved
 -- up: the watch is for its old time, or for nothing): the claim set and the old one read
--- in one command, and put back when it was for this time or an earlier one.
-local function q_wake_first(due_ms, now)
-  if due_ms <= now then return q_wake() end
+-- in one command, and put back when it was for this time or an earlier one. Returns
+-- whether the claim for `due_ms` stands, to be watched: by whoever takes the token it
+-- pushes, or, with `no_token`, by the caller's own process (runs/pacer_host.lua
+-- `kicked`). A time already due wakes a fetch instead.
+local function q_wake_first(due_ms, now, no_token)
+  if due_ms <= now then
+    q_wake()
+    return false
+  end
   local old = redis.call('SET', Q_TIMER, string.format('%d|*', due_ms), 'PX', math.max(due_ms - now, 1) + 60000, 'GET')
   local watched = q_claim_of(old, now)
   if watched and watched <= due_ms then
     redis.call('SET', Q_TIMER, old, 'PX', math.max(watched - now, 1) + 60000)
-    return
+    return false
   end
-  if redis.call('LPUSH', Q_NOTIFY, string.format('w%d', due_ms)) > Q_MAX_TOKENS then
+  if not no_token and redis.call('LPUSH', Q_NOTIFY, string.format('w%d', due_ms)) > Q_MAX_TOKENS then
     redis.call('LTRIM', Q_NOTIFY, 0, 15)
   end
+  return true
 end
 
 -- Adds a new turn `id` with `payload`, due at `due_ms` (server clock; `now`:

@@ -23,6 +23,14 @@ local function host_turn(rid)
 end
 
 local PACER_HOST = {}
+
+-- The queue id of reservation `rid` when it is one of the turns the running fetch holds
+-- (PACER_HOST.own, below), else nil.
+local function own_qid(rid)
+  if not PACER_HOST.own then return nil end
+  local qid = string.match(rid, '^(.*):%d+:%d+$')
+  return qid and PACER_HOST.own[qid] and qid or nil
+end
 -- `quiet`: set by a script whose caller's process fetches after it (the commit:
 -- store.lua): a turn released here wakes no other worker — that fetch takes it, or takes
 -- a full batch and passes the baton (queue/fetch.lua) — and `kicked` marks the reply so
@@ -35,21 +43,10 @@ function PACER_HOST.kicked(out, now)
     out[#out + 1] = 'k'
   elseif PACER_HOST.watch and #PACER_HOST.watch > 0 then
     -- The line's head moved up, and no fetch follows: the caller's process watches
-    -- its time (`w` and the ms: store.rs, Lease::watch), claimed for whoever takes a
-    -- token as q_wake_first claims it, with no token to wake another worker.
+    -- its time (`w` and the ms: store.rs, Lease::watch), claimed as q_wake_first
+    -- claims it, with no token to wake another worker.
     local at = math.min(unpack(PACER_HOST.watch))
-    now = now or q_now()
-    if at <= now then
-      q_wake()
-    else
-      local old = redis.call('SET', Q_TIMER, string.format('%d|*', at), 'PX', math.max(at - now, 1) + 60000, 'GET')
-      local watched = q_claim_of(old, now)
-      if watched and watched <= at then
-        redis.call('SET', Q_TIMER, old, 'PX', math.max(watched - now, 1) + 60000)
-      else
-        out[#out + 1] = string.format('w%d', at)
-      end
-    end
+    if q_wake_first(at, now or q_now(), true) then out[#out + 1] = string.format('w%d', at) end
   end
   PACER_HOST.watch = nil
   return out
@@ -79,9 +76,9 @@ PACER_HOST.own, PACER_HOST.watch = nil, nil
 -- left on its record here and makes it due now, released, instead of at the safety
 -- deadline its ask was given (a release lost there left the turn stranded for that long).
 function PACER_HOST.release(rid, now)
-  local own = PACER_HOST.own and PACER_HOST.own[string.match(rid, '^(.*):%d+:%d+$') or '']
+  local own = own_qid(rid)
   if own then
-    PACER_HOST.moved[string.match(rid, '^(.*):%d+:%d+$')] = true
+    PACER_HOST.moved[own] = true
     return true
   end
   local qid, r, job = host_turn(rid)
@@ -127,16 +124,16 @@ end
 -- The head of its line: its entry is due when the pacer weighs it next. A leased one's
 -- record is marked (`due_at`) for its worker's requeue (PACER_HOST.requeue).
 function PACER_HOST.retime(rid, at, now)
-  local oid = string.match(rid, '^(.*):%d+:%d+$')
-  if oid and PACER_HOST.own and PACER_HOST.own[oid] then
-    if PACER_HOST.moved[oid] ~= true then PACER_HOST.moved[oid] = at end
+  local own = own_qid(rid)
+  if own then
+    if PACER_HOST.moved[own] ~= true then PACER_HOST.moved[own] = at end
     return true
   end
   -- Queued (the line's usual head): its entry moved up in one command that says so (a
   -- retime moves a timer up; LT: never a turn due sooner, were the waiter stale, so at
   -- worst an entry comes due early and asks again); not queued, under no such id, or not
   -- moved, it is read (a leased turn is marked, a gone one dropped) as before.
-  local qid = oid
+  local qid = string.match(rid, '^(.*):%d+:%d+$')
   if not (qid and redis.call('ZADD', Q_DUE, 'XX', 'LT', 'CH', at, qid) == 1) then
     local r, job
     qid, r, job = host_turn(rid)

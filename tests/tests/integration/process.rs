@@ -65,22 +65,9 @@ fn no_redis_url_or_api_token_is_accepted_as_a_flag() {
             let value = if *flag == "--redis-url" { "redis://:hunter2@127.0.0.1:1" } else { "acme:canary-token" };
             // Everything else as it should be, so only the flag is at fault.
             let listen: &[&str] = if matches!(command, "api" | "up") { &["--listen", "127.0.0.1:0"] } else { &[] };
-            let mut child = ChildGuard(
-                Command::new(paceline_bin())
-                    .arg(command)
-                    .args(listen)
-                    .args([*flag, value])
-                    .env("PACELINE_PREFIX", unique_prefix())
-                    .stdin(Stdio::null())
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::piped())
-                    .spawn()
-                    .expect("run paceline"),
-            );
-            let status = child.wait_timeout(secs(10));
+            let (status, stderr) =
+                exit_and_stderr(Command::new(paceline_bin()).arg(command).args(listen).args([*flag, value]), secs(10));
             assert!(status.is_some_and(|s| !s.success()), "{command} {flag} was accepted");
-            let mut stderr = String::new();
-            std::io::Read::read_to_string(child.0.stderr.as_mut().unwrap(), &mut stderr).unwrap();
             assert!(stderr.contains("unexpected argument"), "{command} {flag}: {stderr}");
         }
     }
@@ -216,24 +203,37 @@ fn api_worker_and_up_each_refuse_a_redis_that_evicts_keys_naming_its_policy() {
         ..RedisOptions::default()
     });
     for args in [&["api", "--listen", "127.0.0.1:0"][..], &["worker"], &["up", "--listen", "127.0.0.1:0"]] {
-        let mut child = ChildGuard(
+        let (status, stderr) = exit_and_stderr(
             Command::new(paceline_bin())
                 .args(args)
                 .env("REDIS_URL", redis.url())
-                .env("PACELINE_PREFIX", unique_prefix())
                 .env_remove("PACELINE_API_TOKENS")
-                .env("RUST_LOG", "warn")
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("start paceline"),
+                .env("RUST_LOG", "warn"),
+            secs(20),
         );
-        let status = child.wait_timeout(secs(20));
         assert!(status.is_some(), "{args:?} kept running on an evicting Redis");
-        let mut stderr = String::new();
-        std::io::Read::read_to_string(child.0.stderr.as_mut().unwrap(), &mut stderr).unwrap();
         assert!(!status.unwrap().success(), "{args:?} exited 0: {stderr}");
         assert!(stderr.contains("maxmemory-policy allkeys-lru"), "{args:?} does not name the policy: {stderr}");
     }
+}
+
+/// Runs `cmd` (on a prefix of its own, no stdin or stdout) until it exits or
+/// `timeout` passes: its exit status (`None`: still running, then killed) and
+/// what it wrote to stderr.
+fn exit_and_stderr(cmd: &mut Command, timeout: Duration) -> (Option<std::process::ExitStatus>, String) {
+    let mut child = ChildGuard(
+        cmd.env("PACELINE_PREFIX", unique_prefix())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run paceline"),
+    );
+    let status = child.wait_timeout(timeout);
+    if status.is_none() {
+        let _ = child.0.kill();
+    }
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(child.0.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    (status, stderr)
 }
