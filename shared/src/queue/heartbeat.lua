@@ -7,10 +7,12 @@
 -- is forgotten; liveness is judged on reading, by each worker's own lease), reclaim_limit,
 -- dead_keep_ms (the dead set's retention), then id, epoch pairs of the leases
 -- this worker holds.
--- Returns {reclaimed, buried, fleet, lost id...}: fleet is how many workers beat
+-- Returns {reclaimed, buried, fleet, now, lost id...}: fleet is how many workers beat
 -- in the last 30 s (idle workers space their looks by it; -1 on a beat that does
 -- not register: it is counted, and silent registrations forgotten, only by beats
--- that register); lost ids are leases it no longer holds.
+-- that register); now is the server's clock (ms: an idle worker's cheap looks
+-- between beats compare the first lease's expiry with it); lost ids are leases
+-- it no longer holds.
 local lease_ms, maxd = tonumber(ARGV[1]), tonumber(ARGV[2])
 -- How long a turn may stay due, untaken, before an idle worker's beat wakes one for it.
 local Q_STRAY_MS = 500
@@ -21,7 +23,7 @@ if registering then
   redis.call('ZADD', workers, now, ARGV[3])
   redis.call('HSET', info, ARGV[3], ARGV[4])
 end
-local out = {0, 0, -1}
+local out = {0, 0, -1, now}
 local n = (#ARGV - 7) / 2
 if n > 0 then
   local ids = {}

@@ -468,10 +468,25 @@ impl TurnQueue {
                 0 => report.reclaimed = redis::from_redis_value(item).unwrap_or_default(),
                 1 => report.buried = redis::from_redis_value(item).unwrap_or_default(),
                 2 => report.fleet = redis::from_redis_value::<i64>(item).ok().and_then(|n| usize::try_from(n).ok()),
+                3 => report.now_ms = redis::from_redis_value(item).unwrap_or_default(),
                 _ => report.lost.push(redis::from_redis_value(item).unwrap_or_default()),
             }
         }
         Ok(report)
+    }
+
+    /// When the first lease of any worker expires (server clock, ms), `None`
+    /// with no lease held: one `ZRANGE`, an idle worker's look between the
+    /// beats that reclaim (a lease expired by its clock calls for a beat).
+    pub async fn first_lease_expiry(&self) -> Result<Option<i64>, QueueError> {
+        let first: Vec<(String, f64)> = redis::cmd("ZRANGE")
+            .arg(&self.keys.lease)
+            .arg(0)
+            .arg(0)
+            .arg("WITHSCORES")
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok(first.first().map(|(_, at)| *at as i64))
     }
 
     /// Removes worker `identity` from the registry (a clean exit).

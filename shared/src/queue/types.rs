@@ -243,4 +243,6 @@ pub struct HeartbeatReport {
     /// Worker processes that beat in the last 30 s (this one included);
     /// `None` from a beat that did not register (only those count).
     pub fleet: Option<usize>,
+    /// The server's clock when the beat ran, ms.
+    pub now_ms: i64,
 }
