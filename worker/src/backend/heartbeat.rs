@@ -3,6 +3,7 @@
 //! shutdown grace.
 
 use super::*;
+use shared::queue::Register;
 
 /// Renews each of this worker's leases a third of the lease after it was
 /// leased or last renewed, and its registration every [`REGISTER_EVERY`]
@@ -40,6 +41,9 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
     let mut clock: Option<(Instant, i64)> = None;
     // When to look for an expired lease next (None: at the next tick).
     let mut look_at: Option<Instant> = None;
+    // The info the last registration wrote, and how many registrations.
+    let mut sent: Option<WorkerInfo> = None;
+    let mut registrations: u64 = 0;
     loop {
         let now = Instant::now();
         let renew = shared.oldest_renewal().is_some_and(|at| now >= at + every);
@@ -50,6 +54,9 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
         let register_due = registered_at.is_none_or(|at| now + TICK >= at + beat_span);
         let suspects_due = !suspects.is_empty() && last_beat.is_none_or(|at| now >= at + every);
         let mut beat = renew || register_due || suspects_due;
+        // Whether the beat looks for expired leases: a beat that only
+        // registers leaves that to the looks, whose schedule it keeps.
+        let mut reclaim = renew || suspects_due || clock.is_none();
         if !beat && look_at.is_none_or(|at| now >= at) {
             match (clock, queue.first_lease_expiry().await) {
                 (Some((at, server_ms)), Ok(first)) => {
@@ -57,15 +64,18 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
                     let lease_ms = lease.as_millis() as i64;
                     let clear_until = first.map_or(server_now + lease_ms, |e| e.min(server_now + lease_ms));
                     beat = clear_until <= server_now;
+                    reclaim = beat;
                     let ahead = Duration::from_millis(clear_until.saturating_sub(server_now).max(0) as u64);
                     look_at = Some(now + ahead + slack);
                 }
-                _ => beat = true,
+                _ => (beat, reclaim) = (true, true),
             }
         }
         if beat {
             last_beat = Some(now);
-            look_at = Some(now + slack);
+            if reclaim {
+                look_at = Some(now + slack);
+            }
             if started_at_ms.is_none() {
                 started_at_ms = queue.server_time_ms().await.ok();
             }
@@ -84,12 +94,30 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
             // The first beat registers, a busy one every REGISTER_EVERY-th after
             // it, and an idle one when due (above).
             let register = register_due || !leases.is_empty() && beats.is_multiple_of(REGISTER_EVERY);
-            if register {
+            // A registration writes the info only when it changed (or the
+            // script says it is gone), and takes the census (forgets silent
+            // workers, counts the fleet) on every CENSUS_EVERY-th.
+            let registration = if !register {
+                Register::No
+            } else {
                 registered_at = Some(now);
-            }
+                registrations += 1;
+                let census = registrations % CENSUS_EVERY == 1;
+                if sent.as_ref() == Some(&info) {
+                    Register::Unchanged { census }
+                } else {
+                    Register::With { info: &info, census }
+                }
+            };
+            let writes_info = matches!(registration, Register::With { .. });
             beats += 1;
-            match queue.heartbeat(&shared.identity, register.then_some(&info), &leases).await {
+            match queue.beat(&shared.identity, registration, &leases, reclaim).await {
                 Ok(report) => {
+                    if report.resend {
+                        sent = None;
+                    } else if writes_info {
+                        sent = Some(info);
+                    }
                     clock = (report.now_ms > 0).then(|| (Instant::now(), report.now_ms));
                     shared.renewed(&leases, now);
                     if let Some(fleet) = report.fleet {
@@ -140,6 +168,10 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
 /// each of its sparser beats); the reader calls it alive for two leases, or
 /// two idle beats.
 const REGISTER_EVERY: u64 = 3;
+
+/// A registration forgets workers silent for an hour and counts the fleet on
+/// every this many (the first included).
+const CENSUS_EVERY: u64 = 4;
 
 /// How many times longer than [`QueueConfig::heartbeat_every`] an idle worker
 /// goes between registrations (16 s at the default lease: a registration is
