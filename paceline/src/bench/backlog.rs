@@ -25,6 +25,9 @@ use super::report::{PacerFigures, Percentiles};
 use super::trial::{Env, Trial, TrialSpec};
 use super::workload::Workload;
 
+/// How long the idle rate is read before the submits.
+pub const IDLE_SPAN: Duration = Duration::from_secs(10);
+
 /// The costs of one backlog size.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct BacklogFigures {
@@ -44,13 +47,23 @@ pub struct BacklogFigures {
     /// however long it waits).
     pub budget_waits_per_turn: f64,
     /// Redis commands per admitted turn within the measured span (`INFO
-    /// commandstats`; the bench's own probe of `GET /v1/runs/{id}`, once a
-    /// second, included).
+    /// commandstats`; the bench's own commands taken out: its polls of the
+    /// queue, its delivery hook, and its probe of `GET /v1/runs/{id}` once a
+    /// second — one `HGETALL` each, ~1.1 a turn at the default trial).
     pub redis_commands_per_turn: f64,
     /// Redis CPU per admitted turn within the measured span, ms (`INFO cpu`).
     pub redis_cpu_ms_per_turn: f64,
     /// Redis CPU over the measured span, as a share of one core.
     pub redis_cpu_share: f64,
+    /// Redis's CPU rate before the submits, the fleet up and the bench
+    /// polling the queue as in the span, ms a second: its idle cost (cron,
+    /// the workers' idle looks and registrations, the bench's polls).
+    pub idle_cpu_ms_per_s: f64,
+    /// Redis commands a second in that idle time (the bench's polls taken out).
+    pub idle_commands_per_s: f64,
+    /// `redis_cpu_ms_per_turn` less the idle rate over the span: what the
+    /// admitted turns, and holding the backlog, cost beyond an idle fleet.
+    pub net_cpu_ms_per_turn: f64,
     /// Redis commands per admitted turn within the measured span, by command, the largest.
     pub redis_commands_by_command: Vec<(String, f64)>,
     /// Fetches that found nothing, per admitted turn within the measured
@@ -127,6 +140,16 @@ pub async fn measure_size(
     let bodies = (0..runs).map(|i| plan.workload.body(i, &tool_url, "shared")).collect();
     progress.set_length(runs as u64);
     progress.set_position(0);
+    progress.set_message(format!("{runs} runs: idle"));
+    // Redis's idle rate with the fleet up and nothing submitted, the bench
+    // polling the queue as it will in the span: taken out for the net CPU
+    // per turn (what a turn, and holding the backlog, cost beyond it).
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    trial.mark().await?;
+    let idle_for = Instant::now();
+    trial.poll_for(IDLE_SPAN).await?;
+    let (idle_commands, idle_cpu_s) = trial.mark().await?;
+    let idle_s = idle_for.elapsed().as_secs_f64();
     progress.set_message(format!("{runs} runs"));
     let memory_before = trial.used_memory().await?;
     let set_up = Instant::now();
@@ -161,8 +184,12 @@ pub async fn measure_size(
     let drained = trial.wait_drained(plan.timeout, |mock| progress.set_position(mock.summary().ok)).await?;
     let span_s = measured.elapsed().as_secs_f64();
     let _ = stop.send(());
-    let get_run_ms = millis(&probe.await.unwrap_or_default());
-    let data = trial.finish(drained).await?;
+    let probes = probe.await.unwrap_or_default();
+    let get_run_ms = millis(&probes);
+    let mut data = trial.finish(drained).await?;
+    // The probes' reads are the bench's own, as its polls are (one `HGETALL`
+    // each: the API reads the run's record and nothing more).
+    data.commands.take_out(&[("hgetall", probes.len() as u64)]);
     // (The runs as `finish` read them, after its last snapshot.)
     let waits_after: u64 = data.runs.iter().map(|r| r.pacing.budget_waits).sum();
     let figures = pacing::figures(&plan, &data);
@@ -178,6 +205,9 @@ pub async fn measure_size(
         redis_commands_per_turn: data.commands.total() as f64 / turns,
         redis_cpu_ms_per_turn: data.redis_cpu_s * 1000.0 / turns,
         redis_cpu_share: data.redis_cpu_s / span_s.max(1e-9),
+        idle_cpu_ms_per_s: idle_cpu_s * 1000.0 / idle_s,
+        idle_commands_per_s: idle_commands.total() as f64 / idle_s,
+        net_cpu_ms_per_turn: (data.redis_cpu_s - idle_cpu_s / idle_s * span_s).max(0.0) * 1000.0 / turns,
         redis_commands_by_command: data
             .commands
             .by_command
