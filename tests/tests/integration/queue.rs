@@ -845,32 +845,19 @@ async fn a_turn_that_kills_its_worker_goes_dead_after_three_deliveries() {
 
 #[tokio::test]
 async fn a_sigkilled_worker_has_its_turns_back_within_5_s() {
-    let env = Env::start(QueueConfig::default());
-    let q = &env.queue;
-    let first = env.spawn_probe(&["--concurrency", "4"]);
-    env.enqueue_many("run", 4, json!({"sleep_ms": 600_000}), 0).await;
-    eventually("the first worker to hold all 4 turns", secs(10), || async {
-        (q.counts().await.ok()?.in_flight == 4).then_some(())
-    })
-    .await;
-
-    first.signal("KILL");
-    let killed_at = Instant::now();
-    let _second = env.spawn_probe(&["--concurrency", "4", "--max-sleep-ms", "0", "--record"]);
-    eventually("another worker to finish the killed worker's turns", secs(5), || async {
-        (env.probe_done().await.len() == 4).then_some(())
-    })
-    .await;
-    println!("killed worker's turns finished {} ms after the kill", killed_at.elapsed().as_millis());
-    env.wait_drained(secs(5)).await;
-    assert_eq!(q.counts().await.unwrap().dead, 0);
+    killed_workers_turns_back_within_5_s(false).await;
 }
 
 #[tokio::test]
 async fn an_idle_worker_already_running_has_a_sigkilled_workers_turns_back_within_5_s() {
-    // The rescuer is up and idle before the kill: it finds the expired leases with its
-    // own looks (one command each, scheduled by the first lease's expiry), not a
-    // first beat of its own.
+    killed_workers_turns_back_within_5_s(true).await;
+}
+
+/// A worker holding 4 long turns is SIGKILLed; a second one finishes them
+/// within 5 s of the kill: started after it, or (`idle_before`) up and idle
+/// before it — then it finds the expired leases with its own looks (one
+/// command each, scheduled by the first lease's expiry), not a first beat.
+async fn killed_workers_turns_back_within_5_s(idle_before: bool) {
     let env = Env::start(QueueConfig::default());
     let q = &env.queue;
     let first = env.spawn_probe(&["--concurrency", "4"]);
@@ -879,18 +866,23 @@ async fn an_idle_worker_already_running_has_a_sigkilled_workers_turns_back_withi
         (q.counts().await.ok()?.in_flight == 4).then_some(())
     })
     .await;
-    let _second = env.spawn_probe(&["--concurrency", "4", "--max-sleep-ms", "0", "--record"]);
-    eventually("the second worker to register", secs(10), || async {
-        (q.list_workers().await.ok()?.len() == 2).then_some(())
-    })
-    .await;
-    // Long enough for the first's leases to be renewed under the rescuer's looks.
-    tokio::time::sleep(secs(4)).await;
-    assert!(env.probe_done().await.is_empty(), "the rescuer took nothing while the first worker lived");
+    let rescuer_args = ["--concurrency", "4", "--max-sleep-ms", "0", "--record"];
+    let mut rescuer = None;
+    if idle_before {
+        rescuer = Some(env.spawn_probe(&rescuer_args));
+        eventually("the second worker to register", secs(10), || async {
+            (q.list_workers().await.ok()?.len() == 2).then_some(())
+        })
+        .await;
+        // Long enough for the first's leases to be renewed under the rescuer's looks.
+        tokio::time::sleep(secs(4)).await;
+        assert!(env.probe_done().await.is_empty(), "the rescuer took nothing while the first worker lived");
+    }
 
     first.signal("KILL");
     let killed_at = Instant::now();
-    eventually("the idle worker to finish the killed worker's turns", secs(5), || async {
+    let _rescuer = rescuer.unwrap_or_else(|| env.spawn_probe(&rescuer_args));
+    eventually("another worker to finish the killed worker's turns", secs(5), || async {
         (env.probe_done().await.len() == 4).then_some(())
     })
     .await;
