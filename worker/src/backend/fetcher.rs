@@ -364,14 +364,14 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
     }
 
     /// How long an idle worker waits for a token before it looks anyway: the
-    /// configured interval times eight times the fleet (at most 128×), so the
-    /// fleet looks about as often as one worker every eight intervals would,
+    /// configured interval times four times the fleet (at most 64×), so the
+    /// fleet looks about as often as one worker every four intervals would,
     /// whatever its size; jittered ±20 % so the fleet's looks spread out. (A
     /// turn left due is found sooner by the idle workers' beats,
     /// heartbeat.lua; this net is for a Redis that loses what those write.)
     pub(super) fn safety_net(&self) -> Duration {
         let base = self.queue.config().idle_ms.max(100) as f64;
-        let scale = (self.shared.fleet.load(Ordering::Relaxed) as f64 * 8.0).clamp(1.0, 128.0);
+        let scale = (self.shared.fleet.load(Ordering::Relaxed) as f64 * 4.0).clamp(1.0, 64.0);
         Duration::from_millis((base * scale * (0.8 + 0.4 * rand::random::<f64>())) as u64)
     }
 
