@@ -147,6 +147,15 @@ where
     }
 }
 
+/// How many calls of `command` (lower case: `lpush`, `evalsha`) an `INFO
+/// commandstats` reply counts (0 if none).
+pub fn command_calls(info: &str, command: &str) -> u64 {
+    info.lines()
+        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+        .and_then(|v| v.split(',').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
 /// Every key of the Redis at `url` whose name holds `pattern` (a `SCAN`
 /// pattern), with its value, one line each: what a test prints when it times
 /// out waiting, so a stall in CI leaves the queue's and the pacer's state

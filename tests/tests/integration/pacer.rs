@@ -3,7 +3,7 @@
 //! worker; a turn in line is clear when it comes back, and not before; the
 //! script and the pure model (the `local` pacer) agree step by step.
 
-use paceline_tests::{unique_prefix, RedisServer};
+use paceline_tests::{command_calls, unique_prefix, RedisServer};
 use rand::{Rng, SeedableRng};
 use shared::clock::{Clock, ManualClock, Millis};
 use shared::keys::Keys;
@@ -961,12 +961,7 @@ async fn concurrent_calls_are_batched_and_decided_as_one_at_a_time() {
     let one = shared_pacer(&server, &unique_prefix(), config.clone()).await.with_test_clock(Arc::new(clock.clone()));
     let grouped = shared_pacer(&server, &unique_prefix(), config).await.with_test_clock(Arc::new(clock.clone()));
     let mut conn = server.client().get_multiplexed_async_connection().await.unwrap();
-    let scripts = |info: String| -> u64 {
-        info.lines()
-            .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-            .and_then(|v| v.split(',').next()?.parse().ok())
-            .unwrap_or(0)
-    };
+    let scripts = |info: String| command_calls(&info, "evalsha");
     let who = [Who { tenant: "alpha", weight: 2.0, cap: 0.0 }, Who { tenant: "beta", weight: 1.0, cap: 0.0 }];
     let mut rng = rand::rngs::StdRng::seed_from_u64(18);
     let mut cleared: Vec<String> = vec![];

@@ -8,7 +8,7 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use mock_provider::{Fault, HeaderStyle, MockConfig};
-use paceline_tests::{eventually, ChildGuard};
+use paceline_tests::{command_calls, eventually, ChildGuard};
 use serde_json::{json, Value};
 use shared::config::RedisArgs;
 use shared::runs::{RunSpec, RunStatus, SubmitPolicy, ToolEndpoints};
@@ -771,11 +771,7 @@ async fn a_worker_takes_its_runs_next_turns_without_a_wake_up_token() {
         assert_eq!((done.status, done.turns_completed), (RunStatus::Completed, 4), "{:?}", done.error);
         let mut conn = app.redis.conn().await;
         let info: String = redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.unwrap();
-        let pushes: u64 = info
-            .lines()
-            .find_map(|l| l.strip_prefix("cmdstat_lpush:calls="))
-            .and_then(|l| l.split(',').next()?.parse().ok())
-            .unwrap_or(0);
+        let pushes = command_calls(&info, "lpush");
         assert_eq!(pushes, 1, "{concurrency} slots: wake-up tokens pushed: the submit's alone\n{info}");
         app.stop_workers().await;
     }
@@ -806,12 +802,7 @@ async fn a_scarce_budgets_line_moves_with_no_safety_net_and_few_wake_up_tokens()
         ids.push(app.submit(body).await.id);
     }
     let mut conn = app.redis.conn().await;
-    let lpush = |info: &str| -> u64 {
-        info.lines()
-            .find_map(|l| l.strip_prefix("cmdstat_lpush:calls="))
-            .and_then(|l| l.split(',').next()?.parse().ok())
-            .unwrap_or(0)
-    };
+    let lpush = |info: &str| command_calls(info, "lpush");
     let info: String = redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.unwrap();
     let submitted = lpush(&info);
     for id in &ids {
