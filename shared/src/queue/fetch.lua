@@ -184,8 +184,10 @@ local function q_fetch(max, lease_ms, dead_keep_ms, me, why, on_leased, hold)
     -- `at` (a release moved the turn it watched to now, and it was taken), so this
     -- worker watches instead, and the one that claimed it finds its claim gone when
     -- its timer goes, and listens rather than fetch for nothing (backend/fetcher.rs
-    -- `watch_still_mine`). A claim for whoever takes a token (`*`, lib.lua q_wake_at)
-    -- is kept by this fetch: nobody may have taken it yet.
+    -- `after_watch`). A claim for whoever takes a token (`*`, lib.lua q_wake_at) is
+    -- taken over: its token may be gone (a token-woken fetch clears those left over,
+    -- and a commit's claim for its own process has none), so this worker watches (a
+    -- worker that took the token watches too: one of the two fetches for nothing).
     redis.call('SET', Q_TIMER, old, 'PX', math.max(watched - now, 1) + lease_ms)
     return out
   end

@@ -290,3 +290,87 @@ async fn stop_workers_fails_on_a_worker_that_hangs() {
     app.workers.push((tx, tokio::spawn(std::future::pending::<()>())));
     app.stop_workers().await;
 }
+
+/// What the queue and the pacer held, sampled every 100 ms while a workload
+/// runs: printed when a test finds the fleet idle with work left, so a stall
+/// seen once (on a loaded CI machine) says where the wake-up went.
+pub(crate) struct QueueTrace {
+    samples: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    task: JoinHandle<()>,
+}
+
+impl QueueTrace {
+    /// Starts sampling `app`'s queue and pacer keys.
+    pub(crate) async fn start(app: &App) -> Self {
+        let mut conn = app.redis.conn().await;
+        let keys = shared::queue::QueueKeys::new(&Keys::new(app.prefix.clone()));
+        let state_pattern = format!("{}:pacer:*:state:*", app.prefix);
+        let samples = std::sync::Arc::new(std::sync::Mutex::new(vec![]));
+        let out = samples.clone();
+        let task = tokio::spawn(async move {
+            let started = std::time::Instant::now();
+            for i in 0u64.. {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let sample = async {
+                    let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(&mut conn).await?;
+                    let now = secs * 1000 + micros / 1000;
+                    let due: u64 = redis::cmd("ZCARD").arg(&keys.due).query_async(&mut conn).await?;
+                    let head: Vec<(String, f64)> = redis::cmd("ZRANGE")
+                        .arg(&keys.due)
+                        .arg(0)
+                        .arg(2)
+                        .arg("WITHSCORES")
+                        .query_async(&mut conn)
+                        .await?;
+                    let leased: u64 = redis::cmd("ZCARD").arg(&keys.lease).query_async(&mut conn).await?;
+                    let tokens: Vec<String> =
+                        redis::cmd("LRANGE").arg(&keys.notify).arg(0).arg(5).query_async(&mut conn).await?;
+                    let timer: Option<String> = redis::cmd("GET").arg(&keys.timer).query_async(&mut conn).await?;
+                    let head: Vec<String> =
+                        head.iter().map(|(id, at)| format!("{id}@{:+}", *at as i64 - now)).collect();
+                    let timer = timer.map(|t| match t.split_once('|') {
+                        Some((at, who)) => {
+                            format!("{:+}|{}", at.parse::<i64>().unwrap_or(0) - now, &who[..who.len().min(12)])
+                        }
+                        None => t,
+                    });
+                    let mut line = format!(
+                        "t={:>6} ms leased={leased} due={due} head={head:?} timer={timer:?} tokens={tokens:?}",
+                        started.elapsed().as_millis()
+                    );
+                    if i % 10 == 0 {
+                        let states: Vec<String> = redis::cmd("KEYS").arg(&state_pattern).query_async(&mut conn).await?;
+                        for key in states {
+                            let fields: Vec<(String, String)> =
+                                redis::cmd("HGETALL").arg(&key).query_async(&mut conn).await?;
+                            let fields: Vec<String> =
+                                fields.into_iter().map(|(k, v)| format!("{k}={}", &v[..v.len().min(120)])).collect();
+                            line.push_str(&format!(
+                                "\n    state {}: {}",
+                                key.rsplit(':').next().unwrap_or(""),
+                                fields.join(" ")
+                            ));
+                        }
+                    }
+                    Ok::<_, redis::RedisError>(line)
+                };
+                match sample.await {
+                    Ok(line) => out.lock().unwrap().push(line),
+                    Err(error) => out.lock().unwrap().push(format!("sample failed: {error}")),
+                }
+            }
+        });
+        Self { samples, task }
+    }
+
+    /// Every sample so far, one a line.
+    pub(crate) fn report(&self) -> String {
+        self.samples.lock().unwrap().join("\n")
+    }
+}
+
+impl Drop for QueueTrace {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}

@@ -8,7 +8,7 @@ use shared::config::RedisArgs;
 use shared::queue::apalis_core::error::BoxDynError;
 use shared::queue::apalis_core::task::data::Data;
 use shared::queue::apalis_core::worker::builder::WorkerBuilder;
-use shared::queue::{FetchWhy, Lease, QueueConfig, QueueError, TurnQueue, LUA_LIB, MAX_FETCH_BATCH};
+use shared::queue::{FetchWhy, Lease, QueueConfig, QueueError, Then, TurnQueue, LUA_LIB, MAX_FETCH_BATCH};
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -348,6 +348,39 @@ async fn a_watch_made_stale_by_an_early_release_costs_no_fetch() {
 }
 
 #[tokio::test]
+async fn a_watcher_whose_claim_a_later_wake_up_replaced_still_takes_its_turn() {
+    // A claim whose time passed is anyone's to replace (lib.lua `q_claim_of`):
+    // a wake-up for a later time (a budget line's retime, a new turn) claims
+    // that time for whoever takes its token while the turn the watcher slept
+    // towards is still due — its timer late under load. When its timer goes
+    // it finds a later claim, not its own: one for whoever takes a token says
+    // nothing of what is due before it, so it fetches. (It listened instead,
+    // and the turn stayed due until an idle registration's look for a turn
+    // left due: the 8-s stalls CI showed with three worker processes.) Here
+    // the later claim is written before the watcher's timer goes, which is
+    // the same state the watcher reads.
+    let env = Env::start(QueueConfig { idle_ms: 60_000, ..QueueConfig::default() });
+    let seen = Seen::default();
+    let workers = idle_workers(&env, 1, &seen).await;
+    env.queue.enqueue("run_a", &json!({}), 1_000).await.unwrap();
+    let mut conn = env.server.conn().await;
+    let keys = env.queue.keys().clone();
+    // The worker took run_a's token and sleeps towards its time.
+    eventually("the watcher to take the token", secs(5), || async {
+        let left: u64 = redis::cmd("LLEN").arg(&keys.notify).query_async(&mut env.server.conn().await).await.ok()?;
+        (left == 0).then_some(())
+    })
+    .await;
+    let (secs_now, micros): (i64, i64) = redis::cmd("TIME").query_async(&mut conn).await.unwrap();
+    let later = secs_now * 1000 + micros / 1000 + 30_000;
+    let _: () = redis::cmd("SET").arg(&keys.timer).arg(format!("{later}|*")).query_async(&mut conn).await.unwrap();
+    eventually("run_a to start", secs(5), || async { (!seen.all().is_empty()).then_some(()) }).await;
+    let a = seen.all().into_iter().find(|s| s.id == "run_a").unwrap();
+    assert!(a.server_now_ms >= a.due_ms && a.server_now_ms - a.due_ms < 1_000, "{a:?}");
+    stop_workers(workers).await;
+}
+
+#[tokio::test]
 async fn without_client_unblock_due_times_are_still_kept() {
     // Managed Redis services forbid CLIENT UNBLOCK; the watcher then waits with
     // BLPOP's own timeout (coarser, never early, never lost).
@@ -615,6 +648,39 @@ async fn only_a_fetch_a_token_woke_clears_the_tokens_left_over() {
     let got = q.fetch_for("w1", 10, None, FetchWhy::Token).await.unwrap();
     assert_eq!(got.deliveries.len(), 1);
     assert_eq!(tokens(conn.clone()).await, 0, "the fetch a token woke took everything due and cleared the rest");
+}
+
+#[tokio::test]
+async fn a_fetch_that_finds_a_watch_claimed_for_whoever_takes_its_token_watches_it_itself() {
+    // A claim for whoever takes a token (`T|*`) can be left with no token:
+    // a fetch a plain token woke took everything due and cleared the tokens
+    // left over — the `wT` among them — or a commit claimed it for its own
+    // process (no token) and that process's next fetch came before it looked.
+    // The fetch that then finds `T` as the next due time is the one idle
+    // worker left to watch it, and takes the claim over (given back, nobody
+    // would watch `T` until an idle registration's look for a turn left due).
+    let env = Env::start(QueueConfig { idle_ms: 60_000, ..QueueConfig::default() });
+    let q = &env.queue;
+    let mut conn = env.server.conn().await;
+    let keys = q.keys().clone();
+    q.enqueue("run_a", &json!({}), 1_500).await.unwrap();
+    let claim: String = redis::cmd("GET").arg(&keys.timer).query_async(&mut conn).await.unwrap();
+    assert!(claim.ends_with("|*"), "the enqueue claimed its time for whoever takes its token: {claim}");
+    // A plain token on top (a release's), taken by this worker.
+    let _: () = redis::cmd("LPUSH").arg(&keys.notify).arg("1").query_async(&mut conn).await.unwrap();
+    let (_, token): (String, String) =
+        redis::cmd("BLPOP").arg(&keys.notify).arg(1).query_async(&mut conn).await.unwrap();
+    assert_eq!(token, "1");
+    let got = q.fetch_for("w1", 10, None, FetchWhy::Token).await.unwrap();
+    assert!(got.deliveries.is_empty());
+    let left: u64 = redis::cmd("LLEN").arg(&keys.notify).query_async(&mut conn).await.unwrap();
+    assert_eq!(left, 0, "the token-woken fetch cleared the tokens left over, the watch's among them");
+    match got.then {
+        Then::Watch { ms } => assert!((1..=1_500).contains(&ms), "watch in {ms} ms"),
+        other => panic!("nobody is left to watch run_a's due time, and this worker {other:?}"),
+    }
+    let claim: String = redis::cmd("GET").arg(&keys.timer).query_async(&mut conn).await.unwrap();
+    assert!(claim.ends_with("|w1"), "the claim is the watching worker's: {claim}");
 }
 
 #[tokio::test]

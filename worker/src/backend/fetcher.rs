@@ -71,6 +71,10 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
             let backlog = matches!(self.then, Some(Then::FetchAgain));
             match self.then.take() {
                 Some(Then::Listen) => self.idle(None).await,
+                // Due now (a turn its own fetch left queued, released, to ask
+                // for again): fetch at once — no timer, and no claim to read,
+                // which a wake-up for a later time may have replaced already.
+                Some(Then::Watch { ms }) if ms <= 0 => self.why = FetchWhy::Watch,
                 Some(Then::Watch { ms }) => {
                     let until = tokio::time::Instant::now() + Duration::from_millis(ms.max(0) as u64);
                     self.watching = Some(self.watching.map_or(until, |w| w.min(until)));
@@ -257,12 +261,19 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
     /// watches (turns due at once wake workers with tokens of their own). Its
     /// time passed, or there is none (expired): fetch (anyone's to act on; 50
     /// ms of slack for this process's reading of the server's clock). Still
-    /// ahead: nothing is due yet — the turn this worker watched was released
-    /// early and taken, or its line's head moved — so a fetch now would find
-    /// nothing: watch it if the claim is this worker's, else listen (a claim
-    /// for whoever takes a token, `*`, has its token in the list, which this
-    /// worker may be the one to take). One `GET` instead of that fetch; on any
-    /// doubt (an error, a clock not read yet), the worker fetches.
+    /// ahead and this worker's: watch it. Still ahead and another worker's:
+    /// that worker's fetch claimed it, and a fetch takes everything due before
+    /// the time it claims — the turn this worker watched was released early
+    /// and taken, or its line's head moved — so a fetch now would find
+    /// nothing: listen. Still ahead and for whoever takes a token (`*`):
+    /// fetch. Such a claim says nothing of what is due before it: a claim
+    /// whose time passed is anyone's to replace (lib.lua `q_claim_of`), so a
+    /// wake-up for a later time overwrites this worker's own claim while the
+    /// turn it watched is still due (a timer late under load); listening then
+    /// left that turn due with nobody to take it until an idle registration's
+    /// look for a turn left due, seconds later. One `GET` instead of a fetch
+    /// when the claim is another worker's; on any doubt (an error, a clock not
+    /// read yet), the worker fetches.
     async fn after_watch(&mut self) -> AfterWatch {
         let claim: redis::RedisResult<Option<String>> =
             redis::cmd("GET").arg(&self.queue.keys().timer).query_async(&mut self.queue.conn()).await;
@@ -270,7 +281,7 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
         let Some((at, who)) = claim.split_once('|') else { return AfterWatch::Fetch };
         let (Ok(at), Some((server_ms, read))) = (at.parse::<i64>(), self.clock) else { return AfterWatch::Fetch };
         let server_now = server_ms + read.elapsed().as_millis() as i64;
-        if at <= server_now + 50 {
+        if at <= server_now + 50 || who == "*" {
             AfterWatch::Fetch
         } else if who == self.shared.identity {
             AfterWatch::Watch { ms: at - server_now }
@@ -432,7 +443,7 @@ pub(super) fn backoff(failures: u32) -> Duration {
 enum AfterWatch {
     /// Its time (or a later claim's) is due: fetch.
     Fetch,
-    /// Another worker, or whoever takes a token, watches a later time: listen.
+    /// Another worker's fetch claimed a later time: listen.
     Listen,
     /// This worker's own claim is for a later time: watch that, `ms` from now.
     Watch { ms: i64 },
