@@ -304,7 +304,8 @@ impl QueueTrace {
     pub(crate) async fn start(app: &App) -> Self {
         let mut conn = app.redis.conn().await;
         let keys = shared::queue::QueueKeys::new(&Keys::new(app.prefix.clone()));
-        let state_pattern = format!("{}:pacer:*:state:*", app.prefix);
+        // (Every budget and model: `{*}` matches the budget in its braces.)
+        let state_pattern = Keys::new(app.prefix.clone()).pacer_state("*", "*");
         let samples = std::sync::Arc::new(std::sync::Mutex::new(vec![]));
         let out = samples.clone();
         let task = tokio::spawn(async move {
