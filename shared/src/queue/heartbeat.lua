@@ -3,25 +3,33 @@
 -- worker's) wakes a worker for a turn left due.
 -- KEYS[Q_NKEYS+1] workers ZSET (identity -> last heartbeat ms), KEYS[Q_NKEYS+2]
 -- worker info HASH (identity -> JSON). ARGV: lease_ms, max_deliveries, identity,
--- info JSON (or '' to skip registering), forget_ms (a registration silent this long
--- is forgotten; liveness is judged on reading, by each worker's own lease), reclaim_limit,
+-- info JSON (or '' to skip registering; '=' to register with the info this worker last
+-- wrote, unchanged), forget_ms (a registration silent this long is forgotten, and the
+-- fleet counted — 0: neither on this beat; liveness is judged on reading, by each
+-- worker's own lease), reclaim_limit (0: no look for expired leases),
 -- dead_keep_ms (the dead set's retention), then id, epoch pairs of the leases
 -- this worker holds.
--- Returns {reclaimed, buried, fleet, lost id...}: fleet is how many workers beat
--- in the last 30 s (idle workers space their looks by it; -1 on a beat that does
--- not register: it is counted, and silent registrations forgotten, only by beats
--- that register); lost ids are leases it no longer holds.
+-- Returns {reclaimed, buried, fleet, now, resend, lost id...}: fleet is how many workers beat
+-- in the last 30 s (the fetchers' safety nets scale with it; -1 on a beat that takes
+-- no census); now is the server's clock (ms: an idle worker's cheap looks
+-- between beats compare the first lease's expiry with it); resend is 1 when a
+-- registration without its info found none (the worker was forgotten, or Redis lost
+-- it): the next sends it; lost ids are leases it no longer holds.
 local lease_ms, maxd = tonumber(ARGV[1]), tonumber(ARGV[2])
 -- How long a turn may stay due, untaken, before an idle worker's beat wakes one for it.
 local Q_STRAY_MS = 500
 local workers, info = KEYS[Q_NKEYS + 1], KEYS[Q_NKEYS + 2]
 local now = q_now()
 local registering = ARGV[4] ~= ''
+local out = {0, 0, -1, now, 0}
 if registering then
-  redis.call('ZADD', workers, now, ARGV[3])
-  redis.call('HSET', info, ARGV[3], ARGV[4])
+  local added = redis.call('ZADD', workers, now, ARGV[3])
+  if ARGV[4] ~= '=' then
+    redis.call('HSET', info, ARGV[3], ARGV[4])
+  elseif added == 1 then
+    out[5] = 1
+  end
 end
-local out = {0, 0, -1}
 local n = (#ARGV - 7) / 2
 if n > 0 then
   local ids = {}
@@ -47,7 +55,11 @@ if n == 0 and registering then
   local first = redis.call('ZRANGE', Q_DUE, 0, 0, 'WITHSCORES')
   if first[2] and tonumber(first[2]) <= now - Q_STRAY_MS then q_wake() end
 end
-local expired = redis.call('ZRANGEBYSCORE', Q_LEASE, '-inf', now, 'LIMIT', 0, tonumber(ARGV[6]))
+-- (A reclaim limit of 0: a beat that only registers; the worker's looks find what expired.)
+local expired = {}
+if tonumber(ARGV[6]) > 0 then
+  expired = redis.call('ZRANGEBYSCORE', Q_LEASE, '-inf', now, 'LIMIT', 0, tonumber(ARGV[6]))
+end
 for _, id in ipairs(expired) do
   local r = q_read(id)
   if not r or r.flag ~= 'l' then
@@ -63,7 +75,8 @@ for _, id in ipairs(expired) do
     out[1] = out[1] + 1
   end
 end
-if registering then
+-- A census (forget_ms > 0): silent registrations forgotten, the fleet counted.
+if registering and tonumber(ARGV[5]) > 0 then
   local gone = redis.call('ZRANGEBYSCORE', workers, '-inf', now - tonumber(ARGV[5]), 'LIMIT', 0, 100)
   if #gone > 0 then
     redis.call('ZREM', workers, unpack(gone))

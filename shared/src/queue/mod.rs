@@ -445,7 +445,24 @@ impl TurnQueue {
         info: Option<&WorkerInfo>,
         leases: &[(String, u64)],
     ) -> Result<HeartbeatReport, QueueError> {
-        let info = info.map(serde_json::to_string).transpose()?.unwrap_or_default();
+        let register = info.map_or(Register::No, |info| Register::With { info, census: true });
+        self.beat(identity, register, leases, true).await
+    }
+
+    /// [`TurnQueue::heartbeat`], registering as `register` says, and
+    /// reclaiming expired leases if `reclaim`.
+    pub async fn beat(
+        &self,
+        identity: &str,
+        register: Register<'_>,
+        leases: &[(String, u64)],
+        reclaim: bool,
+    ) -> Result<HeartbeatReport, QueueError> {
+        let (info, census) = match register {
+            Register::No => (String::new(), false),
+            Register::With { info, census } => (serde_json::to_string(info)?, census),
+            Register::Unchanged { census } => ("=".to_owned(), census),
+        };
         let mut inv = self.invocation(&self.scripts.heartbeat);
         inv.key(&self.keys.workers)
             .key(&self.keys.worker_info)
@@ -455,8 +472,8 @@ impl TurnQueue {
             .arg(info)
             // Registrations silent this long are forgotten; whether one is alive
             // is judged on reading, by its own lease (`list_workers`).
-            .arg(MAX_WORKER_TTL_MS)
-            .arg(200)
+            .arg(if census { MAX_WORKER_TTL_MS } else { 0 })
+            .arg(if reclaim { 200 } else { 0 })
             .arg(self.config.dead_retention_ms);
         for (id, epoch) in leases {
             inv.arg(id).arg(*epoch);
@@ -468,10 +485,26 @@ impl TurnQueue {
                 0 => report.reclaimed = redis::from_redis_value(item).unwrap_or_default(),
                 1 => report.buried = redis::from_redis_value(item).unwrap_or_default(),
                 2 => report.fleet = redis::from_redis_value::<i64>(item).ok().and_then(|n| usize::try_from(n).ok()),
+                3 => report.now_ms = redis::from_redis_value(item).unwrap_or_default(),
+                4 => report.resend = redis::from_redis_value::<i64>(item).unwrap_or_default() == 1,
                 _ => report.lost.push(redis::from_redis_value(item).unwrap_or_default()),
             }
         }
         Ok(report)
+    }
+
+    /// When the first lease of any worker expires (server clock, ms), `None`
+    /// with no lease held: one `ZRANGE`, an idle worker's look between the
+    /// beats that reclaim (a lease expired by its clock calls for a beat).
+    pub async fn first_lease_expiry(&self) -> Result<Option<i64>, QueueError> {
+        let first: Vec<(String, f64)> = redis::cmd("ZRANGE")
+            .arg(&self.keys.lease)
+            .arg(0)
+            .arg(0)
+            .arg("WITHSCORES")
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok(first.first().map(|(_, at)| *at as i64))
     }
 
     /// Removes worker `identity` from the registry (a clean exit).

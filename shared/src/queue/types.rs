@@ -243,4 +243,21 @@ pub struct HeartbeatReport {
     /// Worker processes that beat in the last 30 s (this one included);
     /// `None` from a beat that did not register (only those count).
     pub fleet: Option<usize>,
+    /// The server's clock when the beat ran, ms.
+    pub now_ms: i64,
+    /// A registration without its info ([`Register::Unchanged`]) found none
+    /// (the worker was forgotten, or Redis lost it): the next sends it.
+    pub resend: bool,
+}
+
+/// What a heartbeat does with the worker's registration.
+#[derive(Debug, Clone, Copy)]
+pub enum Register<'a> {
+    /// Renews and reclaims only.
+    No,
+    /// Registers with this info; `census`: forgets registrations silent for
+    /// an hour and counts the fleet too.
+    With { info: &'a WorkerInfo, census: bool },
+    /// Registers with the info this worker last wrote (one command less).
+    Unchanged { census: bool },
 }

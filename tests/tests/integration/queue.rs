@@ -816,6 +816,45 @@ async fn each_worker_is_judged_alive_by_its_own_lease() {
 }
 
 #[tokio::test]
+async fn a_registration_with_its_info_unchanged_keeps_it_and_asks_for_it_once_it_is_gone() {
+    use shared::queue::Register;
+    let env = Env::start(QueueConfig::default());
+    let q = &env.queue;
+    let info = shared::queue::WorkerInfo {
+        identity: "w1".into(),
+        host: "h".into(),
+        pid: 7,
+        concurrency: 4,
+        in_flight: 0,
+        started_at_ms: 1,
+        lease_ms: 3_000,
+        beat_ms: 16_000,
+        last_heartbeat_ms: 0,
+    };
+    let first = q.beat("w1", Register::With { info: &info, census: true }, &[], false).await.unwrap();
+    assert!(!first.resend);
+    assert_eq!(first.fleet, Some(1), "a census counts the fleet");
+    assert!(first.now_ms > 0, "a beat says the server's clock");
+    // Registering again with the info unchanged: the registration stands as written,
+    // no census (no fleet count), no resend.
+    let again = q.beat("w1", Register::Unchanged { census: false }, &[], false).await.unwrap();
+    assert!(!again.resend);
+    assert_eq!(again.fleet, None);
+    let listed = q.list_workers().await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!((listed[0].pid, listed[0].concurrency), (7, 4));
+    // Redis lost the registration (a restart without persistence, a hand edit): an
+    // unchanged registration adds the worker back and asks for its info.
+    let mut conn = env.server.conn().await;
+    let keys = q.keys();
+    let _: () = redis::cmd("DEL").arg(&keys.workers).arg(&keys.worker_info).query_async(&mut conn).await.unwrap();
+    let lost = q.beat("w1", Register::Unchanged { census: false }, &[], false).await.unwrap();
+    assert!(lost.resend, "the info is gone: the worker sends it with its next registration");
+    q.beat("w1", Register::With { info: &info, census: false }, &[], false).await.unwrap();
+    assert_eq!(q.list_workers().await.unwrap().len(), 1);
+}
+
+#[tokio::test]
 async fn a_record_fetch_cannot_read_is_buried_with_its_reason_not_dropped() {
     let env = Env::start(QueueConfig::default());
     let q = &env.queue;
@@ -882,7 +921,8 @@ async fn an_idle_worker_already_running_has_a_sigkilled_workers_turns_back_withi
 
 /// A worker holding 4 long turns is SIGKILLed; a second one finishes them
 /// within 5 s of the kill: started after it, or (`idle_before`) up and idle
-/// before it — then its own idle beats find the expired leases.
+/// before it — then it finds the expired leases with its own looks (one
+/// command each, scheduled by the first lease's expiry), not a first beat.
 async fn killed_workers_turns_back_within_5_s(idle_before: bool) {
     let env = Env::start(QueueConfig::default());
     let q = &env.queue;
@@ -900,7 +940,7 @@ async fn killed_workers_turns_back_within_5_s(idle_before: bool) {
             (q.list_workers().await.ok()?.len() == 2).then_some(())
         })
         .await;
-        // Long enough for the first's leases to be renewed under the rescuer's beats.
+        // Long enough for the first's leases to be renewed under the rescuer's looks.
         tokio::time::sleep(secs(4)).await;
         assert!(env.probe_done().await.is_empty(), "the rescuer took nothing while the first worker lived");
     }

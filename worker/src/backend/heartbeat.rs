@@ -3,22 +3,30 @@
 //! shutdown grace.
 
 use super::*;
+use shared::queue::Register;
 
 /// Renews each of this worker's leases a third of the lease after it was
 /// leased or last renewed, and its registration every [`REGISTER_EVERY`]
 /// beats, or while idle at least every `beat_ms` (a registration lives two
 /// leases, or two `beat_ms`: it is renewed well within that), reclaims expired
 /// leases of dead workers, and ends the shutdown grace.
-/// Between renewals it beats as an idle worker does: less often, the more so
-/// the larger the fleet (up to 8×), so the fleet's idle beats, and so its
-/// reclaims of dead workers' leases, stay about as frequent as two workers'
-/// would (each beats at least every two thirds of the lease while the fleet
-/// is 4 or fewer: a killed worker's turns back within 5/3 of it, 5 s). (A turn that ends within a third of the lease, most of them, is
-/// never renewed: a beat at every third of the lease whatever the leases' age
-/// was most of a busy fleet's beats.)
+///
+/// Between those beats it looks for leases to reclaim with one command (the
+/// first lease's expiry, [`TurnQueue::first_lease_expiry`]) against the
+/// server's clock as its last beat read it, and runs the reclaiming beat only
+/// when one has expired. It looks again [`RECLAIM_SLACK`] third of the lease
+/// after that expiry, or after a lease taken now would expire, whichever is
+/// sooner — no lease can expire before then — so each worker on its own finds
+/// a dead worker's lease within a third of the lease of its expiry: a
+/// killed worker's turns back within 4/3 of the lease (4 s), whatever the
+/// fleet's size. (A turn that ends within a third of the lease, most of
+/// them, is never renewed: a beat at every third of the lease whatever the
+/// leases' age was most of a busy fleet's beats.)
 pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, worker: WorkerContext) {
     let every = queue.config().heartbeat_every();
-    let idle_every = |fleet: usize| every.mul_f64((fleet as f64 / 2.0).clamp(1.0, IDLE_GAP_SCALE));
+    let lease = Duration::from_millis(queue.config().lease_ms);
+    // The loop's tick is taken off, so a look comes within the slack.
+    let slack = every.mul_f64(RECLAIM_SLACK).saturating_sub(TICK);
     let grace = Duration::from_millis(queue.config().grace_ms);
     let mut started_at_ms = None;
     let mut last_beat: Option<Instant> = None;
@@ -29,13 +37,45 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
     // settled while the beat was under way reads so too; one still held a beat
     // later was lost for real (it expired and was taken back).
     let mut suspects: Vec<(String, u64)> = vec![];
+    // The server's clock as the last beat read it, and when its reply came.
+    let mut clock: Option<(Instant, i64)> = None;
+    // When to look for an expired lease next (None: at the next tick).
+    let mut look_at: Option<Instant> = None;
+    // The info the last registration wrote, and how many registrations.
+    let mut sent: Option<WorkerInfo> = None;
+    let mut registrations: u64 = 0;
     loop {
         let now = Instant::now();
-        let gap = idle_every(shared.fleet.load(Ordering::Relaxed));
-        let oldest = shared.oldest_renewal();
-        let renew = oldest.is_some_and(|at| now >= at + every);
-        if renew || last_beat.is_none_or(|at| now >= at + gap) {
+        let renew = shared.oldest_renewal().is_some_and(|at| now >= at + every);
+        // An idle worker registers every `beat_ms` (less a tick, so it is not
+        // late); a reader counts it alive for two of those, 32 s at the
+        // default lease.
+        let beat_span = every.mul_f64(IDLE_BEAT_SCALE);
+        let register_due = registered_at.is_none_or(|at| now + TICK >= at + beat_span);
+        let suspects_due = !suspects.is_empty() && last_beat.is_none_or(|at| now >= at + every);
+        let mut beat = renew || register_due || suspects_due;
+        // Whether the beat looks for expired leases: a beat that only
+        // registers leaves that to the looks, whose schedule it keeps.
+        let mut reclaim = renew || suspects_due || clock.is_none();
+        if !beat && look_at.is_none_or(|at| now >= at) {
+            match (clock, queue.first_lease_expiry().await) {
+                (Some((at, server_ms)), Ok(first)) => {
+                    let server_now = server_ms + now.saturating_duration_since(at).as_millis() as i64;
+                    let lease_ms = lease.as_millis() as i64;
+                    let clear_until = first.map_or(server_now + lease_ms, |e| e.min(server_now + lease_ms));
+                    beat = clear_until <= server_now;
+                    reclaim = beat;
+                    let ahead = Duration::from_millis(clear_until.saturating_sub(server_now).max(0) as u64);
+                    look_at = Some(now + ahead + slack);
+                }
+                _ => (beat, reclaim) = (true, true),
+            }
+        }
+        if beat {
             last_beat = Some(now);
+            if reclaim {
+                look_at = Some(now + slack);
+            }
             if started_at_ms.is_none() {
                 started_at_ms = queue.server_time_ms().await.ok();
             }
@@ -48,25 +88,37 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
                 in_flight: leases.len(),
                 started_at_ms: started_at_ms.unwrap_or_default(),
                 lease_ms: queue.config().lease_ms,
-                beat_ms: every.mul_f64(IDLE_BEAT_SCALE).as_millis() as u64,
+                beat_ms: beat_span.as_millis() as u64,
                 last_heartbeat_ms: 0,
             };
             // The first beat registers, a busy one every REGISTER_EVERY-th after
-            // it, and any beat whose next (half a gap early, as the 100-ms tick
-            // makes gaps a little longer) would come later than `beat_ms` after
-            // the last registration (a reader counts it alive for two of
-            // those, 32 s at the default lease): every other idle beat of a
-            // fleet of 16 or more, every eighth of 4 workers. (Compared without the half gap, the tick's slack made
-            // nearly every idle beat register.)
-            let beat_span = every.mul_f64(IDLE_BEAT_SCALE);
-            let due = registered_at.is_none_or(|at| now + gap / 2 > at + beat_span);
-            let register = due || !leases.is_empty() && beats.is_multiple_of(REGISTER_EVERY);
-            if register {
+            // it, and an idle one when due (above).
+            let register = register_due || !leases.is_empty() && beats.is_multiple_of(REGISTER_EVERY);
+            // A registration writes the info only when it changed (or the
+            // script says it is gone), and takes the census (forgets silent
+            // workers, counts the fleet) on every CENSUS_EVERY-th.
+            let registration = if !register {
+                Register::No
+            } else {
                 registered_at = Some(now);
-            }
+                registrations += 1;
+                let census = registrations % CENSUS_EVERY == 1;
+                if sent.as_ref() == Some(&info) {
+                    Register::Unchanged { census }
+                } else {
+                    Register::With { info: &info, census }
+                }
+            };
+            let writes_info = matches!(registration, Register::With { .. });
             beats += 1;
-            match queue.heartbeat(&shared.identity, register.then_some(&info), &leases).await {
+            match queue.beat(&shared.identity, registration, &leases, reclaim).await {
                 Ok(report) => {
+                    if report.resend {
+                        sent = None;
+                    } else if writes_info {
+                        sent = Some(info);
+                    }
+                    clock = (report.now_ms > 0).then(|| (Instant::now(), report.now_ms));
                     shared.renewed(&leases, now);
                     if let Some(fleet) = report.fleet {
                         shared.fleet.store(fleet.max(1), Ordering::Relaxed);
@@ -104,8 +156,8 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
             }
         }
         // Short ticks to notice shutdown (and a first lease) promptly; Redis is
-        // touched once per beat.
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // touched once per beat or look.
+        tokio::time::sleep(TICK).await;
     }
 }
 
@@ -117,12 +169,21 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
 /// two idle beats.
 const REGISTER_EVERY: u64 = 3;
 
+/// A registration forgets workers silent for an hour and counts the fleet on
+/// every this many (the first included).
+const CENSUS_EVERY: u64 = 4;
+
 /// How many times longer than [`QueueConfig::heartbeat_every`] an idle worker
 /// goes between registrations (16 s at the default lease: a registration is
 /// the beat's costliest part, and only `GET /v1/workers`, the fleet's count
 /// and the look for a turn left due, heartbeat.lua, ride on it).
 const IDLE_BEAT_SCALE: f64 = 16.0;
 
-/// How many times longer than [`QueueConfig::heartbeat_every`] an idle worker
-/// of a large fleet goes between beats.
-const IDLE_GAP_SCALE: f64 = 8.0;
+/// A lease is found expired within this many [`QueueConfig::heartbeat_every`]
+/// of its expiry (one: with a lease expiring at most a lease after its
+/// worker's last renewal, a killed worker's turns are back within 4/3 of the
+/// lease, 4 s at the default, inside the 5 s SPEC §2 promises).
+const RECLAIM_SLACK: f64 = 1.0;
+
+/// The loop's tick.
+const TICK: Duration = Duration::from_millis(100);
