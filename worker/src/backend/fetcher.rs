@@ -74,9 +74,14 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
                 // Due now (a turn its own fetch left queued, released, to ask
                 // for again): fetch at once — no timer, and no claim to read,
                 // which a wake-up for a later time may have replaced already.
-                Some(Then::Watch { ms }) if ms <= 0 => self.why = FetchWhy::Watch,
+                // Watched as due now, so a token or a commit's hint taken
+                // meanwhile cannot put that fetch off (`watch_from_token`).
+                Some(Then::Watch { ms }) if ms <= 0 => {
+                    self.watching = Some(tokio::time::Instant::now());
+                    self.why = FetchWhy::Watch;
+                }
                 Some(Then::Watch { ms }) => {
-                    let until = tokio::time::Instant::now() + Duration::from_millis(ms.max(0) as u64);
+                    let until = tokio::time::Instant::now() + Duration::from_millis(ms as u64);
                     self.watching = Some(self.watching.map_or(until, |w| w.min(until)));
                     self.idle(Some(ms)).await;
                     if self.why == FetchWhy::Watch {
