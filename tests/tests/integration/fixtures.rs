@@ -306,6 +306,7 @@ impl QueueTrace {
         let keys = shared::queue::QueueKeys::new(&Keys::new(app.prefix.clone()));
         // (Every budget and model: `{*}` matches the budget in its braces.)
         let state_pattern = Keys::new(app.prefix.clone()).pacer_state("*", "*");
+        let url = app.redis.url();
         let samples = std::sync::Arc::new(std::sync::Mutex::new(vec![]));
         let out = samples.clone();
         let task = tokio::spawn(async move {
@@ -340,18 +341,9 @@ impl QueueTrace {
                         started.elapsed().as_millis()
                     );
                     if i % 10 == 0 {
-                        let states: Vec<String> = redis::cmd("KEYS").arg(&state_pattern).query_async(&mut conn).await?;
-                        for key in states {
-                            let fields: Vec<(String, String)> =
-                                redis::cmd("HGETALL").arg(&key).query_async(&mut conn).await?;
-                            let fields: Vec<String> =
-                                fields.into_iter().map(|(k, v)| format!("{k}={}", &v[..v.len().min(120)])).collect();
-                            line.push_str(&format!(
-                                "\n    state {}: {}",
-                                key.rsplit(':').next().unwrap_or(""),
-                                fields.join(" ")
-                            ));
-                        }
+                        // The pacer's state, once a second (its records are packed: `dump_redis` escapes them).
+                        line.push('\n');
+                        line.push_str(&paceline_tests::dump_redis(&url, &state_pattern).await);
                     }
                     Ok::<_, redis::RedisError>(line)
                 };

@@ -24,7 +24,7 @@ use shared::queue::Register;
 /// leases' age was most of a busy fleet's beats.)
 pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, worker: WorkerContext) {
     let every = queue.config().heartbeat_every();
-    let lease = Duration::from_millis(queue.config().lease_ms);
+    let lease_ms = queue.config().lease_ms as i64;
     // The loop's tick is taken off, so a look comes within the slack.
     let slack = every.mul_f64(RECLAIM_SLACK).saturating_sub(TICK);
     let grace = Duration::from_millis(queue.config().grace_ms);
@@ -61,7 +61,6 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
             match (clock, queue.first_lease_expiry().await) {
                 (Some((at, server_ms)), Ok(first)) => {
                     let server_now = server_ms + now.saturating_duration_since(at).as_millis() as i64;
-                    let lease_ms = lease.as_millis() as i64;
                     let clear_until = first.map_or(server_now + lease_ms, |e| e.min(server_now + lease_ms));
                     beat = clear_until <= server_now;
                     reclaim = beat;
