@@ -13,7 +13,7 @@ use crate::routes::{dashboard, events, health, ops, runs};
     info(title = "paceline", description = "Background agentic LLM runs, paced by one shared budget in Redis."),
     paths(
         runs::submit, runs::list, runs::get, runs::transcript, runs::cancel, runs::retry, events::events,
-        ops::pacer, ops::pacer_history, ops::queue, ops::workers, ops::dead, ops::usage,
+        ops::pacer, ops::pacer_history, ops::queue, ops::workers, ops::dead, ops::dead_webhooks, ops::redrive_webhook, ops::usage,
         health::healthz, health::readyz, health::metrics, health::openapi, dashboard::index,
     ),
     components(schemas(
@@ -21,7 +21,7 @@ use crate::routes::{dashboard, events, health, ops, runs};
         shared::runs::Run, shared::runs::RunStatus, shared::runs::WaitReason, shared::runs::Usage,
         shared::runs::PacingCounters, shared::runs::RunError, shared::runs::TranscriptEntry, shared::pacer::Mode,
         ops::PacerView, ops::BudgetView, ops::HistoryView, shared::pacer::History, ops::QueueView, ops::WorkersView, ops::WorkerView,
-        ops::DeadList, ops::DeadView, ops::UsageView, ops::UsageRow, shared::runs::usage::UsageTotals,
+        ops::DeadList, ops::DeadView, ops::DeadDeliveries, ops::Redriven, shared::runs::webhooks::DeadDelivery, shared::runs::webhooks::WebhookState, ops::UsageView, ops::UsageRow, shared::runs::usage::UsageTotals,
         shared::pacer::BudgetShape, shared::pacer::bucket::Refill,
         health::Health, health::RedisMemory, crate::error::ErrorBody, crate::error::ErrorDetail,
     )),

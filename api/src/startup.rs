@@ -65,6 +65,7 @@ impl Application {
             providers: config.providers.names(),
             companion_tenants: config.access.companion_tenants(),
             models: config.runs.models.clone(),
+            webhook_endpoints: config.runs.webhook_endpoints.clone(),
         };
         let _ = crate::metrics::handle();
         let listener = TcpListener::bind(config.serve.listen)

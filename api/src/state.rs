@@ -43,6 +43,13 @@ pub struct Inner {
     pub hub: crate::hub::EventHub,
 }
 
+impl AppState {
+    /// The webhook deliveries' queue (dead letters, re-drives).
+    pub fn webhooks(&self) -> shared::runs::webhooks::WebhookQueue {
+        shared::runs::webhooks::WebhookQueue::new(self.conn.clone(), self.config.redis.keys())
+    }
+}
+
 impl std::ops::Deref for AppState {
     type Target = Inner;
     fn deref(&self) -> &Inner {

@@ -149,6 +149,35 @@ impl Keys {
         format!("{}:{}:idem:{}:{}", self.prefix, self.slot_tag(), tenant, key)
     }
 
+    /// Webhook deliveries due (`runs/webhooks.rs`), a ZSET event id -> due ms,
+    /// written in the script that ends a run (`runs/hooks.lua`
+    /// `webhook_enqueue`, which derives it from the run record's key):
+    /// `prefix:{prefix}:wh:due`.
+    pub fn webhooks_due(&self) -> String {
+        format!("{}:{}:wh:due", self.prefix, self.slot_tag())
+    }
+
+    /// Webhook deliveries being sent, a ZSET event id -> lease deadline ms (a
+    /// worker that dies mid-delivery leaves its lease to expire, and the next
+    /// claim takes it back): `prefix:{prefix}:wh:leased`.
+    pub fn webhooks_leased(&self) -> String {
+        format!("{}:{}:wh:leased", self.prefix, self.slot_tag())
+    }
+
+    /// Webhook deliveries that used every attempt, a ZSET event id -> ms they
+    /// gave up (`GET /v1/dead` shows them; a retry takes one back):
+    /// `prefix:{prefix}:wh:dead`.
+    pub fn webhooks_dead(&self) -> String {
+        format!("{}:{}:wh:dead", self.prefix, self.slot_tag())
+    }
+
+    /// One webhook event, a HASH (run, type, event ms, url, tenant, attempts,
+    /// state, the body once built, the claim of the worker sending it):
+    /// `prefix:{prefix}:wh:e:<event id>`.
+    pub fn webhook_event(&self, event: &str) -> String {
+        format!("{}:{}:wh:e:{}", self.prefix, self.slot_tag(), event)
+    }
+
     /// Bench only: a LIST of one line per turn delivery (run, turn, attempt,
     /// due and leased ms, outcome) that a worker started with
     /// `--bench-deliveries-key` pushes to; `paceline bench` reads it.
@@ -209,7 +238,7 @@ mod tests {
     /// hash tag): a format string with one of them between colons builds a key.
     const FAMILIES: &[&str] = &[
         "run", "tx", "ev", "tenant", "idem", "runs", "active", "q", "cancels", "pacer", "state", "expiry", "records",
-        "line", "hist", "models", "budgets", "workers",
+        "line", "hist", "models", "budgets", "workers", "wh",
     ];
 
     /// Whether a `format!` string looks like a Redis key: a literal hash tag
@@ -334,6 +363,15 @@ mod tests {
             // record inside the script (`Keys::tenant_active`).
             ("shared/src/runs/hooks.lua", "tenant:"),
             ("shared/src/runs/hooks.lua", ":active"),
+            // `webhook_enqueue` (runs/hooks.lua): a run's end enqueues its
+            // webhook event beside the run's record, in the same script
+            // (`Keys::webhooks_due`, `webhook_event`); the claim and finish
+            // scripts learn an event's id as they meet it (`runs/webhooks.lua`,
+            // given the base the keys share).
+            ("shared/src/runs/hooks.lua", "wh:due"),
+            ("shared/src/runs/hooks.lua", "wh:e:"),
+            ("shared/src/runs/webhooks.lua", "wh:e:"),
+            ("shared/src/runs/webhooks.lua", "run:"),
             // `hist`: one hash per minute of the Redis clock under the base it
             // is given (`Keys::pacer_history_minute`).
             ("shared/src/pacer/lua/state.lua", "KEYS[4] .."),

@@ -80,6 +80,9 @@ pub mod metric {
     /// Counter, label `model`: what the calls cost at the model's price, in
     /// micro-USD (a model without a price adds nothing).
     pub const COST: &str = "paceline_cost_micro_usd_total";
+    /// Counter, label `outcome` (`delivered`, `stopped`, `retrying`, `failed`):
+    /// webhook delivery attempts.
+    pub const WEBHOOK_DELIVERIES: &str = "paceline_webhook_deliveries_total";
 }
 
 #[cfg(test)]

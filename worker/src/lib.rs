@@ -24,6 +24,7 @@ pub mod request;
 pub mod routes;
 pub mod tools;
 pub mod turn;
+pub mod webhooks;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -65,6 +66,9 @@ pub struct WorkerConfig {
     /// Tenants' spend caps per day.
     #[command(flatten)]
     pub spend: SpendArgs,
+    /// How completion webhooks are sent.
+    #[command(flatten)]
+    pub webhooks: webhooks::WebhookArgs,
     /// Where the providers' keys and `PACELINE_TOOL_SECRET` are read (the
     /// environment; tests give them in code). Never a flag: a secret on a
     /// command line is in every `ps`.
@@ -146,6 +150,7 @@ impl WorkerConfig {
             queue: QueueConfig::default(),
             slots: SlotArgs::default(),
             spend: SpendArgs::default(),
+            webhooks: webhooks::WebhookArgs::default(),
             // Hermetic: a config built in code reads no environment.
             keys: KeySource::Given(Default::default()),
             bench_deliveries_key: None,
@@ -188,8 +193,33 @@ pub async fn runner(config: &WorkerConfig) -> anyhow::Result<(Runner, TurnQueue)
         spend: spend.map(Arc::new),
         usage,
         bench_deliveries_key: config.bench_deliveries_key.clone(),
+        run_ended: Arc::new(tokio::sync::Notify::new()),
     };
     Ok((runner, queue))
+}
+
+/// Starts this process's webhook sender, when it holds the signing secret
+/// (a malformed one refuses the start, saying why). Without one it sends
+/// none, and says so once: other workers (or this one restarted with it) do.
+fn spawn_deliverer(config: &WorkerConfig, runner: &Runner) -> anyhow::Result<Option<tokio::task::JoinHandle<()>>> {
+    let secret = config.keys.get(webhooks::WEBHOOK_SECRET_ENV);
+    let Some(signer) = webhooks::signer(secret.as_ref()).map_err(anyhow::Error::msg)? else {
+        if !config.runs.webhook_endpoints.is_empty() {
+            tracing::warn!(message = "PACELINE_WEBHOOK_SECRET is not set: this worker sends no webhooks");
+        }
+        return Ok(None);
+    };
+    let mut deliverer = webhooks::Deliverer::new(
+        runner.store.clone(),
+        config.redis.keys(),
+        signer,
+        config.runs.webhook_endpoints.clone(),
+        &config.webhooks,
+        config.runs.retention,
+    )?;
+    deliverer.wake = runner.run_ended.clone();
+    tracing::info!(message = "webhooks", endpoints = %config.runs.webhook_endpoints, signed = true);
+    Ok(Some(tokio::spawn(Arc::new(deliverer).run())))
 }
 
 /// Writes the process's usage book to Redis every
@@ -227,6 +257,10 @@ async fn handle_turn(turn: Turn, lease: Lease, runner: Data<Runner>) -> Result<(
             format!("{} {} {} {} {} {outcome}", lease.id, job.turn, job.attempt, lease.due_ms, lease.fetched_at_ms);
         let _: Result<(), _> = redis::cmd("RPUSH").arg(key).arg(line).query_async(&mut runner.store.connection()).await;
     }
+    if let Ok(TurnOutcome::Completed | TurnOutcome::Failed) = result {
+        // Its webhook event, if it has one, is due now.
+        runner.run_ended.notify_one();
+    }
     match result {
         Ok(_) => Ok(()),
         Err(error) => {
@@ -246,6 +280,7 @@ pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()> + Send
     shared::redis_util::refuse_unfit(&mut conn, Duration::from_secs(2)).await.map_err(anyhow::Error::msg)?;
     let listener =
         tokio::spawn(runner.cancels.clone().listen(config.redis.url.clone(), config.redis.keys().cancel_channel()));
+    let deliveries = spawn_deliverer(&config, &runner)?;
     // Each turn is started by the fetch that leases it (one script a batch),
     // and one back from a budget wait is asked for there first.
     let asks = runner.routes.fetch_asks(&runner.tenants, runner.config.in_place_wait);
@@ -270,6 +305,9 @@ pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()> + Send
         .await
         .context("worker");
     listener.abort();
+    if let Some(deliveries) = deliveries {
+        deliveries.abort();
+    }
     // The counts since the last write, before the process goes.
     if let Err(error) = usage.flush(&mut usage_conn, &config.redis.keys()).await {
         tracing::warn!(message = "could not write the last usage counts", %error);

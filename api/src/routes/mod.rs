@@ -38,6 +38,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/queue", get(ops::queue))
         .route("/v1/workers", get(ops::workers))
         .route("/v1/dead", get(ops::dead))
+        .route("/v1/webhooks/dead", get(ops::dead_webhooks))
+        .route("/v1/webhooks/{event_id}/retry", post(ops::redrive_webhook))
         .route("/v1/usage", get(ops::usage))
         .route("/v1/openapi.json", get(health::openapi))
         .route("/healthz", get(health::healthz))

@@ -8,7 +8,7 @@
 //! runs' counts.
 
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{Query, State};
+use axum::extract::{Path, Query, State};
 use axum::Json;
 use serde::{Deserialize, Serialize};
 use shared::pacer::TenantShare;
@@ -306,6 +306,64 @@ pub async fn dead(
         })
         .collect();
     Ok(Json(DeadList { data, next_cursor, has_more }))
+}
+
+/// `GET /v1/webhooks/dead`.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct DeadDeliveries {
+    /// Newest first, at most [`DEAD_MAX_LIMIT`].
+    pub data: Vec<shared::runs::webhooks::DeadDelivery>,
+}
+
+/// Webhook deliveries that used every attempt, newest first (operator):
+/// each kept 7 days for a re-drive.
+#[utoipa::path(
+    get, path = "/v1/webhooks/dead", tag = "operations",
+    responses(
+        (status = 200, description = "The newest dead-lettered deliveries", body = DeadDeliveries),
+        (status = 401, description = "No or bad token", body = ErrorBody),
+        (status = 403, description = "Not the operator token", body = ErrorBody),
+        (status = 503, description = "Redis unavailable", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn dead_webhooks(State(state): State<AppState>, _: Operator) -> Result<Json<DeadDeliveries>, ApiError> {
+    let data = state.redis("read the dead webhook deliveries", state.webhooks().dead(DEAD_MAX_LIMIT)).await?;
+    Ok(Json(DeadDeliveries { data }))
+}
+
+/// `POST /v1/webhooks/{event_id}/retry`.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct Redriven {
+    /// The event, due again now (same `webhook-id`, same body).
+    pub event_id: String,
+    /// Its run.
+    pub run_id: String,
+}
+
+/// Re-drives a dead-lettered webhook delivery (operator): due now, its
+/// attempts counted from 0.
+#[utoipa::path(
+    post, path = "/v1/webhooks/{event_id}/retry", tag = "operations",
+    params(("event_id" = String, Path, description = "The event's id (`webhook-id`)")),
+    responses(
+        (status = 202, description = "Due again now", body = Redriven),
+        (status = 401, description = "No or bad token", body = ErrorBody),
+        (status = 403, description = "Not the operator token", body = ErrorBody),
+        (status = 404, description = "No such dead-lettered delivery", body = ErrorBody),
+        (status = 503, description = "Redis unavailable", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn redrive_webhook(
+    State(state): State<AppState>,
+    _: Operator,
+    Path(event_id): Path<String>,
+) -> Result<(axum::http::StatusCode, Json<Redriven>), ApiError> {
+    match state.redis("re-drive the webhook delivery", state.webhooks().redrive(&event_id)).await? {
+        Some(run_id) => Ok((axum::http::StatusCode::ACCEPTED, Json(Redriven { event_id, run_id }))),
+        None => Err(ApiError::NotFound("no such dead-lettered webhook delivery".into())),
+    }
 }
 
 /// Live worker processes.

@@ -68,6 +68,10 @@ pub struct SubmitArgs {
     /// An Idempotency-Key: submitting again with it returns the first run.
     #[arg(long = "idempotency-key")]
     pub idempotency_key: Option<String>,
+    /// Where the run's completion webhook goes (sets the spec's
+    /// `webhook_url`; the API checks it against PACELINE_WEBHOOK_ENDPOINTS).
+    #[arg(long = "webhook", value_name = "URL")]
+    pub webhook: Option<String>,
     #[command(flatten)]
     pub api: ApiArgs,
 }
@@ -183,6 +187,10 @@ pub async fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
     } else {
         std::fs::read_to_string(&args.file).with_context(|| format!("reading {}", args.file))?
     };
+    let body = match &args.webhook {
+        None => body,
+        Some(url) => with_webhook(&body, url)?,
+    };
     let client = client(&args.api)?;
     let run = client.submit(body, args.idempotency_key.as_deref()).await?;
     println!("{}", run.id);
@@ -190,6 +198,17 @@ pub async fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
         return follow(&client, &run.id).await;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The spec `body` with its `webhook_url` set to `url` (`--webhook`).
+fn with_webhook(body: &str, url: &str) -> anyhow::Result<String> {
+    let mut spec: serde_json::Value =
+        serde_json::from_str(body).context("--webhook needs the spec to be a JSON object; it is not JSON")?;
+    let Some(object) = spec.as_object_mut() else {
+        anyhow::bail!("--webhook needs the spec to be a JSON object");
+    };
+    object.insert("webhook_url".into(), url.into());
+    Ok(spec.to_string())
 }
 
 /// Follows a run.
@@ -440,6 +459,17 @@ fn describe(run: &Run) -> String {
         "pacing:      {} budget waits ({} ms waited), {} rate limited, {} retries",
         p.budget_waits, p.waited_ms, p.rate_limited, p.retries
     );
+    if let Some(w) = &run.webhook {
+        let _ = writeln!(
+            out,
+            "webhook:     {} to {} ({} attempts{}{})",
+            w.state.as_deref().unwrap_or("not yet (the run has not ended)"),
+            w.url,
+            w.attempts,
+            w.last_status.map(|s| format!(", last HTTP {s}")).unwrap_or_default(),
+            w.next_attempt_at.as_deref().map(|t| format!(", next at {t}")).unwrap_or_default()
+        );
+    }
     if run.status == RunStatus::Waiting {
         let _ = writeln!(
             out,

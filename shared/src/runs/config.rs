@@ -11,6 +11,11 @@ pub struct RunArgs {
     /// run against it; a worker checks again before each call).
     #[arg(long = "tool-endpoints", env = "PACELINE_TOOL_ENDPOINTS", default_value = "", value_name = "LIST")]
     pub tool_endpoints: super::ToolEndpoints,
+    /// URL prefixes a run's `webhook_url` may start with, comma-separated,
+    /// in the same `PREFIX` / `TENANT=PREFIX` form (the API checks a run
+    /// against it; a worker checks again before each delivery).
+    #[arg(long = "webhook-endpoints", env = "PACELINE_WEBHOOK_ENDPOINTS", default_value = "", value_name = "LIST")]
+    pub webhook_endpoints: super::ToolEndpoints,
     /// How long a finished run's record, transcript and events are kept
     /// (`90s`, `30m`, `12h`, `7d`, or seconds).
     #[arg(long = "retention", env = "PACELINE_RETENTION", default_value = DEFAULT_RETENTION, value_parser = crate::config::parse_duration)]
@@ -43,6 +48,7 @@ impl Default for RunArgs {
     fn default() -> Self {
         Self {
             tool_endpoints: super::ToolEndpoints::default(),
+            webhook_endpoints: super::ToolEndpoints::default(),
             retention: crate::config::parse_duration(DEFAULT_RETENTION).expect("the default retention parses"),
             prices: None,
             models: Default::default(),

@@ -20,6 +20,24 @@ local function run_active(run, tenant)
   return base .. 'tenant:' .. tenant .. ':active', id
 end
 
+-- A run's end enqueues its webhook event (runs/webhooks.rs), in the script that ends it:
+-- a run never ends without its delivery, and no delivery exists without its run's end.
+-- Only a run whose spec named a `webhook_url`. The event's id is the run's and the count
+-- of its ends (a re-driven run that ends again is another event); every attempt sends
+-- that id. `retention`: the run's, which a pending event outlives (retries go on 24 h+).
+local function webhook_enqueue(run, now)
+  local url, status, tenant = unpack(redis.call('HMGET', run, 'webhook_url', 'status', 'tenant'))
+  if not url or url == '' or not run_finished(status) then return end
+  local base, id = string.match(run, '^(.*)run:([^:]+)$')
+  local n = redis.call('HINCRBY', run, 'webhook_events', 1)
+  local event = 'evt_' .. (string.gsub(id, '^run_', '')) .. '_' .. n
+  redis.call('HSET', base .. 'wh:e:' .. event, 'run', id, 'type', 'run.' .. status, 'ms', now, 'url', url,
+    'tenant', tenant or '', 'attempts', 0, 'state', 'pending')
+  redis.call('ZADD', base .. 'wh:due', now, event)
+  redis.call('HSET', run, 'webhook_event', event, 'webhook_state', 'pending', 'webhook_attempts', 0,
+    'webhook_last_status', '', 'webhook_next_ms', now, 'webhook_error', '')
+end
+
 -- A finished run's record, transcript and events (`run`, `tx`, `ev`) live for
 -- `retention` ms, then go (runs/store.lua); it leaves its tenant's unfinished runs.
 -- `tenant`: the run's, when the caller read it already (else read here); `set`: fields
@@ -35,6 +53,7 @@ local function run_retire(run, tx, ev, now, retention, tenant, set)
     set[#set + 1] = v
   end
   redis.call('HSET', run, unpack(set))
+  webhook_enqueue(run, now)
   local ttl = tonumber(retention)
   if ttl and ttl > 0 then
     redis.call('PEXPIRE', run, ttl)

@@ -19,6 +19,7 @@ pub mod store;
 pub mod transcript;
 pub mod turn;
 pub mod usage;
+pub mod webhooks;
 
 pub use config::{RunArgs, DEFAULT_RETENTION};
 pub use endpoints::{forbidden_address, valid_tenant, ToolEndpoint, ToolEndpoints};

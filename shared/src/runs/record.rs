@@ -208,6 +208,10 @@ pub struct Run {
     pub finished_at: Option<String>,
     /// The client's own data.
     pub metadata: Value,
+    /// Its completion webhook, when the spec named a `webhook_url`: where it
+    /// goes and how its delivery stands (`runs::webhooks`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub webhook: Option<super::webhooks::WebhookState>,
 }
 
 /// The record's hash fields (the commit scripts use the same names).
@@ -273,6 +277,20 @@ pub mod field {
     pub const RETENTION_MS: &str = "retention_ms";
     /// The record's format version (`runs::turn::RECORD_FORMAT`; absent: 1).
     pub const FORMAT: &str = "format";
+    /// The run's completion webhook URL (from its spec; absent: none).
+    pub const WEBHOOK_URL: &str = "webhook_url";
+    /// Its current webhook event's id (written when the run ends: `hooks.lua`).
+    pub const WEBHOOK_EVENT: &str = "webhook_event";
+    /// That event's state (`pending`, `retrying`, `delivered`, `stopped`, `failed`).
+    pub const WEBHOOK_STATE: &str = "webhook_state";
+    /// Attempts made to deliver it.
+    pub const WEBHOOK_ATTEMPTS: &str = "webhook_attempts";
+    /// The last attempt's HTTP status, or empty.
+    pub const WEBHOOK_LAST_STATUS: &str = "webhook_last_status";
+    /// When its next attempt is due, ms (Redis clock), or empty.
+    pub const WEBHOOK_NEXT_MS: &str = "webhook_next_ms";
+    /// What went wrong at the last attempt, or empty.
+    pub const WEBHOOK_ERROR: &str = "webhook_error";
 }
 
 /// Formats Redis-clock milliseconds as RFC 3339 with milliseconds (UTC).
@@ -287,7 +305,7 @@ impl Run {
     /// The record fields [`Run::from_fields`] reads, and the tenant: what a
     /// listing fetches, rather than the whole record (whose spec alone can be
     /// a MiB, for each of up to thousands of runs).
-    pub const FIELDS: [&'static str; 23] = [
+    pub const FIELDS: [&'static str; 30] = [
         field::TENANT,
         field::STATUS,
         field::MODE,
@@ -311,6 +329,13 @@ impl Run {
         field::UPDATED_MS,
         field::FINISHED_MS,
         field::METADATA,
+        field::WEBHOOK_URL,
+        field::WEBHOOK_EVENT,
+        field::WEBHOOK_STATE,
+        field::WEBHOOK_ATTEMPTS,
+        field::WEBHOOK_LAST_STATUS,
+        field::WEBHOOK_NEXT_MS,
+        field::WEBHOOK_ERROR,
     ];
 
     /// The run object from its record's fields; `None` when the record is
@@ -366,6 +391,7 @@ impl Run {
             metadata: get(field::METADATA)
                 .and_then(|m| serde_json::from_str(m).ok())
                 .unwrap_or(Value::Object(Default::default())),
+            webhook: super::webhooks::WebhookState::from_fields(f),
         })
     }
 }
@@ -422,6 +448,13 @@ mod tests {
             (field::METADATA, "{\"k\": 1}"),
             (field::PHASE, "tools"),
             (field::RETENTION_MS, "60000"),
+            (field::WEBHOOK_URL, "https://hooks.example/x"),
+            (field::WEBHOOK_EVENT, "evt_1_1"),
+            (field::WEBHOOK_STATE, "retrying"),
+            (field::WEBHOOK_ATTEMPTS, "2"),
+            (field::WEBHOOK_LAST_STATUS, "500"),
+            (field::WEBHOOK_NEXT_MS, "1796032809000"),
+            (field::WEBHOOK_ERROR, "HTTP 500"),
         ];
         let whole: HashMap<String, String> = all.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         let listed: HashMap<String, String> = whole

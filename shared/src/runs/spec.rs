@@ -64,6 +64,9 @@ pub struct RunSpec {
     /// Where tool calls are POSTed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_endpoint: Option<String>,
+    /// Where the run's completion webhook is POSTed (`runs::webhooks`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub webhook_url: Option<String>,
     /// `work` (background) or `companion` (a live listener).
     pub mode: Mode,
     /// Turns at most; reaching it fails the run with `max_turns`.
@@ -239,6 +242,8 @@ pub struct SubmitPolicy {
     pub companion_tenants: Vec<String>,
     /// The models runs may name (`PACELINE_MODELS`); empty: any valid name.
     pub models: ModelAllowList,
+    /// Allowed completion webhook URLs (`PACELINE_WEBHOOK_ENDPOINTS`); empty allows none.
+    pub webhook_endpoints: ToolEndpoints,
 }
 
 /// Why a tenant may not submit a spec that is valid in itself.
@@ -287,11 +292,19 @@ impl SubmitPolicy {
                 )));
             }
         }
+        if let Some(url) = &spec.webhook_url {
+            if !self.webhook_endpoints.allows(tenant, url) {
+                return Err(Refusal::Invalid(err(
+                    "webhook_url",
+                    "is not an allowed webhook endpoint (PACELINE_WEBHOOK_ENDPOINTS)",
+                )));
+            }
+        }
         Ok(())
     }
 }
 
-const KNOWN_FIELDS: [&str; 14] = [
+const KNOWN_FIELDS: [&str; 15] = [
     "model",
     "instructions",
     "input",
@@ -306,6 +319,7 @@ const KNOWN_FIELDS: [&str; 14] = [
     "context_overflow",
     "context_window_tokens",
     "max_cost_usd",
+    "webhook_url",
 ];
 
 impl RunSpec {
@@ -399,6 +413,20 @@ impl RunSpec {
             }
             Some(_) => return Err(err("tool_endpoint", "must be a URL string")),
         };
+        let webhook_url = match obj.get("webhook_url") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(url)) => {
+                // Whether this tenant may name it is `SubmitPolicy::admit`'s to say.
+                let parsed = url::Url::parse(url.trim()).ok();
+                if url.len() > 2048
+                    || !parsed.is_some_and(|u| matches!(u.scheme(), "http" | "https") && !u.cannot_be_a_base())
+                {
+                    return Err(err("webhook_url", "must be an http(s) URL of at most 2 048 characters"));
+                }
+                Some(url.trim().to_owned())
+            }
+            Some(_) => return Err(err("webhook_url", "must be a URL string")),
+        };
         if !tools.is_empty() && tool_endpoint.is_none() {
             return Err(err("tool_endpoint", "is required when tools are given"));
         }
@@ -489,6 +517,7 @@ impl RunSpec {
             input,
             tools,
             tool_endpoint,
+            webhook_url,
             mode,
             max_turns,
             max_output_tokens,
@@ -530,7 +559,33 @@ mod tests {
             providers: vec!["openai".into(), "claude".into()],
             companion_tenants: vec![],
             models: ModelAllowList::default(),
+            webhook_endpoints: ToolEndpoints::every_tenant(["https://hooks.example.com/paceline"]),
         }
+    }
+
+    #[test]
+    fn a_webhook_url_must_be_an_allowed_http_url() {
+        let p = policy();
+        let spec = |url: Value| RunSpec::from_json(&json!({"model": "m", "input": "x", "webhook_url": url}), &p);
+        let ok = spec(json!("https://hooks.example.com/paceline/done")).expect("a valid body");
+        assert_eq!(ok.webhook_url.as_deref(), Some("https://hooks.example.com/paceline/done"));
+        assert_eq!(p.admit("alpha", &ok), Ok(()));
+        for bad in [
+            json!("ftp://hooks.example.com/x"),
+            json!("not a url"),
+            json!(7),
+            json!(format!("https://h.x/{}", "a".repeat(3000))),
+        ] {
+            assert_eq!(spec(bad.clone()).unwrap_err().field, "webhook_url", "{bad}");
+        }
+        let elsewhere = spec(json!("https://evil.example.com/paceline")).expect("valid in itself");
+        let Err(Refusal::Invalid(e)) = p.admit("alpha", &elsewhere) else {
+            panic!("an endpoint not allowed is refused")
+        };
+        assert_eq!(e.field, "webhook_url");
+        assert!(e.message.contains("PACELINE_WEBHOOK_ENDPOINTS"), "{}", e.message);
+        let none_allowed = SubmitPolicy { webhook_endpoints: ToolEndpoints::default(), ..policy() };
+        assert!(none_allowed.admit("alpha", &ok).is_err(), "no list allows no webhook");
     }
 
     fn field_of(body: Value) -> String {

@@ -310,6 +310,9 @@ impl RunStore {
             field::RETENTION_MS: self.retention_ms().to_string(),
             field::FORMAT: RECORD_FORMAT.to_string(),
         });
+        if let Some(url) = &spec.webhook_url {
+            fields[field::WEBHOOK_URL] = json!(url);
+        }
         if let Some(s) = spec.max_run_seconds {
             fields[field::MAX_RUN_MS] = json!((u64::from(s) * 1_000).to_string());
         }

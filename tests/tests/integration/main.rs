@@ -24,5 +24,6 @@ mod soak;
 mod styles;
 mod tools;
 mod up;
+mod webhooks;
 mod worker;
 mod workspace;

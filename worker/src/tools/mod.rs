@@ -25,7 +25,7 @@
 //! server (`signing.rs`), so a tool server can authorise the call and refuse
 //! a replay older than its tolerance.
 
-mod resolve;
+pub(crate) mod resolve;
 mod signing;
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -101,7 +101,7 @@ impl ToolClient {
             .redirect(reqwest::redirect::Policy::none())
             // A proxy would resolve the host itself, past the address check.
             .no_proxy()
-            .dns_resolver(Arc::new(resolve::PublicOnly))
+            .dns_resolver(Arc::new(resolve::PublicOnly::TOOLS))
             .build()?;
         Ok(Self { http, allowed, secret: secret.filter(|s| !s.is_empty()), timeout })
     }

@@ -16,35 +16,52 @@ use std::net::SocketAddr;
 use reqwest::dns::{Addrs, Name, Resolve, Resolving};
 use shared::runs::forbidden_address;
 
-/// Resolves a tool host's name to its public addresses, or refuses it.
-#[derive(Debug, Default)]
-pub(super) struct PublicOnly;
+/// Resolves a host's name to its public addresses, or refuses it. Tool
+/// calls and webhook deliveries each have one, naming their allow-list.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PublicOnly {
+    /// What connects: `tool call`, `webhook`.
+    what: &'static str,
+    /// The allow-list that may name a private address itself.
+    allow_list: &'static str,
+}
+
+impl PublicOnly {
+    /// Tool calls' (`PACELINE_TOOL_ENDPOINTS`).
+    pub(crate) const TOOLS: Self = Self { what: "tool call", allow_list: "PACELINE_TOOL_ENDPOINTS" };
+    /// Webhook deliveries' (`PACELINE_WEBHOOK_ENDPOINTS`).
+    pub(crate) const WEBHOOKS: Self = Self { what: "webhook", allow_list: "PACELINE_WEBHOOK_ENDPOINTS" };
+}
 
 impl Resolve for PublicOnly {
     fn resolve(&self, name: Name) -> Resolving {
         let host = name.as_str().to_owned();
+        let this = *self;
         Box::pin(async move {
             let found: Vec<SocketAddr> = tokio::net::lookup_host((host.as_str(), 0)).await?.collect();
-            let checked = public_only(&host, found)?;
+            let checked = this.public_only(&host, found)?;
             Ok(Box::new(checked.into_iter()) as Addrs)
         })
     }
 }
 
-/// `found`, the addresses `host` resolved to, when every one is public; else
-/// why not. One address that is not public refuses the name: a name that
-/// mixes them is the shape of a rebinding attack, not of a tool server.
-fn public_only(host: &str, found: Vec<SocketAddr>) -> Result<Vec<SocketAddr>, String> {
-    if found.is_empty() {
-        return Err(format!("the tool host {host} resolves to no address"));
+impl PublicOnly {
+    /// `found`, the addresses `host` resolved to, when every one is public; else
+    /// why not. One address that is not public refuses the name: a name that
+    /// mixes them is the shape of a rebinding attack, not of a tool server.
+    fn public_only(&self, host: &str, found: Vec<SocketAddr>) -> Result<Vec<SocketAddr>, String> {
+        let Self { what, allow_list } = self;
+        if found.is_empty() {
+            return Err(format!("the {what} host {host} resolves to no address"));
+        }
+        if let Some((ip, kind)) = found.iter().find_map(|a| forbidden_address(a.ip()).map(|kind| (a.ip(), kind))) {
+            return Err(format!(
+                "the {what} host {host} resolves to {ip} ({kind}), not a public address; a {what} goes to such \
+                 an address only when {allow_list} names the address itself"
+            ));
+        }
+        Ok(found)
     }
-    if let Some((ip, kind)) = found.iter().find_map(|a| forbidden_address(a.ip()).map(|kind| (a.ip(), kind))) {
-        return Err(format!(
-            "the tool host {host} resolves to {ip} ({kind}), not a public address; a tool call goes to such \
-             an address only when PACELINE_TOOL_ENDPOINTS names the address itself"
-        ));
-    }
-    Ok(found)
 }
 
 #[cfg(test)]
@@ -65,15 +82,17 @@ mod tests {
             (&["fd00::1"], "fd00::1 (unique local)"),
             (&["::"], ":: (unspecified)"),
         ] {
-            let why = public_only("tools.example", addrs(ips)).unwrap_err();
+            let why = PublicOnly::TOOLS.public_only("tools.example", addrs(ips)).unwrap_err();
             assert!(why.contains(&format!("tools.example resolves to {named}")), "{ips:?}: {why}");
         }
-        assert!(public_only("tools.example", vec![]).unwrap_err().contains("no address"));
+        assert!(PublicOnly::TOOLS.public_only("tools.example", vec![]).unwrap_err().contains("no address"));
+        let why = PublicOnly::WEBHOOKS.public_only("hooks.example", addrs(&["10.0.0.5"])).unwrap_err();
+        assert!(why.contains("webhook host hooks.example") && why.contains("PACELINE_WEBHOOK_ENDPOINTS"), "{why}");
     }
 
     #[test]
     fn a_name_resolving_to_public_addresses_keeps_them_all() {
         let found = addrs(&["8.8.8.8", "2606:4700:4700::1111"]);
-        assert_eq!(public_only("tools.example", found.clone()), Ok(found));
+        assert_eq!(PublicOnly::TOOLS.public_only("tools.example", found.clone()), Ok(found));
     }
 }

@@ -77,6 +77,9 @@ pub struct Args {
     /// Tenants' spend caps per day.
     #[command(flatten)]
     spend: worker::SpendArgs,
+    /// How completion webhooks are sent.
+    #[command(flatten)]
+    webhooks: worker::webhooks::WebhookArgs,
     /// Also start the mock provider and a demo tool endpoint, submit the sample runs, and show them progressing.
     #[cfg(feature = "mock")]
     #[arg(long)]
@@ -204,6 +207,7 @@ async fn serve(
         queue: (*args.queue).clone(),
         slots: args.slots.clone(),
         spend: args.spend.clone(),
+        webhooks: args.webhooks.clone(),
         keys,
         bench_deliveries_key: None,
     };
