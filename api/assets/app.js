@@ -359,6 +359,13 @@
       const waiting = r.status === 'waiting' && r.next_attempt_at;
       fact(dl, 'Waiting for', waiting ? el('span', {}, (r.wait_reason || '?') + ', next attempt in ', countdown(Date.parse(r.next_attempt_at))) : '—');
       fact(dl, 'Error', r.error ? el('span', { class: 'error-text', text: r.error.kind + ': ' + r.error.message }) : '—');
+      if (r.webhook) {
+        const w = r.webhook;
+        const next = w.next_attempt_at ? ', next attempt ' + new Date(w.next_attempt_at).toLocaleString() : '';
+        const last = w.last_status ? ', last HTTP ' + w.last_status : (w.last_error ? ', last: ' + w.last_error : '');
+        fact(dl, 'Webhook', (w.state || 'sent when the run ends') + ' · ' + num(w.attempts) + ' attempts' + last + next
+          + ' · ' + w.url + (w.event_id ? ' (' + w.event_id + ')' : ''));
+      }
       fact(dl, 'Created', r.created_at ? new Date(r.created_at).toLocaleString() : '—');
       fact(dl, 'Finished', r.finished_at ? new Date(r.finished_at).toLocaleString() : '—');
       if (r.output_text) fact(dl, 'Output', el('pre', { class: 'output', text: r.output_text }));

@@ -199,11 +199,14 @@ pub async fn runner(config: &WorkerConfig) -> anyhow::Result<(Runner, TurnQueue)
 }
 
 /// Starts this process's webhook sender, when it holds the signing secret
-/// (a malformed one refuses the start, saying why). Without one it sends
-/// none, and says so once: other workers (or this one restarted with it) do.
-fn spawn_deliverer(config: &WorkerConfig, runner: &Runner) -> anyhow::Result<Option<tokio::task::JoinHandle<()>>> {
-    let secret = config.keys.get(webhooks::WEBHOOK_SECRET_ENV);
-    let Some(signer) = webhooks::signer(secret.as_ref()).map_err(anyhow::Error::msg)? else {
+/// (`run` refused a malformed one already). Without one it sends none, and
+/// says so once: other workers (or this one restarted with it) do.
+fn spawn_deliverer(
+    config: &WorkerConfig,
+    runner: &Runner,
+    signer: Option<standardwebhooks::Webhook>,
+) -> anyhow::Result<Option<tokio::task::JoinHandle<()>>> {
+    let Some(signer) = signer else {
         if !config.runs.webhook_endpoints.is_empty() {
             tracing::warn!(message = "PACELINE_WEBHOOK_SECRET is not set: this worker sends no webhooks");
         }
@@ -273,6 +276,9 @@ async fn handle_turn(turn: Turn, lease: Lease, runner: Data<Runner>) -> Result<(
 /// Runs a worker until `shutdown` resolves: stops taking turns, finishes or
 /// hands back the ones in flight, and returns.
 pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+    // A malformed signing secret is said before anything else starts.
+    let signer =
+        webhooks::signer(config.keys.get(webhooks::WEBHOOK_SECRET_ENV).as_ref()).map_err(anyhow::Error::msg)?;
     let (runner, queue) = runner(&config).await?;
     // A Redis too old for the scripts, or one that evicts keys, is said at
     // once (a Redis that is not up yet is not: the worker starts and waits for it).
@@ -280,7 +286,7 @@ pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()> + Send
     shared::redis_util::refuse_unfit(&mut conn, Duration::from_secs(2)).await.map_err(anyhow::Error::msg)?;
     let listener =
         tokio::spawn(runner.cancels.clone().listen(config.redis.url.clone(), config.redis.keys().cancel_channel()));
-    let deliveries = spawn_deliverer(&config, &runner)?;
+    let deliveries = spawn_deliverer(&config, &runner, signer)?;
     // Each turn is started by the fetch that leases it (one script a batch),
     // and one back from a budget wait is asked for there first.
     let asks = runner.routes.fetch_asks(&runner.tenants, runner.config.in_place_wait);

@@ -348,3 +348,36 @@ async fn workers_killed_with_sigkill_while_deliveries_are_pending_lose_none() {
     assert_eq!(events.len(), 5);
     verify_outside(&seen);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_webhook_url_not_allowed_is_a_422_naming_it_and_writes_nothing() {
+    let app = App::start(MockConfig::default()).await;
+    // The test API allows no webhook endpoint (PACELINE_WEBHOOK_ENDPOINTS unset).
+    let (api, _stop) = app.tenant_api(&[("default", "t0")], "op").await;
+    let http = reqwest::Client::new();
+    for url in ["http://127.0.0.1:9/hooks", "ftp://hooks.example.com/x"] {
+        let answer = http.post(format!("{api}/v1/runs")).bearer_auth("t0").json(&plain_run(url)).send().await.unwrap();
+        assert_eq!(answer.status(), 422, "{url}");
+        let body: Value = answer.json().await.unwrap();
+        assert_eq!(body["error"]["field"], "webhook_url", "{body}");
+    }
+    let runs: Value = http.get(format!("{api}/v1/runs")).bearer_auth("t0").send().await.unwrap().json().await.unwrap();
+    assert_eq!(runs["data"], json!([]), "nothing written");
+}
+
+#[test]
+fn a_worker_refuses_to_start_with_a_malformed_secret_and_says_why() {
+    for (secret, says) in [("hunter2", "must start with whsec_"), ("whsec_c2hvcnQ=", "holds 5 bytes")] {
+        let out = std::process::Command::new(paceline_tests::paceline_bin())
+            .args(["worker", "--provider-url", "http://127.0.0.1:9/v1"])
+            .env("REDIS_URL", "redis://127.0.0.1:9")
+            .env(WEBHOOK_SECRET_ENV, secret)
+            .env("RUST_LOG", "error")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{secret}: it started");
+        assert!(stderr.contains(says) && stderr.contains(WEBHOOK_SECRET_ENV), "{secret}: {stderr}");
+        assert!(!stderr.contains(secret) || secret.starts_with("whsec_"), "the secret is not echoed: {stderr}");
+    }
+}
