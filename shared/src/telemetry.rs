@@ -2,14 +2,30 @@
 //! `LOG_FORMAT=json` switches to JSON lines. Logs go to stderr so the CLI's
 //! progress bars and output on stdout do not fight with them.
 
-use tracing_subscriber::{fmt, EnvFilter};
+use tracing_subscriber::layer::SubscriberExt as _;
+use tracing_subscriber::util::SubscriberInitExt as _;
+use tracing_subscriber::{fmt, EnvFilter, Layer, Registry};
+
+/// A layer beside the logs' (the worker's trace export), with its own filter.
+pub type ExtraLayer = Box<dyn Layer<Registry> + Send + Sync>;
 
 /// Installs the global subscriber once; later calls are no-ops.
 pub fn init(default_filter: &str) {
+    init_with(default_filter, None);
+}
+
+/// [`init`] with `extra` beside the logs. `RUST_LOG` filters the logs
+/// alone: the extra layer keeps its own filter (a trace export is not
+/// silenced by `RUST_LOG=warn`).
+pub fn init_with(default_filter: &str, extra: Option<ExtraLayer>) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
     let json = std::env::var("LOG_FORMAT").map(|v| v == "json").unwrap_or(false);
-    let builder = fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    let _ = if json { builder.json().try_init() } else { builder.try_init() };
+    let (plain, json) = if json {
+        (None, Some(fmt::layer().json().with_writer(std::io::stderr).with_filter(filter)))
+    } else {
+        (Some(fmt::layer().with_writer(std::io::stderr).with_filter(filter)), None)
+    };
+    let _ = tracing_subscriber::registry().with(extra).with(plain).with(json).try_init();
 }
 
 /// The most distinct `model` label values one process gives its metrics;

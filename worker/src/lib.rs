@@ -23,6 +23,7 @@ pub mod provider;
 pub mod request;
 pub mod routes;
 pub mod tools;
+pub mod traces;
 pub mod turn;
 pub mod webhooks;
 

@@ -567,6 +567,7 @@ fn budget_wait_record(job: TurnJob, ms: u64, reason: OwedReason) -> (Value, Wait
 
 /// Counts a budget wait of `ms` in the metrics.
 fn count_budget_wait(ms: u64) {
+    crate::traces::budget_wait(ms, "budget");
     metrics::counter!(metric::BUDGET_WAITS).increment(1);
     metrics::histogram!(metric::REQUEUE_DELAY, "reason" => "budget").record(ms as f64 / 1000.0);
 }

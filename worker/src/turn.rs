@@ -200,18 +200,25 @@ impl Runner {
         };
         // From here a cancel of the run reaches this turn (cancels.rs).
         let cancel = self.cancels.watch_lease(&lease.id, Some(lease.clone()));
-        let outcome = if ctx.phase == Phase::Tools {
-            // The model's output is committed; its tool calls were interrupted.
-            let calls = pending_tool_calls(&ctx.transcript, job.turn + 1);
-            // Announced again: the delivery that recorded them may not have got that far.
-            let announced = tool_call_events(lease, job, &calls);
-            if let Err(error) = self.store.emit_all(&lease.id, event::TURN_TOOL_CALL, &announced).await {
-                tracing::warn!(message = "could not write the tool calls' events", %error, run.id = %lease.id);
-            }
-            self.run_tools_and_commit(lease, job, &ctx, &calls, &cancel, None, None).await?
-        } else {
-            self.call_model(lease, job, &ctx, &cancel, &cleared, turn.cached_until_ms).await?
-        };
+        let span = crate::traces::turn_span(&lease.id, job.turn, job.attempt, ctx.trace.as_deref());
+        let outcome = tracing::Instrument::instrument(
+            async {
+                if ctx.phase == Phase::Tools {
+                    // The model's output is committed; its tool calls were interrupted.
+                    let calls = pending_tool_calls(&ctx.transcript, job.turn + 1);
+                    // Announced again: the delivery that recorded them may not have got that far.
+                    let announced = tool_call_events(lease, job, &calls);
+                    if let Err(error) = self.store.emit_all(&lease.id, event::TURN_TOOL_CALL, &announced).await {
+                        tracing::warn!(message = "could not write the tool calls' events", %error, run.id = %lease.id);
+                    }
+                    self.run_tools_and_commit(lease, job, &ctx, &calls, &cancel, None, None).await
+                } else {
+                    self.call_model(lease, job, &ctx, &cancel, &cleared, turn.cached_until_ms).await
+                }
+            },
+            span,
+        )
+        .await?;
         metrics::counter!(metric::TURNS, "outcome" => outcome.as_str()).increment(1);
         metrics::histogram!(metric::TURN_LATENCY).record(started.elapsed().as_secs_f64());
         Ok(outcome)
@@ -313,8 +320,15 @@ impl Runner {
             return Ok(settled(lease, fence, TurnOutcome::Requeued));
         }
         let full_input = built.full_input;
-        let (mut result, mut tail) =
-            self.send(route, lease, job, cancel, built.body, built.answer_tool.as_deref()).await;
+        let provider_name = if route.provider.api_style() == ApiStyle::Anthropic { "anthropic" } else { "openai" };
+        let traced = crate::traces::call_span(provider_name, &spec.model, spec.max_output_tokens);
+        let (mut result, mut tail) = tracing::Instrument::instrument(
+            self.send(route, lease, job, cancel, built.body, built.answer_tool.as_deref()),
+            traced.clone(),
+        )
+        .await;
+        crate::traces::record_answer(&traced, &result);
+        drop(traced);
         // A provider's context-length error: the window it names (a tenth
         // under what it refused when it names none) is learned, and the call
         // trimmed to it is sent once more, under the same reservation (the
@@ -330,8 +344,13 @@ impl Runner {
                 tracing::info!(message = "the provider said the input overflows its context window; trimmed and sent again",
                     run.id = %lease.id, turn.index = job.turn, input = full_input, fits = ?fits, error = %failure.message);
                 if again.overflow.is_none() {
-                    (result, tail) =
-                        self.send(route, lease, job, cancel, again.body, again.answer_tool.as_deref()).await;
+                    let traced = crate::traces::call_span(provider_name, &spec.model, spec.max_output_tokens);
+                    (result, tail) = tracing::Instrument::instrument(
+                        self.send(route, lease, job, cancel, again.body, again.answer_tool.as_deref()),
+                        traced.clone(),
+                    )
+                    .await;
+                    crate::traces::record_answer(&traced, &result);
                 }
             }
         }

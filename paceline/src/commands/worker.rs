@@ -18,7 +18,8 @@ pub struct Args {
 
 /// Runs a worker until SIGINT/SIGTERM, then drains and exits 0.
 pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
-    shared::telemetry::init("info");
+    // Logs, and traces when OTEL_EXPORTER_OTLP_ENDPOINT is set (flushed when `_traces` goes).
+    let _traces = worker::traces::init("info", "paceline-worker")?;
     let shutdown = super::shutdown_signal();
     if let Some(addr) = args.metrics_listen {
         // The same recorder (and histogram buckets) as the API's /metrics.

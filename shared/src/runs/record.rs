@@ -208,6 +208,10 @@ pub struct Run {
     pub finished_at: Option<String>,
     /// The client's own data.
     pub metadata: Value,
+    /// The id of the run's trace (32 hex digits): every turn's spans, on any
+    /// worker, join it when traces are exported (`OTEL_EXPORTER_OTLP_ENDPOINT`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace_id: Option<String>,
     /// Its completion webhook, when the spec named a `webhook_url`: where it
     /// goes and how its delivery stands (`runs::webhooks`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -277,6 +281,9 @@ pub mod field {
     pub const RETENTION_MS: &str = "retention_ms";
     /// The record's format version (`runs::turn::RECORD_FORMAT`; absent: 1).
     pub const FORMAT: &str = "format";
+    /// The run's trace context, a W3C `traceparent` (`00-<trace id>-<span id>-01`)
+    /// written at its creation: each turn's span is a child of that span.
+    pub const TRACE: &str = "trace";
     /// The run's completion webhook URL (from its spec; absent: none).
     pub const WEBHOOK_URL: &str = "webhook_url";
     /// Its current webhook event's id (written when the run ends: `hooks.lua`).
@@ -293,6 +300,30 @@ pub mod field {
     pub const WEBHOOK_ERROR: &str = "webhook_error";
 }
 
+/// A new trace context for a run: a W3C `traceparent` with a random trace
+/// id and span id (the run's root, which its turns' spans are children of).
+pub fn new_traceparent() -> String {
+    use rand::Rng as _;
+    let mut rng = rand::rng();
+    // Neither may be all zeros (W3C trace context: invalid).
+    let trace: u128 = rng.random_range(1..=u128::MAX);
+    let span: u64 = rng.random_range(1..=u64::MAX);
+    format!("00-{trace:032x}-{span:016x}-01")
+}
+
+/// The trace id of a `traceparent` (`00-<32 hex>-<16 hex>-<2 hex>`); `None`
+/// for anything else.
+pub fn trace_id_of(traceparent: &str) -> Option<&str> {
+    let parts: Vec<&str> = traceparent.split('-').collect();
+    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase());
+    match parts.as_slice() {
+        [version, trace, span, flags] if hex(version, 2) && hex(trace, 32) && hex(span, 16) && hex(flags, 2) => {
+            Some(trace)
+        }
+        _ => None,
+    }
+}
+
 /// Formats Redis-clock milliseconds as RFC 3339 with milliseconds (UTC).
 pub fn rfc3339_ms(ms: Millis) -> String {
     let t = time::OffsetDateTime::from_unix_timestamp_nanos(ms as i128 * 1_000_000)
@@ -305,7 +336,7 @@ impl Run {
     /// The record fields [`Run::from_fields`] reads, and the tenant: what a
     /// listing fetches, rather than the whole record (whose spec alone can be
     /// a MiB, for each of up to thousands of runs).
-    pub const FIELDS: [&'static str; 30] = [
+    pub const FIELDS: [&'static str; 31] = [
         field::TENANT,
         field::STATUS,
         field::MODE,
@@ -336,6 +367,7 @@ impl Run {
         field::WEBHOOK_LAST_STATUS,
         field::WEBHOOK_NEXT_MS,
         field::WEBHOOK_ERROR,
+        field::TRACE,
     ];
 
     /// The run object from its record's fields; `None` when the record is
@@ -391,6 +423,7 @@ impl Run {
             metadata: get(field::METADATA)
                 .and_then(|m| serde_json::from_str(m).ok())
                 .unwrap_or(Value::Object(Default::default())),
+            trace_id: get(field::TRACE).and_then(trace_id_of).map(str::to_owned),
             webhook: super::webhooks::WebhookState::from_fields(f),
         })
     }
@@ -414,6 +447,21 @@ mod tests {
         ];
         for (kind, error_kind) in cases {
             assert_eq!(ErrorKind::from(kind).as_str(), error_kind, "{kind:?}");
+        }
+    }
+
+    #[test]
+    fn a_runs_trace_context_is_a_w3c_traceparent() {
+        let tp = new_traceparent();
+        let id = trace_id_of(&tp).expect("its own traceparent reads");
+        assert_eq!(id.len(), 32);
+        assert_ne!(new_traceparent(), tp, "random");
+        assert_eq!(
+            trace_id_of("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+            Some("4bf92f3577b34da6a3ce929d0e0e4736")
+        );
+        for bad in ["", "00-abc-def-01", "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01", "x"] {
+            assert_eq!(trace_id_of(bad), None, "{bad}");
         }
     }
 
@@ -455,6 +503,7 @@ mod tests {
             (field::WEBHOOK_LAST_STATUS, "500"),
             (field::WEBHOOK_NEXT_MS, "1796032809000"),
             (field::WEBHOOK_ERROR, "HTTP 500"),
+            (field::TRACE, "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
         ];
         let whole: HashMap<String, String> = all.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         let listed: HashMap<String, String> = whole

@@ -313,6 +313,7 @@ impl RunStore {
         if let Some(url) = &spec.webhook_url {
             fields[field::WEBHOOK_URL] = json!(url);
         }
+        fields[field::TRACE] = json!(super::record::new_traceparent());
         if let Some(s) = spec.max_run_seconds {
             fields[field::MAX_RUN_MS] = json!((u64::from(s) * 1_000).to_string());
         }
@@ -782,6 +783,7 @@ impl RunStore {
             tenant: f.get(field::TENANT).cloned().unwrap_or_default(),
             transcript,
             phase: Phase::parse(f.get(field::PHASE).map_or("", String::as_str)),
+            trace: f.get(field::TRACE).filter(|t| super::record::trace_id_of(t).is_some()).cloned(),
         }))
     }
 

@@ -240,6 +240,8 @@ pub struct TurnContext {
     pub transcript: Vec<TranscriptEntry>,
     /// Where the current turn stands.
     pub phase: Phase,
+    /// The run's trace context (`traceparent`; record.rs `field::TRACE`), when it has one.
+    pub trace: Option<String>,
 }
 
 /// A model's output with tool calls to run: its items, its call's usage and

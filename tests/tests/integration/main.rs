@@ -23,6 +23,7 @@ mod shapes;
 mod soak;
 mod styles;
 mod tools;
+mod traces;
 mod up;
 mod webhooks;
 mod worker;

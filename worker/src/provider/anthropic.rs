@@ -59,6 +59,8 @@ pub(crate) struct AnthropicDecoder {
     /// Usage as `message_start` reported it, updated by `message_delta`.
     usage: Option<Value>,
     stop_reason: Option<String>,
+    /// `message_start`'s model.
+    model: Option<String>,
 }
 
 impl AnthropicDecoder {
@@ -80,6 +82,8 @@ impl AnthropicDecoder {
         let index = data.get("index").and_then(Value::as_u64).unwrap_or(0);
         match kind {
             "message_start" => {
+                self.model =
+                    data.get("message").and_then(|m| m.get("model")).and_then(Value::as_str).map(str::to_owned);
                 if let Some(u) = data.get("message").and_then(|m| m.get("usage")).filter(|u| u.is_object()) {
                     self.usage = Some(u.clone());
                 }
@@ -239,6 +243,7 @@ impl AnthropicDecoder {
             tool_calls: calls,
             usage: self.usage.as_ref().map(usage),
             incomplete_reason,
+            model: self.model.take(),
         }
     }
 }

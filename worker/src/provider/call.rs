@@ -95,6 +95,8 @@ pub struct CallSuccess {
     /// `finish_reason: "length"`) or `content_filter`. A function call the cut
     /// left with broken arguments is not in `output` or `tool_calls`.
     pub incomplete_reason: Option<String>,
+    /// The model the provider says answered, when it said.
+    pub response_model: Option<String>,
 }
 
 /// A call that failed: everything the pacer and the retry ladder need.

@@ -42,6 +42,8 @@ pub(crate) struct ChatDecoder {
     calls: BTreeMap<u64, PartialCall>,
     finish_reason: Option<String>,
     usage: Option<CallUsage>,
+    /// The chunks' `model`.
+    model: Option<String>,
 }
 
 impl ChatDecoder {
@@ -66,6 +68,9 @@ impl ChatDecoder {
         }
         if str_field(&chunk, "object") == Some("error") {
             return Verdict::Failed(ProviderErrorBody::from_object(&chunk));
+        }
+        if self.model.is_none() {
+            self.model = str_field(&chunk, "model").map(str::to_owned);
         }
         if let Some(u) = chunk.get("usage").filter(|u| u.is_object()) {
             let input_tokens = count(u, "prompt_tokens").unwrap_or(0);
@@ -172,7 +177,14 @@ impl ChatDecoder {
             Some("content_filter") => Some("content_filter".to_string()),
             _ => None,
         };
-        Decoded { output, output_text, tool_calls, usage: self.usage.take(), incomplete_reason }
+        Decoded {
+            output,
+            output_text,
+            tool_calls,
+            usage: self.usage.take(),
+            incomplete_reason,
+            model: self.model.take(),
+        }
     }
 }
 

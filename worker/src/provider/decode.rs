@@ -24,6 +24,8 @@ pub(crate) struct Decoded {
     pub tool_calls: Vec<ToolCall>,
     pub usage: Option<CallUsage>,
     pub incomplete_reason: Option<String>,
+    /// The model the provider says answered (traces' `gen_ai.response.model`).
+    pub model: Option<String>,
 }
 
 /// OpenAI's error object `{"message","type","code","param"}`, as far as it

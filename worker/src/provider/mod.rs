@@ -301,6 +301,7 @@ impl Provider {
                 headers_received,
                 status,
                 incomplete_reason: decoded.incomplete_reason,
+                response_model: decoded.model,
             }),
             Err(StreamFailure::InBand(error)) => {
                 let mut failure = CallFailure::new(Some(status), error, None, headers, Some(headers_received));

@@ -133,7 +133,8 @@ impl ResponsesDecoder {
                 charged_input_tokens: input_tokens,
             }
         });
-        Decoded { output, output_text, tool_calls, usage, incomplete_reason }
+        let model = response.and_then(|r| r.get("model")).and_then(Value::as_str).map(str::to_owned);
+        Decoded { output, output_text, tool_calls, usage, incomplete_reason, model }
     }
 }
 

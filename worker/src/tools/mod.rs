@@ -127,7 +127,10 @@ impl ToolClient {
         let asked = calls.len();
         let made = calls.iter().take(MAX_TOOL_CALLS_PER_TURN).filter(|c| declared.contains(&c.name.as_str())).count();
         let share = answer_share(made);
-        let futures = calls.iter().enumerate().map(|(i, call)| async move {
+        let futures = calls.iter().enumerate().map(|(i, call)| {
+            let span = crate::traces::tool_span(&call.name, &call.call_id);
+            let traced = span.clone();
+            tracing::Instrument::instrument(async move {
             let started = std::time::Instant::now();
             let result = if i >= MAX_TOOL_CALLS_PER_TURN {
                 Err(format!(
@@ -152,7 +155,11 @@ impl ToolClient {
                 }
             };
             tracing::debug!(message = "tool call done", run.id = %run_id, tool.name = %call.name, error, elapsed_ms = started.elapsed().as_millis() as u64);
+            if error {
+                traced.record("error.type", "tool_error");
+            }
             ToolResult { call_id: call.call_id.clone(), name: call.name.clone(), output, error }
+        }, span)
         });
         futures::future::join_all(futures).await
     }

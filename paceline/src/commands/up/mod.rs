@@ -131,7 +131,8 @@ mod demo {
 /// Runs the subcommand until SIGINT/SIGTERM.
 pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
     // The demo draws progress lines on stderr: only warnings interrupt them.
-    shared::telemetry::init(if args.demo() { "warn" } else { "info" });
+    // Logs, and traces when OTEL_EXPORTER_OTLP_ENDPOINT is set (flushed when `_traces` goes).
+    let _traces = worker::traces::init(if args.demo() { "warn" } else { "info" }, "paceline")?;
     let (stop_tx, stop_rx) = watch::channel(false);
     {
         let stop_tx = stop_tx.clone();
