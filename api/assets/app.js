@@ -366,6 +366,7 @@
         fact(dl, 'Webhook', (w.state || 'sent when the run ends') + ' · ' + num(w.attempts) + ' attempts' + last + next
           + ' · ' + w.url + (w.event_id ? ' (' + w.event_id + ')' : ''));
       }
+      fact(dl, 'Trace', r.trace_id || '—');
       fact(dl, 'Created', r.created_at ? new Date(r.created_at).toLocaleString() : '—');
       fact(dl, 'Finished', r.finished_at ? new Date(r.finished_at).toLocaleString() : '—');
       if (r.output_text) fact(dl, 'Output', el('pre', { class: 'output', text: r.output_text }));

@@ -112,6 +112,9 @@ pub struct LongCallFigures {
     pub redis_commands_per_call: f64,
     /// Wall time from the first submit to the last run finished, s.
     pub makespan_s: f64,
+    /// Redis commands per call by command (the bench's own polls included):
+    /// what a call in flight costs, and whose.
+    pub redis_commands_by_command: Vec<(String, f64)>,
 }
 
 /// Runs one backlog size: `plan` with `runs` one-turn runs, measured for
@@ -312,6 +315,12 @@ pub async fn measure_long(
         net_cpu_ms_per_call_second: net_cpu_ms / call_seconds,
         redis_commands_per_call: data.commands.total() as f64 / calls.max(1) as f64,
         makespan_s: data.makespan_s().unwrap_or(0.0),
+        redis_commands_by_command: data
+            .commands
+            .by_command
+            .iter()
+            .map(|(k, v)| (k.clone(), *v as f64 / calls.max(1) as f64))
+            .collect(),
     })
 }
 
@@ -346,6 +355,7 @@ mod tests {
             net_cpu_ms_per_call_second: 0.0,
             redis_commands_per_call: 0.0,
             makespan_s: 0.0,
+            redis_commands_by_command: vec![],
         }
     }
 

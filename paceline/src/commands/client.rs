@@ -459,6 +459,9 @@ fn describe(run: &Run) -> String {
         "pacing:      {} budget waits ({} ms waited), {} rate limited, {} retries",
         p.budget_waits, p.waited_ms, p.rate_limited, p.retries
     );
+    if let Some(trace) = &run.trace_id {
+        let _ = writeln!(out, "trace:       {trace}");
+    }
     if let Some(w) = &run.webhook {
         let _ = writeln!(
             out,

@@ -24,8 +24,10 @@ end
 -- a run never ends without its delivery, and no delivery exists without its run's end.
 -- Only a run whose spec named a `webhook_url`. The event's id is the run's and the count
 -- of its ends (a re-driven run that ends again is another event); every attempt sends
--- that id. `retention`: the run's, which a pending event outlives (retries go on 24 h+).
-local function webhook_enqueue(run, now)
+-- that id. `known`: the run's `webhook_url` when the caller read it already (false or ''
+-- for none: no command here, the common case), nil when it did not.
+local function webhook_enqueue(run, now, known)
+  if known ~= nil and (not known or known == '') then return end
   local url, status, tenant = unpack(redis.call('HMGET', run, 'webhook_url', 'status', 'tenant'))
   if not url or url == '' or not run_finished(status) then return end
   local base, id = string.match(run, '^(.*)run:([^:]+)$')
@@ -41,8 +43,9 @@ end
 -- A finished run's record, transcript and events (`run`, `tx`, `ev`) live for
 -- `retention` ms, then go (runs/store.lua); it leaves its tenant's unfinished runs.
 -- `tenant`: the run's, when the caller read it already (else read here); `set`: fields
--- the caller writes to the record anyway, written with the finish's in one HSET.
-local function run_retire(run, tx, ev, now, retention, tenant, set)
+-- the caller writes to the record anyway, written with the finish's in one HSET; `webhook`:
+-- its `webhook_url` when the caller read it (`webhook_enqueue`'s `known`).
+local function run_retire(run, tx, ev, now, retention, tenant, set, webhook)
   if not tenant then tenant = redis.call('HGET', run, 'tenant') end
   if tenant then
     local active, id = run_active(run, tenant)
@@ -53,7 +56,7 @@ local function run_retire(run, tx, ev, now, retention, tenant, set)
     set[#set + 1] = v
   end
   redis.call('HSET', run, unpack(set))
-  webhook_enqueue(run, now)
+  webhook_enqueue(run, now, webhook)
   local ttl = tonumber(retention)
   if ttl and ttl > 0 then
     redis.call('PEXPIRE', run, ttl)

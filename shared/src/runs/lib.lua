@@ -154,7 +154,9 @@ local function events_from(at)
 end
 
 -- A finished run's keys live for the retention period, then go.
-local function retire(now, retention, tenant, set) run_retire(RUN, TX, EV, now, retention, tenant, set) end
+local function retire(now, retention, tenant, set, webhook)
+  run_retire(RUN, TX, EV, now, retention, tenant, set, webhook)
+end
 
 -- Checks the run as read in `f` (its status and turns) for turn `turn`
 -- (nil: any): nil when this turn is not to go on, and why.
@@ -291,7 +293,7 @@ local function start_turn(epoch, turn, attempt, max_hist, read)
   if max_run and past_deadline(f, now) then
     local message = 'the run passed its max_run_seconds (' .. math.floor(max_run / 1000) .. ' s)'
     redis.call('HSET', RUN, 'status', 'failed', 'error_kind', 'deadline', 'error_message', message, 'updated_ms', now)
-    retire(now, redis.call('HGET', RUN, 'retention_ms'))
+    retire(now, redis.call('HGET', RUN, 'retention_ms'), nil, nil, f.webhook_url or false)
     event('run.failed', cjson.encode({error = {kind = 'deadline', message = message}}))
     q_finish(id)
     return {'stop', 'deadline'}

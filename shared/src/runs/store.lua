@@ -191,7 +191,7 @@ if op == 'commit' then
     return pacer_batch(pacing.keys, pacing.cfg, now, ops)
   end
   local more = {'txi:' .. tag, 'phase', 'waited_ms', 'budget_waits', 'max_run_ms', 'created_ms', 'stored_bytes',
-    'tenant'}
+    'tenant', 'webhook_url'}
   if counter ~= '' and counter ~= 'budget_waits' then more[#more + 1] = counter end
   local r, f, why = fenced(ARGV[3], ARGV[4], usage_and(more))
   if not r then
@@ -285,24 +285,24 @@ if op == 'commit' then
   q_finish(id)
   if next == 'complete' then
     for _, v in ipairs({'status', 'completed', 'output_text', ARGV[7]}) do set[#set + 1] = v end
-    retire(now, ARGV[10], f.tenant or nil, set)
+    retire(now, ARGV[10], f.tenant or nil, set, f.webhook_url or false)
     return PACER_HOST.kicked({'completed', tostring(turns)}, now)
   end
   for _, v in ipairs({'status', 'failed', 'error_kind', kind, 'error_message', message}) do set[#set + 1] = v end
-  retire(now, ARGV[10], f.tenant or nil, set)
+  retire(now, ARGV[10], f.tenant or nil, set, f.webhook_url or false)
   return PACER_HOST.kicked({'failed', tostring(turns)}, now)
 end
 
 if op == 'fail' then
   -- ARGV[3] epoch, [4] turn, [5] error kind, [6] message, [7] retention ms,
   -- [8] usage JSON (of a call that was answered)
-  local r, f, why = fenced(ARGV[3], nil, usage_and({}))
+  local r, f, why = fenced(ARGV[3], nil, usage_and({'webhook_url'}))
   if not r then return {'stop', why} end
   local now = stamped(event('run.failed', cjson.encode({error = {kind = ARGV[5], message = ARGV[6]}})))
   local set = {'status', 'failed', 'error_kind', ARGV[5], 'error_message', ARGV[6], 'epoch', ''}
   add_usage(f, set, ARGV[8])
   redis.call('HSET', RUN, unpack(set))
-  retire(now, ARGV[7])
+  retire(now, ARGV[7], nil, nil, f.webhook_url or false)
   q_finish(id)
   return {'failed'}
 end
