@@ -216,7 +216,10 @@ fn idempotency(headers: &HeaderMap, spec: &RunSpec) -> Result<Option<Idempotency
 #[utoipa::path(
     post, path = "/v1/runs", tag = "runs",
     request_body(content = SubmitRun, description = "The run spec"),
-    params(("Idempotency-Key" = Option<String>, Header, description = "A retried submit with the same key and body returns the first run")),
+    params(
+        ("Idempotency-Key" = Option<String>, Header, description = "A retried submit with the same key and body returns the first run"),
+        ("traceparent" = Option<String>, Header, description = "W3C trace context: the run's spans join this trace (one that does not read is ignored)"),
+    ),
     responses(
         (status = 202, description = "Accepted (or the first run of this Idempotency-Key)", body = Run),
         (status = 400, description = "Malformed JSON", body = ErrorBody),
@@ -242,7 +245,11 @@ pub async fn submit(
     state.policy.admit(&tenant, &spec)?;
     let idem = idempotency(&headers, &spec)?;
     let first_ask = state.config.first_ask.as_ref().map(|f| f.ask(&spec, &tenant));
-    let created = state.redis("create run", state.runs.create(&tenant, &spec, idem.as_ref(), first_ask)).await?;
+    // A submitter's `traceparent` (W3C trace context): the run's spans join its trace.
+    let traceparent = headers.get("traceparent").and_then(|v| v.to_str().ok()).map(str::trim);
+    let created = state
+        .redis("create run", state.runs.create_in_trace(&tenant, &spec, idem.as_ref(), first_ask, traceparent))
+        .await?;
     if created.replayed {
         tracing::info!(message = "idempotent submit replayed", run.id = %created.run.id, tenant = %tenant);
     } else {

@@ -311,13 +311,23 @@ pub fn new_traceparent() -> String {
     format!("00-{trace:032x}-{span:016x}-01")
 }
 
-/// The trace id of a `traceparent` (`00-<32 hex>-<16 hex>-<2 hex>`); `None`
-/// for anything else.
+/// The trace id of a `traceparent` (`<version>-<32 hex>-<16 hex>-<2 hex>`,
+/// lowercase; W3C: neither id all zeros, version not `ff`); `None` for
+/// anything else.
 pub fn trace_id_of(traceparent: &str) -> Option<&str> {
     let parts: Vec<&str> = traceparent.split('-').collect();
     let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase());
+    let zeros = |s: &str| s.bytes().all(|b| b == b'0');
     match parts.as_slice() {
-        [version, trace, span, flags] if hex(version, 2) && hex(trace, 32) && hex(span, 16) && hex(flags, 2) => {
+        [version, trace, span, flags]
+            if hex(version, 2)
+                && *version != "ff"
+                && hex(trace, 32)
+                && hex(span, 16)
+                && hex(flags, 2)
+                && !zeros(trace)
+                && !zeros(span) =>
+        {
             Some(trace)
         }
         _ => None,
@@ -460,7 +470,15 @@ mod tests {
             trace_id_of("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
             Some("4bf92f3577b34da6a3ce929d0e0e4736")
         );
-        for bad in ["", "00-abc-def-01", "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01", "x"] {
+        for bad in [
+            "",
+            "00-abc-def-01",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "x",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        ] {
             assert_eq!(trace_id_of(bad), None, "{bad}");
         }
     }

@@ -297,6 +297,21 @@ impl RunStore {
         idem: Option<&Idempotency>,
         first_ask: Option<PacedAsk>,
     ) -> Result<Created, StoreError> {
+        self.create_in_trace(tenant, spec, idem, first_ask, None).await
+    }
+
+    /// [`RunStore::create`] with the run's spans joining the trace of
+    /// `traceparent` (a W3C `traceparent`, the submitter's: its turns are
+    /// children of the submitter's span); `None`, or one that does not
+    /// read, starts a trace of the run's own.
+    pub async fn create_in_trace(
+        &self,
+        tenant: &str,
+        spec: &RunSpec,
+        idem: Option<&Idempotency>,
+        first_ask: Option<PacedAsk>,
+        traceparent: Option<&str>,
+    ) -> Result<Created, StoreError> {
         let id = new_run_id();
         let spec_json = serde_json::to_string(spec).map_err(|e| StoreError::Protocol(e.to_string()))?;
         let mut fields = json!({
@@ -313,7 +328,10 @@ impl RunStore {
         if let Some(url) = &spec.webhook_url {
             fields[field::WEBHOOK_URL] = json!(url);
         }
-        fields[field::TRACE] = json!(super::record::new_traceparent());
+        fields[field::TRACE] = match traceparent.filter(|t| super::record::trace_id_of(t).is_some()) {
+            Some(joined) => json!(joined),
+            None => json!(super::record::new_traceparent()),
+        };
         if let Some(s) = spec.max_run_seconds {
             fields[field::MAX_RUN_MS] = json!((u64::from(s) * 1_000).to_string());
         }

@@ -173,3 +173,56 @@ async fn with_the_collector_down_runs_go_on() {
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_submitters_traceparent_makes_the_run_join_its_trace() {
+    let app = App::start(MockConfig::default()).await;
+    let collector = Collector::default();
+    let endpoint = collector.start().await;
+    let mut cmd = std::process::Command::new(paceline_tests::paceline_bin());
+    cmd.arg("worker")
+        .args(["--prefix", &app.prefix, "--provider-url", &app.mock.base_url()])
+        .env("REDIS_URL", app.redis.url())
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
+        .env("OTEL_BSP_SCHEDULE_DELAY", "100")
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null());
+    let _worker = ChildGuard(cmd.spawn().expect("start paceline worker"));
+    let (api, _stop) = app.tenant_api(&[("default", "t0")], "op").await;
+    let (trace, parent) = ("0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331");
+    let created: serde_json::Value = reqwest::Client::new()
+        .post(format!("{api}/v1/runs"))
+        .bearer_auth("t0")
+        .header("traceparent", format!("00-{trace}-{parent}-01"))
+        .json(&serde_json::json!({"model": "gpt-test", "input": "hi", "max_output_tokens": 16}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(created["trace_id"], trace, "{created}");
+    let id = created["id"].as_str().unwrap();
+    assert_eq!(app.wait_finished(id, secs(30)).await.status, RunStatus::Completed);
+    let turn = poll_until(secs(20), || async {
+        collector.spans().into_iter().find(|s| s.name.starts_with("turn ") && hex(&s.trace_id) == trace)
+    })
+    .await
+    .expect("the run's turn span, in the submitter's trace");
+    assert_eq!(hex(&turn.parent_span_id), parent, "a child of the submitter's span");
+    // One that does not read starts a trace of the run's own.
+    let own: serde_json::Value = reqwest::Client::new()
+        .post(format!("{api}/v1/runs"))
+        .bearer_auth("t0")
+        .header("traceparent", "00-00000000000000000000000000000000-b7ad6b7169203331-01")
+        .json(&serde_json::json!({"model": "gpt-test", "input": "hi", "max_output_tokens": 16}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let own_trace = own["trace_id"].as_str().expect("a trace id of its own");
+    assert_eq!(own_trace.len(), 32);
+    assert_ne!(own_trace, "00000000000000000000000000000000");
+}

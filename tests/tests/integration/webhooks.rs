@@ -142,7 +142,7 @@ async fn wait_seen(r: &Receiver, n: usize, timeout: Duration) -> Vec<Seen> {
 }
 
 async fn webhook_state(app: &App, id: &str, state: &str) -> shared::runs::webhooks::WebhookState {
-    let reached = poll_until(secs(20), || async {
+    let reached = poll_until(secs(40), || async {
         let run = app.store.get(TENANT, id).await.unwrap()?;
         run.webhook.filter(|w| w.state.as_deref() == Some(state))
     })
