@@ -19,6 +19,11 @@ pub fn init(default_filter: &str) {
 /// silenced by `RUST_LOG=warn`).
 pub fn init_with(default_filter: &str, extra: Option<ExtraLayer>) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
+    // The trace export's spans (worker::traces) are not log lines.
+    let filter = match "paceline::trace=off".parse() {
+        Ok(directive) => filter.add_directive(directive),
+        Err(_) => filter,
+    };
     let json = std::env::var("LOG_FORMAT").map(|v| v == "json").unwrap_or(false);
     let (plain, json) = if json {
         (None, Some(fmt::layer().json().with_writer(std::io::stderr).with_filter(filter)))

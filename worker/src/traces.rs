@@ -176,6 +176,9 @@ struct Http(OnceLock<Option<(tokio::runtime::Runtime, reqwest::Client)>>);
 /// How long one export may take.
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The most of a collector's answer read.
+const MAX_ANSWER: usize = 64 * 1024;
+
 #[async_trait::async_trait]
 impl opentelemetry_http::HttpClient for Http {
     async fn send_bytes(
@@ -191,12 +194,18 @@ impl opentelemetry_http::HttpClient for Http {
         let (parts, body) = request.into_parts();
         let url = parts.uri.to_string();
         let sent = runtime.block_on(async {
-            let answer = client.request(parts.method, url).headers(parts.headers).body(body).send().await?;
+            let mut answer = client.request(parts.method, url).headers(parts.headers).body(body).send().await?;
             let status = answer.status();
             let headers = answer.headers().clone();
-            // The collector's answer is small (a partial-success message); cap what is kept.
-            let body = answer.bytes().await?;
-            Ok::<_, reqwest::Error>((status, headers, body.slice(..body.len().min(64 * 1024))))
+            // The collector's answer is small (a partial-success message): what is read is capped.
+            let mut kept = bytes::BytesMut::new();
+            while let Some(chunk) = answer.chunk().await? {
+                kept.extend_from_slice(&chunk[..chunk.len().min(MAX_ANSWER - kept.len())]);
+                if kept.len() >= MAX_ANSWER {
+                    break;
+                }
+            }
+            Ok::<_, reqwest::Error>((status, headers, kept.freeze()))
         })?;
         let (status, headers, body) = sent;
         let mut response = http::Response::builder().status(status).body(body)?;

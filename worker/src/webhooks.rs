@@ -67,7 +67,7 @@ pub fn signer(secret: Option<&Secret>) -> Result<Option<standardwebhooks::Webhoo
     };
     let key = base64::engine::general_purpose::STANDARD
         .decode(encoded)
-        .map_err(|e| format!("{WEBHOOK_SECRET_ENV}: what follows whsec_ is not base64 ({e})"))?;
+        .map_err(|_| format!("{WEBHOOK_SECRET_ENV}: what follows whsec_ is not base64"))?;
     if !(24..=64).contains(&key.len()) {
         return Err(format!("{WEBHOOK_SECRET_ENV} holds {} bytes; it must hold 24 to 64", key.len()));
     }
@@ -128,35 +128,34 @@ impl Deliverer {
     /// caller aborts it at stop; a delivery cut off is claimed again once
     /// its lease lapses, with the same `webhook-id`).
     pub async fn run(self: Arc<Self>) {
-        let mut sending: JoinSet<String> = JoinSet::new();
+        let mut sending: JoinSet<()> = JoinSet::new();
+        // Each task's origin, by its id: a task that panicked still gives its slot back.
+        let mut origins: HashMap<tokio::task::Id, String> = HashMap::new();
         let mut per_origin: HashMap<String, usize> = HashMap::new();
         loop {
             let free = SLOTS.saturating_sub(sending.len());
             let mut wait = IDLE_LOOK;
             if free > 0 {
-                let busy: Vec<&str> =
-                    per_origin.iter().filter(|(_, n)| **n >= PER_ORIGIN).map(|(o, _)| o.as_str()).collect();
-                match self.queue.claim(self.lease(), free, &busy).await {
+                let counts: Vec<(&str, usize)> = per_origin.iter().map(|(o, n)| (o.as_str(), *n)).collect();
+                match self.queue.claim(self.lease(), free, PER_ORIGIN, &counts).await {
                     Ok((claimed, next_due, now)) => {
                         let took = claimed.len();
                         for c in claimed {
-                            let origin = webhooks::origin(&c.url).to_owned();
+                            let origin = c.origin.clone();
                             *per_origin.entry(origin.clone()).or_default() += 1;
                             let this = self.clone();
-                            sending.spawn(async move {
-                                this.deliver(c).await;
-                                origin
-                            });
+                            let task = sending.spawn(async move { this.deliver(c).await });
+                            origins.insert(task.id(), origin);
                         }
                         // Due later: look then. Due now but not taken (its receiver at its
                         // bound, or every slot full): a finished delivery wakes the loop.
                         if let Some(due) = next_due {
                             let in_ms = due.saturating_sub(now);
-                            if in_ms > 0 || took == 0 {
-                                wait = wait.min(Duration::from_millis(in_ms.max(if took == 0 { 1_000 } else { 0 })));
+                            wait = if in_ms == 0 && took > 0 {
+                                Duration::ZERO
                             } else {
-                                wait = Duration::ZERO;
-                            }
+                                wait.min(Duration::from_millis(in_ms.max(if took == 0 { 1_000 } else { 0 })))
+                            };
                         }
                     }
                     Err(error) => {
@@ -168,8 +167,15 @@ impl Deliverer {
             tokio::select! {
                 _ = tokio::time::sleep(wait) => {}
                 _ = self.wake.notified() => {}
-                Some(done) = sending.join_next(), if !sending.is_empty() => {
-                    if let Ok(origin) = done {
+                Some(done) = sending.join_next_with_id(), if !sending.is_empty() => {
+                    let id = match done {
+                        Ok((id, ())) => id,
+                        Err(error) => {
+                            tracing::warn!(message = "a webhook delivery task ended abnormally; its lease lapses and it is sent again", %error);
+                            error.id()
+                        }
+                    };
+                    if let Some(origin) = origins.remove(&id) {
                         if let Some(n) = per_origin.get_mut(&origin) {
                             *n = n.saturating_sub(1);
                             if *n == 0 {

@@ -25,7 +25,10 @@ end
 -- Only a run whose spec named a `webhook_url`. The event's id is the run's and the count
 -- of its ends (a re-driven run that ends again is another event); every attempt sends
 -- that id. `known`: the run's `webhook_url` when the caller read it already (false or ''
--- for none: no command here, the common case), nil when it did not.
+-- for none: no command here, the common case), nil when it did not. The event lives
+-- WH_KEEP_MS (its retries' 27.6 h and a dead letter's 7 days, with a margin) even when no
+-- worker ever sends it (none holds the secret): nothing it leaves grows without end.
+local WH_KEEP_MS = 9 * 24 * 3600 * 1000
 local function webhook_enqueue(run, now, known)
   if known ~= nil and (not known or known == '') then return end
   local url, status, tenant = unpack(redis.call('HMGET', run, 'webhook_url', 'status', 'tenant'))
@@ -33,9 +36,17 @@ local function webhook_enqueue(run, now, known)
   local base, id = string.match(run, '^(.*)run:([^:]+)$')
   local n = redis.call('HINCRBY', run, 'webhook_events', 1)
   local event = 'evt_' .. (string.gsub(id, '^run_', '')) .. '_' .. n
-  redis.call('HSET', base .. 'wh:e:' .. event, 'run', id, 'type', 'run.' .. status, 'ms', now, 'url', url,
-    'tenant', tenant or '', 'attempts', 0, 'state', 'pending')
-  redis.call('ZADD', base .. 'wh:due', now, event)
+  local key = base .. 'wh:e:' .. event
+  -- `origin`: the URL's scheme and authority, what the per-receiver bound counts by
+  -- (runs/webhooks.rs `origin`, the same rule).
+  redis.call('HSET', key, 'run', id, 'type', 'run.' .. status, 'ms', now, 'url', url,
+    'origin', string.match(url, '^[^:/?#]+://[^/?#]*') or '', 'tenant', tenant or '', 'attempts', 0, 'claims', 0,
+    'state', 'pending')
+  redis.call('PEXPIRE', key, WH_KEEP_MS)
+  local due = base .. 'wh:due'
+  -- Entries older than any event can live (their hashes expired unsent) leave here.
+  redis.call('ZREMRANGEBYSCORE', due, '-inf', now - WH_KEEP_MS)
+  redis.call('ZADD', due, now, event)
   redis.call('HSET', run, 'webhook_event', event, 'webhook_state', 'pending', 'webhook_attempts', 0,
     'webhook_last_status', '', 'webhook_next_ms', now, 'webhook_error', '')
 end

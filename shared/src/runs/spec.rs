@@ -418,12 +418,14 @@ impl RunSpec {
             Some(Value::String(url)) => {
                 // Whether this tenant may name it is `SubmitPolicy::admit`'s to say.
                 let parsed = url::Url::parse(url.trim()).ok();
-                if url.len() > 2048
-                    || !parsed.is_some_and(|u| matches!(u.scheme(), "http" | "https") && !u.cannot_be_a_base())
-                {
-                    return Err(err("webhook_url", "must be an http(s) URL of at most 2 048 characters"));
+                match parsed {
+                    // Kept as the URL standard spells it (`HTTPS://Hooks.x:443/a` is
+                    // `https://hooks.x/a`): one receiver, one origin, whatever the spelling.
+                    Some(u) if url.len() <= 2048 && matches!(u.scheme(), "http" | "https") && !u.cannot_be_a_base() => {
+                        Some(u.as_str().to_owned())
+                    }
+                    _ => return Err(err("webhook_url", "must be an http(s) URL of at most 2 048 characters")),
                 }
-                Some(url.trim().to_owned())
             }
             Some(_) => return Err(err("webhook_url", "must be a URL string")),
         };

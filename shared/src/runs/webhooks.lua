@@ -11,9 +11,10 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 local function event_key(id) return base .. 'wh:e:' .. id end
 
--- The scheme and authority of a URL: what the per-endpoint bound counts by
--- (runs/webhooks.rs `origin`, the same rule).
-local function origin(url) return string.match(url or '', '^[^:/?#]+://[^/?#]*') or '' end
+-- An event is kept this long once it can no longer be sent (hooks.lua WH_KEEP_MS).
+local WH_KEEP_MS = 9 * 24 * 3600 * 1000
+-- Attempts before a delivery is dead-lettered (runs/webhooks.rs SCHEDULE).
+local WH_ATTEMPTS = 8
 
 -- The run object's `webhook` mirrors its current event's state (one HGETALL reads a run);
 -- an earlier event of a re-driven run, or a run past its retention, is left alone.
@@ -22,32 +23,56 @@ local function mirror(run_id, event, fields)
   if redis.call('HGET', run, 'webhook_event') == event then redis.call('HSET', run, unpack(fields)) end
 end
 
+-- `id` dead-lettered now (`dead_ms`: how long it is kept there), with what went wrong.
+local function bury(id, key, status, error, dead_ms)
+  redis.call('ZADD', KEYS[3], now, id)
+  -- Dead letters past their keep leave the set (their events expired with them).
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - dead_ms)
+  redis.call('HSET', key, 'state', 'failed', 'last_status', status, 'error', error, 'next_ms', '', 'last_ms', now)
+  redis.call('PEXPIRE', key, dead_ms)
+  mirror(redis.call('HGET', key, 'run'), id, {'webhook_state', 'failed', 'webhook_attempts',
+    redis.call('HGET', key, 'attempts'), 'webhook_last_status', status, 'webhook_next_ms', '', 'webhook_error', error})
+end
+
 if op == 'claim' then
-  -- ARGV[3] lease ms, [4] at most this many, [5..] origins this worker sends no more
-  -- to now (its per-endpoint bound). A lease past its deadline (its worker died
-  -- sending) is due again first. Each claim counts an attempt: the count is the
-  -- claim's fence (a finish of an older attempt is stale).
+  -- ARGV[3] lease ms, [4] at most this many, [5] the most one origin may have in
+  -- flight in this worker, [6] how long a dead letter is kept (ms), then origin, count
+  -- pairs: what this worker sends to each now. A lease past its deadline (its worker
+  -- died or stopped sending) is due again first — dead-lettered when it used its last
+  -- attempt. Each claim is fenced by `claims`, a count never reset (a re-drive resets
+  -- `attempts`, which the schedule reads).
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, 100)) do
     redis.call('ZREM', KEYS[2], id)
-    redis.call('ZADD', KEYS[1], now, id)
+    local key = event_key(id)
+    if (tonumber(redis.call('HGET', key, 'attempts')) or 0) >= WH_ATTEMPTS then
+      bury(id, key, '', 'its last attempt never finished: the worker sending it stopped', tonumber(ARGV[6]))
+    else
+      redis.call('ZADD', KEYS[1], now, id)
+    end
   end
+  local per_origin = tonumber(ARGV[5])
   local busy = {}
-  for i = 5, #ARGV do busy[ARGV[i]] = true end
+  for i = 7, #ARGV, 2 do busy[ARGV[i]] = tonumber(ARGV[i + 1]) end
   local want = tonumber(ARGV[4])
   local out = {}
-  for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, want * 4)) do
+  -- A bounded scan: past a backlog of one receiver at its bound, up to 256 due events
+  -- are looked at, so one slow receiver does not hold back the others' deliveries.
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, math.max(want * 4, 256))) do
     if #out >= want then break end
     local key = event_key(id)
-    local e = redis.call('HMGET', key, 'run', 'type', 'ms', 'url', 'tenant', 'body')
+    local e = redis.call('HMGET', key, 'run', 'type', 'ms', 'url', 'tenant', 'body', 'origin')
     if not e[1] then
       -- Its event expired (a run long past its retention): nothing left to send.
       redis.call('ZREM', KEYS[1], id)
-    elseif not busy[origin(e[4])] then
+    elseif (busy[e[7] or ''] or 0) < per_origin then
+      busy[e[7] or ''] = (busy[e[7] or ''] or 0) + 1
       local attempt = redis.call('HINCRBY', key, 'attempts', 1)
+      local claim = redis.call('HINCRBY', key, 'claims', 1)
       redis.call('ZREM', KEYS[1], id)
       redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), id)
       redis.call('HSET', key, 'state', 'sending')
-      out[#out + 1] = {id, e[1], e[2], e[3], e[4], e[5], tostring(attempt), e[6] or ''}
+      out[#out + 1] = {id, e[1], e[2], e[3], e[4], e[5], tostring(attempt), e[6] or '', tostring(claim),
+        e[7] or ''}
     end
   end
   local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
@@ -55,33 +80,34 @@ if op == 'claim' then
 end
 
 if op == 'finish' then
-  -- ARGV[3] event, [4] the attempt (its claim), [5] delivered | stopped | retry,
-  -- [6] the HTTP status ('' for none), [7] what went wrong ('' for nothing), [8] ms
+  -- ARGV[3] event, [4] its claim (`claims` when it was claimed), [5] delivered | stopped |
+  -- retry, [6] the HTTP status ('' for none), [7] what went wrong ('' for nothing), [8] ms
   -- until the next attempt ('' : none left, it goes dead), [9] the body sent (kept: every
-  -- attempt sends the same), [10] how long a finished event is kept, ms.
+  -- attempt sends the same), [10] how long a finished event is kept, ms (a dead one: how
+  -- long a dead letter is kept).
   local id = ARGV[3]
   local key = event_key(id)
-  if redis.call('HGET', key, 'attempts') ~= ARGV[4] or not redis.call('ZSCORE', KEYS[2], id) then
+  if redis.call('HGET', key, 'claims') ~= ARGV[4] or not redis.call('ZSCORE', KEYS[2], id) then
     return {'stale'}
   end
   redis.call('ZREM', KEYS[2], id)
   if ARGV[9] ~= '' then redis.call('HSETNX', key, 'body', ARGV[9]) end
   local state, next_ms = ARGV[5], ''
+  if state == 'retry' and ARGV[8] == '' then
+    bury(id, key, ARGV[6], ARGV[7], tonumber(ARGV[10]))
+    return {'failed', ''}
+  end
   if state == 'retry' then
-    if ARGV[8] == '' then
-      state = 'failed'
-      redis.call('ZADD', KEYS[3], now, id)
-    else
-      state = 'retrying'
-      next_ms = now + tonumber(ARGV[8])
-      redis.call('ZADD', KEYS[1], next_ms, id)
-    end
+    state = 'retrying'
+    next_ms = now + tonumber(ARGV[8])
+    redis.call('ZADD', KEYS[1], next_ms, id)
   end
   redis.call('HSET', key, 'state', state, 'last_status', ARGV[6], 'error', ARGV[7], 'next_ms', next_ms,
     'last_ms', now)
   if state ~= 'retrying' then redis.call('PEXPIRE', key, tonumber(ARGV[10])) end
-  mirror(redis.call('HGET', key, 'run'), id, {'webhook_state', state, 'webhook_attempts', ARGV[4],
-    'webhook_last_status', ARGV[6], 'webhook_next_ms', next_ms, 'webhook_error', ARGV[7]})
+  mirror(redis.call('HGET', key, 'run'), id, {'webhook_state', state, 'webhook_attempts',
+    redis.call('HGET', key, 'attempts'), 'webhook_last_status', ARGV[6], 'webhook_next_ms', next_ms,
+    'webhook_error', ARGV[7]})
   return {state, tostring(next_ms)}
 end
 
@@ -108,7 +134,7 @@ if op == 'redrive' then
   local key = event_key(id)
   if not redis.call('ZSCORE', KEYS[3], id) or redis.call('EXISTS', key) == 0 then return {'not_dead'} end
   redis.call('ZREM', KEYS[3], id)
-  redis.call('PERSIST', key)
+  redis.call('PEXPIRE', key, WH_KEEP_MS)
   redis.call('HSET', key, 'attempts', 0, 'state', 'pending', 'next_ms', now)
   redis.call('ZADD', KEYS[1], now, id)
   mirror(redis.call('HGET', key, 'run'), id, {'webhook_state', 'pending', 'webhook_attempts', 0,

@@ -80,10 +80,15 @@ pub struct Claimed {
     pub url: String,
     /// The run's tenant (the worker checks the URL against its allow-list).
     pub tenant: String,
-    /// This attempt's number, from 1: its claim's fence.
+    /// This attempt's number, from 1 (a re-drive counts again from 1): where
+    /// the schedule stands.
     pub attempt: u32,
     /// The body an earlier attempt sent, to send again; `None` on the first.
     pub body: Option<String>,
+    /// The claim's fence: the event's count of claims, never reset.
+    pub claim: u64,
+    /// The URL's scheme and authority ([`origin`]), what the per-receiver bound counts.
+    pub origin: String,
 }
 
 /// How one attempt went.
@@ -192,25 +197,27 @@ impl WebhookQueue {
         inv
     }
 
-    /// Claims up to `n` due deliveries for `lease` (none to the origins in
-    /// `busy`). Also: when the next one is due (ms, Redis clock) and the
-    /// Redis clock now.
+    /// Claims up to `n` due deliveries for `lease`, at most `per_origin` in
+    /// flight to one origin counting what `sending` says this worker has in
+    /// flight to each. Also: when the next one is due (ms, Redis clock) and
+    /// the Redis clock now.
     pub async fn claim(
         &self,
         lease: Duration,
         n: usize,
-        busy: &[&str],
+        per_origin: usize,
+        sending: &[(&str, usize)],
     ) -> redis::RedisResult<(Vec<Claimed>, Option<u64>, u64)> {
         let mut inv = self.invocation("claim");
-        inv.arg(lease.as_millis() as u64).arg(n.max(1));
-        for origin in busy {
-            inv.arg(*origin);
+        inv.arg(lease.as_millis() as u64).arg(n.max(1)).arg(per_origin.max(1)).arg(DEAD_KEPT.as_millis() as u64);
+        for (origin, count) in sending {
+            inv.arg(*origin).arg(*count);
         }
         let (rows, next, now): (Vec<Vec<String>>, String, String) = inv.invoke_async(&mut self.conn.clone()).await?;
         let claimed = rows
             .into_iter()
             .filter_map(|r| match r.as_slice() {
-                [event, run, kind, at, url, tenant, attempt, body] => Some(Claimed {
+                [event, run, kind, at, url, tenant, attempt, body, claim, origin] => Some(Claimed {
                     event: event.clone(),
                     run: run.clone(),
                     kind: kind.clone(),
@@ -219,6 +226,8 @@ impl WebhookQueue {
                     tenant: tenant.clone(),
                     attempt: attempt.parse().unwrap_or(1),
                     body: (!body.is_empty()).then(|| body.clone()),
+                    claim: claim.parse().unwrap_or(0),
+                    origin: origin.clone(),
                 }),
                 _ => None,
             })
@@ -246,7 +255,7 @@ impl WebhookQueue {
         let kept = if retry_in.is_none() && matches!(attempt, Attempt::Failed(..)) { DEAD_KEPT } else { retention };
         let mut inv = self.invocation("finish");
         inv.arg(&c.event)
-            .arg(c.attempt)
+            .arg(c.claim)
             .arg(outcome)
             .arg(status.map(|s| s.to_string()).unwrap_or_default())
             .arg(error)

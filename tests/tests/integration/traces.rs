@@ -164,14 +164,18 @@ async fn with_the_collector_down_runs_go_on() {
         .env("OTEL_BSP_SCHEDULE_DELAY", "50")
         .env("RUST_LOG", "warn")
         .stdout(std::process::Stdio::null());
-    let _worker = ChildGuard(cmd.spawn().expect("start paceline worker"));
+    let mut worker = ChildGuard(cmd.spawn().expect("start paceline worker"));
     for _ in 0..5 {
         let run = app.submit(serde_json::json!({"model": "gpt-test", "input": "hi", "max_output_tokens": 16})).await;
         let done = app.wait_finished(&run.id, secs(30)).await;
         assert_eq!(done.status, RunStatus::Completed);
         assert!(done.trace_id.is_some());
     }
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Past a few failed exports, the worker is alive and still takes runs.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(worker.0.try_wait().unwrap().is_none(), "the worker exited with the collector down");
+    let run = app.submit(serde_json::json!({"model": "gpt-test", "input": "hi", "max_output_tokens": 16})).await;
+    assert_eq!(app.wait_finished(&run.id, secs(30)).await.status, RunStatus::Completed);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

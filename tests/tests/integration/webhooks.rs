@@ -244,7 +244,9 @@ async fn a_receiver_down_for_a_while_gets_the_event_when_it_comes_up() {
     let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
     let router = receiver.router();
     tokio::spawn(async move { axum::serve(listener, router).await.ok() });
-    let seen = wait_seen(&receiver, 1, secs(20)).await;
+    // The third attempt comes ~3 s after the second; a fourth, should the third have
+    // found it down still, ~18 s after that.
+    let seen = wait_seen(&receiver, 1, secs(60)).await;
     let w = webhook_state(&app, &run.id, "delivered").await;
     assert!(w.attempts >= 3, "{w:?}");
     assert_eq!(seen.len(), 1);
@@ -289,11 +291,14 @@ async fn a_webhook_that_uses_every_attempt_is_dead_lettered_and_an_operator_redr
         (dead["data"][0]["run_id"].as_str(), dead["data"][0]["attempts"].as_u64()),
         (Some(run.id.as_str()), Some(8))
     );
-    // A tenant may not; an unknown event is 404 before Redis; the operator re-drives it.
+    // A tenant may not; an id that cannot be one is 404 before Redis, one not dead 404
+    // from it; the operator re-drives it.
     let tenant = http.post(format!("{api}/v1/webhooks/{event}/retry")).bearer_auth("t0").send().await.unwrap();
     assert_eq!(tenant.status(), 403);
-    let unknown = http.post(format!("{api}/v1/webhooks/evt_nope_1/retry")).bearer_auth("op").send().await.unwrap();
-    assert_eq!(unknown.status(), 404);
+    for unknown in ["evt_nope_1", "evt_a%3Ab"] {
+        let answer = http.post(format!("{api}/v1/webhooks/{unknown}/retry")).bearer_auth("op").send().await.unwrap();
+        assert_eq!(answer.status(), 404, "{unknown}");
+    }
     let redriven = http.post(format!("{api}/v1/webhooks/{event}/retry")).bearer_auth("op").send().await.unwrap();
     assert_eq!(redriven.status(), 202);
     let w = webhook_state(&app, &run.id, "delivered").await;
@@ -326,8 +331,14 @@ async fn workers_killed_with_sigkill_while_deliveries_are_pending_lose_none() {
     for _ in 0..5 {
         ids.push(app.submit(plain_run(&url)).await.id);
     }
-    // Every event claimed and its POST held open by the receiver: then the worker dies.
-    wait_seen(&receiver, 5, secs(30)).await;
+    // Every event claimed and its POST held open by the receiver (5 ids seen): then the worker dies.
+    poll_until(secs(30), || async {
+        let ids: std::collections::HashSet<String> =
+            receiver.seen().iter().map(|s| s.headers["webhook-id"].clone()).collect();
+        (ids.len() == 5).then_some(())
+    })
+    .await
+    .expect("the five events in flight");
     first.0.kill().unwrap();
     first.0.wait().unwrap();
     receiver.hold.store(false, Ordering::SeqCst);
@@ -380,4 +391,35 @@ fn a_worker_refuses_to_start_with_a_malformed_secret_and_says_why() {
         assert!(stderr.contains(says) && stderr.contains(WEBHOOK_SECRET_ENV), "{secret}: {stderr}");
         assert!(!stderr.contains(secret) || secret.starts_with("whsec_"), "the secret is not echoed: {stderr}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_sends_at_most_four_deliveries_at_once_to_one_receiver() {
+    let mut app = App::start(MockConfig::default()).await;
+    let slow = Receiver::default();
+    slow.hold.store(true, Ordering::SeqCst);
+    let slow_url = format!("http://{}/hooks", slow.serve().await);
+    let other = Receiver::default();
+    let other_url = format!("http://{}/hooks", other.serve().await);
+    let mut config = hooked(&app, "http://127.0.0.1");
+    config.runs.webhook_endpoints = ToolEndpoints::every_tenant([slow_url.as_str(), other_url.as_str()]);
+    app.spawn_worker(config);
+    let mut ids = vec![];
+    for _ in 0..10 {
+        ids.push(app.submit(plain_run(&slow_url)).await.id);
+    }
+    for id in &ids {
+        app.wait_finished(id, secs(30)).await;
+    }
+    wait_seen(&slow, 4, secs(20)).await;
+    // Another receiver's event is not held up behind the slow one's backlog.
+    let quick = app.submit(plain_run(&other_url)).await;
+    webhook_state(&app, &quick.id, "delivered").await;
+    assert_eq!(slow.seen().len(), 4, "four at once to the slow receiver, the rest wait");
+    slow.hold.store(false, Ordering::SeqCst);
+    for id in &ids {
+        webhook_state(&app, id, "delivered").await;
+    }
+    assert_eq!(slow.seen().len(), 10, "each once");
+    app.stop_workers().await;
 }
