@@ -20,6 +20,8 @@ use shared::runs::forbidden_address;
 /// calls and webhook deliveries each have one, naming their allow-list.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct PublicOnly {
+    /// Whose host it is: `tool host`, `webhook host`.
+    host: &'static str,
     /// What connects: `tool call`, `webhook`.
     what: &'static str,
     /// The allow-list that may name a private address itself.
@@ -28,9 +30,10 @@ pub(crate) struct PublicOnly {
 
 impl PublicOnly {
     /// Tool calls' (`PACELINE_TOOL_ENDPOINTS`).
-    pub(crate) const TOOLS: Self = Self { what: "tool call", allow_list: "PACELINE_TOOL_ENDPOINTS" };
+    pub(crate) const TOOLS: Self = Self { host: "tool host", what: "tool call", allow_list: "PACELINE_TOOL_ENDPOINTS" };
     /// Webhook deliveries' (`PACELINE_WEBHOOK_ENDPOINTS`).
-    pub(crate) const WEBHOOKS: Self = Self { what: "webhook", allow_list: "PACELINE_WEBHOOK_ENDPOINTS" };
+    pub(crate) const WEBHOOKS: Self =
+        Self { host: "webhook host", what: "webhook", allow_list: "PACELINE_WEBHOOK_ENDPOINTS" };
 }
 
 impl Resolve for PublicOnly {
@@ -50,13 +53,13 @@ impl PublicOnly {
     /// why not. One address that is not public refuses the name: a name that
     /// mixes them is the shape of a rebinding attack, not of a tool server.
     fn public_only(&self, host: &str, found: Vec<SocketAddr>) -> Result<Vec<SocketAddr>, String> {
-        let Self { what, allow_list } = self;
+        let Self { host: whose, what, allow_list } = self;
         if found.is_empty() {
-            return Err(format!("the {what} host {host} resolves to no address"));
+            return Err(format!("the {whose} {host} resolves to no address"));
         }
         if let Some((ip, kind)) = found.iter().find_map(|a| forbidden_address(a.ip()).map(|kind| (a.ip(), kind))) {
             return Err(format!(
-                "the {what} host {host} resolves to {ip} ({kind}), not a public address; a {what} goes to such \
+                "the {whose} {host} resolves to {ip} ({kind}), not a public address; a {what} goes to such \
                  an address only when {allow_list} names the address itself"
             ));
         }
@@ -83,7 +86,7 @@ mod tests {
             (&["::"], ":: (unspecified)"),
         ] {
             let why = PublicOnly::TOOLS.public_only("tools.example", addrs(ips)).unwrap_err();
-            assert!(why.contains(&format!("tools.example resolves to {named}")), "{ips:?}: {why}");
+            assert!(why.contains(&format!("the tool host tools.example resolves to {named}")), "{ips:?}: {why}");
         }
         assert!(PublicOnly::TOOLS.public_only("tools.example", vec![]).unwrap_err().contains("no address"));
         let why = PublicOnly::WEBHOOKS.public_only("hooks.example", addrs(&["10.0.0.5"])).unwrap_err();
