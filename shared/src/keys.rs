@@ -171,6 +171,13 @@ impl Keys {
         format!("{}:{}:wh:dead", self.prefix, self.slot_tag())
     }
 
+    /// Wake-up tokens of the webhook senders, a LIST (one pushed when an event
+    /// becomes due, at most 64 kept; each worker's sender waits on it with
+    /// `BLPOP`): `prefix:{prefix}:wh:wake`.
+    pub fn webhooks_wake(&self) -> String {
+        format!("{}:{}:wh:wake", self.prefix, self.slot_tag())
+    }
+
     /// One webhook event, a HASH (run, type, event ms, url, tenant, attempts,
     /// state, the body once built, the claim of the worker sending it):
     /// `prefix:{prefix}:wh:e:<event id>`.
@@ -370,6 +377,7 @@ mod tests {
             // given the base the keys share).
             ("shared/src/runs/hooks.lua", "wh:due"),
             ("shared/src/runs/hooks.lua", "wh:e:"),
+            ("shared/src/runs/hooks.lua", "wh:wake"),
             ("shared/src/runs/webhooks.lua", "wh:e:"),
             ("shared/src/runs/webhooks.lua", "run:"),
             // `hist`: one hash per minute of the Redis clock under the base it

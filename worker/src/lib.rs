@@ -194,7 +194,6 @@ pub async fn runner(config: &WorkerConfig) -> anyhow::Result<(Runner, TurnQueue)
         spend: spend.map(Arc::new),
         usage,
         bench_deliveries_key: config.bench_deliveries_key.clone(),
-        run_ended: Arc::new(tokio::sync::Notify::new()),
     };
     Ok((runner, queue))
 }
@@ -213,15 +212,14 @@ fn spawn_deliverer(
         }
         return Ok(None);
     };
-    let mut deliverer = webhooks::Deliverer::new(
+    let deliverer = webhooks::Deliverer::new(
         runner.store.clone(),
-        config.redis.keys(),
+        &config.redis,
         signer,
         config.runs.webhook_endpoints.clone(),
         &config.webhooks,
         config.runs.retention,
     )?;
-    deliverer.wake = runner.run_ended.clone();
     tracing::info!(message = "webhooks", endpoints = %config.runs.webhook_endpoints, signed = true);
     Ok(Some(tokio::spawn(Arc::new(deliverer).run())))
 }
@@ -260,10 +258,6 @@ async fn handle_turn(turn: Turn, lease: Lease, runner: Data<Runner>) -> Result<(
         let line =
             format!("{} {} {} {} {} {outcome}", lease.id, job.turn, job.attempt, lease.due_ms, lease.fetched_at_ms);
         let _: Result<(), _> = redis::cmd("RPUSH").arg(key).arg(line).query_async(&mut runner.store.connection()).await;
-    }
-    if let Ok(TurnOutcome::Completed | TurnOutcome::Failed) = result {
-        // Its webhook event, if it has one, is due now.
-        runner.run_ended.notify_one();
     }
     match result {
         Ok(_) => Ok(()),

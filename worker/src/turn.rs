@@ -86,9 +86,6 @@ pub struct Runner {
     /// Bench only: the list each delivery is logged to
     /// (`WorkerConfig::bench_deliveries_key`).
     pub bench_deliveries_key: Option<String>,
-    /// Notified when a turn ends its run (completed or failed): the
-    /// process's webhook sender looks for the run's event at once.
-    pub run_ended: Arc<tokio::sync::Notify>,
 }
 
 /// Tenants' day caps and the ledger that keeps them (`shared::runs::spend`).

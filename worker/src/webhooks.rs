@@ -7,10 +7,12 @@
 //! [`SLOTS`] at once in a process, and [`PER_ORIGIN`] to one receiver, so a
 //! slow receiver holds a few of them and never a turn. A receiver's answer
 //! body is never read (its status is all a delivery needs). Claims are made
-//! when a slot is free and a delivery is due: at the due time the last claim
-//! said, at once when one of this process's turns ends a run, and at least
-//! every [`IDLE_LOOK`] (a run cancelled through the API, or failed by the
-//! queue, is enqueued by a process that sends nothing).
+//! when a slot is free and a delivery is due: when a wake-up token comes (the
+//! script that makes an event due pushes one; each process's sender waits on
+//! them with `BLPOP` on a connection of its own, so one sender wakes per
+//! token, whoever ended the run — a worker, the API's cancel, the queue), at
+//! the due time of a retry its last claim saw, and at least every
+//! [`IDLE_LOOK`] (a token lost with a sender that died holding it).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -34,7 +36,10 @@ pub const SLOTS: usize = 16;
 pub const PER_ORIGIN: usize = 4;
 
 /// The longest a process goes without looking for due deliveries.
-pub const IDLE_LOOK: Duration = Duration::from_secs(5);
+pub const IDLE_LOOK: Duration = Duration::from_secs(30);
+
+/// How long one `BLPOP` for a wake-up token waits before it is made again.
+const WAKE_WAIT: Duration = Duration::from_secs(60);
 
 /// How a worker sends webhooks. Declared once, flattened into `paceline
 /// worker` and `paceline up`.
@@ -84,8 +89,11 @@ pub struct Deliverer {
     timeout: Duration,
     retry_scale: f64,
     retention: Duration,
-    /// Notified when this process's turn ends a run: its event is due now.
-    pub wake: Arc<Notify>,
+    /// The Redis URL and key of the wake-up tokens (a connection of its own).
+    redis_url: String,
+    wake_key: String,
+    /// Notified when a wake-up token came.
+    wake: Arc<Notify>,
 }
 
 impl Deliverer {
@@ -93,7 +101,7 @@ impl Deliverer {
     /// what `allowed` allows the run's tenant.
     pub fn new(
         store: RunStore,
-        keys: shared::keys::Keys,
+        redis: &shared::config::RedisArgs,
         signer: standardwebhooks::Webhook,
         allowed: ToolEndpoints,
         args: &WebhookArgs,
@@ -106,7 +114,10 @@ impl Deliverer {
             .dns_resolver(Arc::new(crate::tools::resolve::PublicOnly::WEBHOOKS))
             .user_agent("paceline-webhooks")
             .build()?;
+        let keys = redis.keys();
         Ok(Self {
+            redis_url: redis.url.clone(),
+            wake_key: keys.webhooks_wake(),
             queue: WebhookQueue::new(store.connection(), keys),
             store,
             http,
@@ -128,6 +139,9 @@ impl Deliverer {
     /// caller aborts it at stop; a delivery cut off is claimed again once
     /// its lease lapses, with the same `webhook-id`).
     pub async fn run(self: Arc<Self>) {
+        let listener = tokio::spawn(listen(self.redis_url.clone(), self.wake_key.clone(), self.wake.clone()));
+        // (Aborted with this task: the listener goes too.)
+        let _listener = AbortOnDrop(listener);
         let mut sending: JoinSet<()> = JoinSet::new();
         // Each task's origin, by its id: a task that panicked still gives its slot back.
         let mut origins: HashMap<tokio::task::Id, String> = HashMap::new();
@@ -272,6 +286,56 @@ impl Deliverer {
             },
             Err(error) => Attempt::Failed(None, describe(&error)),
         }
+    }
+}
+
+/// Waits for wake-up tokens and notifies `wake` for each, for as long as it
+/// lives; a broken connection is opened again (backing off to 5 s).
+async fn listen(url: String, key: String, wake: Arc<Notify>) {
+    let mut failures = 0u32;
+    loop {
+        let connect = async {
+            let client = redis::Client::open(url.as_str())?;
+            let config = redis::AsyncConnectionConfig::new()
+                .set_response_timeout(Some(WAKE_WAIT + Duration::from_secs(5)))
+                .set_connection_timeout(Some(shared::redis_util::CONNECT_TIMEOUT));
+            client.get_multiplexed_async_connection_with_config(&config).await
+        };
+        let mut conn = match connect.await {
+            Ok(conn) => conn,
+            Err(error) => {
+                failures += 1;
+                tracing::warn!(message = "cannot open the webhook wake-up connection; retrying", %error);
+                tokio::time::sleep(Duration::from_millis((100u64 << failures.min(6)).min(5_000))).await;
+                continue;
+            }
+        };
+        loop {
+            let popped: redis::RedisResult<Option<(String, String)>> =
+                redis::cmd("BLPOP").arg(&key).arg(WAKE_WAIT.as_secs_f64()).query_async(&mut conn).await;
+            match popped {
+                Ok(Some(_)) => {
+                    failures = 0;
+                    wake.notify_one();
+                }
+                Ok(None) => {}
+                Err(error) => {
+                    failures += 1;
+                    tracing::debug!(message = "webhook wake-up read failed; reconnecting", %error);
+                    tokio::time::sleep(Duration::from_millis((100u64 << failures.min(6)).min(5_000))).await;
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// A task aborted when this goes.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

@@ -47,6 +47,10 @@ local function webhook_enqueue(run, now, known)
   -- Entries older than any event can live (their hashes expired unsent) leave here.
   redis.call('ZREMRANGEBYSCORE', due, '-inf', now - WH_KEEP_MS)
   redis.call('ZADD', due, now, event)
+  -- A token wakes one waiting sender (worker/src/webhooks.rs); a few are enough.
+  local wake = base .. 'wh:wake'
+  redis.call('RPUSH', wake, 1)
+  redis.call('LTRIM', wake, -64, -1)
   redis.call('HSET', run, 'webhook_event', event, 'webhook_state', 'pending', 'webhook_attempts', 0,
     'webhook_last_status', '', 'webhook_next_ms', now, 'webhook_error', '')
 end

@@ -2,7 +2,8 @@
 -- (runs/hooks.lua `webhook_enqueue`); workers claim the due ones, send them and finish
 -- each here. Every time is the Redis server's clock.
 -- KEYS[1] due (ZSET event -> due ms), KEYS[2] leased (ZSET event -> lease deadline ms),
--- KEYS[3] dead (ZSET event -> ms it gave up). ARGV[1] the op, ARGV[2] the base the event
+-- KEYS[3] dead (ZSET event -> ms it gave up), KEYS[4] the senders' wake-up tokens
+-- (LIST). ARGV[1] the op, ARGV[2] the base the event
 -- and run keys share ('<prefix>:<slot>:', keys.rs `webhook_event`, `run_record`): an
 -- event's id is learned as the script meets it.
 local op, base = ARGV[1], ARGV[2]
@@ -75,8 +76,12 @@ if op == 'claim' then
         e[7] or ''}
     end
   end
-  local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-  return {out, first[2] or '', tostring(now)}
+  -- When to look next: the first due event, or the first lease to lapse (a sender
+  -- that dies leaves no token behind).
+  local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')[2]
+  local lapse = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')[2]
+  if lapse and (not first or tonumber(lapse) < tonumber(first)) then first = lapse end
+  return {out, first or '', tostring(now)}
 end
 
 if op == 'finish' then
@@ -137,6 +142,8 @@ if op == 'redrive' then
   redis.call('PEXPIRE', key, WH_KEEP_MS)
   redis.call('HSET', key, 'attempts', 0, 'state', 'pending', 'next_ms', now)
   redis.call('ZADD', KEYS[1], now, id)
+  redis.call('RPUSH', KEYS[4], 1)
+  redis.call('LTRIM', KEYS[4], -64, -1)
   mirror(redis.call('HGET', key, 'run'), id, {'webhook_state', 'pending', 'webhook_attempts', 0,
     'webhook_next_ms', now})
   return {'pending', redis.call('HGET', key, 'run')}

@@ -190,7 +190,10 @@ impl WebhookQueue {
 
     fn invocation(&self, op: &str) -> redis::ScriptInvocation<'static> {
         let mut inv = SCRIPT.prepare_invoke();
-        inv.key(self.keys.webhooks_due()).key(self.keys.webhooks_leased()).key(self.keys.webhooks_dead());
+        inv.key(self.keys.webhooks_due())
+            .key(self.keys.webhooks_leased())
+            .key(self.keys.webhooks_dead())
+            .key(self.keys.webhooks_wake());
         // The base every event and run key starts with (`<prefix>:<slot>:`).
         let record = self.keys.run_record("");
         inv.arg(op).arg(record.strip_suffix("run:").unwrap_or(&record).to_owned());
@@ -199,8 +202,8 @@ impl WebhookQueue {
 
     /// Claims up to `n` due deliveries for `lease`, at most `per_origin` in
     /// flight to one origin counting what `sending` says this worker has in
-    /// flight to each. Also: when the next one is due (ms, Redis clock) and
-    /// the Redis clock now.
+    /// flight to each. Also: when to look next (ms, Redis clock: the first
+    /// due event, or the first lease to lapse) and the Redis clock now.
     pub async fn claim(
         &self,
         lease: Duration,
