@@ -205,7 +205,7 @@ fn spawn_deliverer(
     config: &WorkerConfig,
     runner: &Runner,
     signer: Option<standardwebhooks::Webhook>,
-) -> anyhow::Result<Option<tokio::task::JoinHandle<()>>> {
+) -> anyhow::Result<Option<(tokio::task::JoinHandle<()>, tokio::sync::watch::Sender<bool>)>> {
     let Some(signer) = signer else {
         if !config.runs.webhook_endpoints.is_empty() {
             tracing::warn!(message = "PACELINE_WEBHOOK_SECRET is not set: this worker sends no webhooks");
@@ -221,7 +221,8 @@ fn spawn_deliverer(
         config.runs.retention,
     )?;
     tracing::info!(message = "webhooks", endpoints = %config.runs.webhook_endpoints, signed = true);
-    Ok(Some(tokio::spawn(Arc::new(deliverer).run())))
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    Ok(Some((tokio::spawn(Arc::new(deliverer).run(stopped)), stop)))
 }
 
 /// Writes the process's usage book to Redis every
@@ -306,8 +307,15 @@ pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()> + Send
         .await
         .context("worker");
     listener.abort();
-    if let Some(deliveries) = deliveries {
-        deliveries.abort();
+    if let Some((handle, stop)) = deliveries {
+        // The deliveries in flight finish within the shutdown grace (the turns' too); past
+        // it they are cut off, and sent again once their leases lapse.
+        let _ = stop.send(true);
+        let bound = Duration::from_millis(config.queue.grace_ms);
+        let abort = handle.abort_handle();
+        if tokio::time::timeout(bound, handle).await.is_err() {
+            abort.abort();
+        }
     }
     // The counts since the last write, before the process goes.
     if let Err(error) = usage.flush(&mut usage_conn, &config.redis.keys()).await {

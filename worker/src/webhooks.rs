@@ -135,10 +135,11 @@ impl Deliverer {
         self.timeout + Duration::from_secs(5)
     }
 
-    /// Claims and sends deliveries for as long as the process lives (the
-    /// caller aborts it at stop; a delivery cut off is claimed again once
-    /// its lease lapses, with the same `webhook-id`).
-    pub async fn run(self: Arc<Self>) {
+    /// Claims and sends deliveries until `stop` turns true, then finishes the
+    /// ones in flight (each within its timeout) and returns. A delivery cut
+    /// off all the same (the caller's bound, a killed process) is claimed
+    /// again once its lease lapses, with the same `webhook-id`.
+    pub async fn run(self: Arc<Self>, mut stop: tokio::sync::watch::Receiver<bool>) {
         let listener = tokio::spawn(listen(self.redis_url.clone(), self.wake_key.clone(), self.wake.clone()));
         // (Aborted with this task: the listener goes too.)
         let _listener = AbortOnDrop(listener);
@@ -146,7 +147,7 @@ impl Deliverer {
         // Each task's origin, by its id: a task that panicked still gives its slot back.
         let mut origins: HashMap<tokio::task::Id, String> = HashMap::new();
         let mut per_origin: HashMap<String, usize> = HashMap::new();
-        loop {
+        while !*stop.borrow() {
             let free = SLOTS.saturating_sub(sending.len());
             let mut wait = IDLE_LOOK;
             if free > 0 {
@@ -181,6 +182,7 @@ impl Deliverer {
             tokio::select! {
                 _ = tokio::time::sleep(wait) => {}
                 _ = self.wake.notified() => {}
+                _ = stop.changed() => {}
                 Some(done) = sending.join_next_with_id(), if !sending.is_empty() => {
                     let id = match done {
                         Ok((id, ())) => id,
@@ -200,6 +202,8 @@ impl Deliverer {
                 }
             }
         }
+        // Stopping: no more claims; what is in flight finishes.
+        while sending.join_next().await.is_some() {}
     }
 
     /// Sends one attempt of `c` and finishes it.

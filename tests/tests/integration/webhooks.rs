@@ -423,3 +423,23 @@ async fn a_worker_sends_at_most_four_deliveries_at_once_to_one_receiver() {
     assert_eq!(slow.seen().len(), 10, "each once");
     app.stop_workers().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receiver_slower_than_the_timeout_counts_as_a_failed_attempt_and_is_sent_again() {
+    let mut app = App::start(MockConfig::default()).await;
+    let receiver = Receiver::default();
+    receiver.hold.store(true, Ordering::SeqCst);
+    let url = format!("http://{}/hooks", receiver.serve().await);
+    let mut config = hooked(&app, &url);
+    config.webhooks.timeout_s = 1;
+    app.spawn_worker(config);
+    let run = app.submit(plain_run(&url)).await;
+    let w = webhook_state(&app, &run.id, "retrying").await;
+    assert!(w.last_status.is_none() && w.last_error.as_deref().is_some_and(|e| e.contains("timed out")), "{w:?}");
+    receiver.hold.store(false, Ordering::SeqCst);
+    let w = webhook_state(&app, &run.id, "delivered").await;
+    assert!(w.attempts >= 2, "{w:?}");
+    let seen = receiver.seen();
+    assert!(seen.len() >= 2 && seen.iter().all(|s| s.headers["webhook-id"] == seen[0].headers["webhook-id"]));
+    app.stop_workers().await;
+}
