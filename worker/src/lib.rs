@@ -298,22 +298,32 @@ pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()> + Send
         pacer = ?config.pacer.kind, providers = ?runner.routes.names());
     let (usage, mut usage_conn) = (runner.usage.clone(), runner.store.connection());
     let worker = WorkerBuilder::new(name.as_str()).backend(backend).data(runner).build(handle_turn);
+    // The shutdown grace is one for the turns and the webhook deliveries in flight.
+    let grace = Duration::from_millis(config.queue.grace_ms);
+    let stop_deliveries = deliveries.as_ref().map(|(_, stop)| stop.clone());
+    let drain_by = Arc::new(std::sync::Mutex::new(None::<tokio::time::Instant>));
+    let drain_from = drain_by.clone();
     let ran = worker
         .run_until(async move {
             shutdown.await;
             stopping.stop();
+            if let Some(stop) = stop_deliveries {
+                let _ = stop.send(true);
+            }
+            *drain_from.lock().unwrap_or_else(|e| e.into_inner()) = Some(tokio::time::Instant::now() + grace);
             Ok::<(), std::io::Error>(())
         })
         .await
         .context("worker");
     listener.abort();
     if let Some((handle, stop)) = deliveries {
-        // The deliveries in flight finish within the shutdown grace (the turns' too); past
-        // it they are cut off, and sent again once their leases lapse.
+        // The deliveries in flight finish within the shutdown grace, counted from the
+        // shutdown as the turns' is; past it they are cut off, and sent again once their
+        // leases lapse.
         let _ = stop.send(true);
-        let bound = Duration::from_millis(config.queue.grace_ms);
+        let by = drain_by.lock().unwrap_or_else(|e| e.into_inner()).unwrap_or_else(tokio::time::Instant::now);
         let abort = handle.abort_handle();
-        if tokio::time::timeout(bound, handle).await.is_err() {
+        if tokio::time::timeout_at(by, handle).await.is_err() {
             abort.abort();
         }
     }

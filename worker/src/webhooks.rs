@@ -140,9 +140,12 @@ impl Deliverer {
     /// off all the same (the caller's bound, a killed process) is claimed
     /// again once its lease lapses, with the same `webhook-id`.
     pub async fn run(self: Arc<Self>, mut stop: tokio::sync::watch::Receiver<bool>) {
-        let listener = tokio::spawn(listen(self.redis_url.clone(), self.wake_key.clone(), self.wake.clone()));
+        // The listener takes tokens only while this process has a free slot: a full one
+        // leaves them to the others.
+        let (open, opened) = tokio::sync::watch::channel(true);
+        let listener = tokio::spawn(listen(self.redis_url.clone(), self.wake_key.clone(), self.wake.clone(), opened));
         // (Aborted with this task: the listener goes too.)
-        let _listener = AbortOnDrop(listener);
+        let listener = AbortOnDrop(listener);
         let mut sending: JoinSet<()> = JoinSet::new();
         // Each task's origin, by its id: a task that panicked still gives its slot back.
         let mut origins: HashMap<tokio::task::Id, String> = HashMap::new();
@@ -150,6 +153,9 @@ impl Deliverer {
         while !*stop.borrow() {
             let free = SLOTS.saturating_sub(sending.len());
             let mut wait = IDLE_LOOK;
+            // After a claim that found deliveries due and could take none (their
+            // receivers at this process's bound), wake-ups wait out the pause.
+            let mut deaf = false;
             if free > 0 {
                 let counts: Vec<(&str, usize)> = per_origin.iter().map(|(o, n)| (o.as_str(), *n)).collect();
                 match self.queue.claim(self.lease(), free, PER_ORIGIN, &counts).await {
@@ -162,15 +168,23 @@ impl Deliverer {
                             let task = sending.spawn(async move { this.deliver(c).await });
                             origins.insert(task.id(), origin);
                         }
-                        // Due later: look then. Due now but not taken (its receiver at its
-                        // bound, or every slot full): a finished delivery wakes the loop.
+                        // Due later: look then (a retry, or the first lease to lapse). Due
+                        // now and taken: look again at once for more. Due now and none
+                        // taken: another process may take them — the token goes back —
+                        // and this one looks again in a second or when a send ends.
                         if let Some(due) = next_due {
                             let in_ms = due.saturating_sub(now);
-                            wait = if in_ms == 0 && took > 0 {
-                                Duration::ZERO
+                            if in_ms > 0 {
+                                wait = wait.min(Duration::from_millis(in_ms));
+                            } else if took > 0 {
+                                wait = Duration::ZERO;
                             } else {
-                                wait.min(Duration::from_millis(in_ms.max(if took == 0 { 1_000 } else { 0 })))
-                            };
+                                wait = Duration::from_secs(1);
+                                deaf = true;
+                                if let Err(error) = self.queue.pass_on_wake().await {
+                                    tracing::debug!(message = "could not pass a webhook wake-up on", %error);
+                                }
+                            }
                         }
                     }
                     Err(error) => {
@@ -179,10 +193,16 @@ impl Deliverer {
                     }
                 }
             }
+            open.send_replace(sending.len() < SLOTS);
             tokio::select! {
                 _ = tokio::time::sleep(wait) => {}
-                _ = self.wake.notified() => {}
-                _ = stop.changed() => {}
+                _ = self.wake.notified(), if !deaf => {}
+                changed = stop.changed() => {
+                    // A sender gone is a stop too.
+                    if changed.is_err() {
+                        break;
+                    }
+                }
                 Some(done) = sending.join_next_with_id(), if !sending.is_empty() => {
                     let id = match done {
                         Ok((id, ())) => id,
@@ -202,7 +222,9 @@ impl Deliverer {
                 }
             }
         }
-        // Stopping: no more claims; what is in flight finishes.
+        // Stopping: no more tokens taken (the others' to have), no more claims; what is
+        // in flight finishes.
+        drop(listener);
         while sending.join_next().await.is_some() {}
     }
 
@@ -293,10 +315,12 @@ impl Deliverer {
     }
 }
 
-/// Waits for wake-up tokens and notifies `wake` for each, for as long as it
-/// lives; a broken connection is opened again (backing off to 5 s).
-async fn listen(url: String, key: String, wake: Arc<Notify>) {
+/// Waits for wake-up tokens, while `open` says this process can take a
+/// delivery, and notifies `wake` for each, for as long as it lives; a broken
+/// connection is opened again (backing off to 5 s).
+async fn listen(url: String, key: String, wake: Arc<Notify>, mut open: tokio::sync::watch::Receiver<bool>) {
     let mut failures = 0u32;
+    let backoff = |failures: u32| Duration::from_millis((100u64 << failures.min(6)).min(5_000));
     loop {
         let connect = async {
             let client = redis::Client::open(url.as_str())?;
@@ -310,23 +334,31 @@ async fn listen(url: String, key: String, wake: Arc<Notify>) {
             Err(error) => {
                 failures += 1;
                 tracing::warn!(message = "cannot open the webhook wake-up connection; retrying", %error);
-                tokio::time::sleep(Duration::from_millis((100u64 << failures.min(6)).min(5_000))).await;
+                tokio::time::sleep(backoff(failures)).await;
                 continue;
             }
         };
         loop {
+            if open.wait_for(|can| *can).await.is_err() {
+                return;
+            }
             let popped: redis::RedisResult<Option<(String, String)>> =
                 redis::cmd("BLPOP").arg(&key).arg(WAKE_WAIT.as_secs_f64()).query_async(&mut conn).await;
             match popped {
-                Ok(Some(_)) => {
+                Ok(got) => {
                     failures = 0;
-                    wake.notify_one();
+                    if got.is_some() {
+                        wake.notify_one();
+                    }
                 }
-                Ok(None) => {}
                 Err(error) => {
                     failures += 1;
-                    tracing::debug!(message = "webhook wake-up read failed; reconnecting", %error);
-                    tokio::time::sleep(Duration::from_millis((100u64 << failures.min(6)).min(5_000))).await;
+                    if failures >= 3 {
+                        tracing::warn!(message = "webhook wake-ups keep failing; deliveries are looked for every 30 s meanwhile", %error);
+                    } else {
+                        tracing::debug!(message = "webhook wake-up read failed; reconnecting", %error);
+                    }
+                    tokio::time::sleep(backoff(failures)).await;
                     break;
                 }
             }

@@ -269,6 +269,25 @@ impl WebhookQueue {
         Ok(reply.into_iter().next().unwrap_or_default())
     }
 
+    /// Gives a wake-up token back (at most 64 kept): this process found
+    /// deliveries due that it could not take; another may.
+    pub async fn pass_on_wake(&self) -> redis::RedisResult<()> {
+        let key = self.keys.webhooks_wake();
+        redis::pipe()
+            .atomic()
+            .cmd("RPUSH")
+            .arg(&key)
+            .arg(1)
+            .ignore()
+            .cmd("LTRIM")
+            .arg(&key)
+            .arg(-64)
+            .arg(-1)
+            .ignore()
+            .query_async(&mut self.conn.clone())
+            .await
+    }
+
     /// The newest `n` dead-lettered deliveries.
     pub async fn dead(&self, n: usize) -> redis::RedisResult<Vec<DeadDelivery>> {
         let mut inv = self.invocation("dead");
