@@ -31,9 +31,13 @@ pub struct Env {
 }
 
 impl Env {
-    /// Starts Redis and the tool endpoint.
-    pub async fn start() -> anyhow::Result<Self> {
+    /// Starts Redis (with its timers at `hz` a second when given) and the tool endpoint.
+    pub async fn start(hz: Option<u32>) -> anyhow::Result<Self> {
         let redis = BenchRedis::start("bench").await?;
+        if let Some(hz) = hz {
+            let mut conn = shared::redis_util::manager(&redis.url()).await?;
+            let _: () = redis::cmd("CONFIG").arg("SET").arg("hz").arg(hz).query_async(&mut conn).await?;
+        }
         let tools = tool_server().await?;
         Ok(Self { redis, tools, trials: Default::default() })
     }

@@ -190,6 +190,12 @@ pub struct Args {
     /// Long-runs scenario: the shapes to run.
     #[arg(long, value_delimiter = ',', default_value = "anthropic,openai", value_parser = parse_long_shape)]
     long_run_shapes: Vec<crate::bench::long_runs::LongShape>,
+    /// The bench Redis's `hz` (its timers' rate, Redis's default 10). Its own
+    /// timers are most of its idle CPU and of that idle rate's noise, which a
+    /// net figure subtracts: `--redis-hz 1` measures paceline's own work
+    /// more finely (say so beside any figure it gives).
+    #[arg(long = "redis-hz", value_parser = clap::value_parser!(u32).range(1..=500))]
+    redis_hz: Option<u32>,
     /// Write the figures as one JSON object to this file.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
@@ -296,7 +302,7 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
         dump_dir: args.dump_dir.clone(),
         worker_args: vec![],
     };
-    let env = Env::start().await?;
+    let env = Env::start(args.redis_hz).await?;
     let progress = ProgressBar::new(0).with_style(
         ProgressStyle::with_template("{spinner} {msg:>12} [{bar:40}] {pos}/{len} calls answered, {elapsed}")
             .unwrap_or_else(|_| ProgressStyle::default_bar())
