@@ -21,7 +21,9 @@ use shared::queue::Register;
 /// killed worker's turns back within 4/3 of the lease (4 s), whatever the
 /// fleet's size. (A turn that ends within a third of the lease, most of
 /// them, is never renewed: a beat at every third of the lease whatever the
-/// leases' age was most of a busy fleet's beats.)
+/// leases' age was most of a busy fleet's beats.) A worker whose next
+/// renewal comes within that third skips the look: the renewal reclaims too,
+/// as soon (a worker holding long calls looked once a beat for nothing).
 pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, worker: WorkerContext) {
     let every = queue.config().heartbeat_every();
     let lease_ms = queue.config().lease_ms as i64;
@@ -57,7 +59,10 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
         // Whether the beat looks for expired leases: a beat that only
         // registers leaves that to the looks, whose schedule it keeps.
         let mut reclaim = renew || suspects_due || clock.is_none();
-        if !beat && look_at.is_none_or(|at| now >= at) {
+        // A worker whose next renewal — a reclaiming beat — comes within the slack
+        // leaves the look to it: that beat finds what a look would, as soon.
+        let beat_soon = shared.oldest_renewal().is_some_and(|at| at + every <= now + slack);
+        if !beat && !beat_soon && look_at.is_none_or(|at| now >= at) {
             match (clock, queue.first_lease_expiry().await) {
                 (Some((at, server_ms)), Ok(first)) => {
                     let server_now = server_ms + now.saturating_duration_since(at).as_millis() as i64;
