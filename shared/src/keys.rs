@@ -96,6 +96,13 @@ impl Keys {
         format!("{}:{}:q:{}", self.prefix, self.slot_tag(), name)
     }
 
+    /// The start every key of the runs' slot shares (`prefix:{prefix}:`): a
+    /// script that learns a run's or a webhook event's id as it meets it
+    /// builds that key from this base, by the shapes below.
+    pub fn run_base(&self) -> String {
+        format!("{}:{}:", self.prefix, self.slot_tag())
+    }
+
     /// A run's record, a HASH (`runs::RunRecord`'s fields; `runs/store.lua`
     /// writes it): `prefix:{prefix}:run:<id>`. Under the queue's hash tag, so
     /// one script commits a turn and enqueues the next; the queue's hooks

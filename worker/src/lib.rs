@@ -301,7 +301,7 @@ pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()> + Send
     // The shutdown grace is one for the turns and the webhook deliveries in flight.
     let grace = Duration::from_millis(config.queue.grace_ms);
     let stop_deliveries = deliveries.as_ref().map(|(_, stop)| stop.clone());
-    let drain_by = Arc::new(std::sync::Mutex::new(None::<tokio::time::Instant>));
+    let drain_by = Arc::new(std::sync::OnceLock::<tokio::time::Instant>::new());
     let drain_from = drain_by.clone();
     let ran = worker
         .run_until(async move {
@@ -310,7 +310,7 @@ pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()> + Send
             if let Some(stop) = stop_deliveries {
                 let _ = stop.send(true);
             }
-            *drain_from.lock().unwrap_or_else(|e| e.into_inner()) = Some(tokio::time::Instant::now() + grace);
+            let _ = drain_from.set(tokio::time::Instant::now() + grace);
             Ok::<(), std::io::Error>(())
         })
         .await
@@ -321,7 +321,7 @@ pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()> + Send
         // shutdown as the turns' is; past it they are cut off, and sent again once their
         // leases lapse.
         let _ = stop.send(true);
-        let by = drain_by.lock().unwrap_or_else(|e| e.into_inner()).unwrap_or_else(tokio::time::Instant::now);
+        let by = drain_by.get().copied().unwrap_or_else(tokio::time::Instant::now);
         let abort = handle.abort_handle();
         if tokio::time::timeout_at(by, handle).await.is_err() {
             abort.abort();

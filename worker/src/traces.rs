@@ -103,6 +103,10 @@ pub fn call_span(provider: &str, model: &str, max_tokens: u32) -> Span {
 
 /// What a provider call answered, on its span.
 pub fn record_answer(span: &Span, answer: &Option<Result<crate::provider::CallSuccess, crate::provider::CallFailure>>) {
+    // (No export: nothing is recorded, nothing formatted.)
+    if span.is_disabled() {
+        return;
+    }
     match answer {
         Some(Ok(ok)) => {
             span.record("http.response.status_code", i64::from(ok.status));
@@ -154,9 +158,7 @@ pub fn budget_wait(owed_ms: u64, reason: &str) {
 
 /// The remote parent named by `traceparent` (`00-<trace>-<span>-<flags>`).
 fn remote_parent(traceparent: &str) -> Option<opentelemetry::Context> {
-    let trace = shared::runs::record::trace_id_of(traceparent)?;
-    let span = traceparent.split('-').nth(2)?;
-    let flags = u8::from_str_radix(traceparent.split('-').nth(3)?, 16).ok()?;
+    let (trace, span, flags) = shared::runs::record::traceparent_parts(traceparent)?;
     let context = SpanContext::new(
         TraceId::from_hex(trace).ok()?,
         SpanId::from_hex(span).ok()?,

@@ -89,7 +89,7 @@ pub struct Deliverer {
     timeout: Duration,
     retry_scale: f64,
     retention: Duration,
-    /// The Redis URL and key of the wake-up tokens (a connection of its own).
+    /// The Redis URL and key of the wake-up tokens (read on a connection of its own).
     redis_url: String,
     wake_key: String,
     /// Notified when a wake-up token came.
@@ -316,51 +316,34 @@ impl Deliverer {
 }
 
 /// Waits for wake-up tokens, while `open` says this process can take a
-/// delivery, and notifies `wake` for each, for as long as it lives; a broken
-/// connection is opened again (backing off to 5 s).
+/// delivery, and notifies `wake` for each, until `open`'s sender goes; a
+/// failed read is tried again, backing off to 5 s.
 async fn listen(url: String, key: String, wake: Arc<Notify>, mut open: tokio::sync::watch::Receiver<bool>) {
+    // Its own connection (a BLPOP holds it), which reconnects by itself.
+    let mut conn = match shared::redis_util::lazy_manager(&url, WAKE_WAIT + Duration::from_secs(5)) {
+        Ok(conn) => conn,
+        Err(error) => {
+            tracing::warn!(message = "no webhook wake-up connection; deliveries are looked for every 30 s", %error);
+            return;
+        }
+    };
     let mut failures = 0u32;
-    let backoff = |failures: u32| Duration::from_millis((100u64 << failures.min(6)).min(5_000));
-    loop {
-        let connect = async {
-            let client = redis::Client::open(url.as_str())?;
-            let config = redis::AsyncConnectionConfig::new()
-                .set_response_timeout(Some(WAKE_WAIT + Duration::from_secs(5)))
-                .set_connection_timeout(Some(shared::redis_util::CONNECT_TIMEOUT));
-            client.get_multiplexed_async_connection_with_config(&config).await
-        };
-        let mut conn = match connect.await {
-            Ok(conn) => conn,
+    while open.wait_for(|can| *can).await.is_ok() {
+        let popped: redis::RedisResult<Option<(String, String)>> =
+            redis::cmd("BLPOP").arg(&key).arg(WAKE_WAIT.as_secs_f64()).query_async(&mut conn).await;
+        match popped {
+            Ok(got) => {
+                failures = 0;
+                if got.is_some() {
+                    wake.notify_one();
+                }
+            }
             Err(error) => {
                 failures += 1;
-                tracing::warn!(message = "cannot open the webhook wake-up connection; retrying", %error);
-                tokio::time::sleep(backoff(failures)).await;
-                continue;
-            }
-        };
-        loop {
-            if open.wait_for(|can| *can).await.is_err() {
-                return;
-            }
-            let popped: redis::RedisResult<Option<(String, String)>> =
-                redis::cmd("BLPOP").arg(&key).arg(WAKE_WAIT.as_secs_f64()).query_async(&mut conn).await;
-            match popped {
-                Ok(got) => {
-                    failures = 0;
-                    if got.is_some() {
-                        wake.notify_one();
-                    }
+                if failures >= 3 {
+                    tracing::warn!(message = "webhook wake-ups keep failing; deliveries are looked for every 30 s meanwhile", %error);
                 }
-                Err(error) => {
-                    failures += 1;
-                    if failures >= 3 {
-                        tracing::warn!(message = "webhook wake-ups keep failing; deliveries are looked for every 30 s meanwhile", %error);
-                    } else {
-                        tracing::debug!(message = "webhook wake-up read failed; reconnecting", %error);
-                    }
-                    tokio::time::sleep(backoff(failures)).await;
-                    break;
-                }
+                tokio::time::sleep(Duration::from_millis((100u64 << failures.min(6)).min(5_000))).await;
             }
         }
     }

@@ -28,7 +28,7 @@ end
 -- for none: no command here, the common case), nil when it did not. The event lives
 -- WH_KEEP_MS (its retries' 27.6 h and a dead letter's 7 days, with a margin) even when no
 -- worker ever sends it (none holds the secret): nothing it leaves grows without end.
-local WH_KEEP_MS = 9 * 24 * 3600 * 1000
+local WH_KEEP_MS = 9 * 24 * 3600 * 1000 -- runs/webhooks.rs EVENT_KEPT
 local function webhook_enqueue(run, now, known)
   if known ~= nil and (not known or known == '') then return end
   local url, status, tenant = unpack(redis.call('HMGET', run, 'webhook_url', 'status', 'tenant'))
@@ -38,7 +38,7 @@ local function webhook_enqueue(run, now, known)
   local event = 'evt_' .. (string.gsub(id, '^run_', '')) .. '_' .. n
   local key = base .. 'wh:e:' .. event
   -- `origin`: the URL's scheme and authority, what the per-receiver bound counts by
-  -- (runs/webhooks.rs `origin`, the same rule).
+  -- (runs/webhooks.lua's claim).
   redis.call('HSET', key, 'run', id, 'type', 'run.' .. status, 'ms', now, 'url', url,
     'origin', string.match(url, '^[^:/?#]+://[^/?#]*') or '', 'tenant', tenant or '', 'attempts', 0, 'claims', 0,
     'state', 'pending')

@@ -311,10 +311,15 @@ pub fn new_traceparent() -> String {
     format!("00-{trace:032x}-{span:016x}-01")
 }
 
-/// The trace id of a `traceparent` (`<version>-<32 hex>-<16 hex>-<2 hex>`,
-/// lowercase; W3C: neither id all zeros, version not `ff`); `None` for
-/// anything else.
+/// The trace id of a `traceparent`; `None` for anything else ([`traceparent_parts`]).
 pub fn trace_id_of(traceparent: &str) -> Option<&str> {
+    traceparent_parts(traceparent).map(|(trace, _, _)| trace)
+}
+
+/// A `traceparent`'s trace id, parent span id and flags
+/// (`<version>-<32 hex>-<16 hex>-<2 hex>`, lowercase; W3C: neither id all
+/// zeros, version not `ff`); `None` for anything else.
+pub fn traceparent_parts(traceparent: &str) -> Option<(&str, &str, u8)> {
     let parts: Vec<&str> = traceparent.split('-').collect();
     let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase());
     let zeros = |s: &str| s.bytes().all(|b| b == b'0');
@@ -328,7 +333,7 @@ pub fn trace_id_of(traceparent: &str) -> Option<&str> {
                 && !zeros(trace)
                 && !zeros(span) =>
         {
-            Some(trace)
+            Some((trace, span, u8::from_str_radix(flags, 16).ok()?))
         }
         _ => None,
     }

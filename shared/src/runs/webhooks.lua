@@ -12,11 +12,6 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 local function event_key(id) return base .. 'wh:e:' .. id end
 
--- An event is kept this long once it can no longer be sent (hooks.lua WH_KEEP_MS).
-local WH_KEEP_MS = 9 * 24 * 3600 * 1000
--- Attempts before a delivery is dead-lettered (runs/webhooks.rs SCHEDULE).
-local WH_ATTEMPTS = 8
-
 -- The run object's `webhook` mirrors its current event's state (one HGETALL reads a run);
 -- an earlier event of a re-driven run, or a run past its retention, is left alone.
 local function mirror(run_id, event, fields)
@@ -37,15 +32,16 @@ end
 
 if op == 'claim' then
   -- ARGV[3] lease ms, [4] at most this many, [5] the most one origin may have in
-  -- flight in this worker, [6] how long a dead letter is kept (ms), then origin, count
-  -- pairs: what this worker sends to each now. A lease past its deadline (its worker
+  -- flight in this worker, [6] how long a dead letter is kept (ms), [7] the attempts an
+  -- event has (runs/webhooks.rs SCHEDULE), then origin, count pairs: what this worker
+  -- sends to each now. A lease past its deadline (its worker
   -- died or stopped sending) is due again first — dead-lettered when it used its last
   -- attempt. Each claim is fenced by `claims`, a count never reset (a re-drive resets
   -- `attempts`, which the schedule reads).
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, 100)) do
     redis.call('ZREM', KEYS[2], id)
     local key = event_key(id)
-    if (tonumber(redis.call('HGET', key, 'attempts')) or 0) >= WH_ATTEMPTS then
+    if (tonumber(redis.call('HGET', key, 'attempts')) or 0) >= tonumber(ARGV[7]) then
       bury(id, key, '', 'its last attempt never finished: the worker sending it stopped', tonumber(ARGV[6]))
     else
       redis.call('ZADD', KEYS[1], now, id)
@@ -53,7 +49,7 @@ if op == 'claim' then
   end
   local per_origin = tonumber(ARGV[5])
   local busy = {}
-  for i = 7, #ARGV, 2 do busy[ARGV[i]] = tonumber(ARGV[i + 1]) end
+  for i = 8, #ARGV, 2 do busy[ARGV[i]] = tonumber(ARGV[i + 1]) end
   local want = tonumber(ARGV[4])
   local out = {}
   -- A bounded scan: past a backlog of one receiver at its bound, up to 256 due events
@@ -134,12 +130,12 @@ end
 
 if op == 'redrive' then
   -- ARGV[3] event: a dead delivery due again now, its attempts counted from 0 (the
-  -- operator fixed the receiver). Its id, body and signature scheme stay the same.
+  -- operator fixed the receiver), kept ARGV[4] ms again (runs/webhooks.rs EVENT_KEPT). Its id, body and signature scheme stay the same.
   local id = ARGV[3]
   local key = event_key(id)
   if not redis.call('ZSCORE', KEYS[3], id) or redis.call('EXISTS', key) == 0 then return {'not_dead'} end
   redis.call('ZREM', KEYS[3], id)
-  redis.call('PEXPIRE', key, WH_KEEP_MS)
+  redis.call('PEXPIRE', key, tonumber(ARGV[4]))
   redis.call('HSET', key, 'attempts', 0, 'state', 'pending', 'next_ms', now)
   redis.call('ZADD', KEYS[1], now, id)
   redis.call('RPUSH', KEYS[4], 1)

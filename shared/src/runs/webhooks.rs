@@ -47,6 +47,12 @@ pub const SCHEDULE: [Duration; 8] = [
 /// How long a dead-lettered event is kept for an operator to see and re-drive.
 pub const DEAD_KEPT: Duration = Duration::from_secs(7 * 24 * 3600);
 
+/// How long an event lives that may still be sent: its retries' 27.6 h and a
+/// dead letter's [`DEAD_KEPT`], with a margin — also when no worker ever sends
+/// it. `hooks.lua` (`WH_KEEP_MS`) gives it at the enqueue, which knows no
+/// configuration; a test holds the two to one value.
+pub const EVENT_KEPT: Duration = Duration::from_secs(9 * 24 * 3600);
+
 /// The delay before the attempt after attempt `made` (1-based), with `scale`
 /// (1 in production; tests shrink the schedule) and a jitter `draw` in
 /// [0, 1): ±20 %. `None`: that was the last attempt.
@@ -54,15 +60,6 @@ pub fn next_delay(made: u32, scale: f64, draw: f64) -> Option<Duration> {
     let base = SCHEDULE.get(made as usize)?;
     let jitter = 0.8 + 0.4 * draw.clamp(0.0, 1.0);
     Some(base.mul_f64((scale * jitter).max(0.0)))
-}
-
-/// The scheme and authority of `url` (`https://hooks.acme.com:8443`): what
-/// the per-endpoint bound counts by. The same rule as `webhooks.lua`'s.
-pub fn origin(url: &str) -> &str {
-    let Some(scheme_end) = url.find("://") else { return "" };
-    let rest = &url[scheme_end + 3..];
-    let end = rest.find(['/', '?', '#']).map_or(url.len(), |i| scheme_end + 3 + i);
-    &url[..end]
 }
 
 /// A delivery a worker claimed: send it, then [`WebhookQueue::finish`] it.
@@ -87,7 +84,8 @@ pub struct Claimed {
     pub body: Option<String>,
     /// The claim's fence: the event's count of claims, never reset.
     pub claim: u64,
-    /// The URL's scheme and authority ([`origin`]), what the per-receiver bound counts.
+    /// The URL's scheme and authority (`https://hooks.acme.com:8443`, as the
+    /// enqueue wrote it: `hooks.lua`), what the per-receiver bound counts.
     pub origin: String,
 }
 
@@ -194,9 +192,7 @@ impl WebhookQueue {
             .key(self.keys.webhooks_leased())
             .key(self.keys.webhooks_dead())
             .key(self.keys.webhooks_wake());
-        // The base every event and run key starts with (`<prefix>:<slot>:`).
-        let record = self.keys.run_record("");
-        inv.arg(op).arg(record.strip_suffix("run:").unwrap_or(&record).to_owned());
+        inv.arg(op).arg(self.keys.run_base());
         inv
     }
 
@@ -212,7 +208,11 @@ impl WebhookQueue {
         sending: &[(&str, usize)],
     ) -> redis::RedisResult<(Vec<Claimed>, Option<u64>, u64)> {
         let mut inv = self.invocation("claim");
-        inv.arg(lease.as_millis() as u64).arg(n.max(1)).arg(per_origin.max(1)).arg(DEAD_KEPT.as_millis() as u64);
+        inv.arg(lease.as_millis() as u64)
+            .arg(n.max(1))
+            .arg(per_origin.max(1))
+            .arg(DEAD_KEPT.as_millis() as u64)
+            .arg(SCHEDULE.len());
         for (origin, count) in sending {
             inv.arg(*origin).arg(*count);
         }
@@ -318,7 +318,7 @@ impl WebhookQueue {
             return Ok(None);
         }
         let mut inv = self.invocation("redrive");
-        inv.arg(event);
+        inv.arg(event).arg(EVENT_KEPT.as_millis() as u64);
         let reply: Vec<String> = inv.invoke_async(&mut self.conn.clone()).await?;
         Ok(match reply.as_slice() {
             [state, run] if state == "pending" => Some(run.clone()),
@@ -349,16 +349,11 @@ mod tests {
     }
 
     #[test]
-    fn an_origin_is_the_scheme_and_authority() {
-        for (url, o) in [
-            ("https://hooks.acme.com/paceline?x=1", "https://hooks.acme.com"),
-            ("http://127.0.0.1:9000/hook", "http://127.0.0.1:9000"),
-            ("http://127.0.0.1:9000", "http://127.0.0.1:9000"),
-            ("http://a.b?q", "http://a.b"),
-            ("not a url", ""),
-        ] {
-            assert_eq!(origin(url), o, "{url}");
-        }
+    fn the_enqueue_keeps_an_event_as_long_as_the_queue_does() {
+        let ms = EVENT_KEPT.as_millis();
+        assert_eq!(ms, 9 * 24 * 3600 * 1000);
+        assert!(include_str!("hooks.lua").contains("local WH_KEEP_MS = 9 * 24 * 3600 * 1000 --"));
+        assert!(EVENT_KEPT > DEAD_KEPT + SCHEDULE.iter().sum::<Duration>());
     }
 
     #[test]
