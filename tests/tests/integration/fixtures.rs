@@ -130,12 +130,18 @@ impl App {
     /// A `paceline worker` process on this app's Redis, mock and tools, with
     /// `args` after the common ones (killed when dropped).
     pub(crate) fn worker_process(&self, args: &[&str], rust_log: &str) -> ChildGuard {
+        self.worker_process_with(args, &[], rust_log)
+    }
+
+    /// [`App::worker_process`] with `env` set too (secrets, `OTEL_*`).
+    pub(crate) fn worker_process_with(&self, args: &[&str], env: &[(&str, &str)], rust_log: &str) -> ChildGuard {
         let mut cmd = std::process::Command::new(paceline_tests::paceline_bin());
         cmd.arg("worker")
             .args(["--prefix", &self.prefix])
             .env("REDIS_URL", self.redis.url())
             .args(["--provider-url", &self.mock.base_url(), "--tool-endpoints", &self.tools])
             .args(args)
+            .envs(env.iter().copied())
             .env("RUST_LOG", rust_log)
             .stdout(std::process::Stdio::null());
         ChildGuard(cmd.spawn().expect("start paceline worker"))

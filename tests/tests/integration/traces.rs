@@ -65,20 +65,36 @@ fn text(span: &Span, key: &str) -> Option<String> {
     }
 }
 
+/// A `paceline worker` process exporting its traces to `endpoint` (every 100 ms).
+fn traced_worker(app: &App, endpoint: &str) -> ChildGuard {
+    app.worker_process_with(
+        &[],
+        &[("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint), ("OTEL_BSP_SCHEDULE_DELAY", "100")],
+        "warn",
+    )
+}
+
+/// Submits a small run through the API at `api` as tenant `t0`, with a `traceparent` header.
+async fn submit_traced(api: &str, traceparent: &str) -> serde_json::Value {
+    reqwest::Client::new()
+        .post(format!("{api}/v1/runs"))
+        .bearer_auth("t0")
+        .header("traceparent", traceparent)
+        .json(&serde_json::json!({"model": "gpt-test", "input": "hi", "max_output_tokens": 16}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_run_is_one_trace_of_turns_with_genai_call_spans_and_tool_spans() {
     let app = App::start(MockConfig { tool_rounds: 1, ..MockConfig::default() }).await;
     let collector = Collector::default();
     let endpoint = collector.start().await;
-    let mut cmd = std::process::Command::new(paceline_tests::paceline_bin());
-    cmd.arg("worker")
-        .args(["--prefix", &app.prefix, "--provider-url", &app.mock.base_url(), "--tool-endpoints", &app.tools])
-        .env("REDIS_URL", app.redis.url())
-        .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
-        .env("OTEL_BSP_SCHEDULE_DELAY", "100")
-        .env("RUST_LOG", "warn")
-        .stdout(std::process::Stdio::null());
-    let _worker = ChildGuard(cmd.spawn().expect("start paceline worker"));
+    let _worker = traced_worker(&app, &endpoint);
     let mut runs = vec![];
     for _ in 0..2 {
         runs.push(app.submit(tool_run(&app, "lookup")).await);
@@ -156,15 +172,12 @@ async fn with_the_collector_down_runs_go_on() {
     let app = App::start(MockConfig::default()).await;
     // Nobody listens there.
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
-    let mut cmd = std::process::Command::new(paceline_tests::paceline_bin());
-    cmd.arg("worker")
-        .args(["--prefix", &app.prefix, "--provider-url", &app.mock.base_url()])
-        .env("REDIS_URL", app.redis.url())
-        .env("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://{closed}"))
-        .env("OTEL_BSP_SCHEDULE_DELAY", "50")
-        .env("RUST_LOG", "warn")
-        .stdout(std::process::Stdio::null());
-    let mut worker = ChildGuard(cmd.spawn().expect("start paceline worker"));
+    let endpoint = format!("http://{closed}");
+    let mut worker = app.worker_process_with(
+        &[],
+        &[("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint), ("OTEL_BSP_SCHEDULE_DELAY", "50")],
+        "warn",
+    );
     for _ in 0..5 {
         let run = app.submit(serde_json::json!({"model": "gpt-test", "input": "hi", "max_output_tokens": 16})).await;
         let done = app.wait_finished(&run.id, secs(30)).await;
@@ -183,28 +196,10 @@ async fn a_submitters_traceparent_makes_the_run_join_its_trace() {
     let app = App::start(MockConfig::default()).await;
     let collector = Collector::default();
     let endpoint = collector.start().await;
-    let mut cmd = std::process::Command::new(paceline_tests::paceline_bin());
-    cmd.arg("worker")
-        .args(["--prefix", &app.prefix, "--provider-url", &app.mock.base_url()])
-        .env("REDIS_URL", app.redis.url())
-        .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
-        .env("OTEL_BSP_SCHEDULE_DELAY", "100")
-        .env("RUST_LOG", "warn")
-        .stdout(std::process::Stdio::null());
-    let _worker = ChildGuard(cmd.spawn().expect("start paceline worker"));
+    let _worker = traced_worker(&app, &endpoint);
     let (api, _stop) = app.tenant_api(&[("default", "t0")], "op").await;
     let (trace, parent) = ("0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331");
-    let created: serde_json::Value = reqwest::Client::new()
-        .post(format!("{api}/v1/runs"))
-        .bearer_auth("t0")
-        .header("traceparent", format!("00-{trace}-{parent}-01"))
-        .json(&serde_json::json!({"model": "gpt-test", "input": "hi", "max_output_tokens": 16}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let created = submit_traced(&api, &format!("00-{trace}-{parent}-01")).await;
     assert_eq!(created["trace_id"], trace, "{created}");
     let id = created["id"].as_str().unwrap();
     assert_eq!(app.wait_finished(id, secs(30)).await.status, RunStatus::Completed);
@@ -215,17 +210,7 @@ async fn a_submitters_traceparent_makes_the_run_join_its_trace() {
     .expect("the run's turn span, in the submitter's trace");
     assert_eq!(hex(&turn.parent_span_id), parent, "a child of the submitter's span");
     // One that does not read starts a trace of the run's own.
-    let own: serde_json::Value = reqwest::Client::new()
-        .post(format!("{api}/v1/runs"))
-        .bearer_auth("t0")
-        .header("traceparent", "00-00000000000000000000000000000000-b7ad6b7169203331-01")
-        .json(&serde_json::json!({"model": "gpt-test", "input": "hi", "max_output_tokens": 16}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let own = submit_traced(&api, "00-00000000000000000000000000000000-b7ad6b7169203331-01").await;
     let own_trace = own["trace_id"].as_str().expect("a trace id of its own");
     assert_eq!(own_trace.len(), 32);
     assert_ne!(own_trace, "00000000000000000000000000000000");

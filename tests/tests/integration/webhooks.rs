@@ -14,7 +14,7 @@ use std::time::Duration;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, Uri};
 use mock_provider::MockConfig;
-use paceline_tests::{poll_until, ChildGuard};
+use paceline_tests::poll_until;
 use serde_json::{json, Value};
 use shared::config::Secret;
 use shared::runs::{RunStatus, ToolEndpoints};
@@ -316,15 +316,11 @@ async fn workers_killed_with_sigkill_while_deliveries_are_pending_lose_none() {
     receiver.hold.store(true, Ordering::SeqCst);
     let url = format!("http://{}/hooks", receiver.serve().await);
     let worker = |app: &App| {
-        let mut cmd = std::process::Command::new(paceline_tests::paceline_bin());
-        cmd.arg("worker")
-            .args(["--prefix", &app.prefix, "--provider-url", &app.mock.base_url()])
-            .args(["--webhook-endpoints", &url, "--webhook-retry-scale", "0.01", "--webhook-timeout-s", "3"])
-            .env("REDIS_URL", app.redis.url())
-            .env(WEBHOOK_SECRET_ENV, SECRET)
-            .env("RUST_LOG", "warn")
-            .stdout(std::process::Stdio::null());
-        ChildGuard(cmd.spawn().expect("start paceline worker"))
+        app.worker_process_with(
+            &["--webhook-endpoints", &url, "--webhook-retry-scale", "0.01", "--webhook-timeout-s", "3"],
+            &[(WEBHOOK_SECRET_ENV, SECRET)],
+            "warn",
+        )
     };
     let mut first = worker(&app);
     let mut ids = vec![];
