@@ -66,6 +66,7 @@ impl Application {
             companion_tenants: config.access.companion_tenants(),
             models: config.runs.models.clone(),
             webhook_endpoints: config.runs.webhook_endpoints.clone(),
+            mcp_endpoints: config.runs.mcp_endpoints.clone(),
         };
         let _ = crate::metrics::handle();
         let listener = TcpListener::bind(config.serve.listen)

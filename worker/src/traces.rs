@@ -169,9 +169,9 @@ fn remote_parent(traceparent: &str) -> Option<opentelemetry::Context> {
     context.is_valid().then(|| opentelemetry::Context::new().with_remote_span_context(context))
 }
 
-/// The exporter's HTTP client: our reqwest (0.12) on a runtime of its own,
-/// built on the SDK's export thread at its first export (the exporter's
-/// bundled client would add a second reqwest to the build).
+/// The exporter's HTTP client: our reqwest on a runtime of its own, built on
+/// the SDK's export thread at its first export (that thread has no runtime;
+/// the exporter's bundled clients would bring reqwest's blocking client).
 #[derive(Debug, Default)]
 struct Http(OnceLock<Option<(tokio::runtime::Runtime, reqwest::Client)>>);
 

@@ -183,7 +183,7 @@ impl Runner {
             Some(start) => start?,
             None => self.store.start_turn_with_history(lease, job, self.config.max_history).await?,
         };
-        let ctx = match start {
+        let mut ctx = match start {
             Started::Run(ctx) => ctx,
             Started::Stop(why) => {
                 tracing::info!(message = "turn not started", run.id = %lease.id, why = %why);
@@ -195,6 +195,17 @@ impl Runner {
                 return Ok(TurnOutcome::Stopped);
             }
         };
+        if !ctx.spec.mcp_servers.is_empty() {
+            match self.mcp_tools(lease, &ctx).await? {
+                Ok(tools) => ctx.spec.tools.extend(tools),
+                Err(why) => {
+                    if let Clearance::Cleared(_) = cleared {
+                        self.give_back(&turn, lease).await;
+                    }
+                    return self.tools_unavailable(lease, job, why).await;
+                }
+            }
+        }
         // From here a cancel of the run reaches this turn (cancels.rs).
         let cancel = self.cancels.watch_lease(&lease.id, Some(lease.clone()));
         let span = crate::traces::turn_span(&lease.id, job.turn, job.attempt, ctx.trace.as_deref());
@@ -219,6 +230,52 @@ impl Runner {
         metrics::counter!(metric::TURNS, "outcome" => outcome.as_str()).increment(1);
         metrics::histogram!(metric::TURN_LATENCY).record(started.elapsed().as_secs_f64());
         Ok(outcome)
+    }
+
+    /// The tools of the run's MCP servers (`tools/mcp.rs`): as its first
+    /// turn listed them, or listed now and kept for every later turn (the
+    /// first worker to keep a list decides it). `Err` inside: a server could
+    /// not be listed.
+    async fn mcp_tools(&self, lease: &Lease, ctx: &TurnContext) -> Result<Result<Vec<Value>, String>, TurnError> {
+        let unreadable = |e: serde_json::Error| format!("the run's kept MCP tool list is unreadable: {e}");
+        if let Some(kept) = &ctx.mcp_tools {
+            return Ok(serde_json::from_str(kept).map_err(unreadable));
+        }
+        let room = shared::runs::spec::MAX_TOOLS.saturating_sub(ctx.spec.tools.len());
+        let listed = match self.tools.mcp().discover(&ctx.tenant, &ctx.spec.mcp_servers, room).await {
+            Ok(listed) => listed,
+            Err(why) => return Ok(Err(why)),
+        };
+        Ok(match self.store.keep_mcp_tools(&lease.id, &Value::Array(listed).to_string()).await? {
+            Some(kept) => serde_json::from_str(&kept).map_err(unreadable),
+            // The run is gone: the turn's next write finds it so and stops.
+            None => Ok(vec![]),
+        })
+    }
+
+    /// The run's MCP tools could not be listed: the turn is tried again
+    /// later, on the retry ladder of a provider's transient errors, and the
+    /// run fails with `tools_unavailable` when the ladder is spent.
+    async fn tools_unavailable(&self, lease: &Lease, job: TurnJob, why: String) -> Result<TurnOutcome, TurnError> {
+        let mut rng = rand::rngs::StdRng::from_os_rng();
+        match next_retry(&self.config.retry, job.attempt, FailureKind::Transient, None, &mut rng) {
+            RetryDecision::Retry { delay_ms, .. } => {
+                tracing::info!(message = "MCP tools unavailable; requeued", run.id = %lease.id, turn.index = job.turn,
+                    attempt = job.attempt, delay_ms, error = %why);
+                let next = TurnJob { turn: job.turn, attempt: job.attempt + 1 };
+                let data = json!({"turn": job.turn, "attempt": job.attempt, "delay_ms": delay_ms, "reason": why});
+                let fence =
+                    self.store.wait(lease, job, next, delay_ms, WaitReason::Retry, event::TURN_RETRY, &data).await?;
+                Ok(settled(lease, fence, TurnOutcome::Requeued))
+            }
+            RetryDecision::GiveUp(_) => {
+                let message = format!("{why} (after {} attempts)", job.attempt);
+                tracing::warn!(message = "MCP tools unavailable; the run fails", run.id = %lease.id, error = %message);
+                let fence =
+                    self.store.fail(lease, job, ErrorKind::ToolsUnavailable, &message, Usage::default()).await?;
+                Ok(settled(lease, fence, TurnOutcome::Failed))
+            }
+        }
     }
 
     /// The body of a call of `spec` over `transcript` (bounded to the history
@@ -597,7 +654,7 @@ impl Runner {
         }
         let endpoint = ctx.spec.tool_endpoint.as_deref().unwrap_or_default();
         let declared = declared_tools(&ctx.spec.tools);
-        let tools = self.tools.run(endpoint, &ctx.tenant, &lease.id, &declared, calls);
+        let tools = self.tools.run(endpoint, &ctx.spec.mcp_servers, &ctx.tenant, &lease.id, &declared, calls);
         let record = async {
             match &output {
                 Some(o) => {

@@ -45,6 +45,13 @@ pub struct SubmitRun {
     /// Where tool calls are POSTed; must start with a prefix allowed to every
     /// tenant or to the caller's (`PACELINE_TOOL_ENDPOINTS`).
     tool_endpoint: Option<String>,
+    /// MCP servers whose tools the model is offered as `<name>__<tool>`:
+    /// `[{"name", "url", "allowed_tools"?, "headers_from_env"?}]`, at most 8;
+    /// each `url` allowed by `PACELINE_MCP_ENDPOINTS`; `headers_from_env` maps a
+    /// header to the name of a worker's environment variable holding its value.
+    #[schema(value_type = Vec<Object>, example = json!([{"name": "files", "url": "https://mcp.example.com/mcp",
+        "allowed_tools": ["read", "search"], "headers_from_env": {"Authorization": "FILES_MCP_TOKEN"}}]))]
+    mcp_servers: Option<Vec<Value>>,
     /// `work` (default) or `companion` (only tenants in `PACELINE_COMPANION_TENANTS`, when set).
     mode: Option<shared::pacer::Mode>,
     /// 1 to 1000 (default 40).

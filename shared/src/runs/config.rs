@@ -16,6 +16,11 @@ pub struct RunArgs {
     /// against it; a worker checks again before each delivery).
     #[arg(long = "webhook-endpoints", env = "PACELINE_WEBHOOK_ENDPOINTS", default_value = "", value_name = "LIST")]
     pub webhook_endpoints: super::ToolEndpoints,
+    /// URL prefixes of the MCP servers a run's `mcp_servers` may name,
+    /// comma-separated, in the same `PREFIX` / `TENANT=PREFIX` form (the API
+    /// checks a run against it; a worker checks again before it connects).
+    #[arg(long = "mcp-endpoints", env = "PACELINE_MCP_ENDPOINTS", default_value = "", value_name = "LIST")]
+    pub mcp_endpoints: super::ToolEndpoints,
     /// How long a finished run's record, transcript and events are kept
     /// (`90s`, `30m`, `12h`, `7d`, or seconds).
     #[arg(long = "retention", env = "PACELINE_RETENTION", default_value = DEFAULT_RETENTION, value_parser = crate::config::parse_duration)]
@@ -49,6 +54,7 @@ impl Default for RunArgs {
         Self {
             tool_endpoints: super::ToolEndpoints::default(),
             webhook_endpoints: super::ToolEndpoints::default(),
+            mcp_endpoints: super::ToolEndpoints::default(),
             retention: crate::config::parse_duration(DEFAULT_RETENTION).expect("the default retention parses"),
             prices: None,
             models: Default::default(),

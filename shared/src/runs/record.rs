@@ -101,6 +101,9 @@ pub enum ErrorKind {
     /// Its spec and transcript passed the bound of what one run may store
     /// (`RUN_MAX_BYTES`, runs/lib.lua).
     RunTooLarge,
+    /// Its MCP servers' tools could not be listed, through the retry ladder
+    /// (an unreachable server, a malformed answer).
+    ToolsUnavailable,
 }
 
 /// The run's `error.kind` when a failed call ends it:
@@ -131,7 +134,7 @@ impl From<crate::pacer::FailureKind> for ErrorKind {
 
 impl ErrorKind {
     /// Every kind, in declaration order.
-    pub const ALL: [Self; 13] = [
+    pub const ALL: [Self; 14] = [
         Self::MaxTurns,
         Self::RateLimited,
         Self::Quota,
@@ -145,6 +148,7 @@ impl ErrorKind {
         Self::ContextOverflow,
         Self::BudgetExceeded,
         Self::RunTooLarge,
+        Self::ToolsUnavailable,
     ];
 
     /// The name in `error.kind`.
@@ -163,6 +167,7 @@ impl ErrorKind {
             Self::ContextOverflow => "context_overflow",
             Self::BudgetExceeded => "budget_exceeded",
             Self::RunTooLarge => "run_too_large",
+            Self::ToolsUnavailable => "tools_unavailable",
         }
     }
 }
@@ -284,6 +289,10 @@ pub mod field {
     /// The run's trace context, a W3C `traceparent` (`00-<trace id>-<span id>-01`)
     /// written at its creation: each turn's span is a child of that span.
     pub const TRACE: &str = "trace";
+    /// The tools of the run's MCP servers as its first turn listed them
+    /// (JSON; `worker::tools::mcp`), kept for every later turn; absent
+    /// until then.
+    pub const MCP_TOOLS: &str = "mcp_tools";
     /// The run's completion webhook URL (from its spec; absent: none).
     pub const WEBHOOK_URL: &str = "webhook_url";
     /// Its current webhook event's id (written when the run ends: `hooks.lua`).

@@ -64,6 +64,10 @@ pub struct RunSpec {
     /// Where tool calls are POSTed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_endpoint: Option<String>,
+    /// MCP servers whose tools the run offers the model as `<name>__<tool>`
+    /// (README, "MCP tools").
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mcp_servers: Vec<McpServer>,
     /// Where the run's completion webhook is POSTed (`runs::webhooks`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub webhook_url: Option<String>,
@@ -100,6 +104,194 @@ pub struct RunSpec {
     /// provider's knobs (`generation.rs`), at the top level of the body.
     #[serde(flatten)]
     pub generation: Generation,
+}
+
+/// One of a run's MCP servers (`mcp_servers[i]`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct McpServer {
+    /// The prefix of its tools' names (`<name>__<tool>`): 1–[`MAX_MCP_NAME`]
+    /// characters of a-z, A-Z, 0-9 and `-`, `_` but not `__`.
+    pub name: String,
+    /// Its streamable-HTTP endpoint, as the URL standard spells it.
+    pub url: String,
+    /// The only tools of it the model is offered (by the server's name for
+    /// them); `None`: all of them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allowed_tools: Option<Vec<String>>,
+    /// HTTP headers sent to it, each a header name and the name of the
+    /// worker's environment variable holding its value: values never pass
+    /// through the spec, Redis or the API.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub headers_from_env: std::collections::BTreeMap<String, String>,
+}
+
+impl McpServer {
+    /// The name the model knows `tool` of this server by.
+    pub fn tool_name(&self, tool: &str) -> String {
+        format!("{}{MCP_SEPARATOR}{tool}", self.name)
+    }
+}
+
+/// Between a server's name and its tool's in the name the model sees.
+pub const MCP_SEPARATOR: &str = "__";
+/// The most MCP servers a run may name.
+pub const MAX_MCP_SERVERS: usize = 8;
+/// The longest MCP server name (the model's tool names are at most 64 characters in all).
+pub const MAX_MCP_NAME: usize = 24;
+/// The most names in one server's `allowed_tools`.
+pub const MAX_MCP_ALLOWED_TOOLS: usize = MAX_TOOLS;
+/// The most headers one server's `headers_from_env` may set.
+pub const MAX_MCP_HEADERS: usize = 16;
+
+/// The headers a run may not set on its MCP requests: the transport's own.
+const MCP_RESERVED_HEADERS: [&str; 9] = [
+    "accept",
+    "content-type",
+    "content-length",
+    "host",
+    "mcp-session-id",
+    "mcp-protocol-version",
+    "mcp-method",
+    "mcp-name",
+    "last-event-id",
+];
+
+/// Checks `mcp_servers` (a list of [`McpServer`]s); `tool_names`, the run's
+/// function tools, may not fall under a server's prefix.
+fn mcp_servers_from_json(v: Option<&Value>, tool_names: &[&str]) -> Result<Vec<McpServer>, SpecError> {
+    let list = match v {
+        None | Some(Value::Null) => return Ok(vec![]),
+        Some(Value::Array(list)) if list.len() <= MAX_MCP_SERVERS => list,
+        Some(Value::Array(_)) => {
+            return Err(err("mcp_servers", format!("must hold at most {MAX_MCP_SERVERS} servers")));
+        }
+        Some(_) => return Err(err("mcp_servers", "must be a list of {\"name\", \"url\"} objects")),
+    };
+    let mut servers: Vec<McpServer> = Vec::with_capacity(list.len());
+    for (i, entry) in list.iter().enumerate() {
+        let field = |f: &str| format!("mcp_servers[{i}].{f}");
+        let Some(o) = entry.as_object() else { return Err(err(format!("mcp_servers[{i}]"), "must be an object")) };
+        if let Some(k) = o.keys().find(|k| !["name", "url", "allowed_tools", "headers_from_env"].contains(&k.as_str()))
+        {
+            return Err(err(field(k), "unknown field"));
+        }
+        let name = match o.get("name") {
+            Some(Value::String(n))
+                if (1..=MAX_MCP_NAME).contains(&n.len())
+                    && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+                    && !n.contains(MCP_SEPARATOR)
+                    && !n.ends_with('_') =>
+            {
+                n.clone()
+            }
+            Some(Value::String(_)) => {
+                return Err(err(
+                    field("name"),
+                    format!(
+                        "must be 1–{MAX_MCP_NAME} characters of a-z, A-Z, 0-9, _ or -, without \"__\" and not ending \
+                         in _ (its tools are offered as <name>__<tool>)"
+                    ),
+                ))
+            }
+            _ => return Err(err(field("name"), "is required: a short name the server's tools are prefixed with")),
+        };
+        if servers.iter().any(|s| s.name == name) {
+            return Err(err(field("name"), "is used by another server"));
+        }
+        let prefix = format!("{name}{MCP_SEPARATOR}");
+        if let Some(t) = tool_names.iter().find(|t| t.starts_with(&prefix)) {
+            return Err(err(field("name"), format!("would own the run's function tool {t:?}: rename one")));
+        }
+        let url = match o.get("url") {
+            Some(Value::String(url)) => match url::Url::parse(url.trim()) {
+                // Whether this tenant may name it is `SubmitPolicy::admit`'s to say.
+                Ok(u) if url.len() <= 2048 && matches!(u.scheme(), "http" | "https") && !u.cannot_be_a_base() => {
+                    u.as_str().to_owned()
+                }
+                _ => return Err(err(field("url"), "must be an http(s) URL of at most 2 048 characters")),
+            },
+            _ => return Err(err(field("url"), "is required: the server's streamable-HTTP endpoint")),
+        };
+        let allowed_tools = match o.get("allowed_tools") {
+            None | Some(Value::Null) => None,
+            Some(Value::Array(names)) if names.len() <= MAX_MCP_ALLOWED_TOOLS => {
+                let mut out = Vec::with_capacity(names.len());
+                for n in names {
+                    match n.as_str() {
+                        Some(n) if (1..=128).contains(&n.len()) => out.push(n.to_owned()),
+                        _ => {
+                            return Err(err(field("allowed_tools"), "must be a list of tool names (1–128 characters)"))
+                        }
+                    }
+                }
+                Some(out)
+            }
+            Some(_) => {
+                return Err(err(
+                    field("allowed_tools"),
+                    format!("must be a list of at most {MAX_MCP_ALLOWED_TOOLS} tool names"),
+                ))
+            }
+        };
+        let headers_from_env = match o.get("headers_from_env") {
+            None | Some(Value::Null) => Default::default(),
+            Some(Value::Object(h)) if h.len() <= MAX_MCP_HEADERS => {
+                let mut out = std::collections::BTreeMap::new();
+                for (header, var) in h {
+                    let token = |s: &str| {
+                        !s.is_empty()
+                            && s.len() <= 64
+                            && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_".contains(&b))
+                    };
+                    if !token(header) || MCP_RESERVED_HEADERS.contains(&header.to_ascii_lowercase().as_str()) {
+                        return Err(err(
+                            field("headers_from_env"),
+                            format!(
+                                "{header:?} is not a header a run may set (a name of letters, digits and -, not one \
+                                 of the transport's own: {})",
+                                MCP_RESERVED_HEADERS.join(", ")
+                            ),
+                        ));
+                    }
+                    let var = match var.as_str() {
+                        Some(v) if valid_env_name(v) => v.to_owned(),
+                        _ => {
+                            return Err(err(
+                                field("headers_from_env"),
+                                format!(
+                                    "the value for {header:?} must name an environment variable of the workers \
+                                     (A-Z, 0-9, _; not a digit first), not hold the header's value"
+                                ),
+                            ))
+                        }
+                    };
+                    if out.keys().any(|k: &String| k.eq_ignore_ascii_case(header)) {
+                        return Err(err(field("headers_from_env"), format!("names {header:?} twice")));
+                    }
+                    out.insert(header.clone(), var);
+                }
+                out
+            }
+            Some(_) => {
+                return Err(err(
+                    field("headers_from_env"),
+                    format!(
+                        "must be an object of at most {MAX_MCP_HEADERS} header names to environment variable names"
+                    ),
+                ))
+            }
+        };
+        servers.push(McpServer { name, url, allowed_tools, headers_from_env });
+    }
+    Ok(servers)
+}
+
+/// An environment variable's name as a worker's environment may hold it:
+/// upper-case letters, digits and `_`, not a digit first, at most 128.
+fn valid_env_name(v: &str) -> bool {
+    (1..=128).contains(&v.len())
+        && !v.starts_with(|c: char| c.is_ascii_digit())
+        && v.bytes().all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_')
 }
 
 /// The most input items a run may start with.
@@ -244,6 +436,8 @@ pub struct SubmitPolicy {
     pub models: ModelAllowList,
     /// Allowed completion webhook URLs (`PACELINE_WEBHOOK_ENDPOINTS`); empty allows none.
     pub webhook_endpoints: ToolEndpoints,
+    /// Allowed MCP servers (`PACELINE_MCP_ENDPOINTS`); empty allows none.
+    pub mcp_endpoints: ToolEndpoints,
 }
 
 /// Why a tenant may not submit a spec that is valid in itself.
@@ -300,11 +494,19 @@ impl SubmitPolicy {
                 )));
             }
         }
+        for (i, server) in spec.mcp_servers.iter().enumerate() {
+            if !self.mcp_endpoints.allows(tenant, &server.url) {
+                return Err(Refusal::Invalid(err(
+                    format!("mcp_servers[{i}].url"),
+                    "is not an allowed MCP server (PACELINE_MCP_ENDPOINTS)",
+                )));
+            }
+        }
         Ok(())
     }
 }
 
-const KNOWN_FIELDS: [&str; 15] = [
+const KNOWN_FIELDS: [&str; 16] = [
     "model",
     "instructions",
     "input",
@@ -320,6 +522,7 @@ const KNOWN_FIELDS: [&str; 15] = [
     "context_window_tokens",
     "max_cost_usd",
     "webhook_url",
+    "mcp_servers",
 ];
 
 impl RunSpec {
@@ -513,12 +716,14 @@ impl RunSpec {
         };
         let tool_names: Vec<&str> = tools.iter().filter_map(|t| t.get("name").and_then(Value::as_str)).collect();
         let generation = Generation::from_json(obj, &tool_names)?;
+        let mcp_servers = mcp_servers_from_json(obj.get("mcp_servers"), &tool_names)?;
         Ok(Self {
             model,
             instructions,
             input,
             tools,
             tool_endpoint,
+            mcp_servers,
             webhook_url,
             mode,
             max_turns,
@@ -562,7 +767,74 @@ mod tests {
             companion_tenants: vec![],
             models: ModelAllowList::default(),
             webhook_endpoints: ToolEndpoints::every_tenant(["https://hooks.example.com/paceline"]),
+            mcp_endpoints: ToolEndpoints::every_tenant(["https://mcp.example.com/"])
+                .with(Some("acme"), "https://mcp.acme.internal/"),
         }
+    }
+
+    #[test]
+    fn mcp_servers_are_named_allowed_and_send_headers_only_from_the_workers_environment() {
+        let p = policy();
+        let spec =
+            |servers: Value| RunSpec::from_json(&json!({"model": "m", "input": "x", "mcp_servers": servers}), &p);
+        let ok = spec(json!([{"name": "files", "url": "HTTPS://MCP.example.com:443/files/mcp",
+                              "allowed_tools": ["read", "search"],
+                              "headers_from_env": {"Authorization": "FILES_MCP_TOKEN"}}]))
+        .expect("a valid body");
+        let server = &ok.mcp_servers[0];
+        assert_eq!(server.url, "https://mcp.example.com/files/mcp", "kept as the URL standard spells it");
+        assert_eq!(server.allowed_tools.as_deref(), Some(&["read".to_owned(), "search".to_owned()][..]));
+        assert_eq!(server.headers_from_env["Authorization"], "FILES_MCP_TOKEN");
+        assert_eq!(server.tool_name("read"), "files__read");
+        assert_eq!(p.admit("alpha", &ok), Ok(()));
+        // Its spec reads back (the record keeps it as JSON).
+        let back: RunSpec = serde_json::from_str(&serde_json::to_string(&ok).unwrap()).unwrap();
+        assert_eq!(back, ok);
+
+        let url = "https://mcp.example.com/mcp";
+        for (servers, field) in [
+            (json!({"name": "a"}), "mcp_servers"),
+            (json!([7]), "mcp_servers[0]"),
+            (json!([{"url": url}]), "mcp_servers[0].name"),
+            (json!([{"name": "a__b", "url": url}]), "mcp_servers[0].name"),
+            (json!([{"name": "a_", "url": url}]), "mcp_servers[0].name"),
+            (json!([{"name": "a.b", "url": url}]), "mcp_servers[0].name"),
+            (json!([{"name": "a", "url": url}, {"name": "a", "url": url}]), "mcp_servers[1].name"),
+            (json!([{"name": "a"}]), "mcp_servers[0].url"),
+            (json!([{"name": "a", "url": "ftp://mcp.example.com/"}]), "mcp_servers[0].url"),
+            (json!([{"name": "a", "url": url, "allowed_tools": "read"}]), "mcp_servers[0].allowed_tools"),
+            (json!([{"name": "a", "url": url, "allowed_tools": [""]}]), "mcp_servers[0].allowed_tools"),
+            (
+                json!([{"name": "a", "url": url, "headers_from_env": {"Authorization": "Bearer abc"}}]),
+                "mcp_servers[0].headers_from_env",
+            ),
+            (
+                json!([{"name": "a", "url": url, "headers_from_env": {"Mcp-Session-Id": "SID"}}]),
+                "mcp_servers[0].headers_from_env",
+            ),
+            (
+                json!([{"name": "a", "url": url, "headers_from_env": {"Bad Header": "X"}}]),
+                "mcp_servers[0].headers_from_env",
+            ),
+            (json!([{"name": "a", "url": url, "token": "abc"}]), "mcp_servers[0].token"),
+            (json!((0..9).map(|i| json!({"name": format!("s{i}"), "url": url})).collect::<Vec<_>>()), "mcp_servers"),
+        ] {
+            assert_eq!(spec(servers.clone()).unwrap_err().field, field, "{servers}");
+        }
+        // A function tool may not fall under a server's prefix.
+        let body = json!({"model": "m", "input": "x", "tool_endpoint": "http://127.0.0.1:9000/tools",
+            "tools": [{"type": "function", "name": "files__read"}],
+            "mcp_servers": [{"name": "files", "url": url}]});
+        assert_eq!(RunSpec::from_json(&body, &p).unwrap_err().field, "mcp_servers[0].name");
+
+        // Allowed per tenant, like tool endpoints.
+        let acme = spec(json!([{"name": "a", "url": "https://mcp.acme.internal/mcp"}])).unwrap();
+        assert_eq!(p.admit("acme", &acme), Ok(()));
+        let Err(Refusal::Invalid(e)) = p.admit("alpha", &acme) else { panic!("another tenant's server is refused") };
+        assert_eq!(e.field, "mcp_servers[0].url");
+        assert!(e.message.contains("PACELINE_MCP_ENDPOINTS"), "{}", e.message);
+        let none = SubmitPolicy { mcp_endpoints: ToolEndpoints::default(), ..policy() };
+        assert!(none.admit("alpha", &ok).is_err(), "no list allows no server");
     }
 
     #[test]

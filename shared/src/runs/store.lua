@@ -371,4 +371,13 @@ if op == 'retry' then
   return out
 end
 
+if op == 'mcp_tools' then
+  -- A run's MCP tool list as the first turn to list its servers found it (ARGV[3], JSON):
+  -- kept once, so every later turn on any worker offers the model the same tools; answers
+  -- the list kept (another worker's, if it was first). A run gone stays gone.
+  if not redis.call('HGET', RUN, 'tenant') then return {'not_found'} end
+  redis.call('HSETNX', RUN, 'mcp_tools', ARGV[3])
+  return {'ok', redis.call('HGET', RUN, 'mcp_tools')}
+end
+
 return redis.error_reply('unknown run store op ' .. tostring(op))

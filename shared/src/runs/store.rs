@@ -758,6 +758,20 @@ impl RunStore {
         self.emit_all(id, kind, std::slice::from_ref(data)).await
     }
 
+    /// Keeps `tools` (JSON) as run `id`'s MCP tool list unless a list is
+    /// kept already, and answers the list kept: the first turn to list the
+    /// run's servers decides what every later turn offers. `None`: the run
+    /// is gone.
+    pub async fn keep_mcp_tools(&self, id: &str, tools: &str) -> Result<Option<String>, StoreError> {
+        let mut inv = self.invocation("mcp_tools", id, "", None);
+        inv.arg(tools);
+        let reply = self.invoke(inv).await?;
+        Ok(match reply.first().map(String::as_str) {
+            Some("ok") => reply.get(1).cloned(),
+            _ => None,
+        })
+    }
+
     /// Appends events of one kind outside a commit, in order, as one entry
     /// of the stream (a turn's tool calls announced again; see [`RunEvent`]).
     pub async fn emit_all(&self, id: &str, kind: &str, data: &[Value]) -> Result<(), StoreError> {
@@ -802,6 +816,7 @@ impl RunStore {
             transcript,
             phase: Phase::parse(f.get(field::PHASE).map_or("", String::as_str)),
             trace: f.get(field::TRACE).filter(|t| super::record::trace_id_of(t).is_some()).cloned(),
+            mcp_tools: f.get(field::MCP_TOOLS).cloned(),
         }))
     }
 

@@ -242,6 +242,9 @@ pub struct TurnContext {
     pub phase: Phase,
     /// The run's trace context (`traceparent`; record.rs `field::TRACE`), when it has one.
     pub trace: Option<String>,
+    /// The tools of its MCP servers as its first turn listed them (JSON;
+    /// record.rs `field::MCP_TOOLS`), when they were.
+    pub mcp_tools: Option<String>,
 }
 
 /// A model's output with tool calls to run: its items, its call's usage and

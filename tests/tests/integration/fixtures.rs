@@ -135,6 +135,12 @@ impl App {
 
     /// [`App::worker_process`] with `env` set too (secrets, `OTEL_*`).
     pub(crate) fn worker_process_with(&self, args: &[&str], env: &[(&str, &str)], rust_log: &str) -> ChildGuard {
+        ChildGuard(self.worker_command(args, env, rust_log).spawn().expect("start paceline worker"))
+    }
+
+    /// The command [`App::worker_process_with`] runs (its logs, on stderr, to
+    /// be sent elsewhere).
+    pub(crate) fn worker_command(&self, args: &[&str], env: &[(&str, &str)], rust_log: &str) -> std::process::Command {
         let mut cmd = std::process::Command::new(paceline_tests::paceline_bin());
         cmd.arg("worker")
             .args(["--prefix", &self.prefix])
@@ -144,7 +150,7 @@ impl App {
             .envs(env.iter().copied())
             .env("RUST_LOG", rust_log)
             .stdout(std::process::Stdio::null());
-        ChildGuard(cmd.spawn().expect("start paceline worker"))
+        cmd
     }
 
     pub(crate) async fn submit(&self, body: Value) -> Run {

@@ -13,6 +13,7 @@ mod fairness;
 mod fixtures;
 mod fuzz;
 mod harness;
+mod mcp;
 mod mock_provider;
 mod pacer;
 mod process;

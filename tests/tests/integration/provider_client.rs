@@ -514,7 +514,8 @@ async fn tools_run_in_parallel_and_failures_become_output_text() {
     // The two `meet` calls only finish when both are in flight: run one by
     // one, they would wait on each other until the timeout.
     let results =
-        within("the tools", Duration::from_secs(15), client.run(&endpoint, "acme", "run_1", &DECLARED, &calls)).await;
+        within("the tools", Duration::from_secs(15), client.run(&endpoint, &[], "acme", "run_1", &DECLARED, &calls))
+            .await;
     let ids: Vec<&str> = results.iter().map(|r| r.call_id.as_str()).collect();
     assert_eq!(ids, ["call_1", "call_2", "call_3", "call_4", "call_5", "call_6"], "results keep the calls' order");
 
@@ -546,7 +547,7 @@ async fn a_hanging_or_absent_tool_becomes_an_error_text_in_time() {
     let results = within(
         "the tools",
         Duration::from_secs(10),
-        client.run(&format!("{base}/tools"), "acme", "run_2", &DECLARED, &calls),
+        client.run(&format!("{base}/tools"), &[], "acme", "run_2", &DECLARED, &calls),
     )
     .await;
     assert_eq!(results[0].output, "tool error: timed out after 300 ms");
@@ -561,6 +562,7 @@ async fn a_hanging_or_absent_tool_becomes_an_error_text_in_time() {
         Duration::from_secs(10),
         ToolClient::new(ToolEndpoints::every_tenant([gone.clone()]), None, Duration::from_secs(5)).unwrap().run(
             &gone,
+            &[],
             "acme",
             "run_2",
             &DECLARED,
@@ -580,14 +582,16 @@ async fn a_tool_endpoint_outside_the_workers_prefixes_is_not_called() {
     let allowed = ToolEndpoints::every_tenant(["http://127.0.0.1:9/other"]).with(Some("acme"), "http://127.0.0.1:9/");
     let client = ToolClient::new(allowed, None, Duration::from_secs(5)).unwrap();
     let results =
-        within("the tools", Duration::from_secs(5), client.run(endpoint, "beta", "run_3", &DECLARED, &calls)).await;
+        within("the tools", Duration::from_secs(5), client.run(endpoint, &[], "beta", "run_3", &DECLARED, &calls))
+            .await;
     for r in &results {
         assert!(r.error);
         assert_eq!(r.output, "tool error: the endpoint \"http://127.0.0.1:9/tools\" is not allowed on this worker");
     }
     // acme's run may: it is called (and nothing answers there).
     let results =
-        within("the tools", Duration::from_secs(5), client.run(endpoint, "acme", "run_3", &DECLARED, &calls)).await;
+        within("the tools", Duration::from_secs(5), client.run(endpoint, &[], "acme", "run_3", &DECLARED, &calls))
+            .await;
     assert!(results[0].error && !results[0].output.contains("not allowed"), "{}", results[0].output);
 }
 
@@ -608,7 +612,8 @@ async fn a_call_to_a_tool_the_run_never_declared_is_not_run_and_never_reaches_th
         ToolClient::new(ToolEndpoints::every_tenant([endpoint.clone()]), None, Duration::from_secs(5)).unwrap();
     let calls = [tool_call("call_1", "search"), tool_call("call_2", "delete_everything"), tool_call("call_3", "")];
     let results =
-        within("the tools", Duration::from_secs(10), client.run(&endpoint, "acme", "run_4", &["search"], &calls)).await;
+        within("the tools", Duration::from_secs(10), client.run(&endpoint, &[], "acme", "run_4", &["search"], &calls))
+            .await;
     assert_eq!(*reached.lock().unwrap(), vec!["search"], "only the declared tool reached the endpoint");
     assert_eq!((results[0].output.as_str(), results[0].error), ("ran", false));
     assert_eq!(results[1].output, "tool error: not run: the run declared no tool named \"delete_everything\"");
@@ -626,7 +631,8 @@ async fn a_turns_tool_answers_share_16_mib_and_an_answer_past_its_share_is_answe
     let big = |n: usize| (0..n).map(|i| tool_call(&format!("call_{i}"), "big")).collect::<Vec<_>>();
     // Two calls share 16 MiB: 8 MiB each, and 6 MiB answers are read whole.
     let two =
-        within("the tools", Duration::from_secs(60), client.run(&endpoint, "acme", "run_5", &DECLARED, &big(2))).await;
+        within("the tools", Duration::from_secs(60), client.run(&endpoint, &[], "acme", "run_5", &DECLARED, &big(2)))
+            .await;
     assert!(
         two.iter().all(|r| !r.error && r.output.len() == 6 << 20),
         "{:?}",
@@ -634,7 +640,8 @@ async fn a_turns_tool_answers_share_16_mib_and_an_answer_past_its_share_is_answe
     );
     // Three: 5.3 MiB each, and not one 6 MiB answer is held whole.
     let three =
-        within("the tools", Duration::from_secs(60), client.run(&endpoint, "acme", "run_5", &DECLARED, &big(3))).await;
+        within("the tools", Duration::from_secs(60), client.run(&endpoint, &[], "acme", "run_5", &DECLARED, &big(3)))
+            .await;
     for r in &three {
         assert_eq!(
             r.output,

@@ -200,7 +200,7 @@ async fn a_tool_host_named_by_a_name_that_resolves_to_loopback_is_never_called_e
     // `localhost` is allowed by name; it resolves to 127.0.0.1 (and ::1).
     let by_name = format!("http://localhost:{}/tools", server.port());
     let client = ToolClient::new(ToolEndpoints::every_tenant([by_name.clone()]), None, secs(5)).unwrap();
-    let results = client.run(&by_name, "acme", "run_1", &["lookup"], &lookup_call()).await;
+    let results = client.run(&by_name, &[], "acme", "run_1", &["lookup"], &lookup_call()).await;
     assert_eq!(reached.load(Ordering::SeqCst), 0, "a name resolving to loopback was called");
     let output = &results[0].output;
     assert!(results[0].error, "{output}");
@@ -210,7 +210,7 @@ async fn a_tool_host_named_by_a_name_that_resolves_to_loopback_is_never_called_e
     // The same server named by its address, which the prefix names itself: called.
     let by_address = format!("http://{server}/tools");
     let client = ToolClient::new(ToolEndpoints::every_tenant([format!("http://{server}/")]), None, secs(5)).unwrap();
-    let results = client.run(&by_address, "acme", "run_1", &["lookup"], &lookup_call()).await;
+    let results = client.run(&by_address, &[], "acme", "run_1", &["lookup"], &lookup_call()).await;
     assert_eq!((results[0].output.as_str(), results[0].error), ("called", false));
     assert_eq!(reached.load(Ordering::SeqCst), 1);
 }

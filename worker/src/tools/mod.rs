@@ -25,6 +25,7 @@
 //! server (`signing.rs`), so a tool server can authorise the call and refuse
 //! a replay older than its tolerance.
 
+pub mod mcp;
 pub(crate) mod resolve;
 mod signing;
 
@@ -36,7 +37,7 @@ use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use shared::config::Secret;
-use shared::runs::ToolEndpoints;
+use shared::runs::{McpServer, ToolEndpoints};
 
 pub use crate::provider::ToolCall;
 pub use signing::{endpoint_key, sign, verify, SIGNATURE_HEADER};
@@ -90,11 +91,14 @@ pub struct ToolClient {
     allowed: ToolEndpoints,
     secret: Option<Secret>,
     timeout: Duration,
+    mcp: Arc<mcp::McpClient>,
 }
 
 impl ToolClient {
-    /// A client allowing `allowed`, signing with `secret` (none or empty:
-    /// unsigned), giving each call `timeout` from connect to the last byte.
+    /// A client allowing the tool endpoints `allowed` (and no MCP server:
+    /// [`with_mcp`](Self::with_mcp)), signing endpoint calls with `secret`
+    /// (none or empty: unsigned), giving each call `timeout` from connect to
+    /// the last byte.
     pub fn new(allowed: ToolEndpoints, secret: Option<Secret>, timeout: Duration) -> Result<Self, reqwest::Error> {
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(10))
@@ -103,7 +107,18 @@ impl ToolClient {
             .no_proxy()
             .dns_resolver(Arc::new(resolve::PublicOnly::TOOLS))
             .build()?;
-        Ok(Self { http, allowed, secret: secret.filter(|s| !s.is_empty()), timeout })
+        let mcp = Arc::new(mcp::McpClient::new(http.clone(), ToolEndpoints::default()));
+        Ok(Self { http, allowed, secret: secret.filter(|s| !s.is_empty()), timeout, mcp })
+    }
+
+    /// This client, allowing the MCP servers of `allowed` (`PACELINE_MCP_ENDPOINTS`).
+    pub fn with_mcp(self, allowed: ToolEndpoints) -> Self {
+        Self { mcp: Arc::new(mcp::McpClient::new(self.http.clone(), allowed)), ..self }
+    }
+
+    /// The MCP servers' client (discovery at a run's first turn).
+    pub fn mcp(&self) -> &mcp::McpClient {
+        &self.mcp
     }
 
     /// Whether calls are signed.
@@ -112,12 +127,16 @@ impl ToolClient {
     }
 
     /// Calls every tool of one turn of `tenant`'s run in parallel and returns
-    /// their results in the order of `calls`. Never fails: a tool's failure is
-    /// its output text — also a call to a tool the run did not `declare`, or
-    /// to an endpoint this worker does not allow to `tenant`, which is not made.
+    /// their results in the order of `calls`: a tool named `<server>__<tool>`
+    /// for one of the run's MCP `servers` goes to that server, any other to
+    /// `endpoint`. Never fails: a tool's failure is its output text — also a
+    /// call to a tool the run did not `declare`, or to an endpoint or server
+    /// this worker does not allow to `tenant`, which is not made.
+    #[allow(clippy::too_many_arguments)]
     pub async fn run(
         &self,
         endpoint: &str,
+        servers: &[McpServer],
         tenant: &str,
         run_id: &str,
         declared: &[&str],
@@ -138,6 +157,16 @@ impl ToolClient {
                 ))
             } else if !declared.contains(&call.name.as_str()) {
                 Err(format!("not run: the run declared no tool named {:?}", excerpt(&call.name)))
+            } else if let Some((server, tool)) = mcp::route(servers, &call.name) {
+                if self.mcp.allows(tenant, server) {
+                    let call = self.mcp.call(server, tool, &call.arguments, share);
+                    match tokio::time::timeout(self.timeout, call).await {
+                        Ok(result) => result,
+                        Err(_) => Err(format!("timed out after {}", describe(self.timeout))),
+                    }
+                } else {
+                    Err(format!("the MCP server {:?} is not allowed on this worker", server.url))
+                }
             } else if !permitted {
                 Err(format!("the endpoint {endpoint:?} is not allowed on this worker"))
             } else {
@@ -293,7 +322,7 @@ mod tests {
         let calls: Vec<ToolCall> = (0..40)
             .map(|i| ToolCall { call_id: format!("c{i}"), name: "search".into(), arguments: "{}".into() })
             .collect();
-        let results = client.run("http://127.0.0.1:9/tools", "acme", "run_1", &["search"], &calls).await;
+        let results = client.run("http://127.0.0.1:9/tools", &[], "acme", "run_1", &["search"], &calls).await;
         assert_eq!(results.len(), 40);
         assert!(results.iter().all(|r| r.error));
         let not_run = results.iter().filter(|r| r.output.contains("not run")).count();
