@@ -2,13 +2,15 @@
 //! (`responses`, `chat`, and `anthropic` with Anthropic's split input/output
 //! buckets and headers), each with a visibly scarce budget of its own; a small
 //! tool endpoint (`search`, and `browser__snapshot` whose big pages get
-//! clipped and elided); the sample runs of `examples/`, spread over the three
-//! providers; and one progress line per run until they all finish.
+//! clipped and elided) and beside it an MCP server (`docs`, `mcp.rs`); the
+//! sample runs of `examples/`, spread over the three providers; and one
+//! progress line per run until they all finish.
 //!
 //! The examples name the demo tool endpoint as `http://127.0.0.1:8090/tools`
-//! (its default address), so `paceline submit examples/…` works against a
-//! running demo; when the endpoint listens elsewhere (`--demo-tools-listen`,
-//! or 8090 is taken) the demo rewrites that URL in what it submits.
+//! and its MCP server as `http://127.0.0.1:8090/mcp` (their default address),
+//! so `paceline submit examples/…` works against a running demo; when they
+//! listen elsewhere (`--demo-tools-listen`, or 8090 is taken) the demo
+//! rewrites those URLs in what it submits.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -18,6 +20,7 @@ use anyhow::Context as _;
 use serde_json::{json, Value};
 
 mod examples;
+mod mcp;
 mod progress;
 
 pub use examples::{assign_providers, load_examples, Example};
@@ -25,6 +28,8 @@ pub use progress::drive;
 
 /// The tool endpoint the example files name; the demo's default address.
 pub const EXAMPLES_TOOL_ENDPOINT: &str = "http://127.0.0.1:8090/tools";
+/// The MCP server the example files name; the demo's default address.
+pub const EXAMPLES_MCP_SERVER: &str = "http://127.0.0.1:8090/mcp";
 const DEFAULT_TOOLS_LISTEN: &str = "127.0.0.1:8090";
 
 /// The demo's knobs (all optional; the defaults make pacing visible).
@@ -114,7 +119,8 @@ impl Demo {
         };
         let tools_addr = listener.local_addr()?;
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let router = axum::Router::new().route("/tools", axum::routing::post(tool));
+        let router =
+            axum::Router::new().route("/tools", axum::routing::post(tool)).nest_service("/mcp", mcp::service());
         let tools_task = tokio::spawn(async move {
             let _ = axum::serve(listener, router)
                 .with_graceful_shutdown(async {
@@ -151,18 +157,24 @@ impl Demo {
         format!("http://{}/tools", self.tools_addr)
     }
 
+    /// The MCP server's URL, allowed for the demo runs.
+    pub fn mcp_server(&self) -> String {
+        format!("http://{}/mcp", self.tools_addr)
+    }
+
     /// The mocks' budgets, for the banner.
     pub fn describe(&self) -> String {
         let c = self.mocks[0].config();
         let at: Vec<String> =
             DEMO_STYLES.iter().zip(&self.mocks).map(|(s, m)| format!("{} at {}", s.as_str(), m.url())).collect();
         format!(
-            "mock providers {} ({} tokens per {:.0} s window each, {} ms latency), demo tools at {}",
+            "mock providers {} ({} tokens per {:.0} s window each, {} ms latency), demo tools at {}, demo MCP server at {}",
             at.join(", "),
             c.tpm,
             c.window.as_secs_f64(),
             c.latency.as_millis(),
-            self.tool_endpoint()
+            self.tool_endpoint(),
+            self.mcp_server()
         )
     }
 

@@ -49,12 +49,12 @@ async fn get(http: &reqwest::Client, url: impl reqwest::IntoUrl) -> Option<Value
     resp.json().await.ok()
 }
 
-/// The 4 demo runs at `base`, once every one has finished (within `timeout`).
+/// The 5 demo runs at `base`, once every one has finished (within `timeout`).
 async fn demo_runs_finished(http: &reqwest::Client, base: &str, timeout: Duration) -> Vec<Value> {
-    eventually("the 4 demo runs to finish", timeout, || async {
+    eventually("the 5 demo runs to finish", timeout, || async {
         let page = get(http, &format!("{base}/v1/runs?limit=20")).await?;
         let runs = page["data"].as_array()?.clone();
-        let done = runs.len() == 4
+        let done = runs.len() == 5
             && runs.iter().all(|r| matches!(r["status"].as_str(), Some("completed" | "failed" | "cancelled")));
         done.then_some(runs)
     })
@@ -114,9 +114,18 @@ async fn up_demo_brings_the_sample_runs_to_completed_and_stops_on_sigterm() {
         get(&http, &format!("{base}/v1/runs/{}/transcript", browse["id"].as_str().unwrap())).await.unwrap();
     let longest = transcript.to_string().len();
     assert!(longest < 2 * 60_000, "two 60 000-character pages were not clipped ({longest} bytes of transcript)");
+    // The MCP run was offered the demo MCP server's tool (on Anthropic's wire) and read its answers.
+    let docs = runs.iter().find(|r| r["metadata"]["example"] == "docs-mcp").expect("docs-mcp ran");
+    let transcript = get(&http, &format!("{base}/v1/runs/{}/transcript", docs["id"].as_str().unwrap())).await.unwrap();
+    let calls: Vec<&Value> =
+        transcript["items"].as_array().unwrap().iter().filter(|e| e["item"]["type"] == "function_call").collect();
+    assert_eq!(calls.len(), 2, "{transcript}");
+    assert!(calls.iter().all(|c| c["item"]["name"] == "docs__lookup"), "{transcript}");
+    let answered = transcript.to_string().matches("Docs on").count();
+    assert_eq!(answered, 2, "the server's answers are the tool outputs: {transcript}");
     let err = eventually("the demo's summary", secs(5), || async {
         let err = stderr_of(dir.path());
-        err.contains("all 4 demo runs finished").then_some(err)
+        err.contains("all 5 demo runs finished").then_some(err)
     })
     .await;
     assert!(err.contains("using Redis at redis+unix://"), "{err}");

@@ -116,6 +116,9 @@ mod demo {
         pub fn tool_endpoint(&self) -> String {
             match *self {}
         }
+        pub fn mcp_server(&self) -> String {
+            match *self {}
+        }
         pub fn providers(&self) -> shared::providers::ProviderTable {
             match *self {}
         }
@@ -182,6 +185,7 @@ async fn serve(
     let mut keys = KeySource::Environment;
     if let Some(d) = &demo {
         runs.tool_endpoints = runs.tool_endpoints.with(None, d.tool_endpoint());
+        runs.mcp_endpoints = runs.mcp_endpoints.with(None, d.mcp_server());
         // One provider per wire style, each its own mock and budget.
         provider = ProviderArgs::single(String::new(), shared::runs::ApiStyle::Responses);
         provider.named.providers = d.providers();
@@ -306,7 +310,7 @@ async fn run_demo(_: &Args, d: &demo::Demo, _: SocketAddr, _: watch::Receiver<bo
 /// Submits the examples, follows them to the end, then says what to try next.
 #[cfg(feature = "mock")]
 async fn run_demo(args: &Args, d: &demo::Demo, addr: SocketAddr, stop: watch::Receiver<bool>) -> anyhow::Result<()> {
-    let (mut examples, source) = demo::load_examples(&args.demo_args.examples, &d.tool_endpoint())?;
+    let (mut examples, source) = demo::load_examples(&args.demo_args.examples, &d.tool_endpoint(), &d.mcp_server())?;
     demo::assign_providers(&mut examples);
     let token = args.serve.tokens.0.first().map(|(_, t)| t.clone());
     let client = crate::api_client::ApiClient::new(&format!("http://{addr}"), token)?;
