@@ -67,6 +67,7 @@ impl Application {
             models: config.runs.models.clone(),
             webhook_endpoints: config.runs.webhook_endpoints.clone(),
             mcp_endpoints: config.runs.mcp_endpoints.clone(),
+            mcp_header_vars: config.runs.mcp_header_vars.clone(),
         };
         let _ = crate::metrics::handle();
         let listener = TcpListener::bind(config.serve.listen)

@@ -181,7 +181,7 @@ pub async fn runner(config: &WorkerConfig) -> anyhow::Result<(Runner, TurnQueue)
     };
     let secret = config.keys.get(crate::config::TOOL_SECRET_ENV);
     let tools = tools::ToolClient::new(config.runs.tool_endpoints.clone(), secret, tools::DEFAULT_TOOL_TIMEOUT)?
-        .with_mcp(config.runs.mcp_endpoints.clone());
+        .with_mcp(config.runs.mcp_endpoints.clone(), config.runs.mcp_header_vars.clone());
     tracing::info!(message = "tool calls", endpoints = %config.runs.tool_endpoints, mcp_servers = %config.runs.mcp_endpoints,
         signed = tools.signs());
     let tenants = config.pacer.tenant_policy().map_err(anyhow::Error::msg)?;

@@ -195,19 +195,26 @@ impl Runner {
                 return Ok(TurnOutcome::Stopped);
             }
         };
+        // From here a cancel of the run reaches this turn (cancels.rs).
+        let cancel = self.cancels.watch_lease(&lease.id, Some(lease.clone()));
         if !ctx.spec.mcp_servers.is_empty() {
-            match self.mcp_tools(lease, &ctx).await? {
+            let listed = tokio::select! {
+                listed = self.mcp_tools(lease, &ctx) => listed?,
+                () = cancel.wait() => Err("the run was cancelled".to_owned()),
+            };
+            match listed {
                 Ok(tools) => ctx.spec.tools.extend(tools),
                 Err(why) => {
                     if let Clearance::Cleared(_) = cleared {
                         self.give_back(&turn, lease).await;
                     }
+                    if cancel.is_cancelled() {
+                        return self.cancelled(lease, &ctx).await;
+                    }
                     return self.tools_unavailable(lease, job, why).await;
                 }
             }
         }
-        // From here a cancel of the run reaches this turn (cancels.rs).
-        let cancel = self.cancels.watch_lease(&lease.id, Some(lease.clone()));
         let span = crate::traces::turn_span(&lease.id, job.turn, job.attempt, ctx.trace.as_deref());
         let outcome = tracing::Instrument::instrument(
             async {
@@ -242,13 +249,13 @@ impl Runner {
             return Ok(serde_json::from_str(kept).map_err(unreadable));
         }
         let room = shared::runs::spec::MAX_TOOLS.saturating_sub(ctx.spec.tools.len());
-        let listed = match self.tools.mcp().discover(&ctx.tenant, &ctx.spec.mcp_servers, room).await {
+        let listed = match self.tools.mcp().discover(&lease.id, &ctx.tenant, &ctx.spec.mcp_servers, room).await {
             Ok(listed) => listed,
             Err(why) => return Ok(Err(why)),
         };
-        Ok(match self.store.keep_mcp_tools(&lease.id, &Value::Array(listed).to_string()).await? {
+        Ok(match self.store.keep_mcp_tools(lease, &Value::Array(listed).to_string()).await? {
             Some(kept) => serde_json::from_str(&kept).map_err(unreadable),
-            // The run is gone: the turn's next write finds it so and stops.
+            // The run is gone, or this lease stale: the turn's next write finds it so and stops.
             None => Ok(vec![]),
         })
     }

@@ -21,6 +21,11 @@ pub struct RunArgs {
     /// checks a run against it; a worker checks again before it connects).
     #[arg(long = "mcp-endpoints", env = "PACELINE_MCP_ENDPOINTS", default_value = "", value_name = "LIST")]
     pub mcp_endpoints: super::ToolEndpoints,
+    /// The environment variables a run's `headers_from_env` may name,
+    /// comma-separated: `NAME` for every tenant, `TENANT=NAME` for one (the
+    /// API checks a run against it; a worker reads no other for a header).
+    #[arg(long = "mcp-header-vars", env = "PACELINE_MCP_HEADER_VARS", default_value = "", value_name = "LIST")]
+    pub mcp_header_vars: super::McpHeaderVars,
     /// How long a finished run's record, transcript and events are kept
     /// (`90s`, `30m`, `12h`, `7d`, or seconds).
     #[arg(long = "retention", env = "PACELINE_RETENTION", default_value = DEFAULT_RETENTION, value_parser = crate::config::parse_duration)]
@@ -55,6 +60,7 @@ impl Default for RunArgs {
             tool_endpoints: super::ToolEndpoints::default(),
             webhook_endpoints: super::ToolEndpoints::default(),
             mcp_endpoints: super::ToolEndpoints::default(),
+            mcp_header_vars: super::McpHeaderVars::default(),
             retention: crate::config::parse_duration(DEFAULT_RETENTION).expect("the default retention parses"),
             prices: None,
             models: Default::default(),

@@ -29,7 +29,8 @@ pub use pacing::{BudgetWait, CommitPacing, FetchAsks, FirstAsk, PacedAsk};
 pub use quota::{PerTenant, QuotaExceeded, Quotas, TenantQuota};
 pub use record::{ErrorKind, PacingCounters, Run, RunError, Usage};
 pub use spec::{
-    valid_model, ContextOverflow, McpServer, ModelAllowList, Refusal, RunSpec, SpecError, SubmitPolicy, MCP_SEPARATOR,
+    valid_model, ContextOverflow, McpHeaderVars, McpServer, ModelAllowList, Refusal, RunSpec, SpecError, SubmitPolicy,
+    MCP_SEPARATOR,
 };
 pub use state::{InvalidTransition, RunStatus, Transition, WaitReason};
 pub use store::{pacer_host, run_queue, Created, Idempotency, RunStore, StoreError, TenantCounts, QUEUE_HOOKS};

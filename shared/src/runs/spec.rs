@@ -144,7 +144,7 @@ pub const MAX_MCP_ALLOWED_TOOLS: usize = MAX_TOOLS;
 pub const MAX_MCP_HEADERS: usize = 16;
 
 /// The headers a run may not set on its MCP requests: the transport's own.
-const MCP_RESERVED_HEADERS: [&str; 9] = [
+const MCP_RESERVED_HEADERS: [&str; 16] = [
     "accept",
     "content-type",
     "content-length",
@@ -154,7 +154,69 @@ const MCP_RESERVED_HEADERS: [&str; 9] = [
     "mcp-method",
     "mcp-name",
     "last-event-id",
+    "connection",
+    "transfer-encoding",
+    "te",
+    "upgrade",
+    "proxy-authorization",
+    "cookie",
+    "keep-alive",
 ];
+
+/// The environment variables a run's `headers_from_env` may name
+/// (`PACELINE_MCP_HEADER_VARS`): `NAME` for every tenant, `TENANT=NAME` for
+/// one, comma-separated. A worker's environment holds its provider keys and
+/// secrets too; only a variable listed here is ever read for a header, and
+/// only for the tenant it is listed for. Empty allows none.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct McpHeaderVars(pub Vec<(Option<String>, String)>);
+
+impl McpHeaderVars {
+    /// Whether `tenant`'s runs may send the value of variable `name`.
+    pub fn allows(&self, tenant: &str, name: &str) -> bool {
+        self.0.iter().any(|(t, n)| n == name && t.as_deref().is_none_or(|t| t == tenant))
+    }
+
+    /// Whether none is allowed.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl std::str::FromStr for McpHeaderVars {
+    type Err = String;
+
+    /// `NAME,TENANT=NAME,…`; blanks are skipped.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let mut out = Vec::new();
+        for entry in s.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+            let (tenant, name) = match entry.split_once('=') {
+                Some((t, n)) if super::endpoints::valid_tenant(t.trim()) => (Some(t.trim().to_owned()), n.trim()),
+                Some(_) => return Err(format!("{entry:?}: not TENANT=NAME (a tenant is 1–64 of a-z A-Z 0-9 _ - .)")),
+                None => (None, entry),
+            };
+            if !valid_env_name(name) {
+                return Err(format!("{entry:?}: {name:?} is not an environment variable's name (A-Z, 0-9, _)"));
+            }
+            out.push((tenant, name.to_owned()));
+        }
+        Ok(Self(out))
+    }
+}
+
+impl std::fmt::Display for McpHeaderVars {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let entries: Vec<String> = self
+            .0
+            .iter()
+            .map(|(t, n)| match t {
+                Some(t) => format!("{t}={n}"),
+                None => n.clone(),
+            })
+            .collect();
+        f.write_str(&entries.join(","))
+    }
+}
 
 /// Checks `mcp_servers` (a list of [`McpServer`]s); `tool_names`, the run's
 /// function tools, may not fall under a server's prefix.
@@ -204,8 +266,17 @@ fn mcp_servers_from_json(v: Option<&Value>, tool_names: &[&str]) -> Result<Vec<M
         }
         let url = match o.get("url") {
             Some(Value::String(url)) => match url::Url::parse(url.trim()) {
+                Ok(u) if !u.username().is_empty() || u.password().is_some() => {
+                    return Err(err(
+                        field("url"),
+                        "must not hold a user or password: send credentials as a header from the workers' \
+                         environment (headers_from_env)",
+                    ))
+                }
                 // Whether this tenant may name it is `SubmitPolicy::admit`'s to say.
-                Ok(u) if url.len() <= 2048 && matches!(u.scheme(), "http" | "https") && !u.cannot_be_a_base() => {
+                Ok(u)
+                    if u.as_str().len() <= 2048 && matches!(u.scheme(), "http" | "https") && !u.cannot_be_a_base() =>
+                {
                     u.as_str().to_owned()
                 }
                 _ => return Err(err(field("url"), "must be an http(s) URL of at most 2 048 characters")),
@@ -438,6 +509,8 @@ pub struct SubmitPolicy {
     pub webhook_endpoints: ToolEndpoints,
     /// Allowed MCP servers (`PACELINE_MCP_ENDPOINTS`); empty allows none.
     pub mcp_endpoints: ToolEndpoints,
+    /// The variables `headers_from_env` may name (`PACELINE_MCP_HEADER_VARS`); empty allows none.
+    pub mcp_header_vars: McpHeaderVars,
 }
 
 /// Why a tenant may not submit a spec that is valid in itself.
@@ -499,6 +572,12 @@ impl SubmitPolicy {
                 return Err(Refusal::Invalid(err(
                     format!("mcp_servers[{i}].url"),
                     "is not an allowed MCP server (PACELINE_MCP_ENDPOINTS)",
+                )));
+            }
+            if let Some(var) = server.headers_from_env.values().find(|v| !self.mcp_header_vars.allows(tenant, v)) {
+                return Err(Refusal::Invalid(err(
+                    format!("mcp_servers[{i}].headers_from_env"),
+                    format!("names {var}, which PACELINE_MCP_HEADER_VARS does not allow this tenant's runs to send"),
                 )));
             }
         }
@@ -769,6 +848,7 @@ mod tests {
             webhook_endpoints: ToolEndpoints::every_tenant(["https://hooks.example.com/paceline"]),
             mcp_endpoints: ToolEndpoints::every_tenant(["https://mcp.example.com/"])
                 .with(Some("acme"), "https://mcp.acme.internal/"),
+            mcp_header_vars: "FILES_MCP_TOKEN,acme=ACME_MCP_TOKEN".parse().unwrap(),
         }
     }
 
@@ -817,6 +897,11 @@ mod tests {
                 "mcp_servers[0].headers_from_env",
             ),
             (json!([{"name": "a", "url": url, "token": "abc"}]), "mcp_servers[0].token"),
+            (json!([{"name": "a", "url": "https://user:pw@mcp.example.com/mcp"}]), "mcp_servers[0].url"),
+            (
+                json!([{"name": "a", "url": url, "headers_from_env": {"Cookie": "C"}}]),
+                "mcp_servers[0].headers_from_env",
+            ),
             (json!((0..9).map(|i| json!({"name": format!("s{i}"), "url": url})).collect::<Vec<_>>()), "mcp_servers"),
         ] {
             assert_eq!(spec(servers.clone()).unwrap_err().field, field, "{servers}");
@@ -835,6 +920,32 @@ mod tests {
         assert!(e.message.contains("PACELINE_MCP_ENDPOINTS"), "{}", e.message);
         let none = SubmitPolicy { mcp_endpoints: ToolEndpoints::default(), ..policy() };
         assert!(none.admit("alpha", &ok).is_err(), "no list allows no server");
+
+        // A header's variable must be one PACELINE_MCP_HEADER_VARS lets the tenant send: a
+        // worker's environment holds its provider keys and secrets too.
+        let naming = |var: &str, url: &str| {
+            spec(json!([{"name": "a", "url": url, "headers_from_env": {"Authorization": var}}])).unwrap()
+        };
+        for (tenant, var, url, ok) in [
+            ("alpha", "OPENAI_API_KEY", "https://mcp.example.com/mcp", false),
+            ("alpha", "PACELINE_TOOL_SECRET", "https://mcp.example.com/mcp", false),
+            ("alpha", "ACME_MCP_TOKEN", "https://mcp.example.com/mcp", false),
+            ("acme", "ACME_MCP_TOKEN", "https://mcp.acme.internal/mcp", true),
+            ("alpha", "FILES_MCP_TOKEN", "https://mcp.example.com/mcp", true),
+        ] {
+            let admitted = p.admit(tenant, &naming(var, url));
+            assert_eq!(admitted.is_ok(), ok, "{tenant} {var}: {admitted:?}");
+            if let Err(Refusal::Invalid(e)) = admitted {
+                assert_eq!(e.field, "mcp_servers[0].headers_from_env");
+                assert!(e.message.contains("PACELINE_MCP_HEADER_VARS"), "{}", e.message);
+            }
+        }
+        let vars: McpHeaderVars = " A_TOKEN , acme=B_TOKEN ".parse().unwrap();
+        assert_eq!(vars.to_string(), "A_TOKEN,acme=B_TOKEN");
+        assert_eq!(vars.to_string().parse::<McpHeaderVars>().unwrap(), vars, "Display reads back");
+        for bad in ["lower_case", "acme=1X", "a b=X", "=X"] {
+            assert!(bad.parse::<McpHeaderVars>().is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -372,12 +372,15 @@ if op == 'retry' then
 end
 
 if op == 'mcp_tools' then
-  -- A run's MCP tool list as the first turn to list its servers found it (ARGV[3], JSON):
-  -- kept once, so every later turn on any worker offers the model the same tools; answers
-  -- the list kept (another worker's, if it was first). A run gone stays gone.
-  if not redis.call('HGET', RUN, 'tenant') then return {'not_found'} end
-  redis.call('HSETNX', RUN, 'mcp_tools', ARGV[3])
-  return {'ok', redis.call('HGET', RUN, 'mcp_tools')}
+  -- A run's MCP tool list as the first turn to list its servers found it (ARGV[3], JSON),
+  -- written by the holder of its turn's live lease (ARGV[4], its epoch: the record's
+  -- `epoch` names it, `fenced`): kept once, so every later turn on any worker offers the
+  -- model the same tools; answers the list kept (another holder's, if it was first).
+  local f = read_fields({'tenant', 'epoch', 'mcp_tools'})
+  if not f.tenant or f.epoch ~= ARGV[4] then return {'stop'} end
+  if f.mcp_tools then return {'ok', f.mcp_tools} end
+  redis.call('HSET', RUN, 'mcp_tools', ARGV[3])
+  return {'ok', ARGV[3]}
 end
 
 return redis.error_reply('unknown run store op ' .. tostring(op))

@@ -314,6 +314,9 @@ impl RunStore {
     ) -> Result<Created, StoreError> {
         let id = new_run_id();
         let spec_json = serde_json::to_string(spec).map_err(|e| StoreError::Protocol(e.to_string()))?;
+        // The oldest format that holds the run: a worker that knows no MCP servers
+        // must not run one that has them (it would offer the model none of their tools).
+        let format = if spec.mcp_servers.is_empty() { 1 } else { RECORD_FORMAT };
         let mut fields = json!({
             field::STATUS: RunStatus::Queued.as_str(),
             field::MODE: spec.mode.as_str(),
@@ -323,7 +326,7 @@ impl RunStore {
             field::MAX_TURNS: spec.max_turns.to_string(),
             field::METADATA: spec.metadata.to_string(),
             field::RETENTION_MS: self.retention_ms().to_string(),
-            field::FORMAT: RECORD_FORMAT.to_string(),
+            field::FORMAT: format.to_string(),
         });
         if let Some(url) = &spec.webhook_url {
             fields[field::WEBHOOK_URL] = json!(url);
@@ -758,13 +761,13 @@ impl RunStore {
         self.emit_all(id, kind, std::slice::from_ref(data)).await
     }
 
-    /// Keeps `tools` (JSON) as run `id`'s MCP tool list unless a list is
-    /// kept already, and answers the list kept: the first turn to list the
-    /// run's servers decides what every later turn offers. `None`: the run
-    /// is gone.
-    pub async fn keep_mcp_tools(&self, id: &str, tools: &str) -> Result<Option<String>, StoreError> {
-        let mut inv = self.invocation("mcp_tools", id, "", None);
-        inv.arg(tools);
+    /// Keeps `tools` (JSON) as the MCP tool list of `lease`'s run unless a
+    /// list is kept already, and answers the list kept: the first turn to
+    /// list the run's servers decides what every later turn offers. `None`:
+    /// the run is gone, or the lease is no longer its turn's.
+    pub async fn keep_mcp_tools(&self, lease: &Lease, tools: &str) -> Result<Option<String>, StoreError> {
+        let mut inv = self.invocation("mcp_tools", &lease.id, "", None);
+        inv.arg(tools).arg(lease.epoch);
         let reply = self.invoke(inv).await?;
         Ok(match reply.first().map(String::as_str) {
             Some("ok") => reply.get(1).cloned(),

@@ -12,9 +12,11 @@ use super::spec::RunSpec;
 use super::state::RunStatus;
 use super::transcript::TranscriptEntry;
 
-/// The version of the run record's format this code writes and reads; a
-/// record of a later one (field `format`) is not run by this version's workers.
-pub const RECORD_FORMAT: u32 = 1;
+/// The version of the run record's format this code reads; a record of a
+/// later one (field `format`) is not run by this version's workers. A run is
+/// written in the oldest format that holds it: 2 for a run with MCP servers
+/// (a worker of format 1 would run it without their tools), 1 otherwise.
+pub const RECORD_FORMAT: u32 = 2;
 
 /// The version of the queue payload's format ([`TurnJob`], field `v`) this
 /// code writes and reads; a later one is buried as undecodable with its

@@ -183,6 +183,15 @@ impl App {
     }
 }
 
+/// The `function_call_output` texts of a run's transcript (tenant `default`).
+pub(crate) async fn tool_outputs(app: &App, run_id: &str) -> Vec<String> {
+    let tx = app.store.transcript("default", run_id).await.unwrap().unwrap();
+    tx.iter()
+        .filter(|e| e.item["type"] == "function_call_output")
+        .map(|e| e.item["output"].as_str().unwrap().to_owned())
+        .collect()
+}
+
 pub(crate) fn secs(s: u64) -> Duration {
     Duration::from_secs(s)
 }

@@ -11,7 +11,7 @@ use paceline_tests::{free_tcp_port, poll_until, ChildGuard};
 use serde_json::{json, Value};
 use shared::runs::{RunStatus, SubmitPolicy, ToolEndpoints};
 
-use crate::fixtures::{secs, serve, App};
+use crate::fixtures::{secs, serve, tool_outputs, App};
 
 /// The bearer token the servers are sent, from the worker's environment.
 const TOKEN: &str = "mcp-bearer-7f3a9c1e5b2d";
@@ -137,21 +137,14 @@ fn kit_run(url: &str, allowed: &[&str]) -> Value {
     })
 }
 
-/// A `paceline worker` process allowed `url`, holding the token; its log in `log`.
+/// A `paceline worker` process allowed `url`, holding the token (and
+/// allowed to send it); its log in `log`.
 fn mcp_worker(app: &App, url: &str, log: &Path) -> ChildGuard {
     let token = format!("Bearer {TOKEN}");
-    let mut cmd = app.worker_command(&["--mcp-endpoints", url], &[(TOKEN_VAR, &token)], "debug");
+    let args = ["--mcp-endpoints", url, "--mcp-header-vars", TOKEN_VAR];
+    let mut cmd = app.worker_command(&args, &[(TOKEN_VAR, &token), ("OTHER_SECRET", "not-for-tenants")], "debug");
     cmd.stderr(std::fs::File::create(log).unwrap());
     ChildGuard(cmd.spawn().expect("start paceline worker"))
-}
-
-/// The `function_call_output` texts of a run's transcript.
-async fn tool_outputs(app: &App, run_id: &str) -> Vec<String> {
-    let tx = app.store.transcript("default", run_id).await.unwrap().unwrap();
-    tx.iter()
-        .filter(|e| e.item["type"] == "function_call_output")
-        .map(|e| e.item["output"].as_str().unwrap().to_owned())
-        .collect()
 }
 
 /// Every key of the app's Redis whose value holds `needle`.
@@ -193,9 +186,12 @@ fn flatten(value: &redis::Value) -> String {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_run_is_offered_the_allowed_tools_of_a_stateless_mcp_server_and_calls_them_with_its_bearer_header() {
-    let Some(peer) = McpPeer::start(Sdk::Modern, &["--stateless"]).await else { return };
+/// Three runs against `peer` through a worker process: one offered echo,
+/// big and fail (it calls echo), one big, one fail. Checks what the provider
+/// was offered, what reached the server (`revision` in its header, a session
+/// or none), what the model read, and that the bearer value is nowhere.
+/// Returns the server's calls.
+async fn offered_called_and_kept_secret(peer: &McpPeer, revision: &str, session: bool) -> Vec<Value> {
     let app = App::start(MockConfig { tool_rounds: 1, ..MockConfig::default() }).await;
     let log = peer.dir.path().join("worker.log");
     let _worker = mcp_worker(&app, &peer.url, &log);
@@ -236,8 +232,8 @@ async fn a_run_is_offered_the_allowed_tools_of_a_stateless_mcp_server_and_calls_
     assert!(message.starts_with("mock message"), "the model's arguments: {echoed}");
     for call in &calls {
         assert_eq!(call["authorization"], format!("Bearer {TOKEN}"), "{call}");
-        assert_eq!(call["mcp_protocol_version"], "2026-07-28", "the stateless revision: {call}");
-        assert_eq!(call["mcp_session_id"], Value::Null, "no session: {call}");
+        assert_eq!(call["mcp_protocol_version"], revision, "the revision agreed: {call}");
+        assert_eq!(call["mcp_session_id"].is_string(), session, "a session or none: {call}");
     }
 
     // What the model read.
@@ -258,42 +254,41 @@ async fn a_run_is_offered_the_allowed_tools_of_a_stateless_mcp_server_and_calls_
     }
     let logged = std::fs::read_to_string(&log).unwrap();
     assert!(logged.contains("MCP server connected"), "the worker logs its connection: {logged}");
-    assert!(logged.contains("2026-07-28"), "and the revision agreed");
+    assert!(logged.contains(revision), "and the revision agreed: {logged}");
     assert!(!logged.contains(TOKEN), "in the worker's log (at debug)");
+    calls
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_session_server_is_initialized_once_per_worker_and_again_when_it_forgets_the_session() {
+async fn a_run_is_offered_the_allowed_tools_of_a_stateless_mcp_server_and_calls_them_with_its_bearer_header() {
+    let Some(peer) = McpPeer::start(Sdk::Modern, &["--stateless"]).await else { return };
+    offered_called_and_kept_secret(&peer, "2026-07-28", false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_server_is_offered_and_called_alike_on_one_session_a_worker_opened_again_when_it_forgets_it() {
     let Some(mut peer) = McpPeer::start(Sdk::Legacy, &[]).await else { return };
+    // The same runs as against the stateless server; each tenant's calls on one session.
+    let calls = offered_called_and_kept_secret(&peer, "2025-11-25", true).await;
+    let session = calls[0]["mcp_session_id"].as_str().unwrap().to_owned();
+    assert!(calls.iter().all(|c| c["mcp_session_id"] == session.as_str()), "one session a worker: {calls:?}");
+
+    // A worker that knew the session, then the server restarts: it knows no
+    // session; the worker opens a new one and the call goes through.
     let app = App::start(MockConfig { tool_rounds: 1, ..MockConfig::default() }).await;
-    let log = peer.dir.path().join("worker.log");
+    let log = peer.dir.path().join("worker2.log");
     let _worker = mcp_worker(&app, &peer.url, &log);
-
-    for _ in 0..2 {
-        let run = app.submit(kit_run(&peer.url, &["echo"])).await;
-        let done = app.wait_finished(&run.id, secs(60)).await;
-        assert_eq!(done.status, RunStatus::Completed, "{done:?}");
-        assert!(tool_outputs(&app, &run.id).await[0].starts_with("echo: mock message"));
-    }
-    let calls = peer.calls();
-    assert_eq!(calls.len(), 2);
-    let session = calls[0]["mcp_session_id"].as_str().expect("a session server's calls carry its session").to_owned();
-    assert_eq!(calls[1]["mcp_session_id"], session.as_str(), "one session a worker and server: {calls:?}");
-    assert_eq!(calls[0]["mcp_protocol_version"], "2025-11-25", "the newest revision it knows: {calls:?}");
-    assert_eq!(calls[0]["authorization"], format!("Bearer {TOKEN}"));
-
-    // The server restarts: it knows no session; the worker opens a new one.
+    let run = app.submit(kit_run(&peer.url, &["echo"])).await;
+    assert_eq!(app.wait_finished(&run.id, secs(60)).await.status, RunStatus::Completed);
+    let before = peer.calls().last().unwrap()["mcp_session_id"].as_str().unwrap().to_owned();
     peer.stop();
     peer.spawn().await;
     let run = app.submit(kit_run(&peer.url, &["echo"])).await;
     let done = app.wait_finished(&run.id, secs(90)).await;
     assert_eq!(done.status, RunStatus::Completed, "{done:?}");
     assert!(tool_outputs(&app, &run.id).await[0].starts_with("echo: mock message"), "the call went through");
-    let calls = peer.calls();
-    let fresh = calls.last().unwrap()["mcp_session_id"].as_str().expect("a session").to_owned();
-    assert_ne!(fresh, session, "a new session after the server forgot the old one");
-    let logged = std::fs::read_to_string(&log).unwrap();
-    assert!(logged.contains("2025-11-25"), "the revision agreed is logged");
+    let fresh = peer.calls().last().unwrap()["mcp_session_id"].as_str().expect("a session").to_owned();
+    assert_ne!(fresh, before, "a new session after the server forgot the old one");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -321,13 +316,18 @@ async fn what_a_server_answers_badly_is_a_clear_error_bounded_in_size_and_the_wo
     let mut bad = kit_run(&garbage, &["echo"]);
     bad["mcp_servers"][0]["name"] = json!("junk");
     let bad = app.submit(bad).await;
+    // What the worker itself refuses, whatever the API let through: a server
+    // outside its PACELINE_MCP_ENDPOINTS, a variable outside its PACELINE_MCP_HEADER_VARS.
+    let elsewhere = app.submit(kit_run("http://127.0.0.1:9/mcp", &["echo"])).await;
+    let mut other_var = kit_run(&peer.url, &["echo"]);
+    other_var["mcp_servers"][0]["headers_from_env"] = json!({"Authorization": "OTHER_SECRET"});
+    let other_var = app.submit(other_var).await;
 
     let done = app.wait_finished(&huge.id, secs(90)).await;
     assert_eq!(done.status, RunStatus::Completed, "{done:?}");
     let output = &tool_outputs(&app, &huge.id).await[0];
-    assert!(output.starts_with("tool error: "), "{}", &output[..output.len().min(300)]);
+    assert!(output.starts_with("tool error: the answer is larger than 4 MiB"), "{}", &output[..output.len().min(300)]);
     assert!(output.len() < 1_000, "an error, not the answer: {} characters", output.len());
-    eprintln!("50 MiB answered: {output}");
 
     let done = app.wait_finished(&many.id, secs(90)).await;
     assert_eq!(done.status, RunStatus::Completed, "{done:?}");
@@ -335,17 +335,23 @@ async fn what_a_server_answers_badly_is_a_clear_error_bounded_in_size_and_the_wo
     let most = stats.bodies.iter().filter_map(|b| b.body.get("tools").and_then(Value::as_array)).map(Vec::len).max();
     assert_eq!(most, Some(shared::runs::spec::MAX_TOOLS), "at most 128 tools in a request");
 
-    let waiting = poll_until(secs(30), || async {
-        let events = app.store.events("default", &bad.id, None, None, 1_000).await.ok()??;
-        events.into_iter().find(|e| e.kind == "turn.retry")
-    })
-    .await
-    .expect("the turn waits to try again");
-    let reason = waiting.data["reason"].as_str().unwrap_or_default().to_owned();
-    assert!(reason.contains("MCP server \"junk\"") && reason.contains("cannot connect"), "{reason}");
-    eprintln!("malformed JSON-RPC: {reason}");
-    let run = app.store.get("default", &bad.id).await.unwrap().unwrap();
-    assert!(matches!(run.status, RunStatus::Waiting | RunStatus::Running | RunStatus::Queued), "{run:?}");
+    for (run, says) in [
+        (&bad, "could not parse JSON response"),
+        (&elsewhere, "not an allowed MCP server on this worker"),
+        (&other_var, "OTHER_SECRET is not a variable this worker sends"),
+    ] {
+        let waiting = poll_until(secs(30), || async {
+            let events = app.store.events("default", &run.id, None, None, 1_000).await.ok()??;
+            events.into_iter().find(|e| e.kind == "turn.retry")
+        })
+        .await
+        .expect("the turn waits to try again");
+        let reason = waiting.data["reason"].as_str().unwrap_or_default().to_owned();
+        assert!(reason.starts_with("MCP server ") && reason.contains(says), "{reason}");
+        let run = app.store.get("default", &run.id).await.unwrap().unwrap();
+        assert!(matches!(run.status, RunStatus::Waiting | RunStatus::Running | RunStatus::Queued), "{run:?}");
+    }
+    assert!(peer.calls().iter().all(|c| c["authorization"] != "not-for-tenants"), "the variable was never sent");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -373,9 +379,11 @@ async fn an_mcp_server_not_allowed_is_a_422_naming_it_and_writes_nothing() {
     assert_eq!(body["error"]["field"], "mcp_servers[0].headers_from_env", "{body}");
     let runs: Value = http.get(format!("{api}/v1/runs")).bearer_auth("t0").send().await.unwrap().json().await.unwrap();
     assert_eq!(runs["data"], json!([]), "nothing written");
-    // The policy allows it once PACELINE_MCP_ENDPOINTS names it.
+    // The policy allows it once PACELINE_MCP_ENDPOINTS names it, and PACELINE_MCP_HEADER_VARS its variable.
     let policy =
         SubmitPolicy { mcp_endpoints: ToolEndpoints::every_tenant(["http://127.0.0.1:9/"]), ..SubmitPolicy::default() };
     let spec = shared::runs::RunSpec::from_json(&kit_run("http://127.0.0.1:9/mcp", &[]), &policy).unwrap();
+    assert!(policy.admit("default", &spec).is_err(), "a variable not listed");
+    let policy = SubmitPolicy { mcp_header_vars: TOKEN_VAR.parse().unwrap(), ..policy };
     assert!(policy.admit("default", &spec).is_ok());
 }

@@ -16,7 +16,7 @@ use shared::runs::{RunStatus, ToolEndpoints};
 use worker::config::{KeySource, TOOL_SECRET_ENV};
 use worker::tools::{endpoint_key, ToolCall, ToolClient};
 
-use crate::fixtures::{secs, serve, App};
+use crate::fixtures::{secs, serve, tool_outputs, App};
 
 /// A tool server that answers every call with `output` and counts the calls.
 async fn counting_tool(output: &'static str) -> (SocketAddr, Arc<AtomicUsize>) {
@@ -40,15 +40,6 @@ fn one_tool_round(endpoint: &str) -> Value {
         "tools": [{"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {}}}],
         "tool_endpoint": endpoint,
     })
-}
-
-/// The `function_call_output` texts of a run's transcript.
-async fn tool_outputs(app: &App, run_id: &str) -> Vec<String> {
-    let tx = app.store.transcript("default", run_id).await.unwrap().unwrap();
-    tx.iter()
-        .filter(|e| e.item["type"] == "function_call_output")
-        .map(|e| e.item["output"].as_str().unwrap().to_owned())
-        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

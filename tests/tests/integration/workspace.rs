@@ -53,7 +53,8 @@ fn no_production_crate_depends_on_the_mock_provider() {
     let mock: Vec<_> = dependencies(&meta, "paceline").into_iter().filter(|(n, _, _)| n == "mock-provider").collect();
     assert!(mock.iter().all(|(_, kind, optional)| *optional || kind == "dev"), "paceline: {mock:?}");
     let p = meta["packages"].as_array().unwrap().iter().find(|p| p["name"] == "paceline").unwrap();
-    assert_eq!(p["features"]["mock"], serde_json::json!(["dep:mock-provider"]));
+    // The demo's MCP server (rmcp's server half) comes with the simulator, and nothing else.
+    assert_eq!(p["features"]["mock"], serde_json::json!(["dep:mock-provider", "dep:rmcp"]));
     let enabling: Vec<&String> = p["features"]
         .as_object()
         .unwrap()

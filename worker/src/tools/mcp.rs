@@ -31,7 +31,7 @@
 //!   environment, by the names the spec gives, and are marked sensitive:
 //!   they are never logged, stored or shown.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -44,17 +44,19 @@ use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig
 use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::{RoleClient, ServiceError};
 use serde_json::{json, Value};
-use shared::runs::{McpServer, ToolEndpoints, MCP_SEPARATOR};
+use shared::runs::{McpHeaderVars, McpServer, ToolEndpoints, MCP_SEPARATOR};
+use tokio::sync::{OnceCell, Semaphore};
 
-use super::{excerpt, too_large, MAX_TOOL_ANSWER};
+use super::{excerpt, too_large};
 
-/// Connections a worker keeps open at most (one a server and header set).
+/// Connections a worker keeps open at most (one a tenant, server and header set).
 pub const MAX_CONNECTIONS: usize = 64;
 
 /// How long connecting (and agreeing on a revision) may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// How long listing one server's tools may take, every page together.
+/// How long listing a run's servers' tools may take, every page of every
+/// server (listed at once) together.
 const LIST_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Pages of `tools/list` read at most: a server whose cursor never ends is
@@ -67,13 +69,24 @@ const MAX_LISTED_TOOLS: usize = 10_000;
 /// The largest schema (as JSON) a tool may have to be offered.
 const MAX_SCHEMA_BYTES: usize = 64 * 1024;
 
+/// The most a run's kept tool list may hold, as JSON (its record carries it
+/// to every turn).
+const MAX_OFFERED_BYTES: usize = 1024 * 1024;
+
 /// The longest description offered; a longer one is cut.
 const MAX_DESCRIPTION_CHARS: usize = 4_096;
 
-/// The most bytes of one answer read: a tool's answer past it is a tool
-/// error (the model reads at most 24 000 characters of it anyway). An SSE
-/// event or JSON body is escaped JSON, hence the slack.
-const MAX_ANSWER_BYTES: usize = MAX_TOOL_ANSWER + MAX_TOOL_ANSWER / 4;
+/// The most bytes of one answer read, on the wire (a JSON body, or one SSE
+/// event): a larger answer is the tool's error. The model reads at most
+/// 24 000 characters of it; what is read past that only says how long it was.
+const MAX_ANSWER_BYTES: usize = 4 * 1024 * 1024;
+
+/// MCP calls a worker waits on at once; with [`MAX_ANSWER_BYTES`] they bound
+/// what MCP answers hold in a worker (128 MiB), however many turns run.
+const MAX_CALLS_AT_ONCE: usize = 32;
+
+/// Requests one connection carries at once (the SDK queues the rest).
+const MAX_REQUESTS_PER_CONNECTION: usize = 64;
 
 /// A run's MCP tools as the model is offered them: function tools in the
 /// Responses shape, their names `<server>__<tool>`.
@@ -87,11 +100,17 @@ struct Connection {
     last_used: Mutex<Instant>,
 }
 
+/// A connection being made, or made: callers that need it at once wait for
+/// the one handshake.
+type Slot = Arc<OnceCell<Arc<Connection>>>;
+
 /// Connects to MCP servers, lists their tools and calls them.
 pub struct McpClient {
     http: reqwest::Client,
     allowed: ToolEndpoints,
-    connections: Mutex<HashMap<String, Arc<Connection>>>,
+    header_vars: McpHeaderVars,
+    connections: Mutex<HashMap<String, Slot>>,
+    calls: Semaphore,
 }
 
 impl std::fmt::Debug for McpClient {
@@ -102,10 +121,17 @@ impl std::fmt::Debug for McpClient {
 }
 
 impl McpClient {
-    /// A client allowed the servers of `allowed`, over `http` (the tools'
-    /// client: no redirects, no proxy, public addresses only).
-    pub fn new(http: reqwest::Client, allowed: ToolEndpoints) -> Self {
-        Self { http, allowed, connections: Mutex::new(HashMap::new()) }
+    /// A client allowed the servers of `allowed` and the header variables of
+    /// `header_vars`, over `http` (the tools' client: no redirects, no proxy,
+    /// public addresses only).
+    pub fn new(http: reqwest::Client, allowed: ToolEndpoints, header_vars: McpHeaderVars) -> Self {
+        Self {
+            http,
+            allowed,
+            header_vars,
+            connections: Mutex::new(HashMap::new()),
+            calls: Semaphore::new(MAX_CALLS_AT_ONCE),
+        }
     }
 
     /// Whether `tenant`'s runs may use `server`.
@@ -113,79 +139,121 @@ impl McpClient {
         self.allowed.allows(tenant, &server.url)
     }
 
-    /// The tools `servers` offer a run of `tenant`, at most `room` of them, in
-    /// the servers' order and each server's. `Err`: a server could not be
-    /// listed (why, naming it).
-    pub async fn discover(&self, tenant: &str, servers: &[McpServer], room: usize) -> Result<OfferedTools, String> {
-        let mut offered = Vec::new();
-        for server in servers {
-            let left = room.saturating_sub(offered.len());
-            let tools = tokio::time::timeout(LIST_TIMEOUT, self.list(tenant, server, left))
+    /// The tools `servers` offer run `run_id` of `tenant`, at most `room` of
+    /// them, in the servers' order and each server's; the servers are listed
+    /// at once. `Err`: a server could not be listed (why, naming it).
+    pub async fn discover(
+        &self,
+        run_id: &str,
+        tenant: &str,
+        servers: &[McpServer],
+        room: usize,
+    ) -> Result<OfferedTools, String> {
+        let lists = servers.iter().map(|server| async move {
+            self.list(run_id, tenant, server)
                 .await
-                .unwrap_or_else(|_| Err(format!("listing its tools took longer than {} s", LIST_TIMEOUT.as_secs())))
-                .map_err(|why| format!("MCP server {:?} ({}): {why}", server.name, server.url))?;
-            offered.extend(tools);
+                .map_err(|why| format!("MCP server {:?} ({}): {why}", server.name, server.url))
+        });
+        let lists = tokio::time::timeout(LIST_TIMEOUT, futures::future::join_all(lists))
+            .await
+            .map_err(|_| format!("listing the MCP servers' tools took longer than {} s", LIST_TIMEOUT.as_secs()))?;
+        let mut offered = Vec::new();
+        let mut names = HashSet::new();
+        let mut bytes = 0;
+        let mut left_out = 0;
+        for list in lists {
+            for tool in list? {
+                let size = tool.to_string().len();
+                let name = tool["name"].as_str().unwrap_or_default().to_owned();
+                if offered.len() < room && bytes + size <= MAX_OFFERED_BYTES && names.insert(name) {
+                    bytes += size;
+                    offered.push(tool);
+                } else {
+                    left_out += 1;
+                }
+            }
+        }
+        if left_out > 0 {
+            tracing::warn!(message = "MCP tools left out: a run offers at most 128 tools in all, of 1 MiB, each name once",
+                run.id = %run_id, left_out, offered = offered.len());
         }
         Ok(offered)
     }
 
-    /// One server's tools to offer, at most `room`.
-    async fn list(&self, tenant: &str, server: &McpServer, room: usize) -> Result<OfferedTools, String> {
+    /// One server's tools to offer.
+    async fn list(&self, run_id: &str, tenant: &str, server: &McpServer) -> Result<OfferedTools, String> {
         if !self.allows(tenant, server) {
             return Err("not an allowed MCP server on this worker (PACELINE_MCP_ENDPOINTS)".into());
         }
-        let connection = self.connect(server).await?;
+        let connection = self.connect(tenant, server).await?;
         let peer = connection.service.peer();
         let mut offered = Vec::new();
+        let mut refused: Vec<String> = Vec::new();
         let mut cursor = None;
         let mut listed = 0;
-        for _ in 0..MAX_LIST_PAGES {
+        let mut pages = 0;
+        while pages < MAX_LIST_PAGES && listed < MAX_LISTED_TOOLS {
             let page = peer
                 .list_tools(Some(PaginatedRequestParams::default().with_cursor(cursor.take())))
                 .await
-                .map_err(|e| self.failed(server, &e))?;
-            listed += page.tools.len();
-            for tool in &page.tools {
+                .map_err(|e| self.failed(tenant, server, &connection, &e))?;
+            pages += 1;
+            for tool in page.tools.iter().take(MAX_LISTED_TOOLS - listed) {
+                listed += 1;
                 if !server.allowed_tools.as_ref().is_none_or(|allowed| allowed.iter().any(|a| *a == tool.name)) {
                     continue;
                 }
                 match offer(server, tool) {
-                    Ok(t) if offered.len() < room => offered.push(t),
-                    Ok(_) => {
-                        tracing::warn!(message = "an MCP tool left out: the run offers as many tools as it may",
-                            mcp.server = %server.name, tool.name = %excerpt(&tool.name), most = room);
-                    }
-                    Err(why) => {
-                        tracing::warn!(message = "an MCP tool left out", mcp.server = %server.name,
-                            tool.name = %excerpt(&tool.name), why = %why);
-                    }
+                    Ok(t) => offered.push(t),
+                    Err(why) if refused.len() < 5 => refused.push(format!("{}: {why}", excerpt(&tool.name))),
+                    Err(_) => refused.push(String::new()),
                 }
             }
             cursor = page.next_cursor;
-            if cursor.is_none() || listed >= MAX_LISTED_TOOLS {
+            if cursor.is_none() {
                 break;
             }
         }
-        if cursor.is_some() {
-            tracing::warn!(message = "an MCP server's tool list read in part", mcp.server = %server.name, listed,
-                pages = MAX_LIST_PAGES);
+        if !refused.is_empty() {
+            let shown: Vec<&String> = refused.iter().filter(|r| !r.is_empty()).collect();
+            tracing::warn!(message = "MCP tools left out: a provider would refuse them", run.id = %run_id,
+                mcp.server = %server.name, count = refused.len(), first = ?shown);
         }
-        tracing::info!(message = "MCP tools listed", mcp.server = %server.name, mcp.protocol = %connection.version,
-            listed, offered = offered.len());
+        if cursor.is_some() {
+            tracing::warn!(message = "an MCP server's tool list read in part", run.id = %run_id,
+                mcp.server = %server.name, listed, pages,
+                bound = if listed >= MAX_LISTED_TOOLS { "tools" } else { "pages" });
+        }
+        tracing::info!(message = "MCP tools listed", run.id = %run_id, mcp.server = %server.name,
+            mcp.protocol = %connection.version, listed, offered = offered.len());
         Ok(offered)
     }
 
-    /// Calls `tool` of `server` with `arguments` (JSON text), reading at most
-    /// `share` bytes of its output. `Err`: the tool's error text.
-    pub async fn call(&self, server: &McpServer, tool: &str, arguments: &str, share: usize) -> Result<String, String> {
+    /// Calls `tool` of `server` for `tenant` with `arguments` (JSON text),
+    /// reading at most `share` bytes of its output. `Err`: the tool's error text.
+    pub async fn call(
+        &self,
+        tenant: &str,
+        server: &McpServer,
+        tool: &str,
+        arguments: &str,
+        share: usize,
+    ) -> Result<String, String> {
         let arguments = match serde_json::from_str::<Value>(if arguments.trim().is_empty() { "{}" } else { arguments })
         {
             Ok(Value::Object(map)) => map,
             Ok(_) | Err(_) => return Err(format!("the arguments are not a JSON object: {}", excerpt(arguments))),
         };
-        let connection = self.connect(server).await?;
+        let connection = self.connect(tenant, server).await?;
         let params = CallToolRequestParams::new(tool.to_owned()).with_arguments(arguments);
-        let result = connection.service.peer().call_tool(params).await.map_err(|e| self.failed(server, &e))?;
+        // What a worker's MCP answers hold at once is bounded: see MAX_CALLS_AT_ONCE.
+        let _permit = self.calls.acquire().await.map_err(|_| "the worker is stopping".to_owned())?;
+        let result = connection
+            .service
+            .peer()
+            .call_tool(params)
+            .await
+            .map_err(|e| self.failed(tenant, server, &connection, &e))?;
         let text = output_text(&result);
         if text.len() > share {
             return Err(too_large(share));
@@ -196,15 +264,43 @@ impl McpClient {
         Ok(text)
     }
 
-    /// The open connection to `server`, or a new one.
-    async fn connect(&self, server: &McpServer) -> Result<Arc<Connection>, String> {
-        let key = connection_key(server);
-        if let Some(c) = self.lock().get(&key).filter(|c| !c.service.is_transport_closed()).cloned() {
-            *c.last_used.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
-            return Ok(c);
-        }
+    /// The open connection to `server` for `tenant`, or a new one: made once
+    /// however many calls need it at the same moment.
+    async fn connect(&self, tenant: &str, server: &McpServer) -> Result<Arc<Connection>, String> {
+        let key = connection_key(tenant, server);
+        let slot = {
+            let mut open = self.lock();
+            if let Some(slot) = open.get(&key).filter(|s| s.get().is_some_and(|c| c.service.is_transport_closed())) {
+                // Its transport closed: made again below.
+                let slot = slot.clone();
+                forget(&mut open, &key, &slot);
+            }
+            if !open.contains_key(&key) && open.len() >= MAX_CONNECTIONS {
+                let oldest = open
+                    .iter()
+                    .min_by_key(|(_, s)| {
+                        // One being made is the newest.
+                        s.get().map_or_else(Instant::now, |c| *c.last_used.lock().unwrap_or_else(|p| p.into_inner()))
+                    })
+                    .map(|(k, _)| k.clone());
+                if let Some(k) = oldest {
+                    open.remove(&k);
+                }
+            }
+            open.entry(key.clone()).or_default().clone()
+        };
+        let connection = slot.get_or_try_init(|| self.open(tenant, server)).await?;
+        *connection.last_used.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+        Ok(connection.clone())
+    }
+
+    /// A new connection to `server`, its revision agreed.
+    async fn open(&self, tenant: &str, server: &McpServer) -> Result<Arc<Connection>, String> {
         let mut headers = HashMap::new();
         for (name, var) in &server.headers_from_env {
+            if !self.header_vars.allows(tenant, var) {
+                return Err(format!("{var} is not a variable this worker sends (PACELINE_MCP_HEADER_VARS)"));
+            }
             let value = std::env::var(var)
                 .map_err(|_| format!("this worker has no environment variable {var} (headers_from_env of {name})"))?;
             let name =
@@ -218,6 +314,7 @@ impl McpClient {
             .custom_headers(headers)
             .max_json_response_size(MAX_ANSWER_BYTES)
             .max_sse_event_size(MAX_ANSWER_BYTES)
+            .max_concurrent_requests(MAX_REQUESTS_PER_CONNECTION)
             .reinit_on_expired_session(true);
         let transport = StreamableHttpClientTransport::with_client(self.http.clone(), config);
         let info = ClientConfig::new(
@@ -241,54 +338,55 @@ impl McpClient {
         let version = agreed.as_ref().map_or_else(|| "unknown".to_owned(), ToString::to_string);
         tracing::info!(message = "MCP server connected", mcp.server = %server.name, mcp.protocol = %version,
             stateless = agreed.is_some_and(|v| !v.has_initialize()));
-        let connection = Arc::new(Connection { service, version, last_used: Mutex::new(Instant::now()) });
-        let mut open = self.lock();
-        if let Some(c) = open.get(&key).filter(|c| !c.service.is_transport_closed()) {
-            // Another call connected meanwhile: one connection a server; ours closes when dropped.
-            return Ok(c.clone());
-        }
-        if open.len() >= MAX_CONNECTIONS {
-            let oldest = open
-                .iter()
-                .min_by_key(|(_, c)| *c.last_used.lock().unwrap_or_else(|p| p.into_inner()))
-                .map(|(k, _)| k.clone());
-            if let Some(k) = oldest {
-                open.remove(&k);
-            }
-        }
-        open.insert(key, connection.clone());
-        Ok(connection)
+        Ok(Arc::new(Connection { service, version, last_used: Mutex::new(Instant::now()) }))
     }
 
     /// What a failed request says, as the tool's error; a connection whose
-    /// transport closed is dropped, to be made again by the next call.
-    fn failed(&self, server: &McpServer, error: &ServiceError) -> String {
-        if matches!(error, ServiceError::TransportClosed) {
-            self.lock().remove(&connection_key(server));
-            return format!(
-                "the server closed the connection (an answer of more than {} MiB is cut off this way)",
-                MAX_ANSWER_BYTES >> 20
-            );
+    /// transport closed is forgotten, to be made again by the next call.
+    fn failed(&self, tenant: &str, server: &McpServer, connection: &Arc<Connection>, error: &ServiceError) -> String {
+        if matches!(error, ServiceError::TransportClosed) || connection.service.is_transport_closed() {
+            let key = connection_key(tenant, server);
+            let mut open = self.lock();
+            if let Some(slot) = open.get(&key).filter(|s| s.get().is_some_and(|c| Arc::ptr_eq(c, connection))).cloned()
+            {
+                forget(&mut open, &key, &slot);
+            }
         }
-        match error {
+        let text = match error {
             ServiceError::McpError(data) => {
-                format!("the server answered error {}: {}", data.code.0, excerpt(&data.message))
+                return format!("the server answered error {}: {}", data.code.0, excerpt(&data.message))
             }
             // The transport's own error, without the transport's type name.
             ServiceError::TransportSend(sent) => describe_chain(&*sent.error),
             other => describe_chain(other),
+        };
+        if text.contains("exceeded the maximum size") || text.contains("stream closed before its final response") {
+            // A JSON body past the bound is refused whole; an SSE event past it ends the stream.
+            return format!(
+                "the answer is larger than {} MiB, the most an MCP answer may be ({text})",
+                MAX_ANSWER_BYTES >> 20
+            );
         }
+        text
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Connection>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Slot>> {
         self.connections.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
-/// A connection's key: the server's URL and the headers it is sent (by the
-/// variables holding them, never their values).
-fn connection_key(server: &McpServer) -> String {
-    let mut key = server.url.clone();
+/// Drops `slot` from `open` if it is still the one under `key`.
+fn forget(open: &mut HashMap<String, Slot>, key: &str, slot: &Slot) {
+    if open.get(key).is_some_and(|s| Arc::ptr_eq(s, slot)) {
+        open.remove(key);
+    }
+}
+
+/// A connection's key: the tenant (one tenant's session is never
+/// another's), the server's URL and the headers it is sent (by the variables
+/// holding them, never their values).
+fn connection_key(tenant: &str, server: &McpServer) -> String {
+    let mut key = format!("{tenant}\n{}", server.url);
     for (name, var) in &server.headers_from_env {
         key.push('\n');
         key.push_str(&name.to_ascii_lowercase());
@@ -318,7 +416,10 @@ fn offer(server: &McpServer, tool: &Tool) -> Result<Value, String> {
     }
     let description = tool.description.as_deref().or(tool.title.as_deref()).unwrap_or_default();
     let description: String = description.chars().take(MAX_DESCRIPTION_CHARS).collect();
-    Ok(json!({"type": "function", "name": name, "description": description, "parameters": schema}))
+    // Not strict: an MCP schema seldom keeps the rules strict mode asks of one
+    // (every property required, no additional ones), and Responses takes a
+    // function tool as strict unless told.
+    Ok(json!({"type": "function", "name": name, "description": description, "parameters": schema, "strict": false}))
 }
 
 /// The server and tool a call named `name` goes to, when it is an MCP tool
@@ -344,10 +445,12 @@ fn output_text(result: &CallToolResult) -> String {
                     mime_type.as_deref().unwrap_or("binary"),
                     decoded_len(blob)
                 ),
+                // Non-exhaustive in the SDK: a later revision's kinds.
                 #[allow(unreachable_patterns)]
                 _ => "[a resource of a kind this worker does not show]".to_owned(),
             },
             ContentBlock::ResourceLink(link) => format!("[resource link {}: {}]", link.uri, link.name),
+            // Non-exhaustive in the SDK: a later revision's kinds.
             #[allow(unreachable_patterns)]
             _ => "[content of a kind this worker does not show]".to_owned(),
         });
@@ -378,19 +481,9 @@ fn describe_start(error: &ClientInitializeError) -> String {
     }
 }
 
-/// An error with its causes.
+/// An error with its causes, at most an excerpt of them.
 fn describe_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let next = cause.to_string();
-        if !text.contains(&next) {
-            text.push_str(": ");
-            text.push_str(&next);
-        }
-        source = cause.source();
-    }
-    excerpt(&text)
+    excerpt(&crate::provider::error_chain(error))
 }
 
 #[cfg(test)]

@@ -37,7 +37,7 @@ use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use shared::config::Secret;
-use shared::runs::{McpServer, ToolEndpoints};
+use shared::runs::{McpHeaderVars, McpServer, ToolEndpoints};
 
 pub use crate::provider::ToolCall;
 pub use signing::{endpoint_key, sign, verify, SIGNATURE_HEADER};
@@ -107,13 +107,14 @@ impl ToolClient {
             .no_proxy()
             .dns_resolver(Arc::new(resolve::PublicOnly::TOOLS))
             .build()?;
-        let mcp = Arc::new(mcp::McpClient::new(http.clone(), ToolEndpoints::default()));
+        let mcp = Arc::new(mcp::McpClient::new(http.clone(), ToolEndpoints::default(), Default::default()));
         Ok(Self { http, allowed, secret: secret.filter(|s| !s.is_empty()), timeout, mcp })
     }
 
-    /// This client, allowing the MCP servers of `allowed` (`PACELINE_MCP_ENDPOINTS`).
-    pub fn with_mcp(self, allowed: ToolEndpoints) -> Self {
-        Self { mcp: Arc::new(mcp::McpClient::new(self.http.clone(), allowed)), ..self }
+    /// This client, allowing the MCP servers of `allowed` (`PACELINE_MCP_ENDPOINTS`)
+    /// and their headers from the variables of `header_vars` (`PACELINE_MCP_HEADER_VARS`).
+    pub fn with_mcp(self, allowed: ToolEndpoints, header_vars: McpHeaderVars) -> Self {
+        Self { mcp: Arc::new(mcp::McpClient::new(self.http.clone(), allowed, header_vars)), ..self }
     }
 
     /// The MCP servers' client (discovery at a run's first turn).
@@ -132,6 +133,7 @@ impl ToolClient {
     /// `endpoint`. Never fails: a tool's failure is its output text — also a
     /// call to a tool the run did not `declare`, or to an endpoint or server
     /// this worker does not allow to `tenant`, which is not made.
+    // Each argument is one thing a call needs; a struct would be built at its one call site.
     #[allow(clippy::too_many_arguments)]
     pub async fn run(
         &self,
@@ -159,7 +161,7 @@ impl ToolClient {
                 Err(format!("not run: the run declared no tool named {:?}", excerpt(&call.name)))
             } else if let Some((server, tool)) = mcp::route(servers, &call.name) {
                 if self.mcp.allows(tenant, server) {
-                    let call = self.mcp.call(server, tool, &call.arguments, share);
+                    let call = self.mcp.call(tenant, server, tool, &call.arguments, share);
                     match tokio::time::timeout(self.timeout, call).await {
                         Ok(result) => result,
                         Err(_) => Err(format!("timed out after {}", describe(self.timeout))),
