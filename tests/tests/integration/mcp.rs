@@ -246,6 +246,12 @@ async fn offered_called_and_kept_secret(peer: &McpPeer, revision: &str, session:
     let failed = &tool_outputs(&app, &fail.id).await[0];
     assert!(failed.starts_with("tool error: ") && failed.contains("the disk is on fire"), "{failed}");
 
+    // Written in record format 2: a worker that knows no MCP servers does not run it.
+    let record = shared::keys::Keys::new(app.prefix.clone()).run_record(&echo.id);
+    let mut conn = app.redis.conn().await;
+    let format: String = redis::cmd("HGET").arg(&record).arg("format").query_async(&mut conn).await.unwrap();
+    assert_eq!(format, "2");
+
     // The bearer value is nowhere but in the worker's environment.
     assert_eq!(redis_keys_holding(&app, TOKEN).await, Vec::<String>::new(), "in Redis");
     for run in [&echo, &big, &fail] {

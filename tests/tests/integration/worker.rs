@@ -637,7 +637,7 @@ async fn a_payload_or_record_of_a_newer_format_ends_its_run_with_the_reason_not_
     let queue = shared::runs::run_queue(&RedisArgs::new(app.redis.url(), &app.prefix), Default::default()).unwrap();
     let mut conn = app.redis.conn().await;
     // What a newer paceline would have written: a turn payload of format 2,
-    // and a run record of format 2.
+    // and a run record of the format after this version's.
     let newer = format!("0|0|q|{}", json!({"turn": 0, "attempt": 1, "v": 2}));
     let _: () = redis::cmd("HSET")
         .arg(&queue.keys().jobs)
@@ -647,9 +647,11 @@ async fn a_payload_or_record_of_a_newer_format_ends_its_run_with_the_reason_not_
         .await
         .unwrap();
     let record = shared::keys::Keys::new(app.prefix.clone()).run_record(&record_run.id);
-    let _: () = redis::cmd("HSET").arg(&record).arg("format").arg("2").query_async(&mut conn).await.unwrap();
+    let newer_record = shared::runs::turn::RECORD_FORMAT + 1;
+    let _: () = redis::cmd("HSET").arg(&record).arg("format").arg(newer_record).query_async(&mut conn).await.unwrap();
     app.spawn_worker(app.config());
-    for (run, says) in [(&payload_run, "payload format 2"), (&record_run, "record format 2")] {
+    let record_says = format!("record format {newer_record}");
+    for (run, says) in [(&payload_run, "payload format 2"), (&record_run, record_says.as_str())] {
         let done = app.wait_finished(&run.id, secs(30)).await;
         let error = done.error.expect("an error");
         assert_eq!((done.status, error.kind.as_str()), (RunStatus::Failed, "dead_lettered"), "{}", error.message);
