@@ -138,13 +138,23 @@ fn kit_run(url: &str, allowed: &[&str]) -> Value {
 }
 
 /// A `paceline worker` process allowed `url`, holding the token (and
-/// allowed to send it); its log in `log`.
-fn mcp_worker(app: &App, url: &str, log: &Path) -> ChildGuard {
+/// allowed to send it), calling the provider in `style`; its log in `log`.
+fn mcp_worker_in(app: &App, url: &str, log: &Path, style: &str) -> ChildGuard {
     let token = format!("Bearer {TOKEN}");
-    let args = ["--mcp-endpoints", url, "--mcp-header-vars", TOKEN_VAR];
+    let args = ["--mcp-endpoints", url, "--mcp-header-vars", TOKEN_VAR, "--api-style", style];
     let mut cmd = app.worker_command(&args, &[(TOKEN_VAR, &token), ("OTHER_SECRET", "not-for-tenants")], "debug");
     cmd.stderr(std::fs::File::create(log).unwrap());
     ChildGuard(cmd.spawn().expect("start paceline worker"))
+}
+
+/// [`mcp_worker_in`] on the Responses API.
+fn mcp_worker(app: &App, url: &str, log: &Path) -> ChildGuard {
+    mcp_worker_in(app, url, log, "responses")
+}
+
+/// A function tool of a provider request, in either OpenAI shape (Chat nests it in `function`).
+fn function_of(tool: &Value) -> &Value {
+    tool.get("function").unwrap_or(tool)
 }
 
 /// Every key of the app's Redis whose value holds `needle`.
@@ -186,15 +196,15 @@ fn flatten(value: &redis::Value) -> String {
     }
 }
 
-/// Three runs against `peer` through a worker process: one offered echo,
-/// big and fail (it calls echo), one big, one fail. Checks what the provider
-/// was offered, what reached the server (`revision` in its header, a session
-/// or none), what the model read, and that the bearer value is nowhere.
-/// Returns the server's calls.
-async fn offered_called_and_kept_secret(peer: &McpPeer, revision: &str, session: bool) -> Vec<Value> {
+/// Three runs against `peer` through a worker process calling the provider in
+/// `style`: one offered echo, big and fail (it calls echo), one big, one fail.
+/// Checks what the provider was offered, what reached the server (`revision`
+/// in its header, a session or none), what the model read, and that the
+/// bearer value is nowhere. Returns the server's calls.
+async fn offered_called_and_kept_secret(peer: &McpPeer, style: &str, revision: &str, session: bool) -> Vec<Value> {
     let app = App::start(MockConfig { tool_rounds: 1, ..MockConfig::default() }).await;
     let log = peer.dir.path().join("worker.log");
-    let _worker = mcp_worker(&app, &peer.url, &log);
+    let _worker = mcp_worker_in(&app, &peer.url, &log, style);
 
     let echo = app.submit(kit_run(&peer.url, &["echo", "big", "fail"])).await;
     let big = app.submit(kit_run(&peer.url, &["big"])).await;
@@ -213,12 +223,13 @@ async fn offered_called_and_kept_secret(peer: &McpPeer, revision: &str, session:
         .filter(|tools| !tools.is_empty())
         .collect();
     let names = |tools: &[Value]| -> Vec<String> {
-        tools.iter().map(|t| t["name"].as_str().unwrap_or_default().to_owned()).collect()
+        tools.iter().map(|t| function_of(t)["name"].as_str().unwrap_or_default().to_owned()).collect()
     };
     let all = offered.iter().find(|t| t.len() == 3).expect("a request offered the three tools");
     assert_eq!(names(all), ["kit__echo", "kit__big", "kit__fail"]);
-    let echo_tool = &all[0];
-    assert_eq!(echo_tool["type"], "function");
+    assert_eq!(all[0]["type"], "function");
+    assert_eq!(all[0].get("function").is_some(), style == "chat", "the {style} wire's shape: {}", all[0]);
+    let echo_tool = function_of(&all[0]);
     assert_eq!(echo_tool["description"], "Echoes the message back.");
     assert_eq!(echo_tool["parameters"]["properties"]["message"]["type"], "string", "{echo_tool}");
     assert_eq!(echo_tool["parameters"]["required"], json!(["message"]), "{echo_tool}");
@@ -268,14 +279,15 @@ async fn offered_called_and_kept_secret(peer: &McpPeer, revision: &str, session:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_is_offered_the_allowed_tools_of_a_stateless_mcp_server_and_calls_them_with_its_bearer_header() {
     let Some(peer) = McpPeer::start(Sdk::Modern, &["--stateless"]).await else { return };
-    offered_called_and_kept_secret(&peer, "2026-07-28", false).await;
+    offered_called_and_kept_secret(&peer, "responses", "2026-07-28", false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_server_is_offered_and_called_alike_on_one_session_a_worker_opened_again_when_it_forgets_it() {
     let Some(mut peer) = McpPeer::start(Sdk::Legacy, &[]).await else { return };
-    // The same runs as against the stateless server; each tenant's calls on one session.
-    let calls = offered_called_and_kept_secret(&peer, "2025-11-25", true).await;
+    // The same runs as against the stateless server (on Chat Completions' wire); each
+    // tenant's calls on one session.
+    let calls = offered_called_and_kept_secret(&peer, "chat", "2025-11-25", true).await;
     let session = calls[0]["mcp_session_id"].as_str().unwrap().to_owned();
     assert!(calls.iter().all(|c| c["mcp_session_id"] == session.as_str()), "one session a worker: {calls:?}");
 
