@@ -63,6 +63,13 @@ impl RedisServer {
         }
     }
 
+    /// The end of its log (`redis.log`), at most `lines` lines.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let log = std::fs::read_to_string(self.dir.path().join("redis.log")).unwrap_or_default();
+        let all: Vec<&str> = log.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+
     /// Path of the Unix socket.
     pub fn socket(&self) -> PathBuf {
         self.options().socket()
@@ -316,5 +323,171 @@ impl SwitchingEndpoint {
 impl Drop for SwitchingEndpoint {
     fn drop(&mut self) {
         self.task.abort();
+    }
+}
+
+/// A local Redis Cluster: `primaries` primaries and one replica each, every
+/// node a private `redis-server` (its Unix socket for the tests, a loopback
+/// TCP port for the cluster bus), formed with `redis-cli --cluster create`
+/// (issue 42's test bed: `docs/redis-cluster-plan.md`). Killed when dropped.
+#[derive(Debug)]
+pub struct RedisCluster {
+    /// The nodes, in the order `redis-cli` was given them (it makes the
+    /// first `primaries` the primaries).
+    pub nodes: Vec<RedisServer>,
+    /// Each node's TCP port.
+    pub ports: Vec<u16>,
+}
+
+/// One line of `CLUSTER NODES`: a node's port, whether it is a primary that
+/// is not failed, and the slot ranges it serves.
+#[derive(Debug, Clone)]
+pub struct ClusterNode {
+    /// Its TCP port.
+    pub port: u16,
+    /// A primary the cluster does not think failed.
+    pub primary: bool,
+    /// A replica.
+    pub replica: bool,
+    /// The slots it serves, as inclusive ranges.
+    pub slots: Vec<(u16, u16)>,
+}
+
+impl RedisCluster {
+    /// Starts and forms a cluster; `None` (with a line on stderr) where this
+    /// machine's `redis-server` or `redis-cli` cannot — unless `PACELINE_CI`
+    /// is set, where that fails the test.
+    pub async fn start(primaries: usize) -> Option<Self> {
+        let supported = Command::new("redis-cli").args(["--cluster", "help"]).output().is_ok_and(|o| {
+            let text = String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+            text.contains("create")
+        });
+        if !supported {
+            assert!(std::env::var("PACELINE_CI").is_err(), "redis-cli cannot create a cluster here");
+            eprintln!("SKIPPED: redis-cli cannot create a cluster here (redis-cli --cluster help)");
+            return None;
+        }
+        let mut nodes = Vec::new();
+        let mut ports = Vec::new();
+        for _ in 0..primaries * 2 {
+            // Two free ports (its own and its cluster bus's), taken afresh when another
+            // process took one between their check and the server's bind.
+            let mut tries = 0;
+            let (server, port) = loop {
+                let (port, bus) = (free_tcp_port(), free_tcp_port());
+                let dir = tempfile::Builder::new().prefix("paceline-cluster-").tempdir().expect("a temp dir");
+                let conf = dir.path().join("nodes.conf").display().to_string();
+                let args = [
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    &conf,
+                    "--cluster-port",
+                    &bus.to_string(),
+                    "--cluster-node-timeout",
+                    "2000",
+                    // A replica syncs at once: one that never did cannot take over.
+                    "--repl-diskless-sync-delay",
+                    "0",
+                ];
+                let opts = RedisOptions {
+                    tcp_port: Some(port),
+                    extra_args: args.map(str::to_owned).to_vec(),
+                    ..Default::default()
+                };
+                let mut server = RedisServer { dir, child: None, opts };
+                match server.options().start() {
+                    Ok(child) => {
+                        server.child = Some(child);
+                        break (server, port);
+                    }
+                    Err(e) if tries < 5 => {
+                        tries += 1;
+                        eprintln!("a cluster node did not start ({e}); again on other ports");
+                    }
+                    Err(e) => panic!("cannot start a cluster node: {e}"),
+                }
+            };
+            nodes.push(server);
+            ports.push(port);
+        }
+        let mut create = Command::new("redis-cli");
+        create.arg("--cluster").arg("create");
+        for port in &ports {
+            create.arg(format!("127.0.0.1:{port}"));
+        }
+        let out = create.args(["--cluster-replicas", "1", "--cluster-yes"]).output().expect("run redis-cli");
+        assert!(out.status.success(), "redis-cli --cluster create: {}", String::from_utf8_lossy(&out.stdout));
+        let cluster = Self { nodes, ports };
+        for i in 0..cluster.nodes.len() {
+            let c = &cluster;
+            eventually("every node to see the cluster ok", Duration::from_secs(30), || async move {
+                c.info(i).await.contains("cluster_state:ok").then_some(())
+            })
+            .await;
+        }
+        // And every replica attached, as each node sees it, and in sync with its
+        // primary (a replica that never synced cannot take over).
+        for i in 0..cluster.nodes.len() {
+            let c = &cluster;
+            eventually("every replica attached", Duration::from_secs(30), || async move {
+                (c.view(i).await.iter().filter(|n| n.replica).count() == primaries).then_some(())
+            })
+            .await;
+            eventually("every replica in sync", Duration::from_secs(30), || async move {
+                let mut conn = c.nodes[i].conn().await;
+                let info: String = redis::cmd("INFO").arg("replication").query_async(&mut conn).await.ok()?;
+                (info.contains("role:master") || info.contains("master_link_status:up")).then_some(())
+            })
+            .await;
+        }
+        Some(cluster)
+    }
+
+    /// `CLUSTER INFO` of node `i` (empty when it does not answer).
+    pub async fn info(&self, i: usize) -> String {
+        let Ok(mut conn) = self.nodes[i].client().get_multiplexed_async_connection().await else {
+            return String::new();
+        };
+        redis::cmd("CLUSTER").arg("INFO").query_async(&mut conn).await.unwrap_or_default()
+    }
+
+    /// The cluster as node `i` sees it (`CLUSTER NODES`).
+    pub async fn view(&self, i: usize) -> Vec<ClusterNode> {
+        let mut conn = self.nodes[i].conn().await;
+        let text: String = redis::cmd("CLUSTER").arg("NODES").query_async(&mut conn).await.expect("CLUSTER NODES");
+        text.lines()
+            .filter_map(|line| {
+                let fields: Vec<&str> = line.split_whitespace().collect();
+                let port = fields.get(1)?.split('@').next()?.rsplit(':').next()?.parse().ok()?;
+                let flags = fields.get(2)?;
+                let primary = flags.contains("master") && !flags.contains("fail");
+                let replica = flags.contains("slave");
+                let slots = fields
+                    .iter()
+                    .skip(8)
+                    .filter(|s| !s.starts_with('['))
+                    .filter_map(|s| match s.split_once('-') {
+                        Some((a, b)) => Some((a.parse().ok()?, b.parse().ok()?)),
+                        None => s.parse().ok().map(|n| (n, n)),
+                    })
+                    .collect();
+                Some(ClusterNode { port, primary, replica, slots })
+            })
+            .collect()
+    }
+
+    /// The slot of `key` (its hash tag's).
+    pub async fn slot_of(&self, key: &str) -> u16 {
+        let mut conn = self.nodes[0].conn().await;
+        redis::cmd("CLUSTER").arg("KEYSLOT").arg(key).query_async(&mut conn).await.expect("CLUSTER KEYSLOT")
+    }
+
+    /// The index of the node serving `key`'s slot, as node `seen_by` sees it.
+    pub async fn owner_of(&self, key: &str, seen_by: usize) -> Option<usize> {
+        let slot = self.slot_of(key).await;
+        let view = self.view(seen_by).await;
+        let owner = view.iter().find(|n| n.primary && n.slots.iter().any(|(a, b)| (*a..=*b).contains(&slot)))?;
+        self.ports.iter().position(|p| *p == owner.port)
     }
 }

@@ -5,6 +5,7 @@ mod anthropic;
 mod api;
 mod bench;
 mod bill;
+mod cluster;
 mod connections;
 mod context;
 mod dashboard;
