@@ -5,9 +5,9 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::aio::ConnectionManager;
 use shared::pacer::SharedPacer;
 use shared::queue::TurnQueue;
+use shared::redis_util::RedisConn;
 use shared::runs::{RunStore, SubmitPolicy};
 use tokio::sync::watch;
 
@@ -28,7 +28,7 @@ pub struct Inner {
     /// The shared pacer's state (snapshots only).
     pub pacer: SharedPacer,
     /// A plain connection (PING).
-    pub conn: ConnectionManager,
+    pub conn: RedisConn,
     /// Who may call.
     pub auth: Auth,
     /// Which tool endpoints runs may name.

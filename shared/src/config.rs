@@ -272,7 +272,7 @@ impl PacerArgs {
     }
 
     /// The pacer these arguments describe, over `conn` for the shared one.
-    pub fn build(&self, conn: redis::aio::ConnectionManager, keys: crate::keys::Keys) -> crate::pacer::Pacer {
+    pub fn build(&self, conn: crate::redis_util::RedisConn, keys: crate::keys::Keys) -> crate::pacer::Pacer {
         self.build_for(conn, keys, &self.budget, self.tpm, self.rpm)
     }
 
@@ -280,7 +280,7 @@ impl PacerArgs {
     /// limits, the other knobs from these arguments.
     pub fn build_for(
         &self,
-        conn: redis::aio::ConnectionManager,
+        conn: crate::redis_util::RedisConn,
         keys: crate::keys::Keys,
         budget: &str,
         tpm: Option<u64>,

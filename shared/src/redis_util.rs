@@ -11,28 +11,96 @@
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use std::time::Duration;
 
+/// A connection for ordinary commands and scripts: one Redis through a
+/// reconnecting [`ConnectionManager`] (every deployment today), or a Redis
+/// Cluster through the redis crate's cluster client, which follows `MOVED`
+/// and `ASK` and reconnects to a promoted replica (issue 42; the scripts do
+/// not keep to one slot yet: `docs/redis-cluster-plan.md`). Cheap to clone:
+/// clones share the connection.
+#[derive(Clone)]
+pub enum RedisConn {
+    /// One Redis (a primary, with replicas or not).
+    Single(ConnectionManager),
+    /// A Redis Cluster.
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl std::fmt::Debug for RedisConn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Single(_) => "RedisConn::Single",
+            Self::Cluster(_) => "RedisConn::Cluster",
+        })
+    }
+}
+
+impl From<ConnectionManager> for RedisConn {
+    fn from(conn: ConnectionManager) -> Self {
+        Self::Single(conn)
+    }
+}
+
+impl redis::aio::ConnectionLike for RedisConn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, redis::Value> {
+        match self {
+            Self::Single(c) => c.req_packed_command(cmd),
+            Self::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        match self {
+            Self::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Self::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Single(c) => c.get_db(),
+            Self::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// A connection to the Redis Cluster whose nodes include `nodes` (URLs; any
+/// reachable one tells the client the rest), its commands timed as
+/// [`manager`]'s.
+pub async fn cluster(nodes: &[String]) -> redis::RedisResult<RedisConn> {
+    let client = redis::cluster::ClusterClient::builder(nodes.to_vec())
+        .connection_timeout(CONNECT_TIMEOUT)
+        .response_timeout(COMMAND_TIMEOUT)
+        .build()?;
+    Ok(RedisConn::Cluster(client.get_async_connection().await?))
+}
+
 /// How long a normal command may take before it is an error.
 pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long connecting may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// A reconnecting connection for ordinary commands and scripts.
-pub async fn manager(url: &str) -> redis::RedisResult<ConnectionManager> {
+pub async fn manager(url: &str) -> redis::RedisResult<RedisConn> {
     manager_with_timeout(url, COMMAND_TIMEOUT).await
 }
 
 /// A reconnecting connection whose commands may block up to `timeout`
 /// (give blocking reads a timeout longer than their `BLOCK` argument).
-pub async fn manager_with_timeout(url: &str, timeout: Duration) -> redis::RedisResult<ConnectionManager> {
+pub async fn manager_with_timeout(url: &str, timeout: Duration) -> redis::RedisResult<RedisConn> {
     let client = redis::Client::open(url)?;
-    ConnectionManager::new_with_config(client, config(timeout)).await
+    Ok(ConnectionManager::new_with_config(client, config(timeout)).await?.into())
 }
 
 /// Like [`manager`], but does not connect until the first command; a process
 /// can start while Redis is still down.
-pub fn lazy_manager(url: &str, timeout: Duration) -> redis::RedisResult<ConnectionManager> {
+pub fn lazy_manager(url: &str, timeout: Duration) -> redis::RedisResult<RedisConn> {
     let client = redis::Client::open(url)?;
-    ConnectionManager::new_lazy_with_config(client, config(timeout))
+    Ok(ConnectionManager::new_lazy_with_config(client, config(timeout))?.into())
 }
 
 fn config(timeout: Duration) -> ConnectionManagerConfig {

@@ -231,7 +231,7 @@ fn spawn_deliverer(
 /// [`shared::runs::usage::FLUSH_EVERY`], for as long as the process lives.
 fn spawn_usage_writer(
     book: Arc<shared::runs::usage::UsageBook>,
-    mut conn: redis::aio::ConnectionManager,
+    mut conn: shared::redis_util::RedisConn,
     keys: shared::keys::Keys,
 ) {
     tokio::spawn(async move {

@@ -42,7 +42,7 @@ impl Routes {
         providers: &ProviderArgs,
         pacer: &PacerArgs,
         keys: &KeySource,
-        conn: redis::aio::ConnectionManager,
+        conn: shared::redis_util::RedisConn,
         redis_keys: &Keys,
     ) -> anyhow::Result<Self> {
         let resolved = providers.resolve(&pacer.budget, pacer, keys).map_err(anyhow::Error::msg)?;

@@ -51,7 +51,7 @@ impl Drop for BenchRedis {
 pub struct CommandStats(BTreeMap<String, u64>);
 
 /// The server's CPU time so far (`INFO cpu`: `used_cpu_sys` + `used_cpu_user`), s.
-pub async fn cpu_seconds(conn: &mut redis::aio::ConnectionManager) -> anyhow::Result<f64> {
+pub async fn cpu_seconds(conn: &mut shared::redis_util::RedisConn) -> anyhow::Result<f64> {
     let info: String = redis::cmd("INFO").arg("cpu").query_async(conn).await?;
     Ok(parse_cpu_seconds(&info))
 }
@@ -66,7 +66,7 @@ pub fn parse_cpu_seconds(info: &str) -> f64 {
 
 impl CommandStats {
     /// Reads the server's counters now.
-    pub async fn read(conn: &mut redis::aio::ConnectionManager) -> anyhow::Result<Self> {
+    pub async fn read(conn: &mut shared::redis_util::RedisConn) -> anyhow::Result<Self> {
         let info: String = redis::cmd("INFO").arg("commandstats").query_async(conn).await?;
         Ok(Self::parse(&info))
     }

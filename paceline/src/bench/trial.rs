@@ -80,7 +80,7 @@ pub struct Trial {
     first_submit: Option<Instant>,
     api: Served,
     fleet: Fleet,
-    admin: redis::aio::ConnectionManager,
+    admin: shared::redis_util::RedisConn,
     store: RunStore,
     before: CommandStats,
     cpu_before: f64,

@@ -91,7 +91,7 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
 
 #[derive(Clone)]
 struct Probe {
-    conn: redis::aio::ConnectionManager,
+    conn: shared::redis_util::RedisConn,
     record: bool,
     max_sleep_ms: u64,
     done_key: String,

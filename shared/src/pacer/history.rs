@@ -10,7 +10,7 @@
 //! script's snapshot).
 
 use crate::keys::Keys;
-use redis::aio::ConnectionManager;
+use crate::redis_util::RedisConn;
 use serde::Serialize;
 use std::collections::HashMap;
 
@@ -88,7 +88,7 @@ pub fn refill_per_s(state: &super::model::PacerState) -> Option<f64> {
 /// Reads one budget and model's history (Redis clock); `refill_tokens_per_s`
 /// is the state's ([`refill_per_s`]), read by the caller through the script.
 pub async fn read(
-    conn: &mut ConnectionManager,
+    conn: &mut RedisConn,
     keys: &Keys,
     budget: &str,
     model: &str,

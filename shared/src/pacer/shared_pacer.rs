@@ -14,7 +14,7 @@ use super::snapshot::{state_from_fields, BudgetSnapshot};
 use super::PacerError;
 use crate::clock::{Clock, Millis};
 use crate::keys::Keys;
-use redis::aio::ConnectionManager;
+use crate::redis_util::RedisConn;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -54,7 +54,7 @@ pub struct PacerHost {
 /// atomic script of `lua/` ([`super::script`]).
 #[derive(Clone)]
 pub struct SharedPacer {
-    conn: ConnectionManager,
+    conn: RedisConn,
     keys: Keys,
     budget: String,
     config: Arc<PacingConfig>,
@@ -192,7 +192,7 @@ impl SharedPacer {
     /// host to move its waiting turns ([`Self::with_host`]), a turn it owes
     /// time comes back at its estimate and asks again (`PacingConfig::parks`
     /// off): the pacer's own tests, and any client that asks it directly.
-    pub fn new(conn: ConnectionManager, keys: Keys, budget: impl Into<String>, config: PacingConfig) -> Self {
+    pub fn new(conn: RedisConn, keys: Keys, budget: impl Into<String>, config: PacingConfig) -> Self {
         Self {
             conn,
             keys,

@@ -26,7 +26,7 @@ pub use apalis_core;
 
 use crate::config::RedisArgs;
 use crate::redis_util;
-use redis::aio::ConnectionManager;
+use crate::redis_util::RedisConn;
 use serde::{de::DeserializeOwned, Serialize};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -141,7 +141,7 @@ impl Scripts {
 /// A handle on the turn queue; cheap to clone.
 #[derive(Clone)]
 pub struct TurnQueue {
-    conn: ConnectionManager,
+    conn: RedisConn,
     url: String,
     keys: Arc<QueueKeys>,
     config: QueueConfig,
@@ -530,7 +530,7 @@ impl TurnQueue {
     }
 
     /// The queue's shared connection (its backend's `CLIENT UNBLOCK`).
-    pub fn conn(&self) -> ConnectionManager {
+    pub fn conn(&self) -> RedisConn {
         self.conn.clone()
     }
 }

@@ -125,7 +125,7 @@ pub enum Reserved {
 /// The tenants' day ledgers on Redis.
 #[derive(Clone)]
 pub struct SpendLedger {
-    conn: redis::aio::ConnectionManager,
+    conn: crate::redis_util::RedisConn,
     keys: Keys,
     /// How long a "day" is (a UTC day; tests shorten it).
     day_ms: u64,
@@ -140,7 +140,7 @@ impl std::fmt::Debug for SpendLedger {
 
 impl SpendLedger {
     /// A ledger whose days are `day_ms` long ([`DAY_MS`] but in tests).
-    pub fn new(conn: redis::aio::ConnectionManager, keys: Keys, day_ms: u64) -> Self {
+    pub fn new(conn: crate::redis_util::RedisConn, keys: Keys, day_ms: u64) -> Self {
         Self { conn, keys, day_ms: day_ms.max(1), script: redis::Script::new(SCRIPT) }
     }
 

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::LazyLock;
 use std::time::Duration;
 
-use redis::aio::ConnectionManager;
+use crate::redis_util::RedisConn;
 use serde_json::{json, Value};
 
 use super::events::{EventId, RunEvent};
@@ -205,7 +205,7 @@ pub const MAX_RETRIES: u32 = 10;
 /// The run store.
 #[derive(Clone)]
 pub struct RunStore {
-    conn: ConnectionManager,
+    conn: RedisConn,
     keys: Keys,
     queue: QueueKeys,
     retention: Duration,
@@ -220,7 +220,7 @@ impl std::fmt::Debug for RunStore {
 
 impl RunStore {
     /// A store over `conn`, under `keys`' prefix; finished runs are kept for `retention`.
-    pub fn new(conn: ConnectionManager, keys: Keys, retention: Duration) -> Self {
+    pub fn new(conn: RedisConn, keys: Keys, retention: Duration) -> Self {
         let queue = QueueKeys::new(&keys);
         Self { conn, keys, queue, retention, quotas: Default::default() }
     }
@@ -232,7 +232,7 @@ impl RunStore {
     }
 
     /// The connection (for callers that read the queue or the pacer too).
-    pub fn connection(&self) -> ConnectionManager {
+    pub fn connection(&self) -> RedisConn {
         self.conn.clone()
     }
 

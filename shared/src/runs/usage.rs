@@ -100,7 +100,7 @@ impl UsageBook {
 
     /// Writes what the book holds and empties it; on failure the counts go
     /// back in, to be written with the next flush.
-    pub async fn flush(&self, conn: &mut redis::aio::ConnectionManager, keys: &Keys) -> Result<(), redis::RedisError> {
+    pub async fn flush(&self, conn: &mut crate::redis_util::RedisConn, keys: &Keys) -> Result<(), redis::RedisError> {
         let taken = std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()));
         if taken.is_empty() {
             return Ok(());
@@ -190,7 +190,7 @@ pub fn day_of(ms: u64) -> u64 {
 /// The sums of days `from..=to` by `group_by`, of `tenant`'s calls only when
 /// given: key (tenant, model or `YYYY-MM-DD`) -> totals.
 pub async fn read(
-    conn: &mut redis::aio::ConnectionManager,
+    conn: &mut crate::redis_util::RedisConn,
     keys: &Keys,
     from: u64,
     to: u64,

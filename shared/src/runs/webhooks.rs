@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use std::sync::LazyLock;
 use std::time::Duration;
 
-use redis::aio::ConnectionManager;
+use crate::redis_util::RedisConn;
 use serde::{Deserialize, Serialize};
 
 use super::record::{rfc3339_ms, Run};
@@ -176,13 +176,13 @@ pub fn event_body(kind: &str, at_ms: i64, run: &Run) -> String {
 /// The deliveries' queue, in the runs' slot.
 #[derive(Clone)]
 pub struct WebhookQueue {
-    conn: ConnectionManager,
+    conn: RedisConn,
     keys: Keys,
 }
 
 impl WebhookQueue {
     /// The queue under `keys`' prefix.
-    pub fn new(conn: ConnectionManager, keys: Keys) -> Self {
+    pub fn new(conn: RedisConn, keys: Keys) -> Self {
         Self { conn, keys }
     }
 

@@ -108,3 +108,42 @@ async fn scripts_on_a_cluster_keep_to_one_slot_as_the_plan_assumes() {
     let e = strict.query_async::<redis::Value>(&mut conn).await.unwrap_err();
     assert!(e.to_string().contains("same slot") || e.to_string().contains("slot"), "{e}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_connection_finds_each_keys_primary_and_the_replica_promoted_in_its_place() {
+    let Some(mut cluster) = RedisCluster::start(3).await else { return };
+    // One node named: the client learns the rest.
+    let mut conn = shared::redis_util::cluster(&[format!("redis://127.0.0.1:{}", cluster.ports[0])]).await.unwrap();
+    for i in 0..60 {
+        let _: () = redis::cmd("SET").arg(format!("{{run-{i}}}:x")).arg(i).query_async(&mut conn).await.unwrap();
+    }
+    for i in 0..60 {
+        let v: i64 = redis::cmd("GET").arg(format!("{{run-{i}}}:x")).query_async(&mut conn).await.unwrap();
+        assert_eq!(v, i);
+    }
+    // Spread over the primaries by their slots.
+    let mut held = Vec::new();
+    for (i, node) in cluster.nodes.iter().enumerate() {
+        if cluster.view(0).await.iter().any(|n| n.primary && n.port == cluster.ports[i] && !n.slots.is_empty()) {
+            let mut c = node.conn().await;
+            held.push(redis::cmd("DBSIZE").query_async::<i64>(&mut c).await.unwrap());
+        }
+    }
+    assert_eq!(held.len(), 3);
+    assert!(held.iter().all(|n| *n > 0) && held.iter().sum::<i64>() == 60, "{held:?}");
+
+    // Its primary killed, a key is written again through the same connection once a replica took over.
+    let owner = cluster.owner_of("{run-0}", 0).await.unwrap();
+    let witness = (0..cluster.nodes.len()).find(|i| *i != owner).unwrap();
+    cluster.nodes[owner].kill();
+    let conn = &conn;
+    eventually("the key writable again through the cluster connection", Duration::from_secs(40), || async move {
+        let mut conn = conn.clone();
+        redis::cmd("SET").arg("{run-0}:x").arg("again").query_async::<()>(&mut conn).await.ok()
+    })
+    .await;
+    let mut conn = conn.clone();
+    let v: String = redis::cmd("GET").arg("{run-0}:x").query_async(&mut conn).await.unwrap();
+    assert_eq!(v, "again");
+    assert!(cluster.owner_of("{run-0}", witness).await.is_some_and(|o| o != owner));
+}

@@ -1076,7 +1076,7 @@ async fn a_run_past_its_deadline_fails_at_its_next_turn_before_any_call() {
 /// Redis commands run since `before` (`INFO commandstats`; a script's inner
 /// commands count under their own names, as the bench counts them), without
 /// the `INFO` calls themselves.
-async fn commands(conn: &mut redis::aio::ConnectionManager) -> u64 {
+async fn commands(conn: &mut shared::redis_util::RedisConn) -> u64 {
     let info: String = redis::cmd("INFO").arg("commandstats").query_async(conn).await.unwrap();
     info.lines()
         .filter(|l| l.starts_with("cmdstat_") && !l.starts_with("cmdstat_info:"))
