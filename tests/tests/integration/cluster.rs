@@ -6,24 +6,31 @@
 use std::time::Duration;
 
 use paceline_tests::{eventually, RedisCluster};
+use shared::keys::Keys;
 
-/// A hash tag whose slot a primary other than `not`'s serves.
-async fn tag_elsewhere(cluster: &RedisCluster, not: usize) -> String {
-    for i in 0..1_000 {
-        let tag = format!("{{budget-{i}}}");
-        if cluster.owner_of(&tag, 0).await.is_some_and(|o| o != not) {
-            return tag;
-        }
-    }
-    panic!("no tag on another primary in 1 000 tries");
+/// The keys of prefix `paceline`: its queue and runs under `{paceline}`, a
+/// budget's pacer state under `{<budget>}`.
+fn keys() -> Keys {
+    Keys::new("paceline")
 }
 
-/// A hash tag of another slot that `on`'s node serves too.
-async fn other_slot_on(cluster: &RedisCluster, on: usize, not_slot: u16) -> String {
+/// The pacer state key of a budget whose slot a primary other than `not`'s serves.
+async fn budget_elsewhere(cluster: &RedisCluster, not: usize) -> String {
+    for i in 0..1_000 {
+        let key = keys().pacer_state(&format!("budget-{i}"), "m");
+        if cluster.owner_of(&key, 0).await.is_some_and(|o| o != not) {
+            return key;
+        }
+    }
+    panic!("no budget on another primary in 1 000 tries");
+}
+
+/// The pacer state key of a budget of another slot than `not_slot` that `on`'s node serves too.
+async fn budget_on(cluster: &RedisCluster, on: usize, not_slot: u16) -> String {
     for i in 0..10_000 {
-        let tag = format!("{{same-node-{i}}}");
-        if cluster.owner_of(&tag, 0).await == Some(on) && cluster.slot_of(&tag).await != not_slot {
-            return tag;
+        let key = keys().pacer_state(&format!("same-node-{i}"), "m");
+        if cluster.owner_of(&key, 0).await == Some(on) && cluster.slot_of(&key).await != not_slot {
+            return key;
         }
     }
     panic!("no other slot of the same node in 10 000 tries");
@@ -38,13 +45,14 @@ async fn a_local_cluster_forms_and_a_replica_takes_over_a_killed_primary() {
     assert_eq!(covered, 16_384, "every slot served");
 
     // The primary of the queue's slot dies; its replica is promoted, and the slot is served again.
-    let owner = cluster.owner_of("{paceline}", 0).await.expect("an owner");
+    let queue = keys().run_record("run_probe");
+    let owner = cluster.owner_of(&queue, 0).await.expect("an owner");
     let witness = (0..cluster.nodes.len()).find(|i| *i != owner).unwrap();
     cluster.nodes[owner].kill();
     let dead_port = cluster.ports[owner];
     let c = &cluster;
     let promoted = paceline_tests::poll_until(Duration::from_secs(30), || async move {
-        c.owner_of("{paceline}", witness).await.filter(|o| c.ports[*o] != dead_port)
+        c.owner_of(&keys().run_record("run_probe"), witness).await.filter(|o| c.ports[*o] != dead_port)
     })
     .await;
     let Some(promoted) = promoted else {
@@ -60,17 +68,17 @@ async fn a_local_cluster_forms_and_a_replica_takes_over_a_killed_primary() {
     })
     .await;
     let mut conn = cluster.nodes[promoted].conn().await;
-    let _: () = redis::cmd("SET").arg("{paceline}:probe").arg("1").query_async(&mut conn).await.unwrap();
+    let _: () = redis::cmd("SET").arg(&queue).arg("1").query_async(&mut conn).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scripts_on_a_cluster_keep_to_one_slot_as_the_plan_assumes() {
     let Some(cluster) = RedisCluster::start(3).await else { return };
-    let queue = "{paceline}";
-    let node = cluster.owner_of(queue, 0).await.expect("an owner");
-    let queue_slot = cluster.slot_of(queue).await;
-    let budget = tag_elsewhere(&cluster, node).await;
-    let neighbour = other_slot_on(&cluster, node, queue_slot).await;
+    let q = keys().run_record("run_probe");
+    let node = cluster.owner_of(&q, 0).await.expect("an owner");
+    let queue_slot = cluster.slot_of(&q).await;
+    let budget = budget_elsewhere(&cluster, node).await;
+    let neighbour = budget_on(&cluster, node, queue_slot).await;
     let mut conn = cluster.nodes[node].conn().await;
     let eval = |script: &str, keys: &[String]| {
         let mut cmd = redis::cmd("EVAL");
@@ -80,11 +88,10 @@ async fn scripts_on_a_cluster_keep_to_one_slot_as_the_plan_assumes() {
         }
         cmd
     };
-    let q = format!("{queue}:q");
 
     // Declared keys of two slots: refused before the script runs (the run
     // store's fetch and commit with a budget's pacer keys, today).
-    let two = eval("return 1", &[q.clone(), format!("{budget}:state")]);
+    let two = eval("return 1", &[q.clone(), budget.clone()]);
     let e = two.query_async::<i64>(&mut conn).await.unwrap_err();
     assert!(e.to_string().to_lowercase().contains("crossslot"), "{e}");
 
@@ -93,18 +100,18 @@ async fn scripts_on_a_cluster_keep_to_one_slot_as_the_plan_assumes() {
     // on a fresh cluster: the plan's trap) ...
     let touch = "return redis.call('SET', ARGV[1], '1')";
     let mut legacy = eval(touch, std::slice::from_ref(&q));
-    legacy.arg(format!("{neighbour}:x"));
+    legacy.arg(&neighbour);
     let ok: redis::Value = legacy.query_async(&mut conn).await.unwrap();
     assert_eq!(ok, redis::Value::Okay);
     // ... a key of another node fails inside the script ...
     let mut far = eval(touch, std::slice::from_ref(&q));
-    far.arg(format!("{budget}:x"));
+    far.arg(&budget);
     let e = far.query_async::<redis::Value>(&mut conn).await.unwrap_err();
     assert!(e.to_string().to_lowercase().contains("non local key") || e.to_string().contains("slot"), "{e}");
     // ... and a script with the `#!lua` flags line is held to its declared slot: the strict
     // mode cluster scripts are to carry.
     let mut strict = eval(&format!("#!lua\n{touch}"), std::slice::from_ref(&q));
-    strict.arg(format!("{neighbour}:y"));
+    strict.arg(&neighbour);
     let e = strict.query_async::<redis::Value>(&mut conn).await.unwrap_err();
     assert!(e.to_string().contains("same slot") || e.to_string().contains("slot"), "{e}");
 }
@@ -114,11 +121,13 @@ async fn a_cluster_connection_finds_each_keys_primary_and_the_replica_promoted_i
     let Some(mut cluster) = RedisCluster::start(3).await else { return };
     // One node named: the client learns the rest.
     let mut conn = shared::redis_util::cluster(&[format!("redis://127.0.0.1:{}", cluster.ports[0])]).await.unwrap();
+    // Sixty budgets' state keys: sixty hash tags.
+    let key = |i: i64| keys().pacer_state(&format!("b{i}"), "m");
     for i in 0..60 {
-        let _: () = redis::cmd("SET").arg(format!("{{run-{i}}}:x")).arg(i).query_async(&mut conn).await.unwrap();
+        let _: () = redis::cmd("SET").arg(key(i)).arg(i).query_async(&mut conn).await.unwrap();
     }
     for i in 0..60 {
-        let v: i64 = redis::cmd("GET").arg(format!("{{run-{i}}}:x")).query_async(&mut conn).await.unwrap();
+        let v: i64 = redis::cmd("GET").arg(key(i)).query_async(&mut conn).await.unwrap();
         assert_eq!(v, i);
     }
     // Spread over the primaries by their slots.
@@ -133,17 +142,18 @@ async fn a_cluster_connection_finds_each_keys_primary_and_the_replica_promoted_i
     assert!(held.iter().all(|n| *n > 0) && held.iter().sum::<i64>() == 60, "{held:?}");
 
     // Its primary killed, a key is written again through the same connection once a replica took over.
-    let owner = cluster.owner_of("{run-0}", 0).await.unwrap();
+    let first = key(0);
+    let owner = cluster.owner_of(&first, 0).await.unwrap();
     let witness = (0..cluster.nodes.len()).find(|i| *i != owner).unwrap();
     cluster.nodes[owner].kill();
-    let conn = &conn;
+    let (conn, first) = (&conn, &first);
     eventually("the key writable again through the cluster connection", Duration::from_secs(40), || async move {
         let mut conn = conn.clone();
-        redis::cmd("SET").arg("{run-0}:x").arg("again").query_async::<()>(&mut conn).await.ok()
+        redis::cmd("SET").arg(first).arg("again").query_async::<()>(&mut conn).await.ok()
     })
     .await;
     let mut conn = conn.clone();
-    let v: String = redis::cmd("GET").arg("{run-0}:x").query_async(&mut conn).await.unwrap();
+    let v: String = redis::cmd("GET").arg(first).query_async(&mut conn).await.unwrap();
     assert_eq!(v, "again");
-    assert!(cluster.owner_of("{run-0}", witness).await.is_some_and(|o| o != owner));
+    assert!(cluster.owner_of(first, witness).await.is_some_and(|o| o != owner));
 }
