@@ -167,6 +167,20 @@ pub async fn check_version<C: redis::aio::ConnectionLike + Send>(
     })
 }
 
+/// Why a Redis whose `INFO cluster` reads `info` cannot be paceline's one
+/// Redis: a node of a Redis Cluster serves some slots only, and answers a
+/// key of another with `MOVED` — every script would fail on most runs, in
+/// the middle of the work. Refused at start instead (cluster mode is issue
+/// 42's, not built: `docs/redis-cluster-plan.md`).
+pub fn cluster_refused(info: &str) -> Option<String> {
+    (info_field(info, "cluster_enabled") == Some("1")).then(|| {
+        "REDIS_URL names a node of a Redis Cluster (cluster_enabled:1): paceline keeps its state in one Redis \
+         (a primary, with replicas or not) and does not run on a cluster yet. Give it a Redis with \
+         cluster-enabled no"
+            .to_owned()
+    })
+}
+
 /// The one `maxmemory-policy` that keeps every key: any other drops keys
 /// under memory pressure.
 pub const NO_EVICTION: &str = "noeviction";
@@ -207,7 +221,8 @@ pub fn eviction_refused(policy: &str) -> Option<String> {
 }
 
 /// Whether this Redis can hold paceline's state: new enough for the scripts
-/// ([`check_version`]) and evicting no key ([`eviction_refused`]). Redis
+/// ([`check_version`]), not a cluster's node ([`cluster_refused`]) and
+/// evicting no key ([`eviction_refused`]). Redis
 /// not answering within `wait` is no refusal: a process starts before its
 /// Redis and waits for it. Every process (`paceline api`, `worker`, `up`)
 /// asks at start and exits with the reason when this is `Err`.
@@ -215,6 +230,11 @@ pub async fn refuse_unfit<C: redis::aio::ConnectionLike + Send>(conn: &mut C, wa
     let checked = tokio::time::timeout(wait, async {
         if let Err(too_old) = check_version(conn).await? {
             return Ok(Err(too_old));
+        }
+        // (A Redis that will not say is not refused for it: the policy is still checked.)
+        let cluster: redis::RedisResult<String> = redis::cmd("INFO").arg("cluster").query_async(conn).await;
+        if let Some(why) = cluster.ok().as_deref().and_then(cluster_refused) {
+            return Ok(Err(why));
         }
         let policy = maxmemory_policy(conn).await?;
         Ok::<_, redis::RedisError>(policy.as_deref().and_then(eviction_refused).map_or(Ok(()), Err))
@@ -241,6 +261,13 @@ mod tests {
         let info = "# Memory\r\nused_memory:1024\r\nmaxmemory_policy:allkeys-lru\r\n";
         assert_eq!(info_field(info, "maxmemory_policy"), Some("allkeys-lru"));
         assert_eq!(info_field(info, "maxmemory"), None, "a field is its whole name");
+    }
+
+    #[test]
+    fn a_cluster_node_is_refused_and_a_standalone_redis_is_not() {
+        assert!(cluster_refused("# Cluster\r\ncluster_enabled:1\r\n").unwrap().contains("cluster_enabled:1"));
+        assert_eq!(cluster_refused("# Cluster\r\ncluster_enabled:0\r\n"), None);
+        assert_eq!(cluster_refused(""), None, "a Redis that says nothing of clusters");
     }
 
     #[test]

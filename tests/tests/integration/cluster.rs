@@ -157,3 +157,32 @@ async fn a_cluster_connection_finds_each_keys_primary_and_the_replica_promoted_i
     assert_eq!(v, "again");
     assert!(cluster.owner_of(first, witness).await.is_some_and(|o| o != owner));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_worker_and_up_refuse_a_cluster_node_as_their_one_redis_and_say_why() {
+    let Some(cluster) = RedisCluster::start(3).await else { return };
+    for args in [&["api", "--listen", "127.0.0.1:0"][..], &["worker"], &["up", "--listen", "127.0.0.1:0"]] {
+        let mut child = paceline_tests::ChildGuard(
+            std::process::Command::new(paceline_tests::paceline_bin())
+                .args(args)
+                .env("REDIS_URL", cluster.nodes[0].url())
+                .env("PACELINE_PREFIX", paceline_tests::unique_prefix())
+                .env_remove("PACELINE_API_TOKENS")
+                .env("RUST_LOG", "warn")
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("run paceline"),
+        );
+        let status = child.wait_timeout(Duration::from_secs(20));
+        let mut stderr = String::new();
+        if status.is_none() {
+            let _ = child.0.kill();
+        }
+        std::io::Read::read_to_string(child.0.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+        let out = status.unwrap_or_else(|| panic!("{args:?} kept running on a cluster node: {stderr}"));
+        assert!(!out.success(), "{args:?} ran on a cluster node: {stderr}");
+        assert!(stderr.contains("node of a Redis Cluster"), "{args:?} does not say why: {stderr}");
+    }
+}
