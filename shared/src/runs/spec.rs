@@ -829,7 +829,9 @@ fn bounded(v: Option<&Value>, field: &str, default: u32, max: u32) -> Result<u32
     }
 }
 
-fn valid_tool_name(n: &str) -> bool {
+/// Whether `n` is a function tool's name every provider takes: 1–64 of
+/// `a-z A-Z 0-9 _ -` (a run's own tools, and its MCP servers' as offered).
+pub fn valid_tool_name(n: &str) -> bool {
     (1..=64).contains(&n.len()) && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
 }
 

@@ -399,7 +399,7 @@ fn connection_key(tenant: &str, server: &McpServer) -> String {
 /// `tool` of `server` as the model is offered it, or why it cannot be.
 fn offer(server: &McpServer, tool: &Tool) -> Result<Value, String> {
     let name = server.tool_name(&tool.name);
-    if !(1..=64).contains(&name.len()) || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
+    if !shared::runs::spec::valid_tool_name(&name) {
         return Err(format!("{name:?} is not a tool name the providers take (1–64 of a-z, A-Z, 0-9, _ and -)"));
     }
     let mut schema = (*tool.input_schema).clone();
