@@ -34,11 +34,12 @@ impl std::fmt::Debug for Application {
 impl Application {
     /// Binds `config.serve.listen` and prepares the routes.
     pub async fn build(config: ApiConfig) -> anyhow::Result<Self> {
-        let conn = shared::redis_util::lazy_manager(&config.redis.url, config.serve.redis_timeout())
+        config.redis.check().map_err(anyhow::Error::msg)?;
+        let conn = shared::redis_util::connect(&config.redis, config.serve.redis_timeout())
             .with_context(|| "the Redis URL is not valid".to_string())?;
         // A Redis that evicts keys (or is too old for the scripts) is refused
         // before anything is served; one not up yet is waited for.
-        shared::redis_util::refuse_unfit(&mut conn.clone(), std::time::Duration::from_secs(2))
+        shared::redis_util::refuse_unfit(&mut conn.clone(), &config.redis, std::time::Duration::from_secs(2))
             .await
             .map_err(anyhow::Error::msg)?;
         let keys = config.redis.keys();
@@ -78,8 +79,8 @@ impl Application {
         let streams = Default::default();
         // The event reader blocks on a connection of its own (a blocking read
         // on the shared one would hold up every other request).
-        let reader = shared::redis_util::lazy_manager(
-            &config.redis.url,
+        let reader = shared::redis_util::connect(
+            &config.redis,
             std::time::Duration::from_secs(2) + config.serve.redis_timeout(),
         )
         .context("the event reader's connection")?;

@@ -73,11 +73,57 @@ pub struct RedisArgs {
     /// Prefix of every Redis key paceline writes.
     #[arg(long = "prefix", env = "PACELINE_PREFIX", default_value = "paceline")]
     pub prefix: String,
+    /// Seed nodes of a Redis Cluster (`PACELINE_REDIS_CLUSTER_NODES`,
+    /// environment only: the URLs may hold a password): when any is given,
+    /// every connection goes to the cluster and `url` is not used.
+    #[arg(skip = env_only::<ClusterNodes>("PACELINE_REDIS_CLUSTER_NODES").unwrap_or_default())]
+    pub cluster_nodes: ClusterNodes,
+    /// Queue partitions (`PACELINE_QUEUE_PARTITIONS`): only 1 is built yet,
+    /// on a single Redis and on a cluster ([`RedisArgs::check`] refuses others).
+    #[arg(long = "queue-partitions", env = "PACELINE_QUEUE_PARTITIONS", default_value_t = 1)]
+    pub partitions: u32,
 }
 
 impl fmt::Debug for RedisArgs {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RedisArgs").field("url", &redact_url(&self.url)).field("prefix", &self.prefix).finish()
+        f.debug_struct("RedisArgs")
+            .field("url", &redact_url(&self.url))
+            .field("prefix", &self.prefix)
+            .field("cluster_nodes", &self.cluster_nodes)
+            .field("partitions", &self.partitions)
+            .finish()
+    }
+}
+
+/// The seed nodes of a Redis Cluster: comma-separated `redis://` or
+/// `rediss://` URLs, each naming a host (any reachable one tells the
+/// client the rest). Empty: one Redis.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct ClusterNodes(pub Vec<String>);
+
+impl fmt::Debug for ClusterNodes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.0.iter().map(|n| redact_url(n))).finish()
+    }
+}
+
+impl FromStr for ClusterNodes {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let nodes: Vec<String> = s.split(',').map(str::trim).filter(|n| !n.is_empty()).map(str::to_owned).collect();
+        for (i, node) in nodes.iter().enumerate() {
+            let scheme_ok = node.starts_with("redis://") || node.starts_with("rediss://");
+            let host = node.split_once("://").map_or("", |(_, rest)| rest.rsplit('@').next().unwrap_or(""));
+            if !scheme_ok || host.is_empty() || host.starts_with(':') || host.starts_with('/') {
+                // Never the URL itself: it may hold a password.
+                return Err(format!(
+                    "node {} is not a redis:// or rediss:// URL naming a host (redis+unix:// cannot reach a cluster)",
+                    i + 1
+                ));
+            }
+        }
+        Ok(Self(nodes))
     }
 }
 
@@ -91,14 +137,53 @@ pub fn redact_url(url: &str) -> String {
 }
 
 impl RedisArgs {
-    /// A config value built in code (tests, `paceline up`).
+    /// A config value built in code (tests, `paceline up`): one Redis.
     pub fn new(url: impl Into<String>, prefix: impl Into<String>) -> Self {
-        Self { url: url.into(), prefix: prefix.into() }
+        Self { url: url.into(), prefix: prefix.into(), cluster_nodes: ClusterNodes::default(), partitions: 1 }
     }
 
-    /// The key namespace.
+    /// The same deployment on the Redis Cluster whose seed nodes are `nodes`.
+    pub fn on_cluster(mut self, nodes: Vec<String>) -> Self {
+        self.cluster_nodes = ClusterNodes(nodes);
+        self
+    }
+
+    /// Whether this deployment runs on a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        !self.cluster_nodes.0.is_empty()
+    }
+
+    /// The key namespace: on a cluster, every key in the one slot of the
+    /// prefix's hash tag (`Keys::one_slot`).
     pub fn keys(&self) -> crate::keys::Keys {
-        crate::keys::Keys::new(self.prefix.clone())
+        if self.is_cluster() {
+            crate::keys::Keys::one_slot(self.prefix.clone())
+        } else {
+            crate::keys::Keys::new(self.prefix.clone())
+        }
+    }
+
+    /// What cannot run, said before anything starts: partitions other than
+    /// one (not built yet: `docs/redis-cluster-plan.md`, stage d).
+    pub fn check(&self) -> Result<(), String> {
+        if self.partitions != 1 {
+            return Err(format!(
+                "PACELINE_QUEUE_PARTITIONS={}: this version keeps every run in one partition (partitioned \
+                 queues are not built yet); unset it or set it to 1",
+                self.partitions
+            ));
+        }
+        Ok(())
+    }
+
+    /// Where to say Redis is, its password hidden: the URL, or the cluster's seed nodes.
+    pub fn describe(&self) -> String {
+        if self.is_cluster() {
+            let nodes: Vec<String> = self.cluster_nodes.0.iter().map(|n| redact_url(n)).collect();
+            format!("the Redis Cluster of {}", nodes.join(", "))
+        } else {
+            redact_url(&self.url)
+        }
     }
 }
 
@@ -394,6 +479,31 @@ mod tests {
         assert!(!shown.contains("hunter2") && shown.contains("redis://***@cache:6379/0"), "{shown}");
         assert_eq!(redact_url("redis://user:pw@h:1"), "redis://***@h:1");
         assert_eq!(redact_url("redis+unix:///tmp/r.sock"), "redis+unix:///tmp/r.sock");
+    }
+
+    #[test]
+    fn cluster_nodes_are_redis_urls_and_their_passwords_never_print() {
+        let nodes: ClusterNodes = "redis://:hunter2@a:7000, rediss://b:7001,".parse().unwrap();
+        assert_eq!(nodes.0, ["redis://:hunter2@a:7000", "rediss://b:7001"]);
+        let args = RedisArgs::new("", "p").on_cluster(nodes.0.clone());
+        assert!(args.is_cluster() && args.keys().is_one_slot());
+        for shown in [format!("{args:?}"), args.describe()] {
+            assert!(!shown.contains("hunter2") && shown.contains("redis://***@a:7000"), "{shown}");
+        }
+        for bad in ["redis+unix:///tmp/r.sock", "http://a:1", "redis://", "redis://:pw@"] {
+            let why = bad.parse::<ClusterNodes>().unwrap_err();
+            assert!(why.contains("node 1") && !why.contains("pw"), "{bad}: {why}");
+        }
+        assert_eq!("".parse::<ClusterNodes>().unwrap().0.len(), 0, "unset is one Redis");
+        assert!(!RedisArgs::new("redis://h", "p").keys().is_one_slot());
+    }
+
+    #[test]
+    fn partitions_other_than_one_are_refused_naming_the_variable() {
+        let mut args = RedisArgs::new("redis://h", "p");
+        assert_eq!(args.check(), Ok(()));
+        args.partitions = 16;
+        assert!(args.check().unwrap_err().contains("PACELINE_QUEUE_PARTITIONS=16"));
     }
 
     #[test]

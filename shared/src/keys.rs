@@ -9,12 +9,42 @@
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Keys {
     prefix: String,
+    /// Every key in one slot (a Redis Cluster): the budgets' keys carry the
+    /// prefix's hash tag too, so no script, pipeline or multi-key command
+    /// spans two slots.
+    one_slot: bool,
 }
 
 impl Keys {
-    /// Keys under `prefix`.
+    /// Keys under `prefix`, one Redis's layout: each budget's keys under a
+    /// hash tag of their own (`{budget}`).
     pub fn new(prefix: impl Into<String>) -> Self {
-        Self { prefix: prefix.into() }
+        Self { prefix: prefix.into(), one_slot: false }
+    }
+
+    /// Keys under `prefix`, a Redis Cluster's layout: every key under the
+    /// prefix's hash tag, the budgets' too (`prefix:{prefix}:pacer:<budget>:…`),
+    /// so the deployment lives in one slot, where the queue's scripts may
+    /// carry the pacer's ops as they do on one Redis. (Partitions, which
+    /// would spread the queue over the primaries, are not built yet: the
+    /// budget's own slot comes with them, `docs/redis-cluster-plan.md`.)
+    pub fn one_slot(prefix: impl Into<String>) -> Self {
+        Self { prefix: prefix.into(), one_slot: true }
+    }
+
+    /// Whether every key lives in one slot ([`one_slot`](Self::one_slot)).
+    pub fn is_one_slot(&self) -> bool {
+        self.one_slot
+    }
+
+    /// The start of a budget's keys: `prefix:pacer:{budget}` (its own slot)
+    /// or, in one slot, `prefix:{prefix}:pacer:budget`.
+    fn pacer_base(&self, budget: &str) -> String {
+        if self.one_slot {
+            format!("{}:{}:pacer:{}", self.prefix, self.slot_tag(), budget)
+        } else {
+            format!("{}:pacer:{{{}}}", self.prefix, budget)
+        }
     }
 
     /// The prefix itself.
@@ -30,13 +60,13 @@ impl Keys {
     /// started it; the line parked, its head kept in the state): a worker of an
     /// older format keeps its own keys and never reads these as its own.
     pub fn pacer_state(&self, budget: &str, model: &str) -> String {
-        format!("{}:pacer:{{{}}}:v5:state:{}", self.prefix, budget, model)
+        format!("{}:v5:state:{}", self.pacer_base(budget), model)
     }
 
     /// The pacer's waiters for one budget and model: reservation id -> its
     /// record (its place in line, what it is expected to use, when it is due).
     pub fn pacer_waiters(&self, budget: &str, model: &str) -> String {
-        format!("{}:pacer:{{{}}}:v5:waiters:{}", self.prefix, budget, model)
+        format!("{}:v5:waiters:{}", self.pacer_base(budget), model)
     }
 
     /// A set the pacer's tests keep beside its keys: the ended runs of a test
@@ -49,7 +79,7 @@ impl Keys {
     /// The line of a budget and model's waiters: id -> its place (an index of
     /// [`pacer_waiters`](Self::pacer_waiters), written with it).
     pub fn pacer_line(&self, budget: &str, model: &str) -> String {
-        format!("{}:pacer:{{{}}}:v5:line:{}", self.prefix, budget, model)
+        format!("{}:v5:line:{}", self.pacer_base(budget), model)
     }
 
     /// The base of the pacer's history for one budget and model (the
@@ -57,7 +87,7 @@ impl Keys {
     /// `<base>:<minute>`, with per-second counters. Same hash tag as the
     /// budget's other keys, so the script's writes stay in its slot.
     pub fn pacer_history(&self, budget: &str, model: &str) -> String {
-        format!("{}:pacer:{{{}}}:hist:{}", self.prefix, budget, model)
+        format!("{}:hist:{}", self.pacer_base(budget), model)
     }
 
     /// One minute of the pacer's history (`minute` = Unix seconds / 60).
@@ -67,12 +97,16 @@ impl Keys {
 
     /// The set of models known under one budget (for `GET /v1/pacer`).
     pub fn pacer_models(&self, budget: &str) -> String {
-        format!("{}:pacer:{{{}}}:models", self.prefix, budget)
+        format!("{}:models", self.pacer_base(budget))
     }
 
     /// The set of budget names known to this deployment.
     pub fn pacer_budgets(&self) -> String {
-        format!("{}:pacer:budgets", self.prefix)
+        if self.one_slot {
+            format!("{}:{}:pacer:budgets", self.prefix, self.slot_tag())
+        } else {
+            format!("{}:pacer:budgets", self.prefix)
+        }
     }
 
     /// The hash tag of everything that one turn-commit script touches: the
@@ -225,6 +259,19 @@ mod tests {
         assert_eq!(k.run_record("r1"), "pl:{pl}:run:r1");
         assert_eq!(k.tenant_active("t"), "pl:{pl}:tenant:t:active");
         assert_eq!(k.idempotency("t", "k"), "pl:{pl}:idem:t:k");
+    }
+
+    #[test]
+    fn in_one_slot_every_key_carries_the_prefixs_tag() {
+        let k = Keys::one_slot("pl");
+        assert_eq!(k.pacer_state("default", "gpt-4.1"), "pl:{pl}:pacer:default:v5:state:gpt-4.1");
+        assert_eq!(k.pacer_waiters("b", "m"), "pl:{pl}:pacer:b:v5:waiters:m");
+        assert_eq!(k.pacer_line("b", "m"), "pl:{pl}:pacer:b:v5:line:m");
+        assert_eq!(k.pacer_history_minute("b", "m", 7), "pl:{pl}:pacer:b:hist:m:7");
+        assert_eq!(k.pacer_models("b"), "pl:{pl}:pacer:b:models");
+        assert_eq!(k.pacer_budgets(), "pl:{pl}:pacer:budgets");
+        assert_eq!(k.run_record("r1"), "pl:{pl}:run:r1", "the rest as on one Redis");
+        assert_eq!(k.queue_key("due"), Keys::new("pl").queue_key("due"));
     }
 
     /// The workspace's root (this crate is one level below it).

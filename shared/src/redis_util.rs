@@ -12,24 +12,30 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use std::time::Duration;
 
 /// A connection for ordinary commands and scripts: one Redis through a
-/// reconnecting [`ConnectionManager`] (every deployment today), or a Redis
-/// Cluster through the redis crate's cluster client, which follows `MOVED`
-/// and `ASK` and reconnects to a promoted replica (issue 42; the scripts do
-/// not keep to one slot yet: `docs/redis-cluster-plan.md`). Cheap to clone:
-/// clones share the connection.
+/// reconnecting [`ConnectionManager`], or a Redis Cluster through the redis
+/// crate's cluster client, which follows `MOVED` and `ASK` and reconnects to
+/// a promoted replica. Cheap to clone: clones share the connection.
 #[derive(Clone)]
 pub enum RedisConn {
     /// One Redis (a primary, with replicas or not).
     Single(ConnectionManager),
-    /// A Redis Cluster.
-    Cluster(redis::cluster_async::ClusterConnection),
+    /// A Redis Cluster. A command that names no key (`TIME`, `INFO`,
+    /// `CLIENT`, `SCRIPT LOAD`, a script given no key) goes to the primary of
+    /// `home`'s slot when one is given — the deployment's own slot, where all
+    /// its keys live — and where the cluster client would send it otherwise
+    /// (a random node, or every one) when not.
+    Cluster(redis::cluster_async::ClusterConnection, Option<redis::cluster_routing::Route>),
+    /// One connection to one Redis that does not reconnect: a blocking read
+    /// whose `CLIENT ID` must stay its own.
+    Direct(redis::aio::MultiplexedConnection),
 }
 
 impl std::fmt::Debug for RedisConn {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Self::Single(_) => "RedisConn::Single",
-            Self::Cluster(_) => "RedisConn::Cluster",
+            Self::Cluster(..) => "RedisConn::Cluster",
+            Self::Direct(_) => "RedisConn::Direct",
         })
     }
 }
@@ -40,11 +46,35 @@ impl From<ConnectionManager> for RedisConn {
     }
 }
 
+/// Whether `cmd` names no key the cluster client could route it by, so it
+/// goes to the deployment's home slot ([`RedisConn::Cluster`]).
+fn keyless(cmd: &redis::Cmd) -> bool {
+    let mut args = cmd.args_iter().filter_map(|a| match a {
+        redis::Arg::Simple(bytes) => Some(bytes),
+        _ => None,
+    });
+    let Some(name) = args.next() else { return false };
+    match name.to_ascii_uppercase().as_slice() {
+        b"TIME" | b"INFO" | b"CONFIG" | b"CLIENT" | b"PING" | b"SCRIPT" | b"DBSIZE" | b"MEMORY" | b"CLUSTER" => true,
+        b"EVAL" | b"EVALSHA" => args.nth(1) == Some(b"0".as_slice()),
+        _ => false,
+    }
+}
+
 impl redis::aio::ConnectionLike for RedisConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, redis::Value> {
         match self {
             Self::Single(c) => c.req_packed_command(cmd),
-            Self::Cluster(c) => c.req_packed_command(cmd),
+            Self::Cluster(c, home) => match home {
+                Some(home) if keyless(cmd) => {
+                    let routing = redis::cluster_routing::RoutingInfo::SingleNode(
+                        redis::cluster_routing::SingleNodeRoutingInfo::SpecificNode(*home),
+                    );
+                    Box::pin(c.route_command(cmd.clone(), routing))
+                }
+                _ => c.req_packed_command(cmd),
+            },
+            Self::Direct(c) => c.req_packed_command(cmd),
         }
     }
 
@@ -56,27 +86,105 @@ impl redis::aio::ConnectionLike for RedisConn {
     ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
         match self {
             Self::Single(c) => c.req_packed_commands(pipeline, offset, count),
-            Self::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+            Self::Cluster(c, _) => c.req_packed_commands(pipeline, offset, count),
+            Self::Direct(c) => c.req_packed_commands(pipeline, offset, count),
         }
     }
 
     fn get_db(&self) -> i64 {
         match self {
             Self::Single(c) => c.get_db(),
-            Self::Cluster(c) => c.get_db(),
+            Self::Cluster(c, _) => c.get_db(),
+            Self::Direct(c) => c.get_db(),
+        }
+    }
+}
+
+impl RedisConn {
+    /// Whether this is a cluster's connection.
+    pub fn is_cluster(&self) -> bool {
+        matches!(self, Self::Cluster(..))
+    }
+
+    /// `cmd` sent to every primary of the cluster, each answer by its node's
+    /// address; on one Redis, its one answer (address `""`).
+    pub async fn on_every_primary(&mut self, cmd: &redis::Cmd) -> redis::RedisResult<Vec<(String, redis::Value)>> {
+        use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
+        match self {
+            Self::Cluster(c, _) => {
+                let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+                match c.route_command(cmd.clone(), routing).await? {
+                    redis::Value::Map(pairs) => Ok(pairs
+                        .into_iter()
+                        .map(|(k, v)| (redis::from_redis_value::<String>(k).unwrap_or_default(), v))
+                        .collect()),
+                    one => Ok(vec![(String::new(), one)]),
+                }
+            }
+            other => Ok(vec![(String::new(), cmd.query_async(other).await?)]),
         }
     }
 }
 
 /// A connection to the Redis Cluster whose nodes include `nodes` (URLs; any
 /// reachable one tells the client the rest), its commands timed as
-/// [`manager`]'s.
+/// [`manager`]'s, keyless commands sent where the cluster client would.
 pub async fn cluster(nodes: &[String]) -> redis::RedisResult<RedisConn> {
-    let client = redis::cluster::ClusterClient::builder(nodes.to_vec())
+    let client = cluster_client(nodes, COMMAND_TIMEOUT)?;
+    Ok(RedisConn::Cluster(client.get_async_connection().await?, None))
+}
+
+fn cluster_client(nodes: &[String], timeout: Duration) -> redis::RedisResult<redis::cluster::ClusterClient> {
+    redis::cluster::ClusterClient::builder(nodes.to_vec())
         .connection_timeout(CONNECT_TIMEOUT)
-        .response_timeout(COMMAND_TIMEOUT)
-        .build()?;
-    Ok(RedisConn::Cluster(client.get_async_connection().await?))
+        .response_timeout(timeout)
+        .build()
+}
+
+/// The connection a deployment's commands and scripts take (`redis`: one
+/// Redis's URL or a cluster's seed nodes), each command allowed `timeout`
+/// (give a blocking read a timeout longer than its block). It does not
+/// connect until the first command, so a process can start while Redis is
+/// still down. On a cluster, keyless commands go to the primary of the
+/// deployment's slot ([`RedisConn::Cluster`]).
+pub fn connect(redis: &crate::config::RedisArgs, timeout: Duration) -> redis::RedisResult<RedisConn> {
+    if !redis.is_cluster() {
+        return lazy_manager(&redis.url, timeout);
+    }
+    let client = cluster_client(&redis.cluster_nodes.0, timeout)?;
+    let config =
+        redis::cluster::ClusterConfig::new().set_connection_timeout(CONNECT_TIMEOUT).set_response_timeout(timeout);
+    let home =
+        redis::cluster_routing::Route::with_key(redis.keys().slot_tag(), redis::cluster_routing::SlotAddr::Master);
+    Ok(RedisConn::Cluster(client.get_pending_async_connection_with_config(config), Some(home)))
+}
+
+/// A connection of its own for one blocking read that may cancel it with
+/// `CLIENT UNBLOCK`, and that connection's `CLIENT ID`: on one Redis, one
+/// connection; on a cluster, a cluster connection of its own whose
+/// connection to the deployment's slot both answers the `CLIENT ID` and
+/// carries the read (the `CLIENT UNBLOCK`, keyless, reaches that node from
+/// any [`connect`]ed connection). `Ok(-1)` for the id where `CLIENT` is
+/// forbidden (a managed Redis, an ACL).
+pub async fn blocking(redis: &crate::config::RedisArgs, timeout: Duration) -> redis::RedisResult<(RedisConn, i64)> {
+    let mut conn = if redis.is_cluster() {
+        let conn = connect(redis, timeout)?;
+        // Connected now: the id must be of a connection that stays.
+        let _: String = redis::cmd("PING").query_async(&mut conn.clone()).await?;
+        conn
+    } else {
+        let client = redis::Client::open(redis.url.as_str())?;
+        let config = redis::AsyncConnectionConfig::new()
+            .set_response_timeout(Some(timeout))
+            .set_connection_timeout(Some(CONNECT_TIMEOUT));
+        RedisConn::Direct(client.get_multiplexed_async_connection_with_config(&config).await?)
+    };
+    let id = match redis::cmd("CLIENT").arg("ID").query_async::<i64>(&mut conn).await {
+        Ok(id) => id,
+        Err(error) if error.code().is_some() => -1,
+        Err(error) => return Err(error),
+    };
+    Ok((conn, id))
 }
 
 /// How long a normal command may take before it is an error.
@@ -170,15 +278,40 @@ pub async fn check_version<C: redis::aio::ConnectionLike + Send>(
 /// Why a Redis whose `INFO cluster` reads `info` cannot be paceline's one
 /// Redis: a node of a Redis Cluster serves some slots only, and answers a
 /// key of another with `MOVED` — every script would fail on most runs, in
-/// the middle of the work. Refused at start instead (cluster mode is issue
-/// 42's, not built: `docs/redis-cluster-plan.md`).
+/// the middle of the work. Refused at start instead, naming the way to run
+/// on a cluster.
 pub fn cluster_refused(info: &str) -> Option<String> {
     (info_field(info, "cluster_enabled") == Some("1")).then(|| {
-        "REDIS_URL names a node of a Redis Cluster (cluster_enabled:1): paceline keeps its state in one Redis \
-         (a primary, with replicas or not) and does not run on a cluster yet. Give it a Redis with \
-         cluster-enabled no"
+        "REDIS_URL names a node of a Redis Cluster (cluster_enabled:1): one node serves some slots only. \
+         Name the cluster's nodes in PACELINE_REDIS_CLUSTER_NODES instead (comma-separated redis:// URLs)"
             .to_owned()
     })
+}
+
+/// The oldest Redis a cluster deployment runs on (SPEC §1: Redis 7+ or Valkey).
+pub const MIN_CLUSTER_REDIS_VERSION: (u32, u32) = (7, 0);
+
+/// Why the cluster whose `CLUSTER INFO` reads `info` cannot take work now:
+/// `cluster_state` not `ok` (slots not covered, a majority of primaries
+/// unreachable), so some keys would not be served.
+pub fn cluster_unready(info: &str) -> Option<String> {
+    match info_field(info, "cluster_state").map(str::trim) {
+        Some("ok") => None,
+        state => Some(format!(
+            "the Redis Cluster is not ready (cluster_state:{}): some of its slots are served by no node. \
+             Start paceline once `redis-cli cluster info` says cluster_state:ok",
+            state.unwrap_or("unknown")
+        )),
+    }
+}
+
+/// Why seed nodes that are no cluster's cannot serve as one.
+const NOT_A_CLUSTER: &str = "PACELINE_REDIS_CLUSTER_NODES names a Redis that is not in cluster mode (cluster \
+support disabled): give one Redis as REDIS_URL instead, or the nodes of a Redis Cluster";
+
+/// What a seed node that is no cluster's answers `CLUSTER …` with.
+fn not_a_cluster(error: &redis::RedisError) -> bool {
+    error.to_string().to_ascii_lowercase().contains("cluster support disabled")
 }
 
 /// The one `maxmemory-policy` that keeps every key: any other drops keys
@@ -222,11 +355,20 @@ pub fn eviction_refused(policy: &str) -> Option<String> {
 
 /// Whether this Redis can hold paceline's state: new enough for the scripts
 /// ([`check_version`]), not a cluster's node ([`cluster_refused`]) and
-/// evicting no key ([`eviction_refused`]). Redis
-/// not answering within `wait` is no refusal: a process starts before its
-/// Redis and waits for it. Every process (`paceline api`, `worker`, `up`)
-/// asks at start and exits with the reason when this is `Err`.
-pub async fn refuse_unfit<C: redis::aio::ConnectionLike + Send>(conn: &mut C, wait: Duration) -> Result<(), String> {
+/// evicting no key ([`eviction_refused`]); on a cluster, a cluster in
+/// `cluster_state:ok` ([`cluster_unready`]) whose every primary runs Redis
+/// 7+ and evicts no key. Redis not answering within `wait` is no refusal: a
+/// process starts before its Redis and waits for it. Every process
+/// (`paceline api`, `worker`, `up`) asks at start and exits with the reason
+/// when this is `Err`.
+pub async fn refuse_unfit(
+    conn: &mut RedisConn,
+    redis: &crate::config::RedisArgs,
+    wait: Duration,
+) -> Result<(), String> {
+    if redis.is_cluster() {
+        return refuse_unfit_cluster(conn, &redis.cluster_nodes.0, wait).await;
+    }
     let checked = tokio::time::timeout(wait, async {
         if let Err(too_old) = check_version(conn).await? {
             return Ok(Err(too_old));
@@ -247,6 +389,58 @@ pub async fn refuse_unfit<C: redis::aio::ConnectionLike + Send>(conn: &mut C, wa
     }
 }
 
+/// [`refuse_unfit`] on a cluster: first what a seed node says of the
+/// cluster (asked on a plain connection of its own, since the cluster client
+/// cannot map the slots of a cluster that is not `ok`), then every primary.
+async fn refuse_unfit_cluster(conn: &mut RedisConn, nodes: &[String], wait: Duration) -> Result<(), String> {
+    let checked = tokio::time::timeout(wait, async {
+        match seeds_say(nodes).await {
+            Some(Err(why)) => return Ok(Err(why)),
+            Some(Ok(())) => {}
+            // No seed answers: not up yet.
+            None => return Ok(Ok(())),
+        }
+        for (node, value) in conn.on_every_primary(redis::cmd("INFO").arg("server").arg("memory")).await? {
+            let info: String = redis::from_redis_value(value)?;
+            let node = if node.is_empty() { String::new() } else { format!(" (node {node})") };
+            if let Some(v) = redis_version(&info).filter(|v| *v < MIN_CLUSTER_REDIS_VERSION) {
+                return Ok(Err(format!(
+                    "Redis {}.{}{node} is too old: paceline on a cluster needs Redis {}.{} or later",
+                    v.0, v.1, MIN_CLUSTER_REDIS_VERSION.0, MIN_CLUSTER_REDIS_VERSION.1
+                )));
+            }
+            let policy = info_field(&info, "maxmemory_policy").map(str::trim);
+            if let Some(why) = policy.and_then(eviction_refused) {
+                return Ok(Err(format!("{why}{node}")));
+            }
+        }
+        Ok::<_, redis::RedisError>(Ok(()))
+    })
+    .await;
+    match checked {
+        Ok(Ok(verdict)) => verdict,
+        Ok(Err(_)) | Err(_) => Ok(()),
+    }
+}
+
+/// What the first seed node that answers says of its cluster: `Err` when it
+/// is not in cluster mode or its cluster is not `ok`; `None` when none answers.
+async fn seeds_say(nodes: &[String]) -> Option<Result<(), String>> {
+    let config = redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(CONNECT_TIMEOUT))
+        .set_response_timeout(Some(COMMAND_TIMEOUT));
+    for node in nodes {
+        let Ok(client) = redis::Client::open(node.as_str()) else { continue };
+        let Ok(mut conn) = client.get_multiplexed_async_connection_with_config(&config).await else { continue };
+        match redis::cmd("CLUSTER").arg("INFO").query_async::<String>(&mut conn).await {
+            Ok(info) => return Some(cluster_unready(&info).map_or(Ok(()), Err)),
+            Err(error) if not_a_cluster(&error) => return Some(Err(NOT_A_CLUSTER.to_owned())),
+            Err(_) => continue,
+        }
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -261,6 +455,24 @@ mod tests {
         let info = "# Memory\r\nused_memory:1024\r\nmaxmemory_policy:allkeys-lru\r\n";
         assert_eq!(info_field(info, "maxmemory_policy"), Some("allkeys-lru"));
         assert_eq!(info_field(info, "maxmemory"), None, "a field is its whole name");
+    }
+
+    #[test]
+    fn keyless_commands_are_told_from_keyed_ones() {
+        assert!(keyless(&redis::cmd("TIME")));
+        assert!(keyless(redis::cmd("INFO").arg("memory")));
+        assert!(keyless(redis::cmd("client").arg("UNBLOCK").arg(7)));
+        assert!(keyless(redis::cmd("SCRIPT").arg("LOAD").arg("return 1")));
+        assert!(keyless(redis::cmd("EVALSHA").arg("abc").arg(0)));
+        assert!(!keyless(redis::cmd("EVALSHA").arg("abc").arg(1).arg("k")));
+        assert!(!keyless(redis::cmd("GET").arg("k")));
+        assert!(!keyless(redis::cmd("BLPOP").arg("k").arg(1)));
+    }
+
+    #[test]
+    fn a_cluster_not_ok_is_not_ready_and_says_its_state() {
+        assert_eq!(cluster_unready("cluster_state:ok\r\ncluster_slots_assigned:16384\r\n"), None);
+        assert!(cluster_unready("cluster_state:fail\r\n").unwrap().contains("cluster_state:fail"));
     }
 
     #[test]

@@ -477,10 +477,15 @@ impl RedisCluster {
             .collect()
     }
 
-    /// The slot of `key` (its hash tag's).
+    /// The slot of `key` (its hash tag's), as the first node that answers computes it.
     pub async fn slot_of(&self, key: &str) -> u16 {
-        let mut conn = self.nodes[0].conn().await;
-        redis::cmd("CLUSTER").arg("KEYSLOT").arg(key).query_async(&mut conn).await.expect("CLUSTER KEYSLOT")
+        for node in &self.nodes {
+            let Ok(mut conn) = node.client().get_multiplexed_async_connection().await else { continue };
+            if let Ok(slot) = redis::cmd("CLUSTER").arg("KEYSLOT").arg(key).query_async(&mut conn).await {
+                return slot;
+            }
+        }
+        panic!("no node answers CLUSTER KEYSLOT");
     }
 
     /// The index of the node serving `key`'s slot, as node `seen_by` sees it.

@@ -50,10 +50,13 @@ impl Cancels {
 
     /// Listens on `channel` for as long as the task runs, resubscribing after
     /// a lost connection (a cancel published meanwhile is missed: its turn is
-    /// still stopped by its fenced commit, only later).
-    pub async fn listen(self, url: String, channel: String) {
-        loop {
-            match subscribe(&url, &channel).await {
+    /// still stopped by its fenced commit, only later). On a cluster it
+    /// subscribes on one seed node, the next one after each loss: a
+    /// `PUBLISH` reaches the subscribers of every node.
+    pub async fn listen(self, redis: shared::config::RedisArgs, channel: String) {
+        let urls = if redis.is_cluster() { redis.cluster_nodes.0.clone() } else { vec![redis.url.clone()] };
+        for url in urls.iter().cycle() {
+            match subscribe(url, &channel).await {
                 Ok(pubsub) => {
                     let mut messages = pubsub.into_on_message();
                     while let Some(msg) = messages.next().await {

@@ -162,8 +162,8 @@ impl WorkerConfig {
 /// Builds what every turn of this process shares.
 pub async fn runner(config: &WorkerConfig) -> anyhow::Result<(Runner, TurnQueue)> {
     let queue = shared::runs::run_queue(&config.redis, config.queue.clone()).context("the turn queue")?;
-    let conn = shared::redis_util::lazy_manager(&config.redis.url, shared::redis_util::COMMAND_TIMEOUT)
-        .context("connect to Redis")?;
+    let conn =
+        shared::redis_util::connect(&config.redis, shared::redis_util::COMMAND_TIMEOUT).context("connect to Redis")?;
     let keys = config.redis.keys();
     let store = RunStore::new(conn.clone(), keys.clone(), config.runs.retention);
     config.runs.use_prices();
@@ -277,13 +277,16 @@ pub async fn run(config: WorkerConfig, shutdown: impl Future<Output = ()> + Send
     // A malformed signing secret is said before anything else starts.
     let signer =
         webhooks::signer(config.keys.get(webhooks::WEBHOOK_SECRET_ENV).as_ref()).map_err(anyhow::Error::msg)?;
+    config.redis.check().map_err(anyhow::Error::msg)?;
     let (runner, queue) = runner(&config).await?;
     // A Redis too old for the scripts, or one that evicts keys, is said at
     // once (a Redis that is not up yet is not: the worker starts and waits for it).
     let mut conn = runner.store.connection();
-    shared::redis_util::refuse_unfit(&mut conn, Duration::from_secs(2)).await.map_err(anyhow::Error::msg)?;
+    shared::redis_util::refuse_unfit(&mut conn, &config.redis, Duration::from_secs(2))
+        .await
+        .map_err(anyhow::Error::msg)?;
     let listener =
-        tokio::spawn(runner.cancels.clone().listen(config.redis.url.clone(), config.redis.keys().cancel_channel()));
+        tokio::spawn(runner.cancels.clone().listen(config.redis.clone(), config.redis.keys().cancel_channel()));
     let deliveries = spawn_deliverer(&config, &runner, signer)?;
     // Each turn is started by the fetch that leases it (one script a batch),
     // and one back from a budget wait is asked for there first.

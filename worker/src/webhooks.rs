@@ -89,8 +89,8 @@ pub struct Deliverer {
     timeout: Duration,
     retry_scale: f64,
     retention: Duration,
-    /// The Redis URL and key of the wake-up tokens (read on a connection of its own).
-    redis_url: String,
+    /// Where Redis is, and the key of the wake-up tokens (read on a connection of its own).
+    redis: shared::config::RedisArgs,
     wake_key: String,
     /// Notified when a wake-up token came.
     wake: Arc<Notify>,
@@ -116,7 +116,7 @@ impl Deliverer {
             .build()?;
         let keys = redis.keys();
         Ok(Self {
-            redis_url: redis.url.clone(),
+            redis: redis.clone(),
             wake_key: keys.webhooks_wake(),
             queue: WebhookQueue::new(store.connection(), keys),
             store,
@@ -143,7 +143,7 @@ impl Deliverer {
         // The listener takes tokens only while this process has a free slot: a full one
         // leaves them to the others.
         let (open, opened) = tokio::sync::watch::channel(true);
-        let listener = tokio::spawn(listen(self.redis_url.clone(), self.wake_key.clone(), self.wake.clone(), opened));
+        let listener = tokio::spawn(listen(self.redis.clone(), self.wake_key.clone(), self.wake.clone(), opened));
         // (Aborted with this task: the listener goes too.)
         let listener = AbortOnDrop(listener);
         let mut sending: JoinSet<()> = JoinSet::new();
@@ -318,9 +318,14 @@ impl Deliverer {
 /// Waits for wake-up tokens, while `open` says this process can take a
 /// delivery, and notifies `wake` for each, until `open`'s sender goes; a
 /// failed read is tried again, backing off to 5 s.
-async fn listen(url: String, key: String, wake: Arc<Notify>, mut open: tokio::sync::watch::Receiver<bool>) {
+async fn listen(
+    redis: shared::config::RedisArgs,
+    key: String,
+    wake: Arc<Notify>,
+    mut open: tokio::sync::watch::Receiver<bool>,
+) {
     // Its own connection (a BLPOP holds it), which reconnects by itself.
-    let mut conn = match shared::redis_util::lazy_manager(&url, WAKE_WAIT + Duration::from_secs(5)) {
+    let mut conn = match shared::redis_util::connect(&redis, WAKE_WAIT + Duration::from_secs(5)) {
         Ok(conn) => conn,
         Err(error) => {
             tracing::warn!(message = "no webhook wake-up connection; deliveries are looked for every 30 s", %error);

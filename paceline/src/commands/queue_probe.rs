@@ -128,7 +128,7 @@ async fn consume(args: ConsumeArgs) -> anyhow::Result<ExitCode> {
     let signal = super::shutdown_signal();
     let queue = TurnQueue::new(&args.redis, args.queue.clone())?;
     let probe = Probe {
-        conn: shared::redis_util::lazy_manager(&args.redis.url, shared::redis_util::COMMAND_TIMEOUT)?,
+        conn: shared::redis_util::connect(&args.redis, shared::redis_util::COMMAND_TIMEOUT)?,
         record: args.record,
         max_sleep_ms: args.max_sleep_ms,
         done_key: args.redis.keys().probe_done(),

@@ -142,7 +142,7 @@ impl Scripts {
 #[derive(Clone)]
 pub struct TurnQueue {
     conn: RedisConn,
-    url: String,
+    redis: RedisArgs,
     keys: Arc<QueueKeys>,
     config: QueueConfig,
     scripts: Arc<Scripts>,
@@ -176,14 +176,14 @@ impl TurnQueue {
     /// A queue on `redis` (does not connect until the first command, so a
     /// process can start while Redis is down).
     pub fn new(redis: &RedisArgs, config: QueueConfig) -> Result<Self, QueueError> {
-        let conn = redis_util::lazy_manager(&redis.url, redis_util::COMMAND_TIMEOUT)?;
+        let conn = redis_util::connect(redis, redis_util::COMMAND_TIMEOUT)?;
         let mut config = config;
         config.fetch_batch = config.fetch_batch.clamp(1, MAX_FETCH_BATCH);
         config.lease_ms = config.lease_ms.max(300);
         config.max_deliveries = config.max_deliveries.max(1);
         Ok(Self {
             conn,
-            url: redis.url.clone(),
+            redis: redis.clone(),
             keys: Arc::new(QueueKeys::new(&redis.keys())),
             config,
             scripts: Arc::new(Scripts::new("")),
@@ -208,9 +208,9 @@ impl TurnQueue {
         &self.keys
     }
 
-    /// The Redis URL (blocking reads open their own connection to it).
-    pub fn url(&self) -> &str {
-        &self.url
+    /// Where its Redis is (blocking reads open their own connection to it).
+    pub fn redis(&self) -> &RedisArgs {
+        &self.redis
     }
 
     fn invocation<'a>(&'a self, script: &'a redis::Script) -> redis::ScriptInvocation<'a> {

@@ -162,27 +162,335 @@ async fn a_cluster_connection_finds_each_keys_primary_and_the_replica_promoted_i
 async fn api_worker_and_up_refuse_a_cluster_node_as_their_one_redis_and_say_why() {
     let Some(cluster) = RedisCluster::start(3).await else { return };
     for args in [&["api", "--listen", "127.0.0.1:0"][..], &["worker"], &["up", "--listen", "127.0.0.1:0"]] {
-        let mut child = paceline_tests::ChildGuard(
-            std::process::Command::new(paceline_tests::paceline_bin())
-                .args(args)
-                .env("REDIS_URL", cluster.nodes[0].url())
-                .env("PACELINE_PREFIX", paceline_tests::unique_prefix())
-                .env_remove("PACELINE_API_TOKENS")
-                .env("RUST_LOG", "warn")
-                .stdin(std::process::Stdio::null())
-                .stdout(std::process::Stdio::null())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .expect("run paceline"),
-        );
-        let status = child.wait_timeout(Duration::from_secs(20));
-        let mut stderr = String::new();
-        if status.is_none() {
-            let _ = child.0.kill();
-        }
-        std::io::Read::read_to_string(child.0.stderr.as_mut().unwrap(), &mut stderr).unwrap();
-        let out = status.unwrap_or_else(|| panic!("{args:?} kept running on a cluster node: {stderr}"));
+        let (out, stderr) = refused(args, &[("REDIS_URL", cluster.nodes[0].url())]);
         assert!(!out.success(), "{args:?} ran on a cluster node: {stderr}");
         assert!(stderr.contains("node of a Redis Cluster"), "{args:?} does not say why: {stderr}");
+        assert!(stderr.contains("PACELINE_REDIS_CLUSTER_NODES"), "{args:?} does not say what to do: {stderr}");
+    }
+}
+
+/// A deployment on a local cluster: `paceline api` and two `paceline
+/// worker` processes given only `PACELINE_REDIS_CLUSTER_NODES` (their
+/// `REDIS_URL` names nothing that answers), the mock provider and a tool
+/// endpoint, and a run store of the test's own on the cluster.
+struct OnCluster {
+    cluster: RedisCluster,
+    prefix: String,
+    base: String,
+    tools: String,
+    http: reqwest::Client,
+    store: shared::runs::RunStore,
+    api: paceline_tests::ChildGuard,
+    workers: Vec<paceline_tests::ChildGuard>,
+    mock: mock_provider::MockServer,
+}
+
+impl OnCluster {
+    async fn start(cluster: RedisCluster, mock: mock_provider::MockConfig) -> Self {
+        let mock = mock_provider::MockServer::start(mock_provider::MockConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            ..mock
+        })
+        .await
+        .unwrap();
+        let tools = crate::fixtures::tool_endpoint(|axum::Json(call): axum::Json<serde_json::Value>| async move {
+            axum::Json(serde_json::json!({ "output": format!("ok {}", call["name"].as_str().unwrap_or_default()) }))
+        })
+        .await;
+        let prefix = paceline_tests::unique_prefix();
+        // Two seeds, a primary and a replica: the client learns the rest.
+        let seeds = format!("redis://127.0.0.1:{},redis://127.0.0.1:{}", cluster.ports[0], cluster.ports[4]);
+        let port = paceline_tests::free_tcp_port();
+        let process = |args: &[&str]| {
+            let mut cmd = std::process::Command::new(paceline_tests::paceline_bin());
+            cmd.args(args)
+                .args(["--prefix", &prefix, "--tool-endpoints", &tools])
+                .env("PACELINE_REDIS_CLUSTER_NODES", &seeds)
+                .env("REDIS_URL", "redis://127.0.0.1:1")
+                .env_remove("PACELINE_API_TOKENS")
+                // (The cluster client says each lost node, retry and slot refresh of a failover.)
+                .env("RUST_LOG", "warn,redis=off")
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::null());
+            paceline_tests::ChildGuard(cmd.spawn().expect("start paceline"))
+        };
+        let api = process(&["api", "--listen", &format!("127.0.0.1:{port}")]);
+        let url = mock.base_url();
+        let workers = (0..2).map(|_| process(&["worker", "--provider-url", &url, "--concurrency", "32"])).collect();
+        let args = shared::config::RedisArgs::new("", &prefix)
+            .on_cluster(vec![format!("redis://127.0.0.1:{}", cluster.ports[1])]);
+        let conn = shared::redis_util::connect(&args, shared::redis_util::COMMAND_TIMEOUT).unwrap();
+        let store = shared::runs::RunStore::new(conn, args.keys(), Duration::from_secs(600));
+        let deployment = Self {
+            cluster,
+            prefix,
+            base: format!("http://127.0.0.1:{port}"),
+            tools,
+            http: reqwest::Client::new(),
+            store,
+            api,
+            workers,
+            mock,
+        };
+        let d = &deployment;
+        eventually("the API ready on the cluster", Duration::from_secs(30), || async move {
+            (d.ready().await == 200).then_some(())
+        })
+        .await;
+        deployment
+    }
+
+    async fn ready(&self) -> u16 {
+        let answer = self.http.get(format!("{}/readyz", self.base)).timeout(Duration::from_secs(3)).send().await;
+        answer.map_or(0, |r| r.status().as_u16())
+    }
+
+    /// Submits a run through the API: its id.
+    async fn submit(&self, body: serde_json::Value) -> String {
+        let answer = self.http.post(format!("{}/v1/runs", self.base)).json(&body).send().await.unwrap();
+        assert_eq!(answer.status(), 202, "{}", answer.text().await.unwrap());
+        answer.json::<serde_json::Value>().await.unwrap()["id"].as_str().unwrap().to_owned()
+    }
+
+    /// Submits `n` runs, every `every`-th one calling a tool (three turns), the others one turn: their ids.
+    async fn submit_mix(&self, n: usize, every: usize) -> Vec<String> {
+        let mut ids = Vec::with_capacity(n);
+        for i in 0..n {
+            let body = if i % every == 0 {
+                tool_run(self)
+            } else {
+                serde_json::json!({"model": "gpt-test", "input": format!("run {i}")})
+            };
+            ids.push(self.submit(body).await);
+        }
+        ids
+    }
+
+    /// Waits for every run of `ids` to finish, each completed, and checks no
+    /// transcript holds an item twice (a turn committed twice would).
+    async fn all_completed(&self, ids: &[String], within: Duration) {
+        let store = &self.store;
+        let pending = paceline_tests::poll_until(within, || async move {
+            let mut unfinished = Vec::new();
+            for id in ids {
+                match store.get("default", id).await {
+                    Ok(Some(run)) if run.status.is_finished() => {
+                        assert_eq!(run.status, shared::runs::RunStatus::Completed, "{run:?}")
+                    }
+                    _ => unfinished.push(id.clone()),
+                }
+            }
+            unfinished.is_empty().then_some(())
+        })
+        .await;
+        if pending.is_none() {
+            let mut left = Vec::new();
+            for id in ids {
+                if let Ok(Some(run)) = store.get("default", id).await {
+                    if !run.status.is_finished() {
+                        left.push(format!("{} {:?} turns {}", run.id, run.status, run.turns_completed));
+                    }
+                }
+            }
+            panic!(
+                "{} of {} runs unfinished after {within:?}: {:?}",
+                left.len(),
+                ids.len(),
+                &left[..left.len().min(10)]
+            );
+        }
+        for id in ids {
+            let items = store.transcript("default", id).await.unwrap().unwrap();
+            let mut seen = std::collections::HashSet::new();
+            for entry in &items {
+                let item = serde_json::to_string(&entry.item).unwrap();
+                assert!(seen.insert((entry.turn, item.clone())), "run {id}: an item twice: turn {} {item}", entry.turn);
+            }
+        }
+    }
+
+    /// Every key of the deployment's prefix, by the node holding it.
+    async fn keys_by_node(&self) -> Vec<(usize, Vec<String>)> {
+        let mut out = Vec::new();
+        for (i, node) in self.cluster.nodes.iter().enumerate() {
+            let Ok(mut conn) = node.client().get_multiplexed_async_connection().await else { continue };
+            let role: String = redis::cmd("ROLE")
+                .query_async::<redis::Value>(&mut conn)
+                .await
+                .map_or(String::new(), |v| format!("{v:?}"));
+            if !role.contains("master") {
+                continue;
+            }
+            let keys: Vec<String> =
+                redis::cmd("KEYS").arg(format!("{}*", self.prefix)).query_async(&mut conn).await.unwrap_or_default();
+            out.push((i, keys));
+        }
+        out
+    }
+
+    /// Every process is still the one started (none exited).
+    fn none_exited(&mut self) {
+        assert!(self.api.0.try_wait().unwrap().is_none(), "the API exited");
+        for w in &mut self.workers {
+            assert!(w.0.try_wait().unwrap().is_none(), "a worker exited");
+        }
+    }
+}
+
+/// A run that calls tool `lookup` (the mock asks for it twice: three turns).
+fn tool_run(d: &OnCluster) -> serde_json::Value {
+    serde_json::json!({
+        "tool_endpoint": d.tools,
+        "model": "gpt-test",
+        "input": "look it up",
+        "tools": [{"type": "function", "name": "lookup", "description": "a tool",
+                   "parameters": {"type": "object", "properties": {}}}],
+        "max_turns": 10,
+        "max_output_tokens": 64,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deployment_on_a_cluster_runs_its_turns_and_tools_with_every_key_in_its_one_slot() {
+    let Some(cluster) = RedisCluster::start(3).await else { return };
+    // A budget that makes turns wait (20 000 tokens a 10-s window; ~30 000 asked): parked and
+    // released in the one slot, as on one Redis.
+    let mock = mock_provider::MockConfig {
+        latency: Duration::from_millis(50),
+        tpm: 20_000,
+        window: Duration::from_secs(10),
+        ..Default::default()
+    };
+    let mut d = OnCluster::start(cluster, mock).await;
+    let ids = d.submit_mix(60, 3).await;
+    d.all_completed(&ids, Duration::from_secs(90)).await;
+    // The tool runs went through their tool calls.
+    let tx = d.store.transcript("default", &ids[0]).await.unwrap().unwrap();
+    let outputs = tx.iter().filter(|e| e.item["type"] == "function_call_output").count();
+    assert!(outputs >= 2, "{tx:?}");
+    assert!(tx.iter().any(|e| e.item["output"] == "ok lookup"), "{tx:?}");
+
+    // Every key on the primary of the prefix's slot, the budget's with them.
+    let held = d.keys_by_node().await;
+    let holders: Vec<&(usize, Vec<String>)> = held.iter().filter(|(_, keys)| !keys.is_empty()).collect();
+    assert_eq!(holders.len(), 1, "the deployment's keys on more than one primary: {held:?}");
+    let keys = &holders[0].1;
+    assert!(keys.iter().any(|k| k.contains(":pacer:")), "no pacer key: {keys:?}");
+    assert!(keys.iter().any(|k| k.contains(":run:")), "{keys:?}");
+    let home = Keys::one_slot(d.prefix.clone()).slot_tag();
+    assert_eq!(d.cluster.owner_of(&home, 0).await, Some(holders[0].0));
+    d.none_exited();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_primary_of_a_clusters_deployment_killed_under_200_runs_every_run_completes_without_a_restart() {
+    let Some(cluster) = RedisCluster::start(3).await else { return };
+    let mock = mock_provider::MockConfig {
+        latency: Duration::from_secs(2),
+        tpm: 10_000_000,
+        rpm: 100_000,
+        ..Default::default()
+    };
+    let mut d = OnCluster::start(cluster, mock).await;
+    let ids = d.submit_mix(200, 4).await;
+    // Calls in flight, most runs still to go: the primary of the deployment's slot dies.
+    let mock = &d.mock;
+    eventually(
+        "calls in flight",
+        Duration::from_secs(30),
+        || async move { (mock.stats().requests >= 32).then_some(()) },
+    )
+    .await;
+    let home = Keys::one_slot(d.prefix.clone()).slot_tag();
+    let owner = d.cluster.owner_of(&home, 0).await.expect("an owner");
+    let mut running = 0;
+    for id in &ids {
+        running += usize::from(!d.store.get("default", id).await.unwrap().unwrap().status.is_finished());
+    }
+    assert!(running >= 150, "only {running} of 200 runs unfinished when the primary dies");
+    d.cluster.nodes[owner].kill();
+    let killed = std::time::Instant::now();
+    let witness = (0..d.cluster.nodes.len()).find(|i| *i != owner).unwrap();
+    let (dd, home) = (&d, &home);
+    eventually("the API ready again", Duration::from_secs(15), || async move {
+        let promoted = dd.cluster.owner_of(home, witness).await.is_some_and(|o| o != owner);
+        (promoted && dd.ready().await == 200).then_some(())
+    })
+    .await;
+    eprintln!("ready again {:?} after the kill", killed.elapsed());
+    d.all_completed(&ids, Duration::from_secs(120)).await;
+    let turns: u64 = {
+        let mut n = 0;
+        for id in &ids {
+            n += u64::from(d.store.get("default", id).await.unwrap().unwrap().turns_completed);
+        }
+        n
+    };
+    eprintln!(
+        "{running} runs unfinished at the kill; every run completed {:?} after it; {} provider calls for {turns} turns",
+        killed.elapsed(),
+        d.mock.stats().requests
+    );
+    d.none_exited();
+}
+
+/// Starts `paceline <args>` with `env` and waits (bounded) for it to exit: its status and stderr.
+fn refused(args: &[&str], env: &[(&str, String)]) -> (std::process::ExitStatus, String) {
+    let mut child = paceline_tests::ChildGuard(
+        std::process::Command::new(paceline_tests::paceline_bin())
+            .args(args)
+            .args(["--prefix", &paceline_tests::unique_prefix()])
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+            .env_remove("PACELINE_API_TOKENS")
+            .env("RUST_LOG", "warn,redis=off")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("run paceline"),
+    );
+    let status = child.wait_timeout(Duration::from_secs(20));
+    if status.is_none() {
+        let _ = child.0.kill();
+    }
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(child.0.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    (status.unwrap_or_else(|| panic!("{args:?} with {env:?} kept running: {stderr}")), stderr)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_that_cannot_serve_is_refused_at_start_and_says_why() {
+    let commands: [&[&str]; 3] = [&["api", "--listen", "127.0.0.1:0"], &["worker"], &["up", "--listen", "127.0.0.1:0"]];
+    // Partitions other than one: not built, refused before Redis is asked anything.
+    for args in commands {
+        let env = [("PACELINE_QUEUE_PARTITIONS", "16".to_owned()), ("REDIS_URL", "redis://127.0.0.1:1".to_owned())];
+        let (status, stderr) = refused(args, &env);
+        assert!(!status.success() && stderr.contains("PACELINE_QUEUE_PARTITIONS=16"), "{args:?}: {stderr}");
+    }
+    // Seed nodes that are one Redis, not a cluster's.
+    let port = paceline_tests::free_tcp_port();
+    let _plain = paceline_tests::RedisServer::start_with(paceline_tests::RedisOptions {
+        tcp_port: Some(port),
+        ..Default::default()
+    });
+    for args in commands {
+        let (status, stderr) = refused(args, &[("PACELINE_REDIS_CLUSTER_NODES", format!("redis://127.0.0.1:{port}"))]);
+        assert!(!status.success() && stderr.contains("not in cluster mode"), "{args:?}: {stderr}");
+    }
+    // A cluster with a slot no node serves, in every node's view: cluster_state:fail.
+    let Some(cluster) = RedisCluster::start(3).await else { return };
+    for node in &cluster.nodes {
+        let mut conn = node.conn().await;
+        let _: redis::RedisResult<()> = redis::cmd("CLUSTER").arg("DELSLOTS").arg(0).query_async(&mut conn).await;
+    }
+    let c = &cluster;
+    eventually("the cluster to fail", Duration::from_secs(20), || async move {
+        c.info(1).await.contains("cluster_state:fail").then_some(())
+    })
+    .await;
+    let seeds = format!("redis://127.0.0.1:{}", cluster.ports[1]);
+    for args in commands {
+        let (status, stderr) = refused(args, &[("PACELINE_REDIS_CLUSTER_NODES", seeds.clone())]);
+        assert!(!status.success() && stderr.contains("cluster_state:fail"), "{args:?}: {stderr}");
     }
 }

@@ -5,6 +5,7 @@
 
 use super::*;
 use shared::queue::FetchWhy;
+use shared::redis_util::RedisConn;
 
 /// One fetch, in a task of its own (see `BackendState::fetching`).
 pub(super) async fn fetch_in_task(
@@ -38,7 +39,7 @@ pub(super) struct Fetcher<T> {
     /// What the last fetch said to do once its deliveries started.
     pub(super) then: Option<Then>,
     /// The connection idle waits `BLPOP` on, and its client id (for `CLIENT UNBLOCK`).
-    pub(super) blocking: Option<(redis::aio::MultiplexedConnection, i64)>,
+    pub(super) blocking: Option<(RedisConn, i64)>,
     /// The `BLPOP` outstanding on it (with `CLIENT UNBLOCK` only): kept across
     /// idle waits until it returns, or until every slot is taken.
     pub(super) listening: Option<Listen>,
@@ -391,25 +392,12 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
         Duration::from_millis((base * scale * (0.8 + 0.4 * rand::random::<f64>())) as u64)
     }
 
-    pub(super) async fn blocking_conn(&mut self, cap: Duration) -> Option<(redis::aio::MultiplexedConnection, i64)> {
+    pub(super) async fn blocking_conn(&mut self, cap: Duration) -> Option<(RedisConn, i64)> {
         if let Some(b) = &self.blocking {
             return Some(b.clone());
         }
-        let connect = async {
-            let client = redis::Client::open(self.queue.url())?;
-            let config = redis::AsyncConnectionConfig::new()
-                .set_response_timeout(Some(cap + Duration::from_secs(5)))
-                .set_connection_timeout(Some(shared::redis_util::CONNECT_TIMEOUT));
-            let mut conn = client.get_multiplexed_async_connection_with_config(&config).await?;
-            let id = match redis::cmd("CLIENT").arg("ID").query_async::<i64>(&mut conn).await {
-                Ok(id) => id,
-                // CLIENT forbidden altogether: no UNBLOCK either (see `idle`).
-                Err(error) if error.code().is_some() => -1,
-                Err(error) => return Err(error),
-            };
-            Ok::<_, redis::RedisError>((conn, id))
-        };
-        match connect.await {
+        // An id of -1: CLIENT forbidden altogether, so no UNBLOCK either (see `idle`).
+        match shared::redis_util::blocking(self.queue.redis(), cap + Duration::from_secs(5)).await {
             Ok(b) => {
                 if b.1 < 0 && self.unblock {
                     info!(message = "CLIENT is not allowed; watching with BLPOP timeouts instead");
@@ -432,7 +420,7 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
 /// A `BLPOP` on the wake-up tokens, owning its connection handle.
 type Listen = BoxFuture<'static, redis::RedisResult<Option<(String, String)>>>;
 
-fn blpop(mut conn: redis::aio::MultiplexedConnection, key: String, timeout: Duration) -> Listen {
+fn blpop(mut conn: RedisConn, key: String, timeout: Duration) -> Listen {
     async move { redis::cmd("BLPOP").arg(&key).arg(timeout.as_secs_f64()).query_async(&mut conn).await }.boxed()
 }
 

@@ -41,6 +41,14 @@ pub struct Args {
     /// generated password.
     #[arg(skip = shared::config::env_only::<String>("REDIS_URL"))]
     redis_url: Option<String>,
+    /// A Redis Cluster's seed nodes (`PACELINE_REDIS_CLUSTER_NODES`, the
+    /// environment only): when given, `up` runs on that cluster and starts
+    /// no Redis of its own.
+    #[arg(skip = shared::config::env_only::<shared::config::ClusterNodes>("PACELINE_REDIS_CLUSTER_NODES").unwrap_or_default())]
+    cluster_nodes: shared::config::ClusterNodes,
+    /// Queue partitions: only 1 is built (`shared::config::RedisArgs::check`).
+    #[arg(long = "queue-partitions", env = "PACELINE_QUEUE_PARTITIONS", default_value_t = 1)]
+    partitions: u32,
     /// Prefix of every Redis key [default: paceline; paceline-demo with --demo, so demo runs never reach real workers].
     #[arg(long = "prefix", env = "PACELINE_PREFIX")]
     prefix: Option<String>,
@@ -145,16 +153,25 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
             let _ = stop_tx.send(true);
         });
     }
-    let redis = tokio::select! {
-        r = find_redis(&args) => r?,
-        _ = stopped(stop_rx.clone()) => return Ok(ExitCode::SUCCESS),
-    };
     let prefix =
         args.prefix.clone().unwrap_or_else(|| if args.demo() { "paceline-demo" } else { "paceline" }.to_owned());
-    let redis_args = RedisArgs::new(redis.url(), prefix);
+    // Partitions not built are refused before a Redis is started for them.
+    RedisArgs { partitions: args.partitions, ..RedisArgs::new("", "") }.check().map_err(anyhow::Error::msg)?;
+    let (mut redis_args, redis) = if args.cluster_nodes.0.is_empty() {
+        let redis = tokio::select! {
+            r = find_redis(&args) => r?,
+            _ = stopped(stop_rx.clone()) => return Ok(ExitCode::SUCCESS),
+        };
+        (RedisArgs::new(redis.url(), prefix), Some(redis))
+    } else {
+        (RedisArgs::new(String::new(), prefix).on_cluster(args.cluster_nodes.0.clone()), None)
+    };
+    redis_args.partitions = args.partitions;
     let result = serve(&args, redis_args, stop_tx, stop_rx).await;
     // Last: the drain above may still have been committing into it.
-    redis.stop().await;
+    if let Some(redis) = redis {
+        redis.stop().await;
+    }
     result?;
     say("stopped");
     Ok(ExitCode::SUCCESS)
@@ -247,7 +264,7 @@ async fn serve(
     say(format!(
         "API on http://{addr}, {} worker slots, Redis {} (prefix {}), {providers}",
         args.slots.concurrency.max(1),
-        shared::config::redact_url(&redis.url),
+        redis.describe(),
         redis.prefix,
     ));
     say(format!("dashboard on http://{addr}/ (runs, the budget, the fleet, in a browser)"));
