@@ -241,6 +241,67 @@ impl Drop for RedisChild {
     }
 }
 
+/// The `redis-server` arguments of a node of a local Redis Cluster (the
+/// integration tests' and the bench's): cluster mode, its node file at
+/// `conf`, its bus on `bus` (given: the default, port + 10 000, passes
+/// 65 535 for half the ephemeral range), a 2-s node timeout, and replicas
+/// that sync at once (a replica that never synced cannot take over).
+pub fn cluster_node_args(conf: &Path, bus: u16) -> Vec<String> {
+    let args = ["--cluster-enabled", "yes", "--cluster-config-file"];
+    let mut out: Vec<String> = args.map(str::to_owned).to_vec();
+    out.push(conf.display().to_string());
+    for (k, v) in [("--cluster-port", bus.to_string()), ("--cluster-node-timeout", "2000".to_owned())] {
+        out.extend([k.to_owned(), v]);
+    }
+    out.extend(["--repl-diskless-sync-delay".to_owned(), "0".to_owned()]);
+    out
+}
+
+/// Forms a Redis Cluster of the servers on 127.0.0.1 at `ports` (each started
+/// with [`cluster_node_args`]) with `redis-cli --cluster create`, one replica
+/// per primary (the first half of `ports` become the primaries), and waits
+/// (at most 30 s) until every node says `cluster_state:ok` and every replica
+/// has synced. `Err` says what `redis-cli` or a node said.
+pub fn form_cluster(ports: &[u16]) -> Result<(), String> {
+    let mut create = Command::new("redis-cli");
+    create.arg("--cluster").arg("create");
+    for port in ports {
+        create.arg(format!("127.0.0.1:{port}"));
+    }
+    let out = create
+        .args(["--cluster-replicas", "1", "--cluster-yes"])
+        .output()
+        .map_err(|e| format!("cannot run redis-cli: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("redis-cli --cluster create: {}", String::from_utf8_lossy(&out.stdout)));
+    }
+    let cli = |port: u16, args: &[&str]| {
+        Command::new("redis-cli")
+            .args(["-p", &port.to_string()])
+            .args(args)
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default()
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for port in ports {
+        loop {
+            let ok = cli(*port, &["cluster", "info"]).contains("cluster_state:ok");
+            let replication = cli(*port, &["info", "replication"]);
+            let synced = replication.contains("role:master") || replication.contains("master_link_status:up");
+            let replicas = cli(*port, &["cluster", "nodes"]).lines().filter(|l| l.contains("slave")).count();
+            if ok && synced && replicas == ports.len() / 2 {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(format!("node 127.0.0.1:{port} not ok with its replicas synced within 30 s"));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    Ok(())
+}
+
 /// A blocking `PING` over a Unix socket: true on `+PONG`.
 fn ping_unix(socket: &Path, password: Option<&str>) -> bool {
     #[cfg(unix)]

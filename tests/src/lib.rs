@@ -353,18 +353,27 @@ pub struct ClusterNode {
     pub slots: Vec<(u16, u16)>,
 }
 
+/// Whether `redis-cli` can create a cluster here; when not, a line on
+/// stderr says the test is skipped — unless `PACELINE_CI` is set, where that
+/// fails the test.
+pub fn cluster_supported() -> bool {
+    let supported = Command::new("redis-cli").args(["--cluster", "help"]).output().is_ok_and(|o| {
+        let text = String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+        text.contains("create")
+    });
+    if !supported {
+        assert!(std::env::var("PACELINE_CI").is_err(), "redis-cli cannot create a cluster here");
+        eprintln!("SKIPPED: redis-cli cannot create a cluster here (redis-cli --cluster help)");
+    }
+    supported
+}
+
 impl RedisCluster {
     /// Starts and forms a cluster; `None` (with a line on stderr) where this
     /// machine's `redis-server` or `redis-cli` cannot — unless `PACELINE_CI`
     /// is set, where that fails the test.
     pub async fn start(primaries: usize) -> Option<Self> {
-        let supported = Command::new("redis-cli").args(["--cluster", "help"]).output().is_ok_and(|o| {
-            let text = String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
-            text.contains("create")
-        });
-        if !supported {
-            assert!(std::env::var("PACELINE_CI").is_err(), "redis-cli cannot create a cluster here");
-            eprintln!("SKIPPED: redis-cli cannot create a cluster here (redis-cli --cluster help)");
+        if !cluster_supported() {
             return None;
         }
         let mut nodes = Vec::new();
@@ -376,23 +385,9 @@ impl RedisCluster {
             let (server, port) = loop {
                 let (port, bus) = (free_tcp_port(), free_tcp_port());
                 let dir = tempfile::Builder::new().prefix("paceline-cluster-").tempdir().expect("a temp dir");
-                let conf = dir.path().join("nodes.conf").display().to_string();
-                let args = [
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    &conf,
-                    "--cluster-port",
-                    &bus.to_string(),
-                    "--cluster-node-timeout",
-                    "2000",
-                    // A replica syncs at once: one that never did cannot take over.
-                    "--repl-diskless-sync-delay",
-                    "0",
-                ];
                 let opts = RedisOptions {
                     tcp_port: Some(port),
-                    extra_args: args.map(str::to_owned).to_vec(),
+                    extra_args: shared::redis_server::cluster_node_args(&dir.path().join("nodes.conf"), bus),
                     ..Default::default()
                 };
                 let mut server = RedisServer { dir, child: None, opts };
@@ -411,36 +406,8 @@ impl RedisCluster {
             nodes.push(server);
             ports.push(port);
         }
-        let mut create = Command::new("redis-cli");
-        create.arg("--cluster").arg("create");
-        for port in &ports {
-            create.arg(format!("127.0.0.1:{port}"));
-        }
-        let out = create.args(["--cluster-replicas", "1", "--cluster-yes"]).output().expect("run redis-cli");
-        assert!(out.status.success(), "redis-cli --cluster create: {}", String::from_utf8_lossy(&out.stdout));
+        shared::redis_server::form_cluster(&ports).expect("a local cluster");
         let cluster = Self { nodes, ports };
-        for i in 0..cluster.nodes.len() {
-            let c = &cluster;
-            eventually("every node to see the cluster ok", Duration::from_secs(30), || async move {
-                c.info(i).await.contains("cluster_state:ok").then_some(())
-            })
-            .await;
-        }
-        // And every replica attached, as each node sees it, and in sync with its
-        // primary (a replica that never synced cannot take over).
-        for i in 0..cluster.nodes.len() {
-            let c = &cluster;
-            eventually("every replica attached", Duration::from_secs(30), || async move {
-                (c.view(i).await.iter().filter(|n| n.replica).count() == primaries).then_some(())
-            })
-            .await;
-            eventually("every replica in sync", Duration::from_secs(30), || async move {
-                let mut conn = c.nodes[i].conn().await;
-                let info: String = redis::cmd("INFO").arg("replication").query_async(&mut conn).await.ok()?;
-                (info.contains("role:master") || info.contains("master_link_status:up")).then_some(())
-            })
-            .await;
-        }
         Some(cluster)
     }
 

@@ -83,7 +83,7 @@ fn trace_budget(trial: &Trial) -> (tokio::sync::oneshot::Sender<()>, tokio::task
     let stats_url = format!("{}/_mock/stats?log=false", trial.mock.url());
     let task = tokio::spawn(async move {
         let mut out = vec![];
-        let Ok(conn) = shared::redis_util::manager(&redis.url).await else { return out };
+        let Ok(conn) = shared::redis_util::connect(&redis, shared::redis_util::COMMAND_TIMEOUT) else { return out };
         let pacer =
             shared::pacer::SharedPacer::new(conn, redis.keys(), "default", shared::pacer::PacingConfig::default());
         let http = reqwest::Client::new();

@@ -8,27 +8,90 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 /// A private `redis-server` for a bench (Unix socket in a temp dir, nothing on
-/// disk; `shared::redis_server` starts it), killed and its dir removed on drop.
+/// disk; `shared::redis_server` starts it), or a private local Redis Cluster
+/// of them (3 primaries and 3 replicas on loopback ports: `--redis-cluster`),
+/// killed and its dir removed on drop.
 #[derive(Debug)]
 pub struct BenchRedis {
     child: Option<RedisChild>,
     dir: PathBuf,
+    /// A cluster's nodes and their ports (empty: the one server above).
+    cluster: Vec<(RedisChild, u16)>,
 }
 
 impl BenchRedis {
     /// Starts one and waits (at most 10 s) until it answers.
     pub async fn start(label: &str) -> anyhow::Result<Self> {
-        let nanos =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().subsec_nanos();
-        let dir = std::env::temp_dir().join(format!("paceline-{label}-{}-{nanos:x}", std::process::id()));
+        let dir = bench_dir(label);
         let options = RedisServerOptions::unix(&dir);
         let child = tokio::task::spawn_blocking(move || options.start()).await?.context("the bench's Redis")?;
-        Ok(Self { child: Some(child), dir })
+        Ok(Self { child: Some(child), dir, cluster: vec![] })
     }
 
-    /// `redis+unix://…`, for this process and the children it starts.
+    /// Starts a local Redis Cluster of `primaries` primaries with one replica
+    /// each and waits until it is `ok` with its replicas synced.
+    pub async fn start_cluster(label: &str, primaries: usize) -> anyhow::Result<Self> {
+        let dir = bench_dir(label);
+        let nodes_dir = dir.clone();
+        let cluster = tokio::task::spawn_blocking(move || -> anyhow::Result<Vec<(RedisChild, u16)>> {
+            let mut nodes = Vec::new();
+            for i in 0..primaries * 2 {
+                let free = || std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port());
+                let (port, bus) = (free()?, free()?);
+                let node_dir = nodes_dir.join(format!("node-{i}"));
+                let options = RedisServerOptions {
+                    unix_socket: false,
+                    tcp_port: Some(port),
+                    extra_args: shared::redis_server::cluster_node_args(&node_dir.join("nodes.conf"), bus),
+                    ..RedisServerOptions::unix(node_dir)
+                };
+                nodes.push((options.start().context("a node of the bench's cluster")?, port));
+            }
+            let ports: Vec<u16> = nodes.iter().map(|(_, p)| *p).collect();
+            shared::redis_server::form_cluster(&ports).map_err(anyhow::Error::msg)?;
+            Ok(nodes)
+        })
+        .await??;
+        Ok(Self { child: None, dir, cluster })
+    }
+
+    /// `redis+unix://…`, for this process and the children it starts (a
+    /// cluster: its first node's URL).
     pub fn url(&self) -> String {
-        RedisServerOptions::unix(&self.dir).url()
+        match self.cluster.first() {
+            Some((_, port)) => format!("redis://127.0.0.1:{port}"),
+            None => RedisServerOptions::unix(&self.dir).url(),
+        }
+    }
+
+    /// Whether this is a cluster.
+    pub fn is_cluster(&self) -> bool {
+        !self.cluster.is_empty()
+    }
+
+    /// Every node's URL (the one server's alone when not a cluster).
+    pub fn node_urls(&self) -> Vec<String> {
+        match self.is_cluster() {
+            true => self.cluster.iter().map(|(_, port)| format!("redis://127.0.0.1:{port}")).collect(),
+            false => vec![self.url()],
+        }
+    }
+
+    /// A deployment under `prefix` on this Redis or cluster.
+    pub fn args(&self, prefix: String) -> shared::config::RedisArgs {
+        match self.is_cluster() {
+            true => shared::config::RedisArgs::new("", prefix).on_cluster(self.node_urls()),
+            false => shared::config::RedisArgs::new(self.url(), prefix),
+        }
+    }
+
+    /// The environment a child process finds this Redis by (`REDIS_URL`, or
+    /// `PACELINE_REDIS_CLUSTER_NODES` on a cluster).
+    pub fn child_env(&self) -> (String, String) {
+        match self.is_cluster() {
+            true => ("PACELINE_REDIS_CLUSTER_NODES".to_owned(), self.node_urls().join(",")),
+            false => ("REDIS_URL".to_owned(), self.url()),
+        }
     }
 
     /// The server's own temp dir (logs of the bench's children go here too).
@@ -37,9 +100,16 @@ impl BenchRedis {
     }
 }
 
+/// A fresh temp dir's path for a bench's Redis.
+fn bench_dir(label: &str) -> PathBuf {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().subsec_nanos();
+    std::env::temp_dir().join(format!("paceline-{label}-{}-{nanos:x}", std::process::id()))
+}
+
 impl Drop for BenchRedis {
     fn drop(&mut self) {
         drop(self.child.take());
+        self.cluster.clear();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

@@ -31,12 +31,19 @@ pub struct Env {
 }
 
 impl Env {
-    /// Starts Redis (with its timers at `hz` a second when given) and the tool endpoint.
-    pub async fn start(hz: Option<u32>) -> anyhow::Result<Self> {
-        let redis = BenchRedis::start("bench").await?;
+    /// Starts Redis — a local cluster of `cluster` primaries (and as many
+    /// replicas) when given — with its timers at `hz` a second when given, and
+    /// the tool endpoint.
+    pub async fn start(hz: Option<u32>, cluster: Option<usize>) -> anyhow::Result<Self> {
+        let redis = match cluster {
+            Some(primaries) => BenchRedis::start_cluster("bench", primaries).await?,
+            None => BenchRedis::start("bench").await?,
+        };
         if let Some(hz) = hz {
-            let mut conn = shared::redis_util::manager(&redis.url()).await?;
-            let _: () = redis::cmd("CONFIG").arg("SET").arg("hz").arg(hz).query_async(&mut conn).await?;
+            for url in redis.node_urls() {
+                let mut conn = shared::redis_util::manager(&url).await?;
+                let _: () = redis::cmd("CONFIG").arg("SET").arg("hz").arg(hz).query_async(&mut conn).await?;
+            }
         }
         let tools = tool_server().await?;
         Ok(Self { redis, tools, trials: Default::default() })
@@ -209,9 +216,11 @@ impl Trial {
     /// has registered), then takes the "before" command snapshot.
     pub async fn start(env: &Env, spec: &TrialSpec) -> anyhow::Result<Self> {
         let n = env.trials.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let redis = RedisArgs::new(env.redis.url(), format!("bench{n}{}", spec.label));
+        let redis = env.redis.args(format!("bench{n}{}", spec.label));
         let queue = shared::runs::run_queue(&redis, QueueConfig::default())?;
-        let admin = shared::redis_util::manager(&redis.url).await.context("connect to the bench's Redis")?;
+        // (On a cluster, its `INFO`s go to the primary of the trial's one slot: the node doing its work.)
+        let admin = shared::redis_util::connect(&redis, shared::redis_util::COMMAND_TIMEOUT)
+            .context("connect to the bench's Redis")?;
         let store = RunStore::new(admin.clone(), redis.keys(), Duration::from_secs(24 * 3600));
         let mock_started = Instant::now();
         let mock = MockServer::start(spec.mock.clone()).await.context("start the mock provider")?;
@@ -240,7 +249,7 @@ impl Trial {
         let fleet_spec = FleetSpec {
             workers: spec.workers,
             args,
-            env: vec![("REDIS_URL".to_owned(), redis.url.clone())],
+            env: vec![env.redis.child_env()],
             log_dir: env.redis.dir().to_path_buf(),
             label: format!("{n}-{}", spec.label),
         };

@@ -196,6 +196,12 @@ pub struct Args {
     /// more finely (say so beside any figure it gives).
     #[arg(long = "redis-hz", value_parser = clap::value_parser!(u32).range(1..=500))]
     redis_hz: Option<u32>,
+    /// Run the trials on a private local Redis Cluster of this many primaries
+    /// (and one replica each; `redis-cli --cluster` must be there) instead of
+    /// one Redis: the deployment lives in one slot, and the Redis figures are
+    /// that slot's primary's.
+    #[arg(long = "redis-cluster", value_name = "PRIMARIES", value_parser = clap::value_parser!(u32).range(3..=16))]
+    redis_cluster: Option<u32>,
     /// Write the figures as one JSON object to this file.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
@@ -302,7 +308,7 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
         dump_dir: args.dump_dir.clone(),
         worker_args: vec![],
     };
-    let env = Env::start(args.redis_hz).await?;
+    let env = Env::start(args.redis_hz, args.redis_cluster.map(|n| n as usize)).await?;
     let progress = ProgressBar::new(0).with_style(
         ProgressStyle::with_template("{spinner} {msg:>12} [{bar:40}] {pos}/{len} calls answered, {elapsed}")
             .unwrap_or_else(|_| ProgressStyle::default_bar())
@@ -349,7 +355,8 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
             timeout: Duration::from_secs(args.timeout_s),
         };
         let mut t = throughput::measure(&env, &tplan, &progress).await.context("throughput")?;
-        if args.queue_turns > 0 {
+        // (The queue alone runs on one Redis only.)
+        if args.queue_turns > 0 && !env.redis.is_cluster() {
             progress.set_message("queue alone");
             let prefix = format!("benchq{}", std::process::id());
             t.queue_only = Some(

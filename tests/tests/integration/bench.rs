@@ -39,6 +39,23 @@ fn run_to_end(dir: &Path, args: &[&str]) -> (std::process::ExitStatus, String, S
     (status, read(&out), read(&err))
 }
 
+/// A tiny pacing trial: 2 workers of 4 slots, 6 runs of 2 turns, 3 000 tokens a 2-s window.
+const TINY: &[&str] = &[
+    "bench",
+    "--workers",
+    "2",
+    "--concurrency",
+    "4",
+    "--runs",
+    "6",
+    "--turns",
+    "2",
+    "--window-s",
+    "2",
+    "--tpm",
+    "3000",
+];
+
 const PACER_FIELDS: &[&str] = &[
     "makespan_s",
     "floor_s",
@@ -59,21 +76,7 @@ fn a_tiny_bench_writes_every_spec_field_and_completes_every_shared_run() {
     let json = dir.path().join("bench.json");
     let json_path = json.display().to_string();
     let args = [
-        &[
-            "bench",
-            "--workers",
-            "2",
-            "--concurrency",
-            "4",
-            "--runs",
-            "6",
-            "--turns",
-            "2",
-            "--window-s",
-            "2",
-            "--tpm",
-            "3000",
-        ][..],
+        TINY,
         &["--pacer", "shared,off", "--throughput-runs", "20", "--throughput-turns", "3", "--queue-turns", "500"][..],
         &["--json", json_path.as_str()][..],
     ]
@@ -107,6 +110,26 @@ fn a_tiny_bench_writes_every_spec_field_and_completes_every_shared_run() {
     assert!(t["turns_per_s"].as_f64().unwrap() > 0.0, "{t:#}");
     assert!(t["redis_commands_per_turn"].as_f64().unwrap() > 0.0, "{t:#}");
     assert_eq!(t["turns"], 60, "20 runs x 3 turns: {t:#}");
+}
+
+/// `--redis-cluster 3`, tiny: the trial runs on a local 3 + 3 cluster (its
+/// workers given only `PACELINE_REDIS_CLUSTER_NODES`), every run completes,
+/// and the Redis figures are read from the primary of the trial's slot.
+#[test]
+fn a_tiny_bench_on_a_local_cluster_completes_every_run_and_counts_its_primarys_commands() {
+    if !paceline_tests::cluster_supported() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("bench.json");
+    let json_path = json.display().to_string();
+    let args = [TINY, &["--redis-cluster", "3", "--pacer", "shared", "--json", json_path.as_str()]].concat();
+    let (status, stdout, stderr) = run_to_end(dir.path(), &args);
+    assert!(status.success(), "bench failed: {status}\n{stdout}\n{stderr}");
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let shared = &report["pacers"]["shared"];
+    assert_eq!(shared["runs_completed"], 6, "{shared:#}");
+    assert!(shared["redis_commands_per_turn"].as_f64().unwrap() > 5.0, "the slot's primary did the work: {shared:#}");
 }
 
 /// `--scenario fairness`, tiny: the JSON has the fairness figures (the
