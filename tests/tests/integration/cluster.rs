@@ -173,8 +173,26 @@ async fn api_worker_and_up_refuse_a_cluster_node_as_their_one_redis_and_say_why(
 /// worker` processes given only `PACELINE_REDIS_CLUSTER_NODES` (their
 /// `REDIS_URL` names nothing that answers), the mock provider and a tool
 /// endpoint, and a run store of the test's own on the cluster.
+/// When tool `slow`'s call started, and when the worker dropped it (its
+/// handler's future dropped with the connection).
+#[derive(Clone, Default)]
+struct SlowTool {
+    started: std::sync::Arc<std::sync::Mutex<Option<std::time::Instant>>>,
+    dropped: std::sync::Arc<std::sync::Mutex<Option<std::time::Instant>>>,
+}
+
+/// Notes when it is dropped (a call's handler holds one while it sleeps).
+struct DropNote(std::sync::Arc<std::sync::Mutex<Option<std::time::Instant>>>);
+
+impl Drop for DropNote {
+    fn drop(&mut self) {
+        self.0.lock().unwrap().get_or_insert_with(std::time::Instant::now);
+    }
+}
+
 struct OnCluster {
     cluster: RedisCluster,
+    slow: SlowTool,
     prefix: String,
     base: String,
     tools: String,
@@ -193,8 +211,20 @@ impl OnCluster {
         })
         .await
         .unwrap();
-        let tools = crate::fixtures::tool_endpoint(|axum::Json(call): axum::Json<serde_json::Value>| async move {
-            axum::Json(serde_json::json!({ "output": format!("ok {}", call["name"].as_str().unwrap_or_default()) }))
+        // Tool `slow` answers after 60 s, and notes when its call started and when it was dropped.
+        let slow = SlowTool::default();
+        let seen = slow.clone();
+        let tools = crate::fixtures::tool_endpoint(move |axum::Json(call): axum::Json<serde_json::Value>| {
+            let seen = seen.clone();
+            async move {
+                let name = call["name"].as_str().unwrap_or_default().to_owned();
+                if name == "slow" {
+                    *seen.started.lock().unwrap() = Some(std::time::Instant::now());
+                    let _note = DropNote(seen.dropped.clone());
+                    tokio::time::sleep(Duration::from_secs(60)).await;
+                }
+                axum::Json(serde_json::json!({ "output": format!("ok {name}") }))
+            }
         })
         .await;
         let prefix = paceline_tests::unique_prefix();
@@ -223,6 +253,7 @@ impl OnCluster {
         let store = shared::runs::RunStore::new(conn, args.keys(), Duration::from_secs(600));
         let deployment = Self {
             cluster,
+            slow,
             prefix,
             base: format!("http://127.0.0.1:{port}"),
             tools,
@@ -337,13 +368,18 @@ impl OnCluster {
     }
 }
 
-/// A run that calls tool `lookup` (the mock asks for it twice: three turns).
+/// A run that calls tool `lookup` (the mock asks for it as many times as its `tool_rounds`).
 fn tool_run(d: &OnCluster) -> serde_json::Value {
+    named_tool_run(d, "lookup")
+}
+
+/// A run that calls tool `name`.
+fn named_tool_run(d: &OnCluster, name: &str) -> serde_json::Value {
     serde_json::json!({
         "tool_endpoint": d.tools,
         "model": "gpt-test",
         "input": "look it up",
-        "tools": [{"type": "function", "name": "lookup", "description": "a tool",
+        "tools": [{"type": "function", "name": name, "description": "a tool",
                    "parameters": {"type": "object", "properties": {}}}],
         "max_turns": 10,
         "max_output_tokens": 64,
@@ -355,19 +391,29 @@ async fn a_deployment_on_a_cluster_runs_its_turns_and_tools_with_every_key_in_it
     let Some(cluster) = RedisCluster::start(3).await else { return };
     // A budget that makes turns wait (20 000 tokens a 10-s window; ~30 000 asked): parked and
     // released in the one slot, as on one Redis.
+    // Tool runs of five turns (four rounds of tool calls). PACELINE_TEST_CLUSTER_RUNS=2040 runs
+    // the 2 000 one-turn and 40 five-turn runs (a one-off: minutes).
+    // (The budget grows with the runs, a tenth as fast: the turns wait for it at any count.)
+    let n: usize = std::env::var("PACELINE_TEST_CLUSTER_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(60);
     let mock = mock_provider::MockConfig {
         latency: Duration::from_millis(50),
-        tpm: 20_000,
+        tpm: 20_000 * (n as u64 / 200).max(1),
+        rpm: 600 * (n as u64 / 200).max(1),
         window: Duration::from_secs(10),
+        tool_rounds: 4,
         ..Default::default()
     };
     let mut d = OnCluster::start(cluster, mock).await;
-    let ids = d.submit_mix(60, 3).await;
-    d.all_completed(&ids, Duration::from_secs(90)).await;
+    let started = std::time::Instant::now();
+    let every = (n / 40).max(3);
+    let ids = d.submit_mix(n, every).await;
+    d.all_completed(&ids, Duration::from_secs(120)).await;
+    let rate_limited = d.mock.stats().rate_limited;
+    eprintln!("{n} runs ({} with tools) completed in {:?}, {rate_limited} 429s", n.div_ceil(every), started.elapsed());
     // The tool runs went through their tool calls.
     let tx = d.store.transcript("default", &ids[0]).await.unwrap().unwrap();
     let outputs = tx.iter().filter(|e| e.item["type"] == "function_call_output").count();
-    assert!(outputs >= 2, "{tx:?}");
+    assert_eq!(outputs, 4, "{tx:?}");
     assert!(tx.iter().any(|e| e.item["output"] == "ok lookup"), "{tx:?}");
 
     // Every key on the primary of the prefix's slot, the budget's with them.
@@ -379,6 +425,26 @@ async fn a_deployment_on_a_cluster_runs_its_turns_and_tools_with_every_key_in_it
     assert!(keys.iter().any(|k| k.contains(":run:")), "{keys:?}");
     let home = Keys::one_slot(d.prefix.clone()).slot_tag();
     assert_eq!(d.cluster.owner_of(&home, 0).await, Some(holders[0].0));
+
+    // A cancel reaches the worker through the cluster's pub/sub: the tool call in flight is dropped.
+    let id = d.submit(named_tool_run(&d, "slow")).await;
+    let slow = &d.slow;
+    eventually(
+        "the slow tool called",
+        Duration::from_secs(30),
+        || async move { slow.started.lock().unwrap().map(|_| ()) },
+    )
+    .await;
+    let cancelled = std::time::Instant::now();
+    let answer = d.http.post(format!("{}/v1/runs/{id}/cancel", d.base)).send().await.unwrap();
+    assert!(answer.status().is_success(), "{}", answer.status());
+    eventually(
+        "the tool call dropped",
+        Duration::from_secs(10),
+        || async move { slow.dropped.lock().unwrap().map(|_| ()) },
+    )
+    .await;
+    eprintln!("the tool call dropped {:?} after the cancel", cancelled.elapsed());
     d.none_exited();
 }
 
