@@ -138,6 +138,9 @@ impl Scripts {
     }
 }
 
+/// How long fetches skip their `WAIT` after one fell short, ms.
+pub const WAIT_BACKOFF_MS: u64 = 10_000;
+
 /// A handle on the turn queue; cheap to clone.
 #[derive(Clone)]
 pub struct TurnQueue {
@@ -146,6 +149,10 @@ pub struct TurnQueue {
     keys: Arc<QueueKeys>,
     config: QueueConfig,
     scripts: Arc<Scripts>,
+    /// Until when (ms since the queue was made) fetches skip their `WAIT`:
+    /// set after a shortfall ([`TurnQueue::wait_replicated`]).
+    wait_off_until: Arc<std::sync::atomic::AtomicU64>,
+    made: std::time::Instant,
 }
 
 impl std::fmt::Debug for TurnQueue {
@@ -187,6 +194,8 @@ impl TurnQueue {
             keys: Arc::new(QueueKeys::new(&redis.keys())),
             config,
             scripts: Arc::new(Scripts::new("")),
+            wait_off_until: Default::default(),
+            made: std::time::Instant::now(),
         })
     }
 
@@ -282,7 +291,41 @@ impl TurnQueue {
             inv.arg(a);
         }
         let reply: Vec<redis::Value> = inv.invoke_async(&mut self.conn.clone()).await?;
-        parse_fetch(reply, worker)
+        let fetched = parse_fetch(reply, worker)?;
+        if self.config.wait_replicas > 0 && !fetched.deliveries.is_empty() {
+            self.wait_replicated().await;
+        }
+        Ok(fetched)
+    }
+
+    /// Waits (at most `wait_ms`) until `wait_replicas` replicas have every
+    /// write this connection sent so far — the fetch's leases among them
+    /// (`WAIT` counts a connection's writes; on a cluster it goes to the
+    /// primary of the deployment's slot, on the connection the fetch took).
+    /// A shortfall or an error is logged and counted, and the turns run
+    /// anyway: a replica lagging must not stop the fleet. After one, fetches
+    /// skip the wait for [`WAIT_BACKOFF_MS`]: a primary just promoted has no
+    /// replica until its old one comes back, and every fetch would wait the
+    /// whole `wait_ms` for nothing.
+    async fn wait_replicated(&self) {
+        use std::sync::atomic::Ordering;
+        let now = self.made.elapsed().as_millis() as u64;
+        if now < self.wait_off_until.load(Ordering::Relaxed) {
+            return;
+        }
+        let (want, ms) = (self.config.wait_replicas, self.config.wait_ms);
+        let acked: redis::RedisResult<u32> =
+            redis::cmd("WAIT").arg(want).arg(ms).query_async(&mut self.conn.clone()).await;
+        let short = match acked {
+            Ok(n) if n >= want => return,
+            Ok(n) => format!("{n} of {want} replicas within {ms} ms"),
+            Err(error) => format!("WAIT failed: {error}"),
+        };
+        metrics::counter!(crate::telemetry::metric::REDIS_WAIT_SHORT).increment(1);
+        let until = self.made.elapsed().as_millis() as u64 + WAIT_BACKOFF_MS;
+        if self.wait_off_until.swap(until, Ordering::Relaxed) <= now {
+            tracing::warn!(message = "a fetch's leases did not reach the replicas asked for; fetches skip the wait for a while", %short, skip_ms = WAIT_BACKOFF_MS);
+        }
     }
 
     async fn settle(&self, lease: &Lease, verdict: Verdict<'_>) -> Result<Settled, QueueError> {

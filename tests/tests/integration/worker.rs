@@ -923,3 +923,32 @@ async fn a_fetch_that_owed_a_turn_makes_its_workers_commits_ask_for_the_next_tur
     assert!(asked_at_commit >= 2);
     app.stop_workers().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_that_expired_while_redis_was_down_are_renewed_by_their_holders_not_taken_by_another_worker() {
+    // Calls of 5 s, leases of 1 s: Redis down for 2.5 s in the middle of the calls, so every
+    // lease has expired when it comes back. The first worker back must not take the
+    // other's turns (their holder is alive): each turn is called once.
+    let redis = paceline_tests::RedisServer::start_with(paceline_tests::RedisOptions {
+        aof: true,
+        ..paceline_tests::RedisOptions::default()
+    });
+    let mut app = App::start_on(redis, MockConfig { latency: Duration::from_secs(5), ..MockConfig::default() }).await;
+    let workers: Vec<ChildGuard> =
+        (0..2).map(|_| app.worker_process(&["--concurrency", "8", "--queue-lease-ms", "1000"], "warn")).collect();
+    let mut ids = Vec::new();
+    for i in 0..12 {
+        ids.push(app.submit(json!({"model": "gpt-test", "input": format!("run {i}")})).await.id);
+    }
+    let mock = &app.mock;
+    eventually("every call in flight", secs(20), || async move { (mock.stats().requests >= 12).then_some(()) }).await;
+    app.redis.kill();
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    app.redis.spawn();
+    for id in &ids {
+        let run = app.wait_finished(id, secs(40)).await;
+        assert_eq!(run.status, RunStatus::Completed, "{:?}", run.error);
+    }
+    assert_eq!(app.mock.stats().requests, 12, "a turn whose lease expired while Redis was down was called again");
+    drop(workers);
+}

@@ -46,6 +46,14 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
     // The info the last registration wrote, and how many registrations.
     let mut sent: Option<WorkerInfo> = None;
     let mut registrations: u64 = 0;
+    // After Redis did not answer a beat or a look (a restart, a failover), no
+    // lease is reclaimed until a lease has passed since it answers again:
+    // every lease in the fleet expired while nobody could renew it, and its
+    // holders — cut off too, alive — renew it in that time. A dead worker's
+    // are taken a lease later. (A cluster client that retries a command
+    // through a failover hides it: see README "On a Redis Cluster".)
+    let mut cut_off = false;
+    let mut hold_reclaims_until: Option<Instant> = None;
     loop {
         let now = Instant::now();
         let renew = shared.oldest_renewal().is_some_and(|at| now >= at + every);
@@ -72,8 +80,14 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
                     let ahead = Duration::from_millis(clear_until.saturating_sub(server_now).max(0) as u64);
                     look_at = Some(now + ahead + slack);
                 }
-                _ => (beat, reclaim) = (true, true),
+                (_, result) => {
+                    cut_off |= result.is_err();
+                    (beat, reclaim) = (true, true);
+                }
             }
+        }
+        if cut_off || hold_reclaims_until.is_some_and(|until| now < until) {
+            reclaim = false;
         }
         if beat {
             last_beat = Some(now);
@@ -117,6 +131,13 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
             beats += 1;
             match queue.beat(&shared.identity, registration, &leases, reclaim).await {
                 Ok(report) => {
+                    if std::mem::take(&mut cut_off) {
+                        hold_reclaims_until = Some(Instant::now() + Duration::from_millis(lease_ms as u64));
+                        info!(
+                            message = "Redis answers again; reclaiming no lease for one lease, so holders renew theirs",
+                            lease_ms
+                        );
+                    }
                     if report.resend {
                         sent = None;
                     } else if writes_info {
@@ -143,7 +164,10 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
                     }
                     suspects = leases.into_iter().filter(|(id, _)| report.lost.contains(id)).collect();
                 }
-                Err(error) => warn!(message = "heartbeat failed; retrying", %error),
+                Err(error) => {
+                    cut_off = true;
+                    warn!(message = "heartbeat failed; retrying", %error);
+                }
             }
         }
         if shutdown_seen.is_none() && worker.is_shutting_down() {
