@@ -61,10 +61,6 @@ fn register() {
         name::QUEUE_UNBLOCK_FALLBACKS,
         "Workers that found CLIENT UNBLOCK forbidden and watch due times with BLPOP timeouts"
     );
-    describe_counter!(
-        name::REDIS_WAIT_SHORT,
-        "Fetches whose WAIT (PACELINE_REDIS_WAIT_REPLICAS) saw fewer replicas than asked in time, or failed"
-    );
     describe_histogram!(name::REQUEUE_DELAY, Unit::Seconds, "How long turns were requeued for, by reason");
     describe_gauge!(name::PACER_REMAINING_TOKENS, "The shared estimate of tokens left, per budget and model");
     describe_gauge!(name::PACER_OLDEST_WAIT, "How long the oldest turn in line has waited, per budget and model");

@@ -55,8 +55,7 @@ fn keyless(cmd: &redis::Cmd) -> bool {
     });
     let Some(name) = args.next() else { return false };
     match name.to_ascii_uppercase().as_slice() {
-        b"TIME" | b"INFO" | b"CONFIG" | b"CLIENT" | b"PING" | b"SCRIPT" | b"DBSIZE" | b"MEMORY" | b"CLUSTER"
-        | b"WAIT" => true,
+        b"TIME" | b"INFO" | b"CONFIG" | b"CLIENT" | b"PING" | b"SCRIPT" | b"DBSIZE" | b"MEMORY" | b"CLUSTER" => true,
         b"EVAL" | b"EVALSHA" => args.nth(1) == Some(b"0".as_slice()),
         _ => false,
     }
@@ -461,7 +460,6 @@ mod tests {
     #[test]
     fn keyless_commands_are_told_from_keyed_ones() {
         assert!(keyless(&redis::cmd("TIME")));
-        assert!(keyless(redis::cmd("WAIT").arg(1).arg(500)));
         assert!(keyless(redis::cmd("INFO").arg("memory")));
         assert!(keyless(redis::cmd("client").arg("UNBLOCK").arg(7)));
         assert!(keyless(redis::cmd("SCRIPT").arg("LOAD").arg("return 1")));

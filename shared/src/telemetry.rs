@@ -71,8 +71,6 @@ pub mod metric {
     pub const BUDGET_WAITS: &str = "paceline_budget_waits_total";
     /// Counter: a worker found `CLIENT UNBLOCK` forbidden and watches due times with `BLPOP` timeouts instead.
     pub const QUEUE_UNBLOCK_FALLBACKS: &str = "paceline_queue_unblock_fallbacks_total";
-    /// Counter: a fetch's `WAIT` (`PACELINE_REDIS_WAIT_REPLICAS`) saw fewer replicas than asked in time, or failed.
-    pub const REDIS_WAIT_SHORT: &str = "paceline_redis_wait_short_total";
     /// Histogram (seconds), label `reason` (`budget`, `rate_limited`, `retry`): how long turns were requeued for.
     pub const REQUEUE_DELAY: &str = "paceline_requeue_delay_seconds";
     /// Gauge, labels `budget`, `model`: the shared estimate of tokens left.

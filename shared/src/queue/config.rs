@@ -53,21 +53,7 @@ pub struct QueueConfig {
         default_value_t = DEFAULT_DEAD_RETENTION_MS
     )]
     pub dead_retention_ms: u64,
-    /// Replicas a fetch's leases must reach (Redis `WAIT`) before their turns
-    /// run: with 1, a primary that fails over just after a fetch cannot hand
-    /// the same turns to a second worker while this one calls the provider
-    /// (its leases were not lost with it). 0: no wait (replication is
-    /// asynchronous; a lease the dying primary never sent on is lost with it).
-    #[arg(long = "redis-wait-replicas", env = "PACELINE_REDIS_WAIT_REPLICAS", default_value_t = 0)]
-    pub wait_replicas: u32,
-    /// Longest that `WAIT` may take, ms: past it the turns run anyway (and
-    /// the shortfall is logged and counted).
-    #[arg(long = "redis-wait-ms", env = "PACELINE_REDIS_WAIT_MS", default_value_t = DEFAULT_WAIT_MS)]
-    pub wait_ms: u64,
 }
-
-/// Default of `--redis-wait-ms`.
-pub const DEFAULT_WAIT_MS: u64 = 500;
 
 impl Default for QueueConfig {
     fn default() -> Self {
@@ -79,8 +65,6 @@ impl Default for QueueConfig {
             grace_ms: DEFAULT_GRACE_MS,
             retry_base_ms: DEFAULT_RETRY_BASE_MS,
             dead_retention_ms: DEFAULT_DEAD_RETENTION_MS,
-            wait_replicas: 0,
-            wait_ms: DEFAULT_WAIT_MS,
         }
     }
 }

@@ -6,7 +6,8 @@
 -- info JSON (or '' to skip registering; '=' to register with the info this worker last
 -- wrote, unchanged), forget_ms (a registration silent this long is forgotten, and the
 -- fleet counted — 0: neither on this beat; liveness is judged on reading, by each
--- worker's own lease), reclaim_limit (0: no look for expired leases),
+-- worker's own lease), reclaim_limit (0: no look for expired leases; `limit:not_after`:
+-- none either when the script runs past not_after, server ms),
 -- dead_keep_ms (the dead set's retention), then id, epoch pairs of the leases
 -- this worker holds.
 -- Returns {reclaimed, buried, fleet, now, resend, lost id...}: fleet is how many workers beat
@@ -55,10 +56,15 @@ if n == 0 and registering then
   local first = redis.call('ZRANGE', Q_DUE, 0, 0, 'WITHSCORES')
   if first[2] and tonumber(first[2]) <= now - Q_STRAY_MS then q_wake() end
 end
--- (A reclaim limit of 0: a beat that only registers; the worker's looks find what expired.)
+-- (A reclaim limit of 0: a beat that only registers; the worker's looks find what expired.
+-- `limit:not_after`: no reclaim when this runs past not_after, server ms — a beat that
+-- reached Redis only after an outage, retried through it by its client, finds every lease
+-- expired, its holders alive and about to renew: it leaves them.)
 local expired = {}
-if tonumber(ARGV[6]) > 0 then
-  expired = redis.call('ZRANGEBYSCORE', Q_LEASE, '-inf', now, 'LIMIT', 0, tonumber(ARGV[6]))
+local limit, not_after = string.match(ARGV[6], '^(%d+):?(%-?%d*)$')
+limit = tonumber(limit) or 0
+if limit > 0 and (not_after == '' or now <= tonumber(not_after)) then
+  expired = redis.call('ZRANGEBYSCORE', Q_LEASE, '-inf', now, 'LIMIT', 0, limit)
 end
 for _, id in ipairs(expired) do
   local r = q_read(id)

@@ -138,9 +138,6 @@ impl Scripts {
     }
 }
 
-/// How long fetches skip their `WAIT` after one fell short, ms.
-pub const WAIT_BACKOFF_MS: u64 = 10_000;
-
 /// A handle on the turn queue; cheap to clone.
 #[derive(Clone)]
 pub struct TurnQueue {
@@ -149,10 +146,6 @@ pub struct TurnQueue {
     keys: Arc<QueueKeys>,
     config: QueueConfig,
     scripts: Arc<Scripts>,
-    /// Until when (ms since the queue was made) fetches skip their `WAIT`:
-    /// set after a shortfall ([`TurnQueue::wait_replicated`]).
-    wait_off_until: Arc<std::sync::atomic::AtomicU64>,
-    made: std::time::Instant,
 }
 
 impl std::fmt::Debug for TurnQueue {
@@ -194,8 +187,6 @@ impl TurnQueue {
             keys: Arc::new(QueueKeys::new(&redis.keys())),
             config,
             scripts: Arc::new(Scripts::new("")),
-            wait_off_until: Default::default(),
-            made: std::time::Instant::now(),
         })
     }
 
@@ -291,41 +282,7 @@ impl TurnQueue {
             inv.arg(a);
         }
         let reply: Vec<redis::Value> = inv.invoke_async(&mut self.conn.clone()).await?;
-        let fetched = parse_fetch(reply, worker)?;
-        if self.config.wait_replicas > 0 && !fetched.deliveries.is_empty() {
-            self.wait_replicated().await;
-        }
-        Ok(fetched)
-    }
-
-    /// Waits (at most `wait_ms`) until `wait_replicas` replicas have every
-    /// write this connection sent so far — the fetch's leases among them
-    /// (`WAIT` counts a connection's writes; on a cluster it goes to the
-    /// primary of the deployment's slot, on the connection the fetch took).
-    /// A shortfall or an error is logged and counted, and the turns run
-    /// anyway: a replica lagging must not stop the fleet. After one, fetches
-    /// skip the wait for [`WAIT_BACKOFF_MS`]: a primary just promoted has no
-    /// replica until its old one comes back, and every fetch would wait the
-    /// whole `wait_ms` for nothing.
-    async fn wait_replicated(&self) {
-        use std::sync::atomic::Ordering;
-        let now = self.made.elapsed().as_millis() as u64;
-        if now < self.wait_off_until.load(Ordering::Relaxed) {
-            return;
-        }
-        let (want, ms) = (self.config.wait_replicas, self.config.wait_ms);
-        let acked: redis::RedisResult<u32> =
-            redis::cmd("WAIT").arg(want).arg(ms).query_async(&mut self.conn.clone()).await;
-        let short = match acked {
-            Ok(n) if n >= want => return,
-            Ok(n) => format!("{n} of {want} replicas within {ms} ms"),
-            Err(error) => format!("WAIT failed: {error}"),
-        };
-        metrics::counter!(crate::telemetry::metric::REDIS_WAIT_SHORT).increment(1);
-        let until = self.made.elapsed().as_millis() as u64 + WAIT_BACKOFF_MS;
-        if self.wait_off_until.swap(until, Ordering::Relaxed) <= now {
-            tracing::warn!(message = "a fetch's leases did not reach the replicas asked for; fetches skip the wait for a while", %short, skip_ms = WAIT_BACKOFF_MS);
-        }
+        parse_fetch(reply, worker)
     }
 
     async fn settle(&self, lease: &Lease, verdict: Verdict<'_>) -> Result<Settled, QueueError> {
@@ -489,17 +446,19 @@ impl TurnQueue {
         leases: &[(String, u64)],
     ) -> Result<HeartbeatReport, QueueError> {
         let register = info.map_or(Register::No, |info| Register::With { info, census: true });
-        self.beat(identity, register, leases, true).await
+        self.beat(identity, register, leases, Some(i64::MAX)).await
     }
 
     /// [`TurnQueue::heartbeat`], registering as `register` says, and
-    /// reclaiming expired leases if `reclaim`.
+    /// reclaiming expired leases if `reclaim` names a time (server ms) it
+    /// runs by — a beat that reaches Redis later (retried through an outage
+    /// by the client) reclaims nothing; `None`: no reclaim.
     pub async fn beat(
         &self,
         identity: &str,
         register: Register<'_>,
         leases: &[(String, u64)],
-        reclaim: bool,
+        reclaim: Option<i64>,
     ) -> Result<HeartbeatReport, QueueError> {
         let (info, census) = match register {
             Register::No => (String::new(), false),
@@ -516,7 +475,11 @@ impl TurnQueue {
             // Registrations silent this long are forgotten; whether one is alive
             // is judged on reading, by its own lease (`list_workers`).
             .arg(if census { MAX_WORKER_TTL_MS } else { 0 })
-            .arg(if reclaim { 200 } else { 0 })
+            .arg(match reclaim {
+                None => "0".to_owned(),
+                Some(i64::MAX) => "200".to_owned(),
+                Some(not_after) => format!("200:{not_after}"),
+            })
             .arg(self.config.dead_retention_ms);
         for (id, epoch) in leases {
             inv.arg(id).arg(*epoch);

@@ -236,8 +236,6 @@ impl OnCluster {
             cmd.args(args)
                 .args(["--prefix", &prefix, "--tool-endpoints", &tools])
                 .env("PACELINE_REDIS_CLUSTER_NODES", &seeds)
-                // A fetch's leases reach the replica before their turns run (README "On a Redis Cluster").
-                .env("PACELINE_REDIS_WAIT_REPLICAS", "1")
                 .env("REDIS_URL", "redis://127.0.0.1:1")
                 .env_remove("PACELINE_API_TOKENS")
                 // (The cluster client says each lost node, retry and slot refresh of a failover.)

@@ -831,13 +831,13 @@ async fn a_registration_with_its_info_unchanged_keeps_it_and_asks_for_it_once_it
         beat_ms: 16_000,
         last_heartbeat_ms: 0,
     };
-    let first = q.beat("w1", Register::With { info: &info, census: true }, &[], false).await.unwrap();
+    let first = q.beat("w1", Register::With { info: &info, census: true }, &[], None).await.unwrap();
     assert!(!first.resend);
     assert_eq!(first.fleet, Some(1), "a census counts the fleet");
     assert!(first.now_ms > 0, "a beat says the server's clock");
     // Registering again with the info unchanged: the registration stands as written,
     // no census (no fleet count), no resend.
-    let again = q.beat("w1", Register::Unchanged { census: false }, &[], false).await.unwrap();
+    let again = q.beat("w1", Register::Unchanged { census: false }, &[], None).await.unwrap();
     assert!(!again.resend);
     assert_eq!(again.fleet, None);
     let listed = q.list_workers().await.unwrap();
@@ -848,9 +848,9 @@ async fn a_registration_with_its_info_unchanged_keeps_it_and_asks_for_it_once_it
     let mut conn = env.server.conn().await;
     let keys = q.keys();
     let _: () = redis::cmd("DEL").arg(&keys.workers).arg(&keys.worker_info).query_async(&mut conn).await.unwrap();
-    let lost = q.beat("w1", Register::Unchanged { census: false }, &[], false).await.unwrap();
+    let lost = q.beat("w1", Register::Unchanged { census: false }, &[], None).await.unwrap();
     assert!(lost.resend, "the info is gone: the worker sends it with its next registration");
-    q.beat("w1", Register::With { info: &info, census: false }, &[], false).await.unwrap();
+    q.beat("w1", Register::With { info: &info, census: false }, &[], None).await.unwrap();
     assert_eq!(q.list_workers().await.unwrap().len(), 1);
 }
 
@@ -1069,4 +1069,22 @@ async fn after_redis_loses_its_last_second_no_epoch_is_handed_out_twice() {
     assert!(again.epoch > lost.epoch, "epoch {} handed out again (the lost lease had {})", again.epoch, lost.epoch);
     assert!(matches!(q.complete(&lost).await, Err(QueueError::Fenced { .. })), "the lost second's holder is fenced");
     q.complete(&again).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_beat_that_reaches_redis_past_its_not_after_reclaims_nothing() {
+    use shared::queue::Register;
+    let env = Env::start(QueueConfig { lease_ms: 300, ..QueueConfig::default() });
+    let q = &env.queue;
+    assert!(q.enqueue("run_a", &json!({"turn": 1}), 0).await.unwrap());
+    assert_eq!(q.fetch("w1", 1).await.unwrap().deliveries.len(), 1);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let now = q.server_time_ms().await.unwrap();
+    // Sent before an outage, run after it: not_after has passed, the lease stays.
+    let late = q.beat("w2", Register::No, &[], Some(now - 1_000)).await.unwrap();
+    assert_eq!(late.reclaimed, 0, "a late beat reclaimed a lease");
+    assert_eq!(q.counts().await.unwrap().in_flight, 1);
+    // In time: the expired lease is taken back.
+    let timely = q.beat("w2", Register::No, &[], Some(now + 10_000)).await.unwrap();
+    assert_eq!(timely.reclaimed, 1);
 }

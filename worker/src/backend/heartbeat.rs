@@ -54,6 +54,11 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
     // through a failover hides it: see README "On a Redis Cluster".)
     let mut cut_off = false;
     let mut hold_reclaims_until: Option<Instant> = None;
+    // When Redis last answered a beat or a look: a reclaiming beat must run
+    // within two beats of it (`not_after`), or it reclaims nothing — one the
+    // client retried through a failover lands late, when every lease has
+    // expired and their holders, alive, are about to renew them.
+    let mut heard: Option<Instant> = None;
     loop {
         let now = Instant::now();
         let renew = shared.oldest_renewal().is_some_and(|at| now >= at + every);
@@ -73,6 +78,7 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
         if !beat && !beat_soon && look_at.is_none_or(|at| now >= at) {
             match (clock, queue.first_lease_expiry().await) {
                 (Some((at, server_ms)), Ok(first)) => {
+                    heard = Some(Instant::now());
                     let server_now = server_ms + now.saturating_duration_since(at).as_millis() as i64;
                     let clear_until = first.map_or(server_now + lease_ms, |e| e.min(server_now + lease_ms));
                     beat = clear_until <= server_now;
@@ -129,8 +135,15 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
             };
             let writes_info = matches!(registration, Register::With { .. });
             beats += 1;
-            match queue.beat(&shared.identity, registration, &leases, reclaim).await {
+            let not_after = match (clock, heard) {
+                (Some((at, server_ms)), Some(heard)) => {
+                    server_ms + heard.saturating_duration_since(at).as_millis() as i64 + 2 * every.as_millis() as i64
+                }
+                _ => i64::MAX,
+            };
+            match queue.beat(&shared.identity, registration, &leases, reclaim.then_some(not_after)).await {
                 Ok(report) => {
+                    heard = Some(Instant::now());
                     if std::mem::take(&mut cut_off) {
                         hold_reclaims_until = Some(Instant::now() + Duration::from_millis(lease_ms as u64));
                         info!(
