@@ -163,6 +163,10 @@ pub struct Throughput {
     pub turns_per_s: f64,
     /// Redis commands per turn through the real worker.
     pub redis_commands_per_turn: f64,
+    /// Redis CPU per turn, ms (`INFO cpu` over the trial, Redis's idle rate
+    /// included: at full speed it is small beside the turns' own). One core
+    /// serves about 1 000 / this turns a second.
+    pub redis_cpu_ms_per_turn: f64,
     /// Turns completed.
     pub turns: u64,
     /// Runs × turns submitted.
@@ -319,8 +323,8 @@ pub fn table(report: &Report) -> String {
     if let Some(t) = &report.throughput {
         let _ = writeln!(
             out,
-            "throughput (one worker process, {} slots, {} pacer, instant mock without limits): {} turns/s, {} Redis commands per turn ({} turns)",
-            t.concurrency, t.pacer, num(t.turns_per_s, 0), num(t.redis_commands_per_turn, 1), t.turns
+            "throughput (one worker process, {} slots, {} pacer, instant mock without limits): {} turns/s, {} Redis commands and {} ms of Redis CPU per turn ({} turns)",
+            t.concurrency, t.pacer, num(t.turns_per_s, 0), num(t.redis_commands_per_turn, 1), num(t.redis_cpu_ms_per_turn, 3), t.turns
         );
         let _ = writeln!(out, "  per turn: {}", t.redis_commands_breakdown);
         if let Some(q) = &t.queue_only {

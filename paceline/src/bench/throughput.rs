@@ -73,6 +73,7 @@ pub async fn measure(env: &Env, plan: &ThroughputPlan, progress: &ProgressBar) -
     Ok(Throughput {
         turns_per_s: turns as f64 / makespan,
         redis_commands_per_turn: data.commands_per_turn(),
+        redis_cpu_ms_per_turn: data.redis_cpu_s * 1000.0 / (turns.max(1) as f64),
         turns,
         runs: plan.runs,
         turns_per_run: plan.turns,
