@@ -46,13 +46,18 @@ impl From<ConnectionManager> for RedisConn {
     }
 }
 
+/// `cmd`'s arguments, its name first.
+fn words(cmd: &redis::Cmd) -> impl Iterator<Item = &[u8]> {
+    cmd.args_iter().filter_map(|a| match a {
+        redis::Arg::Simple(bytes) => Some(bytes),
+        _ => None,
+    })
+}
+
 /// Whether `cmd` names no key the cluster client could route it by, so it
 /// goes to the deployment's home slot ([`RedisConn::Cluster`]).
 fn keyless(cmd: &redis::Cmd) -> bool {
-    let mut args = cmd.args_iter().filter_map(|a| match a {
-        redis::Arg::Simple(bytes) => Some(bytes),
-        _ => None,
-    });
+    let mut args = words(cmd);
     let Some(name) = args.next() else { return false };
     match name.to_ascii_uppercase().as_slice() {
         b"TIME" | b"INFO" | b"CONFIG" | b"CLIENT" | b"PING" | b"SCRIPT" | b"DBSIZE" | b"MEMORY" | b"CLUSTER" => true,
@@ -61,16 +66,36 @@ fn keyless(cmd: &redis::Cmd) -> bool {
     }
 }
 
+/// Whether `cmd` is `SCRIPT LOAD`.
+fn script_load(cmd: &redis::Cmd) -> bool {
+    let mut args = words(cmd);
+    args.next().is_some_and(|a| a.eq_ignore_ascii_case(b"SCRIPT"))
+        && args.next().is_some_and(|a| a.eq_ignore_ascii_case(b"LOAD"))
+}
+
 impl redis::aio::ConnectionLike for RedisConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, redis::Value> {
         match self {
             Self::Single(c) => c.req_packed_command(cmd),
             Self::Cluster(c, home) => match home {
                 Some(home) if keyless(cmd) => {
-                    let routing = redis::cluster_routing::RoutingInfo::SingleNode(
-                        redis::cluster_routing::SingleNodeRoutingInfo::SpecificNode(*home),
-                    );
-                    Box::pin(c.route_command(cmd.clone(), routing))
+                    use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo};
+                    let to_home = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(*home));
+                    if !script_load(cmd) {
+                        return Box::pin(c.route_command(cmd.clone(), to_home));
+                    }
+                    // A script is loaded on every node, replicas too, so a replica
+                    // promoted later has it; with a node down, on the slot's primary.
+                    let everywhere = RoutingInfo::MultiNode((
+                        MultipleNodeRoutingInfo::AllNodes,
+                        Some(redis::cluster_routing::ResponsePolicy::AllSucceeded),
+                    ));
+                    Box::pin(async move {
+                        match c.route_command(cmd.clone(), everywhere).await {
+                            Ok(sha) => Ok(sha),
+                            Err(_) => c.route_command(cmd.clone(), to_home).await,
+                        }
+                    })
                 }
                 _ => c.req_packed_command(cmd),
             },
@@ -463,6 +488,8 @@ mod tests {
         assert!(keyless(redis::cmd("INFO").arg("memory")));
         assert!(keyless(redis::cmd("client").arg("UNBLOCK").arg(7)));
         assert!(keyless(redis::cmd("SCRIPT").arg("LOAD").arg("return 1")));
+        assert!(script_load(redis::cmd("script").arg("load").arg("return 1")));
+        assert!(!script_load(redis::cmd("SCRIPT").arg("EXISTS").arg("abc")));
         assert!(keyless(redis::cmd("EVALSHA").arg("abc").arg(0)));
         assert!(!keyless(redis::cmd("EVALSHA").arg("abc").arg(1).arg("k")));
         assert!(!keyless(redis::cmd("GET").arg("k")));
