@@ -425,7 +425,10 @@ async fn refuse_unfit_cluster(conn: &mut RedisConn, nodes: &[String], wait: Dura
             // No seed answers: not up yet.
             None => return Ok(Ok(())),
         }
-        for (node, value) in conn.on_every_primary(redis::cmd("INFO").arg("server").arg("memory")).await? {
+        // (`INFO server memory`, two sections in one, is Redis 7's: the version is asked alone.)
+        let servers = conn.on_every_primary(redis::cmd("INFO").arg("server")).await?;
+        let memories = conn.on_every_primary(redis::cmd("INFO").arg("memory")).await?;
+        for (node, value) in servers.into_iter().chain(memories) {
             let info: String = redis::from_redis_value(value)?;
             let node = if node.is_empty() { String::new() } else { format!(" (node {node})") };
             if let Some(v) = redis_version(&info).filter(|v| *v < MIN_CLUSTER_REDIS_VERSION) {

@@ -344,6 +344,12 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
                     .arg("TIMEOUT")
                     .query_async(&mut self.queue.conn())
                     .await;
+                // A cluster's id can be of the primary before a failover (its client
+                // moved the read to the new one): nothing unblocked, so unless the read
+                // has just returned, the connection goes — closing it ends its read —
+                // and the next has its own id.
+                let stale_id = matches!(unblock, Ok(0)) && self.blocking.as_ref().is_some_and(|b| b.0.is_cluster());
+                let wait = if stale_id { Duration::from_millis(100) } else { Duration::from_secs(2) };
                 if let Err(error) = unblock {
                     if error.code().is_some() {
                         // Forbidden here (a managed Redis, an ACL): watch with BLPOP's own timeout from now on.
@@ -356,7 +362,7 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
                     self.blocking = None;
                     return;
                 }
-                match tokio::time::timeout(Duration::from_secs(2), listen).await {
+                match tokio::time::timeout(wait, listen).await {
                     Ok(result) => result,
                     Err(_) => {
                         self.blocking = None;

@@ -52,13 +52,10 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
     // holders — cut off too, alive — renew it in that time. A dead worker's
     // are taken a lease later. (A cluster client that retries a command
     // through a failover hides it: see README "On a Redis Cluster".)
+    // (An answer slower than a beat counts as Redis failing too: a cluster
+    // client retries a command through a failover and answers late, not in error.)
     let mut cut_off = false;
     let mut hold_reclaims_until: Option<Instant> = None;
-    // When Redis last answered a beat or a look: a reclaiming beat must run
-    // within two beats of it (`not_after`), or it reclaims nothing — one the
-    // client retried through a failover lands late, when every lease has
-    // expired and their holders, alive, are about to renew them.
-    let mut heard: Option<Instant> = None;
     loop {
         let now = Instant::now();
         let renew = shared.oldest_renewal().is_some_and(|at| now >= at + every);
@@ -76,9 +73,10 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
         // leaves the look to it: that beat finds what a look would, as soon.
         let beat_soon = shared.oldest_renewal().is_some_and(|at| at + every <= now + slack);
         if !beat && !beat_soon && look_at.is_none_or(|at| now >= at) {
-            match (clock, queue.first_lease_expiry().await) {
+            let looked = queue.first_lease_expiry().await;
+            cut_off |= looked.as_ref().is_err_and(redis_down) || now.elapsed() > every;
+            match (clock, looked) {
                 (Some((at, server_ms)), Ok(first)) => {
-                    heard = Some(Instant::now());
                     let server_now = server_ms + now.saturating_duration_since(at).as_millis() as i64;
                     let clear_until = first.map_or(server_now + lease_ms, |e| e.min(server_now + lease_ms));
                     beat = clear_until <= server_now;
@@ -86,9 +84,10 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
                     let ahead = Duration::from_millis(clear_until.saturating_sub(server_now).max(0) as u64);
                     look_at = Some(now + ahead + slack);
                 }
-                (_, result) => {
-                    cut_off |= result.is_err();
+                _ => {
                     (beat, reclaim) = (true, true);
+                    // (Not again at the next tick while Redis is away.)
+                    look_at = Some(now + slack);
                 }
             }
         }
@@ -135,15 +134,21 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
             };
             let writes_info = matches!(registration, Register::With { .. });
             beats += 1;
-            let not_after = match (clock, heard) {
-                (Some((at, server_ms)), Some(heard)) => {
-                    server_ms + heard.saturating_duration_since(at).as_millis() as i64 + 2 * every.as_millis() as i64
+            // A reclaiming beat must run within two beats of being sent (the server's
+            // clock then, from the last beat's reading), or it reclaims nothing: one the
+            // client retried through a failover lands when every lease has expired and
+            // their holders, alive, are about to renew them.
+            let sent_at = Instant::now();
+            let not_after = match clock {
+                Some((at, server_ms)) => {
+                    server_ms + sent_at.saturating_duration_since(at).as_millis() as i64 + 2 * every.as_millis() as i64
                 }
-                _ => i64::MAX,
+                None => i64::MAX,
             };
-            match queue.beat(&shared.identity, registration, &leases, reclaim.then_some(not_after)).await {
+            let beaten = queue.beat(&shared.identity, registration, &leases, reclaim.then_some(not_after)).await;
+            cut_off |= sent_at.elapsed() > every;
+            match beaten {
                 Ok(report) => {
-                    heard = Some(Instant::now());
                     if std::mem::take(&mut cut_off) {
                         hold_reclaims_until = Some(Instant::now() + Duration::from_millis(lease_ms as u64));
                         info!(
@@ -178,7 +183,7 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
                     suspects = leases.into_iter().filter(|(id, _)| report.lost.contains(id)).collect();
                 }
                 Err(error) => {
-                    cut_off = true;
+                    cut_off |= redis_down(&error);
                     warn!(message = "heartbeat failed; retrying", %error);
                 }
             }
@@ -200,6 +205,11 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
         // touched once per beat or look.
         tokio::time::sleep(TICK).await;
     }
+}
+
+/// Whether `error` says Redis was away (not a bad reply, not a fenced lease).
+fn redis_down(error: &QueueError) -> bool {
+    matches!(error, QueueError::Redis(e) if shared::redis_util::unavailable(e))
 }
 
 /// A busy worker registers (its info, the fleet's count, forgetting
