@@ -451,19 +451,30 @@ async fn refuse_unfit_cluster(conn: &mut RedisConn, nodes: &[String], wait: Dura
     }
 }
 
-/// What the first seed node that answers says of its cluster: `Err` when it
+/// What the first seed node to answer says of its cluster, all asked at
+/// once (one that does not answer costs the others no time): `Err` when it
 /// is not in cluster mode or its cluster is not `ok`; `None` when none answers.
 async fn seeds_say(nodes: &[String]) -> Option<Result<(), String>> {
     let config = redis::AsyncConnectionConfig::new()
         .set_connection_timeout(Some(CONNECT_TIMEOUT))
         .set_response_timeout(Some(COMMAND_TIMEOUT));
-    for node in nodes {
-        let Ok(client) = redis::Client::open(node.as_str()) else { continue };
-        let Ok(mut conn) = client.get_multiplexed_async_connection_with_config(&config).await else { continue };
-        match redis::cmd("CLUSTER").arg("INFO").query_async::<String>(&mut conn).await {
-            Ok(info) => return Some(cluster_unready(&info).map_or(Ok(()), Err)),
-            Err(error) if not_a_cluster(&error) => return Some(Err(NOT_A_CLUSTER.to_owned())),
-            Err(_) => continue,
+    let ask = |node: &String| {
+        let config = config.clone();
+        let node = node.clone();
+        async move {
+            let client = redis::Client::open(node.as_str()).ok()?;
+            let mut conn = client.get_multiplexed_async_connection_with_config(&config).await.ok()?;
+            match redis::cmd("CLUSTER").arg("INFO").query_async::<String>(&mut conn).await {
+                Ok(info) => Some(cluster_unready(&info).map_or(Ok(()), Err)),
+                Err(error) if not_a_cluster(&error) => Some(Err(NOT_A_CLUSTER.to_owned())),
+                Err(_) => None,
+            }
+        }
+    };
+    let mut asked: futures::stream::FuturesUnordered<_> = nodes.iter().map(ask).collect();
+    while let Some(said) = futures::StreamExt::next(&mut asked).await {
+        if said.is_some() {
+            return said;
         }
     }
     None
