@@ -101,9 +101,17 @@ impl fmt::Debug for RedisArgs {
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct ClusterNodes(pub Vec<String>);
 
+/// The nodes, comma-separated, their passwords hidden ([`redact_url`]).
+impl fmt::Display for ClusterNodes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let nodes: Vec<String> = self.0.iter().map(|n| redact_url(n)).collect();
+        f.write_str(&nodes.join(", "))
+    }
+}
+
 impl fmt::Debug for ClusterNodes {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_list().entries(self.0.iter().map(|n| redact_url(n))).finish()
+        write!(f, "[{self}]")
     }
 }
 
@@ -166,28 +174,31 @@ impl RedisArgs {
         }
     }
 
-    /// What cannot run, said before anything starts: partitions other than
-    /// one (not built yet: `docs/redis-cluster-plan.md`, stage d).
+    /// What cannot run, said before anything starts ([`check_partitions`]).
     pub fn check(&self) -> Result<(), String> {
-        if self.partitions != 1 {
-            return Err(format!(
-                "PACELINE_QUEUE_PARTITIONS={}: this version keeps every run in one partition (partitioned \
-                 queues are not built yet); unset it or set it to 1",
-                self.partitions
-            ));
-        }
-        Ok(())
+        check_partitions(self.partitions)
     }
 
     /// Where to say Redis is, its password hidden: the URL, or the cluster's seed nodes.
     pub fn describe(&self) -> String {
         if self.is_cluster() {
-            let nodes: Vec<String> = self.cluster_nodes.0.iter().map(|n| redact_url(n)).collect();
-            format!("the Redis Cluster of {}", nodes.join(", "))
+            format!("the Redis Cluster of {}", self.cluster_nodes)
         } else {
             redact_url(&self.url)
         }
     }
+}
+
+/// `PACELINE_QUEUE_PARTITIONS` other than one is refused: partitioned queues
+/// are not built yet (`docs/redis-cluster-plan.md`, stage d).
+pub fn check_partitions(partitions: u32) -> Result<(), String> {
+    if partitions == 1 {
+        return Ok(());
+    }
+    Err(format!(
+        "PACELINE_QUEUE_PARTITIONS={partitions}: this version keeps every run in one partition (partitioned \
+         queues are not built yet); unset it or set it to 1"
+    ))
 }
 
 /// `PACELINE_PROVIDERS`, read by the workers (where to send) and by the API

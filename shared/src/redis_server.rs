@@ -241,6 +241,12 @@ impl Drop for RedisChild {
     }
 }
 
+/// A TCP port free on 127.0.0.1 now (bound and let go: another process may
+/// take it in between, which its server sees as a start failure).
+pub fn free_tcp_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
 /// The `redis-server` arguments of a node of a local Redis Cluster (the
 /// integration tests' and the bench's): cluster mode, its node file at
 /// `conf`, its bus on `bus` (given: the default, port + 10 000, passes

@@ -20,11 +20,10 @@ pub enum RedisConn {
     /// One Redis (a primary, with replicas or not).
     Single(ConnectionManager),
     /// A Redis Cluster. A command that names no key (`TIME`, `INFO`,
-    /// `CLIENT`, `SCRIPT LOAD`, a script given no key) goes to the primary of
-    /// `home`'s slot when one is given — the deployment's own slot, where all
-    /// its keys live — and where the cluster client would send it otherwise
-    /// (a random node, or every one) when not.
-    Cluster(redis::cluster_async::ClusterConnection, Option<redis::cluster_routing::Route>),
+    /// `CLIENT`, a script given no key) goes to the primary of the route's
+    /// slot — the deployment's own, where all its keys live — rather than to
+    /// a random node; `SCRIPT LOAD` to every node.
+    Cluster(redis::cluster_async::ClusterConnection, redis::cluster_routing::Route),
     /// One connection to one Redis that does not reconnect: a blocking read
     /// whose `CLIENT ID` must stay its own.
     Direct(redis::aio::MultiplexedConnection),
@@ -59,11 +58,13 @@ fn words(cmd: &redis::Cmd) -> impl Iterator<Item = &[u8]> {
 fn keyless(cmd: &redis::Cmd) -> bool {
     let mut args = words(cmd);
     let Some(name) = args.next() else { return false };
-    match name.to_ascii_uppercase().as_slice() {
-        b"TIME" | b"INFO" | b"CONFIG" | b"CLIENT" | b"PING" | b"SCRIPT" | b"DBSIZE" | b"MEMORY" | b"CLUSTER" => true,
-        b"EVAL" | b"EVALSHA" => args.nth(1) == Some(b"0".as_slice()),
-        _ => false,
+    const KEYLESS: [&[u8]; 9] =
+        [b"TIME", b"INFO", b"CONFIG", b"CLIENT", b"PING", b"SCRIPT", b"DBSIZE", b"MEMORY", b"CLUSTER"];
+    if KEYLESS.iter().any(|k| name.eq_ignore_ascii_case(k)) {
+        return true;
     }
+    (name.eq_ignore_ascii_case(b"EVAL") || name.eq_ignore_ascii_case(b"EVALSHA"))
+        && args.nth(1) == Some(b"0".as_slice())
 }
 
 /// Whether `cmd` is `SCRIPT LOAD`.
@@ -75,31 +76,31 @@ fn script_load(cmd: &redis::Cmd) -> bool {
 
 impl redis::aio::ConnectionLike for RedisConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, redis::Value> {
-        match self {
-            Self::Single(c) => c.req_packed_command(cmd),
-            Self::Cluster(c, home) => match home {
-                Some(home) if keyless(cmd) => {
-                    use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo};
-                    let to_home = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(*home));
-                    if !script_load(cmd) {
-                        return Box::pin(c.route_command(cmd.clone(), to_home));
-                    }
-                    // A script is loaded on every node, replicas too, so a replica
-                    // promoted later has it; with a node down, on the slot's primary.
-                    let everywhere = RoutingInfo::MultiNode((
-                        MultipleNodeRoutingInfo::AllNodes,
-                        Some(redis::cluster_routing::ResponsePolicy::AllSucceeded),
-                    ));
-                    Box::pin(async move {
-                        match c.route_command(cmd.clone(), everywhere).await {
-                            Ok(sha) => Ok(sha),
-                            Err(_) => c.route_command(cmd.clone(), to_home).await,
-                        }
-                    })
+        // (Asked of a cluster's commands only: one Redis's go straight on.)
+        let to_home = matches!(self, Self::Cluster(..)) && keyless(cmd);
+        match (self, to_home) {
+            (Self::Single(c), _) => c.req_packed_command(cmd),
+            (Self::Cluster(c, _), false) => c.req_packed_command(cmd),
+            (Self::Cluster(c, home), true) => {
+                use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo};
+                let to_home = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(*home));
+                if !script_load(cmd) {
+                    return Box::pin(c.route_command(cmd.clone(), to_home));
                 }
-                _ => c.req_packed_command(cmd),
-            },
-            Self::Direct(c) => c.req_packed_command(cmd),
+                // A script is loaded on every node, replicas too, so a replica
+                // promoted later has it; with a node down, on the slot's primary.
+                let everywhere = RoutingInfo::MultiNode((
+                    MultipleNodeRoutingInfo::AllNodes,
+                    Some(redis::cluster_routing::ResponsePolicy::AllSucceeded),
+                ));
+                Box::pin(async move {
+                    match c.route_command(cmd.clone(), everywhere).await {
+                        Ok(sha) => Ok(sha),
+                        Err(_) => c.route_command(cmd.clone(), to_home).await,
+                    }
+                })
+            }
+            (Self::Direct(c), _) => c.req_packed_command(cmd),
         }
     }
 
@@ -151,21 +152,6 @@ impl RedisConn {
     }
 }
 
-/// A connection to the Redis Cluster whose nodes include `nodes` (URLs; any
-/// reachable one tells the client the rest), its commands timed as
-/// [`manager`]'s, keyless commands sent where the cluster client would.
-pub async fn cluster(nodes: &[String]) -> redis::RedisResult<RedisConn> {
-    let client = cluster_client(nodes, COMMAND_TIMEOUT)?;
-    Ok(RedisConn::Cluster(client.get_async_connection().await?, None))
-}
-
-fn cluster_client(nodes: &[String], timeout: Duration) -> redis::RedisResult<redis::cluster::ClusterClient> {
-    redis::cluster::ClusterClient::builder(nodes.to_vec())
-        .connection_timeout(CONNECT_TIMEOUT)
-        .response_timeout(timeout)
-        .build()
-}
-
 /// The connection a deployment's commands and scripts take (`redis`: one
 /// Redis's URL or a cluster's seed nodes), each command allowed `timeout`
 /// (give a blocking read a timeout longer than its block). It does not
@@ -176,12 +162,15 @@ pub fn connect(redis: &crate::config::RedisArgs, timeout: Duration) -> redis::Re
     if !redis.is_cluster() {
         return lazy_manager(&redis.url, timeout);
     }
-    let client = cluster_client(&redis.cluster_nodes.0, timeout)?;
+    let client = redis::cluster::ClusterClient::builder(redis.cluster_nodes.0.clone())
+        .connection_timeout(CONNECT_TIMEOUT)
+        .response_timeout(timeout)
+        .build()?;
     let config =
         redis::cluster::ClusterConfig::new().set_connection_timeout(CONNECT_TIMEOUT).set_response_timeout(timeout);
     let home =
         redis::cluster_routing::Route::with_key(redis.keys().slot_tag(), redis::cluster_routing::SlotAddr::Master);
-    Ok(RedisConn::Cluster(client.get_pending_async_connection_with_config(config), Some(home)))
+    Ok(RedisConn::Cluster(client.get_pending_async_connection_with_config(config), home))
 }
 
 /// A connection of its own for one blocking read that may cancel it with
@@ -291,13 +280,14 @@ pub async fn check_version<C: redis::aio::ConnectionLike + Send>(
     conn: &mut C,
 ) -> redis::RedisResult<Result<(), String>> {
     let info: String = redis::cmd("INFO").arg("server").query_async(conn).await?;
-    Ok(match redis_version(&info) {
-        Some(v) if v < MIN_REDIS_VERSION => Err(format!(
-            "Redis {}.{} is too old: paceline needs Redis {}.{} or later",
-            v.0, v.1, MIN_REDIS_VERSION.0, MIN_REDIS_VERSION.1
-        )),
-        _ => Ok(()),
-    })
+    Ok(version_refused(&info, MIN_REDIS_VERSION).map_or(Ok(()), Err))
+}
+
+/// Why a Redis whose `INFO server` reads `info` is too old, if it is older
+/// than `min` (one that does not say is not refused for it).
+fn version_refused(info: &str, min: (u32, u32)) -> Option<String> {
+    let v = redis_version(info).filter(|v| *v < min)?;
+    Some(format!("Redis {}.{} is too old: paceline needs Redis {}.{} or later", v.0, v.1, min.0, min.1))
 }
 
 /// Why a Redis whose `INFO cluster` reads `info` cannot be paceline's one
@@ -425,21 +415,13 @@ async fn refuse_unfit_cluster(conn: &mut RedisConn, nodes: &[String], wait: Dura
             // No seed answers: not up yet.
             None => return Ok(Ok(())),
         }
-        // (`INFO server memory`, two sections in one, is Redis 7's: the version is asked alone.)
-        let servers = conn.on_every_primary(redis::cmd("INFO").arg("server")).await?;
-        let memories = conn.on_every_primary(redis::cmd("INFO").arg("memory")).await?;
-        for (node, value) in servers.into_iter().chain(memories) {
+        // (Plain `INFO`'s default sections hold both the version and the policy, on every Redis.)
+        for (node, value) in conn.on_every_primary(&redis::cmd("INFO")).await? {
             let info: String = redis::from_redis_value(value)?;
-            let node = if node.is_empty() { String::new() } else { format!(" (node {node})") };
-            if let Some(v) = redis_version(&info).filter(|v| *v < MIN_CLUSTER_REDIS_VERSION) {
-                return Ok(Err(format!(
-                    "Redis {}.{}{node} is too old: paceline on a cluster needs Redis {}.{} or later",
-                    v.0, v.1, MIN_CLUSTER_REDIS_VERSION.0, MIN_CLUSTER_REDIS_VERSION.1
-                )));
-            }
             let policy = info_field(&info, "maxmemory_policy").map(str::trim);
-            if let Some(why) = policy.and_then(eviction_refused) {
-                return Ok(Err(format!("{why}{node}")));
+            let why = version_refused(&info, MIN_CLUSTER_REDIS_VERSION).or_else(|| policy.and_then(eviction_refused));
+            if let Some(why) = why {
+                return Ok(Err(format!("{why} (node {node})")));
             }
         }
         Ok::<_, redis::RedisError>(Ok(()))

@@ -26,7 +26,7 @@ pub struct RedisOptions {
 /// A TCP port free on 127.0.0.1 now (bound and let go: another process may
 /// take it in between, which a test sees as a start failure, not a wrong result).
 pub fn free_tcp_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free TCP port").port()
+    shared::redis_server::free_tcp_port().expect("a free TCP port")
 }
 
 /// A private `redis-server` listening on a Unix socket in its own temp dir

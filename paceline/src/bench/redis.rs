@@ -36,7 +36,7 @@ impl BenchRedis {
         let cluster = tokio::task::spawn_blocking(move || -> anyhow::Result<Vec<(RedisChild, u16)>> {
             let mut nodes = Vec::new();
             for i in 0..primaries * 2 {
-                let free = || std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port());
+                let free = shared::redis_server::free_tcp_port;
                 let (port, bus) = (free()?, free()?);
                 let node_dir = nodes_dir.join(format!("node-{i}"));
                 let options = RedisServerOptions {

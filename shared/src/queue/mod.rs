@@ -475,11 +475,7 @@ impl TurnQueue {
             // Registrations silent this long are forgotten; whether one is alive
             // is judged on reading, by its own lease (`list_workers`).
             .arg(if census { MAX_WORKER_TTL_MS } else { 0 })
-            .arg(match reclaim {
-                None => "0".to_owned(),
-                Some(i64::MAX) => "200".to_owned(),
-                Some(not_after) => format!("200:{not_after}"),
-            })
+            .arg(reclaim.map_or_else(|| "0".to_owned(), |not_after| format!("200:{not_after}")))
             .arg(self.config.dead_retention_ms);
         for (id, epoch) in leases {
             inv.arg(id).arg(*epoch);

@@ -120,7 +120,9 @@ async fn scripts_on_a_cluster_keep_to_one_slot_as_the_plan_assumes() {
 async fn a_cluster_connection_finds_each_keys_primary_and_the_replica_promoted_in_its_place() {
     let Some(mut cluster) = RedisCluster::start(3).await else { return };
     // One node named: the client learns the rest.
-    let mut conn = shared::redis_util::cluster(&[format!("redis://127.0.0.1:{}", cluster.ports[0])]).await.unwrap();
+    let seed = shared::config::RedisArgs::new("", "paceline")
+        .on_cluster(vec![format!("redis://127.0.0.1:{}", cluster.ports[0])]);
+    let mut conn = shared::redis_util::connect(&seed, shared::redis_util::COMMAND_TIMEOUT).unwrap();
     // Sixty budgets' state keys: sixty hash tags.
     let key = |i: i64| keys().pacer_state(&format!("b{i}"), "m");
     for i in 0..60 {
@@ -547,8 +549,31 @@ async fn a_cluster_that_cannot_serve_is_refused_at_start_and_says_why() {
         let (status, stderr) = refused(args, &[("PACELINE_REDIS_CLUSTER_NODES", format!("redis://127.0.0.1:{port}"))]);
         assert!(!status.success() && stderr.contains("not in cluster mode"), "{args:?}: {stderr}");
     }
-    // A cluster with a slot no node serves, in every node's view: cluster_state:fail.
+    // A cluster whose primaries evict keys: refused, naming the policy (every primary asked).
     let Some(cluster) = RedisCluster::start(3).await else { return };
+    let seeds = format!("redis://127.0.0.1:{}", cluster.ports[1]);
+    let set_policy = |policy: &'static str| {
+        let cluster = &cluster;
+        async move {
+            for node in &cluster.nodes {
+                let mut conn = node.conn().await;
+                let _: () = redis::cmd("CONFIG")
+                    .arg("SET")
+                    .arg("maxmemory-policy")
+                    .arg(policy)
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap();
+            }
+        }
+    };
+    set_policy("allkeys-lru").await;
+    for args in commands {
+        let (status, stderr) = refused(args, &[("PACELINE_REDIS_CLUSTER_NODES", seeds.clone())]);
+        assert!(!status.success() && stderr.contains("maxmemory-policy allkeys-lru"), "{args:?}: {stderr}");
+    }
+    set_policy("noeviction").await;
+    // A cluster with a slot no node serves, in every node's view: cluster_state:fail.
     for node in &cluster.nodes {
         let mut conn = node.conn().await;
         let _: redis::RedisResult<()> = redis::cmd("CLUSTER").arg("DELSLOTS").arg(0).query_async(&mut conn).await;
@@ -558,7 +583,6 @@ async fn a_cluster_that_cannot_serve_is_refused_at_start_and_says_why() {
         c.info(1).await.contains("cluster_state:fail").then_some(())
     })
     .await;
-    let seeds = format!("redis://127.0.0.1:{}", cluster.ports[1]);
     for args in commands {
         let (status, stderr) = refused(args, &[("PACELINE_REDIS_CLUSTER_NODES", seeds.clone())]);
         assert!(!status.success() && stderr.contains("cluster_state:fail"), "{args:?}: {stderr}");

@@ -50,10 +50,9 @@ pub(super) async fn heartbeat_loop(queue: TurnQueue, shared: Arc<BackendState>, 
     // lease is reclaimed until a lease has passed since it answers again:
     // every lease in the fleet expired while nobody could renew it, and its
     // holders — cut off too, alive — renew it in that time. A dead worker's
-    // are taken a lease later. (A cluster client that retries a command
-    // through a failover hides it: see README "On a Redis Cluster".)
-    // (An answer slower than a beat counts as Redis failing too: a cluster
-    // client retries a command through a failover and answers late, not in error.)
+    // are taken a lease later. An answer slower than a beat counts as Redis
+    // failing too: a cluster client retries a command through a failover and
+    // answers late, not in error.
     let mut cut_off = false;
     let mut hold_reclaims_until: Option<Instant> = None;
     loop {

@@ -156,7 +156,7 @@ pub async fn run(args: Args) -> anyhow::Result<ExitCode> {
     let prefix =
         args.prefix.clone().unwrap_or_else(|| if args.demo() { "paceline-demo" } else { "paceline" }.to_owned());
     // Partitions not built are refused before a Redis is started for them.
-    RedisArgs { partitions: args.partitions, ..RedisArgs::new("", "") }.check().map_err(anyhow::Error::msg)?;
+    shared::config::check_partitions(args.partitions).map_err(anyhow::Error::msg)?;
     let (mut redis_args, redis) = if args.cluster_nodes.0.is_empty() {
         let redis = tokio::select! {
             r = find_redis(&args) => r?,
