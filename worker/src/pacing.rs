@@ -206,11 +206,12 @@ impl<'a> SettleGuard<'_, 'a> {
     }
 
     /// The settle was made by a commit's script that answered (fenced or
-    /// not, the script settles); an error leaves it to be sent alone — twice
-    /// at worst, if the commit landed: the pacer then observes the same
-    /// headers again and finds no reservation to charge.
-    pub(crate) fn made_by<T>(&mut self, committed: &Result<T, StoreError>) {
-        if committed.is_ok() {
+    /// not, the script settles) unless the script says its pacer ops failed;
+    /// those, and an error, leave it to be sent alone — twice at worst, if
+    /// the commit landed: the pacer then observes the same headers again and
+    /// finds no reservation to charge.
+    pub(crate) fn made_by(&mut self, committed: &Result<Committed, StoreError>) {
+        if committed.as_ref().is_ok_and(|c| !c.unsettled) {
             self.settle = None;
         }
     }

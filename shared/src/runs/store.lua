@@ -186,9 +186,19 @@ if op == 'commit' then
   local delay, reason, counter, paced = tonumber(ARGV[15]) or 0, ARGV[16], ARGV[17], ARGV[18]
   local pacing = ARGV[19] ~= '' and cjson.decode(ARGV[19]) or nil
   -- The pacer's ops, in one call of its script: `ops` at the clock `now`; the answers,
-  -- or nil when the pacer failed (the next turn's fetch then asks for it).
+  -- or nil when the pacer failed (the next turn's fetch then asks for it). A failed
+  -- batch that held the call's settle marks the reply ('u', `reply` below): the
+  -- caller sends that settle alone (worker pacing.rs `SettleGuard::made_by`), or the
+  -- reservation would stand until it lapses, the budget held by a call long answered.
+  local unsettled = false
   local function pace(ops, now)
-    return pacer_batch(pacing.keys, pacing.cfg, now, ops)
+    local replies = pacer_batch(pacing.keys, pacing.cfg, now, ops)
+    if not replies and pacing.settle then unsettled = true end
+    return replies
+  end
+  local function reply(out, now)
+    if unsettled then out[#out + 1] = 'u' end
+    return PACER_HOST.kicked(out, now)
   end
   local more = {'txi:' .. tag, 'phase', 'waited_ms', 'budget_waits', 'max_run_ms', 'created_ms', 'stored_bytes',
     'tenant', 'webhook_url'}
@@ -196,7 +206,7 @@ if op == 'commit' then
   local r, f, why = fenced(ARGV[3], ARGV[4], usage_and(more))
   if not r then
     if pacing and pacing.settle then pace({pacing.settle}, q_now()) end
-    return PACER_HOST.kicked({'stop', why})
+    return reply({'stop', why})
   end
   local turns = (tonumber(f.turns) or 0) + 1
   local next = ARGV[6]
@@ -280,17 +290,17 @@ if op == 'commit' then
       out[3] = tostring(asked[1]); out[4] = string.format('%d', delay); out[5] = tostring(asked[3] or 0)
       out[6] = string.format('%d', eta)
     end
-    return PACER_HOST.kicked(out, now)
+    return reply(out, now)
   end
   q_finish(id)
   if next == 'complete' then
     for _, v in ipairs({'status', 'completed', 'output_text', ARGV[7]}) do set[#set + 1] = v end
     retire(now, ARGV[10], f.tenant or nil, set, f.webhook_url or false)
-    return PACER_HOST.kicked({'completed', tostring(turns)}, now)
+    return reply({'completed', tostring(turns)}, now)
   end
   for _, v in ipairs({'status', 'failed', 'error_kind', kind, 'error_message', message}) do set[#set + 1] = v end
   retire(now, ARGV[10], f.tenant or nil, set, f.webhook_url or false)
-  return PACER_HOST.kicked({'failed', tostring(turns)}, now)
+  return reply({'failed', tostring(turns)}, now)
 end
 
 if op == 'fail' then

@@ -1172,7 +1172,9 @@ impl RunStore {
         }
         let reply = reply?;
         let ended = reply.first().is_some_and(|o| o == "failed") && matches!(next, Next::Continue | Next::Paced { .. });
-        Ok(Committed { fence: Self::fence(&reply)?, asked, ended })
+        // (Before the 'k' or 'w', if any: store.lua `reply`.)
+        let unsettled = reply.iter().skip(2).any(|m| m == "u");
+        Ok(Committed { fence: Self::fence(&reply)?, asked, ended, unsettled })
     }
 
     /// Fails the run (fenced): `error.kind` and message; usage of a call that

@@ -208,6 +208,10 @@ pub struct Committed {
     /// passed what one run may store): no next turn, so whatever the worker
     /// reserved for one goes back.
     pub ended: bool,
+    /// The script's pacer ops failed with the call's settle among them (an
+    /// error of the pacer's script: a trailing `'u'`): the settle was not
+    /// made, and its caller sends it alone.
+    pub unsettled: bool,
 }
 
 /// Where a turn stands when a delivery starts it (the record's `phase`).

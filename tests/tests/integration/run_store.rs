@@ -516,8 +516,54 @@ async fn a_commit_settles_its_call_and_makes_the_next_turns_ask_in_its_own_scrip
         .unwrap();
     assert!(matches!(committed.fence, Fence::Stop(_)), "{committed:?}");
     assert_eq!(committed.asked, None);
+    assert!(!committed.unsettled);
     // Settled: the probe is answered and the bucket known, so another call clears at once.
     assert_eq!(pacer.acquire("gpt-late", "other", est, Mode::Work, &Who::DEFAULT).await.unwrap(), Decision::Clear);
+
+    // A commit whose pacer ops fail (here the pacer's state is not a hash)
+    // still lands, the next turn asking at its fetch, and says that its settle
+    // was not made: the worker sends it alone (pacing.rs `SettleGuard::made_by`).
+    let mut conn = env._server.conn().await;
+    let _: i64 = redis::cmd("ZADD")
+        .arg(&env.queue.keys().due)
+        .arg(i64::MAX / 4)
+        .arg(&lease.id)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let run = env.store.create("alpha", &spec("gpt-broken"), None, None).await.unwrap().run;
+    let lease = env.queue.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
+    assert_eq!(lease.id, run.id);
+    assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Ok);
+    let route = pacer.commit_route("gpt-broken").unwrap();
+    let state = route["keys"][0].as_str().unwrap().to_owned();
+    let _: () = redis::cmd("SET").arg(&state).arg("not a hash").query_async(&mut conn).await.unwrap();
+    let call = format!("{}:0:1", run.id);
+    let pacing = CommitPacing {
+        route,
+        settle: Some(SharedPacer::settle_op(&call, &answered(99_000))),
+        ask: Some(Op::Acquire(AcquireOp::new(&format!("{}:1:1", run.id), est, Mode::Work, &Who::DEFAULT, 0.0))),
+    };
+    let next = Next::Paced {
+        turn: Turn {
+            job: TurnJob { turn: 1, attempt: 1 },
+            ask: Some(shared::runs::PacedAsk { model: "gpt-broken".into(), ..asked() }),
+            cleared: false,
+            pause_ms: None,
+            cached_until_ms: None,
+        },
+        wait: None,
+    };
+    let committed = env
+        .store
+        .commit_with_output(&lease, job, None, &items, Usage::default(), &next, &[], Some(&pacing))
+        .await
+        .unwrap();
+    assert_eq!((committed.fence, committed.asked, committed.unsettled), (Fence::Ok, None, true));
+    let run_now = env.store.get("alpha", &run.id).await.unwrap().unwrap();
+    assert_eq!((run_now.status, run_now.turns_completed), (RunStatus::Queued, 1));
+    let payload: Turn = env.queue.payload(&run.id).await.unwrap().unwrap();
+    assert!(!payload.cleared, "asked nothing: its fetch asks");
 }
 
 #[tokio::test]
