@@ -1088,3 +1088,43 @@ async fn a_beat_that_reaches_redis_past_its_not_after_reclaims_nothing() {
     let timely = q.beat("w2", Register::No, &[], Some(now + 10_000)).await.unwrap();
     assert_eq!(timely.reclaimed, 1);
 }
+
+#[tokio::test]
+async fn a_beat_renews_the_leases_it_holds_and_names_those_it_does_not() {
+    // The beat reads a record's epoch and flag alone (heartbeat.lua): the
+    // holder's lease is pushed out; an epoch delivered since, a turn no
+    // longer leased and one gone are each named lost, and none is renewed.
+    use shared::queue::Register;
+    let env = Env::start(QueueConfig { lease_ms: 60_000, ..QueueConfig::default() });
+    let q = &env.queue;
+    for id in ["run_held", "run_stale", "run_back"] {
+        assert!(q.enqueue(id, &json!({"turn": 1, "text": "a payload | with bars | 1|2|l|"}), 0).await.unwrap());
+    }
+    let leases: Vec<Lease> = q.fetch("w1", 3).await.unwrap().deliveries.into_iter().map(|d| d.lease).collect();
+    let lease = |id: &str| leases.iter().find(|l| l.id == id).unwrap().clone();
+    let deadline = |id: &'static str| {
+        let key = q.keys().lease.clone();
+        let server = &env.server;
+        async move {
+            let mut conn = server.conn().await;
+            let at: Option<f64> = redis::cmd("ZSCORE").arg(&key).arg(id).query_async(&mut conn).await.unwrap();
+            at
+        }
+    };
+    let (before, stale_before) = (deadline("run_held").await.unwrap(), deadline("run_stale").await);
+    q.release(&lease("run_back")).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let held = [
+        ("run_held".to_owned(), lease("run_held").epoch),
+        ("run_stale".to_owned(), lease("run_stale").epoch + 1),
+        ("run_back".to_owned(), lease("run_back").epoch),
+        ("run_gone".to_owned(), 7),
+    ];
+    let report = q.beat("w1", Register::No, &held, None).await.unwrap();
+    let mut lost = report.lost.clone();
+    lost.sort();
+    assert_eq!(lost, ["run_back", "run_gone", "run_stale"]);
+    assert!(deadline("run_held").await.unwrap() > before, "the held lease was not renewed");
+    assert_eq!(deadline("run_stale").await, stale_before, "a lease delivered since was renewed");
+    assert_eq!(deadline("run_back").await, None);
+}
