@@ -14,7 +14,11 @@
 //! - **Long calls**: a limit nothing reaches, calls that take `latency` s,
 //!   `in_flight` of them at once (one each per slot): Redis CPU per
 //!   call-second, and the marginal cost — what a call's extra seconds cost,
-//!   from two latencies at the same count in flight.
+//!   from two latencies at the same count in flight — and, measured
+//!   directly, the steady cost: Redis's CPU rate while every call is in
+//!   flight less its idle rate read as long, over the calls (on this 2-core
+//!   machine the marginal figure at 64 in flight is within the noise of the
+//!   idle rate it subtracts; the steady one reads a longer window of each).
 
 use indicatif::ProgressBar;
 use mock_provider::MockConfig;
@@ -108,6 +112,23 @@ pub struct LongCallFigures {
     pub net_cpu_ms: f64,
     /// `net_cpu_ms` over the calls' seconds in flight.
     pub net_cpu_ms_per_call_second: f64,
+    /// Redis's CPU rate while every call was in flight (a window of up to
+    /// 60 s once none was queued, before the first of that wave answered),
+    /// ms a second; `None` when they never were all in flight at once.
+    pub in_flight_cpu_ms_per_s: Option<f64>,
+    /// The calls in flight in that window (all but the probe, when there was one).
+    pub steady_calls: u64,
+    /// The commands those calls added a second, by command (the window's
+    /// less the idle one's; the bench's own polls cancel out).
+    pub steady_commands_per_s: Vec<(String, f64)>,
+    /// The idle rate read just as long, before the submits (the bench
+    /// polling alike), ms a second.
+    pub steady_idle_cpu_ms_per_s: f64,
+    /// What a call's second in flight costs, measured directly: the two
+    /// rates' difference over the calls in flight, ms per call-second. No
+    /// call's fixed cost (its fetch, start, commit) and no wait before it is
+    /// in it, so one call length gives it.
+    pub steady_cpu_ms_per_call_second: Option<f64>,
     /// Redis commands per call.
     pub redis_commands_per_call: f64,
     /// Wall time from the first submit to the last run finished, s.
@@ -289,6 +310,10 @@ pub async fn measure_long(
     // the bench polling the queue as it will while the calls run (at 64
     // calls in flight its polls were a fifth of what the calls seemed to cost).
     tokio::time::sleep(Duration::from_secs(1)).await;
+    // The steady window: while every call is in flight, before the first
+    // can answer (the calls start within a second or two of each other).
+    let steady = Duration::from_secs_f64((call_s * 0.6).clamp(1.0, 60.0));
+    let (steady_idle_cpu_ms_per_s, idle_commands) = trial.cpu_rate_over(steady).await?;
     trial.mark().await?;
     let idle_for = Instant::now();
     trial.poll_for(Duration::from_secs(5)).await?;
@@ -297,6 +322,29 @@ pub async fn measure_long(
     progress.set_message(format!("{call_s:.0} s x {in_flight}"));
     let span = Instant::now();
     trial.submit(None, bodies, 64).await?;
+    // (A budget with no observation sends one probe first and the rest when
+    // its headers come: all the others are in flight a call's length after
+    // the submits.)
+    let steady_calls = trial.wait_all_leased(in_flight as u64, plan.timeout).await?;
+    let (in_flight_cpu_ms_per_s, busy_commands) = match steady_calls {
+        Some(_) => {
+            let (rate, commands) = trial.cpu_rate_over(steady).await?;
+            (Some(rate), commands)
+        }
+        None => (None, Default::default()),
+    };
+    // What the calls in flight add, by command, a second (the two windows are as long).
+    let per_s = steady.as_secs_f64();
+    let mut steady_commands_per_s: Vec<(String, f64)> = busy_commands
+        .by_command
+        .iter()
+        .map(|(k, n)| {
+            let idle = idle_commands.by_command.iter().find(|(i, _)| i == k).map_or(0, |(_, m)| *m);
+            (k.clone(), (*n as f64 - idle as f64) / per_s)
+        })
+        .filter(|(_, d)| d.abs() >= 0.05)
+        .collect();
+    steady_commands_per_s.sort_by(|a, b| b.1.total_cmp(&a.1));
     let drained = trial.wait_drained(plan.timeout, |mock| progress.set_position(mock.summary().ok)).await?;
     let span_s = span.elapsed().as_secs_f64();
     let data = trial.finish(drained).await?;
@@ -313,6 +361,12 @@ pub async fn measure_long(
         idle_cpu_ms_per_s,
         net_cpu_ms,
         net_cpu_ms_per_call_second: net_cpu_ms / call_seconds,
+        in_flight_cpu_ms_per_s,
+        steady_idle_cpu_ms_per_s,
+        steady_calls: steady_calls.unwrap_or(0),
+        steady_commands_per_s,
+        steady_cpu_ms_per_call_second: in_flight_cpu_ms_per_s
+            .map(|busy| (busy - steady_idle_cpu_ms_per_s) / steady_calls.unwrap_or(1).max(1) as f64),
         redis_commands_per_call: data.commands.total() as f64 / calls.max(1) as f64,
         makespan_s: data.makespan_s().unwrap_or(0.0),
         redis_commands_by_command: data
@@ -353,6 +407,11 @@ mod tests {
             idle_cpu_ms_per_s: 0.0,
             net_cpu_ms,
             net_cpu_ms_per_call_second: 0.0,
+            in_flight_cpu_ms_per_s: None,
+            steady_calls: 0,
+            steady_commands_per_s: vec![],
+            steady_idle_cpu_ms_per_s: 0.0,
+            steady_cpu_ms_per_call_second: None,
             redis_commands_per_call: 0.0,
             makespan_s: 0.0,
             redis_commands_by_command: vec![],

@@ -437,6 +437,38 @@ impl Trial {
         Ok(())
     }
 
+    /// Polls as [`Self::wait_drained`] does until none of `runs` one-turn
+    /// runs is queued and each is leased or answered: how many are leased
+    /// then, or `None` once `timeout` passes.
+    pub async fn wait_all_leased(&mut self, runs: u64, timeout: Duration) -> anyhow::Result<Option<u64>> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let (due, leased) = self.poll_queue().await?;
+            if due == 0 && leased > 0 && leased + self.mock.summary().ok >= runs {
+                return Ok(Some(leased));
+            }
+            if Instant::now() >= deadline {
+                return Ok(None);
+            }
+            tokio::time::sleep(DRAIN_POLL).await;
+        }
+    }
+
+    /// Redis's CPU rate over `span` spent polling as [`Self::wait_drained`]
+    /// does, ms a second, and its commands meanwhile (the polls' and these
+    /// reads' own among them); the figures [`Self::mark`] and
+    /// [`Self::finish`] report are left as they are.
+    pub async fn cpu_rate_over(&mut self, span: Duration) -> anyhow::Result<(f64, CommandDelta)> {
+        let before = CommandStats::read(&mut self.admin).await?;
+        let from = super::redis::cpu_seconds(&mut self.admin).await?;
+        let at = Instant::now();
+        self.poll_for(span).await?;
+        let to = super::redis::cpu_seconds(&mut self.admin).await?;
+        let took = at.elapsed().as_secs_f64();
+        let commands = CommandStats::read(&mut self.admin).await?.since(&before);
+        Ok(((to - from) * 1000.0 / took, commands))
+    }
+
     /// How many turns are queued and leased (two `ZCARD`s, the bench's own).
     async fn poll_queue(&mut self) -> anyhow::Result<(u64, u64)> {
         let keys = self.queue.keys();

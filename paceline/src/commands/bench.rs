@@ -513,8 +513,10 @@ async fn backlog(
     for &(secs, n) in args.long_calls.iter().flatten() {
         let f = measure_long(env, plan, secs, n, progress).await.with_context(|| format!("{secs} s x {n}"))?;
         let line = format!(
-            "{secs} s x {n} in flight: {:.4} ms Redis CPU per call-second, {:.1} commands per call",
-            f.redis_cpu_ms_per_call_second, f.redis_commands_per_call
+            "{secs} s x {n} in flight: {:.4} ms Redis CPU per call-second, {:.1} commands per call; steady: {}",
+            f.redis_cpu_ms_per_call_second,
+            f.redis_commands_per_call,
+            steady_line(&f)
         );
         progress.suspend(|| eprintln!("{line}"));
         long.push(f);
@@ -620,6 +622,9 @@ async fn backlog(
                 f.redis_commands_per_call
             );
         }
+        for f in &long {
+            println!("{:.0} s x {} in flight, steady: {}", f.call_s, f.in_flight, steady_line(f));
+        }
         for n in long.iter().map(|f| f.in_flight).collect::<std::collections::BTreeSet<_>>() {
             let at: Vec<_> = long.iter().filter(|f| f.in_flight == n).collect();
             let (short, longest) = (
@@ -650,6 +655,20 @@ async fn backlog(
         std::fs::write(path, text + "\n").with_context(|| format!("write {}", path.display()))?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// A long-call trial's steady cost, said: per call-second, and the two
+/// rates it comes from.
+fn steady_line(f: &crate::bench::backlog::LongCallFigures) -> String {
+    match (f.steady_cpu_ms_per_call_second, f.in_flight_cpu_ms_per_s) {
+        (Some(per), Some(busy)) => format!(
+            "{per:.4} ms of Redis CPU a call-second ({busy:.2} ms/s with {} in flight, {:.2} idle; commands they add a second: {})",
+            f.steady_calls,
+            f.steady_idle_cpu_ms_per_s,
+            f.steady_commands_per_s.iter().take(8).map(|(k, v)| format!("{k} {v:.1}")).collect::<Vec<_>>().join(", ")
+        ),
+        _ => "not measured (the calls were never all in flight at once)".to_owned(),
+    }
 }
 
 /// Work per minute with caching on over off, on the Anthropic shape: the bar.
