@@ -567,6 +567,69 @@ async fn a_commit_settles_its_call_and_makes_the_next_turns_ask_in_its_own_scrip
 }
 
 #[tokio::test]
+async fn a_commit_leaves_the_next_turns_ask_to_its_fetch_while_turns_wait_for_a_slot() {
+    // A turn cleared at its run's commit holds a reservation until a worker
+    // takes it, and every pacer op reads every reservation held: while other
+    // turns are due and untaken (every slot busy), the commit makes the
+    // call's settle alone and queues the next turn uncleared, to ask when it
+    // is fetched.
+    use shared::pacer::{
+        AcquireOp, CallOutcome, Decision, Estimate, Mode, Observation, Op, PacingConfig, SharedPacer, Who,
+    };
+    use shared::runs::{CommitPacing, Turn};
+    let env = env().await;
+    let pacer = SharedPacer::new(env.store.connection(), env.keys.clone(), "default", PacingConfig::default());
+    let est = Estimate { tokens: 300, requests: 1, output: 200 };
+    let job = TurnJob { turn: 0, attempt: 1 };
+    let items = [json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "hi"}]})];
+    let run = env.store.create("alpha", &spec("gpt-busy"), None, None).await.unwrap().run;
+    let lease = env.queue.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
+    assert_eq!(lease.id, run.id);
+    assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Ok);
+    // Another run's turn is due, and no slot takes it.
+    let waiting = env.store.create("alpha", &spec("gpt-busy"), None, None).await.unwrap().run;
+    let call = format!("{}:0:1", run.id);
+    assert_eq!(pacer.acquire("gpt-busy", &call, est, Mode::Work, &Who::DEFAULT).await.unwrap(), Decision::Clear);
+    let answered = CallOutcome {
+        used_tokens: Some(300),
+        tokens: Observation { limit: Some(100_000), remaining: Some(99_000), reset_ms: Some(60_000) },
+        requests: Observation { limit: Some(100), remaining: Some(99), reset_ms: Some(600) },
+        ..CallOutcome::default()
+    };
+    let next_reservation = format!("{}:1:1", run.id);
+    let pacing = CommitPacing {
+        route: pacer.commit_route("gpt-busy").unwrap(),
+        settle: Some(SharedPacer::settle_op(&call, &answered)),
+        ask: Some(Op::Acquire(AcquireOp::new(&next_reservation, est, Mode::Work, &Who::DEFAULT, 0.0))),
+    };
+    let next = Next::Paced {
+        turn: Turn {
+            job: TurnJob { turn: 1, attempt: 1 },
+            ask: Some(shared::runs::PacedAsk { model: "gpt-busy".into(), ..asked() }),
+            cleared: false,
+            pause_ms: None,
+            cached_until_ms: None,
+        },
+        wait: None,
+    };
+    let committed = env
+        .store
+        .commit_with_output(&lease, job, None, &items, Usage::default(), &next, &[], Some(&pacing))
+        .await
+        .unwrap();
+    assert_eq!((committed.fence, committed.asked, committed.unsettled), (Fence::Ok, None, false));
+    let payload: Turn = env.queue.payload(&run.id).await.unwrap().unwrap();
+    assert!(!payload.cleared && payload.ask.is_some(), "the next turn asks at its fetch");
+    // The call settled, and nothing reserved for a turn no slot took.
+    let snapshot = pacer.snapshot().await.unwrap();
+    let budget = snapshot.iter().find(|b| b.model == "gpt-busy").unwrap();
+    assert_eq!((budget.reserved_tokens, budget.reserved_requests), (0, 0), "{budget:?}");
+    assert_eq!(budget.remaining_tokens, Some(99_000), "the call's settle was not made");
+    // The waiting turn is still there to take.
+    assert_eq!(env.queue.fetch("w2", 1).await.unwrap().deliveries.remove(0).lease.id, waiting.id);
+}
+
+#[tokio::test]
 async fn a_fetch_that_asks_the_pacer_keeps_an_owed_turn_queued_and_starts_a_cleared_one() {
     // The worker's fetch asks the shared pacer itself for a turn back from a
     // budget wait: still owed, the turn waits again in the queue as the
