@@ -48,6 +48,43 @@ fn asked() -> shared::runs::PacedAsk {
     }
 }
 
+/// A call answered with `remaining` of its 100 000 tokens left (the commit tests' settle).
+fn answered(remaining: u64) -> shared::pacer::CallOutcome {
+    use shared::pacer::{CallOutcome, Observation};
+    CallOutcome {
+        used_tokens: Some(300),
+        tokens: Observation { limit: Some(100_000), remaining: Some(remaining), reset_ms: Some(60_000) },
+        requests: Observation { limit: Some(100), remaining: Some(99), reset_ms: Some(600) },
+        ..CallOutcome::default()
+    }
+}
+
+/// The pacer ops of run `id`'s first turn's commit over `route`: its call's
+/// settle (`remaining` tokens left) and turn 1's ask.
+fn turn_zero_pacing(route: Value, id: &str, remaining: u64) -> shared::runs::CommitPacing {
+    use shared::pacer::{AcquireOp, Estimate, Mode, Op, SharedPacer, Who};
+    let est = Estimate { tokens: 300, requests: 1, output: 200 };
+    shared::runs::CommitPacing {
+        route,
+        settle: Some(SharedPacer::settle_op(&format!("{id}:0:1"), &answered(remaining))),
+        ask: Some(Op::Acquire(AcquireOp::new(&format!("{id}:1:1"), est, Mode::Work, &Who::DEFAULT, 0.0))),
+    }
+}
+
+/// Turn 1, to ask the pacer for `model` (not cleared).
+fn turn_one_asking(model: &str) -> Next {
+    Next::Paced {
+        turn: shared::runs::Turn {
+            job: TurnJob { turn: 1, attempt: 1 },
+            ask: Some(shared::runs::PacedAsk { model: model.into(), ..asked() }),
+            cleared: false,
+            pause_ms: None,
+            cached_until_ms: None,
+        },
+        wait: None,
+    }
+}
+
 /// A shared pacer whose model `gpt-test` has a 1 000-token bucket, emptied by
 /// its probe, that refills in `refill_ms`.
 async fn emptied_pacer(env: &Env, refill_ms: u64) -> shared::pacer::SharedPacer {
@@ -414,21 +451,13 @@ async fn a_commit_settles_its_call_and_makes_the_next_turns_ask_in_its_own_scrip
     // the call's settle, made first and whatever the fence says, and the
     // next turn's ask, made only when the commit lands — cleared, the next
     // turn is queued cleared; owed, the run waits from this commit on.
-    use shared::pacer::{
-        AcquireOp, CallOutcome, Decision, Estimate, Mode, Observation, Op, PacingConfig, SharedPacer, Who,
-    };
+    use shared::pacer::{AcquireOp, Decision, Estimate, Mode, Op, PacingConfig, SharedPacer, Who};
     use shared::runs::{CommitPacing, Turn};
     let env = env().await;
     let pacer = SharedPacer::new(env.store.connection(), env.keys.clone(), "default", PacingConfig::default());
     let est = Estimate { tokens: 300, requests: 1, output: 200 };
     let job = TurnJob { turn: 0, attempt: 1 };
     let items = [json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "hi"}]})];
-    let answered = |remaining: u64| CallOutcome {
-        used_tokens: Some(300),
-        tokens: Observation { limit: Some(100_000), remaining: Some(remaining), reset_ms: Some(60_000) },
-        requests: Observation { limit: Some(100), remaining: Some(99), reset_ms: Some(600) },
-        ..CallOutcome::default()
-    };
     // One run per model (each unknown to the pacer: its first call is its probe).
     for (model, remaining) in [("gpt-empty", 0), ("gpt-open", 99_000)] {
         let run = env.store.create("alpha", &spec(model), None, None).await.unwrap().run;
@@ -492,23 +521,8 @@ async fn a_commit_settles_its_call_and_makes_the_next_turns_ask_in_its_own_scrip
     let call = format!("{}:0:1", run.id);
     assert_eq!(pacer.acquire("gpt-late", &call, est, Mode::Work, &Who::DEFAULT).await.unwrap(), Decision::Clear);
     env.queue.release(&lease).await.unwrap();
-    let next_reservation = format!("{}:1:1", run.id);
-    let pacing = CommitPacing {
-        route: pacer.commit_route("gpt-late").unwrap(),
-        settle: Some(SharedPacer::settle_op(&call, &answered(99_000))),
-        ask: Some(Op::Acquire(AcquireOp::new(&next_reservation, est, Mode::Work, &Who::DEFAULT, 0.0))),
-    };
-    let ask = shared::runs::PacedAsk { model: "gpt-late".into(), ..asked() };
-    let next = Next::Paced {
-        turn: Turn {
-            job: TurnJob { turn: 1, attempt: 1 },
-            ask: Some(ask),
-            cleared: false,
-            pause_ms: None,
-            cached_until_ms: None,
-        },
-        wait: None,
-    };
+    let pacing = turn_zero_pacing(pacer.commit_route("gpt-late").unwrap(), &run.id, 99_000);
+    let next = turn_one_asking("gpt-late");
     let committed = env
         .store
         .commit_with_output(&lease, job, None, &items, Usage::default(), &next, &[], Some(&pacing))
@@ -538,22 +552,8 @@ async fn a_commit_settles_its_call_and_makes_the_next_turns_ask_in_its_own_scrip
     let route = pacer.commit_route("gpt-broken").unwrap();
     let state = route["keys"][0].as_str().unwrap().to_owned();
     let _: () = redis::cmd("SET").arg(&state).arg("not a hash").query_async(&mut conn).await.unwrap();
-    let call = format!("{}:0:1", run.id);
-    let pacing = CommitPacing {
-        route,
-        settle: Some(SharedPacer::settle_op(&call, &answered(99_000))),
-        ask: Some(Op::Acquire(AcquireOp::new(&format!("{}:1:1", run.id), est, Mode::Work, &Who::DEFAULT, 0.0))),
-    };
-    let next = Next::Paced {
-        turn: Turn {
-            job: TurnJob { turn: 1, attempt: 1 },
-            ask: Some(shared::runs::PacedAsk { model: "gpt-broken".into(), ..asked() }),
-            cleared: false,
-            pause_ms: None,
-            cached_until_ms: None,
-        },
-        wait: None,
-    };
+    let pacing = turn_zero_pacing(route, &run.id, 99_000);
+    let next = turn_one_asking("gpt-broken");
     let committed = env
         .store
         .commit_with_output(&lease, job, None, &items, Usage::default(), &next, &[], Some(&pacing))
@@ -573,10 +573,8 @@ async fn a_commit_leaves_the_next_turns_ask_to_its_fetch_while_turns_wait_for_a_
     // turns are due and untaken (every slot busy), the commit makes the
     // call's settle alone and queues the next turn uncleared, to ask when it
     // is fetched.
-    use shared::pacer::{
-        AcquireOp, CallOutcome, Decision, Estimate, Mode, Observation, Op, PacingConfig, SharedPacer, Who,
-    };
-    use shared::runs::{CommitPacing, Turn};
+    use shared::pacer::{Decision, Estimate, Mode, PacingConfig, SharedPacer, Who};
+    use shared::runs::Turn;
     let env = env().await;
     let pacer = SharedPacer::new(env.store.connection(), env.keys.clone(), "default", PacingConfig::default());
     let est = Estimate { tokens: 300, requests: 1, output: 200 };
@@ -590,28 +588,8 @@ async fn a_commit_leaves_the_next_turns_ask_to_its_fetch_while_turns_wait_for_a_
     let waiting = env.store.create("alpha", &spec("gpt-busy"), None, None).await.unwrap().run;
     let call = format!("{}:0:1", run.id);
     assert_eq!(pacer.acquire("gpt-busy", &call, est, Mode::Work, &Who::DEFAULT).await.unwrap(), Decision::Clear);
-    let answered = CallOutcome {
-        used_tokens: Some(300),
-        tokens: Observation { limit: Some(100_000), remaining: Some(99_000), reset_ms: Some(60_000) },
-        requests: Observation { limit: Some(100), remaining: Some(99), reset_ms: Some(600) },
-        ..CallOutcome::default()
-    };
-    let next_reservation = format!("{}:1:1", run.id);
-    let pacing = CommitPacing {
-        route: pacer.commit_route("gpt-busy").unwrap(),
-        settle: Some(SharedPacer::settle_op(&call, &answered)),
-        ask: Some(Op::Acquire(AcquireOp::new(&next_reservation, est, Mode::Work, &Who::DEFAULT, 0.0))),
-    };
-    let next = Next::Paced {
-        turn: Turn {
-            job: TurnJob { turn: 1, attempt: 1 },
-            ask: Some(shared::runs::PacedAsk { model: "gpt-busy".into(), ..asked() }),
-            cleared: false,
-            pause_ms: None,
-            cached_until_ms: None,
-        },
-        wait: None,
-    };
+    let pacing = turn_zero_pacing(pacer.commit_route("gpt-busy").unwrap(), &run.id, 99_000);
+    let next = turn_one_asking("gpt-busy");
     let committed = env
         .store
         .commit_with_output(&lease, job, None, &items, Usage::default(), &next, &[], Some(&pacing))
