@@ -14,8 +14,10 @@
 //!    nothing was (`Runner::pace_call`);
 //! 5. for the next turn, as the turn commits (`Runner::ask_for_next`): in
 //!    the commit's own script where the pacer lets a script ask it
-//!    (`runs/store.lua` `commit`), after the call's settle; else here before
-//!    it, while the budget is scarce.
+//!    (`runs/store.lua` `commit`), after the call's settle — unless turns
+//!    are due and untaken, when its fetch asks (step 2: no reservation held
+//!    by a turn waiting for a slot); else here before it, while the budget
+//!    is scarce.
 //!
 //! A call's reservation is settled (one of):
 //! - in the commit's script, before the next turn's ask, where the pacer

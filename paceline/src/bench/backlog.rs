@@ -29,6 +29,11 @@ use super::report::{PacerFigures, Percentiles};
 use super::trial::{Env, Trial, TrialSpec};
 use super::workload::Workload;
 
+/// Calls shorter than this (s) get no steady figure: a window of 0.6 × the
+/// call, between the last call's start and the first's answer, would be too
+/// short to read a CPU rate from.
+pub const STEADY_MIN_CALL_S: f64 = 2.5;
+
 /// How long the idle rate is read before the submits.
 pub const IDLE_SPAN: Duration = Duration::from_secs(10);
 
@@ -311,9 +316,13 @@ pub async fn measure_long(
     // calls in flight its polls were a fifth of what the calls seemed to cost).
     tokio::time::sleep(Duration::from_secs(1)).await;
     // The steady window: while every call is in flight, before the first
-    // can answer (the calls start within a second or two of each other).
-    let steady = Duration::from_secs_f64((call_s * 0.6).clamp(1.0, 60.0));
-    let (steady_idle_cpu_ms_per_s, idle_commands) = trial.cpu_rate_over(steady).await?;
+    // can answer (the calls start within a second or two of each other);
+    // none for calls too short to hold one.
+    let steady = (call_s >= STEADY_MIN_CALL_S).then(|| Duration::from_secs_f64((call_s * 0.6).min(60.0)));
+    let (steady_idle_cpu_ms_per_s, idle_commands) = match steady {
+        Some(span) => trial.cpu_rate_over(span).await?,
+        None => (0.0, vec![]),
+    };
     trial.mark().await?;
     let idle_for = Instant::now();
     trial.poll_for(Duration::from_secs(5)).await?;
@@ -325,22 +334,23 @@ pub async fn measure_long(
     // (A budget with no observation sends one probe first and the rest when
     // its headers come: all the others are in flight a call's length after
     // the submits.)
-    let steady_calls = trial.wait_all_leased(in_flight as u64, plan.timeout).await?;
-    let (in_flight_cpu_ms_per_s, busy_commands) = match steady_calls {
-        Some(_) => {
-            let (rate, commands) = trial.cpu_rate_over(steady).await?;
+    let steady_calls = match steady {
+        Some(_) => trial.wait_all_leased(in_flight as u64, plan.timeout).await?,
+        None => None,
+    };
+    let (in_flight_cpu_ms_per_s, busy_commands) = match (steady, steady_calls) {
+        (Some(span), Some(_)) => {
+            let (rate, commands) = trial.cpu_rate_over(span).await?;
             (Some(rate), commands)
         }
-        None => (None, Default::default()),
+        _ => (None, vec![]),
     };
-    // What the calls in flight add, by command, a second (the two windows are as long).
-    let per_s = steady.as_secs_f64();
+    // What the calls in flight add, by command, a second.
     let mut steady_commands_per_s: Vec<(String, f64)> = busy_commands
-        .by_command
         .iter()
-        .map(|(k, n)| {
-            let idle = idle_commands.by_command.iter().find(|(i, _)| i == k).map_or(0, |(_, m)| *m);
-            (k.clone(), (*n as f64 - idle as f64) / per_s)
+        .map(|(k, busy)| {
+            let idle = idle_commands.iter().find(|(i, _)| i == k).map_or(0.0, |(_, m)| *m);
+            (k.clone(), busy - idle)
         })
         .filter(|(_, d)| d.abs() >= 0.05)
         .collect();

@@ -439,15 +439,17 @@ impl Trial {
 
     /// Polls as [`Self::wait_drained`] does until none of `runs` one-turn
     /// runs is queued and each is leased or answered: how many are leased
-    /// then, or `None` once `timeout` passes.
+    /// then; `None` once `timeout` passes, or when every one answered before
+    /// a poll saw them leased.
     pub async fn wait_all_leased(&mut self, runs: u64, timeout: Duration) -> anyhow::Result<Option<u64>> {
         let deadline = Instant::now() + timeout;
         loop {
             let (due, leased) = self.poll_queue().await?;
-            if due == 0 && leased > 0 && leased + self.mock.summary().ok >= runs {
+            let answered = self.mock.summary().ok;
+            if due == 0 && leased > 0 && leased + answered >= runs {
                 return Ok(Some(leased));
             }
-            if Instant::now() >= deadline {
+            if answered >= runs || Instant::now() >= deadline {
                 return Ok(None);
             }
             tokio::time::sleep(DRAIN_POLL).await;
@@ -455,10 +457,10 @@ impl Trial {
     }
 
     /// Redis's CPU rate over `span` spent polling as [`Self::wait_drained`]
-    /// does, ms a second, and its commands meanwhile (the polls' and these
-    /// reads' own among them); the figures [`Self::mark`] and
+    /// does, ms a second, and its commands a second meanwhile (the polls'
+    /// and these reads' own among them); the figures [`Self::mark`] and
     /// [`Self::finish`] report are left as they are.
-    pub async fn cpu_rate_over(&mut self, span: Duration) -> anyhow::Result<(f64, CommandDelta)> {
+    pub async fn cpu_rate_over(&mut self, span: Duration) -> anyhow::Result<(f64, Vec<(String, f64)>)> {
         let before = CommandStats::read(&mut self.admin).await?;
         let from = super::redis::cpu_seconds(&mut self.admin).await?;
         let at = Instant::now();
@@ -466,7 +468,8 @@ impl Trial {
         let to = super::redis::cpu_seconds(&mut self.admin).await?;
         let took = at.elapsed().as_secs_f64();
         let commands = CommandStats::read(&mut self.admin).await?.since(&before);
-        Ok(((to - from) * 1000.0 / took, commands))
+        let per_s = commands.by_command.into_iter().map(|(k, n)| (k, n as f64 / took)).collect();
+        Ok(((to - from) * 1000.0 / took, per_s))
     }
 
     /// How many turns are queued and leased (two `ZCARD`s, the bench's own).

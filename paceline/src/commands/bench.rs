@@ -667,6 +667,10 @@ fn steady_line(f: &crate::bench::backlog::LongCallFigures) -> String {
             f.steady_idle_cpu_ms_per_s,
             f.steady_commands_per_s.iter().take(8).map(|(k, v)| format!("{k} {v:.1}")).collect::<Vec<_>>().join(", ")
         ),
+        _ if f.call_s < crate::bench::backlog::STEADY_MIN_CALL_S => format!(
+            "not measured (calls under {} s hold no window)",
+            crate::bench::backlog::STEADY_MIN_CALL_S
+        ),
         _ => "not measured (the calls were never all in flight at once)".to_owned(),
     }
 }

@@ -175,8 +175,9 @@ if op == 'commit' then
   -- [19] ('' none) the pacer ops this step makes itself, JSON (store.rs `CommitPacing`):
   -- {keys = the pacer's four keys, cfg = its ARGV[2..15], settle = the turn's call's
   -- settle op (made whatever the fence says: the call happened), ask = the next turn's
-  -- acquire op (made only when this commit continues the run: cleared, the next turn's
-  -- payload [7] says so; owed, it waits from here as [15..18] would have it)};
+  -- acquire op (made only when this commit continues the run and no turn is due and
+  -- untaken — else its fetch asks: below; cleared, the next turn's payload [7] says
+  -- so; owed, it waits from here as [15..18] would have it)};
   -- [20] n events written before turn.completed (the output's, then the tool results),
   -- then n type/data pairs, then the entries appended
   local tag = tonumber(ARGV[4]) + 1
