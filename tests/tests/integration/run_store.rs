@@ -564,6 +564,54 @@ async fn a_commit_settles_its_call_and_makes_the_next_turns_ask_in_its_own_scrip
     assert_eq!((run_now.status, run_now.turns_completed), (RunStatus::Queued, 1));
     let payload: Turn = env.queue.payload(&run.id).await.unwrap().unwrap();
     assert!(!payload.cleared, "asked nothing: its fetch asks");
+    // So does one that makes the settle alone (another turn is due and
+    // untaken: it leaves the ask to the fetch), and one its fence stops.
+    let lease = env.queue.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
+    assert_eq!(lease.id, run.id);
+    let job = TurnJob { turn: 1, attempt: 1 };
+    assert_eq!(env.store.start(&lease, job).await.unwrap(), Fence::Ok);
+    let other = env.store.create("alpha", &spec("gpt-broken"), None, None).await.unwrap().run;
+    let route = pacer.commit_route("gpt-broken").unwrap();
+    let committed = env
+        .store
+        .commit_with_output(
+            &lease,
+            job,
+            None,
+            &items,
+            Usage::default(),
+            &next,
+            &[],
+            Some(&turn_zero_pacing(route.clone(), &run.id, 99_000)),
+        )
+        .await
+        .unwrap();
+    assert_eq!((committed.fence, committed.asked, committed.unsettled), (Fence::Ok, None, true));
+    let _: i64 = redis::cmd("ZADD")
+        .arg(&env.queue.keys().due)
+        .arg(i64::MAX / 4)
+        .arg(&run.id)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let lease = env.queue.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
+    assert_eq!(lease.id, other.id);
+    env.queue.release(&lease).await.unwrap();
+    let committed = env
+        .store
+        .commit_with_output(
+            &lease,
+            TurnJob { turn: 0, attempt: 1 },
+            None,
+            &items,
+            Usage::default(),
+            &next,
+            &[],
+            Some(&turn_zero_pacing(route, &other.id, 99_000)),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(committed.fence, Fence::Stop(_)) && committed.unsettled, "{committed:?}");
 }
 
 #[tokio::test]
