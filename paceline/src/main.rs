@@ -83,7 +83,15 @@ async fn main() -> ExitCode {
         #[cfg(feature = "mock")]
         Command::MockProvider(args) => commands::mock::run(args).await,
         #[cfg(feature = "mock")]
-        Command::Bench(args) => commands::bench::run(args).await,
+        Command::Bench(args) => {
+            // Stopped by a signal, it ends its own Redis and worker processes
+            // (dropped with the trial), rather than leave them running.
+            let stop = commands::shutdown_signal();
+            tokio::select! {
+                done = commands::bench::run(args) => done,
+                () = stop => Err(anyhow::anyhow!("stopped by a signal: its Redis and worker processes are ended")),
+            }
+        }
         #[cfg(feature = "mock")]
         Command::QueueProbe(args) => commands::queue_probe::run(args).await,
     };

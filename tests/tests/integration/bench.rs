@@ -252,3 +252,75 @@ fn a_tiny_long_runs_bench_reads_most_of_its_input_from_the_cache() {
     );
     assert!(stdout.contains("anthropic bars:") && stdout.contains("openai bars:"), "{stdout}");
 }
+
+#[test]
+fn a_bench_stopped_by_a_signal_ends_its_redis_and_its_workers() {
+    // A bench is often stopped from outside (a timeout, `kill`), not only by a
+    // terminal's Ctrl-C that reaches its children too: its private Redis and
+    // worker processes must not outlive it.
+    let dir = tempfile::tempdir().unwrap();
+    let args = [
+        "bench",
+        "--workers",
+        "2",
+        "--concurrency",
+        "4",
+        "--runs",
+        "400",
+        "--turns",
+        "5",
+        "--window-s",
+        "2",
+        "--tpm",
+        "3000",
+        "--pacer",
+        "shared",
+    ];
+    let mut bench = std::process::Command::new(paceline_bin())
+        .args(&args)
+        .stdout(std::fs::File::create(dir.path().join("stdout")).unwrap())
+        .stderr(std::fs::File::create(dir.path().join("stderr")).unwrap())
+        .spawn()
+        .expect("start paceline bench");
+    let children = |parent: u32| -> Vec<u32> {
+        let mut found = vec![];
+        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+            let status = std::fs::read_to_string(entry.path().join("status")).unwrap_or_default();
+            let ppid = status.lines().find_map(|l| l.strip_prefix("PPid:")).and_then(|v| v.trim().parse::<u32>().ok());
+            if ppid == Some(parent) {
+                found.push(pid);
+            }
+        }
+        found
+    };
+    // Its Redis and its two workers (and the mock's, if any) are up.
+    let started = Instant::now();
+    let spawned = loop {
+        let now = children(bench.id());
+        if now.len() >= 3 {
+            break now;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "the bench started {} processes", now.len());
+        assert!(bench.try_wait().unwrap().is_none(), "the bench ended before its trial ran");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let killed = std::process::Command::new("kill").arg("-TERM").arg(bench.id().to_string()).status().unwrap();
+    assert!(killed.success());
+    let status = bench.wait().unwrap();
+    assert!(!status.success(), "a stopped bench says it did not finish");
+    let alive = |pid: &u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .map(|s| !s.lines().any(|l| l.starts_with("State:") && l.contains("zombie")))
+            .unwrap_or(false)
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while spawned.iter().any(alive) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let left: Vec<&u32> = spawned.iter().filter(|p| alive(p)).collect();
+    for pid in &left {
+        let _ = std::process::Command::new("kill").arg("-KILL").arg(pid.to_string()).status();
+    }
+    assert!(left.is_empty(), "processes of the bench still running after it was stopped: {left:?}");
+}
