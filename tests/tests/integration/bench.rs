@@ -277,7 +277,7 @@ fn a_bench_stopped_by_a_signal_ends_its_redis_and_its_workers() {
         "shared",
     ];
     let mut bench = std::process::Command::new(paceline_bin())
-        .args(&args)
+        .args(args)
         .stdout(std::fs::File::create(dir.path().join("stdout")).unwrap())
         .stderr(std::fs::File::create(dir.path().join("stderr")).unwrap())
         .spawn()
