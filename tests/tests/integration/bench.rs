@@ -56,6 +56,18 @@ const TINY: &[&str] = &[
     "3000",
 ];
 
+/// `args` with each flag's value replaced (or the flag and value added).
+fn with_values<'a>(args: &[&'a str], values: &[(&'a str, &'a str)]) -> Vec<&'a str> {
+    let mut out = args.to_vec();
+    for (flag, value) in values {
+        match out.iter().position(|a| a == flag) {
+            Some(at) => out[at + 1] = value,
+            None => out.extend([*flag, *value]),
+        }
+    }
+    out
+}
+
 const PACER_FIELDS: &[&str] = &[
     "makespan_s",
     "floor_s",
@@ -259,25 +271,10 @@ fn a_bench_stopped_by_a_signal_ends_its_redis_and_its_workers() {
     // terminal's Ctrl-C that reaches its children too: its private Redis and
     // worker processes must not outlive it.
     let dir = tempfile::tempdir().unwrap();
-    let args = [
-        "bench",
-        "--workers",
-        "2",
-        "--concurrency",
-        "4",
-        "--runs",
-        "400",
-        "--turns",
-        "5",
-        "--window-s",
-        "2",
-        "--tpm",
-        "3000",
-        "--pacer",
-        "shared",
-    ];
+    // TINY's trial, made long enough to be stopped in the middle.
+    let args = with_values(TINY, &[("--runs", "400"), ("--turns", "5"), ("--pacer", "shared")]);
     let mut bench = std::process::Command::new(paceline_bin())
-        .args(args)
+        .args(&args)
         .stdout(std::fs::File::create(dir.path().join("stdout")).unwrap())
         .stderr(std::fs::File::create(dir.path().join("stderr")).unwrap())
         .spawn()

@@ -59,11 +59,27 @@ fn answered(remaining: u64) -> shared::pacer::CallOutcome {
     }
 }
 
+/// The commit tests' call: what it asks the pacer for.
+const CALL: shared::pacer::Estimate = shared::pacer::Estimate { tokens: 300, requests: 1, output: 200 };
+
+/// The commit tests' model output: one assistant message.
+fn answer_items() -> [Value; 1] {
+    [json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "hi"}]})]
+}
+
+/// The commit tests' env, and the shared pacer of its default budget.
+async fn pacer_env() -> (Env, shared::pacer::SharedPacer) {
+    use shared::pacer::{PacingConfig, SharedPacer};
+    let env = env().await;
+    let pacer = SharedPacer::new(env.store.connection(), env.keys.clone(), "default", PacingConfig::default());
+    (env, pacer)
+}
+
 /// The pacer ops of run `id`'s first turn's commit over `route`: its call's
 /// settle (`remaining` tokens left) and turn 1's ask.
 fn turn_zero_pacing(route: Value, id: &str, remaining: u64) -> shared::runs::CommitPacing {
-    use shared::pacer::{AcquireOp, Estimate, Mode, Op, SharedPacer, Who};
-    let est = Estimate { tokens: 300, requests: 1, output: 200 };
+    use shared::pacer::{AcquireOp, Mode, Op, SharedPacer, Who};
+    let est = CALL;
     shared::runs::CommitPacing {
         route,
         settle: Some(SharedPacer::settle_op(&format!("{id}:0:1"), &answered(remaining))),
@@ -451,13 +467,12 @@ async fn a_commit_settles_its_call_and_makes_the_next_turns_ask_in_its_own_scrip
     // the call's settle, made first and whatever the fence says, and the
     // next turn's ask, made only when the commit lands — cleared, the next
     // turn is queued cleared; owed, the run waits from this commit on.
-    use shared::pacer::{AcquireOp, Decision, Estimate, Mode, Op, PacingConfig, SharedPacer, Who};
+    use shared::pacer::{AcquireOp, Decision, Mode, Op, SharedPacer, Who};
     use shared::runs::{CommitPacing, Turn};
-    let env = env().await;
-    let pacer = SharedPacer::new(env.store.connection(), env.keys.clone(), "default", PacingConfig::default());
-    let est = Estimate { tokens: 300, requests: 1, output: 200 };
+    let (env, pacer) = pacer_env().await;
+    let est = CALL;
     let job = TurnJob { turn: 0, attempt: 1 };
-    let items = [json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "hi"}]})];
+    let items = answer_items();
     // One run per model (each unknown to the pacer: its first call is its probe).
     for (model, remaining) in [("gpt-empty", 0), ("gpt-open", 99_000)] {
         let run = env.store.create("alpha", &spec(model), None, None).await.unwrap().run;
@@ -621,13 +636,12 @@ async fn a_commit_leaves_the_next_turns_ask_to_its_fetch_while_turns_wait_for_a_
     // turns are due and untaken (every slot busy), the commit makes the
     // call's settle alone and queues the next turn uncleared, to ask when it
     // is fetched.
-    use shared::pacer::{Decision, Estimate, Mode, PacingConfig, SharedPacer, Who};
+    use shared::pacer::{Decision, Mode, Who};
     use shared::runs::Turn;
-    let env = env().await;
-    let pacer = SharedPacer::new(env.store.connection(), env.keys.clone(), "default", PacingConfig::default());
-    let est = Estimate { tokens: 300, requests: 1, output: 200 };
+    let (env, pacer) = pacer_env().await;
+    let est = CALL;
     let job = TurnJob { turn: 0, attempt: 1 };
-    let items = [json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "hi"}]})];
+    let items = answer_items();
     let run = env.store.create("alpha", &spec("gpt-busy"), None, None).await.unwrap().run;
     let lease = env.queue.fetch("w1", 1).await.unwrap().deliveries.remove(0).lease;
     assert_eq!(lease.id, run.id);
