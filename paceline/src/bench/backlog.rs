@@ -109,8 +109,9 @@ pub struct LongCallFigures {
     /// `redis_cpu_ms` over the calls' seconds in flight.
     pub redis_cpu_ms_per_call_second: f64,
     /// Redis's CPU with the fleet up and nothing to do (its own timers, the
-    /// workers' idle beats and looks), ms a second, measured over 5 s before
-    /// the submits.
+    /// workers' idle beats and looks, the bench polling as it will), ms a
+    /// second, measured before the submits over the steady window's length
+    /// (5 s when there is none).
     pub idle_cpu_ms_per_s: f64,
     /// `redis_cpu_ms` less the idle rate over the trial: what the calls
     /// themselves cost, ms.
@@ -126,11 +127,8 @@ pub struct LongCallFigures {
     /// The commands those calls added a second, by command (the window's
     /// less the idle one's; the bench's own polls cancel out).
     pub steady_commands_per_s: Vec<(String, f64)>,
-    /// The idle rate read just as long, before the submits (the bench
-    /// polling alike), ms a second.
-    pub steady_idle_cpu_ms_per_s: f64,
-    /// What a call's second in flight costs, measured directly: the two
-    /// rates' difference over the calls in flight, ms per call-second. No
+    /// What a call's second in flight costs, measured directly: the rate
+    /// with every call in flight less the idle rate, over the calls in flight, ms per call-second. No
     /// call's fixed cost (its fetch, start, commit) and no wait before it is
     /// in it, so one call length gives it.
     pub steady_cpu_ms_per_call_second: Option<f64>,
@@ -319,15 +317,9 @@ pub async fn measure_long(
     // can answer (the calls start within a second or two of each other);
     // none for calls too short to hold one.
     let steady = (call_s >= STEADY_MIN_CALL_S).then(|| Duration::from_secs_f64((call_s * 0.6).min(60.0)));
-    let (steady_idle_cpu_ms_per_s, idle_commands) = match steady {
-        Some(span) => trial.cpu_rate_over(span).await?,
-        None => (0.0, vec![]),
-    };
+    let (idle_cpu_ms_per_s, idle_commands) = trial.cpu_rate_over(steady.unwrap_or(Duration::from_secs(5))).await?;
+    // (The trial's own figures start here.)
     trial.mark().await?;
-    let idle_for = Instant::now();
-    trial.poll_for(Duration::from_secs(5)).await?;
-    let (_, idle_cpu_s) = trial.mark().await?;
-    let idle_cpu_ms_per_s = idle_cpu_s * 1000.0 / idle_for.elapsed().as_secs_f64();
     progress.set_message(format!("{call_s:.0} s x {in_flight}"));
     let span = Instant::now();
     trial.submit(None, bodies, 64).await?;
@@ -372,11 +364,10 @@ pub async fn measure_long(
         net_cpu_ms,
         net_cpu_ms_per_call_second: net_cpu_ms / call_seconds,
         in_flight_cpu_ms_per_s,
-        steady_idle_cpu_ms_per_s,
         steady_calls: steady_calls.unwrap_or(0),
         steady_commands_per_s,
         steady_cpu_ms_per_call_second: in_flight_cpu_ms_per_s
-            .map(|busy| (busy - steady_idle_cpu_ms_per_s) / steady_calls.unwrap_or(1).max(1) as f64),
+            .map(|busy| (busy - idle_cpu_ms_per_s) / steady_calls.unwrap_or(1).max(1) as f64),
         redis_commands_per_call: data.commands.total() as f64 / calls.max(1) as f64,
         makespan_s: data.makespan_s().unwrap_or(0.0),
         redis_commands_by_command: data
@@ -420,7 +411,6 @@ mod tests {
             in_flight_cpu_ms_per_s: None,
             steady_calls: 0,
             steady_commands_per_s: vec![],
-            steady_idle_cpu_ms_per_s: 0.0,
             steady_cpu_ms_per_call_second: None,
             redis_commands_per_call: 0.0,
             makespan_s: 0.0,

@@ -664,7 +664,7 @@ fn steady_line(f: &crate::bench::backlog::LongCallFigures) -> String {
         (Some(per), Some(busy)) => format!(
             "{per:.4} ms of Redis CPU a call-second ({busy:.2} ms/s with {} in flight, {:.2} idle; commands they add a second: {})",
             f.steady_calls,
-            f.steady_idle_cpu_ms_per_s,
+            f.idle_cpu_ms_per_s,
             f.steady_commands_per_s.iter().take(8).map(|(k, v)| format!("{k} {v:.1}")).collect::<Vec<_>>().join(", ")
         ),
         _ if f.call_s < crate::bench::backlog::STEADY_MIN_CALL_S => format!(
