@@ -127,6 +127,12 @@ pub struct LongCallFigures {
     /// The commands those calls added a second, by command (the window's
     /// less the idle one's; the bench's own polls cancel out).
     pub steady_commands_per_s: Vec<(String, f64)>,
+    /// Each command's time a call in that window, µs, the longest first
+    /// (`INFO commandstats`' `usec`: wall time; a script's includes the
+    /// commands it calls). With every call in flight the scripts are the
+    /// workers' beats: what one beat takes on a mostly idle Redis, beside
+    /// what redis-benchmark finds for the same script run back to back.
+    pub steady_us_per_call: Vec<(String, f64)>,
     /// What a call's second in flight costs, measured directly: the rate
     /// with every call in flight less the idle rate, over the calls in flight, ms per call-second. No
     /// call's fixed cost (its fetch, start, commit) and no wait before it is
@@ -317,7 +323,8 @@ pub async fn measure_long(
     // can answer (the calls start within a second or two of each other);
     // none for calls too short to hold one.
     let steady = (call_s >= STEADY_MIN_CALL_S).then(|| Duration::from_secs_f64((call_s * 0.6).min(60.0)));
-    let (idle_cpu_ms_per_s, idle_commands) = trial.cpu_rate_over(steady.unwrap_or(Duration::from_secs(5))).await?;
+    let idle = trial.cpu_rate_over(steady.unwrap_or(Duration::from_secs(5))).await?;
+    let idle_cpu_ms_per_s = idle.cpu_ms_per_s;
     // (The trial's own figures start here.)
     trial.mark().await?;
     progress.set_message(format!("{call_s:.0} s x {in_flight}"));
@@ -330,18 +337,18 @@ pub async fn measure_long(
         Some(_) => trial.wait_all_leased(in_flight as u64, plan.timeout).await?,
         None => None,
     };
-    let (in_flight_cpu_ms_per_s, busy_commands) = match (steady, steady_calls) {
-        (Some(span), Some(_)) => {
-            let (rate, commands) = trial.cpu_rate_over(span).await?;
-            (Some(rate), commands)
-        }
-        _ => (None, vec![]),
+    let busy = match (steady, steady_calls) {
+        (Some(span), Some(_)) => Some(trial.cpu_rate_over(span).await?),
+        _ => None,
     };
+    let in_flight_cpu_ms_per_s = busy.as_ref().map(|b| b.cpu_ms_per_s);
+    let busy = busy.unwrap_or_default();
     // What the calls in flight add, by command, a second.
-    let mut steady_commands_per_s: Vec<(String, f64)> = busy_commands
+    let mut steady_commands_per_s: Vec<(String, f64)> = busy
+        .commands_per_s
         .iter()
         .map(|(k, busy)| {
-            let idle = idle_commands.iter().find(|(i, _)| i == k).map_or(0.0, |(_, m)| *m);
+            let idle = idle.commands_per_s.iter().find(|(i, _)| i == k).map_or(0.0, |(_, m)| *m);
             (k.clone(), busy - idle)
         })
         .filter(|(_, d)| d.abs() >= 0.05)
@@ -366,6 +373,11 @@ pub async fn measure_long(
         in_flight_cpu_ms_per_s,
         steady_calls: steady_calls.unwrap_or(0),
         steady_commands_per_s,
+        steady_us_per_call: {
+            let mut by = busy.us_per_call;
+            by.sort_by(|a, b| b.1.total_cmp(&a.1));
+            by
+        },
         steady_cpu_ms_per_call_second: in_flight_cpu_ms_per_s
             .map(|busy| (busy - idle_cpu_ms_per_s) / steady_calls.unwrap_or(1).max(1) as f64),
         redis_commands_per_call: data.commands.total() as f64 / calls.max(1) as f64,
@@ -411,6 +423,7 @@ mod tests {
             in_flight_cpu_ms_per_s: None,
             steady_calls: 0,
             steady_commands_per_s: vec![],
+            steady_us_per_call: vec![],
             steady_cpu_ms_per_call_second: None,
             redis_commands_per_call: 0.0,
             makespan_s: 0.0,

@@ -118,7 +118,7 @@ impl Drop for BenchRedis {
 /// Lua scripts are counted too (Redis counts them under their own names), so a
 /// script's inner calls cost what they cost.
 #[derive(Debug, Clone, Default)]
-pub struct CommandStats(BTreeMap<String, u64>);
+pub struct CommandStats(BTreeMap<String, (u64, u64)>);
 
 /// The server's CPU time so far (`INFO cpu`: `used_cpu_sys` + `used_cpu_user`), s.
 pub async fn cpu_seconds(conn: &mut shared::redis_util::RedisConn) -> anyhow::Result<f64> {
@@ -141,14 +141,17 @@ impl CommandStats {
         Ok(Self::parse(&info))
     }
 
-    /// Parses `INFO commandstats` text (`cmdstat_get:calls=3,usec=…`).
+    /// Parses `INFO commandstats` text (`cmdstat_get:calls=3,usec=…`): each
+    /// command's calls and time (µs).
     pub fn parse(info: &str) -> Self {
         let mut out = BTreeMap::new();
         for line in info.lines() {
             let Some(rest) = line.strip_prefix("cmdstat_") else { continue };
             let Some((name, fields)) = rest.split_once(':') else { continue };
-            if let Some(calls) = fields.split(',').find_map(|f| f.strip_prefix("calls=")) {
-                out.insert(name.to_owned(), calls.trim().parse().unwrap_or(0));
+            let field =
+                |key: &str| fields.split(',').find_map(|f| f.strip_prefix(key)).map(|v| v.trim().parse().unwrap_or(0));
+            if let Some(calls) = field("calls=") {
+                out.insert(name.to_owned(), (calls, field("usec=").unwrap_or(0)));
             }
         }
         Self(out)
@@ -157,14 +160,17 @@ impl CommandStats {
     /// Calls per command since `before`, largest first, without `INFO` (the
     /// bench's own reads).
     pub fn since(&self, before: &Self) -> CommandDelta {
-        let mut by_command: Vec<(String, u64)> = self
-            .0
-            .iter()
-            .map(|(k, v)| (k.clone(), v.saturating_sub(*before.0.get(k).unwrap_or(&0))))
-            .filter(|(k, v)| *v > 0 && k != "info")
-            .collect();
+        let mut by_command = vec![];
+        let mut usec = BTreeMap::new();
+        for (k, (calls, spent)) in self.0.iter().filter(|(k, _)| *k != "info") {
+            let (calls_before, spent_before) = before.0.get(k).copied().unwrap_or_default();
+            if calls > &calls_before {
+                by_command.push((k.clone(), calls - calls_before));
+                usec.insert(k.clone(), spent.saturating_sub(spent_before));
+            }
+        }
         by_command.sort_by_key(|(_, v)| std::cmp::Reverse(*v));
-        CommandDelta { by_command }
+        CommandDelta { by_command, usec }
     }
 }
 
@@ -173,6 +179,9 @@ impl CommandStats {
 pub struct CommandDelta {
     /// Calls per command, largest first.
     pub by_command: Vec<(String, u64)>,
+    /// Time per command, µs (`INFO commandstats`' `usec`: wall time, and a
+    /// script's includes the commands it calls; the bench's own not taken out).
+    pub usec: BTreeMap<String, u64>,
 }
 
 impl CommandDelta {
@@ -225,5 +234,17 @@ mod tests {
         assert_eq!(d.by_command, vec![("get".to_owned(), 7), ("evalsha".to_owned(), 4)]);
         assert_eq!(d.total(), 11);
         assert_eq!(d.breakdown(2.0, 1), "get 3.50");
+    }
+
+    #[test]
+    fn deltas_carry_each_commands_time() {
+        let before = CommandStats::parse("cmdstat_evalsha:calls=2,usec=100,usec_per_call=50.00\r\n");
+        let after = CommandStats::parse(
+            "cmdstat_evalsha:calls=6,usec=1300,usec_per_call=216.67\r\ncmdstat_zadd:calls=4,usec=40\r\ncmdstat_get:calls=1\r\n",
+        );
+        let d = after.since(&before);
+        assert_eq!(d.usec.get("evalsha"), Some(&1200));
+        assert_eq!(d.usec.get("zadd"), Some(&40));
+        assert_eq!(d.usec.get("get"), Some(&0), "a row without usec counts none");
     }
 }

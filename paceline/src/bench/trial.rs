@@ -55,6 +55,18 @@ impl Env {
     }
 }
 
+/// Redis's CPU rate over a span ([`Trial::cpu_rate_over`]).
+#[derive(Debug, Clone, Default)]
+pub struct CpuRate {
+    /// CPU, ms a second.
+    pub cpu_ms_per_s: f64,
+    /// Calls a second, by command (the bench's polls in them).
+    pub commands_per_s: Vec<(String, f64)>,
+    /// Time a call, µs, by command (`INFO commandstats`: a script's time
+    /// includes the commands it calls).
+    pub us_per_call: Vec<(String, f64)>,
+}
+
 /// One trial's configuration.
 #[derive(Debug, Clone)]
 pub struct TrialSpec {
@@ -457,10 +469,10 @@ impl Trial {
     }
 
     /// Redis's CPU rate over `span` spent polling as [`Self::wait_drained`]
-    /// does, ms a second, and its commands a second meanwhile (the polls'
-    /// and these reads' own among them); the figures [`Self::mark`] and
+    /// does, ms a second, its commands a second meanwhile (the polls' and
+    /// these reads' own among them) and each one's time a call; the figures [`Self::mark`] and
     /// [`Self::finish`] report are left as they are.
-    pub async fn cpu_rate_over(&mut self, span: Duration) -> anyhow::Result<(f64, Vec<(String, f64)>)> {
+    pub async fn cpu_rate_over(&mut self, span: Duration) -> anyhow::Result<CpuRate> {
         let before = CommandStats::read(&mut self.admin).await?;
         let from = super::redis::cpu_seconds(&mut self.admin).await?;
         let at = Instant::now();
@@ -468,8 +480,13 @@ impl Trial {
         let to = super::redis::cpu_seconds(&mut self.admin).await?;
         let took = at.elapsed().as_secs_f64();
         let commands = CommandStats::read(&mut self.admin).await?.since(&before);
+        let us_per_call = commands
+            .by_command
+            .iter()
+            .map(|(k, n)| (k.clone(), commands.usec.get(k).copied().unwrap_or(0) as f64 / (*n).max(1) as f64))
+            .collect();
         let per_s = commands.by_command.into_iter().map(|(k, n)| (k, n as f64 / took)).collect();
-        Ok(((to - from) * 1000.0 / took, per_s))
+        Ok(CpuRate { cpu_ms_per_s: (to - from) * 1000.0 / took, commands_per_s: per_s, us_per_call })
     }
 
     /// How many turns are queued and leased (two `ZCARD`s, the bench's own).

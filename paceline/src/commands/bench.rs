@@ -662,10 +662,11 @@ async fn backlog(
 fn steady_line(f: &crate::bench::backlog::LongCallFigures) -> String {
     match (f.steady_cpu_ms_per_call_second, f.in_flight_cpu_ms_per_s) {
         (Some(per), Some(busy)) => format!(
-            "{per:.4} ms of Redis CPU a call-second ({busy:.2} ms/s with {} in flight, {:.2} idle; commands they add a second: {})",
+            "{per:.4} ms of Redis CPU a call-second ({busy:.2} ms/s with {} in flight, {:.2} idle; commands they add a second: {}; time a call then: {})",
             f.steady_calls,
             f.idle_cpu_ms_per_s,
-            f.steady_commands_per_s.iter().take(8).map(|(k, v)| format!("{k} {v:.1}")).collect::<Vec<_>>().join(", ")
+            f.steady_commands_per_s.iter().take(8).map(|(k, v)| format!("{k} {v:.1}")).collect::<Vec<_>>().join(", "),
+            f.steady_us_per_call.iter().take(4).map(|(k, v)| format!("{k} {v:.0} µs")).collect::<Vec<_>>().join(", ")
         ),
         _ if f.call_s < crate::bench::backlog::STEADY_MIN_CALL_S => format!(
             "not measured (calls under {} s hold no window)",
