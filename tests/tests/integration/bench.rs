@@ -4,7 +4,8 @@
 //! small enough (3 000 tokens per 2 s) that turns wait for budget, so the
 //! pacing path runs too. The fairness scenario likewise, tiny: its JSON has
 //! the fairness figures (companion waits, efficiency, shares, Jain's index,
-//! the 2:1 ratio).
+//! the 2:1 ratio); the backlog scenario's, its per-turn and long-call
+//! figures.
 
 use paceline_tests::paceline_bin;
 use serde_json::Value;
@@ -320,4 +321,57 @@ fn a_bench_stopped_by_a_signal_ends_its_redis_and_its_workers() {
         let _ = std::process::Command::new("kill").arg("-KILL").arg(pid.to_string()).status();
     }
     assert!(left.is_empty(), "processes of the bench still running after it was stopped: {left:?}");
+}
+
+/// `--scenario backlog`, tiny: a backlog of 12 one-turn runs against a
+/// 3 000-token 2-s bucket, then 8 calls of 4 s in flight at once. The JSON
+/// has the backlog's per-turn figures and the long calls' steady figures —
+/// among them each command's time a call while the calls were in flight,
+/// where the workers' beats (scripts) ran.
+#[test]
+fn a_tiny_backlog_bench_writes_its_fields_and_times_the_beats_of_calls_in_flight() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("backlog.json");
+    let json_path = json.display().to_string();
+    let args = [
+        "bench",
+        "--scenario",
+        "backlog",
+        "--workers",
+        "2",
+        "--concurrency",
+        "4",
+        "--window-s",
+        "2",
+        "--tpm",
+        "3000",
+        "--backlog-sizes",
+        "12",
+        "--timeout-s",
+        "8",
+        "--long-calls",
+        "4x8",
+        "--json",
+        json_path.as_str(),
+    ];
+    let (status, stdout, stderr) = run_to_end(dir.path(), &args);
+    assert!(status.success(), "{stdout}\n{stderr}");
+    let out: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let backlog = &out["backlog"]["12"];
+    assert!(backlog["admitted_turns"].as_u64().unwrap() > 0, "{backlog}");
+    for field in ["budget_waits_per_turn", "redis_commands_per_turn", "redis_cpu_ms_per_turn", "efficiency"] {
+        assert!(backlog[field].is_number(), "{field} missing in {backlog}");
+    }
+    let long = &out["long_calls"][0];
+    assert_eq!(long["calls"], 8, "{long}");
+    assert!(long["steady_calls"].as_u64().unwrap() >= 7, "all (but a probe) in flight at once: {long}");
+    assert!(long["steady_cpu_ms_per_call_second"].is_number(), "{long}");
+    let beat = long["steady_us_per_call"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|row| row[0] == "evalsha")
+        .unwrap_or_else(|| panic!("no script timed while the calls were in flight: {long}"));
+    assert!(beat[1].as_f64().unwrap() > 0.0, "{beat}");
+    assert!(stdout.contains("time a call then: "), "{stdout}");
 }
