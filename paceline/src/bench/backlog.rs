@@ -129,9 +129,9 @@ pub struct LongCallFigures {
     pub steady_commands_per_s: Vec<(String, f64)>,
     /// Each command's time a call in that window, µs, the longest first
     /// (`INFO commandstats`' `usec`: wall time; a script's includes the
-    /// commands it calls). With every call in flight the scripts are the
-    /// workers' beats: what one beat takes on a mostly idle Redis, beside
-    /// what redis-benchmark finds for the same script run back to back.
+    /// commands it calls). With every call in flight the scripts are mostly
+    /// the workers' beats: what a beat takes in place, beside what
+    /// redis-benchmark finds for the same script run back to back.
     pub steady_us_per_call: Vec<(String, f64)>,
     /// What a call's second in flight costs, measured directly: the rate
     /// with every call in flight less the idle rate, over the calls in flight, ms per call-second. No

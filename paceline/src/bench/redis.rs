@@ -114,7 +114,7 @@ impl Drop for BenchRedis {
     }
 }
 
-/// `INFO commandstats` calls per command at one moment. Commands run inside
+/// `INFO commandstats` calls and time (µs) per command at one moment. Commands run inside
 /// Lua scripts are counted too (Redis counts them under their own names), so a
 /// script's inner calls cost what they cost.
 #[derive(Debug, Clone, Default)]
@@ -157,8 +157,8 @@ impl CommandStats {
         Self(out)
     }
 
-    /// Calls per command since `before`, largest first, without `INFO` (the
-    /// bench's own reads).
+    /// Calls and time per command since `before`, the most called first,
+    /// without `INFO` (the bench's own reads).
     pub fn since(&self, before: &Self) -> CommandDelta {
         let mut by_command = vec![];
         let mut usec = BTreeMap::new();
@@ -180,7 +180,8 @@ pub struct CommandDelta {
     /// Calls per command, largest first.
     pub by_command: Vec<(String, u64)>,
     /// Time per command, µs (`INFO commandstats`' `usec`: wall time, and a
-    /// script's includes the commands it calls; the bench's own not taken out).
+    /// script's includes the commands it calls). [`Self::take_out`] leaves it
+    /// as it is: after it, a row's time over its calls is no time a call.
     pub usec: BTreeMap<String, u64>,
 }
 

@@ -470,8 +470,8 @@ impl Trial {
 
     /// Redis's CPU rate over `span` spent polling as [`Self::wait_drained`]
     /// does, ms a second, its commands a second meanwhile (the polls' and
-    /// these reads' own among them) and each one's time a call; the figures [`Self::mark`] and
-    /// [`Self::finish`] report are left as they are.
+    /// these reads' own among them) and each one's time a call; the figures
+    /// [`Self::mark`] and [`Self::finish`] report are left as they are.
     pub async fn cpu_rate_over(&mut self, span: Duration) -> anyhow::Result<CpuRate> {
         let before = CommandStats::read(&mut self.admin).await?;
         let from = super::redis::cpu_seconds(&mut self.admin).await?;

@@ -364,7 +364,7 @@ fn a_tiny_backlog_bench_writes_its_fields_and_times_the_beats_of_calls_in_flight
     }
     let long = &out["long_calls"][0];
     assert_eq!(long["calls"], 8, "{long}");
-    assert!(long["steady_calls"].as_u64().unwrap() >= 7, "all (but a probe) in flight at once: {long}");
+    assert!(long["steady_calls"].as_u64().unwrap() >= 7, "nearly all in flight at once: {long}");
     assert!(long["steady_cpu_ms_per_call_second"].is_number(), "{long}");
     let beat = long["steady_us_per_call"]
         .as_array()
@@ -372,6 +372,9 @@ fn a_tiny_backlog_bench_writes_its_fields_and_times_the_beats_of_calls_in_flight
         .iter()
         .find(|row| row[0] == "evalsha")
         .unwrap_or_else(|| panic!("no script timed while the calls were in flight: {long}"));
-    assert!(beat[1].as_f64().unwrap() > 0.0, "{beat}");
+    // A time a call, not the window's sum or the server's total: a beat of
+    // four leases takes well under 100 ms.
+    let us = beat[1].as_f64().unwrap();
+    assert!(us > 0.0 && us < 100_000.0, "{beat}");
     assert!(stdout.contains("time a call then: "), "{stdout}");
 }
