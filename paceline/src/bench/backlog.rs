@@ -18,7 +18,9 @@
 //!   directly, the steady cost: Redis's CPU rate while every call is in
 //!   flight less its idle rate read as long, over the calls (on this 2-core
 //!   machine the marginal figure at 64 in flight is within the noise of the
-//!   idle rate it subtracts; the steady one reads a longer window of each).
+//!   idle rate it subtracts; the steady one reads a longer window of each),
+//!   and the scripts' own time the calls add (`INFO commandstats`), which
+//!   that noise does not reach.
 
 use indicatif::ProgressBar;
 use mock_provider::MockConfig;
@@ -133,6 +135,14 @@ pub struct LongCallFigures {
     /// the workers' beats: what a beat takes in place, beside what
     /// redis-benchmark finds for the same script run back to back.
     pub steady_us_per_call: Vec<(String, f64)>,
+    /// The scripts' own time the calls add, ms per call-second: `EVALSHA`'s
+    /// time a second with every call in flight less its idle time a second
+    /// (`INFO commandstats` `usec`), over the calls in flight. Steadier than
+    /// [`Self::steady_cpu_ms_per_call_second`], whose idle rate swings by
+    /// ±1 ms/s between trials on a shared machine; wall time, so an upper
+    /// bound on the scripts' CPU, and without the event loop's share of each
+    /// request.
+    pub steady_script_ms_per_call_second: Option<f64>,
     /// What a call's second in flight costs, measured directly: the rate
     /// with every call in flight less the idle rate, over the calls in flight, ms per call-second. No
     /// call's fixed cost (its fetch, start, commit) and no wait before it is
@@ -342,6 +352,10 @@ pub async fn measure_long(
         _ => None,
     };
     let in_flight_cpu_ms_per_s = busy.as_ref().map(|b| b.cpu_ms_per_s);
+    let steady_script_ms_per_call_second = busy
+        .as_ref()
+        .zip(steady_calls)
+        .map(|(b, calls)| (b.script_us_per_s() - idle.script_us_per_s()) / 1000.0 / calls.max(1) as f64);
     let busy = busy.unwrap_or_default();
     // What the calls in flight add, by command, a second.
     let mut steady_commands_per_s: Vec<(String, f64)> = busy
@@ -378,6 +392,7 @@ pub async fn measure_long(
             by.sort_by(|a, b| b.1.total_cmp(&a.1));
             by
         },
+        steady_script_ms_per_call_second,
         steady_cpu_ms_per_call_second: in_flight_cpu_ms_per_s
             .map(|busy| (busy - idle_cpu_ms_per_s) / steady_calls.unwrap_or(1).max(1) as f64),
         redis_commands_per_call: data.commands.total() as f64 / calls.max(1) as f64,
@@ -424,6 +439,7 @@ mod tests {
             steady_calls: 0,
             steady_commands_per_s: vec![],
             steady_us_per_call: vec![],
+            steady_script_ms_per_call_second: None,
             steady_cpu_ms_per_call_second: None,
             redis_commands_per_call: 0.0,
             makespan_s: 0.0,

@@ -67,6 +67,14 @@ pub struct CpuRate {
     pub us_per_call: Vec<(String, f64)>,
 }
 
+impl CpuRate {
+    /// Scripts' time (`EVALSHA`), µs a second.
+    pub fn script_us_per_s(&self) -> f64 {
+        let rate = |rows: &[(String, f64)]| rows.iter().find(|(k, _)| k == "evalsha").map_or(0.0, |(_, v)| *v);
+        rate(&self.commands_per_s) * rate(&self.us_per_call)
+    }
+}
+
 /// One trial's configuration.
 #[derive(Debug, Clone)]
 pub struct TrialSpec {
@@ -564,5 +572,21 @@ impl Trial {
             lease_losses,
             drained,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CpuRate;
+
+    #[test]
+    fn a_rates_script_time_is_its_scripts_calls_a_second_times_their_time_a_call() {
+        let rate = CpuRate {
+            cpu_ms_per_s: 5.0,
+            commands_per_s: vec![("zcard".into(), 20.0), ("evalsha".into(), 4.0)],
+            us_per_call: vec![("evalsha".into(), 250.0), ("zcard".into(), 3.0)],
+        };
+        assert!((rate.script_us_per_s() - 1000.0).abs() < 1e-9);
+        assert_eq!(CpuRate::default().script_us_per_s(), 0.0, "no script, no time");
     }
 }

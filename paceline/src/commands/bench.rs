@@ -662,9 +662,10 @@ async fn backlog(
 fn steady_line(f: &crate::bench::backlog::LongCallFigures) -> String {
     match (f.steady_cpu_ms_per_call_second, f.in_flight_cpu_ms_per_s) {
         (Some(per), Some(busy)) => format!(
-            "{per:.4} ms of Redis CPU a call-second ({busy:.2} ms/s with {} in flight, {:.2} idle; commands they add a second: {}; time a call then: {})",
+            "{per:.4} ms of Redis CPU a call-second ({busy:.2} ms/s with {} in flight, {:.2} idle; the scripts' own time {} ms a call-second; commands they add a second: {}; time a call then: {})",
             f.steady_calls,
             f.idle_cpu_ms_per_s,
+            f.steady_script_ms_per_call_second.map_or_else(|| "-".to_owned(), |s| format!("{s:.4}")),
             f.steady_commands_per_s.iter().take(8).map(|(k, v)| format!("{k} {v:.1}")).collect::<Vec<_>>().join(", "),
             f.steady_us_per_call.iter().take(4).map(|(k, v)| format!("{k} {v:.0} µs")).collect::<Vec<_>>().join(", ")
         ),

@@ -366,6 +366,9 @@ fn a_tiny_backlog_bench_writes_its_fields_and_times_the_beats_of_calls_in_flight
     assert_eq!(long["calls"], 8, "{long}");
     assert!(long["steady_calls"].as_u64().unwrap() >= 7, "nearly all in flight at once: {long}");
     assert!(long["steady_cpu_ms_per_call_second"].is_number(), "{long}");
+    // The beats' time the calls add: more than none, and per call-second.
+    let scripts = long["steady_script_ms_per_call_second"].as_f64().unwrap();
+    assert!(scripts > 0.0 && scripts < 10.0, "{long}");
     let beat = long["steady_us_per_call"]
         .as_array()
         .unwrap()
