@@ -144,9 +144,9 @@ pub struct LongCallFigures {
     /// request.
     pub steady_script_ms_per_call_second: Option<f64>,
     /// What a call's second in flight costs, measured directly: the rate
-    /// with every call in flight less the idle rate, over the calls in flight, ms per call-second. No
-    /// call's fixed cost (its fetch, start, commit) and no wait before it is
-    /// in it, so one call length gives it.
+    /// with every call in flight less the idle rate, over the calls in
+    /// flight, ms per call-second. No call's fixed cost (its fetch, start,
+    /// commit) and no wait before it is in it, so one call length gives it.
     pub steady_cpu_ms_per_call_second: Option<f64>,
     /// Redis commands per call.
     pub redis_commands_per_call: f64,

@@ -43,8 +43,9 @@ if n > 0 then
     -- (The record's epoch and flag alone, as text — q_decode would copy its payload
     -- out: 2.4 µs a lease, not 3.9, measured with redis-benchmark on 16 leases. The
     -- epoch is the integer q_encode wrote, and the worker sends it as one. What is
-    -- left of a lease's cost is mostly its record's copy into Lua: 520 µs a beat of
-    -- 256 leases, 160 without the HMGET.)
+    -- left of a lease's cost is mostly a value read into Lua for each: 520 µs a beat
+    -- of 256 leases, 160 without the HMGET; reading their scores instead (ZMSCORE)
+    -- cost as much — BENCHMARKS.md, 2026-12-06 sixth.)
     local epoch, flag = nil, nil
     if recs[i] then epoch, flag = string.match(recs[i], '^(%d+)|%d+|(%a)|') end
     if flag == 'l' and epoch == ARGV[7 + 2 * i] then

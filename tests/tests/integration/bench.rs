@@ -333,27 +333,17 @@ fn a_tiny_backlog_bench_writes_its_fields_and_times_the_beats_of_calls_in_flight
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("backlog.json");
     let json_path = json.display().to_string();
-    let args = [
-        "bench",
-        "--scenario",
-        "backlog",
-        "--workers",
-        "2",
-        "--concurrency",
-        "4",
-        "--window-s",
-        "2",
-        "--tpm",
-        "3000",
-        "--backlog-sizes",
-        "12",
-        "--timeout-s",
-        "8",
-        "--long-calls",
-        "4x8",
-        "--json",
-        json_path.as_str(),
-    ];
+    // (TINY's fleet and bucket; the scenario makes its own one-turn runs.)
+    let args = with_values(
+        TINY,
+        &[
+            ("--scenario", "backlog"),
+            ("--backlog-sizes", "12"),
+            ("--timeout-s", "8"),
+            ("--long-calls", "4x8"),
+            ("--json", json_path.as_str()),
+        ],
+    );
     let (status, stdout, stderr) = run_to_end(dir.path(), &args);
     assert!(status.success(), "{stdout}\n{stderr}");
     let out: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
