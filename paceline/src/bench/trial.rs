@@ -458,18 +458,19 @@ impl Trial {
     }
 
     /// Polls as [`Self::wait_drained`] does until none of `runs` one-turn
-    /// runs is queued and each is leased or answered: how many are leased
-    /// then; `None` once `timeout` passes, or when every one answered before
-    /// a poll saw them leased.
+    /// runs is queued and each is leased or was admitted by the mock (its
+    /// `ok` counts a call as it is admitted, not as it answers): how many are
+    /// leased then — a run leaves the count when it commits; `None` once
+    /// `timeout` passes, or when every call was admitted and none is leased.
     pub async fn wait_all_leased(&mut self, runs: u64, timeout: Duration) -> anyhow::Result<Option<u64>> {
         let deadline = Instant::now() + timeout;
         loop {
             let (due, leased) = self.poll_queue().await?;
-            let answered = self.mock.summary().ok;
-            if due == 0 && leased > 0 && leased + answered >= runs {
+            let admitted = self.mock.summary().ok;
+            if due == 0 && leased > 0 && leased + admitted >= runs {
                 return Ok(Some(leased));
             }
-            if answered >= runs || Instant::now() >= deadline {
+            if admitted >= runs || Instant::now() >= deadline {
                 return Ok(None);
             }
             tokio::time::sleep(DRAIN_POLL).await;
