@@ -457,20 +457,21 @@ impl Trial {
         Ok(())
     }
 
-    /// Polls as [`Self::wait_drained`] does until none of `runs` one-turn
-    /// runs is queued and each is leased or was admitted by the mock (its
-    /// `ok` counts a call as it is admitted, not as it answers): how many are
-    /// leased then — a run leaves the count when it commits; `None` once
-    /// `timeout` passes, or when every call was admitted and none is leased.
+    /// Polls as [`Self::wait_drained`] does until the mock has admitted a
+    /// call of each of `runs` one-turn runs (its `ok` counts a call as it is
+    /// admitted, not as it answers): how many are leased then, which is how
+    /// many calls are in flight at once (a run leaves the count when it
+    /// commits: the first budget's probe, answered before the others go, is
+    /// not among them); `None` once `timeout` passes, or when none is leased
+    /// by then.
     pub async fn wait_all_leased(&mut self, runs: u64, timeout: Duration) -> anyhow::Result<Option<u64>> {
         let deadline = Instant::now() + timeout;
         loop {
-            let (due, leased) = self.poll_queue().await?;
-            let admitted = self.mock.summary().ok;
-            if due == 0 && leased > 0 && leased + admitted >= runs {
-                return Ok(Some(leased));
+            let (_, leased) = self.poll_queue().await?;
+            if self.mock.summary().ok >= runs {
+                return Ok((leased > 0).then_some(leased));
             }
-            if admitted >= runs || Instant::now() >= deadline {
+            if Instant::now() >= deadline {
                 return Ok(None);
             }
             tokio::time::sleep(DRAIN_POLL).await;

@@ -127,6 +127,15 @@ fn run_worker(
     concurrency: usize,
     state: HandlerState,
 ) -> (tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
+    run_worker_named(queue, concurrency, state).0
+}
+
+/// [`run_worker`], and the worker's identity (what its claims name).
+fn run_worker_named(
+    queue: &TurnQueue,
+    concurrency: usize,
+    state: HandlerState,
+) -> ((tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<()>), String) {
     let backend = worker::backend::QueueBackend::<Value>::new(queue.clone(), concurrency);
     let name = backend.identity().to_owned();
     let worker = WorkerBuilder::new(name.as_str()).backend(backend).data(state).build(record_turn);
@@ -140,7 +149,7 @@ fn run_worker(
             .await
             .expect("worker run() never ends in error");
     });
-    (stop, handle)
+    ((stop, handle), name)
 }
 
 /// Stops workers [`run_worker`] started, and waits for them to end.
@@ -378,6 +387,52 @@ async fn a_watcher_whose_claim_a_later_wake_up_replaced_still_takes_its_turn() {
     let a = seen.all().into_iter().find(|s| s.id == "run_a").unwrap();
     assert!(a.server_now_ms >= a.due_ms && a.server_now_ms - a.due_ms < 1_000, "{a:?}");
     stop_workers(workers).await;
+}
+
+#[tokio::test]
+async fn a_worker_whose_last_slot_is_taken_leaves_the_wake_up_tokens_to_workers_with_room() {
+    // Worker A (one slot; a turn holds it 3 s) blocks on the queue before
+    // worker B (one slot) and watches run_a; run_b falls due with it. A's
+    // timer fetches run_a and, more being due, pushes a token, which Redis
+    // hands to its oldest BLPOP: A's own. A asks for its next task only when
+    // its slot frees, so its BLPOP, left outstanding, kept that token for the
+    // whole turn, and run_b waited 3 s for A's slot while B sat idle (released
+    // turns waited a whole call so, under load, in the long-call bench). A
+    // worker stops listening as its last slot is taken, pushing such a token
+    // back: B takes run_b at once.
+    let env = Env::start(QueueConfig { idle_ms: 60_000, ..QueueConfig::default() });
+    let seen = Seen::default();
+    let state = |hold_ms| HandlerState { seen: seen.clone(), queue: env.queue.clone(), fail: false, hold_ms };
+    let (a, a_name) = run_worker_named(&env.queue, 1, state(3_000));
+    eventually("A to block", secs(10), || async { (blocked_clients(&env).await >= 1).then_some(()) }).await;
+    env.queue.enqueue("run_a", &json!({}), 1_500).await.unwrap();
+    let keys = env.queue.keys().clone();
+    let mut conn = env.server.conn().await;
+    // A takes run_a's token (it names the time) and blocks again, watching it.
+    eventually("A to take the token and block again", secs(5), || async {
+        let mut conn = env.server.conn().await;
+        let left: u64 = redis::cmd("LLEN").arg(&keys.notify).query_async(&mut conn).await.ok()?;
+        (left == 0 && blocked_clients(&env).await >= 1).then_some(())
+    })
+    .await;
+    // The watch is A's by name (a token's claim is whoever's takes it, which
+    // B's first fetch would take over and watch too).
+    let claim: String = redis::cmd("GET").arg(&keys.timer).query_async(&mut conn).await.unwrap();
+    let at = claim.split_once('|').unwrap().0.to_owned();
+    let _: () = redis::cmd("SET").arg(&keys.timer).arg(format!("{at}|{a_name}")).query_async(&mut conn).await.unwrap();
+    let b = run_worker(&env.queue, 1, state(0));
+    eventually("B to block after A", secs(10), || async { (blocked_clients(&env).await >= 2).then_some(()) }).await;
+    // run_b: queued for later (no token: A watches an earlier time), then
+    // moved to run_a's due time.
+    env.queue.enqueue("run_b", &json!({}), 60_000).await.unwrap();
+    let due_a: i64 = redis::cmd("ZSCORE").arg(&keys.due).arg("run_a").query_async(&mut conn).await.unwrap();
+    let _: () =
+        redis::cmd("ZADD").arg(&keys.due).arg("XX").arg(due_a).arg("run_b").query_async(&mut conn).await.unwrap();
+    eventually("run_b to start", secs(10), || async { seen.all().into_iter().find(|s| s.id == "run_b").map(|_| ()) })
+        .await;
+    let run_b = seen.all().into_iter().find(|s| s.id == "run_b").unwrap();
+    assert!(run_b.server_now_ms - run_b.due_ms < 1_000, "run_b waited for A's slot: {run_b:?}");
+    stop_workers(vec![a, b]).await;
 }
 
 #[tokio::test]

@@ -66,6 +66,16 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
         loop {
             if let Some(task) = self.buffer.pop_front() {
                 self.shared.handed.fetch_add(1, Ordering::SeqCst);
+                // The last free slot is taken: stop listening now. The worker
+                // asks for its next task only once a slot frees (the layer's
+                // `poll_ready`), so `free_slot` would stop it a call's length
+                // later, and meanwhile the `BLPOP` still outstanding took the
+                // tokens meant for workers with room — among them the one this
+                // very fetch pushed, with more due, when it was the fleet's
+                // oldest (released turns then waited a call for a slot here).
+                if self.listening.is_some() && self.busy() >= self.shared.concurrency {
+                    self.stop_listening().await;
+                }
                 return task;
             }
             self.free_slot().await;
@@ -145,6 +155,7 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
             let why = std::mem::replace(&mut self.why, FetchWhy::Unsaid);
             match fetch_in_task(self.queue.clone(), self.script.clone(), self.shared.clone(), want, why).await {
                 Ok(fetched) => {
+                    debug!(message = "fetched", ?why, want, got = fetched.deliveries.len(), held = fetched.held, then = ?fetched.then);
                     self.failures = 0;
                     self.clock = Some((fetched.now_ms, Instant::now()));
                     self.then = Some(fetched.then);
@@ -174,7 +185,7 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
     /// step is a fetch.
     pub(super) async fn free_slot(&mut self) -> usize {
         loop {
-            let busy = self.shared.running.load(Ordering::SeqCst) + self.shared.handed.load(Ordering::SeqCst);
+            let busy = self.busy();
             if busy < self.shared.concurrency {
                 return self.shared.concurrency - busy;
             }
@@ -185,6 +196,12 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
             // between the check and this wait is not missed.
             self.shared.slot_freed.notified().await;
         }
+    }
+
+    /// Slots taken: handlers running, and tasks handed to the worker that
+    /// have not started yet.
+    fn busy(&self) -> usize {
+        self.shared.running.load(Ordering::SeqCst) + self.shared.handed.load(Ordering::SeqCst)
     }
 
     pub(super) async fn accept(&mut self, lease: Lease, payload: &str) {
@@ -260,6 +277,7 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
             _ = timer => {}
             _ = kicked => self.why = FetchWhy::Kick,
         }
+        debug!(message = "idle wait ended", why = ?self.why);
     }
 
     /// What to do when the watch this process's timer ended: the queue's
@@ -373,6 +391,7 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
         };
         match result {
             Ok(Some((_, token))) => {
+                debug!(message = "every slot taken: a wake-up token pushed back", %token);
                 let pushed: redis::RedisResult<i64> = redis::cmd("LPUSH")
                     .arg(&self.queue.keys().notify)
                     .arg(token)

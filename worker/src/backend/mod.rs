@@ -30,7 +30,7 @@
 //! while it has a free slot, across its timer's wake-ups, kicks and fetches (a
 //! token it takes meanwhile ends its next idle wait at once): it is issued again
 //! only when it returned, so a busy process wakes and fetches without a Redis
-//! command of its own. When the process's slots are all taken it stops
+//! command of its own. As the process's last free slot is taken it stops
 //! listening (`CLIENT UNBLOCK … TIMEOUT`, a token taken in that moment pushed
 //! back), so it cannot swallow a token meant for a worker with room. Where the
 //! server forbids `CLIENT UNBLOCK` (some managed Redis), each idle wait is a
