@@ -389,6 +389,34 @@ mod tests {
         }
     }
 
+    /// The input ratio's first count is taken whole within a factor of two:
+    /// a tokenizer's difference at once; a call whose expected prompt cache
+    /// had expired (counted ten times its estimate) starts it at 2, not 4,
+    /// and the next counts bring it down.
+    #[test]
+    fn the_first_input_count_is_taken_whole_within_a_factor_of_two() {
+        let cfg =
+            PacingConfig { configured_tpm: Some(60_000), configured_rpm: Some(10_000), ..PacingConfig::default() };
+        // `ask`'s input is 800 tokens (1 000 less a 200-token output reservation).
+        let first = |counted| {
+            let mut s = PacerState::default();
+            assert_eq!(acquire(&mut s, &cfg, T0, &ask("a"), 0.0), Decision::Clear);
+            let outcome =
+                CallOutcome { input_tokens: Some(counted), used_tokens: Some(counted + 50), ..CallOutcome::default() };
+            settle(&mut s, &cfg, T0 + 300, "a", &outcome);
+            s
+        };
+        assert!((first(960).input_ratio - 1.2).abs() < 1e-9, "a tokenizer's 20 %, whole");
+        assert!((first(480).input_ratio - 0.6).abs() < 1e-9, "and below");
+        let mut s = first(8_000);
+        assert!((s.input_ratio - 2.0).abs() < 1e-9, "an expired cache's count: {}", s.input_ratio);
+        assert_eq!(acquire(&mut s, &cfg, T0 + 400, &ask("b"), 0.0), Decision::Clear);
+        let exact = CallOutcome { input_tokens: Some(800), used_tokens: Some(850), ..CallOutcome::default() };
+        settle(&mut s, &cfg, T0 + 700, "b", &exact);
+        // One step (1.25) at 30 %: 0.7 × 2 + 0.3 × 1.6.
+        assert!((s.input_ratio - 1.88).abs() < 1e-9, "the next count brings it down: {}", s.input_ratio);
+    }
+
     #[test]
     fn companion_turns_count_in_their_tenants_cap_and_share() {
         let cfg =

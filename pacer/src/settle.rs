@@ -147,6 +147,15 @@ fn take_reservation<'o>(
 /// tokenizers' difference, which the probe's count shows whole at once.
 pub const INPUT_RATIO_STEP: f64 = 1.25;
 
+/// The first count is taken whole within this factor of 1, either way
+/// (tokenizers differ by less); further off, it is that call's own (a
+/// prompt cache its ask expected had expired: ten times the estimate), and
+/// the ratio starts at the band's edge, the later counts bringing it the
+/// rest of the way. (Taken whole, one such first call charged every ask
+/// of the first minute up to 4× its input — a 27-s stall in the simulator,
+/// seed 544.)
+pub const INPUT_RATIO_FIRST_BAND: f64 = 2.0;
+
 /// Step 2: the ratios an answered call teaches — the provider's input count
 /// against our estimate, the call's time from clearance to settle, and the
 /// share of its output reservation it used.
@@ -157,9 +166,12 @@ fn learn_usage(state: &mut PacerState, cfg: &PacingConfig, now: Millis, r: &Repo
     }
     if let (Some(counted), Some(f)) = (outcome.input_tokens, flight) {
         if f.input > 0 {
-            // The first count is taken whole (the probe's answer teaches the
-            // first wave); later ones weigh 30 %.
-            let seen = (counted as f64 / f.input as f64).clamp(0.25, 4.0);
+            // The first count is taken whole, within INPUT_RATIO_FIRST_BAND
+            // (the probe's answer teaches the first wave); later ones weigh 30 %.
+            let mut seen = (counted as f64 / f.input as f64).clamp(0.25, 4.0);
+            if state.input_ratio <= 0.0 {
+                seen = seen.clamp(1.0 / INPUT_RATIO_FIRST_BAND, INPUT_RATIO_FIRST_BAND);
+            }
             let prior = if state.input_ratio > 0.0 { state.input_ratio } else { seen };
             // One count moves the ratio a step at most (INPUT_RATIO_STEP).
             let seen = seen.clamp(prior / INPUT_RATIO_STEP, prior * INPUT_RATIO_STEP);

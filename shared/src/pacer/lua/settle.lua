@@ -63,7 +63,11 @@ local function learn_usage(r)
   if counted >= 0 and r.estimated_input > 0 then
     local seen = math.min(math.max(counted / r.estimated_input, 0.25), 4)
     local prior = get('input_ratio')
-    if prior <= 0 then prior = seen end
+    if prior <= 0 then
+      -- The first count taken whole, within a factor of 2 (settle.rs, INPUT_RATIO_FIRST_BAND).
+      seen = math.min(math.max(seen, 0.5), 2)
+      prior = seen
+    end
     -- One count moves the ratio a step at most (settle.rs, INPUT_RATIO_STEP = 1.25).
     seen = math.min(math.max(seen, prior / 1.25), prior * 1.25)
     S['input_ratio'] = 0.7 * prior + 0.3 * seen
