@@ -405,7 +405,8 @@ async fn a_worker_whose_last_slot_is_taken_leaves_the_wake_up_tokens_to_workers_
     let state = |hold_ms| HandlerState { seen: seen.clone(), queue: env.queue.clone(), fail: false, hold_ms };
     let (a, a_name) = run_worker_named(&env.queue, 1, state(3_000));
     eventually("A to block", secs(10), || async { (blocked_clients(&env).await >= 1).then_some(()) }).await;
-    env.queue.enqueue("run_a", &json!({}), 1_500).await.unwrap();
+    // (Due in 5 s: the set-up below must end before it.)
+    env.queue.enqueue("run_a", &json!({}), 5_000).await.unwrap();
     let keys = env.queue.keys().clone();
     let mut conn = env.server.conn().await;
     // A takes run_a's token (it names the time) and blocks again, watching it.
@@ -426,6 +427,7 @@ async fn a_worker_whose_last_slot_is_taken_leaves_the_wake_up_tokens_to_workers_
     // moved to run_a's due time.
     env.queue.enqueue("run_b", &json!({}), 60_000).await.unwrap();
     let due_a: i64 = redis::cmd("ZSCORE").arg(&keys.due).arg("run_a").query_async(&mut conn).await.unwrap();
+    assert!(env.queue.server_time_ms().await.unwrap() < due_a - 100, "the set-up outlasted run_a's due time");
     let _: () =
         redis::cmd("ZADD").arg(&keys.due).arg("XX").arg(due_a).arg("run_b").query_async(&mut conn).await.unwrap();
     eventually("run_b to start", secs(10), || async { seen.all().into_iter().find(|s| s.id == "run_b").map(|_| ()) })

@@ -268,7 +268,11 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
                 std::future::pending().await
             }
         };
+        // (Biased, the read first: however the wait ends, its BLPOP has gone
+        // to its connection, so a later `stop_listening` finds it on its way
+        // or blocked on the server, not unsent.)
         tokio::select! {
+            biased;
             r = listen => {
                 self.listening = None;
                 self.why = FetchWhy::SafetyNet;
@@ -356,35 +360,49 @@ impl<T: DeserializeOwned + Send + 'static> Fetcher<T> {
             Some(result) => result,
             None => {
                 let client_id = self.blocking.as_ref().map_or(-1, |b| b.1);
-                let unblock: redis::RedisResult<i64> = redis::cmd("CLIENT")
-                    .arg("UNBLOCK")
-                    .arg(client_id)
-                    .arg("TIMEOUT")
-                    .query_async(&mut self.queue.conn())
-                    .await;
-                // A cluster's id can be of the primary before a failover (its client
-                // moved the read to the new one): nothing unblocked, so unless the read
-                // has just returned, the connection goes — closing it ends its read —
-                // and the next has its own id.
-                let stale_id = matches!(unblock, Ok(0)) && self.blocking.as_ref().is_some_and(|b| b.0.is_cluster());
-                let wait = if stale_id { Duration::from_millis(100) } else { Duration::from_secs(2) };
-                if let Err(error) = unblock {
-                    if error.code().is_some() {
-                        // Forbidden here (a managed Redis, an ACL): watch with BLPOP's own timeout from now on.
-                        info!(message = "CLIENT UNBLOCK is not allowed; watching with BLPOP timeouts instead", %error);
-                        metrics::counter!(shared::telemetry::metric::QUEUE_UNBLOCK_FALLBACKS).increment(1);
-                        self.unblock = false;
-                        self.shared.can_unblock.store(false, Ordering::SeqCst);
-                    }
-                    // The connection goes with its BLPOP (closing it ends the BLPOP).
-                    self.blocking = None;
-                    return;
-                }
-                match tokio::time::timeout(wait, listen).await {
-                    Ok(result) => result,
-                    Err(_) => {
-                        self.blocking = None;
-                        return;
+                let mut looks = 0;
+                loop {
+                    let unblock: redis::RedisResult<i64> = redis::cmd("CLIENT")
+                        .arg("UNBLOCK")
+                        .arg(client_id)
+                        .arg("TIMEOUT")
+                        .query_async(&mut self.queue.conn())
+                        .await;
+                    match unblock {
+                        Err(error) => {
+                            if error.code().is_some() {
+                                // Forbidden here (a managed Redis, an ACL): watch with BLPOP's own timeout from now on.
+                                info!(message = "CLIENT UNBLOCK is not allowed; watching with BLPOP timeouts instead", %error);
+                                metrics::counter!(shared::telemetry::metric::QUEUE_UNBLOCK_FALLBACKS).increment(1);
+                                self.unblock = false;
+                                self.shared.can_unblock.store(false, Ordering::SeqCst);
+                            }
+                            // The connection goes with its BLPOP (closing it ends the BLPOP).
+                            self.blocking = None;
+                            return;
+                        }
+                        // Unblocked: its reply (nil, or a token taken in that moment) comes at once.
+                        Ok(n) if n > 0 => match tokio::time::timeout(Duration::from_secs(2), &mut listen).await {
+                            Ok(result) => break result,
+                            Err(_) => {
+                                self.blocking = None;
+                                return;
+                            }
+                        },
+                        // Nothing blocked: the BLPOP has not reached Redis yet (sent on its
+                        // own connection, it can arrive after this), its reply is on its way
+                        // (a token), or, on a cluster, the id is of the primary before a
+                        // failover (its client moved the read to the new one). Look again
+                        // shortly; after ~100 ms the connection goes — closing it ends its
+                        // read — and the next has its own id.
+                        Ok(_) => match tokio::time::timeout(Duration::from_millis(10), &mut listen).await {
+                            Ok(result) => break result,
+                            Err(_) if looks < 10 => looks += 1,
+                            Err(_) => {
+                                self.blocking = None;
+                                return;
+                            }
+                        },
                     }
                 }
             }
