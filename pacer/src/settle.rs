@@ -169,10 +169,12 @@ fn learn_usage(state: &mut PacerState, cfg: &PacingConfig, now: Millis, r: &Repo
             // The first count is taken whole, within INPUT_RATIO_FIRST_BAND
             // (the probe's answer teaches the first wave); later ones weigh 30 %.
             let mut seen = (counted as f64 / f.input as f64).clamp(0.25, 4.0);
-            if state.input_ratio <= 0.0 {
+            let prior = if state.input_ratio > 0.0 {
+                state.input_ratio
+            } else {
                 seen = seen.clamp(1.0 / INPUT_RATIO_FIRST_BAND, INPUT_RATIO_FIRST_BAND);
-            }
-            let prior = if state.input_ratio > 0.0 { state.input_ratio } else { seen };
+                seen
+            };
             // One count moves the ratio a step at most (INPUT_RATIO_STEP).
             let seen = seen.clamp(prior / INPUT_RATIO_STEP, prior * INPUT_RATIO_STEP);
             state.input_ratio = 0.7 * prior + 0.3 * seen;

@@ -462,8 +462,8 @@ impl Trial {
     /// admitted, not as it answers): how many are leased then, which is how
     /// many calls are in flight at once (a run leaves the count when it
     /// commits: the first budget's probe, answered before the others go, is
-    /// not among them); `None` once `timeout` passes, or when none is leased
-    /// by then.
+    /// among them only while its commit still runs as the last is admitted);
+    /// `None` once `timeout` passes, or when none is leased by then.
     pub async fn wait_all_leased(&mut self, runs: u64, timeout: Duration) -> anyhow::Result<Option<u64>> {
         let deadline = Instant::now() + timeout;
         loop {
